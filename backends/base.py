@@ -1,0 +1,320 @@
+"""The backend contract and the checks every backend shares.
+
+A backend is one short file with driver calls only. Lifecycle::
+
+    cls = get_backend("opencl")
+    reason = cls.unavailable_reason()       # None when usable; never raises, never imports heavy stacks
+    devices = cls.list_devices()            # [DeviceInfo]
+    be = cls.open(index)                    # heavy imports happen here
+    w = be.upload(qt)                       # QuantTensor -> DeviceWeight, once per tensor
+    y = be.matmul(x, w)                     # x [T, in] float32 -> y [T, out] float32
+    ys = be.expert_ffn(xs, experts)         # per expert: down(silu(gate x) * up x)
+    be.free(w); be.close()
+
+Shapes: activations are C-contiguous float32 numpy arrays on the host; results come back as float32
+numpy arrays. Sizes are bytes (ints). Subclasses implement the ``_``-prefixed hooks; the public methods
+here validate arguments and keep the memory accounting, so every backend fails the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+
+from colibri_plan.errors import (
+    BackendUnavailableError,
+    ColibriError,
+    DeviceOutOfMemoryError,
+    InputError,
+)
+from colibri_plan.quant import FORMATS, QuantTensor
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device of a backend.
+
+    Attributes:
+        backend: backend name ("numpy", "opencl", ...).
+        index: index to pass to ``open``.
+        name: the driver's device name.
+        kind: "cpu", "gpu" (discrete) or "igpu" (integrated).
+        total_memory_bytes: device memory (host RAM for CPU devices).
+        free_memory_bytes: free memory when the driver reports it, else None.
+        unified_memory: True when the device computes on host memory without a copy.
+        formats: quant formats its kernels support.
+        driver: driver / platform version string.
+    """
+
+    backend: str
+    index: int
+    name: str
+    kind: str
+    total_memory_bytes: int
+    free_memory_bytes: int | None
+    unified_memory: bool
+    formats: tuple[str, ...]
+    driver: str
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (formats as a list)."""
+        d = dict(self.__dict__)
+        d["formats"] = list(self.formats)
+        return d
+
+
+@dataclass(eq=False)
+class DeviceWeight:
+    """A weight resident on a device. ``payload`` is the backend's own buffer object(s)."""
+
+    fmt: str
+    out_features: int
+    in_features: int
+    nbytes: int
+    payload: Any = field(repr=False)
+    owner: int = field(repr=False, default=0)
+    freed: bool = field(repr=False, default=False)
+
+
+class ExpertWeights(NamedTuple):
+    """The three matrices of one SwiGLU expert: gate [I, H], up [I, H], down [H, I]."""
+
+    gate: DeviceWeight
+    up: DeviceWeight
+    down: DeviceWeight
+
+
+def silu_mul_ref(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """SiLU(g) · u in float32, the activation of SwiGLU experts (reference)."""
+    g = g.astype(np.float32)
+    return (g / (1.0 + np.exp(-g))) * u
+
+
+class Backend:
+    """Base class of every backend; see the module docstring for the contract."""
+
+    name: ClassVar[str] = "base"
+    #: formats this backend's kernels implement
+    formats: ClassVar[tuple[str, ...]] = FORMATS
+
+    # ---- discovery (class methods; cheap; never raise) -------------------------------------------
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run here (missing package, driver, device), or None if it can."""
+        raise NotImplementedError
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """True when :meth:`unavailable_reason` is None. Never raises."""
+        try:
+            return cls.unavailable_reason() is None
+        except Exception:  # noqa: BLE001 - discovery must never raise
+            return False
+
+    @classmethod
+    def list_devices(cls) -> list[DeviceInfo]:
+        """Devices of this backend (empty when unavailable). Never raises."""
+        raise NotImplementedError
+
+    @classmethod
+    def open(cls, index: int = 0) -> Backend:
+        """Open device ``index``.
+
+        Raises:
+            BackendUnavailableError: the backend or the device cannot be used; says why.
+        """
+        reason = cls.unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailableError(f"{cls.name} backend unavailable: {reason}")
+        devices = cls.list_devices()
+        if not 0 <= index < len(devices):
+            raise BackendUnavailableError(
+                f"{cls.name} has {len(devices)} device(s); device index {index} does not exist")
+        return cls(devices[index])
+
+    def __init__(self, device: DeviceInfo):
+        self.device = device
+        self.held_bytes = 0
+        self.closed = False
+        self._open()
+
+    # ---- hooks for subclasses ------------------------------------------------------------------
+    def _open(self) -> None:
+        """Create contexts/queues/pipelines (heavy imports go here)."""
+
+    def _upload(self, qt: QuantTensor) -> Any:
+        """Copy ``qt`` to the device; return the payload. Raise DeviceOutOfMemoryError when full."""
+        raise NotImplementedError
+
+    def _matmul(self, x: np.ndarray, w: DeviceWeight) -> np.ndarray:
+        raise NotImplementedError
+
+    def _expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
+        """Default: three matmuls per expert. Backends override with fused kernels."""
+        out = []
+        for x, e in zip(xs, experts):
+            h = silu_mul_ref(self._matmul(x, e.gate), self._matmul(x, e.up))
+            out.append(self._matmul(np.ascontiguousarray(h, dtype=np.float32), e.down))
+        return out
+
+    def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """Default host rmsnorm in float32 (x [T, H], weight [H])."""
+        ms = np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True)
+        return (x / np.sqrt(ms + eps)).astype(np.float32) * weight.astype(np.float32)
+
+    def _free(self, w: DeviceWeight) -> None:
+        """Release the payload's device memory."""
+
+    def _synchronize(self) -> None:
+        """Wait for all queued device work."""
+
+    def _close(self) -> None:
+        """Release contexts and queues."""
+
+    def capacity_bytes(self) -> int | None:
+        """Usable device memory for weights, or None when unbounded/unknown (host RAM)."""
+        return None
+
+    # ---- public contract -----------------------------------------------------------------------
+    def upload(self, qt: QuantTensor) -> DeviceWeight:
+        """Place a weight on the device, once.
+
+        Raises:
+            InputError: ``qt`` is not a QuantTensor, or its format is unsupported here.
+            DeviceOutOfMemoryError: it would exceed the device's memory (``requested_bytes``,
+                ``held_bytes``); nothing is left allocated.
+        """
+        self._check_open()
+        if not isinstance(qt, QuantTensor):
+            raise InputError(f"upload expects a QuantTensor, got {type(qt).__name__}")
+        if qt.fmt not in self.formats:
+            raise InputError(f"{self.name} does not support format {qt.fmt}; it supports "
+                             f"{', '.join(self.formats)}")
+        cap = self.capacity_bytes()
+        if cap is not None and self.held_bytes + qt.nbytes > cap:
+            raise DeviceOutOfMemoryError(
+                f"{self.name} device {self.device.name!r}: upload of {qt.nbytes} B does not fit "
+                f"({self.held_bytes} B held of {cap} B); place fewer experts on this device",
+                requested_bytes=qt.nbytes, held_bytes=self.held_bytes, capacity_bytes=cap)
+        payload = self._upload(qt)
+        self.held_bytes += qt.nbytes
+        return DeviceWeight(qt.fmt, qt.out_features, qt.in_features, qt.nbytes, payload, id(self))
+
+    def upload_expert(self, gate: QuantTensor, up: QuantTensor, down: QuantTensor) -> ExpertWeights:
+        """Upload the three matrices of an expert; on failure frees what was uploaded and re-raises."""
+        done: list[DeviceWeight] = []
+        try:
+            for qt in (gate, up, down):
+                done.append(self.upload(qt))
+        except ColibriError:
+            for w in done:
+                self.free(w)
+            raise
+        return ExpertWeights(*done)
+
+    def matmul(self, x: np.ndarray, w: DeviceWeight) -> np.ndarray:
+        """y [T, out] = x [T, in] · Wᵀ, float32.
+
+        Raises:
+            InputError: wrong shape/dtype of x, or a weight freed or owned by another backend.
+        """
+        self._check_open()
+        x = self._check_x(x, w)
+        return self._matmul(x, w)
+
+    def expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
+        """For each expert i: y_i [T_i, H] = down_i(SiLU(gate_i x_i) · up_i x_i), x_i [T_i, H] float32.
+
+        Raises:
+            InputError: lengths differ, or shapes do not chain (gate/up [I, H], down [H, I]).
+        """
+        self._check_open()
+        if len(xs) != len(experts):
+            raise InputError(f"expert_ffn: {len(xs)} inputs for {len(experts)} experts")
+        checked = []
+        for x, e in zip(xs, experts):
+            if not (e.gate.out_features == e.up.out_features == e.down.in_features
+                    and e.gate.in_features == e.up.in_features == e.down.out_features):
+                raise InputError("expert_ffn: gate/up must be [I, H] and down [H, I]")
+            checked.append(self._check_x(x, e.gate))
+            self._check_weight(e.up)
+            self._check_weight(e.down)
+        if not checked:
+            return []
+        return self._expert_ffn(checked, experts)
+
+    def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+        """RMSNorm: x / sqrt(mean(x²) + eps) · weight; x [T, H] float32, weight [H] float32."""
+        self._check_open()
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        weight = np.ascontiguousarray(weight, dtype=np.float32)
+        if x.ndim != 2 or weight.shape != (x.shape[1],):
+            raise InputError(f"rmsnorm: x must be [T, H] and weight [H]; got {x.shape}, {weight.shape}")
+        return self._rmsnorm(x, weight, float(eps))
+
+    def time_matmul(self, x: np.ndarray, w: DeviceWeight, repeats: int = 5) -> list[float]:
+        """Seconds per :meth:`matmul` call, ``repeats`` times after one warm-up (host wall clock,
+        synchronized): the code path inference uses, so the profiler measures what will run."""
+        self.matmul(x, w)
+        self.synchronize()
+        times = []
+        for _ in range(max(1, int(repeats))):
+            t0 = time.perf_counter()
+            self.matmul(x, w)
+            self.synchronize()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def free(self, w: DeviceWeight) -> None:
+        """Release a weight; freeing twice is an InputError."""
+        self._check_weight(w)
+        self._free(w)
+        w.freed = True
+        w.payload = None
+        self.held_bytes -= w.nbytes
+
+    def memory_used(self) -> int:
+        """Bytes of weights this backend instance holds."""
+        return self.held_bytes
+
+    def synchronize(self) -> None:
+        """Wait for all queued work on the device."""
+        self._check_open()
+        self._synchronize()
+
+    def close(self) -> None:
+        """Release everything; further calls raise InputError. Closing twice is harmless."""
+        if not self.closed:
+            self._close()
+            self.closed = True
+            self.held_bytes = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- shared checks -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise InputError(f"{self.name} backend is closed")
+
+    def _check_weight(self, w: DeviceWeight) -> None:
+        if not isinstance(w, DeviceWeight) or w.owner != id(self):
+            raise InputError(f"weight was not uploaded by this {self.name} backend")
+        if w.freed:
+            raise InputError("weight was already freed")
+
+    def _check_x(self, x: np.ndarray, w: DeviceWeight) -> np.ndarray:
+        self._check_weight(w)
+        x = np.asarray(x)
+        if x.ndim != 2 or x.shape[1] != w.in_features:
+            raise InputError(f"activations must be [T, {w.in_features}], got {x.shape}")
+        if x.shape[0] == 0:
+            raise InputError("activations have no tokens (T = 0)")
+        return np.ascontiguousarray(x, dtype=np.float32)

@@ -1,0 +1,3 @@
+from colibri_plan.cli import main
+
+main()

@@ -1,0 +1,71 @@
+"""Helpers shared by CLI commands: the context object, --json, output and progress."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+
+@dataclass
+class Ctx:
+    """Global CLI options."""
+
+    json: bool = False
+    verbose: bool = False
+    debug: bool = False
+
+
+def json_option(f):
+    """Add a per-command ``--json`` flag (same effect as the global one)."""
+
+    def callback(ctx, _param, value):
+        if value:
+            ctx.ensure_object(Ctx).json = True
+        return value
+
+    return click.option("--json", "json_flag", is_flag=True, expose_value=False, callback=callback,
+                        help="Print one JSON document on stdout.")(f)
+
+
+def get_ctx() -> Ctx:
+    """The current Ctx (a default one outside a click context)."""
+    ctx = click.get_current_context(silent=True)
+    return ctx.ensure_object(Ctx) if ctx is not None else Ctx()
+
+
+def emit(data: Any, human: Callable[[], str] | str | None = None) -> None:
+    """Print ``data`` as one JSON document with --json, else the human text (or JSON if none)."""
+    if get_ctx().json or human is None:
+        click.echo(json.dumps(data, indent=1, default=str))
+    else:
+        click.echo(human() if callable(human) else human)
+
+
+def progress(message: str, verbose_only: bool = False) -> None:
+    """A progress line on stderr (``verbose_only`` lines need --verbose)."""
+    if verbose_only and not get_ctx().verbose:
+        return
+    click.echo(message, err=True)
+
+
+def warn(message: str) -> None:
+    """A warning on stderr."""
+    click.echo(f"warning: {message}", err=True)
+
+
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    """A plain aligned text table."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def stderr_is_tty() -> bool:
+    return sys.stderr.isatty()

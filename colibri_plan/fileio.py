@@ -1,0 +1,104 @@
+"""Atomic file writes, versioned JSON documents and fingerprints.
+
+Every plan, profile, heat, stats and pack index is written with :func:`atomic_write_bytes` (temp file in
+the same folder, fsync, rename, fsync of the folder) so a crash never leaves a half-written file, and
+read with :func:`read_document`, which checks the document kind and schema version before anything
+else looks at it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from colibri_plan.errors import FormatError, InputError
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically; returns the path.
+
+    Raises:
+        InputError: the folder does not exist or is not writable.
+    """
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise InputError(f"cannot write {path}: folder {folder} does not exist; create it first")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror}") from exc
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename itself durable
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write UTF-8 ``text`` atomically (see :func:`atomic_write_bytes`)."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def canonical_json(obj: Any) -> str:
+    """JSON with sorted keys and no insignificant whitespace: the input of fingerprints."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def fingerprint(obj: Any) -> str:
+    """sha256 hex digest (first 16 hex chars) of :func:`canonical_json` of ``obj``."""
+    return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()[:16]
+
+
+def write_document(path: str | os.PathLike, kind: str, schema_version: int, body: dict) -> Path:
+    """Write a versioned JSON document ``{"kind", "schema_version", **body}`` atomically."""
+    doc = {"kind": kind, "schema_version": int(schema_version), **body}
+    return atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=False, allow_nan=False) + "\n")
+
+
+def read_document(path: str | os.PathLike, kind: str, schema_version: int) -> dict:
+    """Read a JSON document written by :func:`write_document` and check its kind and version.
+
+    Returns:
+        The parsed document (a dict, including ``kind`` and ``schema_version``).
+
+    Raises:
+        InputError: the file does not exist.
+        FormatError: not JSON, not an object, another kind, or another schema version.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{kind} file {path} does not exist")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{path} is not a valid {kind} file (bad JSON: {exc}); re-create it") from exc
+    if not isinstance(doc, dict):
+        raise FormatError(f"{path} is not a {kind} file: expected a JSON object")
+    if doc.get("kind") != kind:
+        raise FormatError(f"{path} is a {doc.get('kind')!r} file, expected {kind!r}")
+    if doc.get("schema_version") != schema_version:
+        raise FormatError(
+            f"{path} has {kind} schema_version {doc.get('schema_version')!r}; this colibri-plan reads "
+            f"version {schema_version}; re-create the file with this version")
+    return doc

@@ -1,0 +1,226 @@
+"""Quant formats: the living definition every kernel is tested against.
+
+Semantics follow colibrì's container formats (``docs/FORMATS.md`` there; see
+``shared/reference/colibri-engine.md`` §2.2): symmetric integers stored with an offset, float32 scales.
+
+| format      | data (dtype, shape)              | value                          | scales (float32)       |
+|-------------|----------------------------------|--------------------------------|------------------------|
+| f32         | float32 [out, in]                | as stored                      | none                   |
+| f16         | float16 [out, in]                | as stored                      | none                   |
+| bf16        | uint16 [out, in] (bf16 bits)     | bits << 16 as float32          | none                   |
+| int8        | int8 [out, in]                   | q · s[row]                     | [out]                  |
+| int4        | uint8 [out, ceil(in/2)]          | (nibble − 8) · s[row]          | [out]                  |
+| int2        | uint8 [out, ceil(in/4)]          | (crumb − 2) · s[row]           | [out]                  |
+| int4-gG     | uint8 [out, ceil(in/2)]          | (nibble − 8) · s[row, col//G]  | [out, ceil(in/G)]      |
+
+Packing is little-end first: input column ``2j`` is the low nibble of byte ``j`` (int4), column ``4j+i``
+is bits ``2i..2i+1`` of byte ``j`` (int2). Padding columns hold the zero code (8 or 2).
+
+This module is a leaf: it imports only numpy and :mod:`colibri_plan.errors`, so the model spec, the
+engine and every backend can share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from colibri_plan.errors import FormatError, UnsupportedError
+
+FLOAT_FORMATS = ("f32", "f16", "bf16")
+ROW_FORMATS = ("int8", "int4", "int2")
+GROUP_SIZES = (32, 64, 128)
+GROUP_FORMATS = tuple(f"int4-g{g}" for g in GROUP_SIZES)
+FORMATS = FLOAT_FORMATS + ROW_FORMATS + GROUP_FORMATS
+
+_BITS = {"f32": 32, "f16": 16, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
+_ZERO_CODE = {"int4": 8, "int2": 2}
+
+
+def check_format(fmt: str) -> str:
+    """Return ``fmt`` if it is a known format name.
+
+    Raises:
+        UnsupportedError: unknown name; the message lists the known ones.
+    """
+    if fmt not in FORMATS:
+        raise UnsupportedError(f"unknown quant format {fmt!r}; use one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def group_size(fmt: str) -> int | None:
+    """Group size G of an ``int4-gG`` format, else None (per-row or float)."""
+    check_format(fmt)
+    return int(fmt.split("-g")[1]) if fmt in GROUP_FORMATS else None
+
+
+def bits(fmt: str) -> int:
+    """Bits per stored weight, without scales (4 for ``int4-g64``)."""
+    check_format(fmt)
+    return 4 if fmt in GROUP_FORMATS else _BITS[fmt]
+
+
+def data_shape(fmt: str, out_features: int, in_features: int) -> tuple[int, int]:
+    """Shape of the stored data array (see the module table)."""
+    b = bits(fmt)
+    if b >= 8:
+        return (out_features, in_features)
+    per_byte = 8 // b
+    return (out_features, -(-in_features // per_byte))
+
+
+def scales_shape(fmt: str, out_features: int, in_features: int) -> tuple[int, ...] | None:
+    """Shape of the float32 scales array, or None for float formats."""
+    if fmt in FLOAT_FORMATS:
+        return None
+    g = group_size(fmt)
+    return (out_features,) if g is None else (out_features, -(-in_features // g))
+
+
+def tensor_bytes(fmt: str, out_features: int, in_features: int) -> int:
+    """Bytes one [out, in] weight takes in ``fmt``: data plus float32 scales.
+
+    Example: GLM-5.2 expert gate [2048, 6144] at int4 = 2048·3072 + 2048·4 = 6,299,648 B.
+    """
+    o, c = data_shape(fmt, out_features, in_features)
+    itemsize = 4 if fmt == "f32" else 2 if fmt in ("f16", "bf16") else 1
+    n = o * c * itemsize
+    s = scales_shape(fmt, out_features, in_features)
+    if s is not None:
+        n += 4 * int(np.prod(s))
+    return n
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """A weight matrix W [out_features, in_features] in one quant format.
+
+    Attributes:
+        fmt: format name (see :data:`FORMATS`).
+        out_features, in_features: logical shape of W.
+        data: stored values, dtype and shape as in the module table.
+        scales: float32 scales ([out] or [out, groups]) or None for float formats.
+    """
+
+    fmt: str
+    out_features: int
+    in_features: int
+    data: np.ndarray
+    scales: np.ndarray | None
+
+    def __post_init__(self):
+        check_format(self.fmt)
+        want = data_shape(self.fmt, self.out_features, self.in_features)
+        if tuple(self.data.shape) != want:
+            raise FormatError(f"{self.fmt} data for [{self.out_features}, {self.in_features}] must have "
+                              f"shape {want}, got {tuple(self.data.shape)}")
+        want_s = scales_shape(self.fmt, self.out_features, self.in_features)
+        got_s = None if self.scales is None else tuple(self.scales.shape)
+        if got_s != want_s:
+            raise FormatError(f"{self.fmt} scales must have shape {want_s}, got {got_s}")
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes (data + scales), equal to :func:`tensor_bytes`."""
+        return int(self.data.nbytes + (0 if self.scales is None else self.scales.nbytes))
+
+
+def _pack(codes: np.ndarray, per_byte: int) -> np.ndarray:
+    # codes uint8 [out, in] in 0..2**bits-1 -> packed uint8 [out, ceil(in/per_byte)], low bits first
+    out_f, in_f = codes.shape
+    width = -(-in_f // per_byte) * per_byte
+    pad_code = 8 if per_byte == 2 else 2
+    padded = np.full((out_f, width), pad_code, dtype=np.uint8)
+    padded[:, :in_f] = codes
+    shift = 8 // per_byte
+    packed = np.zeros((out_f, width // per_byte), dtype=np.uint8)
+    for i in range(per_byte):
+        packed |= (padded[:, i::per_byte] << (shift * i)).astype(np.uint8)
+    return packed
+
+
+def unpack_codes(fmt: str, data: np.ndarray, in_features: int) -> np.ndarray:
+    """Unpack int4/int2 bytes [out, nb] to codes uint8 [out, in_features] (0..15 or 0..3)."""
+    per_byte = 8 // bits(fmt)
+    shift, mask = 8 // per_byte, (1 << (8 // per_byte)) - 1
+    parts = [(data >> (shift * i)) & mask for i in range(per_byte)]
+    codes = np.stack(parts, axis=-1).reshape(data.shape[0], -1)  # [out, nb*per_byte]
+    return codes[:, :in_features]
+
+
+def quantize(w: np.ndarray, fmt: str) -> QuantTensor:
+    """Quantize a float matrix W [out, in] to ``fmt`` (round to nearest, symmetric absmax scales).
+
+    Raises:
+        FormatError: ``w`` is not 2-D or holds NaN/Inf.
+        UnsupportedError: unknown format.
+    """
+    check_format(fmt)
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise FormatError(f"quantize expects a 2-D weight [out, in], got shape {w.shape}")
+    if not np.all(np.isfinite(w)):
+        raise FormatError("quantize: weight holds NaN or Inf")
+    out_f, in_f = w.shape
+    if fmt == "f32":
+        return QuantTensor(fmt, out_f, in_f, np.ascontiguousarray(w), None)
+    if fmt == "f16":
+        return QuantTensor(fmt, out_f, in_f, w.astype(np.float16), None)
+    if fmt == "bf16":  # round to nearest even on the upper 16 bits
+        u = w.view(np.uint32).astype(np.uint64)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        return QuantTensor(fmt, out_f, in_f, r, None)
+    g = group_size(fmt)
+    if fmt == "int8":
+        qmax, qmin = 127, -127
+    elif fmt == "int2":
+        qmax, qmin = 1, -2
+    else:
+        qmax, qmin = 7, -8
+    # the symmetric step: absmax maps to qmax (int2 uses 2 so that -absmax is representable)
+    denom = 2.0 if fmt == "int2" else float(qmax)
+    if g is None:
+        amax = np.abs(w).max(axis=1)  # [out]
+        scales = (amax / denom).astype(np.float32)
+        scale_cols = scales[:, None]
+    else:
+        ngroups = -(-in_f // g)
+        padded = np.zeros((out_f, ngroups * g), np.float32)
+        padded[:, :in_f] = w
+        amax = np.abs(padded.reshape(out_f, ngroups, g)).max(axis=2)  # [out, groups]
+        scales = (amax / denom).astype(np.float32)
+        scale_cols = np.repeat(scales, g, axis=1)[:, :in_f]
+    safe = np.where(scale_cols == 0, 1.0, scale_cols)
+    q = np.clip(np.rint(w / safe), qmin, qmax).astype(np.int32)
+    if fmt == "int8":
+        return QuantTensor(fmt, out_f, in_f, q.astype(np.int8), scales)
+    codes = (q + _ZERO_CODE["int2" if fmt == "int2" else "int4"]).astype(np.uint8)
+    return QuantTensor(fmt, out_f, in_f, _pack(codes, 8 // bits(fmt)), scales)
+
+
+def dequantize(qt: QuantTensor) -> np.ndarray:
+    """W as float32 [out, in]: the reference every kernel must match."""
+    fmt = qt.fmt
+    if fmt == "f32":
+        return qt.data.astype(np.float32, copy=True)
+    if fmt == "f16":
+        return qt.data.astype(np.float32)
+    if fmt == "bf16":
+        return (qt.data.astype(np.uint32) << 16).view(np.float32)
+    if fmt == "int8":
+        return qt.data.astype(np.float32) * qt.scales[:, None]
+    zero = _ZERO_CODE["int2" if fmt == "int2" else "int4"]
+    q = unpack_codes(fmt, qt.data, qt.in_features).astype(np.float32) - zero  # [out, in]
+    g = group_size(fmt)
+    if g is None:
+        return q * qt.scales[:, None]
+    return q * np.repeat(qt.scales, g, axis=1)[:, : qt.in_features]
+
+
+def matmul_ref(x: np.ndarray, qt: QuantTensor) -> np.ndarray:
+    """Reference y [T, out] = x [T, in] · Wᵀ, accumulated in float64, returned as float32."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != qt.in_features:
+        raise FormatError(f"matmul: x must be [T, {qt.in_features}], got {x.shape}")
+    return (x.astype(np.float64) @ dequantize(qt).astype(np.float64).T).astype(np.float32)

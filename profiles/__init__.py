@@ -1,0 +1,1 @@
+"""Machine profiles measured on real machines (package data)."""

@@ -1,0 +1,1 @@
+"""Kernel sources by backend (package data, read with importlib.resources)."""
