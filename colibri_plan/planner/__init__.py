@@ -1,0 +1,1 @@
+"""The planner: cost model, placement solver, baselines, exports and what-if sweeps."""
