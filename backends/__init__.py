@@ -13,6 +13,7 @@ from colibri_plan.errors import UnsupportedError
 #: backend name -> module under colibri_plan.backends holding a class ``BACKEND``.
 BACKEND_MODULES = {
     "numpy": "numpy_ref",
+    "cpu": "cpu",
     "opencl": "opencl",
     "vulkan": "vulkan",
     "cuda": "cuda",

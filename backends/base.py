@@ -318,3 +318,41 @@ class Backend:
         if x.shape[0] == 0:
             raise InputError("activations have no tokens (T = 0)")
         return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def padded_layout(qt: QuantTensor, multiple: int = 128) -> tuple[np.ndarray, np.ndarray, int]:
+    """The row-padded device layout the GPU kernels (OpenCL, CUDA, Metal) read.
+
+    Columns are padded from ``in_features`` up to ``in_pad``, a multiple of ``multiple`` (128 divides
+    by every group size and makes every row start 16-byte aligned for every format), with the zero
+    code (0.0 for float formats, 8 for int4, 2 for int2, 0 for int8), so kernels need no tail loop and
+    activations padded with zeros give exact sums. Group scales are padded to ``in_pad / G`` groups
+    with 0.0.
+
+    Returns:
+        data: uint8 [out, row_bytes], the rows of ``qt.data`` as bytes plus padding.
+        scales: float32, [out] (per-row), [out, in_pad / G] (groups) or [1] (float formats, unused).
+        in_pad: padded column count.
+    """
+    from colibri_plan.quant import bits, group_size
+
+    in_f, out_f = qt.in_features, qt.out_features
+    in_pad = -(-in_f // multiple) * multiple
+    b = bits(qt.fmt)
+    row_bytes = in_pad * b // 8
+    pad_byte = 0xAA if qt.fmt == "int2" else 0x88 if b == 4 else 0  # zero codes 2 (x4) / 8 (x2)
+    src = np.ascontiguousarray(qt.data).view(np.uint8).reshape(out_f, -1)
+    if src.shape[1] == row_bytes:
+        data = src
+    else:  # quantize already filled the unused codes of the last stored byte with the zero code
+        data = np.full((out_f, row_bytes), pad_byte, np.uint8)
+        data[:, : src.shape[1]] = src
+    g = group_size(qt.fmt)
+    if qt.scales is None:
+        scales = np.zeros(1, np.float32)
+    elif g is None:
+        scales = np.ascontiguousarray(qt.scales, np.float32)
+    else:
+        scales = np.zeros((out_f, in_pad // g), np.float32)
+        scales[:, : qt.scales.shape[1]] = qt.scales
+    return data, scales, in_pad

@@ -1,12 +1,191 @@
-"""`colibri-plan run` (placeholder until its issue lands)."""
+"""`colibri-plan run`: greedy generation on the engine, with timings and routing statistics.
+
+The command is three steps — open the weights (:func:`open_weights`), build the expert provider
+(:func:`make_provider`; today every expert is held in RAM on one backend, a residency plan slots in
+here), then :func:`generate` — so ``--plan`` only has to change the provider.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
 
 import click
 
-from colibri_plan.errors import UnsupportedError
+from colibri_plan.cli.common import emit, json_option, progress
+from colibri_plan.errors import InputError
+
+_SPLIT = re.compile(r"[\s,]+")
 
 
-@click.command("run", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1)
-def run(args):
-    """Not built yet."""
-    raise UnsupportedError("'run' is not built yet")
+def parse_prompt(text: str, where: str) -> list[int]:
+    """Token ids from ``text``: integers separated by whitespace and/or commas.
+
+    Raises:
+        InputError: no ids, or an item that is not a non-negative integer (names ``where``).
+    """
+    items = [t for t in _SPLIT.split(text.strip()) if t]
+    if not items:
+        raise InputError(f"{where}: the prompt is empty; give at least one token id")
+    ids = []
+    for t in items:
+        if not re.fullmatch(r"\d+", t):
+            raise InputError(f"{where}: {t!r} is not a token id (non-negative integers separated by "
+                             "spaces or commas)")
+        ids.append(int(t))
+    return ids
+
+
+def read_prompt(prompt_ids: str | None, prompt_file: str | None) -> list[int]:
+    """The prompt from exactly one of ``--prompt-ids`` / ``--prompt-file``.
+
+    Raises:
+        InputError: neither or both given; the file is missing/unreadable; bad ids.
+    """
+    if (prompt_ids is None) == (prompt_file is None):
+        raise InputError("give exactly one of --prompt-ids 1,2,3 or --prompt-file FILE")
+    if prompt_ids is not None:
+        return parse_prompt(prompt_ids, "--prompt-ids")
+    path = Path(prompt_file)
+    if not path.is_file():
+        raise InputError(f"prompt file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read prompt file {path}: {exc}") from exc
+    return parse_prompt(text, f"prompt file {path}")
+
+
+def open_weights(model_path: str, quant: str = "f32"):
+    """A ModelWeights for an expert pack folder (``pack.json``) or a Hugging Face checkpoint folder
+    (experts quantized to ``quant`` at load).
+
+    Raises:
+        InputError: the path is neither.
+    """
+    from colibri_plan.engine.pack import is_pack, open_pack
+
+    path = Path(model_path)
+    if not path.exists():
+        raise InputError(f"model {path} does not exist; give an expert pack folder (colibri-plan model pack "
+                         "/ model fixture) or a Hugging Face checkpoint folder")
+    if is_pack(path):
+        return open_pack(path)
+    if (path / "config.json").is_file():
+        from colibri_plan.engine.weights import load_checkpoint
+
+        return load_checkpoint(path, expert_format=quant)
+    raise InputError(f"{path} is neither an expert pack (no pack.json) nor a checkpoint (no config.json)")
+
+
+def make_provider(weights, backend: str, device_index: int = 0):
+    """The expert provider: every routed expert uploaded once to ``backend`` (RAM for CPU backends).
+
+    A plan-driven residency manager will be chosen here when ``run --plan`` exists.
+    """
+    from colibri_plan.engine.moe import RamExperts
+
+    return RamExperts(weights, backend=backend, device_index=device_index)
+
+
+def check_prompt(ids: list[int], vocab_size: int) -> None:
+    """Raises InputError when an id is outside 0..vocab_size-1."""
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise InputError(f"token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}"
+                         + (f" ({len(bad)} ids out of range)" if len(bad) > 1 else ""))
+
+
+def generate(weights, provider, prompt: list[int], n_tokens: int) -> dict:
+    """Prefill ``prompt`` and decode ``n_tokens`` greedily; returns tokens, timings and the recorder.
+
+    Returns:
+        {"tokens", "prefill_s", "decode_s", "decode_tok_s", "step_s": [per decode step], "recorder"}.
+    """
+    import numpy as np
+
+    from colibri_plan.engine.forward import Model
+
+    model = Model(weights, experts=provider)
+    cache = model.new_cache(capacity=len(prompt) + n_tokens + 1)
+    t0 = time.perf_counter()
+    logits = model.forward(prompt, cache)  # [T, V]
+    prefill_s = time.perf_counter() - t0
+    tokens, steps = [], []
+    nxt = int(np.argmax(logits[-1]))
+    for step in range(n_tokens):
+        tokens.append(nxt)
+        if step == n_tokens - 1:
+            break
+        t1 = time.perf_counter()
+        logits = model.forward([nxt], cache)  # decode one token: [1, V]
+        steps.append(time.perf_counter() - t1)
+        nxt = int(np.argmax(logits[-1]))
+    decode_s = float(sum(steps))
+    return {"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s,
+            "decode_tok_s": (len(steps) / decode_s) if decode_s > 0 else None, "step_s": steps,
+            "recorder": model.routing}
+
+
+def write_stats(recorder, weights, stats_out: str | None, usage_out: str | None) -> dict:
+    """Write the routing counts as a heat JSON (``stats_out``) and/or colibrì usage text (``usage_out``)."""
+    from colibri_plan.heat import save_heat, write_usage_text
+
+    written = {}
+    if not (stats_out or usage_out):
+        return written
+    fp = getattr(weights, "model_fingerprint", None)
+    heat = recorder.to_heat(source=f"colibri-plan run: {getattr(weights, 'source', '')}",
+                            model_fingerprint=fp)
+    if heat.n_model_layers is None:
+        heat.n_model_layers = weights.arch.n_layers
+    if stats_out:
+        written["stats_out"] = str(save_heat(heat, stats_out))
+    if usage_out:
+        written["usage_out"] = str(write_usage_text(heat, usage_out))
+    return written
+
+
+@click.command("run")
+@click.option("--model", "model_path", required=True, type=click.Path(),
+              help="Expert pack folder (or a Hugging Face checkpoint folder).")
+@click.option("--prompt-ids", default=None, help="Prompt token ids, e.g. 1,2,3.")
+@click.option("--prompt-file", default=None, type=click.Path(), help="File of token ids (spaces/commas).")
+@click.option("--tokens", "n_tokens", type=click.IntRange(1, None), default=16, show_default=True,
+              help="Tokens to generate.")
+@click.option("--backend", default="numpy", show_default=True, help="Backend for the experts.")
+@click.option("--device", "device_index", type=int, default=0, show_default=True,
+              help="Backend device index.")
+@click.option("--quant", default="f32", show_default=True, help="Expert format when --model is a checkpoint.")
+@click.option("--stats-out", type=click.Path(), default=None, help="Write routing counts (heat JSON).")
+@click.option("--usage-out", type=click.Path(), default=None,
+              help="Write routing counts (colibrì usage text).")
+@json_option
+def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, quant, stats_out, usage_out):
+    """Greedy generation with every expert in RAM: prints the new token ids, tok/s, prefill and decode
+    time."""
+    prompt = read_prompt(prompt_ids, prompt_file)
+    weights = open_weights(model_path, quant)
+    check_prompt(prompt, weights.arch.vocab_size)
+    progress(f"loading {weights.arch.n_moe_layers * weights.arch.n_experts} experts to {backend}")
+    t0 = time.perf_counter()
+    provider = make_provider(weights, backend, device_index)
+    load_s = time.perf_counter() - t0
+    try:
+        out = generate(weights, provider, prompt, n_tokens)
+    finally:
+        provider.close()
+    written = write_stats(out.pop("recorder"), weights, stats_out, usage_out)
+    doc = {"model": str(model_path), "backend": backend, "prompt_tokens": len(prompt),
+           "tokens": out["tokens"], "load_s": round(load_s, 4), "prefill_s": round(out["prefill_s"], 4),
+           "prefill_tok_s": round(len(prompt) / out["prefill_s"], 3) if out["prefill_s"] > 0 else None,
+           "decode_s": round(out["decode_s"], 4),
+           "decode_tok_s": None if out["decode_tok_s"] is None else round(out["decode_tok_s"], 3),
+           "decode_steps": len(out["step_s"]), **written}
+    tok_s = "n/a (one token)" if doc["decode_tok_s"] is None else f"{doc['decode_tok_s']:.2f} tok/s"
+    emit(doc, lambda: "\n".join([
+        " ".join(str(t) for t in doc["tokens"]),
+        f"prefill {len(prompt)} tokens in {doc['prefill_s']:.3f} s; decode {doc['decode_steps']} steps in "
+        f"{doc['decode_s']:.3f} s ({tok_s}); load {doc['load_s']:.2f} s on {backend}",
+        *(f"wrote {k.replace('_out', '')}: {v}" for k, v in written.items())]))

@@ -1,0 +1,125 @@
+"""`colibri-plan model pack | verify | fixture`: expert packs (registered on the `model` group)."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from colibri_plan.cli.common import emit, get_ctx, json_option, progress
+from colibri_plan.errors import IntegrityError
+from colibri_plan.quant import FORMATS
+
+#: expert formats `model pack` and `model fixture` accept (f16 packs work too but are not advertised)
+PACK_FORMATS = ("f32", "bf16", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int2")
+
+
+def _progress_every(label: str, every_s: float = 2.0):
+    """A progress callback printing ``label done/total`` to stderr at most every ``every_s`` seconds."""
+    last = [0.0]
+
+    def cb(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if done == total or now - last[0] >= every_s:
+            last[0] = now
+            progress(f"{label} {done}/{total}")
+
+    return cb
+
+
+def _checkpoint_spec(checkpoint, weights, fmt):
+    """The foundation's ModelSpec of the checkpoint when it can be built, else one from the arch."""
+    from pathlib import Path
+
+    from colibri_plan.engine.pack import spec_from_arch
+    from colibri_plan.errors import ColibriError
+
+    try:
+        from colibri_plan.model import load_model_spec
+
+        return load_model_spec(str(checkpoint)).with_format(fmt)
+    except (ColibriError, ImportError) as exc:
+        progress(f"note: model spec derived from the architecture ({exc})", verbose_only=True)
+        n_dense = sum(int(v.size) for v in weights.dense.values())
+        return spec_from_arch(weights.arch, fmt, n_dense, Path(checkpoint).name, f"checkpoint: {checkpoint}")
+
+
+@click.command("pack")
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.argument("out", type=click.Path())
+@click.option("--quant", "fmt", type=click.Choice(FORMATS), default="int4", show_default=True,
+              help="Quant format of the routed experts.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (atomically).")
+@json_option
+def pack(checkpoint, out, fmt, force):
+    """Convert a Hugging Face checkpoint folder into an expert pack OUT (atomic; see docs/pack-format.md)."""
+    from colibri_plan.engine.pack import pack_summary, write_pack
+    from colibri_plan.engine.weights import load_checkpoint
+
+    t0 = time.perf_counter()
+    weights = load_checkpoint(checkpoint, expert_format="f32")
+    spec = _checkpoint_spec(checkpoint, weights, fmt)
+    path = write_pack(weights, out, fmt, overwrite=force, spec=spec,
+                      progress=_progress_every("packed experts"))
+    doc = pack_summary(path)
+    doc["seconds"] = round(time.perf_counter() - t0, 3)
+    doc.pop("arch")
+    emit(doc, lambda: (f"wrote {path}: {doc['experts']} experts in {fmt}, "
+                       f"{doc['expert_block_bytes']:,} B per expert block, "
+                       f"{doc['experts_file_bytes'] / 1e9:.3f} GB experts.bin, "
+                       f"fingerprint {doc['fingerprint']} ({doc['seconds']:.1f} s)"))
+
+
+@click.command("verify")
+@click.argument("pack_dir", metavar="PACK", type=click.Path())
+@json_option
+def verify(pack_dir):
+    """Re-check every expert checksum, the index against experts.bin and the dense tensors' checksum."""
+    from colibri_plan.engine.pack import verify_pack
+
+    t0 = time.perf_counter()
+    report = verify_pack(pack_dir, progress=_progress_every("checked experts"))
+    report["seconds"] = round(time.perf_counter() - t0, 3)
+    if get_ctx().json:
+        emit(report)
+    elif report["ok"]:
+        emit(report, f"OK: {pack_dir}: {report['experts']} experts ({report['expert_format']}), "
+                     f"{report['experts_bytes']:,} B, every checksum matches ({report['seconds']:.1f} s)")
+    if not report["ok"]:
+        for p in report["problems"]:
+            click.echo(f"  {p}", err=True)
+        raise IntegrityError(f"pack {pack_dir} failed verification: {len(report['problems'])} problem(s); "
+                             f"first: {report['problems'][0]}")
+
+
+@click.command("fixture")
+@click.argument("out", type=click.Path())
+@click.option("--layers", type=int, default=None, help="MoE layers [3].")
+@click.option("--experts", type=int, default=None, help="Routed experts per layer [64].")
+@click.option("--top-k", type=int, default=None, help="Experts per token [8].")
+@click.option("--hidden", type=int, default=None, help="Hidden size H [6144; 256 with --small].")
+@click.option("--width", type=int, default=None, help="Expert width I [2048; 128 with --small].")
+@click.option("--vocab", type=int, default=None, help="Vocabulary [4096; 512 with --small].")
+@click.option("--quant", "fmt", type=click.Choice(PACK_FORMATS), default=None, help="Expert format [int4].")
+@click.option("--seed", type=int, default=None, help="Seed [0].")
+@click.option("--domain", default=None, help="OLMoE text domain whose routing skew is copied [tulu].")
+@click.option("--small", is_flag=True, help="Small geometry for tests (hidden 256, width 128, vocab 512).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@json_option
+def fixture(out, layers, experts, top_k, hidden, width, vocab, fmt, seed, domain, small, force):
+    """Write a deterministic synthetic MoE model in the pack format (GLM-5.2 expert geometry by default:
+    hidden 6144, width 2048, int4, 64 experts x 3 layers, about 3.6 GB)."""
+    from colibri_plan.engine.fixture import FixtureConfig, build_fixture
+
+    kw = dict(layers=layers, experts=experts, top_k=top_k, hidden=hidden, width=width, vocab=vocab,
+              quant=fmt, seed=seed, domain=domain)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    cfg = FixtureConfig.small(**kw) if small else FixtureConfig(**kw)
+    est = cfg.layers * cfg.experts
+    progress(f"fixture: {est} experts of H {cfg.hidden} x I {cfg.width} in {cfg.quant} -> {out}")
+    doc = build_fixture(out, cfg, overwrite=force, progress=_progress_every("generated experts"))
+    doc["seconds"] = round(doc["seconds"], 3)
+    emit(doc, lambda: (f"wrote {doc['path']}: {doc['experts']} experts, "
+                       f"{doc['expert_block_bytes']:,} B each, {doc['experts_file_bytes'] / 1e9:.2f} GB "
+                       f"in {doc['seconds']:.1f} s; target top-8 share per layer "
+                       + ", ".join(f"{s:.0%}" for s in doc["target_top8_share"])))

@@ -1,0 +1,356 @@
+"""Expert heat: per (MoE layer, expert) routing counts, and the files that hold them.
+
+Three sources are read:
+
+* the JSON heat document written by :func:`save_heat` (kind ``"heat"``, schema_version 1);
+* colibrì's usage/STATS text (``route_trace.h`` format): a ``-1 <n_layers> <n_experts>`` header, an
+  optional ``-2 <format_version> <engine_id>`` line, then sparse ``<layer> <expert> <count>`` rows
+  (also headerless triples, and the legacy binary ``IKU1`` layout: magic, uint32 n_layers, uint32
+  n_experts, then a dense uint32 array);
+* the real OLMoE / Mixtral routing counts shipped in ``colibri_plan/data``
+  (see :mod:`colibri_plan.heatsynth`).
+
+A *count* is a selection: one (token, layer, expert) routing event. With ``tokens`` known, the selection
+probability of an expert is ``count / tokens``; each row then sums to ``top_k``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from colibri_plan.errors import FormatError, InputError, MismatchError
+from colibri_plan.fileio import (
+    atomic_write_bytes,
+    atomic_write_text,
+    fingerprint,
+    read_document,
+    write_document,
+)
+
+HEAT_KIND = "heat"
+HEAT_SCHEMA_VERSION = 1
+#: colibrì's RT_FORMAT_VERSION of the usage text format.
+USAGE_FORMAT_VERSION = 1
+
+
+@dataclass
+class Heat:
+    """Routing statistics of one model.
+
+    Attributes:
+        n_experts: routed experts per MoE layer (E).
+        layers: MoE layer ids the rows of ``counts`` refer to (ascending, unique).
+        counts: float64 ``[len(layers), E]`` selection counts (>= 0, finite).
+        top_k: experts selected per token and layer (None if unknown).
+        tokens: tokens observed (None if unknown).
+        source: where the counts came from (free text).
+        model_fingerprint: :meth:`ModelSpec.fingerprint` of the model, when known.
+        n_model_layers: the ``-1`` header's layer count of a colibrì usage file (None if unknown).
+        engine_id: the ``-2`` header's engine hash of a colibrì usage file (None if absent).
+
+    Raises:
+        InputError: shapes disagree, or counts are negative / not finite.
+    """
+
+    n_experts: int
+    layers: tuple[int, ...]
+    counts: np.ndarray
+    top_k: int | None = None
+    tokens: int | None = None
+    source: str = ""
+    model_fingerprint: str | None = None
+    n_model_layers: int | None = None
+    engine_id: int | None = None
+    warnings: list[str] = field(default_factory=list, compare=False)
+
+    def __post_init__(self):
+        self.layers = tuple(int(x) for x in self.layers)
+        self.counts = np.asarray(self.counts, dtype=np.float64)
+        if self.n_experts < 1:
+            raise InputError(f"heat: n_experts must be >= 1, got {self.n_experts}")
+        if self.counts.shape != (len(self.layers), self.n_experts):
+            raise InputError(f"heat: counts have shape {self.counts.shape}, expected "
+                             f"({len(self.layers)}, {self.n_experts}) for {len(self.layers)} layers")
+        if len(set(self.layers)) != len(self.layers) or any(x < 0 for x in self.layers):
+            raise InputError(f"heat: layer ids must be unique and >= 0, got {self.layers[:8]}...")
+        if not np.all(np.isfinite(self.counts)) or np.any(self.counts < 0):
+            raise InputError("heat: counts must be finite and >= 0")
+        if self.top_k is not None and not 1 <= self.top_k <= self.n_experts:
+            raise InputError(f"heat: top_k {self.top_k} outside 1..{self.n_experts}")
+        if self.tokens is not None and self.tokens < 0:
+            raise InputError(f"heat: tokens must be >= 0, got {self.tokens}")
+
+    def probabilities(self, top_k: int | None = None) -> np.ndarray:
+        """Selection probability per token, float64 ``[rows, E]``, each value in [0, 1].
+
+        ``counts / tokens`` when ``tokens`` is known, else ``counts / row_sum * top_k`` (a row with no
+        counts becomes uniform ``top_k / E``). Values are clipped to 1.
+
+        Raises:
+            InputError: neither tokens nor top-k is known.
+        """
+        k = top_k if top_k is not None else self.top_k
+        if self.tokens:
+            p = self.counts / float(self.tokens)
+        elif k is not None:
+            sums = self.counts.sum(axis=1, keepdims=True)
+            uniform = np.full_like(self.counts, k / self.n_experts)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                p = np.where(sums > 0, self.counts / np.where(sums > 0, sums, 1.0) * k, uniform)
+        else:
+            raise InputError(f"heat from {self.source or 'unknown source'} has neither a token count nor "
+                             "a top-k; pass the model (--model) so its top-k can be used")
+        return np.clip(p, 0.0, 1.0)
+
+    def row(self, layer: int) -> np.ndarray:
+        """Counts ``[E]`` of MoE layer ``layer``. Raises InputError if the layer has no row."""
+        try:
+            return self.counts[self.layers.index(int(layer))]
+        except ValueError:
+            raise InputError(f"heat has no row for layer {layer} (rows: {self.layers[0]}..{self.layers[-1]})"
+                             ) from None
+
+    def fingerprint(self) -> str:
+        """fileio.fingerprint of the counts, layers, top-k and tokens (16 hex chars)."""
+        return fingerprint({"n_experts": self.n_experts, "layers": list(self.layers), "top_k": self.top_k,
+                            "tokens": self.tokens, "counts": [float(x) for x in self.counts.ravel()]})
+
+    def total(self) -> float:
+        """Total selections (sum of counts)."""
+        return float(self.counts.sum())
+
+    def to_dict(self) -> dict:
+        """JSON-ready body (without kind/schema_version)."""
+        counts = self.counts
+        as_int = bool(np.all(counts == np.round(counts)))
+        rows = [[int(v) if as_int else float(v) for v in r] for r in counts]
+        return {"n_experts": self.n_experts, "layers": list(self.layers), "top_k": self.top_k,
+                "tokens": self.tokens, "source": self.source, "model_fingerprint": self.model_fingerprint,
+                "n_model_layers": self.n_model_layers, "engine_id": self.engine_id, "counts": rows}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "heat document") -> Heat:
+        """Inverse of :meth:`to_dict`. Raises FormatError on missing or malformed fields."""
+        try:
+            return cls(n_experts=int(d["n_experts"]), layers=tuple(d["layers"]),
+                       counts=np.asarray(d["counts"], dtype=np.float64).reshape(len(d["layers"]), -1)
+                       if d["layers"] else np.zeros((0, int(d["n_experts"]))),
+                       top_k=d.get("top_k"), tokens=d.get("tokens"), source=str(d.get("source", "")),
+                       model_fingerprint=d.get("model_fingerprint"), n_model_layers=d.get("n_model_layers"),
+                       engine_id=d.get("engine_id"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"{where} is malformed ({type(exc).__name__}: {exc}); re-create it") from exc
+        except InputError as exc:
+            raise FormatError(f"{where} is inconsistent: {exc}") from exc
+
+
+def save_heat(heat: Heat, path: str | os.PathLike) -> Path:
+    """Write ``heat`` as a JSON document (kind "heat", schema_version 1), atomically."""
+    return write_document(path, HEAT_KIND, HEAT_SCHEMA_VERSION, heat.to_dict())
+
+
+def load_heat(path: str | os.PathLike) -> Heat:
+    """Read a heat file: JSON heat document, colibrì usage/STATS text, or binary IKU1 (auto-detected).
+
+    Raises:
+        InputError: the file does not exist.
+        FormatError: the file is corrupt; the message names the line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"heat file {path} does not exist")
+    head = path.read_bytes()[:64]
+    if head.startswith(b"IKU1"):
+        return read_iku1(path)
+    if head.lstrip().startswith(b"{"):
+        return Heat.from_dict(read_document(path, HEAT_KIND, HEAT_SCHEMA_VERSION), where=str(path))
+    return read_usage_text(path)
+
+
+def read_usage_text(path: str | os.PathLike, n_experts: int | None = None) -> Heat:
+    """Parse colibrì's usage/STATS text (``-1`` header, optional ``-2``, ``<layer> <expert> <count>``).
+
+    A zero-byte file is an empty history. Without a ``-1`` header (legacy headerless triples) the expert
+    count is ``n_experts`` if given, else the largest expert id + 1. Repeated (layer, expert) rows add up.
+    Rows: the MoE layers that appear in the file, ascending.
+
+    Raises:
+        InputError: the file does not exist.
+        FormatError: a line is not 3 integers, a count is negative, or an id is out of range; the message
+            names the file and line number.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"usage file {path} does not exist")
+    try:
+        text = path.read_text(encoding="ascii")
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{path}: not a colibrì usage text file (non-ASCII byte at {exc.start})") from exc
+    n_model_layers, engine_id, entries = None, None, []
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        try:
+            a, b, c = (int(x) for x in parts) if len(parts) == 3 else (None, None, None)
+        except ValueError:
+            a = None
+        if a is None:
+            raise FormatError(f"{path}:{lineno}: expected three integers '<layer> <expert> <count>', "
+                              f"got {line[:60]!r}")
+        if a == -1:
+            if b < 1 or c < 1:
+                raise FormatError(f"{path}:{lineno}: header '-1 {b} {c}' needs n_layers >= 1, n_experts >= 1")
+            n_model_layers, n_experts = b, c
+        elif a == -2:
+            if b != USAGE_FORMAT_VERSION:
+                raise FormatError(f"{path}:{lineno}: usage format version {b}; this reader knows "
+                                  f"version {USAGE_FORMAT_VERSION}")
+            engine_id = c
+        elif a < 0:
+            raise FormatError(f"{path}:{lineno}: unknown header row {a}")
+        else:
+            if b < 0 or c < 0:
+                raise FormatError(f"{path}:{lineno}: expert id and count must be >= 0, got {line!r}")
+            if n_experts is not None and b >= n_experts:
+                raise FormatError(f"{path}:{lineno}: expert {b} out of range "
+                                  f"(header says {n_experts} experts)")
+            if n_model_layers is not None and a > n_model_layers:  # the MTP row may be n_layers itself
+                raise FormatError(f"{path}:{lineno}: layer {a} out of range "
+                                  f"(header says {n_model_layers} layers)")
+            entries.append((a, b, c))
+    if n_experts is None:
+        n_experts = max((e for _, e, _ in entries), default=-1) + 1
+        if n_experts == 0:
+            raise FormatError(f"{path}: no header and no rows: cannot tell the expert count")
+    layers = sorted({layer for layer, _, _ in entries})
+    index = {layer: i for i, layer in enumerate(layers)}
+    counts = np.zeros((len(layers), n_experts), dtype=np.float64)
+    for layer, e, c in entries:
+        counts[index[layer], e] += c
+    return Heat(n_experts=n_experts, layers=tuple(layers), counts=counts, source=f"colibri usage: {path}",
+                n_model_layers=n_model_layers, engine_id=engine_id)
+
+
+def write_usage_text(heat: Heat, path: str | os.PathLike) -> Path:
+    """Write ``heat`` as colibrì usage text, atomically: ``-1 <n_layers> <E>``, ``-2 1 <engine_id>`` when
+    the engine id is known, then non-zero rows layer-major, expert-ascending, counts rounded to integers
+    (a positive count below 1 is kept as 1). An all-zero heat gives a zero-byte file, as colibrì writes."""
+    n_layers = heat.n_model_layers if heat.n_model_layers is not None else (max(heat.layers, default=-1) + 1)
+    counts = np.where((heat.counts > 0) & (heat.counts < 1), 1.0, np.round(heat.counts)).astype(np.int64)
+    if not counts.any():
+        return atomic_write_bytes(path, b"")
+    lines = [f"-1 {n_layers} {heat.n_experts}"]
+    if heat.engine_id is not None:
+        lines.append(f"-2 {USAGE_FORMAT_VERSION} {heat.engine_id}")
+    for i, layer in enumerate(heat.layers):
+        for e in np.flatnonzero(counts[i]):
+            lines.append(f"{layer} {e} {counts[i, e]}")
+    return atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def read_iku1(path: str | os.PathLike) -> Heat:
+    """Read the legacy binary ``IKU1`` usage layout (little-endian uint32 header and dense counts).
+
+    Raises:
+        FormatError: truncated or inconsistent file.
+    """
+    data = Path(path).read_bytes()
+    if len(data) < 12 or data[:4] != b"IKU1":
+        raise FormatError(f"{path}: not an IKU1 file (too short or bad magic)")
+    n_layers, n_experts = struct.unpack_from("<II", data, 4)
+    need = 12 + 4 * n_layers * n_experts
+    if n_layers < 1 or n_experts < 1 or len(data) != need:
+        raise FormatError(f"{path}: IKU1 header says {n_layers}x{n_experts} counts ({need} bytes), file has "
+                          f"{len(data)} bytes")
+    counts = np.frombuffer(data, dtype="<u4", offset=12).reshape(n_layers, n_experts).astype(np.float64)
+    keep = np.flatnonzero(counts.sum(axis=1) > 0)  # dense rows are all zero
+    return Heat(n_experts=n_experts, layers=tuple(int(x) for x in keep), counts=counts[keep],
+                source=f"colibri IKU1: {path}", n_model_layers=n_layers)
+
+
+def uniform_heat(spec, tokens: int = 1_000_000) -> tuple[Heat, str]:
+    """A heat where every expert of every MoE layer is equally likely (``top_k / E``).
+
+    Returns:
+        (heat, warning): the warning says that placement from uniform heat cannot exploit skew.
+    """
+    p = spec.top_k / spec.n_experts
+    counts = np.full((spec.n_moe_layers, spec.n_experts), p * tokens)
+    heat = Heat(n_experts=spec.n_experts, layers=tuple(spec.moe_layers), counts=counts, top_k=spec.top_k,
+                tokens=tokens, source="uniform fallback", model_fingerprint=spec.fingerprint())
+    msg = (f"no routing statistics for {spec.name}: assuming uniform expert heat; a plan from uniform heat "
+           "cannot favour hot experts — record real statistics (colibri-plan run --stats, or colibrì STATS=) "
+           "and solve again with --heat")
+    heat.warnings.append(msg)
+    return heat, msg
+
+
+def align_heat(heat: Heat, spec) -> Heat:
+    """Check ``heat`` belongs to ``spec`` and return it with one row per MoE layer of the spec, in order.
+
+    Missing layers get the mean probability profile of the layers present (a warning is recorded in
+    ``heat.warnings``); ``top_k`` is taken from the spec when the heat lacks it.
+
+    Raises:
+        MismatchError: expert count, top-k, model fingerprint or layer ids belong to another model.
+    """
+    if heat.model_fingerprint and heat.model_fingerprint != spec.fingerprint():
+        raise MismatchError(f"heat ({heat.source}) was recorded for model fingerprint "
+                            f"{heat.model_fingerprint}, "
+                            f"not {spec.name} ({spec.fingerprint()}); use heat recorded with this model")
+    if heat.n_experts != spec.n_experts:
+        raise MismatchError(f"heat ({heat.source}) has {heat.n_experts} experts per layer but "
+                            f"{spec.name} has "
+                            f"{spec.n_experts}: this heat is for another model")
+    if heat.top_k is not None and heat.top_k != spec.top_k:
+        raise MismatchError(f"heat ({heat.source}) has top-k {heat.top_k} but {spec.name} routes top-"
+                            f"{spec.top_k}: this heat is for another model")
+    extra = sorted(set(heat.layers) - set(spec.moe_layers))
+    if extra:
+        raise MismatchError(f"heat ({heat.source}) has rows for layers {extra[:6]} that are not MoE layers "
+                            f"of {spec.name} ({spec.moe_layers[0]}..{spec.moe_layers[-1]}): "
+                            "heat for another model")
+    if not heat.layers:
+        raise MismatchError(f"heat ({heat.source}) is empty: no routing counts to plan from")
+    base = replace(heat, top_k=spec.top_k, warnings=list(heat.warnings))
+    p = base.probabilities()
+    tokens = base.tokens or 1_000_000
+    mean = p.mean(axis=0)
+    rows = []
+    missing = []
+    for layer in spec.moe_layers:
+        if layer in heat.layers:
+            rows.append(p[heat.layers.index(layer)] * tokens)
+        else:
+            missing.append(layer)
+            rows.append(mean * tokens)
+    out = Heat(n_experts=spec.n_experts, layers=tuple(spec.moe_layers), counts=np.array(rows),
+               top_k=spec.top_k, tokens=tokens, source=heat.source,
+               model_fingerprint=spec.fingerprint(), n_model_layers=heat.n_model_layers,
+               engine_id=heat.engine_id, warnings=list(heat.warnings))
+    if missing:
+        out.warnings.append(f"heat has no counts for {len(missing)} MoE layers ({missing[:5]}...); used the "
+                            "mean profile of the other layers for them")
+    return out
+
+
+def synth_heat(spec, domain: str | None = None, seed: int = 0, source_model: str = "olmoe") -> Heat:
+    """Whole-model heat synthesised from real OLMoE/Mixtral per-layer distributions
+    (see :func:`colibri_plan.heatsynth.synth_heat` and docs/heat.md)."""
+    from colibri_plan.heatsynth import synth_heat as _synth
+
+    return _synth(spec, domain=domain, seed=seed, source_model=source_model)
+
+
+def real_heat(model: str = "olmoe", domain: str = "c4", kind: str = "topk") -> Heat:
+    """Real routing counts of OLMoE / Mixtral (see :func:`colibri_plan.heatsynth.real_heat`)."""
+    from colibri_plan.heatsynth import real_heat as _real
+
+    return _real(model, domain, kind)

@@ -1,0 +1,238 @@
+"""Size a Hugging Face checkpoint folder from ``config.json`` and the safetensors headers only.
+
+A safetensors file starts with an unsigned 64-bit little-endian length N, then N bytes of JSON mapping
+each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the byte
+after the header), optionally a ``__metadata__`` entry; the tensor data follows. We read those N + 8
+bytes per shard and never a tensor, so sizing a 700 GB checkpoint reads a few megabytes.
+
+The expert geometry comes from ``config.json`` (:mod:`colibri_plan.model.hfconfig`) and is checked
+against the routed-expert tensors the headers list (real tensor names):
+
+- Mixtral: ``model.layers.L.block_sparse_moe.experts.E.{w1,w3}.weight`` [I, H], ``w2`` [H, I];
+- Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.x/5: ``model.layers.L.mlp.experts.E.{gate,up}_proj.weight``
+  [I, H], ``down_proj`` [H, I];
+- fused layouts: ``model.layers.L.mlp.experts.gate_up_proj`` [E, 2I, H] or [E, H, 2I] (gpt-oss),
+  ``down_proj`` [E, H, I] or [E, I, H]; MXFP4 ``*_blocks`` / ``*_scales`` give the expert count only.
+
+MoE rows with ids >= num_hidden_layers that hold experts in the headers are an MTP head (DeepSeek-V3's
+layer 61, GLM's layer 78/92) and become extra rows. Dense parameters are counted exactly from the
+headers: every tensor outside the routed experts, quantisation side tensors (``*_scale_inv``,
+``*.weight_scale`` ...) excluded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+from colibri_plan.errors import FormatError, InputError
+from colibri_plan.model import hfconfig
+from colibri_plan.model.spec import ModelSpec
+
+#: bytes per element of safetensors dtypes (BOOL/U8/I8/F8 = 1)
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+               "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1}
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+_MAX_HEADER_BYTES = 256 * 1024 * 1024
+
+_PER_EXPERT = re.compile(r"layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward|ffn)\.experts\.(\d+)\."
+                         r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.(\w+)$")
+_FUSED = re.compile(r"layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward|ffn)\.experts\."
+                    r"(gate_up_proj|gate_proj|up_proj|down_proj)(_blocks|_scales|_bias|\.weight|_scale)?$")
+_SHARED = re.compile(r"layers\.(\d+)\.mlp\.shared_experts?\.(?:gate_proj|w1)\.weight$")
+_AUX = re.compile(r"(_scale_inv|\.weight_scale|\.input_scale|\.weight_zero_point|\.weight_shape|"
+                  r"\.weight_global_scale)$")
+_ROLE = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+def read_safetensors_header(path: str | Path) -> dict:
+    """The tensor table of one safetensors file: ``{name: {"dtype", "shape", "data_offsets"}}``
+    (``__metadata__`` dropped). Reads only the header.
+
+    Raises:
+        InputError: the file cannot be opened.
+        FormatError: shorter than its declared header, header not JSON, or an entry whose dtype, shape
+            or offsets are malformed or point past the end of the file.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise FormatError(f"{path}: truncated safetensors file ({len(head)} bytes; needs an 8-byte "
+                                  "header length); re-download it")
+            (n,) = struct.unpack("<Q", head)
+            size = path.stat().st_size
+            if n > _MAX_HEADER_BYTES or 8 + n > size:
+                raise FormatError(f"{path}: truncated safetensors header (declares {n:,} header bytes, file "
+                                  f"has {size:,}); re-download it")
+            raw = f.read(n)
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        table = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{path}: safetensors header is not valid JSON ({exc}); the file is "
+                          "corrupt") from exc
+    if not isinstance(table, dict):
+        raise FormatError(f"{path}: safetensors header is not a JSON object")
+    table.pop("__metadata__", None)
+    data_bytes = size - 8 - n
+    for name, t in table.items():
+        ok = (isinstance(t, dict) and t.get("dtype") in DTYPE_BYTES and isinstance(t.get("shape"), list)
+              and all(isinstance(d, int) and d >= 0 for d in t["shape"])
+              and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2)
+        if not ok:
+            raise FormatError(f"{path}: malformed header entry for tensor {name!r}: {t!r}")
+        begin, end = t["data_offsets"]
+        if not (0 <= begin <= end <= data_bytes):
+            raise FormatError(f"{path}: tensor {name!r} lies past the end of the file (offsets "
+                              f"{begin}..{end}, {data_bytes:,} data bytes): the file is truncated; "
+                              "re-download it")
+    return table
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def read_checkpoint_headers(folder: Path) -> dict:
+    """All tensors of a checkpoint folder's safetensors shards (names unique across shards).
+
+    Raises:
+        InputError: no ``*.safetensors`` file, or a shard named in the index is missing.
+        FormatError: a shard's header is corrupt, or a tensor appears in two shards.
+    """
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{index}: not a safetensors index (no weight_map): {exc}") from exc
+        shards = sorted({folder / s for s in weight_map.values()})
+        missing = [s.name for s in shards if not s.is_file()]
+        if missing:
+            raise InputError(f"{folder}: shard(s) named in {index.name} are missing: "
+                             f"{', '.join(missing[:5])}")
+    else:
+        shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise InputError(f"{folder} holds no *.safetensors files; colibri-plan sizes safetensors "
+                         "checkpoints (or pass a .gguf file)")
+    tensors: dict[str, dict] = {}
+    for shard in shards:
+        for name, t in read_safetensors_header(shard).items():
+            if name in tensors:
+                raise FormatError(f"{folder}: tensor {name!r} appears in two shards")
+            tensors[name] = t
+    return tensors
+
+
+def _expert_rows(tensors: dict, hidden: int, where: str) -> dict[int, dict]:
+    """Per MoE row: {"experts": set of ids or count, "inter": set of I seen, "dtype": set}."""
+    rows: dict[int, dict] = {}
+
+    def row(layer: int) -> dict:
+        return rows.setdefault(layer, {"ids": set(), "count": None, "inter": set(), "dtypes": set()})
+
+    for name, t in tensors.items():
+        shape, dtype = t["shape"], t["dtype"]
+        m = _PER_EXPERT.search(name)
+        if m:
+            r = row(int(m.group(1)))
+            r["ids"].add(int(m.group(2)))
+            if m.group(4) == "weight" and dtype in _FLOAT_DTYPES:
+                r["dtypes"].add(dtype)
+                if len(shape) != 2:
+                    raise FormatError(f"{where}: expert tensor {name} has shape {shape}, expected 2-D")
+                role = _ROLE[m.group(3)]
+                i_dim, h_dim = (shape[0], shape[1]) if role != "down" else (shape[1], shape[0])
+                if h_dim != hidden:
+                    raise FormatError(f"{where}: expert tensor {name} has shape {shape}, which does not "
+                                      f"match config hidden_size {hidden}")
+                r["inter"].add(i_dim)
+            continue
+        m = _FUSED.search(name)
+        if m:
+            r = row(int(m.group(1)))
+            suffix = m.group(3) or ""
+            if r["count"] is None or suffix in ("", ".weight"):
+                r["count"] = shape[0]
+            if suffix in ("", ".weight") and dtype in _FLOAT_DTYPES and len(shape) == 3:
+                r["dtypes"].add(dtype)
+                _, a, b = shape
+                fused = 2 if m.group(2) == "gate_up_proj" else 1
+                if b == hidden and a % fused == 0:
+                    r["inter"].add(a // fused)
+                elif a == hidden and b % fused == 0:
+                    r["inter"].add(b // fused)
+                else:
+                    raise FormatError(f"{where}: expert tensor {name} has shape {shape}, which does not "
+                                      f"match config hidden_size {hidden}")
+    return rows
+
+
+def checkpoint_spec(folder: str | Path) -> ModelSpec:
+    """ModelSpec of a Hugging Face checkpoint folder, from config.json and safetensors headers only.
+
+    Raises:
+        InputError: the folder or its config.json is missing, or it holds no safetensors files.
+        UnsupportedError: config.json describes a model without routed experts.
+        FormatError: corrupt config/header, or the headers disagree with config.json (layers, expert
+            count, widths) — the message names the tensor and the config field.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"checkpoint folder {folder} does not exist")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise InputError(f"{folder} has no config.json; is it a Hugging Face checkpoint folder?")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{cfg_path} is not valid JSON ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise FormatError(f"{cfg_path} must hold a JSON object")
+    geo = hfconfig.moe_geometry(cfg, str(cfg_path))
+    where = str(folder)
+    tensors = read_checkpoint_headers(folder)
+    rows = _expert_rows(tensors, geo["hidden_size"], where)
+    n_layers, n_experts = geo["n_layers"], geo["n_experts"]
+    found = tuple(sorted(i for i in rows if i < n_layers))
+    if found != geo["moe_layers"]:
+        raise FormatError(f"{where}: the safetensors headers hold routed experts in layers "
+                          f"{list(found)[:8]}{'...' if len(found) > 8 else ''} ({len(found)} layers) but "
+                          f"config.json puts them in {len(geo['moe_layers'])} layers "
+                          f"{list(geo['moe_layers'])[:8]}...; the config does not belong to these weights")
+    for layer in sorted(rows):
+        r = rows[layer]
+        count = r["count"] if r["count"] is not None else len(r["ids"])
+        if count != n_experts or (r["ids"] and r["ids"] != set(range(n_experts))):
+            raise FormatError(f"{where}: layer {layer} holds {count} routed experts in the headers, "
+                              f"config.json says {n_experts}")
+        if r["inter"] and r["inter"] != {geo["moe_intermediate_size"]}:
+            raise FormatError(f"{where}: layer {layer} experts are {sorted(r['inter'])} wide in the headers, "
+                              f"config.json says moe_intermediate_size {geo['moe_intermediate_size']}")
+    shared_w = {t["shape"][0] for n, t in tensors.items() if _SHARED.search(n)}
+    if shared_w and shared_w != {geo["shared_intermediate_size"]}:
+        raise FormatError(f"{where}: shared experts are {sorted(shared_w)} wide in the headers, config.json "
+                          f"says {geo['shared_intermediate_size']}")
+    mtp = tuple(sorted(i for i in rows if i >= n_layers))
+    dense = sum(_numel(t["shape"]) for n, t in tensors.items()
+                if not (_PER_EXPERT.search(n) or _FUSED.search(n) or _AUX.search(n)))
+    dtypes = sorted(set().union(*(r["dtypes"] for r in rows.values())))
+    return ModelSpec(
+        name=folder.resolve().name, family=geo["family"], n_layers=n_layers,
+        moe_layers=geo["moe_layers"] + mtp, n_experts=n_experts, top_k=geo["top_k"],
+        n_shared_experts=geo["n_shared_experts"], hidden_size=geo["hidden_size"],
+        moe_intermediate_size=geo["moe_intermediate_size"],
+        shared_intermediate_size=geo["shared_intermediate_size"], vocab_size=geo["vocab_size"],
+        expert_format="int4", dense_params=dense,
+        kv_bytes_per_token=hfconfig.kv_bytes_per_token(cfg, 2, len(mtp)),
+        source=f"checkpoint: {folder.resolve()} (experts stored as {'/'.join(dtypes) or 'packed'})",
+        expert_bias=geo["expert_bias"])

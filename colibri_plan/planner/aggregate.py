@@ -1,0 +1,255 @@
+"""Large placements: a count-and-mass MILP over tiers, then a per-layer realisation with local search.
+
+The expert-level MILP of :mod:`colibri_plan.planner.solve` has rows × E × tiers binaries (GLM-5.2 on six
+GPUs: 154k) and its LP relaxation alone is slow. Every expert of a model has the same bytes and the
+cost is linear in selection probability, so a layer's cost depends only on, per tier t, the number of
+experts n_t (capacity) and their probability mass m_t (time). This module solves over (n_t, m_t):
+
+* Σ_t n_t = E_l, Σ_t m_t = M_l (the layer's total p);
+* per tier, m_t <= P_l(n_t), where P_l(n) is the mass of the n hottest experts (concave): a set of n
+  experts never carries more; likewise the GPU side together, and the disk tier carries at least the
+  mass of its n_disk coldest experts (convex S_l). P and S enter through tangent lines at a few
+  breakpoints, each of which bounds the curve from the right side, so the program is a *relaxation*;
+* the epigraph of the layer max and the capacities, exactly as in the expert-level MILP.
+
+Its optimum is therefore a lower bound of the true optimum (for fixed LRU miss factors). A layer is then
+realised: the n_disk coldest experts go to disk, the rest are dealt to GPUs and RAM hottest-first toward
+the target masses, and pairwise swaps between tiers reduce the layer's slowest resource until no swap
+helps. The reported gap is (realised cost − bound) / realised cost: a certificate, not a guess.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import sparse
+from scipy.optimize import Bounds, LinearConstraint, milp  # milp with no integers = HiGHS LP
+
+from colibri_plan.errors import BudgetError, SolverError
+from colibri_plan.planner.costmodel import TIER_DISK, TIER_RAM, miss_seconds, transfer_seconds
+
+N_BREAKPOINTS = 16
+
+
+def _breakpoints(n: int) -> np.ndarray:
+    pts = np.unique(np.round(np.concatenate([np.arange(min(n, 4) + 1),
+                                             np.geomspace(1, max(n, 1), N_BREAKPOINTS)])).astype(int))
+    return pts[(pts >= 0) & (pts < n)] if n > 0 else np.array([], dtype=int)
+
+
+def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | None = None):
+    """Solve the count-and-mass linear program.
+
+    Counts are continuous (rounded down afterwards). ``z_fixed`` (float ``[rows, G]`` of 0/1) fixes which
+    discrete GPUs each row uses; None relaxes z to [0, 1], which makes the optimum a lower bound of the
+    true optimum (for the given miss factors).
+
+    Returns:
+        (counts [rows, T] int, masses [rows, T], z [rows, G], objective_s, ok); tiers are ordered
+        GPUs 0..G-1, RAM, disk; rows of weight 0 get everything on disk (placed later).
+    """
+    res, b, coef, w = problem.res, problem.expert_bytes, problem.coef, problem.weights
+    probs = problem.probs
+    n_gpu = len(res.gpus)
+    n_t = n_gpu + 2
+    t_ram, t_disk = n_gpu, n_gpu + 1
+    rows = [r for r in range(probs.shape[0]) if w[r] > 0 and probs[r].sum() > 0]
+    xfer = [coef.transfer * transfer_seconds(g, problem.activation_bytes) for g in res.gpus]
+    zdev = [d for d, g in enumerate(res.gpus) if not g.unified and xfer[d] > 0]
+    cpu_c = coef.cpu_expert * b / (res.cpu_gbps * 1e9)
+    gpu_c = [coef.gpu_expert * b / (g.matmul_gbps * 1e9) for g in res.gpus]
+    t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
+    nl = len(rows)
+    per = 2 * n_t + len(zdev) + 1                          # n_t counts, n_t masses, z's, tau
+    nvar = nl * per
+    ncol = lambda i, t: i * per + t                         # noqa: E731
+    mcol = lambda i, t: i * per + n_t + t                   # noqa: E731
+    zcol = lambda i, j: i * per + 2 * n_t + j               # noqa: E731
+    tcol = lambda i: i * per + per - 1                      # noqa: E731
+    ri, ci, vals, lo, hi = [], [], [], [], []
+    k = 0
+
+    def row(cols, coefs, lower, upper):
+        nonlocal k
+        ri.extend([k] * len(cols))
+        ci.extend(cols)
+        vals.extend(coefs)
+        lo.append(lower)
+        hi.append(upper)
+        k += 1
+
+    active = []
+    for i, r in enumerate(rows):
+        p = np.sort(probs[r][probs[r] > 0])[::-1]
+        e = len(p)
+        active.append(e)
+        pref = np.concatenate([[0.0], np.cumsum(p)])        # P(n): mass of the n hottest
+        row([ncol(i, t) for t in range(n_t)], [1.0] * n_t, e, e)
+        row([mcol(i, t) for t in range(n_t)], [1.0] * n_t, pref[-1], pref[-1])
+        for q in _breakpoints(e):                           # tangent of P at q: slope p[q]
+            for t in range(n_t - 1):                        # m_t - p[q] n_t <= P(q) - p[q] q
+                row([mcol(i, t), ncol(i, t)], [1.0, -p[q]], -np.inf, pref[q] - p[q] * q)
+            if n_gpu > 1:
+                row([mcol(i, t) for t in range(n_gpu)] + [ncol(i, t) for t in range(n_gpu)],
+                    [1.0] * n_gpu + [-p[q]] * n_gpu, -np.inf, pref[q] - p[q] * q)
+            # disk holds at least its coldest mass: m_G + m_R <= P(n_G + n_R)
+            row([mcol(i, t) for t in range(n_t - 1)] + [ncol(i, t) for t in range(n_t - 1)],
+                [1.0] * (n_t - 1) + [-p[q]] * (n_t - 1), -np.inf, pref[q] - p[q] * q)
+        miss = coef.disk * t_miss * miss_factor_row[r]
+        row([tcol(i), mcol(i, t_ram), mcol(i, t_disk)], [1.0, -cpu_c, -(cpu_c + miss)], 0.0, np.inf)
+        for d in range(n_gpu):
+            cols, cf = [tcol(i), mcol(i, d)], [1.0, -gpu_c[d]]
+            if d in zdev:
+                j = zdev.index(d)
+                cols.append(zcol(i, j))
+                cf.append(-xfer[d])
+                row([ncol(i, d), zcol(i, j)], [1.0, -float(e)], -np.inf, 0.0)
+            row(cols, cf, 0.0, np.inf)
+    slot_bytes = int(np.sum(problem.lru_slots)) * b
+    fixed_ram = slot_bytes + 0
+    ram_cap = (problem.ram_budget_bytes - fixed_ram) // b
+    if ram_cap < 0:
+        raise BudgetError(f"the LRU slots alone ({slot_bytes} B) exceed the RAM budget "
+                          f"({problem.ram_budget_bytes} B); lower --lru-slots or give more --ram")
+    ram_tiers = [t_ram] + [d for d, g in enumerate(res.gpus) if g.unified]
+    row([ncol(i, t) for i in range(nl) for t in ram_tiers], [1.0] * (nl * len(ram_tiers)), -np.inf, ram_cap)
+    for d, g in enumerate(res.gpus):
+        if not g.unified:
+            row([ncol(i, d) for i in range(nl)], [1.0] * nl, -np.inf, g.budget_bytes // b)
+    ub = np.full(nvar, np.inf)
+    lb = np.zeros(nvar)
+    for i in range(nl):
+        for t in range(n_t):   # counts stay continuous (rounded down below): the bound stays valid
+            ub[ncol(i, t)] = active[i]
+        for j, d in enumerate(zdev):
+            ub[zcol(i, j)] = 1 if z_fixed is None else z_fixed[rows[i], d]
+            lb[zcol(i, j)] = 0 if z_fixed is None else z_fixed[rows[i], d]
+        if res.disk_read_gbps is None:
+            ub[ncol(i, t_disk)] = 0
+            ub[mcol(i, t_disk)] = 0
+    cost = np.zeros(nvar)
+    for i, r in enumerate(rows):
+        cost[tcol(i)] = w[r]
+    mat = sparse.csr_matrix((vals, (ri, ci)), shape=(k, nvar))
+    out = milp(cost, constraints=LinearConstraint(mat, lo, hi), bounds=Bounds(lb, ub))
+    counts = np.zeros((probs.shape[0], n_t), dtype=np.int64)
+    masses = np.zeros((probs.shape[0], n_t))
+    z = np.zeros((probs.shape[0], n_gpu))
+    if out.x is None:
+        return counts, masses, z, np.inf, False
+    counts[:, t_disk] = probs.shape[1]
+    for i, r in enumerate(rows):
+        c = np.floor(out.x[[ncol(i, t) for t in range(n_t)]] + 1e-6).astype(np.int64)
+        c[t_disk] += probs.shape[1] - c.sum()            # p = 0 experts and rounding remainders: disk
+        counts[r] = c
+        masses[r] = out.x[[mcol(i, t) for t in range(n_t)]]
+        for j, d in enumerate(zdev):
+            z[r, d] = out.x[zcol(i, j)]
+    return counts, masses, z, float(out.fun), True
+
+
+def realise_layer(p: np.ndarray, counts: np.ndarray, masses: np.ndarray, rate: np.ndarray,
+                  extra: np.ndarray, max_swaps: int = 2000) -> np.ndarray:
+    """Assign one layer's experts to tiers with the given counts, then improve by pairwise swaps.
+
+    Args:
+        p: ``[E]`` probabilities; counts, masses: ``[T]`` targets (GPUs, RAM, disk).
+        rate: ``[T]`` seconds per unit of p on each tier (disk = CPU + miss cost);
+        extra: ``[T]`` fixed seconds of a tier when it holds any expert (GPU transfers).
+    Resources: each GPU alone, and the CPU (RAM and disk together).
+
+    Returns:
+        int ``[E]`` tier index 0..T-1 (GPUs, then RAM = T-2, disk = T-1).
+    """
+    n_t = len(counts)
+    t_ram, t_disk = n_t - 2, n_t - 1
+    order = np.argsort(-p, kind="stable")
+    tier = np.full(len(p), t_disk)
+    n_disk = int(counts[t_disk])
+    hot = order[: len(p) - n_disk]
+    left = counts.astype(np.int64).copy()
+    left[t_disk] = 0
+    got = np.zeros(n_t)
+    for e in hot:                                           # deal hottest-first toward target masses
+        open_t = np.flatnonzero(left[:t_disk] > 0)
+        t = open_t[np.argmax(masses[open_t] - got[open_t])]
+        tier[e] = t
+        got[t] += p[e]
+        left[t] -= 1
+    res_of = np.array(list(range(t_ram)) + [t_ram, t_ram])  # RAM and disk share the CPU resource
+    n_res = t_ram + 1
+
+    def times(tr):
+        out = np.zeros(n_res)
+        for t in range(n_t):
+            sel = tr == t
+            if sel.any():
+                out[res_of[t]] += rate[t] * p[sel].sum() + extra[t]
+        return out
+
+    cur = times(tier)
+    for _ in range(max_swaps):
+        worst = int(np.argmax(cur))
+        best = (cur.max(), None, None)
+        for a in np.flatnonzero(res_of == worst):
+            ia = np.flatnonzero(tier == a)
+            if ia.size == 0:
+                continue
+            for t in range(n_t):
+                if t == a:
+                    continue
+                ib = np.flatnonzero(tier == t)
+                if ib.size == 0:
+                    continue
+                d = p[ia][:, None] - p[ib][None, :]              # p moved from a to t: [|a|, |t|]
+                new_w = cur[worst] - rate[a] * d + (rate[t] * d if res_of[t] == worst else 0.0)
+                new_o = cur[res_of[t]] + rate[t] * d if res_of[t] != worst else new_w
+                others = np.delete(cur, [worst, res_of[t]]).max(initial=0.0)
+                new_max = np.maximum(np.maximum(new_w, new_o), others)
+                j = np.unravel_index(np.argmin(new_max), new_max.shape)
+                if new_max[j] < best[0] - 1e-15:
+                    best = (new_max[j], ia[j[0]], ib[j[1]])
+        if best[1] is None:
+            break
+        ea, eb = best[1], best[2]
+        tier[ea], tier[eb] = tier[eb], tier[ea]
+        cur = times(tier)
+    return tier
+
+
+def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[np.ndarray, float]:
+    """Count-and-mass MILP, then per-layer realisation. Returns (tiers [rows, E] codes, lower bound s)."""
+    res, b, coef = problem.res, problem.expert_bytes, problem.coef
+    n_gpu = len(res.gpus)
+    row_miss = np.array([float(np.average(m, weights=np.maximum(p, 1e-300)))
+                         for m, p in zip(miss_factor, problem.probs)])
+    _, _, z_lp, bound, ok = solve_counts(problem, row_miss)          # relaxed z: the lower bound
+    if not ok:
+        raise BudgetError("no placement fits the budgets: the experts do not fit in VRAM + RAM and the "
+                          "profile has no disk figure; measure the disk with `colibri-plan profile` or "
+                          "give more memory")
+    # a row uses a GPU when the relaxation gives it at least one expert; else try every GPU in use
+    candidates = [np.where(z_lp * problem.probs.shape[1] >= 1 - 1e-6, 1.0, 0.0)]
+    if not candidates[0].any() and z_lp.size:
+        candidates.append(np.ones_like(z_lp))
+    best = None
+    for z in candidates:                                             # fixed z: plain LPs
+        counts, masses, _, obj, ok = solve_counts(problem, row_miss, z)
+        if ok and (best is None or obj < best[2]):
+            best = (counts, masses, obj)
+    if best is None:
+        raise SolverError("the count-and-mass program found no placement with integral GPU use")
+    counts, masses, _ = best
+    cpu_c = coef.cpu_expert * b / (res.cpu_gbps * 1e9)
+    t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
+    rate = np.array([coef.gpu_expert * b / (g.matmul_gbps * 1e9) for g in res.gpus] + [cpu_c, cpu_c])
+    extra = np.array([coef.transfer * transfer_seconds(g, problem.activation_bytes) for g in res.gpus]
+                     + [0.0, 0.0])
+    tiers = np.full(problem.probs.shape, TIER_DISK, dtype=np.int64)
+    for r in range(problem.probs.shape[0]):
+        if problem.weights[r] <= 0 or problem.probs[r].sum() <= 0:
+            continue
+        rr = rate.copy()
+        rr[-1] = cpu_c + coef.disk * t_miss * row_miss[r]
+        t = realise_layer(problem.probs[r], counts[r], masses[r], rr, extra)
+        tiers[r] = np.where(t < n_gpu, t, np.where(t == n_gpu, TIER_RAM, TIER_DISK))
+    return tiers, bound

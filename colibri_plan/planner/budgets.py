@@ -1,0 +1,186 @@
+"""Memory budgets (``--ram auto|GB``, ``--vram auto|GB[,GB…]``) and cost-model resources from a profile.
+
+``--ram auto`` = available memory − OS / page-cache headroom − dense trunk − KV cache − working buffers;
+each subtraction is returned as a named line so the plan and the CLI can explain it. An explicit
+``--ram GB`` is the whole process budget (like colibrì's ``RAM_GB``): dense, KV and buffers still come
+out of it, the headroom does not. VRAM: per device, free (else total) memory − ``vram_reserve`` (2 GB
+by default, as colibrì's ``CUDA_RESERVE_GB``); an explicit list gives each device's expert budget. A
+unified-memory device has no VRAM budget of its own: its experts come out of the RAM budget (one pool,
+never counted twice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from colibri_plan.errors import BudgetError, InputError
+from colibri_plan.planner.costmodel import GpuResource, Resources
+
+GB = 1_000_000_000
+#: page-cache reserve colibrì measured as necessary (2.5 GB) and the fraction of RAM left to the OS
+PAGE_CACHE_RESERVE_BYTES = int(2.5 * GB)
+OS_RESERVE_FRACTION = 0.05
+RUNTIME_BYTES = int(0.5 * GB)     # interpreter, logits, activations, thread stacks
+DEFAULT_VRAM_RESERVE_BYTES = 2 * GB
+
+
+@dataclass
+class Budgets:
+    """Bytes available for experts, and how they were derived.
+
+    Attributes:
+        ram_budget_bytes: RAM for pinned experts + LRU slots (+ unified-GPU experts).
+        vram_budget_bytes: per GPU key ("cuda:0") expert bytes (0 for unified devices).
+        explain: list of {"what", "bytes"} lines, start value first, each subtraction negative.
+        headroom_bytes, context_tokens, dense_bytes, kv_bytes, working_bytes: the parts.
+    """
+
+    ram_budget_bytes: int
+    vram_budget_bytes: dict[str, int]
+    explain: list[dict] = field(default_factory=list)
+    headroom_bytes: int = 0
+    context_tokens: int = 0
+    dense_bytes: int = 0
+    kv_bytes: int = 0
+    working_bytes: int = 0
+    ram_mode: str = "auto"
+    vram_mode: str = "auto"
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def parse_gb(value: str, what: str) -> float:
+    """Parse a decimal GB figure; InputError if it is not a number, BudgetError if it is negative."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"{what}: expected 'auto' or a number of GB, got {value!r}") from None
+    if v < 0 or v != v:
+        raise BudgetError(f"{what}: a memory budget cannot be negative ({value} GB)")
+    return v
+
+
+def ram_budget(spec, available_bytes: int, ram: str = "auto", headroom_gb: float | None = None,
+               context_tokens: int = 4096, dense_fmt: str | None = None) -> tuple[int, list[dict], dict]:
+    """RAM for experts, with the explanation lines.
+
+    Returns:
+        (bytes, explain, parts) — parts: headroom_bytes, dense_bytes, kv_bytes, working_bytes.
+
+    Raises:
+        BudgetError: negative inputs, or the dense trunk + KV + buffers do not fit.
+    """
+    if context_tokens < 0:
+        raise BudgetError(f"--context must be >= 0 tokens, got {context_tokens}")
+    dense = spec.dense_bytes(dense_fmt or spec.expert_format)
+    kv = spec.kv_bytes(context_tokens)
+    b = spec.expert_bytes()
+    working = 2 * spec.top_k * b + RUNTIME_BYTES   # double-buffered reads of one token's misses
+    if ram == "auto":
+        start = int(available_bytes)
+        if headroom_gb is None:
+            headroom = max(PAGE_CACHE_RESERVE_BYTES, int(OS_RESERVE_FRACTION * start))
+            why = "OS and page-cache headroom (max(2.5 GB, 5% of available); --headroom to change)"
+        else:
+            headroom = int(parse_gb(headroom_gb, "--headroom") * GB)
+            why = "OS and page-cache headroom (--headroom)"
+        explain = [{"what": "available memory (profile: machine.ram_available_bytes)", "bytes": start},
+                   {"what": why, "bytes": -headroom}]
+    else:
+        start = int(parse_gb(ram, "--ram") * GB)
+        if start > available_bytes:
+            raise BudgetError(f"--ram {ram} GB is more than the {available_bytes / GB:.1f} GB available "
+                              "on this machine (profile); lower it or use --ram auto")
+        headroom = 0
+        explain = [{"what": "--ram budget (dense, KV and buffers come out of it)", "bytes": start}]
+    explain += [{"what": f"dense trunk ({dense_fmt or spec.expert_format})", "bytes": -dense},
+                {"what": f"KV cache ({context_tokens} tokens x {spec.kv_bytes_per_token} B)", "bytes": -kv},
+                {"what": f"working buffers (2 x top-{spec.top_k} expert reads + runtime)",
+                 "bytes": -working}]
+    left = start - headroom - dense - kv - working
+    explain.append({"what": "RAM for experts (pinned + LRU)", "bytes": left})
+    if left < 0:
+        raise BudgetError(f"RAM budget too small: {start / GB:.2f} GB minus headroom {headroom / GB:.2f}, dense "
+                          f"{dense / GB:.2f}, KV {kv / GB:.2f} and buffers {working / GB:.2f} GB leaves "
+                          f"{left / GB:.2f} GB; give more --ram or a smaller --context")
+    return left, explain, {"headroom_bytes": headroom, "dense_bytes": dense, "kv_bytes": kv,
+                           "working_bytes": working}
+
+
+def vram_budgets(gpus: list[dict], vram: str = "auto",
+                 reserve_bytes: int = DEFAULT_VRAM_RESERVE_BYTES) -> tuple[dict[str, int], list[dict]]:
+    """Per-device expert budgets from profile GPU dicts (backend, index, total/free memory, unified).
+
+    ``vram`` is "auto", "0" (no VRAM tier), one GB figure (each discrete device) or one per device.
+
+    Raises:
+        BudgetError: negative figures; InputError: a list of the wrong length.
+    """
+    keys = [f"{g['backend']}:{g['index']}" for g in gpus]
+    discrete = [g for g in gpus if not g.get("unified_memory")]
+    out: dict[str, int] = {}
+    explain = []
+    if vram == "auto":
+        for g, k in zip(gpus, keys):
+            if g.get("unified_memory"):
+                out[k] = 0
+                explain.append({"what": f"{k}: unified memory, experts share the RAM budget", "bytes": 0})
+                continue
+            free = g.get("free_memory_bytes") or g["total_memory_bytes"]
+            out[k] = max(0, int(free) - reserve_bytes)
+            explain.append({"what": f"{k} ({g.get('name', '?')}): free {free / GB:.2f} GB - reserve "
+                                    f"{reserve_bytes / GB:.2f} GB", "bytes": out[k]})
+        return out, explain
+    vals = [parse_gb(v, "--vram") for v in str(vram).split(",")]
+    if len(vals) == 1:
+        vals = vals * len(discrete)
+    if len(vals) != len(discrete):
+        raise InputError(f"--vram gives {len(vals)} figures but the profile has {len(discrete)} discrete "
+                         "GPUs; give one figure, or one per GPU")
+    it = iter(vals)
+    for g, k in zip(gpus, keys):
+        out[k] = 0 if g.get("unified_memory") else int(next(it) * GB)
+        explain.append({"what": f"{k}: --vram", "bytes": out[k]})
+    return out, explain
+
+
+def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str | None = None,
+                           io_threads: int = 8) -> Resources:
+    """Cost-model figures from a MachineProfile for ``spec`` at expert format ``fmt``.
+
+    CPU matmul: the best CPU-device backend measured at ``fmt`` (1 token, nearest expert shape). Disk: the
+    random-read GB/s at the achievable queue depth min(top-k, io_threads); None when the profile has no
+    disk section. GPUs: every gpu/igpu device with its matmul and link figures.
+
+    Raises:
+        InputError: a needed figure is missing (the message says how to measure it).
+    """
+    fmt = fmt or spec.expert_format
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    matmul = profile.doc.get("matmul")
+    rows = matmul if isinstance(matmul, list) else []
+    cpu_rows = {(r["backend"], r["device_index"]) for r in rows
+                if r.get("device_kind", "cpu") == "cpu" and r["fmt"] == fmt}
+    if not cpu_rows:
+        raise InputError(f"profile has no CPU matmul figure at {fmt}; measure it with "
+                         f"`colibri-plan profile --formats {fmt}`")
+    cpu = max(profile.matmul_weight_gbps(b, d, fmt, 1, i, h) for b, d in cpu_rows)
+    try:
+        qd = max(1, min(spec.top_k, io_threads))
+        disk = profile.disk_read_gbps(qd)
+    except InputError:
+        disk, qd = None, 1
+    gpus = []
+    for g in profile.gpus():
+        key = f"{g['backend']}:{g['index']}"
+        unified = bool(g.get("unified_memory"))
+        gbps = profile.matmul_weight_gbps(g["backend"], g["index"], fmt, 1, i, h)
+        h2d = d2h = 0.0
+        if not unified:
+            h2d = profile.h2d_gbps(g["backend"], g["index"], pinned=True)
+            d2h = profile.d2h_gbps(g["backend"], g["index"], pinned=True)
+        gpus.append(GpuResource(key=key, matmul_gbps=gbps, h2d_gbps=h2d, d2h_gbps=d2h,
+                                budget_bytes=int(vram_budget.get(key, 0)), unified=unified))
+    return Resources(cpu_matmul_gbps=cpu, ram_read_gbps=profile.ram_read_gbps(), disk_read_gbps=disk,
+                     disk_queue_depth=qd, gpus=tuple(gpus))

@@ -1,0 +1,298 @@
+"""The decode cost model: expected seconds per token of an expert placement, term by term.
+
+Pure functions on plain numbers, so every term can be checked by hand (docs/plan-format.md and
+DESIGN.md §7). Per decode token:
+
+    decode_s = dense_s + attention_s + Σ_layers w_l · max(cpu_l + disk_l, gpu_l,d + xfer_l,d for each d)
+
+* ``dense_s``     = c_dense · dense read bytes / (dense GB/s)  (the trunk is read once per token)
+* ``attention_s`` = c_attention · context · KV bytes per token / RAM GB/s
+* ``cpu_l``       = c_cpu · Σ_{e in RAM ∪ disk} p_e · b / CPU matmul GB/s  (streamed experts are computed
+                     on the CPU after their read; CPU GB/s is capped by RAM GB/s)
+* ``disk_l``      = c_disk · Σ_{e in disk} p_e · (1 − h_e) · b / disk GB/s at the achievable queue depth
+                     (the profile measures expert-sized blocks at that depth, so a read's latency is
+                     inside this figure)
+* ``gpu_l,d``     = c_gpu · Σ_{e on d} p_e · b / GPU d matmul GB/s
+* ``xfer_l,d``    = c_transfer · (activation H2D + D2H + 2 link latencies), paid by each discrete GPU
+                     that holds any expert of the layer (the hidden state goes there and back once)
+
+``p_e`` is the selection probability of expert ``e`` per token (a layer's p sum to top-k), ``b`` the
+expert's bytes, ``h_e`` the LRU hit rate of a non-pinned expert from the characteristic-time (Che)
+approximation, and ``w_l`` the decode weight of the row (1; 0 for MTP rows, which plain decode skips).
+The layer's expert time is the slowest of its concurrently working resources, taken on expected loads
+(max of expectations, a lower bound of the expected max). The ``c_*`` multipliers live in
+:class:`Coefficients` so measured runs can refit them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from colibri_plan.errors import InputError
+
+#: tier codes in a per-layer placement array; GPUs are 0..G-1
+TIER_RAM = -1
+TIER_DISK = -2
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Per-term multipliers of the cost model (1.0 = the raw roofline); refitted by ``calibrate``."""
+
+    dense: float = 1.0
+    attention: float = 1.0
+    cpu_expert: float = 1.0
+    gpu_expert: float = 1.0
+    disk: float = 1.0
+    transfer: float = 1.0
+    layer_overhead_s: float = 0.0   # fixed seconds per MoE layer per token (router, dispatch)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> Coefficients:
+        """Build from a dict (unknown keys rejected). Raises InputError on a negative value."""
+        d = dict(d or {})
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise InputError(f"unknown cost coefficient(s) {sorted(unknown)}")
+        out = cls(**{k: float(v) for k, v in d.items()})
+        if any(v < 0 for v in dataclasses.asdict(out).values()):
+            raise InputError(f"cost coefficients must be >= 0, got {out}")
+        return out
+
+
+@dataclass(frozen=True)
+class GpuResource:
+    """One GPU as the cost model sees it.
+
+    Attributes:
+        key: "<backend>:<index>", e.g. "cuda:0".
+        matmul_gbps: expert matmul weight GB/s (1e9 B/s) at 1 token.
+        h2d_gbps, d2h_gbps: pinned activation transfer GB/s (ignored when ``unified``).
+        budget_bytes: bytes of experts this device may hold (after dense, KV and headroom).
+        unified: computes on host memory (its experts use the RAM pool; no transfers).
+        link_latency_s: fixed seconds per transfer direction.
+    """
+
+    key: str
+    matmul_gbps: float
+    h2d_gbps: float = 0.0
+    d2h_gbps: float = 0.0
+    budget_bytes: int = 0
+    unified: bool = False
+    link_latency_s: float = 10e-6
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Machine figures the cost model needs (from a profile, or written by hand in tests).
+
+    Attributes:
+        cpu_matmul_gbps: CPU expert matmul weight GB/s at 1 token.
+        ram_read_gbps: all-core RAM read GB/s (caps the CPU matmul and bounds attention).
+        disk_read_gbps: random-read GB/s at expert blocks and ``disk_queue_depth``; None = no figure.
+        disk_queue_depth: queue depth the disk figure was taken at (the achievable concurrency).
+        gpus: the GPUs, in plan order.
+        dense_gbps: GB/s of the dense trunk's per-token read (defaults to the CPU path).
+    """
+
+    cpu_matmul_gbps: float
+    ram_read_gbps: float
+    disk_read_gbps: float | None = None
+    disk_queue_depth: int = 1
+    gpus: tuple[GpuResource, ...] = field(default_factory=tuple)
+    dense_gbps: float | None = None
+
+    def __post_init__(self):
+        rates = [self.cpu_matmul_gbps, self.ram_read_gbps] + [g.matmul_gbps for g in self.gpus]
+        if self.disk_read_gbps is not None:
+            rates.append(self.disk_read_gbps)
+        if any(not np.isfinite(r) or r <= 0 for r in rates):
+            raise InputError(f"machine figures must be positive GB/s, got {rates}")
+        for g in self.gpus:
+            if not g.unified and (g.h2d_gbps <= 0 or g.d2h_gbps <= 0):
+                raise InputError(f"{g.key}: host<->device GB/s must be positive for a discrete GPU")
+
+    @property
+    def cpu_gbps(self) -> float:
+        """Effective CPU expert GB/s: min(matmul, RAM read)."""
+        return min(self.cpu_matmul_gbps, self.ram_read_gbps)
+
+
+def che_hit_rates(p: np.ndarray, slots: int) -> np.ndarray:
+    """LRU hit probability of each item under the characteristic-time (Che) approximation.
+
+    Item e is requested by a token with probability ``p_e`` (``[n]``, independent across tokens); an LRU of
+    ``slots`` entries keeps what was requested within the last T tokens, where T solves
+    Σ (1 − (1 − p_e)^T) = slots; the hit rate of item e is 1 − (1 − p_e)^T. This is the per-token
+    (Bernoulli) form of Che, Tung, Wang, IEEE JSAC 20(7), 2002, whose Poisson form uses exp(−p_e T).
+
+    Returns:
+        float64 ``[n]`` in [0, 1]; all ones when ``slots`` >= the items with p > 0, zeros when slots <= 0.
+    """
+    p = np.asarray(p, dtype=np.float64)
+    live = p > 0
+    if slots <= 0 or not live.any():
+        return np.zeros_like(p)
+    if slots >= int(live.sum()):
+        return live.astype(np.float64)
+    # per-token Bernoulli form: an item is requested at most once per token, so after T tokens it was
+    # seen with probability 1 - (1 - p)^T (the Poisson form 1 - exp(-pT) overestimates hot items).
+    logq = np.log1p(-np.minimum(p[live], 1.0 - 1e-12))
+
+    def occupancy(t: float) -> float:
+        return float(np.sum(-np.expm1(logq * t)))
+
+    lo, hi = 0.0, 1.0
+    while occupancy(hi) < slots:
+        hi *= 2.0
+    for _ in range(100):  # bisection on the monotone occupancy
+        mid = 0.5 * (lo + hi)
+        if occupancy(mid) < slots:
+            lo = mid
+        else:
+            hi = mid
+    out = np.zeros_like(p)
+    out[live] = -np.expm1(logq * 0.5 * (lo + hi))
+    return out
+
+
+def simulate_lru(trace: np.ndarray, slots: int, members: np.ndarray | None = None) -> float:
+    """Replay a routing trace ``[T, K]`` of expert ids through an LRU of ``slots`` entries.
+
+    Only ids with ``members[id]`` True (the non-pinned experts) use the cache; each token's selected
+    experts are looked up, then the misses are inserted (evicting the least recently used), as the
+    engine does per token. Returns the hit rate over member requests (0.0 when there are none).
+    """
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = total = 0
+    for row in np.asarray(trace):
+        missed = []
+        for e in row:  # look up every expert of the token first ...
+            e = int(e)
+            if members is not None and not members[e]:
+                continue
+            total += 1
+            if e in cache:
+                hits += 1
+                cache.move_to_end(e)
+            else:
+                missed.append(e)
+        for e in missed[-slots:] if slots > 0 else ():  # ... then promote the misses, evicting the LRU
+            cache[e] = None
+            if len(cache) > slots:
+                cache.popitem(last=False)
+    return hits / total if total else 0.0
+
+
+def miss_seconds(expert_bytes: int, res: Resources) -> float:
+    """Seconds of disk time per expected miss: b / disk GB/s (InputError without a disk figure)."""
+    if res.disk_read_gbps is None:
+        raise InputError("the profile has no disk figure but the placement streams experts from disk; "
+                         "measure the disk with `colibri-plan profile` or give enough RAM/VRAM")
+    return expert_bytes / (res.disk_read_gbps * 1e9)
+
+
+def transfer_seconds(gpu: GpuResource, activation_bytes: int) -> float:
+    """Seconds to send one token's hidden state to ``gpu`` and its result back (0 on unified memory)."""
+    if gpu.unified:
+        return 0.0
+    return (activation_bytes / (gpu.h2d_gbps * 1e9) + activation_bytes / (gpu.d2h_gbps * 1e9)
+            + 2 * gpu.link_latency_s)
+
+
+def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, res: Resources,
+                coef: Coefficients, activation_bytes: int) -> dict:
+    """Expected seconds of one MoE layer for one token, term by term.
+
+    Args:
+        p: float ``[E]`` selection probabilities of the layer's experts.
+        tier: int ``[E]``: GPU index 0..G-1, TIER_RAM (pinned) or TIER_DISK (LRU-cached or streamed).
+        slots: LRU slots of the layer (shared by its disk-tier experts).
+        expert_bytes: bytes of one expert; activation_bytes: bytes of one token's hidden state.
+
+    Returns:
+        dict: cpu_s, disk_s, gpu_s [G], transfer_s [G], time_s (the max), and expected selections per
+        tier: vram, ram_pinned, lru, disk (misses).
+    """
+    p = np.asarray(p, dtype=np.float64)
+    tier = np.asarray(tier)
+    on_disk = tier == TIER_DISK
+    h = che_hit_rates(np.where(on_disk, p, 0.0), slots)
+    misses = float(np.sum(p * (1 - h) * on_disk))
+    cpu_sel = float(p[(tier == TIER_RAM) | on_disk].sum())
+    cpu_s = coef.cpu_expert * cpu_sel * expert_bytes / (res.cpu_gbps * 1e9)
+    disk_s = coef.disk * misses * miss_seconds(expert_bytes, res) if misses > 0 else 0.0
+    gpu_s, xfer_s = [], []
+    for d, g in enumerate(res.gpus):
+        mine = tier == d
+        gpu_s.append(coef.gpu_expert * float(p[mine].sum()) * expert_bytes / (g.matmul_gbps * 1e9))
+        xfer_s.append(coef.transfer * transfer_seconds(g, activation_bytes) if mine.any() else 0.0)
+    time_s = max([cpu_s + disk_s] + [a + b for a, b in zip(gpu_s, xfer_s)]) + coef.layer_overhead_s
+    return {"cpu_s": cpu_s, "disk_s": disk_s, "gpu_s": gpu_s, "transfer_s": xfer_s, "time_s": time_s,
+            "vram": float(p[tier >= 0].sum()), "ram_pinned": float(p[tier == TIER_RAM].sum()),
+            "lru": float(np.sum(p * h * on_disk)), "disk": misses}
+
+
+def dense_seconds(dense_read_bytes: int, res: Resources, coef: Coefficients) -> float:
+    """Seconds per token to read the dense trunk once: c_dense · bytes / dense GB/s."""
+    gbps = res.dense_gbps if res.dense_gbps is not None else res.cpu_gbps
+    return coef.dense * dense_read_bytes / (gbps * 1e9)
+
+
+def attention_seconds(context_tokens: int, kv_bytes_per_token: int, res: Resources,
+                      coef: Coefficients) -> float:
+    """Seconds per token to read the KV cache of ``context_tokens`` tokens from RAM."""
+    return coef.attention * context_tokens * kv_bytes_per_token / (res.ram_read_gbps * 1e9)
+
+
+def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_bytes: int,
+                res: Resources, coef: Coefficients | None = None, *, dense_read_bytes: int = 0,
+                context_tokens: int = 0, kv_bytes_per_token: int = 0, activation_bytes: int = 0,
+                layer_weights: np.ndarray | None = None) -> dict:
+    """Expected decode seconds per token of a whole placement, with its terms.
+
+    Args:
+        probs: float ``[rows, E]`` selection probabilities; tiers: int ``[rows, E]`` tier codes;
+        slots: int ``[rows]`` LRU slots; layer_weights: float ``[rows]`` (default ones).
+
+    Returns:
+        dict with decode_s_per_token, tok_s, terms {dense_s, attention_s, expert_layers_s,
+        expert_compute_s {"cpu", "<gpu key>"...}, disk_wait_s, transfer_s}, hit_rate {vram, ram_pinned,
+        lru, disk} (shares of expert selections), disk_bytes_per_token, and per_layer_s [rows].
+    """
+    coef = coef or Coefficients()
+    probs = np.asarray(probs, dtype=np.float64)
+    rows = probs.shape[0]
+    w = np.ones(rows) if layer_weights is None else np.asarray(layer_weights, dtype=np.float64)
+    dense_s = dense_seconds(dense_read_bytes, res, coef)
+    attn_s = attention_seconds(context_tokens, kv_bytes_per_token, res, coef)
+    comp = {"cpu": 0.0, **{g.key: 0.0 for g in res.gpus}}
+    disk_s = xfer_s = layers_s = 0.0
+    share = dict.fromkeys(("vram", "ram_pinned", "lru", "disk"), 0.0)
+    per_layer = []
+    for i in range(rows):
+        t = layer_terms(probs[i], tiers[i], int(slots[i]), expert_bytes, res, coef, activation_bytes)
+        per_layer.append(t["time_s"])
+        layers_s += w[i] * t["time_s"]
+        comp["cpu"] += w[i] * t["cpu_s"]
+        for g, s in zip(res.gpus, t["gpu_s"]):
+            comp[g.key] += w[i] * s
+        disk_s += w[i] * t["disk_s"]
+        xfer_s += w[i] * sum(t["transfer_s"])
+        for k in share:
+            share[k] += w[i] * t[k]
+    total_sel = sum(share.values())
+    total = dense_s + attn_s + layers_s
+    return {"decode_s_per_token": total, "tok_s": 1.0 / total if total > 0 else float("inf"),
+            "terms": {"dense_s": dense_s, "attention_s": attn_s, "expert_layers_s": layers_s,
+                      "expert_compute_s": comp, "disk_wait_s": disk_s, "transfer_s": xfer_s},
+            "hit_rate": {k: (v / total_sel if total_sel else 0.0) for k, v in share.items()},
+            "disk_bytes_per_token": share["disk"] * expert_bytes,
+            "per_layer_s": per_layer}

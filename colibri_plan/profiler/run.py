@@ -1,0 +1,168 @@
+"""Run every probe and assemble the profile document (see :mod:`colibri_plan.profiler.schema`).
+
+Two modes: ``quick`` (CI; under ~30 s on a 2-core machine: smaller test file, queue depths {1, 4},
+fewer repetitions) and ``default`` (under ~120 s there). Every size can be overridden (tests use tiny
+blocks and files). Sections the machine lacks, or that were not asked for, are ``{"unavailable": why}``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from colibri_plan.errors import InputError
+from colibri_plan.profiler import disk as disk_mod
+from colibri_plan.profiler.links import HOST_BACKENDS, probe_links
+from colibri_plan.profiler.machine import list_all_devices, machine_info
+from colibri_plan.profiler.matmul_probe import probe_matmul
+from colibri_plan.profiler.ram import probe_ram
+from colibri_plan.profiler.schema import MachineProfile, machine_fingerprint
+
+PROBES = ("disk", "ram", "links", "matmul")
+#: GLM-5.2 routed expert geometry, used when no model is named (facts: shared/data/models.md)
+DEFAULT_MODEL = {"name": "glm-5.2 (built-in default)", "hidden": 6144, "width": 2048, "expert_format": "int4",
+                 "top_k": 8, "expert_bytes": disk_mod.DEFAULT_BLOCK_BYTES}
+
+
+@dataclass
+class ProfileOptions:
+    """What to measure and how hard. ``None`` sizes take the mode's value."""
+
+    path: str | None = None
+    model: str | None = None
+    quick: bool = False
+    backends: Sequence[str] | None = None
+    probes: Sequence[str] = PROBES
+    block_bytes: int | None = None
+    file_bytes: int | None = None
+    queue_depths: Sequence[int] | None = None
+    ram_bytes: int | None = None
+    hidden: int | None = None
+    width: int | None = None
+    formats: Sequence[str] = ("int4", "int4-g64")
+    disk_seconds: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def mode_settings(quick: bool) -> dict:
+    """Sizes and repetitions of a mode."""
+    if quick:
+        return {"mode": "quick", "file_bytes": 256 << 20, "queue_depths": [1, 4], "disk_repetitions": 3,
+                "disk_seconds": 0.4, "ram_bytes": 256 << 20, "ram_repetitions": 5, "link_repetitions": 3,
+                "matmul_repetitions": 3, "matmul_budget_s": 0.25, "ffn_budget_s": 1.0}
+    return {"mode": "default", "file_bytes": 1 << 30, "queue_depths": [1, 4, 8, 16], "disk_repetitions": 3,
+            "disk_seconds": 1.0, "ram_bytes": 1 << 30, "ram_repetitions": 7, "link_repetitions": 5,
+            "matmul_repetitions": 7, "matmul_budget_s": 1.0, "ffn_budget_s": 3.0}
+
+
+def resolve_model(name: str | None) -> dict:
+    """Expert geometry of ``name`` via :func:`colibri_plan.model.load_model_spec`, or the GLM-5.2 default.
+
+    Raises:
+        InputError: a model was named but model specs cannot be loaded here.
+    """
+    if name is None:
+        return dict(DEFAULT_MODEL)
+    try:
+        from colibri_plan.model import load_model_spec
+    except ImportError as exc:
+        raise InputError(f"--model {name}: model specs are not available in this build ({exc}); "
+                         "leave out --model to use the GLM-5.2 expert size") from None
+    spec = load_model_spec(name)
+    return {"name": spec.name, "hidden": spec.hidden_size, "width": spec.moe_intermediate_size,
+            "expert_format": spec.expert_format, "top_k": spec.top_k, "expert_bytes": spec.expert_bytes(),
+            "fingerprint": spec.fingerprint()}
+
+
+def _reasons(skipped: list[dict]) -> str:
+    return "; ".join(f"{s['backend']}: {s['reason']}" for s in skipped) or "no backend devices"
+
+
+def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = None) -> MachineProfile:
+    """Measure this machine.
+
+    Returns:
+        A validated :class:`MachineProfile` (not yet saved).
+
+    Raises:
+        InputError: bad options (unknown probe, missing --path, unloadable model).
+    """
+    say = progress or (lambda _m: None)
+    bad = set(opts.probes) - set(PROBES)
+    if bad:
+        raise InputError(f"unknown probe(s) {', '.join(sorted(bad))}; use {', '.join(PROBES)}")
+    from colibri_plan.backends import BACKEND_NAMES
+    from colibri_plan.quant import check_format
+
+    unknown = [b for b in opts.backends or () if b not in BACKEND_NAMES]
+    if unknown:
+        raise InputError(f"unknown backend(s) {', '.join(unknown)}; use {', '.join(BACKEND_NAMES)}")
+    for f in opts.formats:
+        check_format(f)
+    t_start = time.perf_counter()
+    st = mode_settings(opts.quick)
+    model = resolve_model(opts.model)
+    hidden = opts.hidden or model["hidden"]
+    width = opts.width or model["width"]
+    block = disk_mod.align_up(opts.block_bytes or model["expert_bytes"])
+    formats = list(dict.fromkeys([*opts.formats, model["expert_format"]]))
+    settings = {**st, "block_bytes": block, "hidden": hidden, "width": width, "formats": formats,
+                "file_bytes": opts.file_bytes or st["file_bytes"],
+                "queue_depths": list(opts.queue_depths or st["queue_depths"]),
+                "ram_bytes": opts.ram_bytes or st["ram_bytes"],
+                "disk_seconds": opts.disk_seconds or st["disk_seconds"], **opts.extra}
+    not_asked = {p: {"unavailable": f"not measured (probe {p} not selected)"}
+                 for p in PROBES if p not in opts.probes}
+    skipped: list[dict] = []
+    warnings: list[str] = []
+
+    say("machine: cpu, memory, devices")
+    machine = machine_info()
+    devices, dev_skipped = list_all_devices(opts.backends)
+    skipped += [{**s, "what": "devices"} for s in dev_skipped]
+    machine["fingerprint"] = machine_fingerprint(machine, devices)
+
+    doc = {"created_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "machine": machine, "model": model, "settings": settings, "devices": devices}
+
+    if "disk" in opts.probes:
+        try:
+            doc["disk"] = disk_mod.probe_disk(opts.path, block, settings["file_bytes"],
+                                              settings["queue_depths"], st["disk_repetitions"],
+                                              settings["disk_seconds"], say)
+            warnings += doc["disk"]["warnings"]
+        except OSError as exc:
+            doc["disk"] = {"unavailable": f"disk probe failed: {exc}"}
+            warnings.append(doc["disk"]["unavailable"])
+    if "ram" in opts.probes:
+        doc["ram"] = probe_ram(settings["ram_bytes"], st["ram_repetitions"], progress=say)
+    ram = doc.get("ram") or not_asked["ram"]
+    linkable = [d for d in devices if d["backend"] not in HOST_BACKENDS]
+    if "links" in opts.probes:
+        if linkable:
+            links, s = probe_links(linkable, ram, block, st["link_repetitions"], progress=say)
+            skipped += [{**x, "what": "links"} for x in s]
+            doc["links"] = links if links else {"unavailable": _reasons(s)}
+        else:
+            doc["links"] = {"unavailable": "no GPU or accelerator device found: " + _reasons(dev_skipped)}
+    if "matmul" in opts.probes:
+        if devices:
+            rows, ffn, s = probe_matmul(devices, formats, hidden, width, (1, 16), st["matmul_repetitions"],
+                                        int(model["top_k"]), st["matmul_budget_s"], st["ffn_budget_s"], say)
+            skipped += s
+            doc["matmul"] = rows if rows else {"unavailable": _reasons(s)}
+            doc["expert_ffn"] = ffn if ffn else {"unavailable": _reasons(s)}
+        else:
+            doc["matmul"] = {"unavailable": "no compute backend is usable: " + _reasons(dev_skipped)}
+            doc["expert_ffn"] = dict(doc["matmul"])
+    else:
+        doc["expert_ffn"] = not_asked["matmul"]
+    for p, v in not_asked.items():
+        doc.setdefault(p, v)
+    doc["skipped"] = skipped
+    doc["warnings"] = warnings
+    doc["duration_s"] = round(time.perf_counter() - t_start, 2)
+    return MachineProfile(doc)
+

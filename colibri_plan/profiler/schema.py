@@ -1,0 +1,340 @@
+"""The machine profile document: schema, validation and accessors.
+
+A profile is a JSON document (kind ``"profile"``, schema_version 1, written atomically through
+:mod:`colibri_plan.fileio`) with the sections of DESIGN.md §3:
+
+- ``machine``: cpu_model, cores, ram_total_bytes, ram_available_bytes, os, python, fingerprint, ...
+- ``disk``: path, filesystem, o_direct, page_cache_method, block_bytes, ``random`` (one entry per queue
+  depth: queue_depth, read_gbps, latency_ms {p50, p99}), ``sequential`` {read_gbps, ...}
+- ``ram``: read_gbps, threads, method
+- ``devices``: DeviceInfo dicts of every backend device found
+- ``links``: per non-host device: backend, device_index, device_name, unified_memory, block_bytes,
+  h2d_pinned_gbps, h2d_pageable_gbps, d2h_pinned_gbps, d2h_pageable_gbps
+- ``matmul``: backend, device_index, device_name, device_kind, fmt, out_features, in_features, tokens,
+  weight_gbps, seconds
+- ``expert_ffn`` (optional): backend, device_index, fmt, experts, tokens, hidden, width, seconds,
+  weight_gbps
+
+Every measured figure is a *stat*: ``{"min", "median", "max", "repetitions"}`` (non-negative, finite,
+min <= median <= max). A section the machine lacks is ``{"unavailable": reason}``. Validation runs on
+load and before save, so a corrupt or incomplete profile fails with a FormatError before any use.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+
+from colibri_plan.errors import FormatError, InputError
+from colibri_plan.fileio import fingerprint as fp_of
+from colibri_plan.fileio import read_document, write_document
+
+KIND = "profile"
+SCHEMA_VERSION = 1
+SECTIONS = ("machine", "disk", "ram", "devices", "links", "matmul")
+MEASURE_HINT = "measure it with `colibri-plan profile --out profile.json`"
+
+
+def stat(values: Iterable[float], **extra) -> dict:
+    """Summarise repeated measurements: ``{"min", "median", "max", "repetitions", **extra}``.
+
+    Raises:
+        InputError: no values.
+    """
+    vals = [float(v) for v in values]
+    if not vals:
+        raise InputError("no measurements to summarise")
+    return {"min": min(vals), "median": statistics.median(vals), "max": max(vals),
+            "repetitions": len(vals), **extra}
+
+
+def machine_fingerprint(machine: dict, devices: list | None = None) -> str:
+    """Hostname-free fingerprint of what the machine *is*: CPU model, cores, RAM total and the GPU
+    devices (name, kind, total memory). Free/available figures are left out: they change by the minute."""
+    gpus = sorted((d.get("name"), d.get("kind"), d.get("total_memory_bytes"))
+                  for d in (devices or []) if isinstance(d, dict) and d.get("kind") in ("gpu", "igpu"))
+    return fp_of({"cpu_model": machine.get("cpu_model"), "cores": machine.get("cores"),
+                  "ram_total_bytes": machine.get("ram_total_bytes"), "gpus": [list(g) for g in gpus]})
+
+
+# ---- validation --------------------------------------------------------------------------------
+def _fail(where: str, what: str):
+    raise FormatError(f"profile {where}: {what}; re-measure with `colibri-plan profile`")
+
+
+def _check_stat(s, where: str) -> None:
+    if not isinstance(s, dict):
+        _fail(where, f"expected a figure {{min, median, max, repetitions}}, got {type(s).__name__}")
+    for key in ("min", "median", "max"):
+        v = s.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            _fail(where, f"{key} must be a finite number, got {v!r}")
+        if v < 0:
+            _fail(where, f"{key} is negative ({v})")
+    if not s["min"] <= s["median"] <= s["max"]:
+        _fail(where, f"expected min <= median <= max, got {s['min']}, {s['median']}, {s['max']}")
+    r = s.get("repetitions")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        _fail(where, f"repetitions must be a positive integer, got {r!r}")
+
+
+def _check_int(d: dict, key: str, where: str, minimum: int = 0) -> None:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        _fail(where, f"{key} must be an integer >= {minimum}, got {v!r}")
+
+
+def _check_keys(d, keys: Iterable[str], where: str) -> None:
+    if not isinstance(d, dict):
+        _fail(where, f"expected an object, got {type(d).__name__}")
+    missing = [k for k in keys if k not in d]
+    if missing:
+        _fail(where, f"missing {', '.join(missing)}")
+
+
+def _unavailable(section) -> bool:
+    if isinstance(section, dict) and "unavailable" in section:
+        if not isinstance(section["unavailable"], str) or not section["unavailable"]:
+            _fail("section", "'unavailable' must give a reason (a non-empty string)")
+        return True
+    return False
+
+
+def _check_list(doc: dict, name: str) -> list | None:
+    section = doc[name]
+    if _unavailable(section):
+        return None
+    if not isinstance(section, list):
+        _fail(name, f"expected a list or {{'unavailable': reason}}, got {type(section).__name__}")
+    return section
+
+
+def validate_profile(doc: dict) -> dict:
+    """Check every section of a profile document; return it unchanged.
+
+    Raises:
+        FormatError: a section is missing, malformed, or holds a negative / non-finite figure.
+    """
+    if not isinstance(doc, dict):
+        raise FormatError("profile: expected a JSON object")
+    missing = [s for s in SECTIONS if s not in doc]
+    if missing:
+        _fail("document", f"missing section(s) {', '.join(missing)}")
+    m = doc["machine"]
+    _check_keys(m, ("cpu_model", "cores", "ram_total_bytes", "ram_available_bytes", "os", "fingerprint"),
+                "machine")
+    for key in ("cores", "ram_total_bytes", "ram_available_bytes"):
+        _check_int(m, key, "machine", 1 if key == "cores" else 0)
+    disk = doc["disk"]
+    if not _unavailable(disk):
+        _check_keys(disk, ("path", "filesystem", "o_direct", "page_cache_method", "block_bytes", "random",
+                           "sequential"), "disk")
+        _check_int(disk, "block_bytes", "disk", 1)
+        if not isinstance(disk["o_direct"], bool):
+            _fail("disk", "o_direct must be true or false")
+        if not isinstance(disk["random"], list) or not disk["random"]:
+            _fail("disk.random", "expected a non-empty list of queue-depth entries")
+        for i, e in enumerate(disk["random"]):
+            w = f"disk.random[{i}]"
+            _check_keys(e, ("queue_depth", "read_gbps", "latency_ms"), w)
+            _check_int(e, "queue_depth", w, 1)
+            _check_stat(e["read_gbps"], w + ".read_gbps")
+            _check_keys(e["latency_ms"], ("p50", "p99"), w + ".latency_ms")
+            for k in ("p50", "p99"):
+                v = e["latency_ms"][k]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    _fail(w + ".latency_ms", f"{k} must be a non-negative number, got {v!r}")
+        if not _unavailable(disk["sequential"]):
+            _check_keys(disk["sequential"], ("read_gbps",), "disk.sequential")
+            _check_stat(disk["sequential"]["read_gbps"], "disk.sequential.read_gbps")
+    ram = doc["ram"]
+    if not _unavailable(ram):
+        _check_keys(ram, ("read_gbps", "threads"), "ram")
+        _check_stat(ram["read_gbps"], "ram.read_gbps")
+        _check_int(ram, "threads", "ram", 1)
+    for i, d in enumerate(_check_list(doc, "devices") or []):
+        _check_keys(d, ("backend", "index", "name", "kind", "total_memory_bytes", "unified_memory"),
+                    f"devices[{i}]")
+    for i, e in enumerate(_check_list(doc, "links") or []):
+        w = f"links[{i}]"
+        _check_keys(e, ("backend", "device_index", "device_name", "unified_memory", "block_bytes"), w)
+        for k in ("h2d_pinned_gbps", "h2d_pageable_gbps", "d2h_pinned_gbps", "d2h_pageable_gbps"):
+            if k in e and not _unavailable(e[k]):
+                _check_stat(e[k], f"{w}.{k}")
+    for i, e in enumerate(_check_list(doc, "matmul") or []):
+        w = f"matmul[{i}]"
+        _check_keys(e, ("backend", "device_index", "fmt", "out_features", "in_features", "tokens",
+                        "weight_gbps", "seconds"), w)
+        for k in ("out_features", "in_features", "tokens"):
+            _check_int(e, k, w, 1)
+        _check_stat(e["weight_gbps"], w + ".weight_gbps")
+        _check_stat(e["seconds"], w + ".seconds")
+    if "expert_ffn" in doc:
+        for i, e in enumerate(_check_list(doc, "expert_ffn") or []):
+            w = f"expert_ffn[{i}]"
+            _check_keys(e, ("backend", "device_index", "fmt", "experts", "tokens", "seconds"), w)
+            _check_int(e, "experts", w, 1)
+            _check_stat(e["seconds"], w + ".seconds")
+    return doc
+
+
+# ---- the document and its accessors ------------------------------------------------------------
+class MachineProfile:
+    """A validated profile document with the accessors the cost model uses.
+
+    Attributes:
+        doc: the JSON document (dict) including ``kind`` and ``schema_version``.
+
+    Missing figures raise InputError naming the section and how to measure it.
+    """
+
+    def __init__(self, doc: dict):
+        doc = dict(doc)
+        doc.setdefault("kind", KIND)
+        doc.setdefault("schema_version", SCHEMA_VERSION)
+        self.doc = validate_profile(doc)
+
+    @property
+    def fingerprint(self) -> str:
+        """Fingerprint of the machine section (cpu model, cores, RAM total, GPUs)."""
+        return self.doc["machine"]["fingerprint"]
+
+    def _section(self, name: str):
+        s = self.doc.get(name)
+        if s is None or (isinstance(s, dict) and "unavailable" in s):
+            why = s["unavailable"] if isinstance(s, dict) else "not in this profile"
+            raise InputError(f"profile has no {name} figures ({why}); {MEASURE_HINT}")
+        return s
+
+    # disk
+    def _disk_entry(self, queue_depth: int) -> dict:
+        entries = sorted(self._section("disk")["random"], key=lambda e: e["queue_depth"])
+        below = [e for e in entries if e["queue_depth"] <= queue_depth]
+        return below[-1] if below else entries[0]
+
+    def disk_read_gbps(self, queue_depth: int = 1) -> float:
+        """Median random-read GB/s (1e9 B/s) at expert-sized blocks, at the nearest measured queue depth
+        <= ``queue_depth`` (the smallest measured one when all are larger)."""
+        return float(self._disk_entry(queue_depth)["read_gbps"]["median"])
+
+    def disk_latency_s(self, queue_depth: int = 1) -> float:
+        """p50 seconds per expert-block read at the nearest measured queue depth (as above)."""
+        return float(self._disk_entry(queue_depth)["latency_ms"]["p50"]) / 1e3
+
+    def disk_block_bytes(self) -> int:
+        """Bytes per read the disk figures were measured at (the model's expert block)."""
+        return int(self._section("disk")["block_bytes"])
+
+    def disk_o_direct(self) -> bool:
+        """Whether the disk figures bypass the page cache with O_DIRECT."""
+        return bool(self._section("disk")["o_direct"])
+
+    # RAM
+    def ram_read_gbps(self) -> float:
+        """Median all-core RAM read bandwidth, GB/s."""
+        return float(self._section("ram")["read_gbps"]["median"])
+
+    def ram_available_bytes(self) -> int:
+        """MemAvailable when the profile was measured, bytes."""
+        return int(self.doc["machine"]["ram_available_bytes"])
+
+    # matmul
+    def _matmul_entries(self, backend: str, device_index: int, fmt: str) -> list[dict]:
+        rows = [e for e in self._section("matmul")
+                if e["backend"] == backend and e["device_index"] == device_index and e["fmt"] == fmt]
+        if not rows:
+            have = sorted({f"{e['backend']}:{e['device_index']}:{e['fmt']}" for e in self._section("matmul")})
+            raise InputError(f"profile has no matmul figure for {backend}:{device_index} at {fmt} "
+                             f"(has {', '.join(have) or 'none'}); {MEASURE_HINT} --backends {backend}")
+        return rows
+
+    def matmul_weight_gbps(self, backend: str, device_index: int, fmt: str, tokens: int = 1,
+                           out_features: int | None = None, in_features: int | None = None) -> float:
+        """Median weight bytes/s / 1e9 of ``matmul`` at the nearest measured token count, and at the
+        nearest measured shape (in log out_features + log in_features) when a shape is given, else the
+        median over the measured shapes."""
+        rows = self._matmul_entries(backend, device_index, fmt)
+        t_best = min({e["tokens"] for e in rows}, key=lambda t: (abs(math.log(t / tokens)), t))
+        rows = [e for e in rows if e["tokens"] == t_best]
+        if out_features and in_features:  # nearest in log(out), log(in): [I, H] and [H, I] differ
+            rows = [min(rows, key=lambda e: abs(math.log(e["out_features"] / out_features))
+                        + abs(math.log(e["in_features"] / in_features)))]
+        return float(statistics.median(e["weight_gbps"]["median"] for e in rows))
+
+    def expert_ffn_s(self, backend: str, device_index: int, fmt: str, experts: int) -> float:
+        """Median seconds of one ``expert_ffn`` call over ``experts`` experts at 1 token, scaled linearly
+        from the nearest measured expert count."""
+        rows = [e for e in self._section("expert_ffn")
+                if e["backend"] == backend and e["device_index"] == device_index and e["fmt"] == fmt]
+        if not rows:
+            raise InputError(f"profile has no expert_ffn figure for {backend}:{device_index} at {fmt}; "
+                             f"{MEASURE_HINT} --backends {backend}")
+        e = min(rows, key=lambda r: abs(r["experts"] - experts))
+        return float(e["seconds"]["median"]) * experts / e["experts"]
+
+    # links
+    def link(self, backend: str, device_index: int) -> dict:
+        """The links entry of one device (InputError when it was not measured)."""
+        for e in self._section("links"):
+            if e["backend"] == backend and e["device_index"] == device_index:
+                return e
+        raise InputError(f"profile has no host<->device link figure for {backend}:{device_index}; "
+                         f"{MEASURE_HINT}")
+
+    def _link_gbps(self, backend: str, device_index: int, key: str) -> float:
+        e = self.link(backend, device_index)
+        s = e.get(key)
+        if s is None or "unavailable" in s:
+            why = s["unavailable"] if isinstance(s, dict) else "not measured"
+            raise InputError(f"profile has no {key} for {backend}:{device_index} ({why}); {MEASURE_HINT}")
+        return float(s["median"])
+
+    def h2d_gbps(self, backend: str, device_index: int, pinned: bool = True) -> float:
+        """Median host-to-device GB/s at expert-sized blocks (RAM bandwidth for unified memory)."""
+        return self._link_gbps(backend, device_index, "h2d_pinned_gbps" if pinned else "h2d_pageable_gbps")
+
+    def d2h_gbps(self, backend: str, device_index: int, pinned: bool = True) -> float:
+        """Median device-to-host GB/s at expert-sized blocks."""
+        return self._link_gbps(backend, device_index, "d2h_pinned_gbps" if pinned else "d2h_pageable_gbps")
+
+    def gpus(self) -> list[dict]:
+        """Devices of kind gpu/igpu (DeviceInfo dicts: total/free memory, unified_memory flag)."""
+        devs = self.doc["devices"]
+        if isinstance(devs, dict):
+            return []
+        return [d for d in devs if d.get("kind") in ("gpu", "igpu")]
+
+    def summary(self) -> dict:
+        """A short machine summary for plan files."""
+        m = self.doc["machine"]
+        return {"fingerprint": self.fingerprint, "cpu_model": m["cpu_model"], "cores": m["cores"],
+                "ram_total_bytes": m["ram_total_bytes"], "gpus": [g["name"] for g in self.gpus()]}
+
+
+def load_profile(path: str | os.PathLike) -> MachineProfile:
+    """Read and validate a profile file.
+
+    Raises:
+        InputError: the file does not exist.
+        FormatError: bad JSON, another kind or schema version, or an invalid section.
+    """
+    doc = read_document(path, KIND, SCHEMA_VERSION)
+    try:
+        return MachineProfile(doc)
+    except FormatError as exc:
+        raise FormatError(f"{path}: {exc}") from None
+
+
+def save_profile(profile: MachineProfile | dict, path: str | os.PathLike) -> Path:
+    """Validate and write a profile atomically; returns the path.
+
+    Raises:
+        FormatError: the document is invalid (nothing is written).
+    """
+    doc = profile.doc if isinstance(profile, MachineProfile) else profile
+    validate_profile(doc)
+    body = {k: v for k, v in doc.items() if k not in ("kind", "schema_version")}
+    return write_document(path, KIND, SCHEMA_VERSION, body)

@@ -1,0 +1,340 @@
+"""Architecture description of a MoE decoder, read from a Hugging Face ``config.json``.
+
+:class:`ArchConfig` is everything the forward pass needs to know about a model's shape and routing; it
+is plain data (``to_dict``/``from_dict`` round-trip through JSON, so an expert pack stores it).
+:func:`arch_from_hf_config` reads the families below from their ``config.json`` (key names as in the
+transformers configuration classes of each family; both the v5 ``rope_parameters`` dict and the older
+top-level ``rope_theta``/``partial_rotary_factor``/``rope_scaling`` keys are accepted):
+
+| family (model_type)  | attention                       | router                                   |
+|----------------------|---------------------------------|------------------------------------------|
+| mixtral              | GQA, RoPE                       | softmax, top-k, always renormalised      |
+| qwen2_moe            | GQA, q/k/v bias, RoPE           | softmax, norm_topk_prob; shared expert    |
+|                      |                                 | scaled by sigmoid(shared_expert_gate · x) |
+| qwen3_moe            | GQA, RMSNorm on q/k per head    | softmax, norm_topk_prob                  |
+| olmoe                | GQA, RMSNorm on the full q/k    | softmax, norm_topk_prob                  |
+|                      | projections, optional clip_qkv  |                                          |
+| glm4_moe             | GQA, partial RoPE, opt. q/k norm| sigmoid + e_score_correction_bias,       |
+|                      |                                 | group-limited top-k, routed scaling;     |
+|                      |                                 | shared experts; first_k_dense_replace    |
+| deepseek_v2/v3       | MLA: rejected (UnsupportedError)| the MoE block is described here (v3 as   |
+|                      |                                 | glm4_moe; v2 softmax + group max)        |
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from colibri_plan.errors import FormatError, UnsupportedError
+
+#: model_type values this engine runs end to end.
+SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
+#: model_type values whose MoE block is understood but whose attention (MLA) is not implemented yet.
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """Shape and routing of a MoE decoder (every size in elements, not bytes).
+
+    Attributes:
+        family: HF ``model_type`` ("mixtral", "qwen3_moe", ...) or "synthetic" for generated models.
+        vocab_size, hidden_size, n_layers: V, H and the number of decoder layers (MTP heads excluded).
+        n_heads, n_kv_heads, head_dim: query heads, key/value heads (GQA groups) and per-head width.
+        rope_theta: RoPE base. partial_rotary_factor: fraction of ``head_dim`` that is rotated (the
+            first ``rotary_dim`` channels; GLM-4.x-MoE uses 0.5). rope_interleave: rotate pairs
+            (x0, x1), (x2, x3) instead of the rotate_half halves (only DeepSeek layouts set it).
+        rope_scaling_factor: linear position scaling (positions / factor); 1.0 = none.
+        rms_norm_eps: epsilon of every RMSNorm.
+        tie_word_embeddings: the LM head reuses the embedding matrix.
+        attention_bias: q/k/v projections carry a bias (o may too; the loader keeps any bias it finds).
+        qk_norm: None, "head" (RMSNorm over each head's ``head_dim``: Qwen3-MoE, GLM with use_qk_norm)
+            or "full" (RMSNorm over the whole q / k projection: OLMoE).
+        clip_qkv: clamp q, k, v to ±clip_qkv after projection (OLMoE option), or None.
+        sliding_window: attention window in tokens on ``sliding_layers``, or None.
+        n_experts, top_k: routed experts per MoE layer and experts chosen per token.
+        moe_intermediate_size: width I of one routed expert (gate/up [I, H], down [H, I]).
+        dense_intermediate_size: width of the FFN of layers without experts (0 if none).
+        n_shared_experts: shared experts per MoE layer (stored fused as one MLP).
+        shared_intermediate_size: total width of the fused shared-expert MLP (0 if none).
+        shared_expert_gate: the shared expert output is scaled by sigmoid(w · x), w [1, H] (Qwen2-MoE).
+        first_k_dense_replace: the first k layers are dense (informative; ``moe_layers`` is the truth).
+        moe_layers: ids of layers with routed experts, ascending.
+        scoring: "softmax" or "sigmoid" router scores.
+        norm_topk_prob: renormalise the chosen top-k weights to sum to 1.
+        routed_scaling_factor: multiplies the routed weights after normalisation.
+        n_group, topk_group: group-limited top-k: experts form n_group equal groups, only experts in
+            the topk_group best groups are eligible (1, 1 = plain top-k).
+        group_score: how a group is scored: "top2_sum" (DeepSeek-V3/GLM) or "max" (DeepSeek-V2).
+        e_score_correction_bias: a per-expert bias is added to the scores for choosing only (the
+            weights use the unbiased scores), as in DeepSeek-V3/GLM-4.x-MoE.
+        hidden_act: activation of the SwiGLU MLPs; only "silu" is implemented.
+        attention: "gqa" (the only kind implemented) or "mla".
+        architecture: the HF architecture class name, when known.
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    moe_layers: tuple[int, ...]
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    rope_interleave: bool = False
+    rope_scaling_factor: float = 1.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: str | None = None
+    clip_qkv: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    dense_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    first_k_dense_replace: int = 0
+    scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "top2_sum"
+    e_score_correction_bias: bool = False
+    hidden_act: str = "silu"
+    attention: str = "gqa"
+    architecture: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
+        object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
+        problems = []
+        for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                problems.append(f"{name} must be > 0")
+        if self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if any(not 0 <= i < self.n_layers for i in self.moe_layers) or list(self.moe_layers) != sorted(
+                set(self.moe_layers)):
+            problems.append(f"moe_layers must be distinct ascending ids in 0..{self.n_layers - 1}")
+        if self.moe_layers and not 0 < self.top_k <= self.n_experts:
+            problems.append(f"top_k {self.top_k} must be in 1..n_experts ({self.n_experts})")
+        if self.scoring not in ("softmax", "sigmoid"):
+            problems.append(f"scoring {self.scoring!r} must be 'softmax' or 'sigmoid'")
+        if self.group_score not in ("top2_sum", "max"):
+            problems.append(f"group_score {self.group_score!r} must be 'top2_sum' or 'max'")
+        if self.n_group < 1 or self.n_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            problems.append(f"n_group {self.n_group} must divide n_experts {self.n_experts} and "
+                            f"topk_group {self.topk_group} be in 1..n_group")
+        if self.qk_norm not in (None, "head", "full"):
+            problems.append(f"qk_norm {self.qk_norm!r} must be None, 'head' or 'full'")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            problems.append(f"rotary_dim {self.rotary_dim} (head_dim × partial_rotary_factor) must be even")
+        if len(set(range(self.n_layers)) - set(self.moe_layers)) and self.dense_intermediate_size <= 0:
+            problems.append("layers without experts need dense_intermediate_size > 0")
+        if problems:
+            raise FormatError("invalid architecture: " + "; ".join(problems))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates: int(head_dim · partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def n_moe_layers(self) -> int:
+        """Number of layers with routed experts."""
+        return len(self.moe_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """True when ``layer`` has routed experts (else it has a dense FFN)."""
+        return layer in self.moe_layers
+
+    def check_supported(self) -> None:
+        """Raise UnsupportedError when the forward pass cannot run this architecture (MLA, non-SiLU)."""
+        if self.attention != "gqa":
+            raise UnsupportedError(
+                f"{self.family}: {self.attention.upper()} attention (multi-head latent attention) is not "
+                "supported yet; only GQA attention models (Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.x-MoE) run")
+        if self.hidden_act != "silu":
+            raise UnsupportedError(f"{self.family}: activation {self.hidden_act!r} is not supported "
+                                   "(only SiLU/SwiGLU experts)")
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (tuples become lists)."""
+        d = asdict(self)
+        d["moe_layers"] = list(self.moe_layers)
+        d["sliding_layers"] = list(self.sliding_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ArchConfig:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            FormatError: a required field is missing or a value is invalid; unknown keys are ignored.
+        """
+        if not isinstance(d, dict):
+            raise FormatError(f"architecture must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in d.items() if k in known})
+        except TypeError as e:
+            raise FormatError(f"architecture is missing fields: {e}") from None
+
+
+def _rope(cfg: dict) -> tuple[float, float, float]:
+    """(rope_theta, partial_rotary_factor, linear factor) from either config layout."""
+    rp = cfg.get("rope_parameters") or {}
+    if rp and all(isinstance(v, dict) for v in rp.values()):
+        raise UnsupportedError("per-layer-type rope_parameters are not supported")
+    legacy = cfg.get("rope_scaling") or {}
+    rope_type = rp.get("rope_type") or rp.get("type") or legacy.get("rope_type") or legacy.get("type") \
+        or "default"
+    theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    prf = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    factor = 1.0
+    if rope_type == "linear":
+        factor = float(rp.get("factor", legacy.get("factor", 1.0)))
+    elif rope_type != "default":
+        raise UnsupportedError(f"RoPE type {rope_type!r} is not supported (default and linear are)")
+    return float(theta), (None if prf is None else float(prf)), factor
+
+
+def _need(cfg: dict, *names: str):
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    raise FormatError(f"config.json lacks {' / '.join(names)}")
+
+
+def arch_from_hf_config(config: dict, allow_mla: bool = False) -> ArchConfig:
+    """Read an :class:`ArchConfig` from a Hugging Face ``config.json`` dict.
+
+    ``allow_mla=True`` returns DeepSeek-V2/V3 geometry (``attention="mla"``; head_dim = nope + rope
+    channels) for planning; the forward pass still refuses it (:meth:`ArchConfig.check_supported`).
+
+    Raises:
+        UnsupportedError: unknown ``model_type``; MLA attention (DeepSeek-V2/V3, named in the message)
+            unless ``allow_mla``; a RoPE scaling type other than default/linear.
+        FormatError: a required key is missing or values are inconsistent.
+    """
+    if not isinstance(config, dict):
+        raise FormatError("config.json must hold a JSON object")
+    mt = config.get("model_type")
+    if mt in MLA_FAMILIES:
+        if not allow_mla:
+            raise UnsupportedError(
+                f"{mt}: multi-head latent attention (MLA) is not supported yet; its MoE block is, but the "
+                f"model cannot run without MLA. Supported families: {', '.join(SUPPORTED_FAMILIES)}")
+        return _deepseek_arch(config)
+    if mt not in SUPPORTED_FAMILIES:
+        raise UnsupportedError(f"model family {mt!r} ({', '.join(config.get('architectures') or [])}) is "
+                               f"not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    hidden = int(_need(config, "hidden_size"))
+    n_layers = int(_need(config, "num_hidden_layers"))
+    n_heads = int(_need(config, "num_attention_heads"))
+    head_dim = int(config.get("head_dim") or hidden // n_heads)
+    theta, prf, scale = _rope(config)
+    act = config.get("hidden_act", "silu")
+    common = dict(
+        family=mt, architecture=(config.get("architectures") or [""])[0],
+        vocab_size=int(_need(config, "vocab_size")), hidden_size=hidden, n_layers=n_layers,
+        n_heads=n_heads, n_kv_heads=int(config.get("num_key_value_heads") or n_heads), head_dim=head_dim,
+        rope_theta=theta, rope_scaling_factor=scale, rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), hidden_act=act,
+        top_k=int(_need(config, "num_experts_per_tok")),
+    )
+    inter = int(config.get("intermediate_size") or 0)
+    if mt == "mixtral":
+        sw = config.get("sliding_window")
+        return ArchConfig(
+            **common, n_experts=int(_need(config, "num_local_experts")), moe_intermediate_size=inter,
+            moe_layers=tuple(range(n_layers)), partial_rotary_factor=prf or 1.0, norm_topk_prob=True,
+            sliding_window=int(sw) if sw else None, sliding_layers=tuple(range(n_layers)) if sw else ())
+    if mt in ("qwen2_moe", "qwen3_moe"):
+        n_exp = int(_need(config, "num_experts", "num_local_experts"))
+        step = int(config.get("decoder_sparse_step", 1) or 1)
+        mlp_only = set(config.get("mlp_only_layers") or [])
+        moe = tuple(i for i in range(n_layers) if i not in mlp_only and n_exp > 0 and (i + 1) % step == 0)
+        sw = config.get("sliding_window") if config.get("use_sliding_window") else None
+        if mt == "qwen2_moe":
+            types = config.get("layer_types") or []
+            sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if sw else ()
+            shared = int(config.get("shared_expert_intermediate_size") or 0)
+            extra = dict(attention_bias=bool(config.get("qkv_bias", True)), n_shared_experts=int(shared > 0),
+                         shared_intermediate_size=shared, shared_expert_gate=shared > 0)
+        else:
+            sliding = tuple(range(n_layers)) if sw else ()
+            extra = dict(attention_bias=bool(config.get("attention_bias", False)), qk_norm="head")
+        return ArchConfig(
+            **common, **extra, n_experts=n_exp,
+            moe_intermediate_size=int(_need(config, "moe_intermediate_size")), moe_layers=moe,
+            dense_intermediate_size=inter, partial_rotary_factor=prf or 1.0,
+            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            sliding_window=int(sw) if sw else None, sliding_layers=sliding)
+    if mt == "olmoe":
+        clip = config.get("clip_qkv")
+        return ArchConfig(
+            **common, n_experts=int(_need(config, "num_experts", "num_local_experts")),
+            moe_intermediate_size=inter, moe_layers=tuple(range(n_layers)), partial_rotary_factor=prf or 1.0,
+            attention_bias=bool(config.get("attention_bias", False)), qk_norm="full",
+            clip_qkv=None if clip is None else float(clip),
+            norm_topk_prob=bool(config.get("norm_topk_prob", False)))
+    # glm4_moe: DeepSeek-V3-style router with GQA attention
+    k_dense = int(config.get("first_k_dense_replace", 1))
+    n_shared = int(config.get("n_shared_experts", 0) or 0)
+    moe_inter = int(_need(config, "moe_intermediate_size"))
+    return ArchConfig(
+        **common, n_experts=int(_need(config, "n_routed_experts", "num_local_experts")),
+        moe_intermediate_size=moe_inter, moe_layers=tuple(range(k_dense, n_layers)),
+        dense_intermediate_size=inter, partial_rotary_factor=0.5 if prf is None else prf,
+        attention_bias=bool(config.get("attention_bias", False)),
+        qk_norm="head" if config.get("use_qk_norm") else None,
+        n_shared_experts=n_shared, shared_intermediate_size=n_shared * moe_inter,
+        first_k_dense_replace=k_dense, scoring="sigmoid",
+        norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+        n_group=int(config.get("n_group", 1) or 1), topk_group=int(config.get("topk_group", 1) or 1),
+        group_score="top2_sum", e_score_correction_bias=True)
+
+
+def _deepseek_arch(config: dict) -> ArchConfig:
+    """DeepSeek-V2/V3 geometry (MLA attention; the MoE block as in their transformers routers)."""
+    mt = config["model_type"]
+    n_layers = int(_need(config, "num_hidden_layers"))
+    n_heads = int(_need(config, "num_attention_heads"))
+    rope_d = int(_need(config, "qk_rope_head_dim"))
+    head_dim = int(_need(config, "qk_nope_head_dim")) + rope_d
+    # MLA models use YaRN scaling; only the base matters for planning (the forward pass refuses MLA)
+    theta = float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 1e4)))
+    k_dense = int(config.get("first_k_dense_replace", 0) or 0)
+    freq = int(config.get("moe_layer_freq", 1) or 1)
+    n_shared = int(config.get("n_shared_experts", 0) or 0)
+    moe_inter = int(_need(config, "moe_intermediate_size"))
+    v3 = mt == "deepseek_v3" or config.get("scoring_func") == "sigmoid"
+    grouped = v3 or config.get("topk_method") == "group_limited_greedy"
+    return ArchConfig(
+        family=mt, architecture=(config.get("architectures") or [""])[0], attention="mla",
+        vocab_size=int(_need(config, "vocab_size")), hidden_size=int(_need(config, "hidden_size")),
+        n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads, head_dim=head_dim, rope_theta=theta,
+        partial_rotary_factor=rope_d / head_dim, rope_interleave=bool(config.get("rope_interleave", True)),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        n_experts=int(_need(config, "n_routed_experts", "num_experts")),
+        top_k=int(_need(config, "num_experts_per_tok")), moe_intermediate_size=moe_inter,
+        moe_layers=tuple(i for i in range(k_dense, n_layers) if i % freq == 0),
+        dense_intermediate_size=int(config.get("intermediate_size") or 0),
+        n_shared_experts=n_shared, shared_intermediate_size=n_shared * moe_inter,
+        first_k_dense_replace=k_dense, scoring="sigmoid" if v3 else "softmax",
+        norm_topk_prob=bool(config.get("norm_topk_prob", v3)),
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+        n_group=int(config.get("n_group", 1) or 1) if grouped else 1,
+        topk_group=int(config.get("topk_group", 1) or 1) if grouped else 1,
+        group_score="top2_sum" if v3 else "max", e_score_correction_bias=v3,
+        hidden_act=config.get("hidden_act", "silu"))

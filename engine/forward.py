@@ -1,0 +1,160 @@
+"""The forward pass: embeddings, GQA attention with RoPE and a KV cache, MoE/dense FFN, LM head.
+
+Reference CPU path: dense matmuls are plain numpy float32 (x · Wᵀ); routed experts go through an
+:class:`~colibri_plan.engine.moe.ExpertProvider` (default :class:`~colibri_plan.engine.moe.RamExperts`
+on a backend of :mod:`colibri_plan.backends`). Each decoder layer is pre-norm:
+``h += attn(rmsnorm(h)); h += ffn(rmsnorm(h))``, then a final RMSNorm and the LM head, as in the
+transformers modeling code of every supported family.
+
+Usage::
+
+    w = load_checkpoint("ckpt/", expert_format="int4")
+    model = Model(w)                             # experts uploaded once to the "numpy" backend
+    cache = model.new_cache()
+    logits = model.forward([1, 2, 3], cache)     # prefill: float32 [3, V]
+    logits = model.forward([7], cache)           # decode one token: [1, V]
+    ids = model.generate([1, 2, 3], 32)          # greedy: 32 new token ids
+    model.routing.counts                         # int64 [n_moe_layers, E]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from colibri_plan.engine.attention import KVCache, attention, rmsnorm, rope_inv_freq
+from colibri_plan.engine.moe import ExpertProvider, RamExperts, RoutingRecorder, moe_block, swiglu
+from colibri_plan.engine.weights import ModelWeights, check_dense
+
+from colibri_plan.errors import InputError
+
+__all__ = ["KVCache", "Model", "ExpertProvider", "RamExperts", "RoutingRecorder"]
+
+
+class Model:
+    """A MoE decoder ready to run.
+
+    Args:
+        weights: a :class:`~colibri_plan.engine.weights.ModelWeights` (checkpoint or pack).
+        backend_name: backend for the default expert provider ("numpy", "cpu", "opencl", ...).
+        experts: an ExpertProvider (``run(layer, expert_ids, xs, gates) -> [y_i]``); None =
+            :class:`RamExperts`, every expert uploaded once to ``backend_name``.
+        recorder: a RoutingRecorder; None = a new one (``model.routing``).
+        device_index: device of ``backend_name`` for the default provider.
+
+    Attributes:
+        arch, weights, experts, routing (the RoutingRecorder).
+
+    Raises:
+        UnsupportedError: the architecture cannot run (MLA attention, non-SiLU activation).
+        FormatError: a dense tensor is missing or has the wrong shape (names and shapes in the message).
+        BackendUnavailableError / DeviceOutOfMemoryError: from the default provider.
+    """
+
+    def __init__(self, weights: ModelWeights, backend_name: str = "numpy",
+                 experts: ExpertProvider | None = None, recorder: RoutingRecorder | None = None,
+                 device_index: int = 0):
+        self.arch = weights.arch
+        self.arch.check_supported()
+        check_dense(self.arch, weights.dense, weights.source)
+        self.weights = weights
+        self.dense = weights.dense
+        self._owns_experts = experts is None
+        self.experts = RamExperts(weights, backend_name, device_index) if experts is None else experts
+        self.routing = recorder if recorder is not None else RoutingRecorder(self.arch)
+        self._inv_freq = rope_inv_freq(self.arch)
+        self._lm_head = self.dense["embed"] if self.arch.tie_word_embeddings else self.dense["lm_head"]
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        """An empty KV cache for this model (grows beyond ``capacity`` as needed)."""
+        a = self.arch
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity)
+
+    def _ids(self, token_ids) -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise InputError(f"token ids must be a non-empty 1-D sequence, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"token ids must be integers, got dtype {ids.dtype}")
+        bad = ids[(ids < 0) | (ids >= self.arch.vocab_size)]
+        if bad.size:
+            raise InputError(f"token id {int(bad[0])} is outside the vocabulary "
+                             f"0..{self.arch.vocab_size - 1}")
+        return ids.astype(np.int64)
+
+    def hidden_states(self, token_ids: Sequence[int] | np.ndarray,
+                      cache: KVCache | None = None) -> np.ndarray:
+        """Final-norm hidden states float32 [T, H] (what the LM head reads); see :meth:`forward`."""
+        ids = self._ids(token_ids)
+        cache = self.new_cache(len(ids)) if cache is None else cache
+        a, d = self.arch, self.dense
+        h = d["embed"][ids]  # [T, H]
+        for i in range(a.n_layers):
+            p = f"layers.{i}."
+            h = h + attention(rmsnorm(h, d[p + "attn_norm"], a.rms_norm_eps), i, a, d, cache, self._inv_freq)
+            x = rmsnorm(h, d[p + "ffn_norm"], a.rms_norm_eps)
+            if a.is_moe_layer(i):
+                h = h + moe_block(x, i, a, d, self.experts, self.routing)
+            else:
+                h = h + swiglu(x, d[p + "ffn.gate"], d[p + "ffn.up"], d[p + "ffn.down"])
+        cache.advance(len(ids))
+        return rmsnorm(h, d["final_norm"], a.rms_norm_eps)
+
+    def forward(self, token_ids: Sequence[int] | np.ndarray, cache: KVCache | None = None) -> np.ndarray:
+        """Logits float32 [T, V] of ``token_ids`` [T] appended after the tokens in ``cache``.
+
+        The cache (None = a fresh one, discarded) grows by T. Routing is recorded in ``self.routing``.
+
+        Raises:
+            InputError: empty input, or an id outside 0..V-1.
+        """
+        h = self.hidden_states(token_ids, cache)
+        return (h @ self._lm_head.T).astype(np.float32, copy=False)  # [T, H] · [V, H]ᵀ -> [T, V]
+
+    def generate(self, prompt_ids: Sequence[int], n_tokens: int, cache: KVCache | None = None,
+                 on_token: Callable[[int, int, float], None] | None = None) -> list[int]:
+        """Greedy decoding: prefill ``prompt_ids``, then ``n_tokens`` steps of argmax.
+
+        Args:
+            cache: continue from this cache (None = a fresh one).
+            on_token: optional ``fn(step, token_id, seconds)`` after each new token; step 0's seconds
+                include the prefill.
+
+        Returns:
+            the ``n_tokens`` new ids (the prompt excluded).
+
+        Raises:
+            InputError: bad prompt ids or a negative ``n_tokens``.
+        """
+        if int(n_tokens) < 0:
+            raise InputError(f"n_tokens must be >= 0, got {n_tokens}")
+        ids = self._ids(prompt_ids)
+        cache = self.new_cache(len(ids) + int(n_tokens)) if cache is None else cache
+        out: list[int] = []
+        t0 = time.perf_counter()
+        if n_tokens == 0:
+            return out
+        h = self.hidden_states(ids, cache)[-1:]  # only the last position's logits are needed
+        for step in range(int(n_tokens)):
+            tok = int(np.argmax(h @ self._lm_head.T))
+            out.append(tok)
+            if on_token is not None:
+                now = time.perf_counter()
+                on_token(step, tok, now - t0)
+                t0 = now
+            if step + 1 < n_tokens:
+                h = self.hidden_states([tok], cache)
+        return out
+
+    def close(self) -> None:
+        """Release the default expert provider's device memory (no-op for a caller's provider)."""
+        if self._owns_experts and self.experts is not None:
+            self.experts.close()
+            self.experts = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

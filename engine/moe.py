@@ -1,0 +1,254 @@
+"""The MoE block: router, expert providers and the routing recorder.
+
+Router semantics follow the transformers routers of each family (``MixtralTopKRouter``,
+``Qwen2MoeTopKRouter``, ``OlmoeTopKRouter``, ``Glm4MoeTopkRouter``/``DeepseekV3TopkRouter``,
+``DeepseekV2TopkRouter``):
+
+- softmax scoring: p = softmax(x·Wᵀ) over all experts; top-k of p; optional renormalisation;
+- sigmoid scoring: s = sigmoid(x·Wᵀ); experts are *chosen* on s + bias (e_score_correction_bias) but
+  *weighted* by s; with group-limited top-k only experts inside the ``topk_group`` best of ``n_group``
+  groups compete (group score: sum of its top-2 biased scores, or the max for DeepSeek-V2);
+- weights are optionally renormalised (sum + 1e-20 for sigmoid) and multiplied by
+  ``routed_scaling_factor``.
+
+An :class:`ExpertProvider` computes routed experts. The model hands it, per MoE layer and forward
+call, the distinct experts chosen, the tokens routed to each and their weights; the provider returns
+each expert's weighted output. The default :class:`RamExperts` uploads every expert once to one backend
+(host RAM); a residency manager supplies experts from VRAM / RAM / LRU / disk with the same call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+from colibri_plan.engine.arch import ArchConfig
+
+from colibri_plan.errors import BackendUnavailableError, InputError
+
+
+@runtime_checkable
+class ExpertProvider(Protocol):
+    """Computes routed experts for the model (the seam a residency manager plugs into)."""
+
+    def run(self, layer: int, expert_ids: Sequence[int], xs: Sequence[np.ndarray],
+            gates: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Weighted outputs of ``len(expert_ids)`` distinct experts of MoE layer ``layer``.
+
+        Args:
+            layer: decoder layer id (one of ``arch.moe_layers``).
+            expert_ids: distinct expert ids [n], ascending.
+            xs: xs[i] float32 [T_i, H]: the (post-norm) hidden states of the tokens routed to expert i.
+            gates: gates[i] float32 [T_i]: those tokens' routing weights for expert i.
+
+        Returns:
+            list of n float32 arrays [T_i, H]: gates[i][:, None] · down_i(SiLU(gate_i x) · up_i x).
+        """
+        ...
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """SiLU x·sigmoid(x), float32."""
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """Dense SwiGLU MLP: down(SiLU(x·gateᵀ) · x·upᵀ); x [T, H], gate/up [I, H], down [H, I] -> [T, H]."""
+    return (silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def route(logits: np.ndarray, arch: ArchConfig, bias: np.ndarray | None = None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """Choose top-k experts per token.
+
+    Args:
+        logits: router logits float32 [T, E] (x · W_routerᵀ).
+        arch: supplies scoring, top_k, grouping, norm_topk_prob, routed_scaling_factor.
+        bias: e_score_correction_bias float32 [E] (sigmoid routers), used for the choice only.
+
+    Returns:
+        (ids int64 [T, K] ordered by descending choice score, weights float32 [T, K]).
+    """
+    logits = np.asarray(logits, dtype=np.float32)
+    t, e = logits.shape
+    if arch.scoring == "softmax":
+        z = np.exp(logits - logits.max(axis=1, keepdims=True))
+        scores = z / z.sum(axis=1, keepdims=True)  # probabilities [T, E]
+    else:
+        scores = 1.0 / (1.0 + np.exp(-logits))  # sigmoid [T, E]
+    choice = scores if bias is None else scores + np.asarray(bias, dtype=np.float32)
+    if arch.n_group > 1 and arch.topk_group < arch.n_group:
+        grouped = choice.reshape(t, arch.n_group, e // arch.n_group)  # [T, G, E/G]
+        if arch.group_score == "max":
+            gscore = grouped.max(axis=2)
+        else:  # sum of each group's two best scores
+            gscore = np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2)  # [T, G]
+        keep = np.argsort(-gscore, axis=1, kind="stable")[:, : arch.topk_group]  # [T, topk_group]
+        mask = np.zeros((t, arch.n_group), dtype=bool)
+        np.put_along_axis(mask, keep, True, axis=1)
+        choice = np.where(np.repeat(mask, e // arch.n_group, axis=1), choice, -np.inf)
+    ids = np.argsort(-choice, axis=1, kind="stable")[:, : arch.top_k]  # [T, E] -> top-k ids [T, K]
+    weights = np.take_along_axis(scores, ids, axis=1).astype(np.float32)  # unbiased scores [T, K]
+    if arch.norm_topk_prob:
+        eps = 1e-20 if arch.scoring == "sigmoid" else 0.0
+        weights = weights / (weights.sum(axis=1, keepdims=True) + eps)
+    weights = weights * np.float32(arch.routed_scaling_factor)
+    return ids.astype(np.int64), weights.astype(np.float32)
+
+
+class RoutingRecorder:
+    """Records routing decisions: per (MoE layer, expert) selection counts and top-k ids per token.
+
+    Attributes:
+        layers: MoE layer ids, one row of ``counts`` each.
+        counts: int64 [len(layers), n_experts]: how many tokens chose each expert.
+        tokens: int64 [len(layers)]: tokens routed per MoE layer row.
+        keep_ids: when True (default) the top-k ids of every token are kept (see :meth:`topk_ids`).
+        hooks: callables ``fn(layer, ids [T, K], weights [T, K])`` called after each routing
+            (e.g. a prefetcher).
+    """
+
+    def __init__(self, arch: ArchConfig, keep_ids: bool = True):
+        self.arch = arch
+        self.layers = tuple(arch.moe_layers)
+        self._row = {layer: r for r, layer in enumerate(self.layers)}
+        self.keep_ids = keep_ids
+        self.hooks: list[Callable] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the counts and drop the kept ids."""
+        self.counts = np.zeros((len(self.layers), self.arch.n_experts), dtype=np.int64)
+        self.tokens = np.zeros(len(self.layers), dtype=np.int64)
+        self._ids: dict[int, list[np.ndarray]] = {layer: [] for layer in self.layers}
+
+    def _r(self, layer: int) -> int:
+        if layer not in self._row:
+            raise InputError(f"layer {layer} is not a MoE layer (MoE layers: {list(self.layers)})")
+        return self._row[layer]
+
+    def record(self, layer: int, ids: np.ndarray, weights: np.ndarray) -> None:
+        """Add one routing result (ids int [T, K], weights float32 [T, K]) of MoE layer ``layer``."""
+        r = self._r(layer)
+        self.counts[r] += np.bincount(ids.ravel(), minlength=self.arch.n_experts)
+        self.tokens[r] += ids.shape[0]
+        if self.keep_ids:
+            self._ids[layer].append(np.array(ids, dtype=np.int64))
+        for fn in self.hooks:
+            fn(layer, ids, weights)
+
+    def topk_ids(self, layer: int) -> np.ndarray:
+        """All top-k ids recorded for ``layer``, int64 [tokens, K], in token order (empty if none).
+
+        Raises:
+            InputError: ``layer`` is not a MoE layer, or ids were not kept.
+        """
+        self._r(layer)
+        if not self.keep_ids:
+            raise InputError("top-k ids were not kept (RoutingRecorder(keep_ids=False))")
+        parts = self._ids[layer]
+        return np.concatenate(parts) if parts else np.zeros((0, self.arch.top_k), dtype=np.int64)
+
+    def to_heat(self, source: str = "engine run", model_fingerprint: str | None = None):
+        """The counts as a :class:`colibri_plan.heat.Heat` (rows = ``layers``)."""
+        from colibri_plan.heat import Heat
+
+        tokens = int(self.tokens.max()) if len(self.tokens) else 0
+        return Heat(n_experts=self.arch.n_experts, layers=self.layers, counts=self.counts.astype(np.float64),
+                    top_k=self.arch.top_k, tokens=tokens, source=source,
+                    model_fingerprint=model_fingerprint, n_model_layers=self.arch.n_layers)
+
+
+def open_backend(name: str = "numpy", device_index: int = 0):
+    """Open backend ``name`` (a :mod:`colibri_plan.backends` name) on device ``device_index``.
+
+    Raises:
+        BackendUnavailableError: unknown to this install or unusable here (the reason is given).
+    """
+    from colibri_plan.backends import get_backend
+
+    try:
+        cls = get_backend(name)
+    except ImportError as e:
+        raise BackendUnavailableError(f"backend {name!r} is not installed in this build ({e})") from None
+    return cls.open(device_index)
+
+
+class RamExperts:
+    """Every routed expert uploaded once to one backend (default: host RAM through "numpy").
+
+    Args:
+        weights: a ModelWeights; ``weights.expert(layer, e)`` is read once per expert at construction.
+        backend: an open backend instance, or a backend name for ``colibri_plan.backends.get_backend``.
+        device_index: device to open when ``backend`` is a name.
+
+    Raises:
+        BackendUnavailableError: the backend cannot be opened here.
+        DeviceOutOfMemoryError: the experts do not fit the device (nothing stays allocated).
+    """
+
+    def __init__(self, weights, backend="numpy", device_index: int = 0):
+        self._owns = isinstance(backend, str)
+        self.backend = open_backend(backend, device_index) if self._owns else backend
+        self.uploaded: dict[tuple[int, int], object] = {}
+        try:
+            for key in weights.expert_keys():
+                self.uploaded[key] = self.backend.upload_expert(*weights.expert(*key))
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, layer: int, expert_ids: Sequence[int], xs: Sequence[np.ndarray],
+            gates: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """See :meth:`ExpertProvider.run`."""
+        ys = self.backend.expert_ffn(xs, [self.uploaded[(layer, int(e))] for e in expert_ids])
+        return [y * g[:, None] for y, g in zip(ys, gates)]  # [T_i, H] · gates [T_i, 1]
+
+    def close(self) -> None:
+        """Free the uploaded experts and close the backend if this object opened it."""
+        if self.backend is None:
+            return
+        if self._owns:
+            self.backend.close()
+        else:
+            for ew in self.uploaded.values():
+                for w in ew:
+                    self.backend.free(w)
+        self.uploaded.clear()
+        self.backend = None
+
+
+def moe_block(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.ndarray],
+              experts: ExpertProvider, recorder: RoutingRecorder | None = None) -> np.ndarray:
+    """Routed experts + shared experts of one MoE layer; x float32 [T, H] (post-norm) -> [T, H].
+
+    Raises:
+        InputError: the provider returned outputs of the wrong number or shape.
+    """
+    p = f"layers.{layer}."
+    logits = x @ dense[p + "router"].T  # [T, H] · [E, H]ᵀ -> router logits [T, E]
+    ids, weights = route(logits, arch, dense.get(p + "router_bias"))  # [T, K], [T, K]
+    if recorder is not None:
+        recorder.record(layer, ids, weights)
+    flat = ids.ravel()  # token t's k-th choice sits at t·K + k
+    order = np.argsort(flat, kind="stable")  # group (token, slot) pairs by expert, ascending
+    uniq, starts = np.unique(flat[order], return_index=True)
+    bounds = list(starts[1:]) + [len(order)]
+    tok_of = [order[a:b] // arch.top_k for a, b in zip(starts, bounds)]  # token ids per expert
+    gates = [weights.ravel()[order[a:b]] for a, b in zip(starts, bounds)]  # [T_i] per expert
+    xs = [np.ascontiguousarray(x[t]) for t in tok_of]  # [T_i, H] per expert
+    ys = experts.run(layer, [int(e) for e in uniq], xs, gates)
+    if len(ys) != len(uniq):
+        raise InputError(f"expert provider returned {len(ys)} outputs for {len(uniq)} experts")
+    out = np.zeros_like(x)
+    for t, y in zip(tok_of, ys):
+        if y.shape != (len(t), x.shape[1]):
+            raise InputError(f"expert provider returned shape {y.shape}, want {(len(t), x.shape[1])}")
+        out[t] += y  # a token appears at most once per expert: a plain scatter-add
+    if arch.shared_intermediate_size:
+        shared = swiglu(x, dense[p + "shared.gate"], dense[p + "shared.up"], dense[p + "shared.down"])
+        if arch.shared_expert_gate:  # Qwen2-MoE: sigmoid(x · w) scales the shared expert per token
+            shared = shared / (1.0 + np.exp(-(x @ dense[p + "shared_gate"].T)))  # [T, 1] broadcast
+        out += shared
+    return out.astype(np.float32, copy=False)

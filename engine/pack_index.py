@@ -1,0 +1,299 @@
+"""The expert pack's layout and index, and the whole-pack integrity check.
+
+A pack is a folder (see ``docs/pack-format.md``)::
+
+    OUT/pack.json          index: kind "pack", schema_version 1 (read with fileio.read_document)
+    OUT/experts.bin        every routed expert as one 4096-byte-aligned block, layer-major, expert-ascending
+    OUT/dense.safetensors  dense tensors (float32) under the engine's canonical names
+
+One expert block holds six parts in this order, each starting on a 64-byte boundary so numpy views of
+float32 scales are aligned: gate data, gate scales, up data, up scales, down data, down scales (float
+formats have no scales parts). The block is zero-padded to a multiple of 4096 bytes, so one O_DIRECT
+read of ``nbytes`` at ``offset`` fetches a whole expert; its crc32 (``zlib.crc32``) covers the padded
+block, exactly the bytes such a read returns. Every block of a pack has the same layout (``block`` in
+the index); the per-expert entries are ``[layer, expert, offset, nbytes, crc32]``.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from colibri_plan.errors import FormatError, InputError, IntegrityError
+from colibri_plan.fileio import read_document
+from colibri_plan.quant import check_format, data_shape, scales_shape
+
+PACK_KIND = "pack"
+PACK_SCHEMA_VERSION = 1
+INDEX_NAME = "pack.json"
+EXPERTS_NAME = "experts.bin"
+DENSE_NAME = "dense.safetensors"
+#: alignment of every expert block (offset and length): the O_DIRECT / page granularity
+BLOCK_ALIGN = 4096
+#: alignment of the parts inside a block (keeps float32 scales aligned for numpy views)
+PART_ALIGN = 64
+_DATA_DTYPE = {"f32": "float32", "f16": "float16", "bf16": "uint16", "int8": "int8"}
+
+
+def align_up(n: int, a: int) -> int:
+    """Smallest multiple of ``a`` that is >= ``n``."""
+    return -(-int(n) // a) * a
+
+
+@dataclass(frozen=True)
+class Part:
+    """One array inside an expert block: ``name`` ("gate.data", "gate.scales", ...), byte ``offset``
+    from the block start, ``nbytes``, numpy ``dtype`` name and ``shape``."""
+
+    name: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def to_list(self) -> list:
+        return [self.name, self.offset, self.nbytes, self.dtype, list(self.shape)]
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Layout of one expert block: gate [I, H], up [I, H], down [H, I] in format ``fmt``.
+
+    Attributes:
+        fmt: quant format of the three matrices.
+        hidden_size, width: H and the expert width I.
+        parts: the arrays in file order (gate, up, down; data then scales).
+        payload_bytes: end of the last part (bytes that carry data).
+        block_bytes: ``payload_bytes`` rounded up to 4096: the block's size on disk and read length.
+    """
+
+    fmt: str
+    hidden_size: int
+    width: int
+    parts: tuple[Part, ...]
+    payload_bytes: int
+    block_bytes: int
+
+    def part(self, name: str) -> Part:
+        for p in self.parts:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def to_dict(self) -> dict:
+        return {"format": self.fmt, "hidden_size": self.hidden_size, "width": self.width,
+                "payload_bytes": self.payload_bytes, "block_bytes": self.block_bytes,
+                "alignment_bytes": BLOCK_ALIGN, "parts": [p.to_list() for p in self.parts]}
+
+
+def block_layout(fmt: str, hidden_size: int, width: int) -> BlockLayout:
+    """The block layout of an expert with hidden size H and width I in ``fmt``.
+
+    Example: GLM-5.2 geometry (H 6144, I 2048) at int4 gives payload 18,915,328 B = block 18,915,328 B
+    (already a multiple of 4096).
+
+    Raises:
+        UnsupportedError: unknown format.
+        InputError: non-positive sizes.
+    """
+    check_format(fmt)
+    if hidden_size < 1 or width < 1:
+        raise InputError(f"expert geometry must be positive, got hidden {hidden_size}, width {width}")
+    dtype = _DATA_DTYPE.get(fmt, "uint8")
+    parts, pos = [], 0
+    for name, (o, i) in (("gate", (width, hidden_size)), ("up", (width, hidden_size)),
+                         ("down", (hidden_size, width))):
+        shape = data_shape(fmt, o, i)
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        parts.append(Part(f"{name}.data", pos, n, dtype, tuple(shape)))
+        pos = align_up(pos + n, PART_ALIGN)
+        s = scales_shape(fmt, o, i)
+        if s is not None:
+            n = int(np.prod(s)) * 4
+            parts.append(Part(f"{name}.scales", pos, n, "float32", tuple(s)))
+            pos = align_up(pos + n, PART_ALIGN)
+    payload = parts[-1].offset + parts[-1].nbytes
+    return BlockLayout(fmt, int(hidden_size), int(width), tuple(parts), payload,
+                       align_up(payload, BLOCK_ALIGN))
+
+
+def layout_from_dict(d: dict) -> BlockLayout:
+    """Rebuild the layout from the index and check it equals :func:`block_layout` of its geometry.
+
+    Raises:
+        FormatError: fields missing, or parts that differ from what this version writes.
+    """
+    try:
+        want = block_layout(d["format"], int(d["hidden_size"]), int(d["width"]))
+        got = tuple(Part(p[0], int(p[1]), int(p[2]), str(p[3]), tuple(int(x) for x in p[4]))
+                    for p in d["parts"])
+        block_bytes = int(d["block_bytes"])
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise FormatError(f"pack index: malformed 'block' layout ({exc}); re-create the pack") from exc
+    if got != want.parts or block_bytes != want.block_bytes:
+        raise FormatError("pack index: the expert block layout differs from the layout of its format and "
+                          "geometry; the index is corrupt or from another version; re-create the pack")
+    return want
+
+
+def parse_block(buf, layout: BlockLayout, copy: bool = False):
+    """Split an expert block into (gate, up, down) QuantTensors.
+
+    Args:
+        buf: bytes-like of at least ``layout.payload_bytes`` (a bytes object, memoryview, mmap or a
+            uint8 numpy array, e.g. an O_DIRECT read buffer).
+        copy: when False the arrays are views of ``buf`` (valid while ``buf`` is unchanged).
+
+    Raises:
+        IntegrityError: ``buf`` is shorter than the payload.
+    """
+    from colibri_plan.quant import QuantTensor
+
+    mv = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
+    if len(mv) < layout.payload_bytes:
+        raise IntegrityError(f"expert block has {len(mv)} bytes, its layout needs {layout.payload_bytes}")
+    arrays = {}
+    for p in layout.parts:
+        a = np.frombuffer(mv, dtype=p.dtype, count=p.nbytes // np.dtype(p.dtype).itemsize,
+                          offset=p.offset).reshape(p.shape)
+        arrays[p.name] = a.copy() if copy else a
+    H, I = layout.hidden_size, layout.width
+    fmt = layout.fmt
+    return tuple(QuantTensor(fmt, o, i, arrays[f"{n}.data"], arrays.get(f"{n}.scales"))
+                 for n, (o, i) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))))
+
+
+def read_index(path: str | os.PathLike) -> dict:
+    """Read and structurally check ``pack.json`` of the pack folder ``path``.
+
+    Raises:
+        InputError: ``path`` is not a folder or has no index.
+        FormatError: wrong kind/schema, or missing sections.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise InputError(f"pack {folder} does not exist or is not a folder; create it with "
+                         "`colibri-plan model pack` or `colibri-plan model fixture`")
+    if not (folder / INDEX_NAME).is_file():
+        raise InputError(f"{folder} is not an expert pack: it has no {INDEX_NAME}")
+    doc = read_document(folder / INDEX_NAME, PACK_KIND, PACK_SCHEMA_VERSION)
+    for key in ("arch", "format", "block", "experts", "model"):
+        if key not in doc:
+            raise FormatError(f"{folder / INDEX_NAME}: missing section {key!r}; re-create the pack")
+    if doc["format"].get("expert_format") not in (doc["block"].get("format"),):
+        raise FormatError(f"{folder / INDEX_NAME}: expert_format disagrees with the block layout")
+    return doc
+
+
+def check_entries(doc: dict, layout: BlockLayout, moe_layers, n_experts: int, file_bytes: int) -> list[str]:
+    """Problems with the per-expert entries: coverage of every (layer, expert) once, 4096 alignment,
+    block size, bounds within ``file_bytes`` and overlaps. Returns messages (empty when fine)."""
+    problems = []
+    want = {(int(l), e) for l in moe_layers for e in range(n_experts)}
+    seen, spans = set(), []
+    for row in doc["experts"]:
+        if not (isinstance(row, list) and len(row) == 5 and all(isinstance(v, int) for v in row)):
+            problems.append(f"malformed expert entry {row!r}")
+            continue
+        l, e, off, nb, _ = row
+        if (l, e) in seen:
+            problems.append(f"expert (layer {l}, expert {e}) listed twice")
+        seen.add((l, e))
+        if (l, e) not in want:
+            problems.append(f"expert entry (layer {l}, expert {e}) is not in the model")
+        if off % BLOCK_ALIGN or nb % BLOCK_ALIGN:
+            problems.append(f"expert (layer {l}, expert {e}): offset {off} / nbytes {nb} not 4096-aligned")
+        if nb != layout.block_bytes:
+            problems.append(f"expert (layer {l}, expert {e}): nbytes {nb} != block size {layout.block_bytes}")
+        if off < 0 or off + nb > file_bytes:
+            problems.append(f"expert (layer {l}, expert {e}): bytes {off}..{off + nb} lie beyond the end of "
+                            f"{EXPERTS_NAME} ({file_bytes} B): truncated file or wrong offset")
+        spans.append((off, nb, l, e))
+    missing = want - seen
+    if missing:
+        problems.append(f"{len(missing)} expert(s) missing from the index, e.g. (layer, expert) "
+                        f"{sorted(missing)[0]}")
+    spans.sort()
+    for (o1, n1, l1, e1), (o2, _, l2, e2) in zip(spans, spans[1:]):
+        if o1 + n1 > o2:
+            problems.append(f"experts (layer {l1}, expert {e1}) and (layer {l2}, expert {e2}) overlap "
+                            f"at byte {o2}")
+    return problems
+
+
+def file_crc32(path: Path, chunk_bytes: int = 1 << 24) -> int:
+    """zlib.crc32 of a whole file, read in chunks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def verify_pack(path: str | os.PathLike, progress=None) -> dict:
+    """Re-check a pack: index structure, file sizes against the index, every entry, every expert's crc32
+    and the dense file's crc32.
+
+    Args:
+        progress: optional callable(done_experts, total) called every few experts.
+
+    Returns:
+        ``{"path", "ok", "experts", "experts_bytes", "problems": [messages]}``; ``ok`` is False when
+        anything is wrong (a flipped byte, a truncated file, a wrong index entry, ...).
+
+    Raises:
+        InputError / FormatError: not a pack, or an unreadable index (nothing else can be checked).
+    """
+    from colibri_plan.engine.arch import ArchConfig
+
+    folder = Path(path)
+    doc = read_index(folder)
+    layout = layout_from_dict(doc["block"])
+    arch = ArchConfig.from_dict(doc["arch"])
+    fmt = doc["format"]
+    problems: list[str] = []
+    exp_path, dense_path = folder / EXPERTS_NAME, folder / DENSE_NAME
+    size = exp_path.stat().st_size if exp_path.is_file() else -1
+    if size < 0:
+        problems.append(f"{EXPERTS_NAME} is missing")
+    elif size != fmt.get("experts_file_bytes"):
+        problems.append(f"{EXPERTS_NAME} has {size} bytes, the index says {fmt.get('experts_file_bytes')}: "
+                        "the file was truncated or replaced")
+    problems += check_entries(doc, layout, arch.moe_layers, arch.n_experts, max(size, 0))
+    bad = 0
+    if size >= 0:
+        fd = os.open(exp_path, os.O_RDONLY)
+        try:
+            rows = doc["experts"]
+            for i, row in enumerate(rows):
+                if not (isinstance(row, list) and len(row) == 5):
+                    continue
+                l, e, off, nb, crc = row
+                buf = os.pread(fd, nb, off)
+                if len(buf) != nb:
+                    continue  # already reported as beyond the end
+                if zlib.crc32(buf) != crc:
+                    bad += 1
+                    if bad <= 10:
+                        problems.append(f"expert (layer {l}, expert {e}) at offset {off}: crc32 "
+                                        f"{zlib.crc32(buf):08x} != index {crc:08x} "
+                                        "(corrupt data or wrong index entry)")
+                if progress is not None and (i % 16 == 15 or i == len(rows) - 1):
+                    progress(i + 1, len(rows))
+        finally:
+            os.close(fd)
+    if bad > 10:
+        problems.append(f"... {bad - 10} more experts with a crc32 mismatch")
+    if not dense_path.is_file():
+        problems.append(f"{DENSE_NAME} is missing")
+    elif dense_path.stat().st_size != fmt.get("dense_file_bytes"):
+        problems.append(f"{DENSE_NAME} has {dense_path.stat().st_size} bytes, the index says "
+                        f"{fmt.get('dense_file_bytes')}")
+    elif file_crc32(dense_path) != fmt.get("dense_crc32"):
+        problems.append(f"{DENSE_NAME}: crc32 mismatch (corrupt dense tensors)")
+    return {"path": str(folder), "ok": not problems, "experts": len(doc["experts"]),
+            "experts_bytes": size, "expert_format": fmt.get("expert_format"), "problems": problems}

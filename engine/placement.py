@@ -1,0 +1,110 @@
+"""Where every (layer, expert) of a model lives, as the engine reads it from a plan file.
+
+A :class:`Placement` is the engine's view of a plan's tiers: per MoE layer the experts resident in VRAM
+on each device ("cuda:0"), the experts pinned in RAM, and the number of LRU slots; every other expert
+of the layer is streamed from disk through that layer's LRU cache. It is built from a plan file's
+per-layer ``tiers`` (``docs/plan-format.md``) or directly (tests, the all-RAM reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from colibri_plan.errors import FormatError
+
+
+@dataclass
+class LayerPlacement:
+    """Tiers of one MoE layer.
+
+    Attributes:
+        vram: device key ("<backend>:<index>") -> expert ids resident there.
+        ram_pinned: expert ids loaded into RAM at start-up.
+        lru_slots: streamed experts this layer keeps cached in RAM (least recently used evicted).
+    """
+
+    vram: dict[str, list[int]] = field(default_factory=dict)
+    ram_pinned: list[int] = field(default_factory=list)
+    lru_slots: int = 0
+
+    def resident(self) -> set[int]:
+        """Experts that never touch the disk after start-up (VRAM or pinned)."""
+        ids = set(self.ram_pinned)
+        for v in self.vram.values():
+            ids.update(v)
+        return ids
+
+
+@dataclass
+class Placement:
+    """Per-layer tiers for a whole model: ``layers[layer_id] -> LayerPlacement``."""
+
+    layers: dict[int, LayerPlacement]
+
+    def layer(self, layer_id: int) -> LayerPlacement:
+        """The tiers of one MoE layer (an empty placement — everything streamed, no slots — if absent)."""
+        return self.layers.get(int(layer_id), LayerPlacement())
+
+    def device_keys(self) -> list[str]:
+        """Every device key with VRAM experts."""
+        return sorted({k for lp in self.layers.values() for k, ids in lp.vram.items() if ids})
+
+    def validate(self, moe_layers: Iterable[int], n_experts: int) -> None:
+        """Check that layers exist, ids are in range and no expert is in two tiers.
+
+        Raises:
+            FormatError: naming the layer and expert at fault.
+        """
+        valid = set(int(l) for l in moe_layers)
+        for lid, lp in self.layers.items():
+            if lid not in valid:
+                raise FormatError(f"placement names layer {lid}, which is not a MoE layer of this model "
+                                  f"({sorted(valid)})")
+            if lp.lru_slots < 0:
+                raise FormatError(f"layer {lid}: lru_slots must be >= 0, got {lp.lru_slots}")
+            seen: set[int] = set()
+            for tier, ids in [("ram_pinned", lp.ram_pinned)] + [(f"vram {k}", v) for k, v in lp.vram.items()]:
+                for e in ids:
+                    if not 0 <= int(e) < n_experts:
+                        raise FormatError(f"layer {lid}: expert {e} in {tier} is out of range 0..{n_experts - 1}")
+                    if int(e) in seen:
+                        raise FormatError(f"layer {lid}: expert {e} is placed in two tiers")
+                    seen.add(int(e))
+
+    @classmethod
+    def all_ram(cls, moe_layers: Iterable[int], n_experts: int) -> Placement:
+        """Every expert pinned in RAM (the CPU reference)."""
+        return cls({int(l): LayerPlacement(ram_pinned=list(range(n_experts))) for l in moe_layers})
+
+    @classmethod
+    def all_disk(cls, moe_layers: Iterable[int], lru_slots: int = 1) -> Placement:
+        """Every expert streamed, ``lru_slots`` cached per layer."""
+        return cls({int(l): LayerPlacement(lru_slots=lru_slots) for l in moe_layers})
+
+    @classmethod
+    def from_layers(cls, layers: list[dict]) -> Placement:
+        """From a plan file's ``layers`` list: ``{"layer", "vram": {key: ids}, "ram_pinned": ids,
+        "lru_slots": n, ...}`` (other keys, e.g. "disk", are ignored: they are the complement).
+
+        Raises:
+            FormatError: a malformed entry.
+        """
+        out: dict[int, LayerPlacement] = {}
+        try:
+            for d in layers:
+                out[int(d["layer"])] = LayerPlacement(
+                    vram={str(k): [int(e) for e in v] for k, v in (d.get("vram") or {}).items()},
+                    ram_pinned=[int(e) for e in d.get("ram_pinned") or []],
+                    lru_slots=int(d.get("lru_slots", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"plan layer entry is malformed ({exc!r}); re-create the plan") from exc
+        return cls(out)
+
+    def summary(self) -> dict:
+        """Counts per tier over all layers."""
+        return {
+            "vram": {k: sum(len(lp.vram.get(k, [])) for lp in self.layers.values()) for k in self.device_keys()},
+            "ram_pinned": sum(len(lp.ram_pinned) for lp in self.layers.values()),
+            "lru_slots": sum(lp.lru_slots for lp in self.layers.values()),
+        }

@@ -1,0 +1,28 @@
+#version 450
+// RMSNorm of one token per workgroup: y[t, i] = x[t, i] / sqrt(mean_i(x[t, i]^2) + eps) * w[i].
+// x is rows of pc.n floats from the start of binding 2; the weight w sits in the same buffer at float
+// index pc.woff; y has rows of pc.n floats.
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+
+layout(local_size_x_id = 0) in;
+const uint MIN_SUBGROUP = 4u;
+
+layout(std430, binding = 2) readonly restrict buffer XB { float x[]; };
+layout(std430, binding = 3) writeonly restrict buffer YB { float y[]; };
+layout(push_constant) uniform PC { uint n; uint woff; float eps; } pc;
+
+shared float red[gl_WorkGroupSize.x / MIN_SUBGROUP];
+
+void main() {
+    const uint base = gl_WorkGroupID.x * pc.n, lid = gl_LocalInvocationID.x;
+    float s = 0.0;
+    for (uint i = lid; i < pc.n; i += gl_WorkGroupSize.x) s += x[base + i] * x[base + i];
+    s = subgroupAdd(s);
+    if (subgroupElect()) red[gl_SubgroupID] = s;
+    barrier();
+    float total = 0.0;
+    for (uint g = 0u; g < gl_NumSubgroups; g++) total += red[g];
+    float inv = inversesqrt(total / float(pc.n) + pc.eps);
+    for (uint i = lid; i < pc.n; i += gl_WorkGroupSize.x) y[base + i] = x[base + i] * inv * x[pc.woff + i];
+}
