@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+
 from colibri_plan.backends.base import DeviceInfo, DeviceWeight, ExpertWeights
 from colibri_plan.backends.numpy_ref import NumpyBackend, _version, host_device
-
 from colibri_plan.errors import BackendUnavailableError
 from colibri_plan.quant import FORMATS, GROUP_FORMATS, QuantTensor, group_size
 
@@ -45,12 +45,48 @@ def _load_kernels():
     return _kernels
 
 
+class _Parallel:
+    """Holds the kernel lock and sets numba's parallel chunk size for one call (restored after)."""
+
+    def __init__(self, numba, chunk: int):
+        self.numba, self.chunk, self.old = numba, chunk, 0
+
+    def __enter__(self):
+        _KERNEL_LOCK.acquire()
+        self.old = self.numba.set_parallel_chunksize(self.chunk)
+
+    def __exit__(self, *exc):
+        self.numba.set_parallel_chunksize(self.old)
+        _KERNEL_LOCK.release()
+
+
 class HostWeight(NamedTuple):
-    """Payload of an uploaded weight: the packed QuantTensor plus the views the kernels take."""
+    """Payload of an uploaded weight: the packed QuantTensor plus the views the int4 kernels take."""
 
     qt: QuantTensor
-    scales2: np.ndarray | None  # int4 family: float32 [out, groups] (groups = 1 for per-row int4)
-    group: int  # int4 family: columns per scale group (per-row int4: the padded row width)
+    data3: np.ndarray | None = None  # int4 family: uint8 [out, blocks, block bytes] (see q4_matmul)
+    scales2: np.ndarray | None = None  # int4 family: float32 [out, groups] (1 group for per-row int4)
+    group: int = 0  # int4 family: columns per scale group (per-row int4: the padded row width)
+    pairs: bool = False  # int4-g32: two groups per 32-byte block
+
+
+def int4_layout(qt: QuantTensor) -> HostWeight:
+    """The blocked views of an int4 / int4-gG weight for ``q4_matmul`` (no copy unless a row does not
+    end on a whole block: then data is padded with the zero code and scales with 0.0)."""
+    out, nb = qt.data.shape
+    g = group_size(qt.fmt)
+    if g is None:  # per-row: one block per row
+        return HostWeight(qt, qt.data.reshape(out, 1, nb), qt.scales.reshape(out, 1), 2 * nb)
+    pairs = g == 32  # a 16-byte loop stays scalar in LLVM; two groups per block vectorise
+    groups = qt.scales.shape[1] + (qt.scales.shape[1] % 2 if pairs else 0)
+    data, scales = qt.data, qt.scales
+    if groups * g // 2 != nb or groups != scales.shape[1]:
+        data = np.full((out, groups * g // 2), 0x88, np.uint8)
+        data[:, :nb] = qt.data
+        scales = np.zeros((out, groups), np.float32)
+        scales[:, : qt.scales.shape[1]] = qt.scales
+    bb = 32 if pairs else g // 2
+    return HostWeight(qt, data.reshape(out, -1, bb), scales, g, pairs)
 
 
 def int4_activations(x: np.ndarray, nbytes: int, group: int):
@@ -120,15 +156,15 @@ class CpuBackend(NumpyBackend):
     def _open(self) -> None:
         try:
             self._k = _load_kernels()
+            import numba
+
+            self._numba = numba
         except Exception as exc:  # a broken numba/llvmlite install: say why, do not crash later
             raise BackendUnavailableError(f"cpu backend unavailable: numba failed to import: {exc}") from exc
 
     def _upload(self, qt: QuantTensor) -> HostWeight:
         qt = super()._upload(qt)
-        if qt.fmt in INT4_FORMATS:
-            g = group_size(qt.fmt) or 2 * qt.data.shape[1]
-            return HostWeight(qt, qt.scales.reshape(qt.out_features, -1), g)
-        return HostWeight(qt, None, 0)
+        return int4_layout(qt) if qt.fmt in INT4_FORMATS else HostWeight(qt)
 
     def _matmul(self, x: np.ndarray, w: DeviceWeight) -> np.ndarray:
         hw: HostWeight = w.payload
@@ -138,17 +174,34 @@ class CpuBackend(NumpyBackend):
                                                               qt.nbytes, qt))
         y = np.empty((x.shape[0], qt.out_features), np.float32)  # [T, out]
         if qt.fmt in INT4_FORMATS:
-            xe, xd, xsum = int4_activations(x, qt.data.shape[1], hw.group)
-            with _KERNEL_LOCK:
-                self._k.q4_matmul(qt.data, hw.scales2, xe, xd, xsum, hw.group // 2, y)
+            xe, xd, xsum = self._int4_x(x, hw)
+            with self._parallel(self._tiles(qt.out_features)):
+                self._k.q4_matmul(hw.data3, hw.scales2, xe, xd, xsum, hw.pairs, y)
         elif qt.fmt == "int2":
             x0, d1, d2, d3, xsum = int2_activations(x, qt.data.shape[1])
-            with _KERNEL_LOCK:
+            with self._parallel(qt.out_features):
                 self._k.q2_matmul(qt.data, qt.scales, x0, d1, d2, d3, xsum, y)
         else:
-            with _KERNEL_LOCK:
+            with self._parallel(qt.out_features):
                 self._k.q8_matmul(qt.data, qt.scales, x, y)
         return y
+
+    @staticmethod
+    def _int4_x(x: np.ndarray, hw: HostWeight):
+        # activations in the weight's block shape: xe, xd [T, blocks, bb]; xsum [T, groups]
+        _, blocks, bb = hw.data3.shape
+        xe, xd, xsum = int4_activations(x, blocks * bb, hw.group)
+        T = x.shape[0]
+        return xe.reshape(T, blocks, bb), xd.reshape(T, blocks, bb), xsum
+
+    def _parallel(self, iterations: int):
+        """Context for a kernel call: the process lock and dynamic scheduling of the kernel's
+        ``iterations`` prange steps in 16 chunks (a core that is descheduled on a shared machine then
+        stalls one chunk, not half the rows)."""
+        return _Parallel(self._numba, max(1, iterations // 16))
+
+    def _tiles(self, rows: int) -> int:
+        return -(-rows // self._k.ROW_TILE)
 
     def _expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
         out = []
@@ -159,10 +212,9 @@ class CpuBackend(NumpyBackend):
                 out.extend(super()._expert_ffn([x], [e]))
                 continue
             h = np.empty((x.shape[0], g.qt.out_features), np.float32)  # [T, I]
-            xe, xd, xsum = int4_activations(x, g.qt.data.shape[1], g.group)
-            with _KERNEL_LOCK:  # gate and up rows read in the same pass, SiLU·mul fused
-                self._k.q4_gate_up(g.qt.data, g.scales2, u.qt.data, u.scales2, xe, xd, xsum,
-                                   g.group // 2, h)
+            xe, xd, xsum = self._int4_x(x, g)
+            with self._parallel(self._tiles(g.qt.out_features)):  # gate+up in one pass, SiLU·mul fused
+                self._k.q4_gate_up(g.data3, g.scales2, u.data3, u.scales2, xe, xd, xsum, g.pairs, h)
             out.append(self._matmul(h, e.down))  # [T, I] -> [T, H]
         return out
 

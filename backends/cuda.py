@@ -5,7 +5,8 @@ Weights use the padded layout of :func:`colibri_plan.backends.base.padded_layout
 pinned host staging buffer. Each op makes one host-to-device copy (a pointer table plus the zero-padded
 activations), its launches, and one device-to-host copy: :meth:`CUDABackend.expert_ffn` runs the whole
 batch of experts in two launches (gate/up fused with SiLU·up, then down), whatever the batch size.
-``last_device_seconds`` holds the GPU time of the last op's kernels (CUDA events), for benchmarks.
+Repeated work shapes replay a captured CUDA graph. With ``timing = True``, ``last_device_seconds``
+holds the GPU time of the last op (its copies and kernels, from CUDA events), for benchmarks.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from colibri_plan.backends.base import Backend, DeviceInfo, ExpertWeights, padded_layout
 
+from colibri_plan.backends.base import Backend, DeviceInfo, ExpertWeights, padded_layout
 from colibri_plan.errors import DeviceOutOfMemoryError, UnsupportedError
 from colibri_plan.quant import FORMATS, QuantTensor, group_size
 
@@ -25,7 +26,7 @@ _FMT_ID = {"f32": 0, "f16": 1, "bf16": 2, "int8": 3, "int4": 4, "int2": 5}
 _GSHIFT = {32: 0, 64: 1, 128: 2}  # log2(G / 32): 16-byte words of int4 per group
 _WARPS = 8  # warps per block
 _R_MM, _R_GU = 4, 2  # rows per warp: 4 (matmul) or 2 x 2 matrices (gate/up) 16-byte loads in flight
-_RESERVE_BYTES = 512 << 20  # left free at open for the module, work buffers and CuPy itself
+_RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the module and work buffers
 _STAGE_BYTES = 64 << 20  # pinned staging chunk for uploads
 
 
@@ -75,7 +76,7 @@ class CUDABackend(Backend):
                 with cupy.cuda.Device(i):
                     free, total = rt.memGetInfo()
                 name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
-                integrated = bool(p.get("integrated", 0))  # Jetson/GH200-style: shares host memory
+                integrated = bool(p.get("integrated", 0))  # Jetson-style: computes on host memory
                 out.append(DeviceInfo(
                     backend=cls.name, index=i, name=name, kind="igpu" if integrated else "gpu",
                     total_memory_bytes=int(total), free_memory_bytes=int(free), unified_memory=integrated,
@@ -100,11 +101,17 @@ class CUDABackend(Backend):
             self._events = (cupy.cuda.Event(), cupy.cuda.Event())
             free, _ = self.rt.memGetInfo()
             self._sms = int(self.dev.attributes["MultiProcessorCount"])
-        self._capacity = max(0, int(free) - _RESERVE_BYTES)
+        self._capacity = int(free) - min(_RESERVE_BYTES, int(free) // 8)
         self._fns: dict[str, Any] = {}
         self._occupancy: dict[tuple, int] = {}
+        self._launchers: dict[tuple, tuple] = {}
+        self._graphs: dict[tuple, Any] = {}  # work shape + buffers -> captured CUDA graph
+        self._seen: set[tuple] = set()
+        self.use_graphs = True
         self._work: dict[str, Any] = {}  # name -> Memory (device, grow-only)
         self._pinned: dict[str, np.ndarray] = {}  # name -> uint8 view of pinned host memory
+        self._pinned_ptr: dict[str, int] = {}  # name -> its host address
+        self.timing = False  # True: record CUDA events around each op into last_device_seconds
         self.last_device_seconds: float | None = None
 
     def _close(self) -> None:
@@ -113,13 +120,16 @@ class CUDABackend(Backend):
         self._work.clear()
         self._pinned.clear()
         self._fns.clear()
+        self._launchers.clear()
+        self._graphs.clear()
+        self._seen.clear()
 
     def _synchronize(self) -> None:
         with self.dev:
             self.stream.synchronize()
 
     def capacity_bytes(self) -> int | None:
-        """Free device memory when opened, less a reserve for kernels and work buffers."""
+        """Free device memory when opened, less a reserve (512 MiB, at most 1/8) for work buffers."""
         return self._capacity
 
     # ---- memory ----------------------------------------------------------------------------------
@@ -146,6 +156,7 @@ class CUDABackend(Backend):
         if buf is None or buf.nbytes < nbytes:
             mem = self.cp.cuda.alloc_pinned_memory(max(nbytes, 1 << 16))
             buf = self._pinned[name] = np.frombuffer(mem, np.uint8, max(nbytes, 1 << 16))
+            self._pinned_ptr[name] = buf.ctypes.data  # cached: .ctypes costs ~10 us per access
         return buf
 
     def _work_ptr(self, name: str, nbytes: int) -> int:
@@ -163,7 +174,7 @@ class CUDABackend(Backend):
             for off in range(0, src.nbytes, stage.nbytes):
                 n = min(stage.nbytes, src.nbytes - off)
                 stage[:n] = src[off:off + n]
-                self.rt.memcpyAsync(dst_ptr + off, stage.ctypes.data, n, self.rt.memcpyHostToDevice,
+                self.rt.memcpyAsync(dst_ptr + off, self._pinned_ptr["stage"], n, self.rt.memcpyHostToDevice,
                                     self.stream.ptr)
                 self.stream.synchronize()  # the staging buffer is refilled next
 
@@ -204,60 +215,102 @@ class CUDABackend(Backend):
             self._occupancy[key] = max(1, int(n))
         return self._occupancy[key]
 
-    def _launch(self, name: str, fmt: str, n_mats: int, table_ptr: int, rows_grid: int, rows: int,
-                in_pad: int, stride: int) -> None:
-        R = _R_MM if name == "mm" else _R_GU
-        fn = self._fn(name, fmt, in_pad * 4)
-        i32 = np.int32
-        tiles = -(-rows_grid // (R * _WARPS))
-        # one wave of resident blocks over all matrices; each block loops over its row tiles
-        blocks = max(1, min(tiles, -(-self._resident(fn, in_pad * 4) * self._sms // n_mats)))
-        fn((blocks, n_mats), (32 * _WARPS,),
-           (np.uint64(table_ptr), i32(rows), i32(in_pad), i32(stride), i32(_GSHIFT.get(group_size(fmt), 0))),
-           shared_mem=in_pad * 4)
+    def _launcher(self, name: str, fmt: str, n_mats: int, rows_grid: int, rows: int, in_pad: int,
+                  stride: int):
+        """(kernel, grid, block, shared bytes, scalar args) of one launch, cached: calls stay cheap."""
+        key = (name, fmt, n_mats, rows_grid, rows, in_pad, stride)
+        hit = self._launchers.get(key)
+        if hit is None:
+            R = _R_MM if name == "mm" else _R_GU
+            smem = in_pad * 4
+            fn = self._fn(name, fmt, smem)
+            tiles = -(-rows_grid // (R * _WARPS))
+            # one wave of resident blocks over all matrices; each block loops over its row tiles
+            blocks = max(1, min(tiles, -(-self._resident(fn, smem) * self._sms // n_mats)))
+            scalars = tuple(np.int32(v) for v in (rows, in_pad, stride, _GSHIFT.get(group_size(fmt), 0)))
+            hit = self._launchers[key] = (fn, (blocks, n_mats), (32 * _WARPS,), smem, scalars)
+        return hit
 
-    def _stage_args(self, table_words: int, xs, in_pad: int) -> tuple[np.ndarray, int, list[int]]:
-        """Pinned [u64 table | x_0 | x_1 ...] (x_i zero-padded to [T_i, in_pad]) and its device copy
-        address; returns the host table to fill, the device base address and each x_i's address."""
-        tb = table_words * 8
-        n = tb + sum(x.shape[0] for x in xs) * in_pad * 4
+    def _stage_args(self, table: list[int], xs, in_pad: int) -> tuple[int, int]:
+        """Fill pinned [u64 table | x_0 | x_1 ...] (x_i zero-padded to [T_i, in_pad]); returns its byte
+        count and the device address the x block will have (the table refers to it)."""
+        tb = len(table) * 8
+        rows = sum(x.shape[0] for x in xs)
+        n = tb + rows * in_pad * 4
         host = self._pinned_view("args", n)
-        base = self._work_ptr("args", n)
-        xptrs, off = [], tb
-        for x in xs:  # x [T, in] -> padded [T, in_pad] inside the pinned buffer
-            view = host[off:off + x.shape[0] * in_pad * 4].view(np.float32).reshape(x.shape[0], in_pad)
-            view[:, : x.shape[1]] = x
-            view[:, x.shape[1]:] = 0.0
-            xptrs.append(base + off)
-            off += view.nbytes
-        return host[:tb].view(np.uint64), base, xptrs
+        self._work_ptr("args", n)
+        xv = host[tb:n].view(np.float32).reshape(rows, in_pad)  # [sum T_i, in_pad]
+        if xs[0].shape[1] == in_pad:
+            np.concatenate(xs, axis=0, out=xv)
+        else:
+            xv[:, xs[0].shape[1]:] = 0.0
+            xv[:, : xs[0].shape[1]] = np.concatenate(xs, axis=0)
+        host[:tb].view(np.uint64)[:] = table
+        return n, self._work["args"].ptr + tb
+
+    def _enqueue(self, n: int, launches, out_ptr: int, out_nbytes: int) -> None:
+        rt, s, base = self.rt, self.stream, self._work["args"].ptr
+        rt.memcpyAsync(base, self._pinned_ptr["args"], n, rt.memcpyHostToDevice, s.ptr)
+        for (fn, grid, block, smem, scalars), table_off in launches:
+            fn(grid, block, (np.uint64(base + table_off),) + scalars, shared_mem=smem)
+        rt.memcpyAsync(self._pinned_ptr["out"], out_ptr, out_nbytes, rt.memcpyDeviceToHost, s.ptr)
 
     def _run(self, n: int, launches, out_ptr: int, out_nbytes: int) -> np.ndarray:
-        """Copy the staged arguments up, launch, copy ``out_nbytes`` back; returns them as float32."""
-        host_in = self._pinned["args"]
+        """Copy the staged arguments up, launch, copy ``out_nbytes`` back; returns them as float32.
+
+        The second time the same work shape and buffers come, it is captured as a CUDA graph and
+        replayed from then on: one driver call instead of four (host overhead bounds small batches).
+        """
         host_out = self._pinned_view("out", out_nbytes)
-        rt, s = self.rt, self.stream
+        s = self.stream
+        key = (n, out_ptr, out_nbytes, self._work["args"].ptr, self._pinned_ptr["args"],
+               self._pinned_ptr["out"], tuple((id(lr), off) for lr, off in launches))
         with self.dev, s:
-            rt.memcpyAsync(self._work["args"].ptr, host_in.ctypes.data, n, rt.memcpyHostToDevice, s.ptr)
-            self._events[0].record(s)
-            for args in launches:
-                self._launch(*args)
-            self._events[1].record(s)
-            rt.memcpyAsync(host_out.ctypes.data, out_ptr, out_nbytes, rt.memcpyDeviceToHost, s.ptr)
+            graph = self._graphs.get(key)
+            if graph is None and self.use_graphs and key in self._seen:
+                graph = self._capture(key, n, launches, out_ptr, out_nbytes)
+            if self.timing:
+                self._events[0].record(s)
+            if graph is not None:
+                graph.launch(stream=s)
+            else:
+                self._enqueue(n, launches, out_ptr, out_nbytes)
+                if len(self._seen) > 4096:
+                    self._seen.clear()
+                self._seen.add(key)
+            if self.timing:
+                self._events[1].record(s)
             s.synchronize()
-        self.last_device_seconds = self.cp.cuda.get_elapsed_time(*self._events) / 1e3
+        if self.timing:
+            self.last_device_seconds = self.cp.cuda.get_elapsed_time(*self._events) / 1e3
         return host_out[:out_nbytes].view(np.float32).copy()
+
+    def _capture(self, key, *work):
+        s = self.stream
+        try:
+            s.begin_capture()
+            try:
+                self._enqueue(*work)
+            finally:
+                graph = s.end_capture()
+        except Exception:  # noqa: BLE001 - graphs are an optimisation: fall back to plain launches
+            self.use_graphs = False
+            return None
+        if len(self._graphs) >= 64:  # bounded: drop the oldest shape
+            self._graphs.pop(next(iter(self._graphs)))
+        self._graphs[key] = graph
+        return graph
 
     # ---- ops -------------------------------------------------------------------------------------
     def _matmul(self, x: np.ndarray, w) -> np.ndarray:
-        p, (T, _), out = w.payload, x.shape, w.out_features
-        table, base, (xptr,) = self._stage_args(8, [x], p.in_pad)
+        p, T, out = w.payload, x.shape[0], w.out_features
+        # the x block follows the 8-word table: its device address is known before staging
         y = self._work_ptr("y", T * out * 4)
-        table[:] = (p.data_ptr, p.scales_ptr, xptr, y, T, 0, 0, 0)
-        nbytes = 64 + T * p.in_pad * 4
+        xdev = self._work_ptr("args", 64 + T * p.in_pad * 4) + 64
+        n, _ = self._stage_args([p.data_ptr, p.scales_ptr, xdev, y, T, 0, 0, 0], [x], p.in_pad)
         # y [T, out] = x [T, in_pad] . W [out, in_pad]^T
-        launches = [("mm", w.fmt, 1, base, out, out, p.in_pad, out)]
-        return self._run(nbytes, launches, y, T * out * 4).reshape(T, out)
+        launches = [(self._launcher("mm", w.fmt, 1, out, out, p.in_pad, out), 0)]
+        return self._run(n, launches, y, T * out * 4).reshape(T, out)
 
     def _expert_ffn(self, xs, experts: list[ExpertWeights]) -> list[np.ndarray]:
         e0 = experts[0]
@@ -269,29 +322,33 @@ class CUDABackend(Backend):
             return [self._expert_ffn([x], [e])[0] for x, e in zip(xs, experts)]  # mixed batch
         n, H, I = len(experts), e0.gate.in_features, e0.gate.out_features
         Hp, Ip = e0.gate.payload.in_pad, e0.down.payload.in_pad
-        tok = np.cumsum([0] + [x.shape[0] for x in xs])
-        table, base, xptrs = self._stage_args(16 * n, xs, Hp)
-        h = self._work_ptr("h", int(tok[-1]) * Ip * 4)
-        y = self._work_ptr("y", int(tok[-1]) * H * 4)
-        for i, e in enumerate(experts):  # rows 0..n-1: gate/up entries; rows n..2n-1: down entries
-            g, u, d, T = e.gate.payload, e.up.payload, e.down.payload, int(tok[i + 1] - tok[i])
-            hi = h + int(tok[i]) * Ip * 4
-            table[8 * i:8 * i + 8] = (g.data_ptr, g.scales_ptr, u.data_ptr, u.scales_ptr, xptrs[i], hi, T, 0)
-            table[8 * (n + i):8 * (n + i) + 8] = (d.data_ptr, d.scales_ptr, hi, y + int(tok[i]) * H * 4, T,
-                                                  0, 0, 0)
-        nbytes = 128 * n + int(tok[-1]) * Hp * 4
-        launches = [("gate_up", e0.gate.fmt, n, base, Ip, I, Hp, Ip),  # h [T_i, I_pad] per expert
-                    ("mm", e0.down.fmt, n, base + 64 * n, H, H, Ip, H)]  # y [T_i, H] = h . down^T
-        flat = self._run(nbytes, launches, y, int(tok[-1]) * H * 4)
-        return [flat[tok[i] * H:tok[i + 1] * H].reshape(-1, H) for i in range(n)]
+        Ts = [x.shape[0] for x in xs]
+        tok = [0]
+        for T in Ts:
+            tok.append(tok[-1] + T)
+        h = self._work_ptr("h", tok[-1] * Ip * 4)
+        y = self._work_ptr("y", tok[-1] * H * 4)
+        xdev = self._work_ptr("args", 128 * n + tok[-1] * Hp * 4) + 128 * n
+        gu, dn = [], []  # table rows 0..n-1: gate/up of each expert; rows n..2n-1: its down
+        for e, T, t0 in zip(experts, Ts, tok):
+            g, u, d = e.gate.payload, e.up.payload, e.down.payload
+            hi = h + t0 * Ip * 4  # h_i [T_i, I_pad]
+            gu += (g.data_ptr, g.scales_ptr, u.data_ptr, u.scales_ptr, xdev + t0 * Hp * 4, hi, T, 0)
+            dn += (d.data_ptr, d.scales_ptr, hi, y + t0 * H * 4, T, 0, 0, 0)
+        nbytes, _ = self._stage_args(gu + dn, xs, Hp)
+        launches = [(self._launcher("gate_up", e0.gate.fmt, n, Ip, I, Hp, Ip), 0),  # h = SiLU(x.g) * x.u
+                    (self._launcher("mm", e0.down.fmt, n, H, H, Ip, H), 64 * n)]  # y_i = h_i . down^T
+        flat = self._run(nbytes, launches, y, tok[-1] * H * 4)
+        return [flat[a * H:b * H].reshape(b - a, H) for a, b in zip(tok, tok[1:])]
 
     def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         cp = self.cp
         with self.dev, self.stream:
             xd, wd = cp.asarray(x), cp.asarray(weight)
             yd = cp.empty_like(xd)
-            self.module.get_function("rmsnorm")((x.shape[0],), (256,),
-                                                (xd, wd, yd, np.int32(x.shape[1]), np.float32(eps)))
+            if "rmsnorm" not in self._fns:
+                self._fns["rmsnorm"] = self.module.get_function("rmsnorm")
+            self._fns["rmsnorm"]((x.shape[0],), (256,), (xd, wd, yd, np.int32(x.shape[1]), np.float32(eps)))
             y = cp.asnumpy(yd, stream=self.stream)
             self.stream.synchronize()
         return y

@@ -13,8 +13,8 @@ import platform
 from importlib import metadata
 
 import numpy as np
-from colibri_plan.backends.base import Backend, DeviceInfo, DeviceWeight
 
+from colibri_plan.backends.base import Backend, DeviceInfo, DeviceWeight
 from colibri_plan.quant import FORMATS, QuantTensor, dequantize
 
 #: float32 scratch per dequantized row block (small enough to stay in L2/L3 while BLAS reads it)

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from colibri_plan.backends.base import Backend, DeviceInfo, ExpertWeights, padded_layout
 
-from colibri_plan.errors import BackendUnavailableError, DeviceOutOfMemoryError
+from colibri_plan.backends.base import Backend, DeviceInfo, ExpertWeights, padded_layout
+from colibri_plan.errors import DeviceOutOfMemoryError
 from colibri_plan.fileio import atomic_write_bytes
 from colibri_plan.quant import FORMATS, QuantTensor, group_size
 
@@ -104,7 +104,7 @@ class OpenCLBackend(Backend):
                     backend=cls.name, index=i, name=d.name.strip(), kind=kind,
                     total_memory_bytes=int(d.global_mem_size), free_memory_bytes=None,
                     unified_memory=unified, formats=cls.formats,
-                    driver=f"{p.name.strip()} {p.version.strip()}; driver {d.driver_version.strip()}"))
+                    driver=f"{' '.join(p.version.split(',')[0].split())}; driver {d.driver_version.strip()}"))
             return out
         except Exception:  # noqa: BLE001 - discovery never raises
             return []
@@ -162,7 +162,7 @@ class OpenCLBackend(Backend):
         return prg
 
     def _kernel(self, name: str, fmt: str | None, tpi: int = 1):
-        key = (name, fmt, tpi)
+        key = (name, fmt, tpi, self.ls)
         if key not in self._kernels:
             if fmt is None:
                 prg = self._build("norm.cl", [f"-DLS={self.ls}"])
@@ -223,8 +223,8 @@ class OpenCLBackend(Backend):
             try:
                 buf = self._scratch[name] = self._buffer(max(nbytes, 4096))
             except self.cl.Error as exc:
-                raise BackendUnavailableError(f"opencl: cannot allocate {nbytes} B of work memory: "
-                                              f"{exc}") from exc
+                raise DeviceOutOfMemoryError(f"opencl: cannot allocate {nbytes} B of work memory: {exc}",
+                                             requested_bytes=nbytes, held_bytes=self.held_bytes) from exc
         return buf
 
     def _put_x(self, name: str, xs: list[np.ndarray], in_pad: int) -> tuple[Any, list[int], Any]:

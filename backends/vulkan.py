@@ -6,25 +6,22 @@ sizes are passed), a numpy view of mapped memory must not outlive ``vkUnmapMemor
 call), nested structs live only as long as the outer one (pointees are kept in locals), push constants
 are an ffi array, ``VK_TIMEOUT`` is a result code, ``import vulkan`` raises OSError without the loader.
 
-Memory: one storage buffer per weight (per block of rows when a weight exceeds ``maxStorageBufferRange``,
-128 MiB on lavapipe): rows padded with the zero code (``base.padded_layout``), then float32 scales. On a
-discrete GPU weights live in DEVICE_LOCAL memory, written directly when a DEVICE_LOCAL|HOST_VISIBLE type
-spans the VRAM heap (resizable BAR) and through a HOST_VISIBLE staging buffer otherwise; on CPU and
-integrated devices in HOST_VISIBLE(|DEVICE_LOCAL) memory. Each call shape (weights, tokens per expert)
-records its command buffer once and replays it; pipelines come from a cache persisted under
-``~/.cache/colibri-plan/vulkan/<device uuid>.bin`` (``$XDG_CACHE_HOME`` honoured).
+One storage buffer per weight (per block of rows over ``maxStorageBufferRange``): padded rows, then
+float32 scales; memory types per role in ``vulkan_util.memory_roles``. Each call shape records its command
+buffer once and replays it; pipelines come from a cache persisted on disk (``vulkan_util.cache_path``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from importlib import resources
 from types import SimpleNamespace as NS
 
 import numpy as np
+
 from colibri_plan.backends import vulkan_util as vu
 from colibri_plan.backends.base import Backend, DeviceInfo, padded_layout
-
 from colibri_plan.errors import ColibriError, DeviceOutOfMemoryError, UnsupportedError
 from colibri_plan.quant import FORMATS, group_size
 
@@ -85,6 +82,8 @@ class VulkanBackend(Backend):
             vk, "VkCommandPoolCreateInfo", flags=2, queueFamilyIndex=f.queue))  # RESET_COMMAND_BUFFER
         fence = self._make(lib.vkCreateFence, "VkFence", vu.new(vk, "VkFenceCreateInfo"))
         self._fence = ffi.new("VkFence[1]", [fence])
+        self._queries = self._make(lib.vkCreateQueryPool, "VkQueryPool", vu.new(
+            vk, "VkQueryPoolCreateInfo", queryType=2, queryCount=2))  # TIMESTAMP: start and end of a call
         binds = ffi.new("VkDescriptorSetLayoutBinding[4]", [
             {"binding": b, "descriptorType": _STORAGE, "descriptorCount": n, "stageFlags": _COMPUTE}
             for b, n in enumerate((MAXE, MAXE, 1, 1))])  # A[MAXE], B[MAXE], x, y as in matmul.comp
@@ -318,6 +317,8 @@ class VulkanBackend(Backend):
         cb = e.cbp[0]
         try:
             vu.check(vk, lib.vkBeginCommandBuffer(cb, vu.new(vk, "VkCommandBufferBeginInfo")))
+            lib.vkCmdResetQueryPool(cb, self._queries, 0, 2)
+            lib.vkCmdWriteTimestamp(cb, 0x1, self._queries, 0)  # TOP_OF_PIPE
             for st in steps:
                 if callable(st):
                     st(cb)
@@ -334,6 +335,7 @@ class VulkanBackend(Backend):
                     lib.vkCmdPushConstants(cb, self._layout, _COMPUTE, 0, 4 * len(pc), words)
                     lib.vkCmdDispatch(cb, gx, gy, 1)
             self._barrier(cb)  # shader writes -> host reads
+            lib.vkCmdWriteTimestamp(cb, 0x2000, self._queries, 1)  # BOTTOM_OF_PIPE
             vu.check(vk, lib.vkEndCommandBuffer(cb))
         except BaseException:
             self._free_cmd(e)
@@ -380,6 +382,10 @@ class VulkanBackend(Backend):
     def _submit(self, submit) -> None:
         vk, lib = self.vk, self.vk.lib
         vu.check(vk, lib.vkQueueSubmit(self._queue, 1, submit, self._fence[0]))
+        if self.device.kind != "cpu":  # poll briefly: a sleeping wait adds wake-up latency to short ops
+            until = time.perf_counter() + 0.002  # (never on CPU devices: it would steal their cores)
+            while lib.vkGetFenceStatus(self._dev, self._fence[0]) == 1 and time.perf_counter() < until:
+                pass  # 1 = VK_NOT_READY
         res = lib.vkWaitForFences(self._dev, 1, self._fence, 1, _FENCE_TIMEOUT_NS)
         if res == vk.VK_TIMEOUT:  # not a VkError: check it by value
             raise ColibriError(f"vulkan device {self.device.name!r} did not finish within "
@@ -396,6 +402,15 @@ class VulkanBackend(Backend):
             self._free_cmd(e)
 
     # ---- teardown ------------------------------------------------------------------------------------
+    def last_gpu_seconds(self) -> float | None:
+        """Device time of the last call (matmul, expert_ffn, rmsnorm) from its timestamps, without the
+        host's share; None when the queue has no timestamps."""
+        f, t = self.facts, self.vk.ffi.new("uint64_t[2]")
+        if not f.timestamp_bits or self.vk.lib.vkGetQueryPoolResults(
+                self._dev, self._queries, 0, 2, 16, t, 8, 1) != 0:  # VK_QUERY_RESULT_64_BIT
+            return None
+        return ((t[1] - t[0]) & ((1 << f.timestamp_bits) - 1)) * f.timestamp_ns * 1e-9
+
     def _synchronize(self) -> None:
         self.vk.lib.vkQueueWaitIdle(self._queue)
 

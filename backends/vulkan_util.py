@@ -98,7 +98,9 @@ def device_facts(vk, pd) -> NS:
            heaps=[(int(h.size), h.flags) for h in mp.memoryHeaps[0:n_heaps]],
            budget=([int(budget.heapBudget[i]) - int(budget.heapUsage[i]) for i in range(n_heaps)]
                    if has_budget else None),
-           queue=next((i for i, q in enumerate(queues) if q.queueFlags & 2), None))  # QUEUE_COMPUTE_BIT
+           queue=next((i for i, q in enumerate(queues) if q.queueFlags & 2), None),  # QUEUE_COMPUTE_BIT
+           timestamp_ns=float(p.limits.timestampPeriod))
+    f.timestamp_bits = 0 if f.queue is None else queues[f.queue].timestampValidBits
     f.problem = ("Vulkan 1.1 is required" if f.api < _V11 else
                  "no compute queue" if f.queue is None else
                  "subgroup arithmetic in compute shaders is required"
@@ -134,6 +136,8 @@ def probe() -> tuple[str | None, list]:
                 found = [(i, f) for i, f in enumerate(facts) if f.problem is None]
                 if not found:
                     reason = "no usable Vulkan device" + "".join(f"; {f.name}: {f.problem}" for f in facts)
+            except vk.VkErrorIncompatibleDriver:
+                reason = "the Vulkan loader found no driver (ICD): install one, e.g. mesa-vulkan-drivers"
             except Exception as exc:  # noqa: BLE001 - discovery never raises
                 reason = f"Vulkan instance or device query failed: {exc!r}"
         _PROBE[:] = [reason, found]

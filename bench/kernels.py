@@ -27,9 +27,9 @@ import threading
 import time
 
 import numpy as np
-from colibri_plan.backends import BACKEND_NAMES, get_backend
 
 from colibri_plan import quant
+from colibri_plan.backends import BACKEND_NAMES, get_backend
 from colibri_plan.errors import ColibriError
 from colibri_plan.fileio import atomic_write_text
 
@@ -41,31 +41,41 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def ram_read_gbps(nbytes: int, repeats: int) -> dict:
-    """RAM read GB/s with all cores: numba parallel sum (the cpu backend's own compiler), else numpy
-    ``add.reduce`` in one thread per core (it releases the GIL)."""
-    n = max(1, nbytes // 4 // 256) * 256
-    a = np.ones(n, np.float32).reshape(256, -1)  # touch every page before timing
-    try:
-        from colibri_plan.backends.cpu_kernels import read_sum
+class RamProbe:
+    """RAM read GB/s with all cores over one ``nbytes`` array: numba parallel sum (the cpu backend's
+    compiler), else numpy ``add.reduce`` in one thread per core (it releases the GIL)."""
 
-        method = "numba parallel sum (float32)"
-        fn = lambda: read_sum(a)  # noqa: E731
-    except Exception:  # noqa: BLE001 - numba missing: fall back
-        parts = np.array_split(a, os.cpu_count() or 1)
-        method = f"numpy add.reduce in {len(parts)} threads"
+    def __init__(self, nbytes: int):
+        n = max(1, nbytes // 4 // 256) * 256
+        self.a = np.ones(n, np.float32).reshape(256, -1)  # every page touched before timing
+        try:
+            from colibri_plan.backends.cpu_kernels import read_sum
 
-        def fn():
-            ts = [threading.Thread(target=np.add.reduce, args=(p, None)) for p in parts]
-            [t.start() for t in ts]
-            [t.join() for t in ts]
-    fn()
-    rates = []
-    for _ in range(repeats):
+            self.method = "numba parallel sum (float32)"
+            self._fn = lambda: read_sum(self.a)
+        except Exception:  # noqa: BLE001 - numba missing: fall back
+            parts = np.array_split(self.a, os.cpu_count() or 1)
+            self.method = f"numpy add.reduce in {len(parts)} threads"
+
+            def fn():
+                ts = [threading.Thread(target=np.add.reduce, args=(p, None)) for p in parts]
+                [t.start() for t in ts]
+                [t.join() for t in ts]
+
+            self._fn = fn
+        self._fn()
+        self.samples: list[float] = []
+
+    def sample(self) -> float:
+        """One timed pass; returns (and records) GB/s."""
         t0 = time.perf_counter()
-        fn()
-        rates.append(a.nbytes / (time.perf_counter() - t0) / 1e9)
-    return {"method": method, "bytes": int(a.nbytes), "samples_gbps": rates}
+        self._fn()
+        self.samples.append(self.a.nbytes / (time.perf_counter() - t0) / 1e9)
+        return self.samples[-1]
+
+    def report(self) -> dict:
+        return {"method": self.method, "bytes": int(self.a.nbytes), "samples_gbps": self.samples,
+                "gbps": float(np.median(self.samples))}
 
 
 def cuda_copy_gbps(nbytes: int, repeats: int) -> dict | None:
@@ -102,22 +112,26 @@ def weight_pool(fmt: str, out_f: int, in_f: int, pool_bytes: int, rng) -> list[q
                                      None if qt.scales is None else qt.scales.copy()) for _ in range(n - 1)]
 
 
-def time_passes(be, fn, n_calls: int, repeats: int) -> list[float]:
-    """Seconds per call: ``fn(i)`` for i in range(n_calls), one warm-up pass, then ``repeats`` passes."""
+def time_passes(be, fn, n_calls: int, repeats: int, probe: RamProbe | None = None) -> tuple[list, list]:
+    """Seconds per call: ``fn(i)`` for i in range(n_calls), one warm-up pass, then ``repeats`` passes.
+    With ``probe``, a RAM read sample is taken right before each pass (paired figures on a shared
+    machine). Returns (seconds per call per pass, RAM GB/s per pass or [])."""
     for i in range(min(n_calls, 2)):
         fn(i)
     be.synchronize()
-    out = []
+    out, ram = [], []
     for _ in range(repeats):
+        if probe is not None:
+            ram.append(probe.sample())
         t0 = time.perf_counter()
         for i in range(n_calls):
             fn(i)
         be.synchronize()
         out.append((time.perf_counter() - t0) / n_calls)
-    return out
+    return out, ram
 
 
-def bench_device(be, args, rng) -> list[dict]:
+def bench_device(be, args, rng, probe: RamProbe) -> list[dict]:
     rows = []
     dev = be.device
     base = {"backend": be.name, "device_index": dev.index, "device_name": dev.name, "device_kind": dev.kind}
@@ -130,12 +144,17 @@ def bench_device(be, args, rng) -> list[dict]:
             ws = [be.upload(q) for q in weight_pool(fmt, o, i, args.pool_bytes, rng)]
             for T in args.tokens:
                 x = rng.standard_normal((T, i), dtype=np.float32)
-                s = time_passes(be, lambda k, x=x, ws=ws: be.matmul(x, ws[k]), len(ws), args.repeats)
+                paired = probe if (dev.kind == "cpu" and T == 1) else None  # the acceptance figure
+                s, ram = time_passes(be, lambda k, x=x, ws=ws: be.matmul(x, ws[k]), len(ws),
+                                     args.repeats, paired)
                 med = float(np.median(s))
                 rows.append({**base, "op": "matmul", "fmt": fmt, "shape": label, "out_features": o,
                              "in_features": i, "tokens": T, "seconds": med, "samples_s": s,
                              "weight_gbps": ws[0].nbytes / med / 1e9,
                              "gflops": 2 * T * o * i / med / 1e9})
+                if ram:
+                    ratios = [ws[0].nbytes / t / 1e9 / r for t, r in zip(s, ram)]
+                    rows[-1].update(ram_gbps_paired=ram, ratio_to_ram_paired=float(np.median(ratios)))
                 log(f"  {be.name}:{dev.index} matmul {fmt} {label} T={T}: "
                     f"{rows[-1]['weight_gbps']:.2f} GB/s")
             for w in ws:
@@ -154,7 +173,7 @@ def bench_device(be, args, rng) -> list[dict]:
                 be.expert_ffn(xs, [experts[(k * batch + j) % n] for j in range(batch)])
 
             calls = max(1, n // batch)
-            s = time_passes(be, call, calls, args.repeats)
+            s, _ = time_passes(be, call, calls, args.repeats)
             med = float(np.median(s))
             rows.append({**base, "op": "expert_ffn", "fmt": fmt, "shape": f"{batch} experts H={H} I={I}",
                          "out_features": H, "in_features": I, "tokens": T, "experts": batch,
@@ -180,7 +199,8 @@ def summarise(rows: list[dict], ram: dict, copy: dict | None) -> dict:
         b = best(cpu_rows, op="matmul", fmt="int4", shape=label, tokens=1)
         if b:
             out[f"cpu_int4_gemv {label}"] = {"backend": b["backend"], "weight_gbps": b["weight_gbps"],
-                                             "ratio_to_ram": b["weight_gbps"] / ram["gbps"]}
+                                             "ratio_to_ram": b["weight_gbps"] / ram["gbps"],
+                                             "ratio_to_ram_paired": b.get("ratio_to_ram_paired")}
     ffn = {k: best(rows, backend=k, op="expert_ffn", fmt="int4", device_kind="gpu")
            for k in ("cuda", "vulkan")}
     if copy and ffn["cuda"]:
@@ -211,7 +231,9 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
 
     log("RAM read bandwidth ...")
-    ram = ram_read_gbps(args.ram_bytes, args.repeats)
+    probe = RamProbe(args.ram_bytes)
+    for _ in range(args.repeats):
+        probe.sample()
     copy = cuda_copy_gbps(1 << 30, args.repeats) if "cuda" in args.backends.split(",") else None
     rows, skipped = [], []
     for name in args.backends.split(","):
@@ -231,13 +253,13 @@ def main(argv=None) -> int:
             log(f"{name}:{dev.index} {dev.name}")
             try:
                 with cls.open(dev.index) as be:
-                    rows += bench_device(be, args, rng)
+                    rows += bench_device(be, args, rng, probe)
             except ColibriError as exc:
                 skipped.append({"backend": name, "device": dev.name, "reason": str(exc)})
                 log(f"{name}:{dev.index}: {exc}")
-    ram_after = ram_read_gbps(args.ram_bytes, args.repeats)
-    ram["samples_gbps"] += ram_after["samples_gbps"]  # before and after the kernels
-    ram["gbps"] = float(np.median(ram["samples_gbps"]))
+    for _ in range(args.repeats):
+        probe.sample()
+    ram = probe.report()  # samples before, between (paired) and after the kernels
     summary = summarise(rows, ram, copy)
 
     hdr = (f"{'backend':8} {'dev':4} {'op':10} {'fmt':9} {'shape':24} {'T':>3} {'ms':>9} {'GB/s':>8} "
@@ -252,7 +274,9 @@ def main(argv=None) -> int:
         print(f"CUDA device-to-device copy: {copy['gbps']:.0f} GB/s ({copy['method']})")
     for k, v in summary.items():
         if isinstance(v, dict):
-            print(f"{k}: {v['backend']} {v['weight_gbps']:.2f} GB/s = {v['ratio_to_ram']:.0%} of RAM read")
+            paired = v["ratio_to_ram_paired"]
+            print(f"{k}: {v['backend']} {v['weight_gbps']:.2f} GB/s = {v['ratio_to_ram']:.0%} of RAM read"
+                  + ("" if paired is None else f" (paired with RAM samples: {paired:.0%})"))
         elif k != "ram_read_gbps":
             print(f"{k}: {v:.2f}")
     for s in skipped:

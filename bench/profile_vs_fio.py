@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         disk.write_test_file(path, disk.align_up(a.file_bytes))
         size = path.stat().st_size
         fs = filesystem_of(path)
-        fd, direct, method, warning = disk.open_for_read(path, fs["fstype"])
+        fd, direct, method, warning = disk.open_for_read(path)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
         try:
@@ -91,7 +91,8 @@ def main(argv=None) -> int:
         ok = abs(r["ratio"] - 1) <= 0.15
         print(f"{r['queue_depth']:>3}  {r['fio_median']:9.3f}  {r['probe_median']:10.3f}  {r['ratio']:9.3f}  "
               f"{'yes' if ok else 'NO'}")
-    result = {"block_bytes": block, "file_bytes": size, "filesystem": fs, "o_direct": direct,
+    result = {"load_average_end": list(os.getloadavg()),
+              "block_bytes": block, "file_bytes": size, "filesystem": fs, "o_direct": direct,
               "fio_engine": "psync-jobs" if a.fio_threads else a.engine, "runs": a.runs,
               "seconds_per_run": a.seconds, "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

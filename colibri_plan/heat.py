@@ -88,8 +88,9 @@ class Heat:
     def probabilities(self, top_k: int | None = None) -> np.ndarray:
         """Selection probability per token, float64 ``[rows, E]``, each value in [0, 1].
 
-        ``counts / tokens`` when ``tokens`` is known, else ``counts / row_sum * top_k`` (a row with no
-        counts becomes uniform ``top_k / E``). Values are clipped to 1.
+        ``counts / tokens`` when ``tokens`` is known (clipped to 1), else the row's counts scaled to sum
+        to ``top_k`` with no value above 1 (water-filling the excess onto the other selected experts; a
+        row with no counts becomes uniform ``top_k / E``).
 
         Raises:
             InputError: neither tokens nor top-k is known.
@@ -98,10 +99,8 @@ class Heat:
         if self.tokens:
             p = self.counts / float(self.tokens)
         elif k is not None:
-            sums = self.counts.sum(axis=1, keepdims=True)
-            uniform = np.full_like(self.counts, k / self.n_experts)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                p = np.where(sums > 0, self.counts / np.where(sums > 0, sums, 1.0) * k, uniform)
+            rows = [_waterfill(row, k, self.n_experts) for row in self.counts]
+            p = np.array(rows).reshape(self.counts.shape)
         else:
             raise InputError(f"heat from {self.source or 'unknown source'} has neither a token count nor "
                              "a top-k; pass the model (--model) so its top-k can be used")
@@ -147,6 +146,25 @@ class Heat:
             raise FormatError(f"{where} is malformed ({type(exc).__name__}: {exc}); re-create it") from exc
         except InputError as exc:
             raise FormatError(f"{where} is inconsistent: {exc}") from exc
+
+
+def _waterfill(row: np.ndarray, k: int, n_experts: int) -> np.ndarray:
+    """Scale non-negative counts ``[E]`` to sum min(k, #non-zero) with every value <= 1."""
+    if row.sum() <= 0:
+        return np.full(n_experts, k / n_experts)
+    out = np.zeros_like(row)
+    capped = np.zeros(row.size, dtype=bool)
+    for _ in range(row.size):
+        free = np.where(capped, 0.0, row)
+        rest = k - capped.sum()
+        if free.sum() <= 0 or rest <= 0:
+            break
+        out = np.where(capped, 1.0, free / free.sum() * rest)
+        over = (out > 1.0) & ~capped
+        if not over.any():
+            break
+        capped |= over
+    return np.minimum(out, 1.0)
 
 
 def save_heat(heat: Heat, path: str | os.PathLike) -> Path:

@@ -17,8 +17,8 @@ top-level ``rope_theta``/``partial_rotary_factor``/``rope_scaling`` keys are acc
 | glm4_moe             | GQA, partial RoPE, opt. q/k norm| sigmoid + e_score_correction_bias,       |
 |                      |                                 | group-limited top-k, routed scaling;     |
 |                      |                                 | shared experts; first_k_dense_replace    |
-| deepseek_v2/v3       | MLA: rejected (UnsupportedError)| the MoE block is described here (v3 as   |
-|                      |                                 | glm4_moe; v2 softmax + group max)        |
+| deepseek_v2/v3/v32,  | MLA (+ DSA): rejected           | the MoE block is described here (v3, v32 |
+| glm_moe_dsa (GLM-5)  | (UnsupportedError)              | and GLM-5 as glm4_moe; v2 softmax + max) |
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from colibri_plan.errors import FormatError, UnsupportedError
 #: model_type values this engine runs end to end.
 SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
 #: model_type values whose MoE block is understood but whose attention (MLA) is not implemented yet.
-MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 
 
 @dataclass(frozen=True)
@@ -315,9 +315,12 @@ def _deepseek_arch(config: dict) -> ArchConfig:
     theta = float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 1e4)))
     k_dense = int(config.get("first_k_dense_replace", 0) or 0)
     freq = int(config.get("moe_layer_freq", 1) or 1)
+    types = config.get("mlp_layer_types")  # GLM-5: "dense"/"sparse" per layer, when given
+    moe = (tuple(i for i, t in enumerate(types) if t == "sparse") if types
+           else tuple(i for i in range(k_dense, n_layers) if i % freq == 0))
     n_shared = int(config.get("n_shared_experts", 0) or 0)
     moe_inter = int(_need(config, "moe_intermediate_size"))
-    v3 = mt == "deepseek_v3" or config.get("scoring_func") == "sigmoid"
+    v3 = mt != "deepseek_v2" or config.get("scoring_func") == "sigmoid"  # sigmoid + bias routers
     grouped = v3 or config.get("topk_method") == "group_limited_greedy"
     return ArchConfig(
         family=mt, architecture=(config.get("architectures") or [""])[0], attention="mla",
@@ -328,7 +331,7 @@ def _deepseek_arch(config: dict) -> ArchConfig:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         n_experts=int(_need(config, "n_routed_experts", "num_experts")),
         top_k=int(_need(config, "num_experts_per_tok")), moe_intermediate_size=moe_inter,
-        moe_layers=tuple(i for i in range(k_dense, n_layers) if i % freq == 0),
+        moe_layers=moe,
         dense_intermediate_size=int(config.get("intermediate_size") or 0),
         n_shared_experts=n_shared, shared_intermediate_size=n_shared * moe_inter,
         first_k_dense_replace=k_dense, scoring="sigmoid" if v3 else "softmax",

@@ -10,6 +10,7 @@ h reads key/value head h // (n_heads / n_kv_heads), then the output projection.
 from __future__ import annotations
 
 import numpy as np
+
 from colibri_plan.engine.arch import ArchConfig
 
 

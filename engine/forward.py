@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
 from colibri_plan.engine.attention import KVCache, attention, rmsnorm, rope_inv_freq
 from colibri_plan.engine.moe import ExpertProvider, RamExperts, RoutingRecorder, moe_block, swiglu
 from colibri_plan.engine.weights import ModelWeights, check_dense
-
 from colibri_plan.errors import InputError
 
 __all__ = ["KVCache", "Model", "ExpertProvider", "RamExperts", "RoutingRecorder"]

@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-from colibri_plan.engine.arch import ArchConfig
 
+from colibri_plan.engine.arch import ArchConfig
 from colibri_plan.errors import BackendUnavailableError, InputError
 
 

@@ -19,6 +19,8 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+
+from colibri_plan import __version__
 from colibri_plan.engine.arch import ArchConfig
 from colibri_plan.engine.pack_index import (
     BLOCK_ALIGN,
@@ -31,20 +33,22 @@ from colibri_plan.engine.pack_index import (
     block_layout,
     check_entries,
     file_crc32,
+    is_pack,
     layout_from_dict,
+    pack_summary,
     parse_block,
     read_index,
+    spec_from_arch,
+    spec_from_pack,
     verify_pack,
 )
 from colibri_plan.engine.weights import ModelWeights
-
-from colibri_plan import __version__
 from colibri_plan.errors import FormatError, InputError, IntegrityError
 from colibri_plan.fileio import write_document
 from colibri_plan.quant import QuantTensor, check_format, dequantize, quantize
 
 __all__ = ["PackWriter", "PackedModel", "write_pack", "open_pack", "verify_pack", "spec_from_pack",
-           "spec_from_arch", "BlockLayout", "block_layout"]
+           "spec_from_arch", "is_pack", "pack_summary", "BlockLayout", "block_layout"]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -56,21 +60,6 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
     except OSError:
         pass
-
-
-def spec_from_arch(arch: ArchConfig, expert_format: str, dense_params: int, name: str, source: str,
-                   kv_bytes_per_element: int = 4):
-    """A :class:`colibri_plan.model.spec.ModelSpec` of ``arch`` (KV cache counted at
-    ``kv_bytes_per_element`` bytes per element, float32 as this engine stores it)."""
-    from colibri_plan.model.spec import ModelSpec
-
-    kv = arch.n_layers * 2 * arch.n_kv_heads * arch.head_dim * kv_bytes_per_element
-    return ModelSpec(name=name, family=arch.family, n_layers=arch.n_layers, moe_layers=arch.moe_layers,
-                     n_experts=arch.n_experts, top_k=arch.top_k, n_shared_experts=arch.n_shared_experts,
-                     hidden_size=arch.hidden_size, moe_intermediate_size=arch.moe_intermediate_size,
-                     shared_intermediate_size=arch.shared_intermediate_size, vocab_size=arch.vocab_size,
-                     expert_format=expert_format, dense_params=int(dense_params), kv_bytes_per_token=kv,
-                     source=source)
 
 
 class PackWriter:
@@ -105,7 +94,11 @@ class PackWriter:
         self._dense_params = 0
         self.tmp = parent / f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}"
         self.tmp.mkdir()
-        self._f = open(self.tmp / EXPERTS_NAME, "wb")
+        try:
+            self._f = open(self.tmp / EXPERTS_NAME, "wb")
+        except OSError as exc:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise InputError(f"cannot write pack {self.out}: {exc}") from exc
         self._pos = 0
         self.committed = False
 
@@ -174,7 +167,8 @@ class PackWriter:
 
         tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in sorted(dense.items())}
         path = self.tmp / DENSE_NAME
-        save_file(tensors, str(path), metadata={"format": "colibri-plan pack dense", "dtype": "float32"})
+        # one metadata key: safetensors orders several at random, and the file must be reproducible
+        save_file(tensors, str(path), metadata={"format": "colibri-plan pack dense float32"})
         with open(path, "rb") as f:
             os.fsync(f.fileno())
         self._dense_params = sum(int(v.size) for v in tensors.values())
@@ -223,7 +217,12 @@ class PackWriter:
         if self.out.exists():  # overwrite: move the old pack aside first, delete it after the rename
             old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(self.out, old)
-        os.replace(self.tmp, self.out)
+        try:
+            os.replace(self.tmp, self.out)
+        except OSError:
+            if old is not None:  # put the previous pack back
+                os.replace(old, self.out)
+            raise
         _fsync_dir(self.out.parent)
         self.committed = True
         if old is not None:
@@ -398,35 +397,3 @@ def open_pack(path, check_dense: bool = True) -> PackedModel:
         InputError: not a pack folder. FormatError: bad index. IntegrityError: truncated/corrupt files.
     """
     return PackedModel(path, check_dense=check_dense)
-
-
-def is_pack(path) -> bool:
-    """True when ``path`` is a folder holding a pack index (cheap; does not validate)."""
-    return (Path(path) / INDEX_NAME).is_file()
-
-
-def spec_from_pack(path):
-    """The ModelSpec stored in a pack's index (geometry fingerprint as ModelSpec.fingerprint()).
-
-    Raises:
-        InputError / FormatError: not a pack or a bad index.
-    """
-    from colibri_plan.model.spec import ModelSpec
-
-    doc = read_index(path)
-    spec = ModelSpec.from_dict(doc["model"]["spec"])
-    if spec.fingerprint() != doc["model"].get("fingerprint"):
-        raise FormatError(f"pack {path}: stored model fingerprint does not match its spec; re-create it")
-    return spec
-
-
-def pack_summary(path) -> dict:
-    """Short JSON-ready description of a pack (for ``model verify`` / ``run``)."""
-    doc = read_index(path)
-    return {"path": str(path), "name": doc["model"].get("name"),
-            "fingerprint": doc["model"].get("fingerprint"),
-            "expert_format": doc["format"]["expert_format"], "experts": len(doc["experts"]),
-            "expert_block_bytes": doc["block"]["block_bytes"],
-            "experts_file_bytes": doc["format"]["experts_file_bytes"], "extra": doc.get("extra", {}),
-            "arch": doc["arch"]}
-

@@ -12,6 +12,9 @@ formats have no scales parts). The block is zero-padded to a multiple of 4096 by
 read of ``nbytes`` at ``offset`` fetches a whole expert; its crc32 (``zlib.crc32``) covers the padded
 block, exactly the bytes such a read returns. Every block of a pack has the same layout (``block`` in
 the index); the per-expert entries are ``[layer, expert, offset, nbytes, crc32]``.
+
+Also here (light, no safetensors): :func:`is_pack`, :func:`spec_from_pack` (the ModelSpec a pack stores,
+what ``load_model_spec(PACK)`` returns) and :func:`pack_summary`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri_plan.engine.arch import ArchConfig
 from colibri_plan.errors import FormatError, InputError, IntegrityError
 from colibri_plan.fileio import read_document
 from colibri_plan.quant import check_format, data_shape, scales_shape
@@ -248,8 +252,6 @@ def verify_pack(path: str | os.PathLike, progress=None) -> dict:
     Raises:
         InputError / FormatError: not a pack, or an unreadable index (nothing else can be checked).
     """
-    from colibri_plan.engine.arch import ArchConfig
-
     folder = Path(path)
     doc = read_index(folder)
     layout = layout_from_dict(doc["block"])
@@ -297,3 +299,50 @@ def verify_pack(path: str | os.PathLike, progress=None) -> dict:
         problems.append(f"{DENSE_NAME}: crc32 mismatch (corrupt dense tensors)")
     return {"path": str(folder), "ok": not problems, "experts": len(doc["experts"]),
             "experts_bytes": size, "expert_format": fmt.get("expert_format"), "problems": problems}
+
+
+def spec_from_arch(arch: ArchConfig, expert_format: str, dense_params: int, name: str, source: str,
+                   kv_bytes_per_element: int = 4):
+    """A :class:`colibri_plan.model.spec.ModelSpec` of ``arch`` (KV cache counted at
+    ``kv_bytes_per_element`` bytes per element, float32 as this engine stores it)."""
+    from colibri_plan.model.spec import ModelSpec
+
+    kv = arch.n_layers * 2 * arch.n_kv_heads * arch.head_dim * kv_bytes_per_element
+    return ModelSpec(name=name, family=arch.family, n_layers=arch.n_layers, moe_layers=arch.moe_layers,
+                     n_experts=arch.n_experts, top_k=arch.top_k, n_shared_experts=arch.n_shared_experts,
+                     hidden_size=arch.hidden_size, moe_intermediate_size=arch.moe_intermediate_size,
+                     shared_intermediate_size=arch.shared_intermediate_size, vocab_size=arch.vocab_size,
+                     expert_format=expert_format, dense_params=int(dense_params), kv_bytes_per_token=kv,
+                     source=source)
+
+
+def is_pack(path) -> bool:
+    """True when ``path`` is a folder holding a pack index (cheap; does not validate)."""
+    return (Path(path) / INDEX_NAME).is_file()
+
+
+def spec_from_pack(path):
+    """The ModelSpec stored in a pack's index (geometry fingerprint as ModelSpec.fingerprint()).
+
+    Raises:
+        InputError / FormatError: not a pack or a bad index.
+    """
+    from colibri_plan.model.spec import ModelSpec
+
+    doc = read_index(path)
+    spec = ModelSpec.from_dict(doc["model"]["spec"])
+    if spec.fingerprint() != doc["model"].get("fingerprint"):
+        raise FormatError(f"pack {path}: stored model fingerprint does not match its spec; re-create it")
+    return spec
+
+
+def pack_summary(path) -> dict:
+    """Short JSON-ready description of a pack (for ``model verify`` / ``run``)."""
+    doc = read_index(path)
+    return {"path": str(path), "name": doc["model"].get("name"),
+            "fingerprint": doc["model"].get("fingerprint"),
+            "expert_format": doc["format"]["expert_format"], "experts": len(doc["experts"]),
+            "expert_block_bytes": doc["block"]["block_bytes"],
+            "experts_file_bytes": doc["format"]["experts_file_bytes"], "extra": doc.get("extra", {}),
+            "arch": doc["arch"]}
+

@@ -67,7 +67,8 @@ class Placement:
             for tier, ids in [("ram_pinned", lp.ram_pinned)] + [(f"vram {k}", v) for k, v in lp.vram.items()]:
                 for e in ids:
                     if not 0 <= int(e) < n_experts:
-                        raise FormatError(f"layer {lid}: expert {e} in {tier} is out of range 0..{n_experts - 1}")
+                        raise FormatError(f"layer {lid}: expert {e} in {tier} is out of range "
+                                          f"0..{n_experts - 1}")
                     if int(e) in seen:
                         raise FormatError(f"layer {lid}: expert {e} is placed in two tiers")
                     seen.add(int(e))
@@ -104,7 +105,8 @@ class Placement:
     def summary(self) -> dict:
         """Counts per tier over all layers."""
         return {
-            "vram": {k: sum(len(lp.vram.get(k, [])) for lp in self.layers.values()) for k in self.device_keys()},
+            "vram": {k: sum(len(lp.vram.get(k, [])) for lp in self.layers.values())
+                     for k in self.device_keys()},
             "ram_pinned": sum(len(lp.ram_pinned) for lp in self.layers.values()),
             "lru_slots": sum(lp.lru_slots for lp in self.layers.values()),
         }

@@ -114,15 +114,16 @@ class ResidencyManager:
         placement.validate(arch.moe_layers, arch.n_experts)
         missing = sorted(set(placement.device_keys()) - set(self.devices))
         if missing:
-            raise InputError(f"the placement puts experts on {', '.join(missing)}, but no such device is open")
+            raise InputError(f"the placement puts experts on {', '.join(missing)}, "
+                             "but no such device is open")
         self.block_bytes = max(pack.expert_location(l, 0)[1] for l in arch.moe_layers)
         self.fd, self.o_direct, self.page_cache_method, self.io_warning = open_for_read(pack.experts_path)
         self.stats = TierStats()
         self._vram: dict[tuple[int, int], tuple[str, object]] = {}
         self._pinned: dict[tuple[int, int], _Slot] = {}
         self._lru: dict[int, OrderedDict] = {l: OrderedDict() for l in arch.moe_layers}
-        self._pool = ThreadPoolExecutor(max_workers=max(1, int(read_threads)), thread_name_prefix="expert-read")
-        self._dev_pool = ThreadPoolExecutor(max_workers=max(1, len(self.devices)), thread_name_prefix="device")
+        self._pool = ThreadPoolExecutor(max(1, int(read_threads)), thread_name_prefix="expert-read")
+        self._dev_pool = ThreadPoolExecutor(max(1, len(self.devices)), thread_name_prefix="device")
         self._lock = threading.Lock()
         self._closed = False
         try:
@@ -144,8 +145,9 @@ class ResidencyManager:
         try:
             got = read_full(self.fd, slot.buf, off, nbytes)
         except OSError as exc:
-            raise IntegrityError(f"reading expert (layer {layer}, expert {e}) from {self.pack.experts_path} "
-                                 f"failed: {exc}; check the disk and re-run `colibri-plan model verify`") from exc
+            raise IntegrityError(f"reading expert (layer {layer}, expert {e}) from "
+                                 f"{self.pack.experts_path} failed: {exc}; check the disk and re-run "
+                                 "`colibri-plan model verify`") from exc
         if got != nbytes:
             raise IntegrityError(f"expert (layer {layer}, expert {e}): short read ({got} of {nbytes} B): "
                                  f"{self.pack.experts_path} was truncated; re-create the pack")
@@ -214,7 +216,8 @@ class ResidencyManager:
             st.cpu_compute_s += time.perf_counter() - t0
         self._complete_wave(layer, expert_ids, xs, first, out)
         for w0 in range(w, len(misses), w):  # more misses than buffers (long prefill): further waves
-            self._complete_wave(layer, expert_ids, xs, self._submit_wave(layer, expert_ids, misses[w0:w0 + w]), out)
+            wave = self._submit_wave(layer, expert_ids, misses[w0:w0 + w])
+            self._complete_wave(layer, expert_ids, xs, wave, out)
         for k, job in dev_jobs.items():
             for i, y in zip(by_dev[k], job.result()):
                 out[i] = y
@@ -226,7 +229,8 @@ class ResidencyManager:
         backend = self.devices[key]
         ys = backend.expert_ffn(xs, [self._vram[(layer, int(e))][1] for e in ids])
         with self._lock:
-            self.stats.device_compute_s[key] = self.stats.device_compute_s.get(key, 0.0) + time.perf_counter() - t0
+            d = self.stats.device_compute_s
+            d[key] = d.get(key, 0.0) + time.perf_counter() - t0
         return ys
 
     def _take_slot(self) -> _Slot:

@@ -31,8 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from colibri_plan.engine.arch import ArchConfig, arch_from_hf_config
 
+from colibri_plan.engine.arch import ArchConfig, arch_from_hf_config
 from colibri_plan.errors import FormatError, InputError, UnsupportedError
 from colibri_plan.quant import QuantTensor, check_format, quantize
 
@@ -216,6 +216,7 @@ class _Tensors:
                 self.where[name] = f
                 self.meta[name] = (info["dtype"], tuple(info["shape"]), 8 + n + info["data_offsets"][0])
         self._maps: dict[Path, np.memmap] = {}
+        self._handles: dict[Path, object] = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.meta[name][1]
@@ -236,8 +237,10 @@ class _Tensors:
         if dtype not in ("F32", "F16", "F64"):
             raise UnsupportedError(f"tensor {name} has dtype {dtype}; only F32/F16/BF16 weights are "
                                    "supported")
-        with self._safe_open(str(self.where[name]), framework="np") as fh:
-            return np.ascontiguousarray(fh.get_tensor(name), dtype=np.float32)
+        f = self.where[name]
+        if f not in self._handles:  # one open handle per shard (safetensors memory-maps it)
+            self._handles[f] = self._safe_open(str(f), framework="np")
+        return np.ascontiguousarray(self._handles[f].get_tensor(name), dtype=np.float32)
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:

@@ -32,8 +32,9 @@ FAMILIES = {
 }
 
 
-def build(family: str, folder, seed: int = 0, std: float = 0.15, dtype=None):
-    """Build, re-initialise and save_pretrained (safetensors) a tiny model of ``family``.
+def build(family: str, folder, seed: int = 0, std: float = 0.15, dtype=None, **overrides):
+    """Build, re-initialise and save_pretrained (safetensors) a tiny model of ``family``
+    (``overrides`` replace config entries).
 
     Returns the transformers model (eval mode, float32) after saving it to ``folder``.
     """
@@ -41,7 +42,7 @@ def build(family: str, folder, seed: int = 0, std: float = 0.15, dtype=None):
     import transformers
 
     cfg_name, model_name, extra = FAMILIES[family]
-    cfg = getattr(transformers, cfg_name)(**COMMON, **extra)
+    cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():

@@ -138,7 +138,8 @@ def test_gpu_work_shape_on_this_device(cache, fmt):
     with OpenCL.open(0) as be:
         be.ls = 16
         H, I, Ts = 131, 67, (5, 1, 3)
-        qts = [(_qt(fmt, I, H, 3 * j), _qt(fmt, I, H, 3 * j + 1), _qt(fmt, H, I, 3 * j + 2)) for j in range(3)]
+        qts = [(_qt(fmt, I, H, 3 * j), _qt(fmt, I, H, 3 * j + 1), _qt(fmt, H, I, 3 * j + 2))
+               for j in range(3)]
         xs = [_x(T, H, j) for j, T in enumerate(Ts)]
         ys = be.expert_ffn(xs, [be.upload_expert(*q) for q in qts])
         for x, (g, u, d), y in zip(xs, qts, ys):

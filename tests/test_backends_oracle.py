@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from colibri_plan.backends import BACKEND_NAMES, get_backend
 
 from colibri_plan import quant
+from colibri_plan.backends import BACKEND_NAMES, get_backend
 from colibri_plan.errors import UnsupportedError
 
 
@@ -36,9 +36,9 @@ class Case(NamedTuple):
 
 
 GLM = ((2048, 6144), (6144, 2048))  # GLM-5.2 routed expert gate/up and down (out, in)
-ODD = ((33, 67), (257, 131), (1, 5))  # not multiples of any work-group, row or group size
+ODD = ((33, 67), (257, 131), (1, 5), (67, 33))  # not multiples of any work-group, row or group size
 CASES = (
-    [Case("matmul", f, o, i, t) for f in quant.FORMATS for (o, i), t in zip(ODD, (1, 3, 2))]
+    [Case("matmul", f, o, i, t) for f in quant.FORMATS for (o, i), t in zip(ODD, (1, 3, 2, 5))]
     + [Case("matmul", f, 64, 256, 16) for f in quant.FORMATS]
     + [Case("matmul", f, o, i, t) for f in ("int4", "int4-g64") for o, i in GLM for t in (1, 4)]
     + [Case("matmul", f, 2048, 6144, 1) for f in ("int8", "int4-g32", "int4-g128", "int2")]

@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _tiny_models import FAMILIES, build, greedy, load_hf, logits, record_router_ids, with_dequantized_experts
+
 from colibri_plan.engine.forward import Model
 from colibri_plan.engine.weights import InMemoryWeights, load_checkpoint
-
 from colibri_plan.quant import dequantize, quantize
 
 pytest.importorskip("torch", reason="torch is needed to build the reference models")
-pytest.importorskip("transformers", reason="transformers is needed to build the reference models")
+pytest.importorskip("transformers", minversion="5.0", reason="transformers >= 5 builds the reference models")
 
 PROMPT = [3, 17, 99, 42, 5, 120, 64, 7, 31, 88, 2, 77, 19, 101, 56, 9, 33, 12, 90, 45]  # 20 tokens
 TOL = 1e-4
@@ -125,3 +125,14 @@ def test_cpu_backend_matches_numpy_backend(tiny, fmt):
         for layer in w.arch.moe_layers:
             np.testing.assert_array_equal(a.routing.topk_ids(layer), b.routing.topk_ids(layer))
     assert rel(lb, la) < TOL
+
+
+def test_sliding_window_attention_matches_transformers(tmp_path):
+    hf = build("mixtral", tmp_path, seed=4, sliding_window=5)
+    w = load_checkpoint(tmp_path)
+    assert w.arch.sliding_window == 5
+    seq = PROMPT + PROMPT[:12]
+    with Model(w) as model:
+        cache = model.new_cache()
+        got = np.concatenate([model.forward(seq[:20], cache)] + [model.forward([t], cache) for t in seq[20:]])
+    assert rel(got, logits(hf, seq)) < TOL

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from colibri_plan.backends.base import Backend, DeviceInfo
 
+from colibri_plan.backends.base import Backend, DeviceInfo
 from colibri_plan.cli import cli
 from colibri_plan.errors import InputError
 from colibri_plan.profiler import disk, matmul_probe
@@ -46,10 +46,10 @@ def test_read_full_returns_file_bytes(tmp_path):
     disk.write_test_file(path, 1 << 20)
     raw = path.read_bytes()
     assert len(raw) == 1 << 20 and len(set(raw[:4096])) > 200  # incompressible, not zeros
-    fd, direct, _method, _w = disk.open_for_read(path, filesystem_of(path)["fstype"])
+    fd, direct, _method, _w = disk.open_for_read(path)
     try:
         buf = disk.aligned_buffer(64 << 10)
-        assert disk._read_full(fd, buf, 12 * 4096, 64 << 10) == 64 << 10
+        assert disk.read_full(fd, buf, 12 * 4096, 64 << 10) == 64 << 10
         assert bytes(buf[: 64 << 10]) == raw[12 * 4096: 12 * 4096 + (64 << 10)]
     finally:
         os.close(fd)
@@ -113,6 +113,66 @@ def test_o_direct_refused_falls_back(tmp_path, monkeypatch):
     assert "O_DIRECT refused" in d["warnings"][0] and "Invalid argument" in d["warnings"][0]
 
 
+def test_disk_shrinks_file_to_free_space(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 0, 3 << 20))
+    d = disk.probe_disk(tmp_path, **{**SMALL, "file_bytes": 1 << 30, "queue_depths": (1,)})
+    assert d["file_bytes"] == (3 << 20) // 2
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 0, 64 << 10))
+    with pytest.raises(InputError, match="too little"):
+        disk.probe_disk(tmp_path, **SMALL)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cuda_link_probe():
+    cp = pytest.importorskip("cupy", reason="CuPy is not installed (CUDA link probe needs it)")
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"no CUDA device: {exc}")
+    if n == 0:
+        pytest.skip("no CUDA device")
+    from colibri_plan.profiler.links import LINK_KEYS, probe_cuda_link
+
+    figs = probe_cuda_link(0, 1 << 20, repetitions=2, copies=2)
+    for k in LINK_KEYS:
+        assert figs[k]["repetitions"] == 2 and 0.1 < figs[k]["median"] < 2000  # GB/s, PCIe/NVLink range
+
+
+def test_opencl_link_probe():
+    cl = pytest.importorskip("pyopencl", reason="pyopencl is not installed")
+    try:
+        names = [d.name for p in cl.get_platforms() for d in p.get_devices()]
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"no OpenCL platform: {exc}")
+    if not names:
+        pytest.skip("no OpenCL device")
+    from colibri_plan.profiler.links import LINK_KEYS, probe_opencl_link
+
+    figs = probe_opencl_link(names[0], 1 << 20, repetitions=2, copies=2)
+    for k in LINK_KEYS:
+        assert figs[k]["repetitions"] == 2 and figs[k]["median"] > 0.01
+    with pytest.raises(LookupError):
+        probe_opencl_link("no such device", 1 << 20)
+
+
+def test_shipped_profiles_load():
+    from importlib import resources
+
+    from colibri_plan.profiler.schema import load_profile as load
+
+    files = [f for f in resources.files("colibri_plan.profiles").iterdir() if f.name.endswith(".json")]
+    if not files:
+        pytest.skip("no shipped profiles")
+    for f in files:
+        with resources.as_file(f) as path:
+            prof = load(path)
+        assert prof.fingerprint and prof.doc["machine"]["cores"] >= 1
+
+
 def test_ram_probe():
     r = probe_ram(array_bytes=8 << 20, repetitions=3, threads=2)
     assert r["threads"] == 2 and r["read_gbps"]["repetitions"] == 3
@@ -136,6 +196,26 @@ def test_links_unified_and_skipped():
         assert e["unified_memory"] is True and e["h2d_pinned_gbps"]["median"] == 10.0
         assert e["d2h_pageable_gbps"] == ram["read_gbps"]
     assert skipped[0]["backend"] == "vulkan" and skipped[0]["device_index"] == 1 and skipped[0]["reason"]
+
+
+def test_links_borrowed_from_same_gpu(monkeypatch):
+    from colibri_plan.profiler import links as links_mod
+
+    def fake_cuda(index, block_bytes, repetitions, copies):
+        return {k: {"min": 10.0 + index, "median": 10.0 + index, "max": 10.0 + index, "repetitions": 1}
+                for k in links_mod.LINK_KEYS}
+
+    monkeypatch.setattr(links_mod, "probe_cuda_link", fake_cuda)
+    devices = [{**_dev("vulkan", "gpu", False, 1), "name": "Big GPU"},
+               {**_dev("cuda", "gpu", False, 0), "name": "Big GPU"},
+               {**_dev("cuda", "gpu", False, 1), "name": "Big GPU"},
+               {**_dev("vulkan", "gpu", False, 2), "name": "Other GPU"}]
+    out, skipped = probe_links(devices, {"unavailable": "x"}, 1 << 20)
+    by = {(e["backend"], e["device_index"]): e for e in out}
+    assert by[("cuda", 1)]["h2d_pinned_gbps"]["median"] == 11.0
+    assert by[("vulkan", 1)]["h2d_pinned_gbps"]["median"] == 11.0  # cuda:1, the same index
+    assert "cuda:1" in by[("vulkan", 1)]["method"]
+    assert [(s["backend"], s["device_index"]) for s in skipped] == [("vulkan", 2)]
 
 
 class ToyBackend(Backend):
@@ -171,16 +251,43 @@ def test_matmul_probe_plumbing(monkeypatch):
                                                    tokens=(1, 4), repetitions=3, ffn_experts=2)
     assert [(r["out_features"], r["in_features"], r["tokens"]) for r in rows] == [
         (64, 128, 1), (64, 128, 4), (128, 64, 1), (128, 64, 4)]
-    # 4 matmul figures x (1 warm-up + 3 timed) + 2 experts x 3 matrices x (1 warm-up + 3 timed)
-    assert ToyBackend.calls == 4 * 4 + 2 * 3 * 4
+    # each figure: (warm-up + 1 timed) then (warm-up + 2 timed) -> 5 calls; 4 matmul figures and one
+    # expert_ffn figure of 2 experts x 3 matrices
+    assert ToyBackend.calls == 4 * 5 + 2 * 3 * 5
+    assert all(r["seconds"]["repetitions"] == 3 for r in rows + ffn)
     for r in rows:
         assert r["weight_bytes"] == tensor_bytes("int4", r["out_features"], r["in_features"])
         # median of bytes/seconds == bytes / median seconds for an odd count of repetitions
         assert r["weight_gbps"]["median"] == pytest.approx(r["weight_bytes"] / r["seconds"]["median"] / 1e9)
     assert ffn[0]["experts"] == 2 and ffn[0]["weight_bytes"] == 2 * (
         2 * tensor_bytes("int4", 64, 128) + tensor_bytes("int4", 128, 64))
-    assert skipped == [{"backend": "toy", "device_index": 0, "fmt": "int4-g64",
+    assert skipped == [{"backend": "toy", "device_index": 0, "fmt": "int4-g64", "what": "matmul",
                         "reason": "toy kernels do not implement int4-g64"}]
+
+
+def test_budgeted_repetitions():
+    calls = []
+
+    def timer(n):
+        calls.append(n)
+        return [0.1] * n
+
+    assert matmul_probe.budgeted(timer, 7, 10.0) == [0.1] * 7 and calls == [1, 6]
+    calls.clear()
+    assert len(matmul_probe.budgeted(timer, 7, 0.45)) == 3 and calls == [1, 2]  # 0.45 / 0.1 - 2 more
+    calls.clear()
+    assert matmul_probe.budgeted(timer, 7, 0.05) == [0.1] and calls == [1]
+
+
+def test_ffn_skipped_over_budget(monkeypatch):
+    import colibri_plan.backends as backends
+
+    monkeypatch.setattr(backends, "get_backend", lambda name: ToyBackend)
+    dev = ToyBackend.list_devices()[0].to_dict()
+    rows, ffn, skipped = matmul_probe.probe_matmul([dev], ["int4"], hidden=128, width=64, tokens=(1,),
+                                                   repetitions=3, ffn_experts=4, ffn_budget_s=1e-9)
+    assert len(rows) == 2 and ffn == []
+    assert skipped[0]["what"] == "expert_ffn" and "budget" in skipped[0]["reason"]
 
 
 def _available_backends():
@@ -216,11 +323,21 @@ def test_cli_quick_every_section(tmp_path):
     assert prof.ram_read_gbps() > 0
     available = _available_backends()
     measured = {r["backend"] for r in doc["matmul"]} if isinstance(doc["matmul"], list) else set()
-    assert measured == set(available)
+    expected = set(available) - ({"numpy"} if "cpu" in available else set())
+    assert measured == expected
+    if "numpy" in available and "cpu" in available:  # the reference is left out, with the reason
+        assert any(s["backend"] == "numpy" and "reference" in s["reason"] for s in doc["skipped"])
     for name in set(("numpy", "opencl", "vulkan", "cuda", "metal")) - set(available):
         assert any(s["backend"] == name and s["reason"] for s in doc["skipped"])
-    if not any(b != "numpy" for b in available):
+    from colibri_plan.profiler.links import HOST_BACKENDS
+
+    if all(b in HOST_BACKENDS for b in available):
         assert "unavailable" in doc["links"]
+    else:  # every non-host device has a link entry or a skip reason
+        keys = {(e["backend"], e["device_index"]) for e in doc["links"]}
+        keys |= {(s["backend"], s.get("device_index")) for s in doc["skipped"] if s.get("what") == "links"}
+        linkable = {(d["backend"], d["index"]) for d in doc["devices"] if d["backend"] not in HOST_BACKENDS}
+        assert linkable <= keys
     for b in measured:
         assert prof.matmul_weight_gbps(b, 0, "int4", 1) > 0
     assert list(tmp_path.iterdir()) == [out]  # only the profile; the test file is gone

@@ -12,13 +12,14 @@ import importlib.resources
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
+
 from colibri_plan.backends import get_backend
 from colibri_plan.backends import vulkan_util as vu
 from colibri_plan.backends.base import silu_mul_ref
-
 from colibri_plan.errors import DeviceOutOfMemoryError, UnsupportedError
 from colibri_plan.quant import matmul_ref, quantize
 
@@ -189,3 +190,17 @@ def test_staged_uploads_match_direct_ones(vk_backend, monkeypatch):
     np.testing.assert_array_equal(be.matmul(x, staged), be.matmul(x, direct))
     ref = matmul_ref(x, qt)
     np.testing.assert_allclose(be.matmul(x, staged), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_device_time_of_the_last_call_is_within_its_wall_time(vk_backend):
+    be, rng = vk_backend, np.random.default_rng(7)
+    w = be.upload(quantize(rng.standard_normal((256, 512)).astype(np.float32), "int4"))
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    be.matmul(x, w)
+    t0 = time.perf_counter()
+    be.matmul(x, w)
+    wall = time.perf_counter() - t0
+    gpu = be.last_gpu_seconds()
+    if gpu is None:
+        pytest.skip(f"{be.device.name}: its compute queue has no timestamps")
+    assert 0 < gpu <= wall

@@ -1,12 +1,30 @@
-"""`colibri-plan export` (placeholder until its issue lands)."""
+"""`colibri-plan export PLAN --to colibri|llama.cpp`."""
+
+from __future__ import annotations
 
 import click
 
-from colibri_plan.errors import UnsupportedError
+from colibri_plan.cli.common import emit, json_option
 
 
-@click.command("export", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1)
-def export(args):
-    """Not built yet."""
-    raise UnsupportedError("'export' is not built yet")
+@click.command("export")
+@click.argument("plan_path")
+@click.option("--to", "target", type=click.Choice(["colibri", "llama.cpp"]), required=True)
+@click.option("--out", "out_path", default=None,
+              help="colibri: the usage file to write (default: PLAN with .coli_usage).")
+@json_option
+def export(plan_path, target, out_path):
+    """Export a plan: colibrì usage file + environment line, or llama.cpp -ot override patterns."""
+    from pathlib import Path
+
+    from colibri_plan.plan import load_plan
+    from colibri_plan.planner.exports import export_colibri, export_llama_cpp
+
+    plan = load_plan(plan_path)
+    if target == "colibri":
+        out_path = out_path or str(Path(plan_path).with_suffix(".coli_usage"))
+        data = export_colibri(plan, out_path)
+        emit(data, lambda: "\n".join([data["env"], *(f"# {n}" for n in data["notes"])]))
+    else:
+        data = export_llama_cpp(plan)
+        emit(data, lambda: "\n".join([data["args"], *(f"# {n}" for n in data["notes"])]))

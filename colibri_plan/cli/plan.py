@@ -1,12 +1,57 @@
-"""`colibri-plan plan` (placeholder until its issue lands)."""
+"""`colibri-plan plan show`: inspect a plan file."""
+
+from __future__ import annotations
 
 import click
 
-from colibri_plan.errors import UnsupportedError
+from colibri_plan.cli.common import emit, json_option, table
 
 
-@click.command("plan", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1)
-def plan(args):
-    """Not built yet."""
-    raise UnsupportedError("'plan' is not built yet")
+@click.group("plan")
+def plan():
+    """Inspect plan files."""
+
+
+@plan.command("show")
+@click.argument("path")
+@click.option("--layers", "show_layers", is_flag=True, help="One line per MoE layer.")
+@json_option
+def show(path, show_layers):
+    """Print a plan: model, machine, budgets, tier sizes, predicted tok/s and its terms, solver facts."""
+    from colibri_plan.plan import load_plan
+
+    p = load_plan(path)
+    d = p.doc
+    data = {"file": path, "model": d["model"]["name"], "model_fingerprint": p.model_fingerprint,
+            "profile": d["profile"], "heat": d["heat"], "budgets": d["budgets"], "counts": p.counts(),
+            "predicted": d["predicted"], "solver": d["solver"], "expert_format": d["expert_format"]}
+    if show_layers:
+        data["layers"] = [{"layer": e["layer"], **{k: len(v) for k, v in e["vram"].items()},
+                           "ram_pinned": len(e["ram_pinned"]), "lru_slots": e["lru_slots"],
+                           "disk": len(e["disk"])} for e in d["layers"]]
+
+    def human():
+        pr, t, h = d["predicted"], d["predicted"]["terms"], d["predicted"]["hit_rate"]
+        lines = [f"plan {path}: {data['model']} ({d['expert_format']}, fingerprint {p.model_fingerprint})",
+                 f"machine: {d['profile'].get('cpu_model')}, GPUs {d['profile'].get('gpus')} "
+                 f"(profile {d['profile'].get('fingerprint')})",
+                 f"heat: {d['heat']['source']}",
+                 f"RAM budget for experts {d['budgets']['ram_budget_bytes'] / 1e9:.2f} GB; VRAM "
+                 + (", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in d["budgets"]["vram_budget_bytes"].items())
+                    or "none (no GPU in the profile)"),
+                 "experts: " + ", ".join(f"{k} {v}" for k, v in data["counts"].items()),
+                 f"predicted {pr['tok_s']:.3f} tok/s = {pr['decode_s_per_token'] * 1e3:.1f} ms/token "
+                 f"(dense {t['dense_s'] * 1e3:.1f}, attention {t['attention_s'] * 1e3:.1f}, expert layers "
+                 f"{t['expert_layers_s'] * 1e3:.1f}, of which disk wait {t['disk_wait_s'] * 1e3:.1f} ms)",
+                 f"served from VRAM {h['vram'] * 100:.1f}%, pinned {h['ram_pinned'] * 100:.1f}%, LRU "
+                 f"{h['lru'] * 100:.1f}%, disk {h['disk'] * 100:.1f}%; "
+                 f"{pr['disk_bytes_per_token'] / 1e6:.1f} MB/token from disk",
+                 f"solver: {d['solver']['method']}, {d['solver']['status']}, {d['solver']['seconds']} s"]
+        if show_layers:
+            keys = p.device_keys
+            rows = [[e["layer"]] + [len(e["vram"].get(k, [])) for k in keys]
+                    + [len(e["ram_pinned"]), e["lru_slots"], len(e["disk"])] for e in d["layers"]]
+            lines.append(table(rows, ["layer"] + keys + ["pinned", "LRU slots", "disk"]))
+        return "\n".join(lines)
+
+    emit(data, human)

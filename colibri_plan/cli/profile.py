@@ -60,13 +60,15 @@ def render(doc: dict) -> str:
         out.append(f"disk     unavailable: {d['unavailable']}")
     else:
         fs = d["filesystem"]
+        fs = fs if isinstance(fs, dict) else {"fstype": fs, "device": "?"}
         out.append(f"\ndisk     {d['path']} ({fs['fstype']} on {fs['device']}), block {d['block_bytes']} B, "
                    f"page cache kept out by: {d['page_cache_method']}")
-        rows = [[e["queue_depth"], _fig(e["read_gbps"]), f"{e['latency_ms']['p50']:.1f}",
-                 f"{e['latency_ms']['p99']:.1f}", e["reads"]] for e in d["random"]]
-        seq = d["sequential"]
-        rows.append(["seq", _fig(seq["read_gbps"]), f"{seq['latency_ms']['p50']:.1f}",
-                     f"{seq['latency_ms']['p99']:.1f}", seq["reads"]])
+        def row(name, e):
+            lat = e.get("latency_ms") or {}
+            return [name, _fig(e.get("read_gbps")), f"{lat['p50']:.1f}" if "p50" in lat else "-",
+                    f"{lat['p99']:.1f}" if "p99" in lat else "-", e.get("reads", "-")]
+
+        rows = [row(e["queue_depth"], e) for e in d["random"]] + [row("seq", d["sequential"])]
         out.append(table(rows, ["QD", "read GB/s median (min-max)", "p50 ms", "p99 ms", "reads"]))
     r = doc["ram"]
     out.append("\nram      " + (f"unavailable: {r['unavailable']}" if "unavailable" in r else
@@ -120,7 +122,8 @@ def render(doc: dict) -> str:
 @click.option("--disk-seconds", type=float, default=None, hidden=True)
 @click.option("--hidden", "hidden_size", type=int, default=None, hidden=True)
 @click.option("--width", type=int, default=None, hidden=True)
-@click.option("--formats", default=None, hidden=True)
+@click.option("--formats", default=None,
+              help="Quant formats to time matmul at (comma-separated; default int4,int4-g64 + the model's).")
 @json_option
 def profile(path, model, quick, out, backends, probes, block_bytes, file_bytes, ram_bytes, queue_depths,
             disk_seconds, hidden_size, width, formats):

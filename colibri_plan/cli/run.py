@@ -79,6 +79,15 @@ def open_weights(model_path: str, quant: str = "f32"):
     raise InputError(f"{path} is neither an expert pack (no pack.json) nor a checkpoint (no config.json)")
 
 
+def resolve_backend(name: str) -> str:
+    """``auto`` -> "cpu" (numba kernels) when usable here, else "numpy"; other names unchanged."""
+    if name != "auto":
+        return name
+    from colibri_plan.backends import get_backend
+
+    return "cpu" if get_backend("cpu").is_available() else "numpy"
+
+
 def make_provider(weights, backend: str, device_index: int = 0):
     """The expert provider: every routed expert uploaded once to ``backend`` (RAM for CPU backends).
 
@@ -154,20 +163,33 @@ def write_stats(recorder, weights, stats_out: str | None, usage_out: str | None)
 @click.option("--prompt-file", default=None, type=click.Path(), help="File of token ids (spaces/commas).")
 @click.option("--tokens", "n_tokens", type=click.IntRange(1, None), default=16, show_default=True,
               help="Tokens to generate.")
-@click.option("--backend", default="numpy", show_default=True, help="Backend for the experts.")
+@click.option("--backend", default="auto", show_default=True,
+              help="Backend for the experts: auto (cpu if usable, else numpy), cpu, numpy, opencl, ...")
 @click.option("--device", "device_index", type=int, default=0, show_default=True,
               help="Backend device index.")
 @click.option("--quant", default="f32", show_default=True, help="Expert format when --model is a checkpoint.")
+@click.option("--plan", "plan_path", type=click.Path(), default=None,
+              help="Place experts as this plan says (VRAM / pinned RAM / LRU / O_DIRECT disk); needs a pack.")
+@click.option("--read-threads", type=click.IntRange(1, 64), default=8, show_default=True,
+              help="Concurrent O_DIRECT expert reads with --plan (queue depth).")
 @click.option("--stats-out", type=click.Path(), default=None, help="Write routing counts (heat JSON).")
 @click.option("--usage-out", type=click.Path(), default=None,
               help="Write routing counts (colibrì usage text).")
 @json_option
-def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, quant, stats_out, usage_out):
-    """Greedy generation with every expert in RAM: prints the new token ids, tok/s, prefill and decode
-    time."""
+def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, quant, plan_path,
+        read_threads, stats_out, usage_out):
+    """Greedy generation: prints the new token ids, tok/s, prefill and decode time.
+
+    Without --plan every expert is held in RAM on one backend. With --plan the experts live where the
+    plan says, and the report splits each decode token's time (dense, expert compute per device, disk
+    wait), gives hit rates per tier, disk bytes per token and peak RSS, beside the plan's prediction."""
     prompt = read_prompt(prompt_ids, prompt_file)
     weights = open_weights(model_path, quant)
     check_prompt(prompt, weights.arch.vocab_size)
+    backend = resolve_backend(backend)
+    if plan_path is not None:
+        return run_with_plan(weights, plan_path, prompt, n_tokens, backend, read_threads, stats_out,
+                             usage_out)
     progress(f"loading {weights.arch.n_moe_layers * weights.arch.n_experts} experts to {backend}")
     t0 = time.perf_counter()
     provider = make_provider(weights, backend, device_index)
@@ -189,3 +211,58 @@ def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, qu
         f"prefill {len(prompt)} tokens in {doc['prefill_s']:.3f} s; decode {doc['decode_steps']} steps in "
         f"{doc['decode_s']:.3f} s ({tok_s}); load {doc['load_s']:.2f} s on {backend}",
         *(f"wrote {k.replace('_out', '')}: {v}" for k, v in written.items())]))
+
+
+def run_with_plan(weights, plan_path: str, prompt: list[int], n_tokens: int, backend: str,
+                  read_threads: int, stats_out: str | None, usage_out: str | None) -> None:
+    """`run --plan`: refuse a plan for another model, warn about another machine, run, report."""
+    from colibri_plan.cli.common import warn
+    from colibri_plan.engine.moe import RoutingRecorder
+    from colibri_plan.engine.pack import PackedModel
+    from colibri_plan.engine.placement import Placement
+    from colibri_plan.engine.session import run_placement
+    from colibri_plan.plan import check_model, load_plan
+    from colibri_plan.verify import machine_warning, this_machine_fingerprint
+
+    if not isinstance(weights, PackedModel):
+        raise InputError("--plan needs an expert pack (colibri-plan model pack / model fixture), not a "
+                         "checkpoint folder: streaming reads experts from the pack's experts.bin")
+    plan = load_plan(plan_path)
+    check_model(plan, weights.spec())
+    w = machine_warning(plan, this_machine_fingerprint())
+    if w:
+        warn(w)
+    if backend not in ("cpu", "numpy"):
+        raise InputError(f"--backend {backend}: with --plan, CPU-resident and streamed experts run on a "
+                         "host backend (cpu or numpy); GPU experts use the devices the plan names")
+    recorder = RoutingRecorder(weights.arch)
+    rep = run_placement(weights, Placement.from_layers(plan.doc["layers"]), prompt, n_tokens,
+                        cpu_backend=backend, read_threads=read_threads, recorder=recorder,
+                        progress=lambda m: progress(m, verbose_only=True))
+    if rep.io_warning:
+        warn(rep.io_warning)
+    written = write_stats(recorder, weights, stats_out, usage_out)
+    pred = plan.doc.get("predicted", {})
+    doc = {"model": str(weights.path), "plan": str(plan_path), "backend": backend, **rep.to_dict(),
+           "predicted": {k: pred.get(k) for k in ("tok_s", "decode_s_per_token", "hit_rate",
+                                                   "disk_bytes_per_token")},
+           **written}
+
+    def human() -> str:
+        t = rep.terms
+        dev = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t["device_s"].items()) or "none"
+        hr = ", ".join(f"{k} {v:.1%}" for k, v in rep.hit_rates.items())
+        lines = [" ".join(str(x) for x in rep.tokens),
+                 f"decode {rep.tok_s:.2f} tok/s measured"
+                 + (f" (plan predicted {pred['tok_s']:.2f})" if pred.get("tok_s") else "")
+                 + f"; prefill {len(prompt)} tokens in {rep.prefill_s:.2f} s",
+                 f"per token: dense {t['dense_s'] * 1e3:.1f} ms, experts {t['expert_wall_s'] * 1e3:.1f} ms "
+                 f"(cpu {t['expert_cpu_s'] * 1e3:.1f} ms, disk wait {t['disk_wait_s'] * 1e3:.1f} ms, "
+                 f"devices: {dev})",
+                 f"hit rates: {hr}; LRU hit rate {rep.lru_hit_rate:.1%}",
+                 f"disk {rep.disk_bytes_per_token / 1e6:.1f} MB/token "
+                 f"({'O_DIRECT' if rep.o_direct else 'buffered'}); peak RSS {rep.peak_rss_bytes / 2**30:.2f} GiB",
+                 *(f"wrote {k.replace('_out', '')}: {v}" for k, v in written.items())]
+        return "\n".join(lines)
+
+    emit(doc, human)

@@ -1,12 +1,188 @@
-"""`colibri-plan solve` (placeholder until its issue lands)."""
+"""`colibri-plan solve`: budgets, optimal placement, plan file, baselines (--compare), what-if."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 import click
 
-from colibri_plan.errors import UnsupportedError
+from colibri_plan.cli.common import emit, json_option, progress, table, warn
+
+GB = 1e9
 
 
-@click.command("solve", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1)
-def solve(args):
-    """Not built yet."""
-    raise UnsupportedError("'solve' is not built yet")
+def resolve_profile(path: str):
+    """Load a profile file, or a profile shipped in colibri_plan/profiles by name
+    (e.g. "published-6x-rtx5090")."""
+    from importlib import resources
+
+    from colibri_plan.errors import InputError
+    from colibri_plan.profiler.schema import load_profile
+
+    p = Path(path)
+    if p.is_file():
+        return load_profile(p), str(p)
+    name = path if path.endswith(".json") else f"{path}.json"
+    shipped = resources.files("colibri_plan.profiles").joinpath(name)
+    if shipped.is_file():
+        with resources.as_file(shipped) as f:
+            return load_profile(f), f"shipped profile {name}"
+    raise InputError(f"profile {path} not found (not a file, nor a shipped profile); measure one with "
+                     "`colibri-plan profile --out profile.json`")
+
+
+def load_heat_arg(heat: str | None):
+    """None / "synth" / "uniform" pass through; anything else is a heat file."""
+    if heat in (None, "synth", "uniform"):
+        return heat
+    from colibri_plan.heat import load_heat
+
+    return load_heat(heat)
+
+
+def _gb(x) -> str:
+    return f"{x / GB:,.2f} GB"
+
+
+def summary_rows(label: str, cost: dict, counts: dict | None = None) -> list:
+    h = cost["hit_rate"]
+    return [label, f"{cost['tok_s']:.3f}", f"{cost['decode_s_per_token'] * 1e3:.1f}",
+            f"{h['vram'] * 100:.1f}", f"{h['ram_pinned'] * 100:.1f}", f"{h['lru'] * 100:.1f}",
+            f"{h['disk'] * 100:.1f}", f"{cost['disk_bytes_per_token'] / 1e6:.1f}"]
+
+
+COMPARE_HEADER = ["placement", "tok/s", "ms/token", "VRAM %", "pinned %", "LRU %", "disk %", "disk MB/tok"]
+
+
+@click.command("solve")
+@click.option("--profile", "profile_path", required=True, help="Profile file (or a shipped profile name).")
+@click.option("--model", "model_name", required=True, help="Catalogue name, checkpoint folder, GGUF or spec.")
+@click.option("--heat", default=None,
+              help="Heat file (engine JSON, colibrì usage/STATS), 'synth' or 'uniform'.")
+@click.option("--ram", default="auto", show_default=True, help="'auto' or the process RAM budget in GB.")
+@click.option("--vram", default="auto", show_default=True, help="'auto', or GB per GPU (one, or a,b,c).")
+@click.option("--headroom", default=None, help="OS + page-cache headroom in GB for --ram auto.")
+@click.option("--vram-reserve", default=2.0, show_default=True, type=float, help="GB kept free per GPU.")
+@click.option("--context", default=4096, show_default=True, type=int, help="Context tokens (KV cache).")
+@click.option("--quant", default=None, help="Expert quant format (default: the model's).")
+@click.option("--dense-format", default=None, help="Dense trunk format (default: the expert format).")
+@click.option("--lru-slots", default="auto", show_default=True, help="'auto' or LRU slots per layer.")
+@click.option("--out", "out_path", default=None, help="Write the plan here.")
+@click.option("--compare", is_flag=True, help="Also evaluate colibrì hot-first, --fit layers and uniform.")
+@click.option("--what-if", "what_if_kind", type=click.Choice(["ram", "vram", "nvme"]), default=None,
+              help="Predicted tok/s as one resource varies.")
+@click.option("--png", "png_path", default=None, help="With --what-if: write the plot here.")
+@click.option("--method", type=click.Choice(["auto", "exact", "aggregate"]), default="auto",
+              show_default=True)
+@click.option("--time-limit", default=30.0, show_default=True, type=float, help="Solver seconds.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of synthesised heat.")
+@click.option("--coefficients", "coef_path", default=None,
+              help="Cost-model coefficients from `colibri-plan calibrate` (default: all 1.0); "
+                   "recorded in the plan.")
+@json_option
+def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, context, quant, dense_format,
+          lru_slots, out_path, compare, what_if_kind, png_path, method, time_limit, seed, coef_path):
+    """Solve where every expert lives (VRAM per GPU, pinned RAM, LRU cache, disk) to minimise predicted
+    decode time per token within the memory budgets; write a plan file."""
+    from colibri_plan.errors import InputError
+    from colibri_plan.model import load_model_spec
+    from colibri_plan.plan import save_plan
+    from colibri_plan.planner.make import make_plan
+
+    if png_path and not what_if_kind:
+        raise InputError("--png needs --what-if ram|vram|nvme")
+    if lru_slots != "auto" and not str(lru_slots).isdigit():
+        raise InputError(f"--lru-slots must be 'auto' or a whole number, got {lru_slots!r}")
+    profile, source = resolve_profile(profile_path)
+    spec = load_model_spec(model_name, quant=quant)
+    heat_obj = load_heat_arg(heat)
+    coef = None
+    if coef_path:  # calibrated coefficients are only ever used when asked for (docs/calibration.md)
+        from colibri_plan.calibrate import load_coefficients
+
+        coef = load_coefficients(coef_path)
+        progress(f"cost-model coefficients from {coef_path}: {coef.to_dict()}")
+    progress(f"solving {spec.name}: {spec.n_routed_experts} experts of {spec.expert_bytes() / 1e6:.2f} MB "
+             f"on {source}")
+    plan, sol, setup = make_plan(profile, spec, heat_obj, method=method, time_limit_s=time_limit,
+                                 profile_source=source, ram=ram, vram=vram, headroom=headroom,
+                                 context_tokens=context, lru_slots=lru_slots, dense_fmt=dense_format,
+                                 vram_reserve_gb=vram_reserve, seed=seed, coef=coef)
+    for w in setup.warnings:
+        warn(w)
+    if out_path:
+        save_plan(plan, out_path)
+    result = {"plan_file": out_path, "model": spec.name, "profile": source,
+              "budgets": plan.doc["budgets"], "counts": plan.counts(), "predicted": plan.doc["predicted"],
+              "solver": plan.doc["solver"], "warnings": setup.warnings}
+    if compare:
+        result["compare"] = _compare(setup, sol)
+    if what_if_kind:
+        from colibri_plan.planner.whatif import plot, what_if
+
+        rows = what_if(setup, what_if_kind, time_limit_s=time_limit, progress=progress)
+        result["what_if"] = {"kind": what_if_kind, "rows": rows, "png": png_path}
+        if png_path:
+            plot(rows, what_if_kind, png_path, title=f"{spec.name} on {source}")
+    emit(result, lambda: _human(result, plan))
+
+
+def _compare(setup, sol) -> list[dict]:
+    from colibri_plan.planner.baselines import BASELINES
+    from colibri_plan.planner.make import cost_of
+    from colibri_plan.planner.solve import validate_placement
+
+    rows = [{"placement": "colibri-plan (optimised)", **_brief(sol.cost)}]
+    for name, fn in BASELINES.items():
+        tiers, slots = fn(setup.problem)
+        validate_placement(setup.problem, tiers, slots)
+        rows.append({"placement": name, **_brief(cost_of(setup, tiers, slots))})
+    best = max(r["tok_s"] for r in rows[1:])
+    for r in rows:
+        r["vs_best_baseline"] = r["tok_s"] / best if best > 0 else None
+    return rows
+
+
+def _brief(cost: dict) -> dict:
+    return {k: cost[k] for k in ("tok_s", "decode_s_per_token", "hit_rate", "disk_bytes_per_token")}
+
+
+def _human(result: dict, plan) -> str:
+    b = result["budgets"]
+    out = ["Budgets:"]
+    out += [f"  {e['what']:<78} {_gb(e['bytes']):>14}" for e in b["explain"]]
+    c = result["counts"]
+    out.append("Placement (experts): " + ", ".join(f"{k} {v}" for k, v in c.items()))
+    p = result["predicted"]
+    t = p["terms"]
+    out.append(f"Predicted: {p['tok_s']:.3f} tok/s ({p['decode_s_per_token'] * 1e3:.1f} ms/token): dense "
+               f"{t['dense_s'] * 1e3:.1f} ms, attention {t['attention_s'] * 1e3:.1f} ms, expert layers "
+               f"{t['expert_layers_s'] * 1e3:.1f} ms (disk wait {t['disk_wait_s'] * 1e3:.1f} ms, transfers "
+               f"{t['transfer_s'] * 1e3:.1f} ms)")
+    h = p["hit_rate"]
+    out.append(f"Selections served from: VRAM {h['vram'] * 100:.1f}%, "
+               f"pinned RAM {h['ram_pinned'] * 100:.1f}%, "
+               f"LRU {h['lru'] * 100:.1f}%, disk {h['disk'] * 100:.1f}%; disk "
+               f"{p['disk_bytes_per_token'] / 1e6:.1f} MB/token")
+    s = result["solver"]
+    gap = "n/a" if s["gap"] is None else f"{s['gap'] * 100:.3f}%"
+    out.append(f"Solver: {s['method']}; {s['status']}; gap {gap}; {s['seconds']:.2f} s")
+    if result.get("plan_file"):
+        out.append(f"Plan written to {result['plan_file']}")
+    if "compare" in result:
+        rows = [[r["placement"], f"{r['tok_s']:.3f}", f"{r['decode_s_per_token'] * 1e3:.1f}",
+                 f"{r['hit_rate']['vram'] * 100:.1f}", f"{r['hit_rate']['ram_pinned'] * 100:.1f}",
+                 f"{r['hit_rate']['lru'] * 100:.1f}", f"{r['hit_rate']['disk'] * 100:.1f}",
+                 f"{r['disk_bytes_per_token'] / 1e6:.1f}", f"{r['vs_best_baseline']:.2f}x"]
+                for r in result["compare"]]
+        out += ["", table(rows, COMPARE_HEADER + ["vs best baseline"])]
+    if "what_if" in result:
+        w = result["what_if"]
+        rows = [[f"{r['value']:.3g} {r['unit']}", f"{r['tok_s']:.3f}", f"{r['hot_first_tok_s']:.3f}",
+                 f"{r['vram'] * 100:.1f}", f"{r['ram_pinned'] * 100:.1f}", f"{r['disk'] * 100:.1f}"]
+                for r in w["rows"]]
+        out += ["", f"What-if {w['kind']}:", table(rows, [w["kind"], "tok/s (ours)", "tok/s (hot-first)",
+                                                          "VRAM %", "pinned %", "disk %"])]
+        if w.get("png"):
+            out.append(f"Plot written to {w['png']}")
+    return "\n".join(out)

@@ -1,19 +1,117 @@
-"""`colibri-plan verify` and `calibrate` (placeholders until their issue lands)."""
+"""`colibri-plan verify` (run a plan, compare measured with predicted) and `calibrate` (refit the costs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 import click
 
-from colibri_plan.errors import UnsupportedError
+from colibri_plan.cli.common import emit, json_option, progress, table, warn
+from colibri_plan.errors import InputError
 
 
-@click.command("verify", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1)
-def verify(args):
-    """Not built yet."""
-    raise UnsupportedError("'verify' is not built yet")
+def default_report_path(plan_path: str) -> Path:
+    """``PLAN.verify.json`` beside the plan (``plan.json`` -> ``plan.verify.json``)."""
+    p = Path(plan_path)
+    return p.with_name(p.stem + ".verify.json")
 
 
-@click.command("calibrate", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1)
-def calibrate(args):
-    """Not built yet."""
-    raise UnsupportedError("'calibrate' is not built yet")
+@click.command("verify")
+@click.option("--plan", "plan_path", required=True, type=click.Path(), help="Plan file (colibri-plan solve).")
+@click.option("--model", "model_path", required=True, type=click.Path(), help="Expert pack folder.")
+@click.option("--tokens", "n_tokens", type=click.IntRange(1, None), default=16, show_default=True,
+              help="Decode steps to measure.")
+@click.option("--prompt-ids", default=None, help="Prompt token ids (default: 8 seeded ids).")
+@click.option("--prompt-file", default=None, type=click.Path(), help="File of prompt token ids.")
+@click.option("--backend", "cpu_backend", default="cpu", show_default=True,
+              help="CPU backend for RAM-resident and streamed experts (cpu or numpy).")
+@click.option("--reference/--no-reference", default=True, show_default=True,
+              help="Also run the all-RAM CPU reference and check the tokens are identical.")
+@click.option("--report", "report_path", type=click.Path(), default=None,
+              help="Where to write the verify report (default: PLAN.verify.json beside the plan).")
+@json_option
+def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend, reference, report_path):
+    """Run PLAN on the engine and compare the measured tok/s, time split, hit rates and disk bytes with
+    the plan's predictions; check the tokens against the all-RAM CPU reference; give a verdict and write
+    a report (kind verify-report)."""
+    from colibri_plan.cli.run import check_prompt, read_prompt
+    from colibri_plan.engine.pack import is_pack, open_pack
+    from colibri_plan.plan import load_plan
+    from colibri_plan.verify import (
+        report_table,
+        save_report,
+        this_machine_fingerprint,
+        verdict_line,
+        verify_plan,
+    )
+
+    plan = load_plan(plan_path)
+    if not is_pack(model_path):
+        raise InputError(f"{model_path} is not an expert pack (no pack.json); build one with "
+                         "`colibri-plan model pack` or `colibri-plan model fixture`")
+    pack = open_pack(model_path)
+    if prompt_ids is None and prompt_file is None:
+        from colibri_plan.engine.fixture import fixture_prompt
+
+        prompt = fixture_prompt(pack.arch.vocab_size, 8, seed=1)
+    else:
+        prompt = read_prompt(prompt_ids, prompt_file)
+    check_prompt(prompt, pack.arch.vocab_size)
+    try:
+        report = verify_plan(plan, pack, prompt, n_tokens, plan_path=plan_path, cpu_backend=cpu_backend,
+                             reference=reference, machine_fp=this_machine_fingerprint(),
+                             progress=lambda m: progress(m, verbose_only=m.startswith("  ")), warn=warn)
+    finally:
+        pack.close()
+    out = save_report(report, report_path or default_report_path(plan_path))
+    report["report_path"] = str(out)
+    m = report["measured"]
+
+    def human() -> str:
+        lines = [table(report_table(report), ["term", "predicted", "measured", "measured/predicted"]),
+                 "",
+                 f"tokens: {' '.join(map(str, m['tokens']))}",
+                 f"peak RSS {m['peak_rss_bytes'] / 1e9:.2f} GB; O_DIRECT {'yes' if m['o_direct'] else 'no'}; "
+                 f"median decode {m['decode_s_median'] * 1e3:.0f} ms/token",
+                 verdict_line(report["verdict"]),
+                 f"report: {out}"]
+        return "\n".join(lines)
+
+    emit(report, human)
+
+
+@click.command("calibrate")
+@click.argument("reports", nargs=-1, required=True, type=click.Path())
+@click.option("--out", "out_path", required=True, type=click.Path(), help="Coefficients file to write.")
+@click.option("--base", "base_path", type=click.Path(), default=None,
+              help="Start from these coefficients (terms without data keep them); default all 1.0.")
+@json_option
+def calibrate(reports, out_path, base_path):
+    """Refit the cost model's per-term coefficients from verify REPORTS (least squares on the CPU path,
+    ratio of sums for dense and GPU terms; docs/calibration.md) and write them to --out.
+    Use them with `colibri-plan solve --coefficients FILE`."""
+    from colibri_plan.calibrate import fit_coefficients, load_coefficients, save_coefficients
+    from colibri_plan.verify import load_report
+
+    docs = [load_report(r) for r in reports]
+    base = load_coefficients(base_path) if base_path else None
+    coef, detail = fit_coefficients(docs, base=base, names=list(reports))
+    path = save_coefficients(coef, out_path, detail, sources=list(reports))
+    doc = {"coefficients": coef.to_dict(), "detail": detail, "out": str(path), "reports": list(reports)}
+
+    def human() -> str:
+        rows = []
+        for t in ("cpu_expert", "disk", "dense", "gpu_expert"):
+            d = detail[t]
+            if not d["fitted"]:
+                how = "no data (base value kept)"
+            elif t in ("cpu_expert", "disk"):
+                how = f"nnls on the CPU path over {detail['cpu_path']['reports']} report(s)"
+            else:
+                how = (f"ratio of sums {d['measured_sum_s'] * 1e3:.1f} / {d['raw_sum_s'] * 1e3:.1f} ms "
+                       f"({d['reports']} report(s))")
+            rows.append([t, f"{d['value']:.3f}", how])
+        return "\n".join([table(rows, ["term", "coefficient", "fitted by"]),
+                          f"wrote {path}; use it with: colibri-plan solve ... --coefficients {path}"])
+
+    emit(doc, human)

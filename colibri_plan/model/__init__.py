@@ -64,7 +64,11 @@ def load_model_spec(name_or_path: str | os.PathLike, quant: str | None = None) -
     text = os.fspath(name_or_path)
     path = Path(text).expanduser()
     looks_like_path = os.sep in text or text.startswith(".") or path.suffix in (".gguf", ".json")
-    if path.is_dir():
+    if path.is_dir() and (path / "pack.json").is_file():
+        # an expert pack (colibri-plan model pack / model fixture) stores the spec it was made from
+        from colibri_plan.engine.pack import spec_from_pack
+        spec = spec_from_pack(path)
+    elif path.is_dir():
         from colibri_plan.model.checkpoint import checkpoint_spec
         spec = checkpoint_spec(path)
     elif path.is_file():

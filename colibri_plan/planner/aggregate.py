@@ -1,16 +1,18 @@
-"""Large placements: a count-and-mass MILP over tiers, then a per-layer realisation with local search.
+"""Large placements: a count-and-mass LP over tiers, then a per-layer realisation with local search.
 
 The expert-level MILP of :mod:`colibri_plan.planner.solve` has rows × E × tiers binaries (GLM-5.2 on six
 GPUs: 154k) and its LP relaxation alone is slow. Every expert of a model has the same bytes and the
 cost is linear in selection probability, so a layer's cost depends only on, per tier t, the number of
-experts n_t (capacity) and their probability mass m_t (time). This module solves over (n_t, m_t):
+experts n_t (capacity) and their probability mass m_t (time). This module solves a linear program over
+(n_t, m_t) (HiGHS interior point), refining the cuts below at the counts each round chose:
 
 * Σ_t n_t = E_l, Σ_t m_t = M_l (the layer's total p);
 * per tier, m_t <= P_l(n_t), where P_l(n) is the mass of the n hottest experts (concave): a set of n
   experts never carries more; likewise the GPU side together, and the disk tier carries at least the
   mass of its n_disk coldest experts (convex S_l). P and S enter through tangent lines at a few
   breakpoints, each of which bounds the curve from the right side, so the program is a *relaxation*;
-* the epigraph of the layer max and the capacities, exactly as in the expert-level MILP.
+* the epigraph of the layer max and the capacities, as in the expert-level MILP, with the per-layer
+  GPU-use indicators relaxed to [0, 1] (then fixed from the relaxation for the placement itself).
 
 Its optimum is therefore a lower bound of the true optimum (for fixed LRU miss factors). A layer is then
 realised: the n_disk coldest experts go to disk, the rest are dealt to GPUs and RAM hottest-first toward
@@ -20,28 +22,48 @@ helps. The reported gap is (realised cost − bound) / realised cost: a certific
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from scipy import sparse
-from scipy.optimize import Bounds, LinearConstraint, milp  # milp with no integers = HiGHS LP
+from scipy.optimize import linprog
 
 from colibri_plan.errors import BudgetError, SolverError
 from colibri_plan.planner.costmodel import TIER_DISK, TIER_RAM, miss_seconds, transfer_seconds
 
-N_BREAKPOINTS = 16
+N_BREAKPOINTS = 5
+CUT_ROUNDS = 6
+CUT_TOLERANCE = 1e-3
+CUT_TIME_S = 2.0          # stop refining the cuts after this (the gap says how close we are)
+SWAP_MIN_GAIN = 1e-5      # relative gain below which a swap is not worth another pass
 
 
 def _breakpoints(n: int) -> np.ndarray:
-    pts = np.unique(np.round(np.concatenate([np.arange(min(n, 4) + 1),
+    pts = np.unique(np.round(np.concatenate([np.arange(min(n, 2) + 1),
                                              np.geomspace(1, max(n, 1), N_BREAKPOINTS)])).astype(int))
     return pts[(pts >= 0) & (pts < n)] if n > 0 else np.array([], dtype=int)
 
 
-def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | None = None):
+def _lp(cost, mat, lo, hi, lb, ub):
+    """min cost·x s.t. lo <= mat x <= hi, lb <= x <= ub with HiGHS interior point (+ crossover): on
+    these degenerate programs it is several times faster than simplex."""
+    eq = np.isfinite(lo) & np.isfinite(hi) & (lo == hi)
+    up = np.isfinite(hi) & ~eq
+    dn = np.isfinite(lo) & ~eq
+    a_ub = sparse.vstack([mat[up], -mat[dn]]).tocsr()
+    b_ub = np.concatenate([hi[up], -lo[dn]])
+    return linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=mat[eq], b_eq=lo[eq], bounds=np.c_[lb, ub],
+                   method="highs-ipm")
+
+
+def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | None = None,
+                 extra_points: dict | None = None):
     """Solve the count-and-mass linear program.
 
     Counts are continuous (rounded down afterwards). ``z_fixed`` (float ``[rows, G]`` of 0/1) fixes which
     discrete GPUs each row uses; None relaxes z to [0, 1], which makes the optimum a lower bound of the
-    true optimum (for the given miss factors).
+    true optimum (for the given miss factors). ``extra_points`` {(row, tier group): counts} adds tangents
+    (cutting planes at the counts a previous solve chose).
 
     Returns:
         (counts [rows, T] int, masses [rows, T], z [rows, G], objective_s, ok); tiers are ordered
@@ -77,6 +99,10 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
         hi.append(upper)
         k += 1
 
+    # groups of tiers whose joint mass is bounded by P(joint count): each GPU, RAM, the GPUs together,
+    # and everything but disk (i.e. disk holds at least the mass of its coldest experts)
+    groups = [(t,) for t in range(n_t - 1)] + ([tuple(range(n_gpu))] if n_gpu > 1 else [])
+    groups.append(tuple(range(n_t - 1)))
     active = []
     for i, r in enumerate(rows):
         p = np.sort(probs[r][probs[r] > 0])[::-1]
@@ -85,15 +111,14 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
         pref = np.concatenate([[0.0], np.cumsum(p)])        # P(n): mass of the n hottest
         row([ncol(i, t) for t in range(n_t)], [1.0] * n_t, e, e)
         row([mcol(i, t) for t in range(n_t)], [1.0] * n_t, pref[-1], pref[-1])
-        for q in _breakpoints(e):                           # tangent of P at q: slope p[q]
-            for t in range(n_t - 1):                        # m_t - p[q] n_t <= P(q) - p[q] q
-                row([mcol(i, t), ncol(i, t)], [1.0, -p[q]], -np.inf, pref[q] - p[q] * q)
-            if n_gpu > 1:
-                row([mcol(i, t) for t in range(n_gpu)] + [ncol(i, t) for t in range(n_gpu)],
-                    [1.0] * n_gpu + [-p[q]] * n_gpu, -np.inf, pref[q] - p[q] * q)
-            # disk holds at least its coldest mass: m_G + m_R <= P(n_G + n_R)
-            row([mcol(i, t) for t in range(n_t - 1)] + [ncol(i, t) for t in range(n_t - 1)],
-                [1.0] * (n_t - 1) + [-p[q]] * (n_t - 1), -np.inf, pref[q] - p[q] * q)
+        base = _breakpoints(e)
+        for g in groups:                                    # tangent of P at q (slope p[q]) per group:
+            pts = base                                      # sum_G m - p[q] sum_G n <= P(q) - p[q] q
+            if extra_points and (r, g) in extra_points:
+                pts = np.union1d(base, [q for q in extra_points[(r, g)] if 0 <= q < e]).astype(int)
+            for q in pts:
+                row([mcol(i, t) for t in g] + [ncol(i, t) for t in g],
+                    [1.0] * len(g) + [-p[q]] * len(g), -np.inf, pref[q] - p[q] * q)
         miss = coef.disk * t_miss * miss_factor_row[r]
         row([tcol(i), mcol(i, t_ram), mcol(i, t_disk)], [1.0, -cpu_c, -(cpu_c + miss)], 0.0, np.inf)
         for d in range(n_gpu):
@@ -130,7 +155,7 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
     for i, r in enumerate(rows):
         cost[tcol(i)] = w[r]
     mat = sparse.csr_matrix((vals, (ri, ci)), shape=(k, nvar))
-    out = milp(cost, constraints=LinearConstraint(mat, lo, hi), bounds=Bounds(lb, ub))
+    out = _lp(cost, mat, np.array(lo), np.array(hi), lb, ub)
     counts = np.zeros((probs.shape[0], n_t), dtype=np.int64)
     masses = np.zeros((probs.shape[0], n_t))
     z = np.zeros((probs.shape[0], n_gpu))
@@ -148,7 +173,7 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
 
 
 def realise_layer(p: np.ndarray, counts: np.ndarray, masses: np.ndarray, rate: np.ndarray,
-                  extra: np.ndarray, max_swaps: int = 2000) -> np.ndarray:
+                  extra: np.ndarray, max_swaps: int = 400) -> np.ndarray:
     """Assign one layer's experts to tiers with the given counts, then improve by pairwise swaps.
 
     Args:
@@ -163,18 +188,8 @@ def realise_layer(p: np.ndarray, counts: np.ndarray, masses: np.ndarray, rate: n
     n_t = len(counts)
     t_ram, t_disk = n_t - 2, n_t - 1
     order = np.argsort(-p, kind="stable")
-    tier = np.full(len(p), t_disk)
     n_disk = int(counts[t_disk])
     hot = order[: len(p) - n_disk]
-    left = counts.astype(np.int64).copy()
-    left[t_disk] = 0
-    got = np.zeros(n_t)
-    for e in hot:                                           # deal hottest-first toward target masses
-        open_t = np.flatnonzero(left[:t_disk] > 0)
-        t = open_t[np.argmax(masses[open_t] - got[open_t])]
-        tier[e] = t
-        got[t] += p[e]
-        left[t] -= 1
     res_of = np.array(list(range(t_ram)) + [t_ram, t_ram])  # RAM and disk share the CPU resource
     n_res = t_ram + 1
 
@@ -186,6 +201,29 @@ def realise_layer(p: np.ndarray, counts: np.ndarray, masses: np.ndarray, rate: n
                 out[res_of[t]] += rate[t] * p[sel].sum() + extra[t]
         return out
 
+    # two deals of the hot experts, keep the better: (a) contiguous blocks, densest target first;
+    # (b) hottest-first to the tier furthest below its target mass
+    deals = []
+    tier = np.full(len(p), t_disk)
+    density = np.where(counts[:t_disk] > 0, masses[:t_disk] / np.maximum(counts[:t_disk], 1), -1.0)
+    pos = 0
+    for t in np.argsort(-density, kind="stable"):
+        k = int(counts[t])
+        tier[hot[pos:pos + k]] = t
+        pos += k
+    deals.append(tier)
+    tier = np.full(len(p), t_disk)
+    left = counts.astype(np.int64).copy()
+    left[t_disk] = 0
+    got = np.zeros(n_t)
+    for e in hot:
+        open_t = np.flatnonzero(left[:t_disk] > 0)
+        t = open_t[np.argmax(masses[open_t] - got[open_t])]
+        tier[e] = t
+        got[t] += p[e]
+        left[t] -= 1
+    deals.append(tier)
+    tier = min(deals, key=lambda tr: times(tr).max())
     cur = times(tier)
     for _ in range(max_swaps):
         worst = int(np.argmax(cur))
@@ -206,7 +244,7 @@ def realise_layer(p: np.ndarray, counts: np.ndarray, masses: np.ndarray, rate: n
                 others = np.delete(cur, [worst, res_of[t]]).max(initial=0.0)
                 new_max = np.maximum(np.maximum(new_w, new_o), others)
                 j = np.unravel_index(np.argmin(new_max), new_max.shape)
-                if new_max[j] < best[0] - 1e-15:
+                if new_max[j] < best[0] - SWAP_MIN_GAIN * cur.max():
                     best = (new_max[j], ia[j[0]], ib[j[1]])
         if best[1] is None:
             break
@@ -217,12 +255,30 @@ def realise_layer(p: np.ndarray, counts: np.ndarray, masses: np.ndarray, rate: n
 
 
 def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[np.ndarray, float]:
-    """Count-and-mass MILP, then per-layer realisation. Returns (tiers [rows, E] codes, lower bound s)."""
+    """Count-and-mass LP, then per-layer realisation. Returns (tiers [rows, E] codes, lower bound s)."""
     res, b, coef = problem.res, problem.expert_bytes, problem.coef
     n_gpu = len(res.gpus)
     row_miss = np.array([float(np.average(m, weights=np.maximum(p, 1e-300)))
                          for m, p in zip(miss_factor, problem.probs)])
-    _, _, z_lp, bound, ok = solve_counts(problem, row_miss)          # relaxed z: the lower bound
+    extra: dict[int, set] = {}
+    bound = -np.inf
+    t0 = time.perf_counter()
+    for k in range(CUT_ROUNDS):                # relaxed z: each round's optimum is a lower bound
+        if k >= 2 and time.perf_counter() - t0 > CUT_TIME_S:
+            break
+        counts, _, z_lp, obj, ok = solve_counts(problem, row_miss, extra_points=extra)
+        if not ok:
+            break
+        if obj <= bound * (1 + CUT_TOLERANCE):
+            bound = max(bound, obj)
+            break                              # the new tangents no longer move the bound
+        bound = obj
+        groups = [(t,) for t in range(n_gpu + 1)] + ([tuple(range(n_gpu))] if n_gpu > 1 else [])
+        groups.append(tuple(range(n_gpu + 1)))
+        for r in range(counts.shape[0]):       # tangents at the chosen counts (and one above)
+            for g in groups:
+                n = int(counts[r, list(g)].sum())
+                extra.setdefault((r, g), set()).update((n, n + 1))
     if not ok:
         raise BudgetError("no placement fits the budgets: the experts do not fit in VRAM + RAM and the "
                           "profile has no disk figure; measure the disk with `colibri-plan profile` or "
@@ -233,7 +289,7 @@ def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[
         candidates.append(np.ones_like(z_lp))
     best = None
     for z in candidates:                                             # fixed z: plain LPs
-        counts, masses, _, obj, ok = solve_counts(problem, row_miss, z)
+        counts, masses, _, obj, ok = solve_counts(problem, row_miss, z, extra_points=extra)
         if ok and (best is None or obj < best[2]):
             best = (counts, masses, obj)
     if best is None:

@@ -4,7 +4,9 @@
 each subtraction is returned as a named line so the plan and the CLI can explain it. An explicit
 ``--ram GB`` is the whole process budget (like colibrì's ``RAM_GB``): dense, KV and buffers still come
 out of it, the headroom does not. VRAM: per device, free (else total) memory − ``vram_reserve`` (2 GB
-by default, as colibrì's ``CUDA_RESERVE_GB``); an explicit list gives each device's expert budget. A
+by default, as colibrì's ``CUDA_RESERVE_GB``); an explicit list gives each device's expert budget. The
+dense trunk and the KV cache stay in RAM (the CPU computes them, colibrì's default ``CUDA_DENSE=0``), so
+they come out of the RAM budget only. A
 unified-memory device has no VRAM budget of its own: its experts come out of the RAM budget (one pool,
 never counted twice).
 """
@@ -101,7 +103,8 @@ def ram_budget(spec, available_bytes: int, ram: str = "auto", headroom_gb: float
     left = start - headroom - dense - kv - working
     explain.append({"what": "RAM for experts (pinned + LRU)", "bytes": left})
     if left < 0:
-        raise BudgetError(f"RAM budget too small: {start / GB:.2f} GB minus headroom {headroom / GB:.2f}, dense "
+        raise BudgetError(f"RAM budget too small: {start / GB:.2f} GB minus headroom {headroom / GB:.2f}, "
+                          f"dense "
                           f"{dense / GB:.2f}, KV {kv / GB:.2f} and buffers {working / GB:.2f} GB leaves "
                           f"{left / GB:.2f} GB; give more --ram or a smaller --context")
     return left, explain, {"headroom_bytes": headroom, "dense_bytes": dense, "kv_bytes": kv,

@@ -42,7 +42,6 @@ from colibri_plan.planner.costmodel import (
     transfer_seconds,
 )
 
-
 #: above this many expert-level binaries the count-and-mass method is used (method="auto")
 EXACT_MAX_BINARIES = 12_000
 
@@ -88,7 +87,7 @@ class Solution:
     lru_slots: np.ndarray
     cost: dict
     status: str
-    gap: float
+    gap: float | None
     seconds: float
     method: str
     iterations: list = field(default_factory=list)
@@ -177,7 +176,8 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
         [float((problem.ram_budget_bytes - slot_bytes) // b)], 1)
     for d, g in enumerate(res.gpus):
         if not g.unified:
-            add(np.zeros(len(act)), idx * n_t + d, np.ones(len(act)), [-np.inf], [float(g.budget_bytes // b)], 1)
+            add(np.zeros(len(act)), idx * n_t + d, np.ones(len(act)), [-np.inf],
+                [float(g.budget_bytes // b)], 1)
     mat = sparse.csr_matrix((np.concatenate([a[2] for a in A]),
                              (np.concatenate([a[0] for a in A]), np.concatenate([a[1] for a in A]))),
                             shape=(nrow, n_var))
@@ -194,9 +194,9 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
                options={"time_limit": time_limit_s, "mip_rel_gap": gap, "presolve": True})
     if out.x is None:
         if out.status == 2 or "infeasible" in str(out.message).lower():
-            raise BudgetError("no placement fits the budgets: the experts do not fit in VRAM + RAM and the "
-                              "profile has no disk figure (or the LRU reserve is too large); measure the disk "
-                              "with `colibri-plan profile` or give more memory")
+            raise BudgetError("no placement fits the budgets: the experts do not fit in VRAM + RAM and "
+                              "the profile has no disk figure (or the LRU reserve is too large); measure "
+                              "the disk with `colibri-plan profile` or give more memory")
         raise SolverError(f"HiGHS found no placement: {out.message}")
     x = out.x[:n_x].reshape(len(act), n_t)
     choice = np.argmax(x, axis=1)
@@ -214,7 +214,8 @@ def _fill(problem: Problem, tiers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     tiers = tiers.copy()
     slots = np.where((tiers == TIER_DISK).any(axis=1), problem.lru_slots, 0)
     unified = [d for d, g in enumerate(res.gpus) if g.unified]
-    order = np.argsort(-(problem.probs * np.maximum(problem.weights, 1e-9)[:, None]), axis=None, kind="stable")
+    value = problem.probs * np.maximum(problem.weights, 1e-9)[:, None]
+    order = np.argsort(-value, axis=None, kind="stable")
     ram_used = lambda: (np.sum(tiers == TIER_RAM) + sum(np.sum(tiers == d) for d in unified)  # noqa: E731
                         + int(slots.sum())) * b
     room = (problem.ram_budget_bytes - ram_used()) // b
@@ -249,7 +250,7 @@ def solve_placement(problem: Problem, time_limit_s: float = 30.0, gap: float = 1
                     lru_iterations: int = 2, method: str = "auto") -> Solution:
     """Minimise expected decode seconds per token over placements within the budgets.
 
-    ``method``: "exact" (expert-level MILP), "aggregate" (count-and-mass MILP + realisation, with a
+    ``method``: "exact" (expert-level MILP), "aggregate" (count-and-mass LP + realisation, with a
     certified gap; :mod:`colibri_plan.planner.aggregate`) or "auto" (exact up to
     EXACT_MAX_BINARIES binaries).
 
@@ -273,6 +274,8 @@ def solve_placement(problem: Problem, time_limit_s: float = 30.0, gap: float = 1
             cost = evaluate(problem, tiers, slots)
             total = cost["decode_s_per_token"]
             g = max(0.0, (total - (bound + problem.fixed_cost_s)) / total) if total > 0 else 0.0
+            if problem.lru_slots.any():
+                g = None        # the bound holds for fixed miss factors, not for the Che fixed point
             status = "feasible (count-and-mass bound)"
         else:
             tiers, status, g, _ = _milp(problem, miss, time_limit_s, gap)
@@ -286,7 +289,7 @@ def solve_placement(problem: Problem, time_limit_s: float = 30.0, gap: float = 1
             miss[r] = 1.0 - che_hit_rates(np.where(on_disk, problem.probs[r], 0.0), int(slots[r]))
     tiers, slots, cost, status, g = best
     validate_placement(problem, tiers, slots)
-    name = ("HiGHS count-and-mass MILP + per-layer realisation" if large
+    name = ("HiGHS count-and-mass LP (cutting planes) + per-layer realisation" if large
             else "HiGHS expert-level MILP (scipy.optimize.milp)")
     name += ", LRU hit-rate fixed point" if len(history) > 1 else ""
     return Solution(tiers=tiers, lru_slots=slots, cost=cost, status=status, gap=g,

@@ -6,17 +6,18 @@ at random 4 KiB-aligned offsets in page-aligned anonymous ``mmap`` buffers throu
 (``os.pread`` cannot use O_DIRECT buffers; ``preadv`` releases the GIL, so N threads are N requests in
 flight = queue depth N). Each repetition reads for a fixed wall time; the figure is bytes / wall time.
 
-When O_DIRECT is refused (EINVAL on some overlays and FUSE mounts) or meaningless (tmpfs/ramfs keep the
-file in RAM), reads fall back to buffered ``preadv`` after ``posix_fadvise(DONTNEED)``; the section says
-so (``o_direct: false``, ``page_cache_method``) and carries a warning.
+The O_DIRECT primitives live in :mod:`colibri_plan.directio` (the engine reads experts with the same
+ones). When O_DIRECT is refused (EINVAL on some overlays and FUSE mounts) or meaningless (tmpfs/ramfs
+keep the file in RAM), reads fall back to buffered ``preadv`` after ``posix_fadvise(DONTNEED)``; the
+section says so (``o_direct: false``, ``page_cache_method``) and carries a warning.
 """
 
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -25,66 +26,24 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri_plan.directio import (  # noqa: F401 - ALIGN, RAM_FILESYSTEMS re-exported for callers
+    ALIGN,
+    RAM_FILESYSTEMS,
+    align_up,
+    aligned_buffer,
+    drop_cache,
+    open_for_read,
+    read_full,
+)
 from colibri_plan.errors import InputError
 from colibri_plan.profiler.machine import filesystem_of
 from colibri_plan.profiler.schema import stat
 
-ALIGN = 4096
 #: GLM-5.2 routed expert at int4: gate + up [2048, 6144] + down [6144, 2048], data + f32 row scales
 DEFAULT_BLOCK_BYTES = 18_915_328
-#: filesystems that keep file data in RAM: O_DIRECT opens may succeed but bypass nothing
-RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs", "shm"})
 _CHUNK = 16 << 20
 
 Progress = Callable[[str], None]
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    """``n`` rounded up to a multiple of ``a``."""
-    return -(-int(n) // a) * a
-
-
-def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """A page-aligned anonymous mapping of ``align_up(nbytes)`` bytes (valid for O_DIRECT I/O), its pages
-    already faulted in so the first timed read does not pay for them."""
-    buf = mmap.mmap(-1, align_up(nbytes))
-    np.frombuffer(buf, dtype=np.uint8)[::ALIGN] = 0
-    return buf
-
-
-def open_for_read(path: str | os.PathLike, fstype: str) -> tuple[int, bool, str, str | None]:
-    """Open ``path`` for the probe.
-
-    Returns:
-        (fd, o_direct, page_cache_method, warning or None). A test read of one 4 KiB page checks that
-        O_DIRECT really works; otherwise the fd is buffered.
-    """
-    if fstype in RAM_FILESYSTEMS:
-        fd = os.open(path, os.O_RDONLY)
-        return fd, False, "buffered", (f"{path} is on {fstype}, which keeps files in RAM: O_DIRECT bypasses "
-                                       "nothing there, so these figures are memory reads, not disk reads")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-    else:
-        try:
-            os.preadv(fd, [aligned_buffer(ALIGN)], 0)
-            return fd, True, "o_direct", None
-        except OSError as exc:
-            os.close(fd)
-            reason = exc.strerror or str(exc)
-    fd = os.open(path, os.O_RDONLY)
-    return fd, False, "buffered+fadvise_dontneed", (
-        f"O_DIRECT refused on {path} ({fstype}: {reason}); measured buffered reads after "
-        "posix_fadvise(DONTNEED), which the page cache may still flatter")
-
-
-def _drop_cache(fd: int) -> None:
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except (OSError, AttributeError):
-        pass
 
 
 def write_test_file(path: str | os.PathLike, nbytes: int, progress: Progress | None = None) -> bool:
@@ -119,21 +78,10 @@ def write_test_file(path: str | os.PathLike, nbytes: int, progress: Progress | N
             if progress and off % (256 << 20) < n:
                 progress(f"disk: writing test file {off >> 20}/{nbytes >> 20} MiB")
         os.fsync(fd)
-        _drop_cache(fd)
+        drop_cache(fd)
     finally:
         os.close(fd)
     return direct
-
-
-def _read_full(fd: int, buf: mmap.mmap, offset: int, nbytes: int) -> int:
-    got = 0
-    view = memoryview(buf)
-    while got < nbytes:
-        n = os.preadv(fd, [view[got:nbytes]], offset + got)
-        if n <= 0:
-            break
-        got += n
-    return got
 
 
 def _timed_reads(fd: int, file_bytes: int, block_bytes: int, queue_depth: int, seconds: float,
@@ -160,7 +108,7 @@ def _timed_reads(fd: int, file_bytes: int, block_bytes: int, queue_depth: int, s
             else:
                 off = rnd.randrange(n_slots) * ALIGN  # random 4 KiB-aligned offset
             t0 = time.perf_counter()
-            got += _read_full(fd, buf, off, block_bytes)
+            got += read_full(fd, buf, off, block_bytes)
             mine.append(time.perf_counter() - t0)
         with lock:
             lat.extend(mine)
@@ -179,18 +127,18 @@ def _timed_reads(fd: int, file_bytes: int, block_bytes: int, queue_depth: int, s
 
 def measure(fd: int, file_bytes: int, block_bytes: int, queue_depth: int, repetitions: int,
             seconds: float, o_direct: bool, sequential: bool = False, seed: int = 1) -> dict:
-    """Read-bandwidth figure at one queue depth: ``{queue_depth, read_gbps{..}, latency_ms{p50, p99},
-    reads, seconds_per_repetition}`` (GB = 1e9 B)."""
+    """Read-bandwidth figure at one queue depth: ``{queue_depth, block_bytes, read_gbps{..},
+    latency_ms{p50, p99}, reads, seconds_per_repetition}`` (GB = 1e9 B)."""
     gbps, lat = [], []
     for r in range(repetitions):
         if not o_direct:
-            _drop_cache(fd)
+            drop_cache(fd)
         wall, nbytes, l = _timed_reads(fd, file_bytes, block_bytes, queue_depth, seconds, sequential,
                                        seed + r)
         gbps.append(nbytes / wall / 1e9)
         lat.extend(l)
     ms = np.asarray(lat) * 1e3
-    return {"queue_depth": queue_depth, "read_gbps": stat(gbps),
+    return {"queue_depth": queue_depth, "block_bytes": block_bytes, "read_gbps": stat(gbps),
             "latency_ms": {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99))},
             "reads": len(lat), "seconds_per_repetition": seconds}
 
@@ -229,6 +177,13 @@ def probe_disk(path: str | os.PathLike | None = None, block_bytes: int = DEFAULT
     try:
         if created is not None:
             size = align_up(max(file_bytes, 2 * block))
+            free = shutil.disk_usage(target).free
+            if size > free // 2:  # never fill the disk: shrink the test file, say so
+                size = max(2 * block, (free // 2) // ALIGN * ALIGN)
+                say(f"disk: only {free >> 20} MiB free in {target}; test file shrunk to {size >> 20} MiB")
+                if size > free // 2:
+                    raise InputError(f"{target} has {free >> 20} MiB free, too little for a {size >> 20} MiB "
+                                     "test file; give --path on a disk with more room")
             say(f"disk: writing a {size >> 20} MiB test file in {target}")
             write_test_file(created, size, say)
         size = (probe_file.stat().st_size // ALIGN) * ALIGN
@@ -236,7 +191,7 @@ def probe_disk(path: str | os.PathLike | None = None, block_bytes: int = DEFAULT
             raise InputError(f"{probe_file} has {size} B, less than one {block} B block; give a larger file "
                              "or a folder")
         fs = filesystem_of(probe_file)
-        fd, direct, method, warning = open_for_read(probe_file, fs["fstype"])
+        fd, direct, method, warning = open_for_read(probe_file)
         random_rows = []
         for qd in queue_depths:
             say(f"disk: random {block} B reads at queue depth {qd}")

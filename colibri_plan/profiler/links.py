@@ -7,6 +7,8 @@
   or a numpy array (pageable).
 - Unified-memory devices (integrated GPUs, Apple, CPU devices such as PoCL or lavapipe): no copy is
   needed; the link is marked ``unified_memory: true`` and its bandwidth is the RAM read bandwidth.
+- Other discrete devices (Vulkan) borrow the figures of the same GPU model measured through CUDA or
+  OpenCL (same device name, same index preferred), with the method saying so; otherwise they are skipped.
 - The ``numpy`` and ``cpu`` backends are the host itself and have no link.
 """
 
@@ -21,6 +23,8 @@ from colibri_plan.profiler.schema import stat
 
 #: backends that compute on the host itself: no link to measure
 HOST_BACKENDS = ("numpy", "cpu")
+#: backends whose host<->device copies this module measures directly
+PROBED_BACKENDS = ("cuda", "opencl")
 LINK_KEYS = ("h2d_pinned_gbps", "h2d_pageable_gbps", "d2h_pinned_gbps", "d2h_pageable_gbps")
 
 
@@ -122,8 +126,9 @@ def probe_links(devices: list[dict], ram: dict, block_bytes: int, repetitions: i
         (links entries, skipped [{"backend", "device_index", "reason"}]). Never raises for a device
         that fails; it is skipped with the reason.
     """
-    links, skipped = [], []
-    for d in devices:
+    links, skipped, later = [], [], []
+    # devices a copy API is probed through come first, so the others can borrow their figures
+    for d in sorted(devices, key=lambda d: d["backend"] not in PROBED_BACKENDS):
         if d["backend"] in HOST_BACKENDS:
             continue
         base = {"backend": d["backend"], "device_index": d["index"], "device_name": d["name"],
@@ -140,13 +145,29 @@ def probe_links(devices: list[dict], ram: dict, block_bytes: int, repetitions: i
             elif d["backend"] == "opencl":
                 figs = probe_opencl_link(d["name"], block_bytes, repetitions, copies)
             else:
-                skipped.append({**{k: base[k] for k in ("backend", "device_index")},
-                                "reason": f"host<->device copies are not probed through {d['backend']}; "
-                                          "the same GPU's cuda/opencl entry gives the link"})
+                later.append((d, base))
                 continue
         except Exception as exc:  # noqa: BLE001 - one device failing must not sink the profile
             skipped.append({"backend": d["backend"], "device_index": d["index"],
                             "reason": f"{type(exc).__name__}: {exc}"})
             continue
         links.append({**base, "unified_memory": False, "copies_per_repetition": copies, **figs})
+    for d, base in later:  # e.g. vulkan: the same physical GPU's link, measured through cuda/opencl
+        same = sorted((e for e in links if not e["unified_memory"] and _same_gpu(e, d)),
+                      key=lambda e: e["device_index"] != d["index"])  # same index first
+        if same:
+            src = same[0]
+            links.append({**base, "unified_memory": False,
+                          **{k: src[k] for k in LINK_KEYS if k in src},
+                          "method": f"same GPU model as {src['backend']}:{src['device_index']} (figures "
+                                    f"copied; {d['backend']} copies are not probed)"})
+        else:
+            skipped.append({"backend": d["backend"], "device_index": d["index"],
+                            "reason": f"host<->device copies are not probed through {d['backend']} and no "
+                                      "cuda/opencl device with the same name was measured"})
     return links, skipped
+
+
+def _same_gpu(entry: dict, d: dict) -> bool:
+    """Same GPU model (device names match); identical GPUs of one host share their link figures."""
+    return entry["device_name"].strip().lower() == d["name"].strip().lower()

@@ -63,9 +63,10 @@ def _time_ffn(be, xs, experts, repetitions: int) -> list[float]:
 
 def probe_device(backend: str, index: int, formats: Sequence[str], hidden: int, width: int,
                  tokens: Sequence[int] = (1, 16), repetitions: int = 5, ffn_experts: int = 8,
-                 budget_s: float = 1.0, ffn_budget_s: float = 3.0,
+                 budget_s: float = 1.0, ffn_budget_s: float = 3.0, device_budget_s: float = 30.0,
                  progress: Progress | None = None) -> tuple[list[dict], list[dict], list[dict]]:
-    """Matmul and expert_ffn figures of one device.
+    """Matmul and expert_ffn figures of one device. Formats left when ``device_budget_s`` is spent are
+    skipped with that reason.
 
     Returns:
         (matmul entries, expert_ffn entries, skipped [{"backend", "device_index", "fmt"?, "reason"}]).
@@ -87,8 +88,14 @@ def probe_device(backend: str, index: int, formats: Sequence[str], hidden: int, 
         skipped.append({"backend": backend, "device_index": index, "fmt": fmt, "what": what,
                         "reason": reason})
 
+    t_start = time.perf_counter()
     try:
         for fmt in formats:
+            spent = time.perf_counter() - t_start
+            if spent > device_budget_s:
+                skip(fmt, "matmul", f"this mode's {device_budget_s:g} s budget per device was spent "
+                                    f"({spent:.1f} s); measure it alone with --backends {backend}")
+                continue
             if fmt not in supported:
                 skip(fmt, "matmul", f"{backend} kernels do not implement {fmt}")
                 continue
@@ -163,7 +170,7 @@ def _probe_ffn(be, base: dict, fmt: str, hidden: int, width: int, k: int, repeti
 
 def probe_matmul(devices: list[dict], formats: Sequence[str], hidden: int, width: int,
                  tokens: Sequence[int] = (1, 16), repetitions: int = 5, ffn_experts: int = 8,
-                 budget_s: float = 1.0, ffn_budget_s: float = 3.0,
+                 budget_s: float = 1.0, ffn_budget_s: float = 3.0, device_budget_s: float = 30.0,
                  progress: Progress | None = None) -> tuple[list[dict], list[dict], list[dict]]:
     """Run :func:`probe_device` on every device; a device that fails is skipped with the reason.
 
@@ -174,7 +181,7 @@ def probe_matmul(devices: list[dict], formats: Sequence[str], hidden: int, width
     for d in devices:
         try:
             r, f, s = probe_device(d["backend"], d["index"], formats, hidden, width, tokens, repetitions,
-                                   ffn_experts, budget_s, ffn_budget_s, progress)
+                                   ffn_experts, budget_s, ffn_budget_s, device_budget_s, progress)
         except Exception as exc:  # noqa: BLE001 - one backend failing must not sink the profile
             skipped.append({"backend": d["backend"], "device_index": d["index"], "what": "matmul",
                             "reason": f"{type(exc).__name__}: {exc}"})

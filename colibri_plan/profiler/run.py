@@ -7,11 +7,13 @@ blocks and files). Sections the machine lacks, or that were not asked for, are `
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from colibri_plan import __version__
 from colibri_plan.errors import InputError
 from colibri_plan.profiler import disk as disk_mod
 from colibri_plan.profiler.links import HOST_BACKENDS, probe_links
@@ -43,37 +45,47 @@ class ProfileOptions:
     width: int | None = None
     formats: Sequence[str] = ("int4", "int4-g64")
     disk_seconds: float | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def mode_settings(quick: bool) -> dict:
     """Sizes and repetitions of a mode."""
     if quick:
         return {"mode": "quick", "file_bytes": 256 << 20, "queue_depths": [1, 4], "disk_repetitions": 3,
-                "disk_seconds": 0.4, "ram_bytes": 256 << 20, "ram_repetitions": 5, "link_repetitions": 3,
-                "matmul_repetitions": 3, "matmul_budget_s": 0.25, "ffn_budget_s": 1.0}
+                "disk_seconds": 0.3, "ram_bytes": 256 << 20, "ram_repetitions": 5, "link_repetitions": 3,
+                "matmul_repetitions": 3, "matmul_budget_s": 0.15, "ffn_budget_s": 0.6,
+                "device_budget_s": 5.0}
     return {"mode": "default", "file_bytes": 1 << 30, "queue_depths": [1, 4, 8, 16], "disk_repetitions": 3,
             "disk_seconds": 1.0, "ram_bytes": 1 << 30, "ram_repetitions": 7, "link_repetitions": 5,
-            "matmul_repetitions": 7, "matmul_budget_s": 1.0, "ffn_budget_s": 3.0}
+            "matmul_repetitions": 7, "matmul_budget_s": 1.0, "ffn_budget_s": 3.0,
+            "device_budget_s": 30.0}
 
 
 def resolve_model(name: str | None) -> dict:
-    """Expert geometry of ``name`` via :func:`colibri_plan.model.load_model_spec`, or the GLM-5.2 default.
+    """Expert geometry of ``name`` (default GLM-5.2) via :func:`colibri_plan.model.load_model_spec`; the
+    built-in GLM-5.2 figures when model specs are not importable.
 
     Raises:
         InputError: a model was named but model specs cannot be loaded here.
     """
-    if name is None:
-        return dict(DEFAULT_MODEL)
     try:
         from colibri_plan.model import load_model_spec
     except ImportError as exc:
+        if name is None:
+            return dict(DEFAULT_MODEL)
         raise InputError(f"--model {name}: model specs are not available in this build ({exc}); "
                          "leave out --model to use the GLM-5.2 expert size") from None
-    spec = load_model_spec(name)
+    spec = load_model_spec(name or "glm-5.2")
     return {"name": spec.name, "hidden": spec.hidden_size, "width": spec.moe_intermediate_size,
             "expert_format": spec.expert_format, "top_k": spec.top_k, "expert_bytes": spec.expert_bytes(),
             "fingerprint": spec.fingerprint()}
+
+
+def _loadavg() -> list[float] | None:
+    """1, 5 and 15-minute load averages (None where the OS has none)."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def _reasons(skipped: list[dict]) -> str:
@@ -102,6 +114,7 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
     for f in opts.formats:
         check_format(f)
     t_start = time.perf_counter()
+    load_start = _loadavg()
     st = mode_settings(opts.quick)
     model = resolve_model(opts.model)
     hidden = opts.hidden or model["hidden"]
@@ -112,7 +125,7 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
                 "file_bytes": opts.file_bytes or st["file_bytes"],
                 "queue_depths": list(opts.queue_depths or st["queue_depths"]),
                 "ram_bytes": opts.ram_bytes or st["ram_bytes"],
-                "disk_seconds": opts.disk_seconds or st["disk_seconds"], **opts.extra}
+                "disk_seconds": opts.disk_seconds or st["disk_seconds"]}
     not_asked = {p: {"unavailable": f"not measured (probe {p} not selected)"}
                  for p in PROBES if p not in opts.probes}
     skipped: list[dict] = []
@@ -124,10 +137,13 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
     skipped += [{**s, "what": "devices"} for s in dev_skipped]
     machine["fingerprint"] = machine_fingerprint(machine, devices)
 
-    doc = {"created_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    doc = {"source": f"measured by colibri-plan {__version__} `profile` ({st['mode']} mode)",
+           "created_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "machine": machine, "model": model, "settings": settings, "devices": devices}
 
+    durations = {}
     if "disk" in opts.probes:
+        t0 = time.perf_counter()
         try:
             doc["disk"] = disk_mod.probe_disk(opts.path, block, settings["file_bytes"],
                                               settings["queue_depths"], st["disk_repetitions"],
@@ -136,33 +152,49 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
         except OSError as exc:
             doc["disk"] = {"unavailable": f"disk probe failed: {exc}"}
             warnings.append(doc["disk"]["unavailable"])
+        durations["disk"] = time.perf_counter() - t0
     if "ram" in opts.probes:
+        t0 = time.perf_counter()
         doc["ram"] = probe_ram(settings["ram_bytes"], st["ram_repetitions"], progress=say)
+        durations["ram"] = time.perf_counter() - t0
     ram = doc.get("ram") or not_asked["ram"]
     linkable = [d for d in devices if d["backend"] not in HOST_BACKENDS]
     if "links" in opts.probes:
+        t0 = time.perf_counter()
         if linkable:
             links, s = probe_links(linkable, ram, block, st["link_repetitions"], progress=say)
             skipped += [{**x, "what": "links"} for x in s]
             doc["links"] = links if links else {"unavailable": _reasons(s)}
         else:
             doc["links"] = {"unavailable": "no GPU or accelerator device found: " + _reasons(dev_skipped)}
+        durations["links"] = time.perf_counter() - t0
     if "matmul" in opts.probes:
-        if devices:
-            rows, ffn, s = probe_matmul(devices, formats, hidden, width, (1, 16), st["matmul_repetitions"],
-                                        int(model["top_k"]), st["matmul_budget_s"], st["ffn_budget_s"], say)
+        t0 = time.perf_counter()
+        compute = list(devices)
+        if not opts.backends and {"numpy", "cpu"} <= {d["backend"] for d in devices}:
+            compute = [d for d in devices if d["backend"] != "numpy"]
+            skipped.append({"backend": "numpy", "what": "matmul", "reason": "the reference backend; the cpu "
+                            "backend is the host's compute path (measure it with --backends numpy)"})
+        if compute:
+            rows, ffn, s = probe_matmul(compute, formats, hidden, width, (1, 16), st["matmul_repetitions"],
+                                        int(model["top_k"]), st["matmul_budget_s"], st["ffn_budget_s"],
+                                        st["device_budget_s"], say)
             skipped += s
             doc["matmul"] = rows if rows else {"unavailable": _reasons(s)}
             doc["expert_ffn"] = ffn if ffn else {"unavailable": _reasons(s)}
         else:
             doc["matmul"] = {"unavailable": "no compute backend is usable: " + _reasons(dev_skipped)}
             doc["expert_ffn"] = dict(doc["matmul"])
+        durations["matmul"] = time.perf_counter() - t0
     else:
         doc["expert_ffn"] = not_asked["matmul"]
     for p, v in not_asked.items():
         doc.setdefault(p, v)
     doc["skipped"] = skipped
     doc["warnings"] = warnings
+    doc["conditions"] = {"load_average_start": load_start, "load_average_end": _loadavg(),
+                         "note": "a busy machine lowers every figure; compare profiles taken at low load"}
     doc["duration_s"] = round(time.perf_counter() - t_start, 2)
+    doc["probe_seconds"] = {k: round(v, 2) for k, v in durations.items()}
     return MachineProfile(doc)
 

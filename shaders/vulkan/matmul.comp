@@ -109,13 +109,13 @@ void main() {
             if (subgroupElect()) red[gl_SubgroupID * NV + i] = v;
         }
         barrier();
-        if (lid < ROWS * NT) {
-            uint r = lid / NT, t = lid % NT, row = row0 + r;
+        for (uint i = lid; i < ROWS * NT; i += gl_WorkGroupSize.x) {  // one invocation per (row, token)
+            uint r = i / NT, t = i % NT, row = row0 + r;
             if (row < pc.nrows && t0 + t < te) {
                 float a = 0.0, b = 0.0;
                 for (uint g = 0u; g < gl_NumSubgroups; g++) {
-                    a += red[g * NV + lid];
-                    if (MODE == 1u) b += red[g * NV + ROWS * NT + lid];
+                    a += red[g * NV + i];
+                    if (MODE == 1u) b += red[g * NV + ROWS * NT + i];
                 }
                 if (FMT >= 3u && GROUP == 0u) {  // one scale per row
                     uint si = pc.soff + row;

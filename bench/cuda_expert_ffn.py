@@ -1,0 +1,130 @@
+"""CUDA batched expert FFN at GLM-5.2 shapes: host wall time vs GPU time, against copy bandwidth.
+
+``bench/kernels.py`` measures every backend by host wall clock (what decode pays). This script splits
+the CUDA figure: the same ``expert_ffn`` calls timed on the host and by CUDA events
+(``CUDABackend.last_device_seconds`` with ``timing = True``: the op's copies and kernels; the events
+cost a few microseconds of host time, included in the wall figure here), and the device-to-device copy
+bandwidth of the same GPU in the same run, so a shortfall can be put on the kernels or on host overhead.
+Experts cycle through a pool larger than the GPU's L2 cache. Prints a table; ``--out`` writes JSON.
+``--tune`` repeats the int4, 1-token case for several work shapes (rows per warp of the gate/up and
+down kernels, warps per block: the constants ``_R_GU``, ``_R_MM``, ``_WARPS`` of backends/cuda.py).
+
+    .venv/bin/python bench/cuda_expert_ffn.py --out /tmp/cuda_ffn.json
+    .venv/bin/python bench/cuda_expert_ffn.py --tune
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from colibri_plan import quant
+from colibri_plan.backends import get_backend
+from colibri_plan.fileio import atomic_write_text
+
+H, I = 6144, 2048  # GLM-5.2 hidden size and routed expert width
+
+
+def copy_gbps(cp, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy, read + write bytes per second / 1e9 (median)."""
+    a, b = cp.ones(nbytes // 4, cp.float32), cp.empty(nbytes // 4, cp.float32)
+    rates = []
+    for _ in range(repeats + 1):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        b[...] = a
+        cp.cuda.Device().synchronize()
+        rates.append(2 * nbytes / (time.perf_counter() - t0) / 1e9)
+    return float(np.median(rates[1:]))
+
+
+def ffn_rows(be, fmt: str, tokens, args, rng) -> list[dict]:
+    """Median wall and GPU seconds per expert_ffn call of ``args.experts`` experts, per token count."""
+    base = [quant.quantize(rng.standard_normal(s, dtype=np.float32) / 50, fmt)
+            for s in ((I, H), (I, H), (H, I))]
+    experts = [be.upload_expert(*base) for _ in range(args.pool)]  # separate copies, same values
+    ebytes = sum(w.nbytes for w in experts[0])
+    rows = []
+    for T in tokens:
+        xs = [rng.standard_normal((T, H), dtype=np.float32) for _ in range(args.experts)]
+        wall, dev = [], []
+        for k in range(args.calls + 5):
+            batch = [experts[(k * args.experts + j) % args.pool] for j in range(args.experts)]
+            t0 = time.perf_counter()
+            be.expert_ffn(xs, batch)
+            if k >= 5:  # the first calls compile, capture graphs and warm caches
+                wall.append(time.perf_counter() - t0)
+                dev.append(be.last_device_seconds)
+        nbytes, w_s, d_s = args.experts * ebytes, float(np.median(wall)), float(np.median(dev))
+        rows.append({"op": "expert_ffn", "fmt": fmt, "experts": args.experts, "tokens": T, "wall_s": w_s,
+                     "device_s": d_s, "wall_gbps": nbytes / w_s / 1e9, "device_gbps": nbytes / d_s / 1e9})
+    for e in experts:
+        for w in e:
+            be.free(w)
+    return rows
+
+
+def tune(cls, args, rng) -> list[dict]:
+    from colibri_plan.backends import cuda as mod
+
+    rows, saved = [], (mod._R_GU, mod._R_MM, mod._WARPS)
+    for r_gu, r_mm, warps in ((2, 4, 8), (1, 2, 8), (1, 4, 8), (2, 2, 8), (4, 4, 8), (2, 8, 8), (2, 4, 4),
+                              (4, 8, 4)):
+        mod._R_GU, mod._R_MM, mod._WARPS = r_gu, r_mm, warps
+        be = cls.open(0)
+        be.timing = True
+        (r,) = ffn_rows(be, "int4", [1], args, rng)
+        be.close()
+        rows.append({**r, "r_gate_up": r_gu, "r_down": r_mm, "warps": warps})
+        print(f"rows/warp gate-up {r_gu} down {r_mm}, {warps} warps: GPU {r['device_gbps']:.0f} GB/s, "
+              f"wall {r['wall_gbps']:.0f} GB/s", flush=True)
+    mod._R_GU, mod._R_MM, mod._WARPS = saved
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--formats", default="int4,int4-g64,int8")
+    p.add_argument("--experts", type=int, default=8, help="experts per call (top-k)")
+    p.add_argument("--tokens", default="1,4")
+    p.add_argument("--pool", type=int, default=64, help="distinct experts cycled (> L2 cache)")
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--tune", action="store_true", help="compare work shapes (int4, 1 token)")
+    p.add_argument("--out")
+    args = p.parse_args()
+    cls = get_backend("cuda")
+    if (reason := cls.unavailable_reason()) is not None:
+        print(f"cuda unavailable: {reason}", file=sys.stderr)
+        return 1
+    be = cls.open(0)
+    be.timing = True  # CUDA events around each op: last_device_seconds
+    import cupy as cp
+
+    rows = [{"op": "d2d_copy", "gbps": copy_gbps(cp)}]
+    rng = np.random.default_rng(0)
+    if args.tune:
+        be.close()
+        rows += tune(cls, args, rng)
+        be = cls.open(0)
+    else:
+        for fmt in args.formats.split(","):
+            rows += ffn_rows(be, fmt, [int(t) for t in args.tokens.split(",")], args, rng)
+    copy = rows[0]["gbps"]
+    print(f"device-to-device copy: {copy:.0f} GB/s")
+    print(f"{'fmt':10} {'T':>3} {'wall us':>9} {'GPU us':>8} {'wall GB/s':>10} {'GPU GB/s':>9} "
+          f"{'wall/copy':>9}")
+    for r in rows[1:]:
+        print(f"{r['fmt']:10} {r['tokens']:>3} {r['wall_s'] * 1e6:9.1f} {r['device_s'] * 1e6:8.1f} "
+              f"{r['wall_gbps']:10.0f} {r['device_gbps']:9.0f} {r['wall_gbps'] / copy:9.2f}")
+    if args.out:
+        atomic_write_text(args.out, json.dumps({"device": be.device.to_dict(), "rows": rows}, indent=1))
+    be.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Plan accuracy over a sweep of RAM budgets on the fixture: predicted vs measured, ours vs baselines.
+
+For each RAM budget (from "everything streams" to "everything fits") the script solves our plan and builds
+the baselines' plans (colibrì-style hot-first, llama.cpp ``--fit``-style whole layers) with the same
+budgets, then runs every plan for real on the engine (``run_placement``), ``--repeats`` times, interleaved
+(rep 1 of every plan, then rep 2, ...) so that load drift on a shared machine hits every plan alike.
+Plans with an identical placement are run once and share the measurement (said in the table).
+
+Calibration (``--calibrate``, at most once): before the sweep, our plan is run once at the lowest and the
+highest budget with the plain cost model, the coefficients are refitted from those two runs
+(:func:`colibri_plan.calibrate.fit_coefficients`, docs/calibration.md) and written beside the results; the
+sweep then solves and predicts with them. ``--coefficients FILE`` uses a file instead.
+
+Each repeat uses its own prompt (seed 1 + repeat; the statistics run used seed 0), so the measured hit rate
+(the mean over repeats) pools several prompts, and tok/s is the median over repeats.
+
+Noise: for every (budget, placement) the spread of its repeats, ``(max - min) / median`` of tok/s; the
+run-to-run noise of a budget is the largest spread there. "ours OK" means our median tok/s is not below
+any baseline's median by more than that noise.
+
+    .venv/bin/python bench/plan_accuracy.py --fixture work-demo/fixture --profile work-demo/profile.json \\
+        --heat work-demo/heat.json --calibrate --out bench/results/plan_accuracy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from colibri_plan.calibrate import fit_coefficients, load_coefficients, save_coefficients
+from colibri_plan.cli.common import table
+from colibri_plan.engine.fixture import fixture_prompt
+from colibri_plan.engine.pack import open_pack
+from colibri_plan.engine.placement import Placement
+from colibri_plan.engine.session import run_placement
+from colibri_plan.fileio import atomic_write_text, fingerprint
+from colibri_plan.heat import load_heat
+from colibri_plan.model import load_model_spec
+from colibri_plan.planner.baselines import fit_layers, hot_first
+from colibri_plan.planner.make import build_setup, plan_document
+from colibri_plan.planner.solve import solve_placement, validate_placement
+from colibri_plan.profiler.schema import load_profile
+from colibri_plan.verify import compare, memory_hit_rate
+
+PLACEMENTS = {"ours": None, "hot-first": hot_first, "fit-layers": fit_layers}
+CLI = [sys.executable, "-m", "colibri_plan"]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def plans_at(profile, spec, heat, ram_gb: float, coef, context: int) -> dict:
+    """Plan documents (ours + baselines) at one RAM budget, same setup for all."""
+    setup = build_setup(profile, spec, heat, ram=f"{ram_gb:g}", dense_fmt="f32", context_tokens=context,
+                        coef=coef)
+    sol = solve_placement(setup.problem)
+    out = {"ours": plan_document(setup, profile, sol.tiers, sol.lru_slots,
+                                 {"status": sol.status, "method": sol.method, "seconds": sol.seconds})}
+    for name, fn in PLACEMENTS.items():
+        if fn is None:
+            continue
+        tiers, slots = fn(setup.problem)
+        validate_placement(setup.problem, tiers, slots)
+        out[name] = plan_document(setup, profile, tiers, slots, {"status": "baseline", "method": name})
+    return out
+
+
+def placement_key(plan) -> str:
+    return fingerprint(plan.doc["layers"])
+
+
+def measure(pack, plan, prompt, tokens: int) -> dict:
+    run = run_placement(pack, Placement.from_layers(plan.doc["layers"]), prompt, tokens)
+    return run.to_dict()
+
+
+def report_of(plan, measured: dict) -> dict:
+    """A verify-report body (without the reference run) for calibrate."""
+    return {"plan": {"coefficients": plan.doc.get("coefficients"), "n_decode_layers": len(plan.doc["layers"]),
+                     "counts": plan.counts()},
+            "predicted": plan.doc["predicted"], "measured": measured,
+            "comparison": compare(plan.doc["predicted"], measured), "verdict": {}}
+
+
+def calibrate_phase(pack, profile, spec, heat, budgets, prompt, tokens, context, out_dir: Path):
+    from colibri_plan.verify import save_report
+
+    reports, names = [], []
+    for gb in (budgets[0], budgets[-1]):
+        plan = plans_at(profile, spec, heat, gb, None, context)["ours"]
+        log(f"calibration run: ours at {gb:g} GB")
+        rep = report_of(plan, measure(pack, plan, prompt, tokens))
+        path = save_report(rep, out_dir / f"calibration-{gb:g}gb.verify.json")
+        reports.append(rep)
+        names.append(str(path))
+    coef, detail = fit_coefficients(reports, names=names)
+    path = save_coefficients(coef, out_dir / "coefficients.json", detail, names)
+    log(f"calibrated coefficients -> {path}: {coef.to_dict()}")
+    return coef, str(path)
+
+
+def summarise(runs: list[dict]) -> dict:
+    tok = [r["tok_s"] for r in runs]
+    med = statistics.median(tok)
+    return {"tok_s_median": med, "tok_s_runs": tok, "spread": (max(tok) - min(tok)) / med if med else None,
+            "hit_rate_memory": statistics.mean(memory_hit_rate(r["hit_rates"]) for r in runs),
+            "disk_bytes_per_token": statistics.median(r["disk_bytes_per_token"] for r in runs),
+            "terms": {k: statistics.median(r["terms"][k] for r in runs)
+                      for k in ("dense_s", "expert_cpu_s", "disk_wait_s", "expert_wall_s")},
+            "tokens": [r["tokens"] for r in runs]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fixture", default="work-demo/fixture", help="fixture pack (built if missing)")
+    ap.add_argument("--profile", default=None, help="profile (default: measure with profile --quick)")
+    ap.add_argument("--heat", default=None, help="routing statistics (default: a statistics run)")
+    ap.add_argument("--budgets", default="1.15,1.6,2.2,3.0,5.0", help="RAM budgets in GB")
+    ap.add_argument("--tokens", type=int, default=16, help="decode steps per run")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--calibrate", action="store_true", help="one calibration before the sweep")
+    ap.add_argument("--coefficients", default=None, help="use these coefficients (calibrate output)")
+    ap.add_argument("--out", default="bench/results/plan_accuracy.json")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fx = Path(a.fixture)
+    if not (fx / "pack.json").is_file():
+        subprocess.run(CLI + ["model", "fixture", str(fx)], check=True)
+    if a.profile is None:
+        a.profile = str(out.with_name("profile.json"))
+        subprocess.run(CLI + ["profile", "--quick", "--out", a.profile], check=True)
+    if a.heat is None:
+        a.heat = str(out.with_name("heat.json"))
+        ids = " ".join(map(str, fixture_prompt(4096, 256, seed=0)))
+        subprocess.run(CLI + ["run", "--model", str(fx), "--backend", "cpu", "--prompt-ids", ids,
+                              "--tokens", "4", "--stats-out", a.heat], check=True)
+    profile, spec, heat = load_profile(a.profile), load_model_spec(fx), load_heat(a.heat)
+    budgets = sorted(float(x) for x in a.budgets.split(","))
+    # repeat r uses prompt seed 1 + r (never the statistics run's seed 0): hit rates pool over prompts
+    prompts = [fixture_prompt(spec.vocab_size, 8, seed=1 + r) for r in range(a.repeats)]
+    pack = open_pack(fx)
+    t0 = time.perf_counter()
+    coef, coef_src = None, "none (raw cost model)"
+    if a.coefficients:
+        coef, coef_src = load_coefficients(a.coefficients), a.coefficients
+    elif a.calibrate:
+        coef, coef_src = calibrate_phase(pack, profile, spec, heat, budgets, prompts[0], a.tokens, a.context,
+                                         out.parent)
+    plans = {gb: plans_at(profile, spec, heat, gb, coef, a.context) for gb in budgets}
+    runs: dict[str, list] = {}
+    for rep in range(a.repeats):          # interleaved: every distinct placement once per repeat
+        for gb in budgets:
+            for name, plan in plans[gb].items():
+                key = placement_key(plan)
+                if len(runs.get(key, [])) > rep:
+                    continue
+                log(f"rep {rep + 1}/{a.repeats}: {name} at {gb:g} GB ({time.perf_counter() - t0:.0f} s)")
+                runs.setdefault(key, []).append(measure(pack, plan, prompts[rep], a.tokens))
+    rows, result = [], []
+    for gb in budgets:
+        meas = {n: summarise(runs[placement_key(p)]) for n, p in plans[gb].items()}
+        noise = max(m["spread"] for m in meas.values())
+        best_base = max(meas[n]["tok_s_median"] for n in meas if n != "ours")
+        for n, p in plans[gb].items():
+            pr = p.doc["predicted"]
+            m = meas[n]
+            same = [o for o in plans[gb] if o != n and placement_key(plans[gb][o]) == placement_key(p)]
+            entry = {"ram_gb": gb, "placement": n, "counts": p.counts(), "same_placement_as": same,
+                     "predicted_tok_s": pr["tok_s"], "predicted_hit_rate": memory_hit_rate(pr["hit_rate"]),
+                     "predicted_terms": pr["terms"], **m, "noise": noise,
+                     "tok_s_ratio_measured_over_predicted": m["tok_s_median"] / pr["tok_s"],
+                     "hit_rate_diff_points": 100 * (m["hit_rate_memory"] - memory_hit_rate(pr["hit_rate"])),
+                     "vs_best_baseline": m["tok_s_median"] / best_base}
+            if n == "ours":
+                entry["ours_ok"] = all(m["tok_s_median"] >= meas[o]["tok_s_median"] * (1 - noise)
+                                       for o in meas if o != "ours")
+            result.append(entry)
+            c = p.counts()
+            rows.append([f"{gb:g}", n + (f" (= {', '.join(same)})" if same else ""),
+                         f"{c['ram_pinned']}/{c['lru_slots']}/{c['disk']}",
+                         f"{pr['tok_s']:.3f}", f"{m['tok_s_median']:.3f}",
+                         f"{entry['tok_s_ratio_measured_over_predicted']:.2f}",
+                         f"{100 * entry['predicted_hit_rate']:.1f}", f"{100 * m['hit_rate_memory']:.1f}",
+                         f"{entry['hit_rate_diff_points']:+.1f}", f"{entry['vs_best_baseline']:.2f}",
+                         f"{100 * noise:.0f}%", {True: "yes", False: "NO"}.get(entry.get("ours_ok"), "")])
+    header = ["RAM GB", "placement", "pin/LRU/disk", "pred tok/s", "meas tok/s", "meas/pred", "pred hit %",
+              "meas hit %", "diff pts", "vs best base", "noise", "ours OK"]
+    text = table(rows, header)
+    print(text)
+    ours = [r for r in result if r["placement"] == "ours"]
+    summary = {"tok_s_within_25pct_all": all(abs(r["tok_s_ratio_measured_over_predicted"] - 1) <= 0.25
+                                             for r in result),
+               "hit_rate_within_5pts_all": all(abs(r["hit_rate_diff_points"]) <= 5 for r in result),
+               "ours_never_below_baseline_beyond_noise": all(r["ours_ok"] for r in ours),
+               "noise_median": statistics.median(r["noise"] for r in ours),
+               "noise_max": max(r["noise"] for r in ours)}
+    print(json.dumps(summary, indent=1))
+    doc = {"kind": "bench-plan-accuracy", "fixture": str(fx), "profile": a.profile, "heat": a.heat,
+           "coefficients": coef.to_dict() if coef else None, "coefficients_source": coef_src,
+           "tokens": a.tokens, "repeats": a.repeats, "prompts": prompts, "seconds": time.perf_counter() - t0,
+           "rows": result, "summary": summary, "table": text}
+    atomic_write_text(out, json.dumps(doc, indent=1, default=float) + "\n")
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The plan file: where every expert lives, the budgets it was made for, and what it predicts.
+
+JSON document of kind ``"plan"``, schema_version 1 (docs/plan-format.md), written atomically. The engine's
+residency manager reads only this file. :func:`load_plan` checks the structure before anything uses it:
+every expert of every MoE layer exactly once, ids in range, known devices, non-negative slots, and the
+budgets (:func:`validate_plan`); a corrupt file raises FormatError.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from colibri_plan.errors import FormatError, MismatchError
+from colibri_plan.fileio import read_document, write_document
+
+KIND = "plan"
+SCHEMA_VERSION = 1
+TIER_RAM = -1
+TIER_DISK = -2
+_TOP_KEYS = ("model", "profile", "heat", "budgets", "expert_format", "devices", "layers", "predicted",
+             "solver")
+
+
+@dataclass
+class Plan:
+    """A plan document (``doc``, the parsed JSON including kind and schema_version) with accessors."""
+
+    doc: dict
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self.doc["model"]["fingerprint"]
+
+    @property
+    def profile_fingerprint(self) -> str | None:
+        return self.doc["profile"].get("fingerprint")
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.doc["model"]["n_experts"])
+
+    @property
+    def expert_bytes(self) -> int:
+        return int(self.doc["model"]["expert_bytes"])
+
+    @property
+    def device_keys(self) -> list[str]:
+        return [d["key"] for d in self.doc["devices"]]
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [int(entry["layer"]) for entry in self.doc["layers"]]
+
+    def layer(self, layer_id: int) -> dict:
+        """Tiers of one MoE layer: {"layer", "vram": {key: [ids]}, "ram_pinned", "lru_slots", "disk"}.
+
+        Raises:
+            MismatchError: the plan has no such layer.
+        """
+        for entry in self.doc["layers"]:
+            if int(entry["layer"]) == int(layer_id):
+                return entry
+        raise MismatchError(f"plan has no MoE layer {layer_id} (layers {self.layer_ids[:3]}...)")
+
+    def tiers(self) -> np.ndarray:
+        """int64 ``[rows, E]``: device position in ``devices`` (0..), TIER_RAM (-1) or TIER_DISK (-2)."""
+        out = np.full((len(self.doc["layers"]), self.n_experts), TIER_DISK, dtype=np.int64)
+        keys = self.device_keys
+        for i, entry in enumerate(self.doc["layers"]):
+            for key, ids in entry["vram"].items():
+                out[i, ids] = keys.index(key)
+            out[i, entry["ram_pinned"]] = TIER_RAM
+        return out
+
+    def lru_slots(self) -> np.ndarray:
+        """int64 ``[rows]`` LRU slots per layer."""
+        return np.array([int(e["lru_slots"]) for e in self.doc["layers"]], dtype=np.int64)
+
+    def counts(self) -> dict:
+        """Experts per tier over the whole model: {"<device>": n, "ram_pinned", "lru_slots", "disk"}."""
+        t = self.tiers()
+        out = {k: int(np.sum(t == i)) for i, k in enumerate(self.device_keys)}
+        out.update(ram_pinned=int(np.sum(t == TIER_RAM)), lru_slots=int(self.lru_slots().sum()),
+                   disk=int(np.sum(t == TIER_DISK)))
+        return out
+
+
+def layers_from_tiers(layer_ids, tiers: np.ndarray, lru_slots: np.ndarray, device_keys: list[str],
+                      probs: np.ndarray | None = None) -> list:
+    """Per-layer tier lists for a plan document from a tier array ``[rows, E]`` (see :meth:`Plan.tiers`).
+
+    With ``probs`` ``[rows, E]`` each list is ordered hottest first and the layer carries ``"p"``, the
+    selection probability of every expert (id order, 6 significant digits).
+    """
+    out = []
+    probs = None if probs is None else np.asarray(probs, dtype=np.float64)
+    for i, (lid, row, slots) in enumerate(zip(layer_ids, np.asarray(tiers), np.asarray(lru_slots))):
+        def ids(mask, i=i):
+            sel = np.flatnonzero(mask)
+            if probs is not None:
+                sel = sel[np.argsort(-probs[i, sel], kind="stable")]
+            return sel.tolist()
+
+        entry = {"layer": int(lid),
+                 "vram": {k: ids(row == d) for d, k in enumerate(device_keys) if np.any(row == d)},
+                 "ram_pinned": ids(row == TIER_RAM), "lru_slots": int(slots), "disk": ids(row == TIER_DISK)}
+        if probs is not None:
+            entry["p"] = [float(f"{v:.6g}") for v in probs[i]]
+        out.append(entry)
+    return out
+
+
+def layer_probabilities(plan: Plan) -> np.ndarray | None:
+    """float64 ``[rows, E]`` selection probabilities stored in the plan (None if it has none)."""
+    if not all("p" in e for e in plan.doc["layers"]):
+        return None
+    return np.array([e["p"] for e in plan.doc["layers"]], dtype=np.float64)
+
+
+def _fail(where: str, what: str):
+    raise FormatError(f"plan {where}: {what}; re-create the plan with `colibri-plan solve`")
+
+
+def check_structure(doc: dict, where: str = "file") -> None:
+    """Structural checks of a plan document (see module docstring). Raises FormatError."""
+    if not isinstance(doc, dict):
+        _fail(where, "expected a JSON object")
+    missing = [k for k in _TOP_KEYS if k not in doc]
+    if missing:
+        _fail(where, f"missing {', '.join(missing)}")
+    model = doc["model"]
+    for k in ("name", "fingerprint", "n_experts", "expert_bytes", "moe_layers"):
+        if k not in model:
+            _fail(where, f"model section lacks {k}")
+    n = model["n_experts"]
+    if not isinstance(n, int) or n < 1:
+        _fail(where, f"model.n_experts must be a positive integer, got {n!r}")
+    keys = [d.get("key") for d in doc["devices"]] if isinstance(doc["devices"], list) else None
+    if keys is None or len(set(keys)) != len(keys):
+        _fail(where, "devices must be a list of {key, ...} with unique keys")
+    layers = doc["layers"]
+    if not isinstance(layers, list):
+        _fail(where, "layers must be a list")
+    ids = [e.get("layer") if isinstance(e, dict) else None for e in layers]
+    if ids != list(model["moe_layers"]):
+        _fail(where, f"layers {ids[:4]}... do not match the model's MoE layers {model['moe_layers'][:4]}...")
+    for e in layers:
+        lid = e["layer"]
+        for k in ("vram", "ram_pinned", "lru_slots", "disk"):
+            if k not in e:
+                _fail(where, f"layer {lid} lacks {k}")
+        if not isinstance(e["vram"], dict) or set(e["vram"]) - set(keys):
+            _fail(where, f"layer {lid}: vram names unknown devices {sorted(set(e['vram']) - set(keys))}")
+        lists = list(e["vram"].values()) + [e["ram_pinned"], e["disk"]]
+        flat = [x for lst in lists for x in (lst if isinstance(lst, list) else [None])]
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in flat):
+            _fail(where, f"layer {lid}: expert ids must be integers")
+        if any(x < 0 or x >= n for x in flat):
+            _fail(where, f"layer {lid}: expert id out of range 0..{n - 1}")
+        if len(flat) != n or len(set(flat)) != n:
+            dup = len(flat) - len(set(flat))
+            _fail(where, f"layer {lid}: every expert must appear exactly once ({len(set(flat))} of {n} "
+                         f"present, {dup} repeated)")
+        if "p" in e and (not isinstance(e["p"], list) or len(e["p"]) != n
+                         or any(not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in e["p"])):
+            _fail(where, f"layer {lid}: p must list {n} probabilities in [0, 1]")
+        s = e["lru_slots"]
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            _fail(where, f"layer {lid}: lru_slots must be an integer >= 0, got {s!r}")
+
+
+def validate_plan(plan: Plan) -> None:
+    """Check the plan's placement against its own budgets, independently of any solver.
+
+    VRAM per discrete device: experts x expert_bytes <= budgets.vram_budget_bytes[key]. RAM: pinned +
+    LRU slots + experts on unified devices, x expert_bytes <= budgets.ram_budget_bytes.
+
+    Raises:
+        FormatError: a budget is exceeded or missing (the message gives the bytes).
+    """
+    b = plan.expert_bytes
+    budgets = plan.doc["budgets"]
+    vram = budgets.get("vram_budget_bytes", {})
+    counts = plan.counts()
+    ram = (counts["ram_pinned"] + counts["lru_slots"]) * b
+    for d in plan.doc["devices"]:
+        used = counts[d["key"]] * b
+        if d.get("unified"):
+            ram += used
+        elif used > int(vram.get(d["key"], -1)):
+            _fail("budgets", f"{d['key']} holds {used} B of experts, over its VRAM budget "
+                             f"{vram.get(d['key'])} B")
+    if ram > int(budgets["ram_budget_bytes"]):
+        _fail("budgets", f"RAM tiers hold {ram} B, over the RAM budget {budgets['ram_budget_bytes']} B")
+
+
+def save_plan(plan: Plan | dict, path: str | os.PathLike) -> Path:
+    """Check and write a plan atomically (FormatError and nothing written when it is invalid)."""
+    doc = plan.doc if isinstance(plan, Plan) else plan
+    check_structure(doc, "to write")
+    validate_plan(Plan(doc))
+    body = {k: v for k, v in doc.items() if k not in ("kind", "schema_version")}
+    return write_document(path, KIND, SCHEMA_VERSION, body)
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Read, structure-check and budget-check a plan file.
+
+    Raises:
+        InputError: missing file; FormatError: bad JSON, kind, version, structure or budgets.
+    """
+    doc = read_document(path, KIND, SCHEMA_VERSION)
+    try:
+        check_structure(doc, str(path))
+        plan = Plan(doc)
+        validate_plan(plan)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"plan {path} is malformed ({type(exc).__name__}: {exc}); re-create it") from exc
+    return plan
+
+
+def check_model(plan: Plan, spec) -> None:
+    """Refuse a plan made for another model. Raises MismatchError naming both fingerprints."""
+    if plan.model_fingerprint != spec.fingerprint():
+        raise MismatchError(f"plan was made for {plan.doc['model']['name']} (fingerprint "
+                            f"{plan.model_fingerprint}), not {spec.name} ({spec.fingerprint()}); solve again")

@@ -1,0 +1,117 @@
+"""Placements other tools would choose, evaluated with the same cost model as ours (``solve --compare``).
+
+* ``hot_first`` — colibrì's PIN fill: one global ranking of (layer, expert) by raw count; the ranked
+  prefix goes to VRAM, each expert whole to the least-loaded device that can hold it, until the next one
+  would cross the VRAM budget; the ranking continues into RAM pins until the RAM budget (less the LRU
+  reserve) is full; everything else streams through the LRU.
+* ``fit_layers`` — llama.cpp ``--fit`` style: a layer's experts move as one merged tensor, so whole
+  layers go to the GPUs from the last layer backwards while they fit, then whole layers to RAM, the rest
+  streams (the page cache plays the LRU).
+* ``uniform`` — no heat: each layer gets the same share of every tier, experts in id order.
+
+All three use the same budgets and LRU reserve as the optimiser, so differences are placement only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from colibri_plan.planner.costmodel import TIER_DISK, TIER_RAM
+
+
+def _ram_capacity(problem) -> int:
+    """Experts the RAM budget can pin after the LRU reserve of rows that will stream."""
+    return int((problem.ram_budget_bytes - int(problem.lru_slots.sum()) * problem.expert_bytes)
+               // problem.expert_bytes)
+
+
+def _finish(problem, tiers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """LRU slots for the rows that stream: the reserve, raised evenly with whatever RAM the pins left
+    (as colibrì's cap auto-raise and llama.cpp's page cache would use it)."""
+    b = problem.expert_bytes
+    streaming = (tiers == TIER_DISK).any(axis=1) & (problem.weights > 0)
+    unified = [d for d, g in enumerate(problem.res.gpus) if g.unified]
+    pinned = int(np.sum(tiers == TIER_RAM)) + sum(int(np.sum(tiers == d)) for d in unified)
+    left = problem.ram_budget_bytes // b - pinned
+    slots = np.where(streaming, problem.lru_slots, 0)
+    if streaming.any():
+        extra = max(0, int(left - slots.sum())) // int(streaming.sum())
+        slots = np.where(streaming, np.minimum(slots + extra, (tiers == TIER_DISK).sum(axis=1)), 0)
+    return tiers, slots
+
+
+def hot_first(problem, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """colibrì-style hot-first fill. ``counts`` ``[rows, E]`` ranks the experts (default: the problem's
+    probabilities, i.e. the heat). Returns (tiers, lru_slots)."""
+    rank_by = problem.probs if counts is None else np.asarray(counts, dtype=np.float64)
+    rows, n_exp = rank_by.shape
+    b = problem.expert_bytes
+    tiers = np.full((rows, n_exp), TIER_DISK, dtype=np.int64)
+    order = np.argsort(-rank_by, axis=None, kind="stable")
+    gpus = [(d, g) for d, g in enumerate(problem.res.gpus) if not g.unified]
+    placed = {d: 0 for d, _ in gpus}
+    vram_total = sum(g.budget_bytes for _, g in gpus)
+    used = 0
+    stop = len(order)
+    for i, flat in enumerate(order):
+        fits = [d for d, g in gpus if placed[d] + b <= g.budget_bytes]
+        if used + b > vram_total or not fits:
+            stop = i
+            break
+        d = min(fits, key=lambda k: placed[k])         # least-loaded device that can hold it
+        tiers.flat[flat] = d
+        placed[d] += b
+        used += b
+    room = _ram_capacity(problem)
+    for flat in order[stop:]:
+        if room <= 0:
+            break
+        if tiers.flat[flat] == TIER_DISK:
+            tiers.flat[flat] = TIER_RAM
+            room -= 1
+    return _finish(problem, tiers)
+
+
+def fit_layers(problem) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp ``--fit``-style whole-layer offload (see module docstring). Returns (tiers, slots)."""
+    rows, n_exp = problem.probs.shape
+    b = problem.expert_bytes
+    tiers = np.full((rows, n_exp), TIER_DISK, dtype=np.int64)
+    layer_bytes = n_exp * b
+    free = {d: g.budget_bytes for d, g in enumerate(problem.res.gpus) if not g.unified}
+    order = [r for r in range(rows) if problem.weights[r] > 0][::-1] + \
+            [r for r in range(rows) if problem.weights[r] <= 0]
+    rest = []
+    for r in order:                                    # last decode layers first, onto the GPUs in order
+        d = next((d for d in sorted(free) if free[d] >= layer_bytes), None)
+        if d is None:
+            rest.append(r)
+            continue
+        tiers[r] = d
+        free[d] -= layer_bytes
+    room = _ram_capacity(problem)
+    for r in rest:                                     # then whole layers into RAM
+        if room >= n_exp:
+            tiers[r] = TIER_RAM
+            room -= n_exp
+    return _finish(problem, tiers)
+
+
+def uniform(problem) -> tuple[np.ndarray, np.ndarray]:
+    """Heat-blind even split: every row gets floor(capacity / rows) experts per tier, in id order."""
+    rows, n_exp = problem.probs.shape
+    b = problem.expert_bytes
+    tiers = np.full((rows, n_exp), TIER_DISK, dtype=np.int64)
+    start = np.zeros(rows, dtype=np.int64)
+    shares = [(d, g.budget_bytes // b) for d, g in enumerate(problem.res.gpus) if not g.unified]
+    shares.append((TIER_RAM, _ram_capacity(problem)))
+    for code, cap in shares:
+        per_row = int(min(n_exp, cap // rows))
+        for r in range(rows):
+            k = int(min(per_row, n_exp - start[r]))
+            tiers[r, start[r]:start[r] + k] = code
+            start[r] += k
+    return _finish(problem, tiers)
+
+
+BASELINES = {"colibri hot-first": hot_first, "llama.cpp --fit layers": fit_layers, "uniform": uniform}

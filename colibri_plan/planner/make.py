@@ -1,0 +1,186 @@
+"""From profile + model + heat to a plan: budgets, the placement problem, the solve, the plan document."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+
+import numpy as np
+
+from colibri_plan import quant
+from colibri_plan.errors import BudgetError, InputError
+from colibri_plan.heat import Heat, align_heat, synth_heat, uniform_heat
+from colibri_plan.plan import Plan, layers_from_tiers
+from colibri_plan.planner.budgets import Budgets, ram_budget, resources_from_profile, vram_budgets
+from colibri_plan.planner.costmodel import Coefficients, Resources, attention_seconds, dense_seconds
+from colibri_plan.planner.solve import Problem, Solution, evaluate, solve_placement
+
+#: share of the expert RAM budget the automatic LRU reserve may take when experts must stream
+LRU_AUTO_SHARE = 0.10
+
+
+def heat_for(spec, heat: Heat | str | None, seed: int = 0) -> Heat:
+    """The heat to plan with, aligned to ``spec``: a Heat, "uniform", "synth" / None (synthesised from real
+    OLMoE routing, with a warning in ``heat.warnings``).
+
+    Raises:
+        MismatchError: the heat belongs to another model.
+    """
+    if heat is None or heat == "synth":
+        h = synth_heat(spec, seed=seed)
+        h.warnings.append(f"no routing statistics given: heat synthesised from real OLMoE routing "
+                          f"({h.source}); record real statistics and pass --heat for a better plan")
+        return h
+    if heat == "uniform":
+        return uniform_heat(spec)[0]
+    return align_heat(heat, spec)
+
+
+def dense_read_bytes(spec, dense_fmt: str) -> int:
+    """Dense bytes a decode token reads: the trunk minus the embedding table (one row is looked up)."""
+    embed = spec.vocab_size * spec.hidden_size * quant.bits(dense_fmt) // 8
+    return max(0, spec.dense_bytes(dense_fmt) - embed)
+
+
+def auto_lru_slots(spec, res: Resources, ram_bytes: int, weights: np.ndarray, probs: np.ndarray,
+                   requested: str | int = "auto") -> np.ndarray:
+    """LRU slots per row. "auto": 0 when every selectable expert of the decode rows fits in VRAM + RAM;
+    else min(top-k, what LRU_AUTO_SHARE of the RAM budget buys), at least 1 (if RAM holds a slot per row),
+    on decode rows.
+
+    Under the independent-reference model the heat describes, pinning a row's hottest streamed experts
+    never does worse than an LRU of the same size, so the optimiser spends RAM on pins; the LRU reserve is
+    for what heat cannot see (temporal locality, prompt shifts) and for the engine's promotions.
+    """
+    b = spec.expert_bytes()
+    decode = weights > 0
+    if requested != "auto":
+        n = int(requested)
+        if n < 0:
+            raise BudgetError(f"--lru-slots must be >= 0, got {n}")
+        return np.where(decode, n, 0)
+    need = int(np.sum((probs > 0) & decode[:, None]))
+    cap = ram_bytes // b + sum(g.budget_bytes // b for g in res.gpus if not g.unified)
+    if need <= cap:
+        return np.zeros(len(weights), dtype=np.int64)
+    rows = max(1, int(decode.sum()))
+    per_row = int(LRU_AUTO_SHARE * ram_bytes // (rows * b))
+    fit = int(ram_bytes // (rows * b))                 # never more than the RAM can hold
+    return np.where(decode, min(max(1, min(spec.top_k, per_row)), fit), 0)
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a placement is evaluated against (shared by solve, baselines and what-if)."""
+
+    spec: object
+    heat: Heat
+    budgets: Budgets
+    res: Resources
+    problem: Problem
+    dense_fmt: str
+    warnings: list
+
+
+def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto", headroom=None,
+                context_tokens: int = 4096, lru_slots: str | int = "auto", dense_fmt: str | None = None,
+                coef: Coefficients | None = None, vram_reserve_gb: float = 2.0, seed: int = 0) -> Setup:
+    """Budgets, resources and the placement problem for ``spec`` on ``profile``.
+
+    Raises:
+        BudgetError: negative or too-small budgets; InputError: missing profile figures;
+        MismatchError: heat for another model.
+    """
+    if vram_reserve_gb < 0:
+        raise BudgetError(f"--vram-reserve cannot be negative ({vram_reserve_gb} GB)")
+    dense_fmt = dense_fmt or spec.expert_format
+    coef = coef or Coefficients()
+    h = heat_for(spec, heat, seed)
+    warnings = list(h.warnings)
+    ram_bytes, ram_explain, parts = ram_budget(spec, profile.ram_available_bytes(), ram, headroom,
+                                               context_tokens, dense_fmt)
+    vram_b, vram_explain = vram_budgets(profile.gpus(), vram, int(vram_reserve_gb * 1e9))
+    res = resources_from_profile(profile, spec, vram_b)
+    budgets = Budgets(ram_budget_bytes=ram_bytes, vram_budget_bytes=vram_b,
+                      explain=ram_explain + vram_explain, context_tokens=context_tokens,
+                      ram_mode=str(ram), vram_mode=str(vram), **parts)
+    probs = h.probabilities()
+    weights = np.array([1.0 if lid < spec.n_layers else 0.0 for lid in h.layers])
+    slots = auto_lru_slots(spec, res, ram_bytes, weights, probs, lru_slots)
+    fixed = (dense_seconds(dense_read_bytes(spec, dense_fmt), res, coef)
+             + attention_seconds(context_tokens, spec.kv_bytes_per_token, res, coef))
+    problem = Problem(probs=probs, weights=weights, expert_bytes=spec.expert_bytes(), res=res,
+                      ram_budget_bytes=ram_bytes, lru_slots=slots, coef=coef,
+                      activation_bytes=spec.hidden_size * 4, fixed_cost_s=fixed)
+    if res.disk_read_gbps is None:
+        warnings.append("the profile has no disk figure: the plan may not stream experts from disk")
+    return Setup(spec, h, budgets, res, problem, dense_fmt, warnings)
+
+
+def cost_of(setup: Setup, tiers: np.ndarray, slots: np.ndarray) -> dict:
+    """Full predicted cost of a placement under ``setup`` (fixed dense/attention terms filled in)."""
+    c = evaluate(setup.problem, tiers, slots)
+    c["terms"]["dense_s"] = dense_seconds(dense_read_bytes(setup.spec, setup.dense_fmt), setup.res,
+                                          setup.problem.coef)
+    c["terms"]["attention_s"] = attention_seconds(setup.budgets.context_tokens, setup.spec.kv_bytes_per_token,
+                                                  setup.res, setup.problem.coef)
+    return c
+
+
+def plan_document(setup: Setup, profile, tiers: np.ndarray, slots: np.ndarray, solver: dict,
+                  profile_source: str = "") -> Plan:
+    """Assemble the plan document for a placement (any placement: ours or a baseline's)."""
+    spec, res = setup.spec, setup.res
+    cost = cost_of(setup, tiers, slots)
+    devices = []
+    gpu_info = {f"{g['backend']}:{g['index']}": g for g in profile.gpus()}
+    for g in res.gpus:
+        info = gpu_info.get(g.key, {})
+        devices.append({"key": g.key, "name": info.get("name", g.key), "unified": g.unified,
+                        "matmul_gbps": g.matmul_gbps})
+    doc = {
+        "kind": "plan", "schema_version": 1,
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "model": {"name": spec.name, "fingerprint": spec.fingerprint(), "family": spec.family,
+                  "n_experts": spec.n_experts, "top_k": spec.top_k, "moe_layers": list(spec.moe_layers),
+                  "n_layers": spec.n_layers, "expert_bytes": spec.expert_bytes(), "source": spec.source},
+        "profile": {"fingerprint": profile.fingerprint, "source": profile_source, **profile.summary()},
+        "heat": {"fingerprint": setup.heat.fingerprint(), "source": setup.heat.source,
+                 "warnings": list(setup.warnings)},
+        "budgets": setup.budgets.to_dict(),
+        "expert_format": spec.expert_format, "dense_format": setup.dense_fmt,
+        "devices": devices,
+        "layers": layers_from_tiers(spec.moe_layers, tiers, slots, [g.key for g in res.gpus],
+                                    setup.problem.probs),
+        "predicted": {k: v for k, v in cost.items()},
+        "solver": solver,
+        "resources": dataclasses.asdict(res),
+        "coefficients": setup.problem.coef.to_dict(),
+    }
+    return Plan(_jsonable(doc))
+
+
+def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: float = 30.0,
+              profile_source: str = "", **kw) -> tuple[Plan, Solution, Setup]:
+    """Solve the placement and return (plan, solution, setup). Keyword args go to :func:`build_setup`."""
+    setup = build_setup(profile, spec, heat, **kw)
+    sol = solve_placement(setup.problem, time_limit_s=time_limit_s, method=method)
+    solver = {"status": sol.status, "gap": sol.gap, "seconds": round(sol.seconds, 3), "method": sol.method,
+              "iterations": sol.iterations}
+    return plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source), sol, setup
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.floating):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return _jsonable(x.tolist())
+    if isinstance(x, float) and not np.isfinite(x):
+        raise InputError("a predicted figure is not finite; check the profile's figures")
+    return x

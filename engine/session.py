@@ -1,0 +1,153 @@
+"""Run a pack with a placement and measure it: the engine side of `run --plan` and `verify`.
+
+:func:`run_placement` opens the devices a placement names, builds the
+:class:`~colibri_plan.engine.residency.ResidencyManager`, decodes greedily and returns a
+:class:`RunReport`: the tokens, prefill and per-token decode time split into the terms the cost model
+predicts (dense/attention outside the experts, expert compute per device, disk wait), hit rates per
+tier, disk bytes per token and peak RSS. Statistics cover decode only (the prefill is reported apart),
+because the plan predicts decode.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from colibri_plan.engine.forward import Model
+from colibri_plan.engine.placement import Placement
+from colibri_plan.engine.residency import ResidencyManager
+from colibri_plan.errors import InputError
+
+
+@dataclass
+class RunReport:
+    """What one measured run did (seconds, bytes; per-token figures are decode means).
+
+    Attributes:
+        tokens: generated ids (prompt excluded).
+        prefill_s: wall time of the prompt's forward pass.
+        decode_s_per_token: mean wall time of a decode step; ``decode_s_median`` its median.
+        tok_s: 1 / decode_s_per_token.
+        terms: per-token decode split: ``dense_s`` (attention, router, shared/dense FFN, LM head: all
+            outside the expert provider), ``expert_cpu_s``, ``device_s`` {key: s}, ``disk_wait_s``,
+            ``disk_read_s`` (reader-thread time, overlapped), ``expert_wall_s``.
+        hit_rates: share of expert computations per tier (vram, pinned, lru, disk); ``lru_hit_rate``.
+        disk_bytes_per_token, peak_rss_bytes, resident_bytes {tier: bytes}, o_direct, io_warning.
+    """
+
+    tokens: list[int]
+    prefill_s: float
+    decode_s_per_token: float
+    decode_s_median: float
+    tok_s: float
+    terms: dict
+    hit_rates: dict
+    lru_hit_rate: float
+    disk_bytes_per_token: float
+    expert_uses_per_token: float
+    peak_rss_bytes: int
+    resident_bytes: dict
+    o_direct: bool
+    io_warning: str | None
+    placement: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def open_devices(placement: Placement) -> dict:
+    """Open every backend device a placement names ("cuda:0" -> get_backend("cuda").open(0)).
+
+    Raises:
+        InputError: a malformed device key. BackendUnavailableError: the backend cannot run here.
+    """
+    from colibri_plan.backends import get_backend
+
+    devices = {}
+    try:
+        for key in placement.device_keys():
+            name, _, idx = key.partition(":")
+            if not idx.isdigit():
+                raise InputError(f"device key {key!r} must look like '<backend>:<index>', e.g. 'cuda:0'")
+            devices[key] = get_backend(name).open(int(idx))
+    except BaseException:
+        for b in devices.values():
+            b.close()
+        raise
+    return devices
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_tokens: int,
+                  cpu_backend: str = "cpu", read_threads: int = 8, verify_checksums: bool = True,
+                  progress: Callable[[str], None] | None = None, recorder=None) -> RunReport:
+    """Decode ``n_tokens`` greedily from ``prompt_ids`` with experts placed as ``placement`` says.
+
+    Args:
+        pack: an open PackedModel.
+        cpu_backend: backend for CPU-resident and streamed experts ("cpu", else "numpy").
+        progress: optional ``fn(message)`` called once per token.
+        recorder: a RoutingRecorder to record routing into (prefill and decode), e.g. for --stats-out.
+
+    Raises:
+        InputError: ``n_tokens`` < 1 or bad prompt ids. The ResidencyManager's errors (capacity, integrity).
+    """
+    from colibri_plan.backends import get_backend
+
+    if int(n_tokens) < 1:
+        raise InputError(f"--tokens must be >= 1, got {n_tokens}")
+    devices = open_devices(placement)
+    cpu = None
+    rm = None
+    try:
+        cpu_cls = get_backend(cpu_backend)
+        cpu = cpu_cls.open(0) if cpu_cls.is_available() else get_backend("numpy").open(0)
+        rm = ResidencyManager(pack, placement, cpu, devices=devices, read_threads=read_threads,
+                              verify_checksums=verify_checksums)
+        model = Model(pack, experts=rm, recorder=recorder)
+        step_s: list[float] = []
+        marks = {"prefill": 0.0}
+
+        def on_token(step: int, tok: int, seconds: float) -> None:
+            if step == 0:
+                marks["prefill"] = seconds
+                rm.reset_stats()  # decode statistics start after the prefill
+            else:
+                step_s.append(seconds)
+            if progress:
+                progress(f"token {step + 1}/{n_tokens}: id {tok} ({seconds * 1e3:.0f} ms)")
+
+        # one extra step: step 0 is the prefill's token, so n_tokens decode steps are timed
+        tokens = model.generate(list(prompt_ids), int(n_tokens) + 1, on_token=on_token)
+        st = rm.stats
+        n = max(1, len(step_s))
+        decode_s = sum(step_s) / n
+        report = RunReport(
+            tokens=tokens, prefill_s=marks["prefill"], decode_s_per_token=decode_s,
+            decode_s_median=statistics.median(step_s) if step_s else 0.0,
+            tok_s=1.0 / decode_s if decode_s > 0 else 0.0,
+            terms={"dense_s": max(0.0, decode_s - st.layer_wall_s / n),
+                   "expert_wall_s": st.layer_wall_s / n,
+                   "expert_cpu_s": st.cpu_compute_s / n,
+                   "device_s": {k: v / n for k, v in st.device_compute_s.items()},
+                   "disk_wait_s": st.disk_wait_s / n,
+                   "disk_read_s": st.disk_read_s / n},
+            hit_rates=st.hit_rates(), lru_hit_rate=st.lru_hit_rate(),
+            disk_bytes_per_token=st.disk_bytes / n, expert_uses_per_token=st.expert_uses / n,
+            peak_rss_bytes=peak_rss_bytes(), resident_bytes=rm.resident_bytes(),
+            o_direct=rm.o_direct, io_warning=rm.io_warning, placement=placement.summary())
+        return report
+    finally:
+        if rm is not None:
+            rm.close()
+        for b in devices.values():
+            b.close()
+        if cpu is not None:
+            cpu.close()
+

@@ -1,0 +1,218 @@
+"""CUDA backend specifics (the numeric oracle over every backend is tests/test_backends_oracle.py).
+
+Without a GPU: the backend says cleanly why it is unavailable; ``shaders/cuda/matmul.cu`` compiles to
+PTX with nvcc for every format instance; and its weight decoding and warp tiling are checked on the
+host by compiling the device functions with g++ (shuffles as no-ops, lanes summed on the host) against
+the quant-format semantics. With a GPU: out-of-memory handling, mixed batches and device timing.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from colibri_plan import quant
+from colibri_plan.backends import get_backend
+from colibri_plan.backends.base import silu_mul_ref
+from colibri_plan.errors import BackendUnavailableError, DeviceOutOfMemoryError
+
+CUDA = get_backend("cuda")
+REASON = CUDA.unavailable_reason()
+needs_gpu = pytest.mark.skipif(REASON is not None, reason=f"cuda: {REASON}")
+SOURCE = importlib.resources.files("colibri_plan.shaders").joinpath("cuda", "matmul.cu")
+
+
+def _instances() -> str:
+    body = "".join(f"template __global__ void mm<{f}, 4>(const u64 *, int, int, int, int);\n"
+                   f"template __global__ void gate_up<{f}, 2>(const u64 *, int, int, int, int);\n"
+                   for f in range(7))
+    return f'#include "{SOURCE}"\n{body}'
+
+
+def test_unavailable_reason_is_clean_when_there_is_no_gpu():
+    if REASON is None:
+        pytest.skip("a CUDA device is present")
+    assert isinstance(REASON, str) and ("CuPy" in REASON or "CUDA" in REASON)
+    assert CUDA.list_devices() == []
+    with pytest.raises(BackendUnavailableError, match="cuda backend unavailable"):
+        CUDA.open(0)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_kernels_compile_to_ptx(tmp_path):
+    src = tmp_path / "inst.cu"
+    src.write_text(_instances())
+    run = subprocess.run(["nvcc", "--ptx", "-std=c++14", "-arch=sm_90", "-o", str(tmp_path / "k.ptx"),
+                          str(src)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    ptx = (tmp_path / "k.ptx").read_text()
+    assert ptx.count(".entry") == 15  # 7 mm + 7 gate_up + rmsnorm
+
+
+HARNESS = r"""
+#include <cstdio>
+#include <cstring>
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+using std::min;
+#define __device__
+#define __forceinline__ inline
+#define __global__
+#define __restrict__
+#define __shared__
+struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct D3 { unsigned x, y, z; };
+static D3 threadIdx, blockIdx, blockDim, gridDim;
+static float __int_as_float(unsigned v) { float f; memcpy(&f, &v, 4); return f; }
+static float __uint_as_float(unsigned v) { return __int_as_float(v); }
+static unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // CUDA semantics: bytes of {y, x}
+  unsigned char in[8]; memcpy(in, &x, 4); memcpy(in + 4, &y, 4); unsigned r = 0;
+  for (int n = 0; n < 4; n++) r |= (unsigned)in[(s >> (4 * n)) & 7] << (8 * n);
+  return r; }
+static float __shfl_xor_sync(unsigned, float, int) { return 0.0f; }  // lanes are summed by the caller
+static void __syncthreads() {}
+static float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+template <class T> T __ldg(const T *p) { return *p; }
+#define asm(...) (f = 0.0f)
+#include "SOURCE"
+// reads: fmt rows in_pad G, then the weight bytes, scales, x; prints each row's dot product
+int main() {
+  int fmt, rows, in_pad, G; if (scanf("%d %d %d %d", &fmt, &rows, &in_pad, &G) != 4) return 2;
+  int bits = fmt == 0 ? 32 : fmt <= 2 ? 16 : fmt == 3 ? 8 : fmt == 5 ? 2 : 4;
+  int row_bytes = in_pad * bits / 8, ngroups = fmt == 6 ? in_pad / G : 1;
+  int gshift = G == 64 ? 1 : G == 128 ? 2 : 0;
+  static uint4 W[1 << 16]; static float S[1 << 16], x[1 << 14];
+  unsigned char *wb = (unsigned char *)W; unsigned v;
+  for (int i = 0; i < rows * row_bytes; i++) { if (scanf("%u", &v) != 1) return 3; wb[i] = v; }
+  int ns = fmt == 6 ? rows * ngroups : rows;
+  for (int i = 0; i < ns; i++) if (scanf("%f", &S[i]) != 1) return 4;
+  for (int i = 0; i < in_pad; i++) if (scanf("%f", &x[i]) != 1) return 5;
+  const uint4 *Wp[1] = {W}; const float *Sp[1] = {S};
+  for (int row0 = 0; row0 < rows; row0 += 2) {
+    double sum[2] = {0, 0};
+    for (int lane = 0; lane < 32; lane++) {
+      threadIdx.x = lane; float acc[1][2];
+      switch (fmt) {
+#define CASE(F) case F: \
+        warp_dots<F, 2, 1>(Wp, Sp, row0, rows, in_pad / Cols<F>::n, gshift, ngroups, x, acc); break;
+        CASE(0) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+      }
+      sum[0] += acc[0][0]; sum[1] += acc[0][1];
+    }
+    for (int i = 0; i < 2 && row0 + i < rows; i++) printf("%.9g\n", sum[i]);
+  }
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    folder = tmp_path_factory.mktemp("cuda_host")
+    exe = folder / "harness"
+    (folder / "h.cpp").write_text(HARNESS.replace("SOURCE", str(SOURCE)))
+    build = subprocess.run(["g++", "-O1", "-std=c++17", "-w", "-o", str(exe), str(folder / "h.cpp")],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    return exe
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int2", "int4-g32", "int4-g64", "int4-g128"])
+def test_kernel_decoding_matches_quant_on_the_host(harness, fmt):
+    """warp_dots of matmul.cu (every lane's part, summed) equals x . dequantize(W) for odd shapes: the
+    16-byte word decoding, byte-permute conversions, column order, group scales and row clamping."""
+    from colibri_plan.backends.base import padded_layout
+
+    rows, in_f = 7, 300
+    rng = np.random.default_rng(5)
+    qt = quant.quantize(rng.standard_normal((rows, in_f), dtype=np.float32), fmt)
+    data, scales, in_pad = padded_layout(qt)
+    x = np.zeros(in_pad, np.float32)
+    x[:in_f] = rng.standard_normal(in_f, dtype=np.float32)
+    fid = {"f32": 0, "bf16": 2, "int8": 3, "int4": 4, "int2": 5}.get(fmt, 6)
+    g = quant.group_size(fmt) or 0
+    sc = scales.reshape(-1) if qt.scales is not None else np.zeros(rows, np.float32)
+    text = " ".join([f"{fid} {rows} {in_pad} {g}", " ".join(map(str, data.reshape(-1).tolist())),
+                     " ".join(repr(float(s)) for s in sc), " ".join(repr(float(v)) for v in x)])
+    run = subprocess.run([str(harness)], input=text, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    got = np.array(run.stdout.split(), np.float64)
+    ref = quant.matmul_ref(x[None, :in_f], qt)[0].astype(np.float64)
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@needs_gpu
+def test_driver_oom_is_typed_and_holds_nothing(monkeypatch):
+    import cupy
+
+    with CUDA.open(0) as be:
+        qt = quant.quantize(np.ones((64, 64), np.float32), "int4")
+
+        def full(nbytes):
+            raise cupy.cuda.runtime.CUDARuntimeError(2)  # cudaErrorMemoryAllocation
+
+        monkeypatch.setattr(cupy.cuda.memory, "Memory", full)
+        with pytest.raises(DeviceOutOfMemoryError) as info:
+            be.upload(qt)
+        assert info.value.requested_bytes >= qt.nbytes and info.value.held_bytes == 0
+        assert be.memory_used() == 0
+
+
+@needs_gpu
+def test_capacity_is_the_free_memory_and_checked_before_allocating():
+    with CUDA.open(0) as be:
+        dev = CUDA.list_devices()[0]
+        assert 0 < be.capacity_bytes() <= dev.total_memory_bytes
+        be.capacity_bytes = lambda: 1000
+        with pytest.raises(DeviceOutOfMemoryError):
+            be.upload(quant.quantize(np.ones((64, 64), np.float32), "f32"))
+        assert be.memory_used() == 0
+
+
+@needs_gpu
+def test_mixed_batch_and_device_timing():
+    rng = np.random.default_rng(0)
+    H, I = 300, 130
+    fmts = [("int4", "int4", "int8"), ("int4-g32", "int4-g32", "int4-g32"), ("f16", "bf16", "f32")]
+    with CUDA.open(0) as be:
+        be.timing = True
+        qts = [tuple(quant.quantize(rng.standard_normal(s, dtype=np.float32) / 10, f)
+                     for f, s in zip(fs, ((I, H), (I, H), (H, I)))) for fs in fmts]
+        xs = [rng.standard_normal((T, H), dtype=np.float32) for T in (1, 4, 2)]
+        ys = be.expert_ffn(xs, [be.upload_expert(*q) for q in qts])
+        for x, (g, u, d), y in zip(xs, qts, ys):
+            ref = quant.matmul_ref(silu_mul_ref(quant.matmul_ref(x, g), quant.matmul_ref(x, u)), d)
+            assert np.abs(y - ref).max() <= 5e-4 * np.abs(ref).max()
+        assert be.last_device_seconds is not None and be.last_device_seconds > 0
+
+
+@needs_gpu
+def test_repeated_batches_replay_a_graph_with_identical_results():
+    rng = np.random.default_rng(1)
+    H, I = 6144, 2048  # GLM-5.2 expert shapes, 8 experts, 1 token each: the decode hot path
+    with CUDA.open(0) as be:
+        qts = [tuple(quant.quantize(rng.standard_normal(s, dtype=np.float32) / 50, "int4")
+                     for s in ((I, H), (I, H), (H, I))) for _ in range(8)]
+        experts = [be.upload_expert(*q) for q in qts]
+        xs = [rng.standard_normal((1, H), dtype=np.float32) for _ in range(8)]
+        first = be.expert_ffn(xs, experts)  # plain launches
+        again = [be.expert_ffn(xs, experts) for _ in range(3)]  # captured, then replayed
+        assert be.use_graphs and len(be._graphs) == 1
+        for ys in again:
+            for a, b in zip(first, ys):
+                np.testing.assert_array_equal(a, b)
+        xs2 = [x[:, ::-1].copy() for x in xs]  # new activations through the same graph
+        second = be.expert_ffn(xs2, experts)
+        for (g, u, d), x, x2, y, y2 in zip(qts[:3], xs, xs2, first, second):
+            for xx, yy in ((x, y), (x2, y2)):
+                ref = quant.matmul_ref(silu_mul_ref(quant.matmul_ref(xx, g), quant.matmul_ref(xx, u)), d)
+                assert np.abs(yy - ref).max() <= 5e-4 * np.abs(ref).max()

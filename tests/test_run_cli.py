@@ -1,0 +1,103 @@
+"""`colibri-plan run`: tokens equal the engine API's, prompt parsing, clear errors, statistics files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from colibri_plan.cli import cli
+from colibri_plan.cli.run import parse_prompt
+from colibri_plan.engine.fixture import FixtureConfig, build_fixture
+from colibri_plan.engine.forward import Model
+from colibri_plan.engine.pack import open_pack
+from colibri_plan.errors import InputError
+from colibri_plan.heat import load_heat
+
+PROMPT = [5, 80, 200, 7, 211]
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "fx"
+    build_fixture(out, FixtureConfig.small(layers=2, experts=16, top_k=4, vocab=300))
+    return out
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_run_tokens_equal_engine_api(fx):
+    res = invoke("run", "--model", fx, "--prompt-ids", ",".join(map(str, PROMPT)), "--tokens", 10, "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    want = Model(open_pack(fx)).generate(PROMPT, 10)
+    assert doc["tokens"] == want
+    assert doc["prompt_tokens"] == 5 and doc["decode_steps"] == 9
+    assert doc["decode_s"] > 0 and doc["decode_tok_s"] == pytest.approx(9 / doc["decode_s"], rel=0.01)
+    assert doc["prefill_s"] > 0
+
+
+def test_prompt_file_and_human_output(fx, tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text("5, 80\n200\t7 ,211\n")
+    res = invoke("run", "--model", fx, "--prompt-file", f, "--tokens", 4)
+    assert res.exit_code == 0, res.output
+    first = res.stdout.splitlines()[0].split()
+    assert [int(t) for t in first] == Model(open_pack(fx)).generate(PROMPT, 4)
+    assert "tok/s" in res.stdout and "prefill 5 tokens" in res.stdout
+
+
+def test_parse_prompt():
+    assert parse_prompt(" 1,2 ,3\n4 ", "x") == [1, 2, 3, 4]
+    with pytest.raises(InputError, match="empty"):
+        parse_prompt(" , \n", "x")
+    with pytest.raises(InputError, match="'a' is not a token id"):
+        parse_prompt("1 a 2", "x")
+    with pytest.raises(InputError, match="is not a token id"):
+        parse_prompt("1 -2", "x")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", "1,300"], "token id 300 is outside the vocabulary 0..299"),
+    (["--prompt-ids", " "], "prompt is empty"),
+    (["--prompt-ids", "1,x"], "'x' is not a token id"),
+    ([], "exactly one of --prompt-ids"),
+    (["--prompt-ids", "1", "--prompt-file", "p.txt"], "exactly one of --prompt-ids"),
+    (["--prompt-file", "/nonexistent/p.txt"], "does not exist"),
+])
+def test_bad_input_gives_clear_errors(fx, args, message):
+    res = invoke("run", "--model", fx, "--tokens", 2, *args)
+    assert res.exit_code == 1 and message in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+def test_missing_or_wrong_model(tmp_path):
+    res = invoke("run", "--model", tmp_path / "nope", "--prompt-ids", "1")
+    assert res.exit_code == 1 and "does not exist" in res.output
+    res = invoke("run", "--model", tmp_path, "--prompt-ids", "1")
+    assert res.exit_code == 1 and "neither an expert pack" in res.output
+    res = invoke("run", "--model", tmp_path, "--prompt-ids", "1", "--tokens", 0)
+    assert res.exit_code == 2
+
+
+def test_stats_files_round_trip_through_heat(fx, tmp_path):
+    stats, usage = tmp_path / "heat.json", tmp_path / "usage.txt"
+    res = invoke("run", "--model", fx, "--prompt-ids", "1,2,3", "--tokens", 6, "--stats-out", stats,
+                 "--usage-out", usage, "--json")
+    assert res.exit_code == 0, res.output
+    model = Model(open_pack(fx))
+    model.generate([1, 2, 3], 6)
+    want = np.asarray(model.routing.counts, dtype=np.float64)  # [2, 16]
+    # every token that went through the model (3 prompt + 5 fed back) chose top_k = 4 experts per layer
+    np.testing.assert_array_equal(want.sum(axis=1), [8 * 4, 8 * 4])
+    h = load_heat(stats)
+    assert h.layers == (0, 1) and h.n_experts == 16
+    np.testing.assert_array_equal(h.counts, want)
+    assert h.model_fingerprint == open_pack(fx).model_fingerprint
+    u = load_heat(usage)
+    np.testing.assert_array_equal(u.counts, want)
+    assert usage.read_text().splitlines()[0] == "-1 2 16"
