@@ -20,8 +20,17 @@ idea with four planes (``floor(f/4)``, ``floor(f/16)``, ``floor(f/64)``).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from numba import njit, prange
+
+# OpenMP threads that sleep instead of spin between kernels, unless the user chose: on the shared
+# 2-core host, spinning barriers made the int4 GEMV collapse (0.4-0.8 GB/s instead of 18) whenever
+# other processes were busy; sleeping costs up to ~1.5x on an idle machine, where
+# OMP_WAIT_POLICY=active gets it back (docs/backends.md). Read once, when numba starts its OpenMP
+# pool (first parallel call), so set here, before any kernel runs.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 _F16 = np.float32(1.0 / 16.0)
 _F4 = np.float32(0.25)
@@ -46,25 +55,21 @@ def _q4_dot(row, xe, xd):
 @njit(fastmath=True, cache=True)
 def _q4_dot32(row, xe, xd):
     # one int4-g64 group (32 bytes); a constant trip count vectorises without a scalar tail
-    a1 = np.float32(0.0)
-    a2 = np.float32(0.0)
+    a = np.float32(0.0)  # one accumulator: one horizontal reduction per group instead of two
     for j in range(32):
         f = np.float32(row[j])
-        a1 += f * xe[j]
-        a2 += np.floor(f * _F16) * xd[j]
-    return a1 + a2
+        a += f * xe[j] + np.floor(f * _F16) * xd[j]
+    return a
 
 
 @njit(fastmath=True, cache=True)
 def _q4_dot64(row, xe, xd):
     # one int4-g128 group (64 bytes)
-    a1 = np.float32(0.0)
-    a2 = np.float32(0.0)
+    a = np.float32(0.0)  # one accumulator: one horizontal reduction per group instead of two
     for j in range(64):
         f = np.float32(row[j])
-        a1 += f * xe[j]
-        a2 += np.floor(f * _F16) * xd[j]
-    return a1 + a2
+        a += f * xe[j] + np.floor(f * _F16) * xd[j]
+    return a
 
 
 @njit(fastmath=True, cache=True)

@@ -119,7 +119,7 @@ def _blas() -> str:
         return ""
 
 
-def _version(pkg: str) -> str | None:
+def package_version(pkg: str) -> str | None:
     """Installed version of ``pkg`` without importing it, or None."""
     try:
         return metadata.version(pkg)

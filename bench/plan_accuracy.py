@@ -2,21 +2,23 @@
 
 For each RAM budget (from "everything streams" to "everything fits") the script solves our plan and builds
 the baselines' plans (colibrì-style hot-first, llama.cpp ``--fit``-style whole layers) with the same
-budgets, then runs every plan for real on the engine (``run_placement``), ``--repeats`` times, interleaved
-(rep 1 of every plan, then rep 2, ...) so that load drift on a shared machine hits every plan alike.
-Plans with an identical placement are run once and share the measurement (said in the table).
+budgets and cost model, then runs every plan for real on the engine (``run_placement``), ``--repeats``
+times, interleaved (repeat 1 of every plan, then repeat 2, ...) so that load drift on a shared machine hits
+every plan alike. Plans with an identical placement are run once and share the measurement (the table says
+so). Each repeat uses its own prompt (seed 1 + repeat; the statistics run used seed 0), so the measured
+hit rate (mean over repeats) pools several prompts.
 
-Calibration (``--calibrate``, at most once): before the sweep, our plan is run once at the lowest and the
-highest budget with the plain cost model, the coefficients are refitted from those two runs
-(:func:`colibri_plan.calibrate.fit_coefficients`, docs/calibration.md) and written beside the results; the
-sweep then solves and predicts with them. ``--coefficients FILE`` uses a file instead.
+Measured tok/s of a run is 1 / its median decode step (robust to the stalls other processes cause on a
+shared machine; the mean-based figure is kept in the JSON); a placement's figure is the median over
+repeats. Noise: for every placement the spread of its repeats, ``(max - min) / median``; the noise of a
+budget is the largest spread there. "ours OK": our median is not below any baseline's by more than that.
 
-Each repeat uses its own prompt (seed 1 + repeat; the statistics run used seed 0), so the measured hit rate
-(the mean over repeats) pools several prompts, and tok/s is the median over repeats.
-
-Noise: for every (budget, placement) the spread of its repeats, ``(max - min) / median`` of tok/s; the
-run-to-run noise of a budget is the largest spread there. "ours OK" means our median tok/s is not below
-any baseline's median by more than that noise.
+Calibration (``--calibrate``, once): after the runs, the cost model's coefficients are fitted
+(:func:`colibri_plan.calibrate.fit_coefficients`, docs/calibration.md) on OUR plan at the lowest and the
+highest budget only (per-term medians over the repeats, measured in the same interleaved session), and
+every plan at every budget is predicted again with them: the middle budgets and all baseline placements
+are out of sample. The script also re-solves with the calibrated coefficients and says whether our
+placement would change. ``--coefficients FILE`` instead solves and predicts with a file from the start.
 
     .venv/bin/python bench/plan_accuracy.py --fixture work-demo/fixture --profile work-demo/profile.json \\
         --heat work-demo/heat.json --calibrate --out bench/results/plan_accuracy.json
@@ -44,7 +46,7 @@ from colibri_plan.fileio import atomic_write_text, fingerprint
 from colibri_plan.heat import load_heat
 from colibri_plan.model import load_model_spec
 from colibri_plan.planner.baselines import fit_layers, hot_first
-from colibri_plan.planner.make import build_setup, plan_document
+from colibri_plan.planner.make import build_setup, cost_of, plan_document
 from colibri_plan.planner.solve import solve_placement, validate_placement
 from colibri_plan.profiler.schema import load_profile
 from colibri_plan.verify import compare, memory_hit_rate
@@ -57,8 +59,8 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def plans_at(profile, spec, heat, ram_gb: float, coef, context: int) -> dict:
-    """Plan documents (ours + baselines) at one RAM budget, same setup for all."""
+def plans_at(profile, spec, heat, ram_gb: float, coef, context: int) -> tuple:
+    """(setup, {name: plan}) at one RAM budget: ours and the baselines, same setup for all."""
     setup = build_setup(profile, spec, heat, ram=f"{ram_gb:g}", dense_fmt="f32", context_tokens=context,
                         coef=coef)
     sol = solve_placement(setup.problem)
@@ -70,7 +72,7 @@ def plans_at(profile, spec, heat, ram_gb: float, coef, context: int) -> dict:
         tiers, slots = fn(setup.problem)
         validate_placement(setup.problem, tiers, slots)
         out[name] = plan_document(setup, profile, tiers, slots, {"status": "baseline", "method": name})
-    return out
+    return setup, out
 
 
 def placement_key(plan) -> str:
@@ -82,40 +84,48 @@ def measure(pack, plan, prompt, tokens: int) -> dict:
     return run.to_dict()
 
 
-def report_of(plan, measured: dict) -> dict:
-    """A verify-report body (without the reference run) for calibrate."""
+def step_tok_s(run: dict) -> float:
+    return 1.0 / run["decode_s_median"] if run["decode_s_median"] > 0 else 0.0
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Medians over repeats (tok/s from the median decode step; terms per token), mean hit rate."""
+    tok = [step_tok_s(r) for r in runs]
+    med = statistics.median(tok)
+    return {"tok_s_median": med, "tok_s_runs": tok, "spread": (max(tok) - min(tok)) / med if med else None,
+            "tok_s_mean_based_runs": [r["tok_s"] for r in runs],
+            "hit_rate_memory": statistics.mean(memory_hit_rate(r["hit_rates"]) for r in runs),
+            "hit_rates": {k: statistics.mean(r["hit_rates"][k] for r in runs) for k in runs[0]["hit_rates"]},
+            "disk_bytes_per_token": statistics.median(r["disk_bytes_per_token"] for r in runs),
+            "terms": {k: statistics.median(r["terms"][k] for r in runs)
+                      for k in ("dense_s", "expert_cpu_s", "disk_wait_s", "expert_wall_s")},
+            "tokens": [r["tokens"] for r in runs]}
+
+
+def report_of(plan, m: dict) -> dict:
+    """A verify-report body (no reference run) from a placement's medians, for calibrate."""
+    measured = {"tok_s": m["tok_s_median"], "decode_s_per_token": 1 / m["tok_s_median"],
+                "terms": {**m["terms"], "device_s": {}}, "hit_rates": m["hit_rates"],
+                "disk_bytes_per_token": m["disk_bytes_per_token"]}
     return {"plan": {"coefficients": plan.doc.get("coefficients"), "n_decode_layers": len(plan.doc["layers"]),
                      "counts": plan.counts()},
             "predicted": plan.doc["predicted"], "measured": measured,
             "comparison": compare(plan.doc["predicted"], measured), "verdict": {}}
 
 
-def calibrate_phase(pack, profile, spec, heat, budgets, prompt, tokens, context, out_dir: Path):
+def calibrate(plans: dict, meas: dict, budgets: list, out_dir: Path):
+    """Fit coefficients on our plan at the lowest and highest budget; write them and the two reports."""
     from colibri_plan.verify import save_report
 
     reports, names = [], []
     for gb in (budgets[0], budgets[-1]):
-        plan = plans_at(profile, spec, heat, gb, None, context)["ours"]
-        log(f"calibration run: ours at {gb:g} GB")
-        rep = report_of(plan, measure(pack, plan, prompt, tokens))
-        path = save_report(rep, out_dir / f"calibration-{gb:g}gb.verify.json")
+        rep = report_of(plans[gb]["ours"], meas[gb]["ours"])
+        names.append(str(save_report(rep, out_dir / f"calibration-{gb:g}gb.verify.json")))
         reports.append(rep)
-        names.append(str(path))
     coef, detail = fit_coefficients(reports, names=names)
     path = save_coefficients(coef, out_dir / "coefficients.json", detail, names)
     log(f"calibrated coefficients -> {path}: {coef.to_dict()}")
     return coef, str(path)
-
-
-def summarise(runs: list[dict]) -> dict:
-    tok = [r["tok_s"] for r in runs]
-    med = statistics.median(tok)
-    return {"tok_s_median": med, "tok_s_runs": tok, "spread": (max(tok) - min(tok)) / med if med else None,
-            "hit_rate_memory": statistics.mean(memory_hit_rate(r["hit_rates"]) for r in runs),
-            "disk_bytes_per_token": statistics.median(r["disk_bytes_per_token"] for r in runs),
-            "terms": {k: statistics.median(r["terms"][k] for r in runs)
-                      for k in ("dense_s", "expert_cpu_s", "disk_wait_s", "expert_wall_s")},
-            "tokens": [r["tokens"] for r in runs]}
 
 
 def main(argv=None) -> int:
@@ -125,9 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heat", default=None, help="routing statistics (default: a statistics run)")
     ap.add_argument("--budgets", default="1.15,1.6,2.2,3.0,5.0", help="RAM budgets in GB")
     ap.add_argument("--tokens", type=int, default=16, help="decode steps per run")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--calibrate", action="store_true", help="one calibration before the sweep")
+    ap.add_argument("--calibrate", action="store_true", help="fit coefficients on ours at the end budgets")
     ap.add_argument("--coefficients", default=None, help="use these coefficients (calibrate output)")
     ap.add_argument("--out", default="bench/results/plan_accuracy.json")
     a = ap.parse_args(argv)
@@ -153,10 +163,9 @@ def main(argv=None) -> int:
     coef, coef_src = None, "none (raw cost model)"
     if a.coefficients:
         coef, coef_src = load_coefficients(a.coefficients), a.coefficients
-    elif a.calibrate:
-        coef, coef_src = calibrate_phase(pack, profile, spec, heat, budgets, prompts[0], a.tokens, a.context,
-                                         out.parent)
-    plans = {gb: plans_at(profile, spec, heat, gb, coef, a.context) for gb in budgets}
+    setups, plans = {}, {}
+    for gb in budgets:
+        setups[gb], plans[gb] = plans_at(profile, spec, heat, gb, coef, a.context)
     runs: dict[str, list] = {}
     for rep in range(a.repeats):          # interleaved: every distinct placement once per repeat
         for gb in budgets:
@@ -166,44 +175,67 @@ def main(argv=None) -> int:
                     continue
                 log(f"rep {rep + 1}/{a.repeats}: {name} at {gb:g} GB ({time.perf_counter() - t0:.0f} s)")
                 runs.setdefault(key, []).append(measure(pack, plan, prompts[rep], a.tokens))
+    meas = {gb: {n: summarise(runs[placement_key(p)]) for n, p in plans[gb].items()} for gb in budgets}
+    # predictions: the plans' own (raw or --coefficients), and after one calibration on ours at the ends
+    pred = {gb: {n: p.doc["predicted"] for n, p in plans[gb].items()} for gb in budgets}
+    cal_pred, moved = None, {}
+    if a.calibrate and not a.coefficients:
+        coef, coef_src = calibrate(plans, meas, budgets, out.parent)
+        cal_pred = {}
+        for gb in budgets:
+            setup_c, plans_c = plans_at(profile, spec, heat, gb, coef, a.context)
+            cal_pred[gb] = {n: cost_of(setup_c, p.tiers(), p.lru_slots()) for n, p in plans[gb].items()}
+            moved[gb] = placement_key(plans_c["ours"]) != placement_key(plans[gb]["ours"])
+    final = cal_pred or pred
     rows, result = [], []
     for gb in budgets:
-        meas = {n: summarise(runs[placement_key(p)]) for n, p in plans[gb].items()}
-        noise = max(m["spread"] for m in meas.values())
-        best_base = max(meas[n]["tok_s_median"] for n in meas if n != "ours")
+        noise = max(m["spread"] for m in meas[gb].values())
+        best_base = max(meas[gb][n]["tok_s_median"] for n in meas[gb] if n != "ours")
         for n, p in plans[gb].items():
-            pr = p.doc["predicted"]
-            m = meas[n]
+            pr, m = final[gb][n], meas[gb][n]
             same = [o for o in plans[gb] if o != n and placement_key(plans[gb][o]) == placement_key(p)]
             entry = {"ram_gb": gb, "placement": n, "counts": p.counts(), "same_placement_as": same,
-                     "predicted_tok_s": pr["tok_s"], "predicted_hit_rate": memory_hit_rate(pr["hit_rate"]),
-                     "predicted_terms": pr["terms"], **m, "noise": noise,
+                     "predicted_tok_s_plan": pred[gb][n]["tok_s"], "predicted_tok_s": pr["tok_s"],
+                     "predicted_hit_rate": memory_hit_rate(pr["hit_rate"]), "predicted_terms": pr["terms"],
+                     **m, "noise": noise,
                      "tok_s_ratio_measured_over_predicted": m["tok_s_median"] / pr["tok_s"],
                      "hit_rate_diff_points": 100 * (m["hit_rate_memory"] - memory_hit_rate(pr["hit_rate"])),
-                     "vs_best_baseline": m["tok_s_median"] / best_base}
+                     "vs_best_baseline": m["tok_s_median"] / best_base,
+                     "calibration_input": bool(cal_pred) and n == "ours" and gb in (budgets[0], budgets[-1])}
             if n == "ours":
-                entry["ours_ok"] = all(m["tok_s_median"] >= meas[o]["tok_s_median"] * (1 - noise)
-                                       for o in meas if o != "ours")
+                entry["ours_ok"] = all(m["tok_s_median"] >= meas[gb][o]["tok_s_median"] * (1 - noise)
+                                       for o in meas[gb] if o != "ours")
+                entry["placement_changes_after_calibration"] = moved.get(gb)
             result.append(entry)
             c = p.counts()
-            rows.append([f"{gb:g}", n + (f" (= {', '.join(same)})" if same else ""),
-                         f"{c['ram_pinned']}/{c['lru_slots']}/{c['disk']}",
+            rows.append([f"{gb:g}", n + ("*" if entry["calibration_input"] else "")
+                         + (f" (= {', '.join(same)})" if same else ""),
+                         f"{c['ram_pinned']}/{c['lru_slots']}/{c['disk']}", f"{pred[gb][n]['tok_s']:.3f}",
                          f"{pr['tok_s']:.3f}", f"{m['tok_s_median']:.3f}",
                          f"{entry['tok_s_ratio_measured_over_predicted']:.2f}",
                          f"{100 * entry['predicted_hit_rate']:.1f}", f"{100 * m['hit_rate_memory']:.1f}",
                          f"{entry['hit_rate_diff_points']:+.1f}", f"{entry['vs_best_baseline']:.2f}",
                          f"{100 * noise:.0f}%", {True: "yes", False: "NO"}.get(entry.get("ours_ok"), "")])
-    header = ["RAM GB", "placement", "pin/LRU/disk", "pred tok/s", "meas tok/s", "meas/pred", "pred hit %",
+    header = ["RAM GB", "placement", "pin/LRU/disk", "raw pred tok/s",
+              "cal pred tok/s" if cal_pred else "pred tok/s", "meas tok/s", "meas/pred", "pred hit %",
               "meas hit %", "diff pts", "vs best base", "noise", "ours OK"]
     text = table(rows, header)
+    if cal_pred:
+        text += ("\n* calibration input (ours at the lowest and highest budget); every other row is "
+                 "predicted out of sample")
     print(text)
     ours = [r for r in result if r["placement"] == "ours"]
     summary = {"tok_s_within_25pct_all": all(abs(r["tok_s_ratio_measured_over_predicted"] - 1) <= 0.25
                                              for r in result),
+               "tok_s_ratio_range": [min(r["tok_s_ratio_measured_over_predicted"] for r in result),
+                                     max(r["tok_s_ratio_measured_over_predicted"] for r in result)],
                "hit_rate_within_5pts_all": all(abs(r["hit_rate_diff_points"]) <= 5 for r in result),
+               "hit_rate_diff_max_points": max(abs(r["hit_rate_diff_points"]) for r in result),
                "ours_never_below_baseline_beyond_noise": all(r["ours_ok"] for r in ours),
+               "ours_vs_best_baseline": [round(r["vs_best_baseline"], 3) for r in ours],
                "noise_median": statistics.median(r["noise"] for r in ours),
-               "noise_max": max(r["noise"] for r in ours)}
+               "noise_max": max(r["noise"] for r in ours),
+               "our_placement_changes_after_calibration": moved or None}
     print(json.dumps(summary, indent=1))
     doc = {"kind": "bench-plan-accuracy", "fixture": str(fx), "profile": a.profile, "heat": a.heat,
            "coefficients": coef.to_dict() if coef else None, "coefficients_source": coef_src,

@@ -70,10 +70,13 @@ def main(argv=None) -> int:
         try:
             for qd in qds:
                 fio_v, ours_v = [], []
-                for r in range(a.runs):  # alternate, so drift on a shared machine hits both alike
-                    fio_v.append(run_fio(path, block, qd, a.seconds, a.engine, a.fio_threads))
-                    m = disk.measure(fd, size, block, qd, 1, a.seconds, direct, seed=100 + r)
-                    ours_v.append(m["read_gbps"]["median"])
+                for r in range(a.runs):  # alternate (and swap who goes first) so drift hits both alike
+                    for who in (("fio", "probe") if r % 2 == 0 else ("probe", "fio")):
+                        if who == "fio":
+                            fio_v.append(run_fio(path, block, qd, a.seconds, a.engine, a.fio_threads))
+                        else:
+                            m = disk.measure(fd, size, block, qd, 1, a.seconds, direct)
+                            ours_v.append(m["read_gbps"]["median"])
                     print(f"QD{qd} run {r + 1}: fio {fio_v[-1]:.3f} GB/s, probe {ours_v[-1]:.3f} GB/s",
                           file=sys.stderr)
                 f, o = statistics.median(fio_v), statistics.median(ours_v)

@@ -148,6 +148,14 @@ class Heat:
             raise FormatError(f"{where} is inconsistent: {exc}") from exc
 
 
+def fnv1a32(text: str) -> int:
+    """FNV-1a 32-bit hash: colibrì's engine id in the usage ``-2`` header ("glm_moe_dsa" -> 3815245270)."""
+    h = 0x811C9DC5
+    for byte in text.encode("utf-8"):
+        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
 def _waterfill(row: np.ndarray, k: int, n_experts: int) -> np.ndarray:
     """Scale non-negative counts ``[E]`` to sum min(k, #non-zero) with every value <= 1."""
     if row.sum() <= 0:
@@ -302,7 +310,8 @@ def uniform_heat(spec, tokens: int = 1_000_000) -> tuple[Heat, str]:
     p = spec.top_k / spec.n_experts
     counts = np.full((spec.n_moe_layers, spec.n_experts), p * tokens)
     heat = Heat(n_experts=spec.n_experts, layers=tuple(spec.moe_layers), counts=counts, top_k=spec.top_k,
-                tokens=tokens, source="uniform fallback", model_fingerprint=spec.fingerprint())
+                tokens=tokens, source="uniform fallback", model_fingerprint=spec.fingerprint(),
+                n_model_layers=spec.n_layers, engine_id=fnv1a32(spec.family))
     msg = (f"no routing statistics for {spec.name}: assuming uniform expert heat; a plan from uniform heat "
            "cannot favour hot experts — record real statistics (colibri-plan run --stats, or colibrì STATS=) "
            "and solve again with --heat")
@@ -351,8 +360,9 @@ def align_heat(heat: Heat, spec) -> Heat:
             rows.append(mean * tokens)
     out = Heat(n_experts=spec.n_experts, layers=tuple(spec.moe_layers), counts=np.array(rows),
                top_k=spec.top_k, tokens=tokens, source=heat.source,
-               model_fingerprint=spec.fingerprint(), n_model_layers=heat.n_model_layers,
-               engine_id=heat.engine_id, warnings=list(heat.warnings))
+               model_fingerprint=spec.fingerprint(), n_model_layers=heat.n_model_layers or spec.n_layers,
+               engine_id=heat.engine_id if heat.engine_id is not None else fnv1a32(spec.family),
+               warnings=list(heat.warnings))
     if missing:
         out.warnings.append(f"heat has no counts for {len(missing)} MoE layers ({missing[:5]}...); used the "
                             "mean profile of the other layers for them")

@@ -21,7 +21,7 @@ from importlib import resources
 import numpy as np
 
 from colibri_plan.errors import InputError
-from colibri_plan.heat import Heat
+from colibri_plan.heat import Heat, fnv1a32
 
 DATA_FILE = "olmoe_mixtral_expert_counts.json"
 #: model key in the data file -> (experts, top-k, transformer layers)
@@ -156,6 +156,7 @@ def synth_heat(spec, domain: str | None = None, seed: int = 0, source_model: str
         rows.append(prof[rng.permutation(spec.n_experts)] * tokens)
     return Heat(n_experts=spec.n_experts, layers=tuple(spec.moe_layers), counts=np.array(rows),
                 top_k=spec.top_k, tokens=tokens, model_fingerprint=spec.fingerprint(),
+                n_model_layers=spec.n_layers, engine_id=fnv1a32(spec.family),
                 source=f"synthesised from real {source_model} routing ({domain or 'mixed domains'}, "
                        f"seed {seed}); see docs/heat.md")
 

@@ -87,7 +87,7 @@ int main() {
   int bits = fmt == 0 ? 32 : fmt <= 2 ? 16 : fmt == 3 ? 8 : fmt == 5 ? 2 : 4;
   int row_bytes = in_pad * bits / 8, ngroups = fmt == 6 ? in_pad / G : 1;
   int gshift = G == 64 ? 1 : G == 128 ? 2 : 0;
-  static uint4 W[1 << 16]; static float S[1 << 16], x[1 << 14];
+  static uint4 W[1 << 16]; static float S[1 << 16], x[1 << 14], xs[1 << 14];  // xs: staged (rotated)
   unsigned char *wb = (unsigned char *)W; unsigned v;
   for (int i = 0; i < rows * row_bytes; i++) { if (scanf("%u", &v) != 1) return 3; wb[i] = v; }
   int ns = fmt == 6 ? rows * ngroups : rows;
@@ -100,7 +100,8 @@ int main() {
       threadIdx.x = lane; float acc[1][2];
       switch (fmt) {
 #define CASE(F) case F: \
-        warp_dots<F, 2, 1>(Wp, Sp, row0, rows, in_pad / Cols<F>::n, gshift, ngroups, x, acc); break;
+        threadIdx.x = 0; blockDim.x = 1; stage<F>(xs, x, in_pad); threadIdx.x = lane; \
+        warp_dots<F, 2, 1>(Wp, Sp, row0, rows, in_pad / Cols<F>::n, gshift, ngroups, xs, acc); break;
         CASE(0) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
       }
       sum[0] += acc[0][0]; sum[1] += acc[0][1];

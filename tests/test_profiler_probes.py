@@ -81,6 +81,27 @@ def test_existing_file_is_read_not_written(tmp_path):
     assert d["file"] == str(path) and path.read_bytes() == before
 
 
+def test_measure_arithmetic_and_concurrency(monkeypatch):
+    """A fake read of 1 MB that takes 20 ms: QD readers overlap, so QD4 gives 4 x 1 MB / 20 ms."""
+    import time
+
+    def fake_read(fd, buf, offset, nbytes):
+        assert offset % 4096 == 0 and 0 <= offset <= (64 << 20) - nbytes
+        time.sleep(0.02)
+        return nbytes
+
+    monkeypatch.setattr(disk, "read_full", fake_read)
+    got = {}
+    for qd in (1, 4):
+        m = disk.measure(-1, 64 << 20, 1_000_000, qd, repetitions=2, seconds=0.2, o_direct=True)
+        got[qd] = m["read_gbps"]["median"]
+        # sleeps only overshoot on a busy machine: allow slower, never faster
+        assert 0.5 * qd * 1e6 / 0.02 / 1e9 <= got[qd] <= 1.05 * qd * 1e6 / 0.02 / 1e9
+        assert 19.5 <= m["latency_ms"]["p50"] <= 40
+        assert m["reads"] >= 2 * qd * 5
+    assert got[4] / got[1] == pytest.approx(4, rel=0.25)
+
+
 def test_disk_bad_paths(tmp_path):
     with pytest.raises(InputError, match="does not exist"):
         disk.probe_disk(tmp_path / "nope", **SMALL)

@@ -151,3 +151,18 @@ def test_corrupt_report_is_rejected(tmp_path):
         load_report(bad)
     res = CliRunner().invoke(cli, ["calibrate", str(bad), "--out", str(tmp_path / "c.json")])
     assert res.exit_code == 1 and "FormatError" in res.output and not (tmp_path / "c.json").exists()
+
+
+def test_machine_warning_names_both_fingerprints(small_pack, tmp_path):
+    from colibri_plan.verify import machine_warning
+
+    with open_pack(small_pack) as pack:
+        tiers, slots = _mixed(pack)
+        doc = _plan_doc(pack, tiers, slots, PREDICTED)
+    doc["profile"] = {"fingerprint": "aaaaaaaaaaaaaaaa"}
+    save_plan(doc, tmp_path / "p.json")
+    plan = load_plan(tmp_path / "p.json")
+    w = machine_warning(plan, "bbbbbbbbbbbbbbbb")
+    assert "aaaaaaaaaaaaaaaa" in w and "bbbbbbbbbbbbbbbb" in w
+    assert machine_warning(plan, "aaaaaaaaaaaaaaaa") is None
+    assert machine_warning(plan, None) is None      # this machine's fingerprint unknown: nothing to say

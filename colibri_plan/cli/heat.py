@@ -111,11 +111,6 @@ def convert(src, dst, fmt, model_name):
 
         spec = load_model_spec(model_name)
         h = align_heat(h, spec)
-        if fmt == "usage" and h.engine_id is None:
-            from colibri_plan.planner.exports import fnv1a32
-
-            h.engine_id = fnv1a32(spec.family)
-            h.n_model_layers = spec.n_layers
     (write_usage_text if fmt == "usage" else save_heat)(h, dst)
     emit({"written": dst, "format": fmt, "rows": len(h.layers), "n_experts": h.n_experts},
          f"wrote {dst} ({fmt}): {len(h.layers)} rows x {h.n_experts} experts")

@@ -7,10 +7,11 @@ experts n_t (capacity) and their probability mass m_t (time). This module solves
 (n_t, m_t) (HiGHS interior point), refining the cuts below at the counts each round chose:
 
 * Σ_t n_t = E_l, Σ_t m_t = M_l (the layer's total p);
-* per tier, m_t <= P_l(n_t), where P_l(n) is the mass of the n hottest experts (concave): a set of n
-  experts never carries more; likewise the GPU side together, and the disk tier carries at least the
-  mass of its n_disk coldest experts (convex S_l). P and S enter through tangent lines at a few
-  breakpoints, each of which bounds the curve from the right side, so the program is a *relaxation*;
+* per tier, S_l(n_t) <= m_t <= P_l(n_t), where P_l(n) is the mass of the n hottest experts (concave)
+  and S_l(n) that of the n coldest (convex): a set of n experts never carries more or less; likewise
+  the GPU side together, and the disk tier carries at least the mass of its n_disk coldest experts.
+  P and S enter through tangent lines at a few breakpoints, each of which bounds the curve from the
+  right side, so the program is a *relaxation*;
 * the epigraph of the layer max and the capacities, as in the expert-level MILP, with the per-layer
   GPU-use indicators relaxed to [0, 1] (then fixed from the relaxation for the placement itself).
 
@@ -35,6 +36,7 @@ N_BREAKPOINTS = 5
 CUT_ROUNDS = 6
 CUT_TOLERANCE = 1e-3
 CUT_TIME_S = 2.0          # stop refining the cuts after this (the gap says how close we are)
+CANDIDATE_TIME_S = 1.5    # extra roundings of the GPU-use indicators tried within this time
 SWAP_MIN_GAIN = 1e-5      # relative gain below which a swap is not worth another pass
 
 
@@ -109,6 +111,8 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
         e = len(p)
         active.append(e)
         pref = np.concatenate([[0.0], np.cumsum(p)])        # P(n): mass of the n hottest
+        asc = p[::-1]
+        suf = np.concatenate([[0.0], np.cumsum(asc)])       # S(n): mass of the n coldest (convex)
         row([ncol(i, t) for t in range(n_t)], [1.0] * n_t, e, e)
         row([mcol(i, t) for t in range(n_t)], [1.0] * n_t, pref[-1], pref[-1])
         base = _breakpoints(e)
@@ -119,6 +123,9 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
             for q in pts:
                 row([mcol(i, t) for t in g] + [ncol(i, t) for t in g],
                     [1.0] * len(g) + [-p[q]] * len(g), -np.inf, pref[q] - p[q] * q)
+                if len(g) == 1:                             # and at least the mass of its coldest experts:
+                    t = g[0]                                # m_t - a[q] n_t >= S(q) - a[q] q, a ascending
+                    row([mcol(i, t), ncol(i, t)], [1.0, -asc[q]], suf[q] - asc[q] * q, np.inf)
         miss = coef.disk * t_miss * miss_factor_row[r]
         row([tcol(i), mcol(i, t_ram), mcol(i, t_disk)], [1.0, -cpu_c, -(cpu_c + miss)], 0.0, np.inf)
         for d in range(n_gpu):
@@ -162,13 +169,29 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
     if out.x is None:
         return counts, masses, z, np.inf, False
     counts[:, t_disk] = probs.shape[1]
+    raw = np.zeros((probs.shape[0], n_t))
     for i, r in enumerate(rows):
-        c = np.floor(out.x[[ncol(i, t) for t in range(n_t)]] + 1e-6).astype(np.int64)
-        c[t_disk] += probs.shape[1] - c.sum()            # p = 0 experts and rounding remainders: disk
-        counts[r] = c
+        raw[r] = out.x[[ncol(i, t) for t in range(n_t)]]
         masses[r] = out.x[[mcol(i, t) for t in range(n_t)]]
         for j, d in enumerate(zdev):
             z[r, d] = out.x[zcol(i, j)]
+    counts[:, :t_disk] = np.floor(raw[:, :t_disk] + 1e-6).astype(np.int64)
+    # largest-remainder rounding: what flooring left of each tier's capacity goes to the rows with the
+    # largest fractional counts (one expert each, taken from that row's disk share)
+    caps = {t: res.gpus[t].budget_bytes // b for t in range(n_gpu) if not res.gpus[t].unified}
+    caps[t_ram] = ram_cap
+    for t, cap in caps.items():
+        tiers = ram_tiers if t == t_ram else [t]
+        left = int(cap - counts[:, tiers].sum())
+        frac = raw[:, t] - counts[:, t]
+        for r in np.argsort(-frac, kind="stable"):
+            room = int(np.sum(probs[r] > 0)) - int(counts[r, :t_disk].sum())
+            if left <= 0 or frac[r] <= 1e-6:
+                break
+            if room > 0 and (t >= n_gpu or z_fixed is None or z_fixed[r, t] > 0 or t not in zdev):
+                counts[r, t] += 1
+                left -= 1
+    counts[:, t_disk] = probs.shape[1] - counts[:, :t_disk].sum(axis=1)   # p = 0 experts and the rest
     return counts, masses, z, float(out.fun), True
 
 
@@ -254,6 +277,13 @@ def realise_layer(p: np.ndarray, counts: np.ndarray, masses: np.ndarray, rate: n
     return tier
 
 
+def _layer_time(p, tier, rate, fixed, n_gpu) -> float:
+    """Slowest resource of one realised layer (GPUs alone, RAM and disk together on the CPU)."""
+    times = [rate[d] * p[tier == d].sum() + (fixed[d] if np.any(tier == d) else 0.0) for d in range(n_gpu)]
+    times.append(rate[n_gpu] * p[tier == n_gpu].sum() + rate[n_gpu + 1] * p[tier == n_gpu + 1].sum())
+    return max(times)
+
+
 def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[np.ndarray, float]:
     """Count-and-mass LP, then per-layer realisation. Returns (tiers [rows, E] codes, lower bound s)."""
     res, b, coef = problem.res, problem.expert_bytes, problem.coef
@@ -283,29 +313,39 @@ def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[
         raise BudgetError("no placement fits the budgets: the experts do not fit in VRAM + RAM and the "
                           "profile has no disk figure; measure the disk with `colibri-plan profile` or "
                           "give more memory")
-    # a row uses a GPU when the relaxation gives it at least one expert; else try every GPU in use
-    candidates = [np.where(z_lp * problem.probs.shape[1] >= 1 - 1e-6, 1.0, 0.0)]
-    if not candidates[0].any() and z_lp.size:
-        candidates.append(np.ones_like(z_lp))
-    best = None
-    for z in candidates:                                             # fixed z: plain LPs
-        counts, masses, _, obj, ok = solve_counts(problem, row_miss, z, extra_points=extra)
-        if ok and (best is None or obj < best[2]):
-            best = (counts, masses, obj)
-    if best is None:
-        raise SolverError("the count-and-mass program found no placement with integral GPU use")
-    counts, masses, _ = best
+    # which GPUs each row uses: several roundings of the relaxed indicators, each realised and costed
+    n_exp = problem.probs.shape[1]
+    candidates = []
+    for z in (z_lp * n_exp >= 1 - 1e-6, z_lp > 0.5, z_lp > 1e-6, np.ones_like(z_lp, dtype=bool)):
+        z = z.astype(float)
+        if not any(np.array_equal(z, c) for c in candidates):
+            candidates.append(z)
     cpu_c = coef.cpu_expert * b / (res.cpu_gbps * 1e9)
     t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
     rate = np.array([coef.gpu_expert * b / (g.matmul_gbps * 1e9) for g in res.gpus] + [cpu_c, cpu_c])
-    extra = np.array([coef.transfer * transfer_seconds(g, problem.activation_bytes) for g in res.gpus]
+    fixed = np.array([coef.transfer * transfer_seconds(g, problem.activation_bytes) for g in res.gpus]
                      + [0.0, 0.0])
-    tiers = np.full(problem.probs.shape, TIER_DISK, dtype=np.int64)
-    for r in range(problem.probs.shape[0]):
-        if problem.weights[r] <= 0 or problem.probs[r].sum() <= 0:
+    best = None
+    t1 = time.perf_counter()
+    for i, z in enumerate(candidates):
+        if i > 0 and time.perf_counter() - t1 > CANDIDATE_TIME_S:
+            break
+        counts, masses, _, _, ok = solve_counts(problem, row_miss, z, extra_points=extra)
+        if not ok:
             continue
-        rr = rate.copy()
-        rr[-1] = cpu_c + coef.disk * t_miss * row_miss[r]
-        t = realise_layer(problem.probs[r], counts[r], masses[r], rr, extra)
-        tiers[r] = np.where(t < n_gpu, t, np.where(t == n_gpu, TIER_RAM, TIER_DISK))
+        tiers = np.full(problem.probs.shape, TIER_DISK, dtype=np.int64)
+        total = 0.0
+        for r in range(problem.probs.shape[0]):
+            if problem.weights[r] <= 0 or problem.probs[r].sum() <= 0:
+                continue
+            rr = rate.copy()
+            rr[-1] = cpu_c + coef.disk * t_miss * row_miss[r]
+            t = realise_layer(problem.probs[r], counts[r], masses[r], rr, fixed)
+            tiers[r] = np.where(t < n_gpu, t, np.where(t == n_gpu, TIER_RAM, TIER_DISK))
+            total += problem.weights[r] * _layer_time(problem.probs[r], t, rr, fixed, n_gpu)
+        if best is None or total < best[1]:
+            best = (tiers, total)
+    if best is None:
+        raise SolverError("the count-and-mass program found no placement with integral GPU use")
+    tiers = best[0]
     return tiers, bound

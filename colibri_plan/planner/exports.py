@@ -25,18 +25,12 @@ import numpy as np
 
 from colibri_plan.errors import UnsupportedError
 from colibri_plan.fileio import atomic_write_text
+from colibri_plan.heat import fnv1a32  # noqa: F401 - re-exported for callers
 from colibri_plan.plan import TIER_DISK, TIER_RAM, Plan, layer_probabilities
 
 VRAM_OVERHEAD_BYTES = int(0.741 * 2**20)   # colibrì's measured per-expert VRAM allocation overhead
+COLIBRI_SLACK_BYTES = int(1.2e9 + 2.5e9)    # colibrì reserves 1.2 GB activations + 2.5 GB page cache
 LLAMA_DEVICE = {"cuda": "CUDA", "vulkan": "Vulkan", "opencl": "OpenCL", "metal": "Metal"}
-
-
-def fnv1a32(text: str) -> int:
-    """FNV-1a 32-bit hash (colibrì's engine id in the usage ``-2`` header; "glm_moe_dsa" -> 3815245270)."""
-    h = 0x811C9DC5
-    for byte in text.encode("utf-8"):
-        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
-    return h
 
 
 def colibri_ranking(plan: Plan, heat_probs: np.ndarray | None = None) -> list[tuple[int, int]]:
@@ -80,17 +74,34 @@ def export_colibri(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.nda
                                "export a plan solved for CUDA devices")
     n_vram = sum(counts[k] for k in gpu_keys)
     budgets = plan.doc["budgets"]
+    # colibrì's RAM_GB covers dense + its own slack (1.2 GB activations, 2.5 GB page-cache reserve, a
+    # 64-expert working set, KV) + pins + LRU: give it the plan's expert RAM on top of those terms
+    slack = COLIBRI_SLACK_BYTES + 64 * b
     ram_gb = (budgets["ram_budget_bytes"] + budgets.get("dense_bytes", 0) + budgets.get("kv_bytes", 0)
-              + budgets.get("working_bytes", 0)) / 1e9
+              + slack) / 1e9
     slots = plan.lru_slots()
     env = {}
+    late_notes: list[str] = []
+    extra_pins = 0
     if n_vram:
         env["COLI_CUDA"] = "1"
         env["COLI_GPUS"] = ",".join(k.split(":")[1] for k in gpu_keys)
-        env["CUDA_EXPERT_GB"] = f"{(n_vram * (b + VRAM_OVERHEAD_BYTES) + b // 2) / 1e9:.3f}"
+        need = n_vram * (b + VRAM_OVERHEAD_BYTES) + b // 2
+        budgets_vram = plan.doc["budgets"].get("vram_budget_bytes", {})
+        have = sum(int(v) for k, v in budgets_vram.items() if k in gpu_keys)
+        if have and need > have:     # colibrì's allocation overhead does not fit the plan's VRAM budget
+            lost = -(-(need - have) // (b + VRAM_OVERHEAD_BYTES))
+            room = plan.doc["budgets"]["ram_budget_bytes"] - (counts["ram_pinned"] + counts["lru_slots"]) * b
+            extra_pins = int(max(0, min(lost, room // b)))
+            late_notes.append(f"with colibrì's {VRAM_OVERHEAD_BYTES / 2**20:.3f} MiB allocation overhead per "
+                              f"VRAM expert, about {lost} of the plan's VRAM experts do not fit its VRAM "
+                              f"budget: CUDA_EXPERT_GB is capped at the budget and PIN_GB grows by "
+                              f"{extra_pins} experts so they stay in RAM")
+            need = have
+        env["CUDA_EXPERT_GB"] = f"{need / 1e9:.3f}"
         env["CUDA_RELEASE_HOST"] = "1"
     env["PIN"] = str(usage_path)
-    env["PIN_GB"] = f"{(counts['ram_pinned'] * b + b // 2) / 1e9:.3f}"
+    env["PIN_GB"] = f"{((counts['ram_pinned'] + extra_pins) * b + b // 2) / 1e9:.3f}"
     env["RAM_GB"] = f"{ram_gb:.2f}"
     env["CAP"] = str(int(slots.max()) if slots.size and slots.max() > 0 else 1)
     env["CAP_RAISE"] = "0"
@@ -99,7 +110,9 @@ def export_colibri(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.nda
              f"{usage_path} "
              "(synthetic counts that fix colibrì's ranking; they are not routing statistics)",
              "colibrì assigns each VRAM expert to the least-loaded device itself: the plan's per-device "
-             "split is not reproduced, only its VRAM set"]
+             "split is not reproduced, only its VRAM set",
+             f"RAM_GB = the plan's expert RAM + dense + KV + colibrì's own slack ({slack / 1e9:.2f} GB); "
+             "colibrì clamps it to the memory available", *late_notes]
     if slots.size and len(set(slots[slots > 0].tolist())) > 1:
         notes.append("the plan's LRU slots differ per layer; colibrì's CAP is one figure: the largest is "
                      "used")

@@ -31,6 +31,7 @@ from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from colibri_plan.errors import BudgetError, SolverError
+from colibri_plan.planner.baselines import hot_first
 from colibri_plan.planner.costmodel import (
     TIER_DISK,
     TIER_RAM,
@@ -246,13 +247,33 @@ def _fill(problem: Problem, tiers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return tiers, slots
 
 
+def _solve_large(problem: Problem, miss: np.ndarray, time_limit_s: float):
+    """The count-and-mass method (:mod:`colibri_plan.planner.aggregate`), never worse than hot-first."""
+    from colibri_plan.planner.aggregate import place_large
+
+    tiers, bound = place_large(problem, miss, time_limit_s)
+    tiers, slots = _fill(problem, tiers)
+    cost = evaluate(problem, tiers, slots)
+    # safeguard: the realisation is a heuristic; never return worse than colibrì's hot-first fill
+    hot = _fill(problem, hot_first(problem)[0])
+    hot_cost = evaluate(problem, *hot)
+    if hot_cost["decode_s_per_token"] < cost["decode_s_per_token"]:
+        (tiers, slots), cost = hot, hot_cost
+    total = cost["decode_s_per_token"]
+    g = max(0.0, (total - (bound + problem.fixed_cost_s)) / total) if total > 0 else 0.0
+    if problem.lru_slots.any():
+        g = None        # the bound holds for fixed miss factors, not for the Che fixed point
+    return tiers, slots, cost, "feasible (count-and-mass bound)", g
+
+
 def solve_placement(problem: Problem, time_limit_s: float = 30.0, gap: float = 1e-9,
                     lru_iterations: int = 2, method: str = "auto") -> Solution:
     """Minimise expected decode seconds per token over placements within the budgets.
 
     ``method``: "exact" (expert-level MILP), "aggregate" (count-and-mass LP + realisation, with a
     certified gap; :mod:`colibri_plan.planner.aggregate`) or "auto" (exact up to
-    EXACT_MAX_BINARIES binaries).
+    EXACT_MAX_BINARIES binaries; when HiGHS stops at the time limit, the count-and-mass placement too,
+    keeping the better).
 
     Returns a :class:`Solution` whose placement passed :func:`validate_placement`.
 
@@ -266,21 +287,22 @@ def solve_placement(problem: Problem, time_limit_s: float = 30.0, gap: float = 1
     n_bin = int(np.sum((problem.probs > 0) & (problem.weights[:, None] > 0))) * (len(problem.res.gpus) + 2)
     large = method == "aggregate" or (method == "auto" and n_bin > EXACT_MAX_BINARIES)
     for it in range(max(1, lru_iterations if problem.lru_slots.any() else 1)):
+        found = None
+        if not large:
+            try:
+                tiers, status, g, _ = _milp(problem, miss, time_limit_s, gap)
+                tiers, slots = _fill(problem, tiers)
+                found = (tiers, slots, evaluate(problem, tiers, slots), status, g)
+            except SolverError:
+                if method != "auto":
+                    raise
+            if method == "auto" and (found is None or found[3] != "optimal"):
+                large = True            # HiGHS ran out of time: the count-and-mass method as well
         if large:
-            from colibri_plan.planner.aggregate import place_large
-
-            tiers, bound = place_large(problem, miss, time_limit_s)
-            tiers, slots = _fill(problem, tiers)
-            cost = evaluate(problem, tiers, slots)
-            total = cost["decode_s_per_token"]
-            g = max(0.0, (total - (bound + problem.fixed_cost_s)) / total) if total > 0 else 0.0
-            if problem.lru_slots.any():
-                g = None        # the bound holds for fixed miss factors, not for the Che fixed point
-            status = "feasible (count-and-mass bound)"
-        else:
-            tiers, status, g, _ = _milp(problem, miss, time_limit_s, gap)
-            tiers, slots = _fill(problem, tiers)
-            cost = evaluate(problem, tiers, slots)
+            agg = _solve_large(problem, miss, time_limit_s)
+            if found is None or agg[2]["decode_s_per_token"] < found[2]["decode_s_per_token"]:
+                found = agg
+        tiers, slots, cost, status, g = found
         history.append({"iteration": it, "decode_s_per_token": cost["decode_s_per_token"], "status": status})
         if best is None or cost["decode_s_per_token"] < best[2]["decode_s_per_token"]:
             best = (tiers, slots, cost, status, g)
@@ -289,8 +311,8 @@ def solve_placement(problem: Problem, time_limit_s: float = 30.0, gap: float = 1
             miss[r] = 1.0 - che_hit_rates(np.where(on_disk, problem.probs[r], 0.0), int(slots[r]))
     tiers, slots, cost, status, g = best
     validate_placement(problem, tiers, slots)
-    name = ("HiGHS count-and-mass LP (cutting planes) + per-layer realisation" if large
-            else "HiGHS expert-level MILP (scipy.optimize.milp)")
+    name = ("HiGHS count-and-mass LP (cutting planes) + per-layer realisation"
+            if status.startswith("feasible (count") else "HiGHS expert-level MILP (scipy.optimize.milp)")
     name += ", LRU hit-rate fixed point" if len(history) > 1 else ""
     return Solution(tiers=tiers, lru_slots=slots, cost=cost, status=status, gap=g,
                     seconds=time.perf_counter() - t0, method=name, iterations=history)

@@ -85,8 +85,9 @@ def write_test_file(path: str | os.PathLike, nbytes: int, progress: Progress | N
 
 
 def _timed_reads(fd: int, file_bytes: int, block_bytes: int, queue_depth: int, seconds: float,
-                 sequential: bool, seed: int) -> tuple[float, int, list[float]]:
-    """Run ``queue_depth`` reader threads for ``seconds``; return (wall s, bytes read, per-read s)."""
+                 sequential: bool, seed: int | None) -> tuple[float, int, list[float]]:
+    """Run ``queue_depth`` reader threads for ``seconds``; return (wall s, bytes read, per-read s).
+    ``seed`` None draws fresh offsets each time (a drive or host cache cannot learn them)."""
     n_slots = (file_bytes - block_bytes) // ALIGN + 1
     lat: list[float] = []
     total = [0]
@@ -94,9 +95,10 @@ def _timed_reads(fd: int, file_bytes: int, block_bytes: int, queue_depth: int, s
     start = threading.Barrier(queue_depth + 1)
     stop_at = [0.0]
     seq_next = [random.Random(seed).randrange(n_slots) * ALIGN]
+    seeds = [None if seed is None else seed * 1000 + k for k in range(queue_depth)]
 
     def reader(k: int) -> None:
-        rnd = random.Random(seed * 1000 + k)
+        rnd = random.Random(seeds[k])
         buf = aligned_buffer(block_bytes)
         mine, got = [], 0
         start.wait()
@@ -126,7 +128,7 @@ def _timed_reads(fd: int, file_bytes: int, block_bytes: int, queue_depth: int, s
 
 
 def measure(fd: int, file_bytes: int, block_bytes: int, queue_depth: int, repetitions: int,
-            seconds: float, o_direct: bool, sequential: bool = False, seed: int = 1) -> dict:
+            seconds: float, o_direct: bool, sequential: bool = False, seed: int | None = None) -> dict:
     """Read-bandwidth figure at one queue depth: ``{queue_depth, block_bytes, read_gbps{..},
     latency_ms{p50, p99}, reads, seconds_per_repetition}`` (GB = 1e9 B)."""
     gbps, lat = [], []
@@ -134,7 +136,7 @@ def measure(fd: int, file_bytes: int, block_bytes: int, queue_depth: int, repeti
         if not o_direct:
             drop_cache(fd)
         wall, nbytes, l = _timed_reads(fd, file_bytes, block_bytes, queue_depth, seconds, sequential,
-                                       seed + r)
+                                       None if seed is None else seed + r)
         gbps.append(nbytes / wall / 1e9)
         lat.extend(l)
     ms = np.asarray(lat) * 1e3

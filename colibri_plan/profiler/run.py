@@ -113,6 +113,8 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
         raise InputError(f"unknown backend(s) {', '.join(unknown)}; use {', '.join(BACKEND_NAMES)}")
     for f in opts.formats:
         check_format(f)
+    if "disk" in opts.probes and opts.path is not None and not os.path.exists(opts.path):
+        raise InputError(f"--path {opts.path} does not exist; give a folder or a file on the disk to probe")
     t_start = time.perf_counter()
     load_start = _loadavg()
     st = mode_settings(opts.quick)

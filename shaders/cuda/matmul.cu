@@ -90,6 +90,41 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Shared-memory layout of the activations: word k's F = Cols / 4 float4s are stored rotated, float4 q
+// at k * F + (q ^ (k mod F)). The 8 lanes of one 128-bit shared load phase read consecutive words k at
+// the same q, so they hit 8 different 16-byte bank groups; the plain layout (stride Cols floats) put
+// them all in one group, an 8-way bank conflict that capped int4 decode at about a quarter of HBM.
+template <int FMT>
+__device__ __forceinline__ int swz(int i) {  // logical float4 index -> stored index
+    constexpr int F = Cols<FMT>::n / 4;
+    if (F == 1) return i;
+    const int k = i / F, q = i % F;
+    return k * F + (q ^ (k & (F - 1)));
+}
+
+// x[t] (in_pad floats, 16-byte aligned) -> shared memory, in the rotated layout
+template <int FMT>
+__device__ __forceinline__ void stage(float *xs, const float *x, int in_pad) {
+    const float4 *src = reinterpret_cast<const float4 *>(x);
+    float4 *dst = reinterpret_cast<float4 *>(xs);
+    for (int i = threadIdx.x; i < in_pad / 4; i += blockDim.x) dst[swz<FMT>(i)] = src[i];
+}
+
+// the Cols activations of word k, from the rotated layout into registers
+template <int FMT>
+__device__ __forceinline__ void load_x(const float *xs, int k, float (&xv)[Cols<FMT>::n]) {
+    constexpr int F = Cols<FMT>::n / 4;
+    const float4 *s = reinterpret_cast<const float4 *>(xs) + k * F;
+#pragma unroll
+    for (int q = 0; q < F; q++) {
+        const float4 v = s[F == 1 ? 0 : (q ^ (k & (F - 1)))];
+        xv[4 * q] = v.x;
+        xv[4 * q + 1] = v.y;
+        xv[4 * q + 2] = v.z;
+        xv[4 * q + 3] = v.w;
+    }
+}
+
 // acc[m][i] = W_m[row0 + i] . xs for NW weights, R rows; every lane gets the full sums.
 // Rows past `rows` are clamped to the last row (valid memory); callers discard them.
 template <int FMT, int R, int NW>
@@ -111,7 +146,8 @@ __device__ __forceinline__ void warp_dots(const uint4 *const *W, const float *co
         for (int m = 0; m < NW; m++)  // issue every load before any math: NW * R words in flight
 #pragma unroll
             for (int i = 0; i < R; i++) w[m][i] = __ldg(W[m] + (u64)row[i] * words + k);
-        const float *x = xs + k * Cols<FMT>::n;
+        float x[Cols<FMT>::n];
+        load_x<FMT>(xs, k, x);
 #pragma unroll
         for (int m = 0; m < NW; m++)
 #pragma unroll
@@ -133,13 +169,6 @@ __device__ __forceinline__ void warp_dots(const uint4 *const *W, const float *co
         }
 }
 
-// x[t] (in_pad floats, 16-byte aligned) -> shared memory
-__device__ __forceinline__ void stage(float *xs, const float *x, int in_pad) {
-    const float4 *src = reinterpret_cast<const float4 *>(x);
-    float4 *dst = reinterpret_cast<float4 *>(xs);
-    for (int i = threadIdx.x; i < in_pad / 4; i += blockDim.x) dst[i] = src[i];
-}
-
 // Blocks loop over row tiles of R * warps rows (tile = blockIdx.x, += gridDim.x), so one staging of
 // x[t] serves several tiles; the host sizes gridDim.x to fill the GPU a few blocks per SM deep.
 
@@ -157,7 +186,7 @@ __global__ void mm(const u64 *__restrict__ table, int rows, int in_pad, int y_st
     const int T = (int)e[4], words = in_pad / Cols<FMT>::n, ngroups = (words >> gshift);
     const int warps = blockDim.x >> 5, tiles = (rows + R * warps - 1) / (R * warps), lane = threadIdx.x & 31;
     for (int t = 0; t < T; t++) {
-        stage(xs, x + (u64)t * in_pad, in_pad);
+        stage<FMT>(xs, x + (u64)t * in_pad, in_pad);
         __syncthreads();
         for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
             const int row0 = (tile * warps + (threadIdx.x >> 5)) * R;
@@ -187,7 +216,7 @@ __global__ void gate_up(const u64 *__restrict__ table, int rows, int in_pad, int
     const int warps = blockDim.x >> 5, tiles = (h_stride + R * warps - 1) / (R * warps);
     const int lane = threadIdx.x & 31;
     for (int t = 0; t < T; t++) {
-        stage(xs, x + (u64)t * in_pad, in_pad);
+        stage<FMT>(xs, x + (u64)t * in_pad, in_pad);
         __syncthreads();
         for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
             const int row0 = (tile * warps + (threadIdx.x >> 5)) * R;
