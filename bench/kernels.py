@@ -201,12 +201,13 @@ def summarise(rows: list[dict], ram: dict, copy: dict | None) -> dict:
             out[f"cpu_int4_gemv {label}"] = {"backend": b["backend"], "weight_gbps": b["weight_gbps"],
                                              "ratio_to_ram": b["weight_gbps"] / ram["gbps"],
                                              "ratio_to_ram_paired": b.get("ratio_to_ram_paired")}
-    ffn = {k: best(rows, backend=k, op="expert_ffn", fmt="int4", device_kind="gpu")
-           for k in ("cuda", "vulkan")}
-    if copy and ffn["cuda"]:
-        out["cuda_ffn_int4_over_d2d_copy"] = ffn["cuda"]["weight_gbps"] / copy["gbps"]
-    if ffn["cuda"] and ffn["vulkan"]:
-        out["vulkan_over_cuda_ffn_int4"] = ffn["vulkan"]["weight_gbps"] / ffn["cuda"]["weight_gbps"]
+    for T in sorted({r["tokens"] for r in rows}):
+        ffn = {k: best(rows, backend=k, op="expert_ffn", fmt="int4", device_kind="gpu", tokens=T)
+               for k in ("cuda", "vulkan")}
+        if copy and ffn["cuda"]:
+            out[f"cuda_ffn_int4_T{T}_over_d2d_copy"] = ffn["cuda"]["weight_gbps"] / copy["gbps"]
+        if ffn["cuda"] and ffn["vulkan"]:
+            out[f"vulkan_over_cuda_ffn_int4_T{T}"] = ffn["vulkan"]["weight_gbps"] / ffn["cuda"]["weight_gbps"]
     return out
 
 

@@ -11,7 +11,9 @@ hit rate (mean over repeats) pools several prompts.
 Measured tok/s of a run is 1 / its median decode step (robust to the stalls other processes cause on a
 shared machine; the mean-based figure is kept in the JSON); a placement's figure is the median over
 repeats. Noise: for every placement the spread of its repeats, ``(max - min) / median``; the noise of a
-budget is the largest spread there. "ours OK": our median is not below any baseline's by more than that.
+budget is the largest spread there. A budget's placements run back to back within a repeat (in a shuffled
+order), so "paired min" is the smallest over baselines of the median over repeats of ours / baseline in
+the same repeat; "ours OK" means that paired ratio is not below 1 by more than the noise.
 
 Calibration (``--calibrate``, once): after the runs, the cost model's coefficients are fitted
 (:func:`colibri_plan.calibrate.fit_coefficients`, docs/calibration.md) on OUR plan at the lowest and the
@@ -113,17 +115,17 @@ def report_of(plan, m: dict) -> dict:
             "comparison": compare(plan.doc["predicted"], measured), "verdict": {}}
 
 
-def calibrate(plans: dict, meas: dict, budgets: list, out_dir: Path):
-    """Fit coefficients on our plan at the lowest and highest budget; write them and the two reports."""
+def calibrate(plans: dict, meas: dict, budgets: list, out_dir: Path, tag: str = ""):
+    """Fit coefficients on our plan at ``budgets``; write them and the reports they came from."""
     from colibri_plan.verify import save_report
 
     reports, names = [], []
-    for gb in (budgets[0], budgets[-1]):
+    for gb in budgets:
         rep = report_of(plans[gb]["ours"], meas[gb]["ours"])
-        names.append(str(save_report(rep, out_dir / f"calibration-{gb:g}gb.verify.json")))
+        names.append(str(save_report(rep, out_dir / f"calibration{tag}-{gb:g}gb.verify.json")))
         reports.append(rep)
     coef, detail = fit_coefficients(reports, names=names)
-    path = save_coefficients(coef, out_dir / "coefficients.json", detail, names)
+    path = save_coefficients(coef, out_dir / f"coefficients{tag}.json", detail, names)
     log(f"calibrated coefficients -> {path}: {coef.to_dict()}")
     return coef, str(path)
 
@@ -163,13 +165,18 @@ def main(argv=None) -> int:
     coef, coef_src = None, "none (raw cost model)"
     if a.coefficients:
         coef, coef_src = load_coefficients(a.coefficients), a.coefficients
-    setups, plans = {}, {}
+    setups, plans, in_sample = {}, {}, {}
     for gb in budgets:
         setups[gb], plans[gb] = plans_at(profile, spec, heat, gb, coef, a.context)
     runs: dict[str, list] = {}
     for rep in range(a.repeats):          # interleaved: every distinct placement once per repeat
+        order = np.random.default_rng([7, rep])
         for gb in budgets:
-            for name, plan in plans[gb].items():
+            # a budget's placements run back to back (paired ratios), in a shuffled order per repeat so
+            # that no placement always follows the same one (disk and CPU load drift on a shared machine)
+            names = list(plans[gb])
+            for name in [names[i] for i in order.permutation(len(names))]:
+                plan = plans[gb][name]
                 key = placement_key(plan)
                 if len(runs.get(key, [])) > rep:
                     continue
@@ -180,7 +187,14 @@ def main(argv=None) -> int:
     pred = {gb: {n: p.doc["predicted"] for n, p in plans[gb].items()} for gb in budgets}
     cal_pred, moved = None, {}
     if a.calibrate and not a.coefficients:
-        coef, coef_src = calibrate(plans, meas, budgets, out.parent)
+        coef, coef_src = calibrate(plans, meas, [budgets[0], budgets[-1]], out.parent)
+        # for comparison only: coefficients fitted on ours at every budget (in sample for ours)
+        coef_all, _ = calibrate(plans, meas, budgets, out.parent, tag="-all-budgets")
+        in_sample = {}
+        for gb in budgets:
+            setup_a, _ = plans_at(profile, spec, heat, gb, coef_all, a.context)
+            in_sample[gb] = {n: cost_of(setup_a, p.tiers(), p.lru_slots())["tok_s"]
+                             for n, p in plans[gb].items()}
         cal_pred = {}
         for gb in budgets:
             setup_c, plans_c = plans_at(profile, spec, heat, gb, coef, a.context)
@@ -191,6 +205,10 @@ def main(argv=None) -> int:
     for gb in budgets:
         noise = max(m["spread"] for m in meas[gb].values())
         best_base = max(meas[gb][n]["tok_s_median"] for n in meas[gb] if n != "ours")
+        ours_runs = meas[gb]["ours"]["tok_s_runs"]
+        # ours / baseline within each repeat (the two ran back to back), median over repeats
+        paired = {o: statistics.median(x / y for x, y in zip(ours_runs, meas[gb][o]["tok_s_runs"]))
+                  for o in meas[gb] if o != "ours"}
         for n, p in plans[gb].items():
             pr, m = final[gb][n], meas[gb][n]
             same = [o for o in plans[gb] if o != n and placement_key(plans[gb][o]) == placement_key(p)]
@@ -201,10 +219,11 @@ def main(argv=None) -> int:
                      "tok_s_ratio_measured_over_predicted": m["tok_s_median"] / pr["tok_s"],
                      "hit_rate_diff_points": 100 * (m["hit_rate_memory"] - memory_hit_rate(pr["hit_rate"])),
                      "vs_best_baseline": m["tok_s_median"] / best_base,
-                     "calibration_input": bool(cal_pred) and n == "ours" and gb in (budgets[0], budgets[-1])}
+                     "calibration_input": bool(cal_pred) and n == "ours" and gb in (budgets[0], budgets[-1]),
+                     "predicted_tok_s_all_budget_fit": in_sample[gb][n] if cal_pred else None}
             if n == "ours":
-                entry["ours_ok"] = all(m["tok_s_median"] >= meas[gb][o]["tok_s_median"] * (1 - noise)
-                                       for o in meas[gb] if o != "ours")
+                entry["paired_ratio_vs_baselines"] = paired
+                entry["ours_ok"] = all(r >= 1 - noise for r in paired.values())
                 entry["placement_changes_after_calibration"] = moved.get(gb)
             result.append(entry)
             c = p.counts()
@@ -215,10 +234,11 @@ def main(argv=None) -> int:
                          f"{entry['tok_s_ratio_measured_over_predicted']:.2f}",
                          f"{100 * entry['predicted_hit_rate']:.1f}", f"{100 * m['hit_rate_memory']:.1f}",
                          f"{entry['hit_rate_diff_points']:+.1f}", f"{entry['vs_best_baseline']:.2f}",
+                         f"{min(paired.values()):.2f}" if n == "ours" else "",
                          f"{100 * noise:.0f}%", {True: "yes", False: "NO"}.get(entry.get("ours_ok"), "")])
     header = ["RAM GB", "placement", "pin/LRU/disk", "raw pred tok/s",
               "cal pred tok/s" if cal_pred else "pred tok/s", "meas tok/s", "meas/pred", "pred hit %",
-              "meas hit %", "diff pts", "vs best base", "noise", "ours OK"]
+              "meas hit %", "diff pts", "vs best base", "paired min", "noise", "ours OK"]
     text = table(rows, header)
     if cal_pred:
         text += ("\n* calibration input (ours at the lowest and highest budget); every other row is "
@@ -233,9 +253,16 @@ def main(argv=None) -> int:
                "hit_rate_diff_max_points": max(abs(r["hit_rate_diff_points"]) for r in result),
                "ours_never_below_baseline_beyond_noise": all(r["ours_ok"] for r in ours),
                "ours_vs_best_baseline": [round(r["vs_best_baseline"], 3) for r in ours],
+               "ours_paired_ratio_min": [round(min(r["paired_ratio_vs_baselines"].values()), 3)
+                                         for r in ours],
                "noise_median": statistics.median(r["noise"] for r in ours),
                "noise_max": max(r["noise"] for r in ours),
                "our_placement_changes_after_calibration": moved or None}
+    if cal_pred:
+        r_all = [r["tok_s_median"] / r["predicted_tok_s_all_budget_fit"] for r in result]
+        summary["all_budget_fit"] = {"coefficients": coef_all.to_dict(),
+                                     "tok_s_ratio_range": [min(r_all), max(r_all)],
+                                     "tok_s_within_25pct_all": all(abs(x - 1) <= 0.25 for x in r_all)}
     print(json.dumps(summary, indent=1))
     doc = {"kind": "bench-plan-accuracy", "fixture": str(fx), "profile": a.profile, "heat": a.heat,
            "coefficients": coef.to_dict() if coef else None, "coefficients_source": coef_src,

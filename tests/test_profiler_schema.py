@@ -205,3 +205,19 @@ def test_invalid_profile_not_saved(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(InputError, match="does not exist"):
         load_profile(tmp_path / "nope.json")
+
+
+def test_gpus_counts_each_card_once_across_backends():
+    """An H200 listed by cuda, opencl and vulkan is one GPU; two cards of one model stay two."""
+    from colibri_plan.profiler.schema import MachineProfile
+
+    def dev(backend, index, name="NVIDIA H200"):
+        return {"backend": backend, "index": index, "name": name, "kind": "gpu",
+                "total_memory_bytes": 150_000_000_000, "free_memory_bytes": None, "unified_memory": False,
+                "formats": ["int4"], "driver": "x"}
+
+    doc = {"devices": [dev("cuda", 0), dev("cuda", 1), dev("opencl", 0), dev("opencl", 1), dev("vulkan", 0),
+                       dev("vulkan", 0, "AMD Radeon 780M")]}
+    got = MachineProfile.gpus(type("P", (), {"doc": doc})())
+    assert [(d["backend"], d["index"], d["name"]) for d in got] == [
+        ("cuda", 0, "NVIDIA H200"), ("cuda", 1, "NVIDIA H200"), ("vulkan", 0, "AMD Radeon 780M")]

@@ -137,7 +137,8 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
     machine = machine_info()
     devices, dev_skipped = list_all_devices(opts.backends)
     skipped += [{**s, "what": "devices"} for s in dev_skipped]
-    machine["fingerprint"] = machine_fingerprint(machine, devices)
+    # the fingerprint names the machine, not the backends asked for: it counts every GPU found
+    machine["fingerprint"] = machine_fingerprint(machine, list_all_devices()[0] if opts.backends else devices)
 
     doc = {"source": f"measured by colibri-plan {__version__} `profile` ({st['mode']} mode)",
            "created_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -301,11 +301,22 @@ class MachineProfile:
         return self._link_gbps(backend, device_index, "d2h_pinned_gbps" if pinned else "d2h_pageable_gbps")
 
     def gpus(self) -> list[dict]:
-        """Devices of kind gpu/igpu (DeviceInfo dicts: total/free memory, unified_memory flag)."""
+        """Physical GPUs, kind gpu/igpu (DeviceInfo dicts: total/free memory, unified_memory flag).
+
+        One card is usually listed by several backends (an H200 under cuda, opencl and vulkan); its
+        memory must count once, so for each device name only the devices of the most capable backend
+        that lists it are kept (cuda, then metal, vulkan, opencl).
+        """
         devs = self.doc["devices"]
         if isinstance(devs, dict):
             return []
-        return [d for d in devs if d.get("kind") in ("gpu", "igpu")]
+        gpus = [d for d in devs if d.get("kind") in ("gpu", "igpu")]
+        rank = {"cuda": 0, "metal": 1, "vulkan": 2, "opencl": 3}
+        best: dict[str, int] = {}
+        for d in gpus:
+            r = rank.get(d.get("backend"), 9)
+            best[d.get("name")] = min(best.get(d.get("name"), 9), r)
+        return [d for d in gpus if rank.get(d.get("backend"), 9) == best[d.get("name")]]
 
     def summary(self) -> dict:
         """A short machine summary for plan files."""
