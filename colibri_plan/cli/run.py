@@ -261,7 +261,8 @@ def run_with_plan(weights, plan_path: str, prompt: list[int], n_tokens: int, bac
                  f"devices: {dev})",
                  f"hit rates: {hr}; LRU hit rate {rep.lru_hit_rate:.1%}",
                  f"disk {rep.disk_bytes_per_token / 1e6:.1f} MB/token "
-                 f"({'O_DIRECT' if rep.o_direct else 'buffered'}); peak RSS {rep.peak_rss_bytes / 2**30:.2f} GiB",
+                 f"({'O_DIRECT' if rep.o_direct else 'buffered'}); "
+                 f"peak RSS {rep.peak_rss_bytes / 2**30:.2f} GiB",
                  *(f"wrote {k.replace('_out', '')}: {v}" for k, v in written.items())]
         return "\n".join(lines)
 
