@@ -4,17 +4,23 @@ Method (docs/calibration.md). Each report holds the plan's predicted terms, made
 ``c_old`` (recorded in the plan; 1.0 when absent), and the measured terms. The *raw* roofline of a term is
 ``predicted / c_old``.
 
-* ``cpu_expert`` and ``disk`` — non-negative least squares on the CPU path's time per token. In the cost
-  model a layer's CPU path costs ``c_cpu · cpu_raw + c_disk · disk_raw``; summed over layers this is linear
-  in the two coefficients, so over the reports
+* ``cpu_expert`` and ``disk`` — least squares on the CPU path's time per token. In the cost model a
+  layer's CPU path costs ``max(c_cpu · resident_raw, c_disk · disk_raw) + c_cpu · stream_raw`` (reads
+  overlap the compute of resident experts; streamed experts are computed after their reads), so over the
+  reports
 
-      measured CPU-path seconds ≈ c_cpu · Σ_l cpu_raw + c_disk · Σ_l disk_raw       (scipy nnls)
+      measured CPU-path s ≈ Σ_l w_l · (max(c_cpu · resident_l, c_disk · disk_l) + c_cpu · stream_l)
 
-  where the measured CPU-path time is the wall time inside the expert provider for runs without devices,
-  and CPU compute + disk wait for runs with devices. Fitting the path's total, not each timer apart, makes
-  ``c_disk`` carry everything streaming costs the CPU path (waits that compute could not hide, checksums
-  and reads competing with compute, cache-cold weights), which is what the decode time depends on. A
-  coefficient whose raw column is zero in every report (e.g. no report streams) keeps its base value.
+  with the per-layer raw parts from the plan's ``predicted.cpu_path_layers``. This is piecewise linear in
+  the two coefficients: it is minimised by bounded least squares (``scipy.optimize.least_squares``, c >= 0)
+  started from the additive fit (nnls with the max replaced by the sum) and from the resident compute
+  fully hidden (max replaced by the disk term), keeping the better. A report without
+  ``cpu_path_layers`` (plans made before it existed) counts as one layer with no overlap: resident 0,
+  stream = its CPU compute, disk = its disk term. The measured CPU-path time is the wall time inside
+  the expert provider for runs without devices, and CPU compute + disk wait for runs with devices.
+  Fitting the path's total, not each timer apart, makes ``c_disk`` carry everything streaming costs the
+  CPU path (reads competing with compute, checksums, cache-cold weights). A coefficient whose raw
+  column is zero in every report (e.g. no report streams) keeps its base value.
 * ``dense`` — ratio of sums: Σ (measured dense − predicted attention) / Σ raw dense.
 * ``gpu_expert`` — ratio of sums: Σ (device seconds − predicted transfer seconds) / Σ raw device seconds.
 
@@ -52,7 +58,8 @@ def report_terms(report: dict, where: str = "report") -> dict:
     """The raw predicted and measured seconds per token of one verify report that calibration uses.
 
     Returns:
-        {"cpu_raw", "disk_raw", "cpu_path_s", "dense_raw", "dense_s", "gpu_raw", "gpu_s", "devices": bool}.
+        {"cpu_raw", "disk_raw", "layers" (float ``[rows, 4]``: weight, resident, stream, disk raw seconds),
+        "n_layers", "cpu_path_s", "dense_raw", "dense_s", "gpu_raw", "gpu_s", "devices": bool}.
 
     Raises:
         FormatError: a needed figure is missing or not a number (names the report and field).
@@ -78,14 +85,73 @@ def report_terms(report: dict, where: str = "report") -> dict:
     cpu_path = (_num(mt, "expert_cpu_s", where) + _num(mt, "disk_wait_s", where) if devices
                 else _num(mt, "expert_wall_s", where))
     n_layers = int((report.get("plan") or {}).get("n_decode_layers") or 0)
-    return {"cpu_raw": raw(_num(comp, "cpu", where), old.cpu_expert), "n_layers": n_layers,
-            "disk_raw": raw(_num(pt, "disk_wait_s", where), old.disk),
+    cpu_raw = raw(_num(comp, "cpu", where), old.cpu_expert)
+    parts = pred.get("cpu_path_layers")
+    if isinstance(parts, dict) and parts.get("disk_s") is not None:
+        try:
+            col = lambda k: np.asarray(parts[k], dtype=np.float64)   # noqa: E731
+            c_cpu, c_disk = max(old.cpu_expert, 1e-300), max(old.disk, 1e-300)
+            layers = np.stack([col("weight"), col("cpu_resident_s") / c_cpu, col("cpu_stream_s") / c_cpu,
+                               col("disk_s") / c_disk], axis=1)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"{where}: predicted.cpu_path_layers is malformed ({exc}); re-solve the "
+                              "plan and re-run `colibri-plan verify`") from exc
+        if old.cpu_expert <= 0:
+            layers[:, 1:3] = 0.0
+        if old.disk <= 0:
+            layers[:, 3] = 0.0
+        disk_raw = float(np.sum(layers[:, 0] * layers[:, 3]))
+    else:   # an older plan: no per-layer parts, so no overlap is known
+        disk_raw = raw(_num(pt, "disk_wait_s", where), old.disk)
+        layers = np.array([[1.0, 0.0, cpu_raw, disk_raw]])
+    return {"cpu_raw": cpu_raw, "n_layers": n_layers, "disk_raw": disk_raw,
+            "layers": layers,   # [rows, 4]: weight, resident, stream, disk (raw seconds per token)
             "cpu_path_s": cpu_path,
             "dense_raw": raw(_num(pt, "dense_s", where), old.dense),
             "dense_s": _num(mt, "dense_s", where) - _num(pt, "attention_s", where),
             "gpu_raw": raw(gpu_pred, old.gpu_expert),
             "gpu_s": gpu_meas - _num(pt, "transfer_s", where),
             "devices": devices}
+
+
+def cpu_path_seconds(layers: np.ndarray, c_cpu: float, c_disk: float) -> float:
+    """Σ_l w_l (max(c_cpu · resident_l, c_disk · disk_l) + c_cpu · stream_l) for ``layers`` ``[rows, 4]``
+    (weight, resident, stream, disk raw seconds): the cost model's CPU path with these coefficients."""
+    w, res, stream, disk = layers.T
+    return float(np.sum(w * (np.maximum(c_cpu * res, c_disk * disk) + c_cpu * stream)))
+
+
+def _fit_cpu_path(terms: list[dict], y: np.ndarray, base) -> tuple[dict, float, list]:
+    """(c_cpu, c_disk) minimising Σ (cpu_path_seconds - y)^2; columns without data keep base values."""
+    from scipy.optimize import least_squares, nnls
+
+    has_cpu = any(np.any(t["layers"][:, 1:3] > 0) for t in terms)
+    has_disk = any(np.any(t["layers"][:, 3] > 0) for t in terms)
+    x0 = np.array([base.cpu_expert, base.disk], dtype=np.float64)
+    free = [j for j, ok in enumerate((has_cpu, has_disk)) if ok]
+    if not free:
+        return {"cpu_expert": x0[0], "disk": x0[1]}, 0.0, []
+
+    def model(v: np.ndarray) -> np.ndarray:
+        x = x0.copy()
+        x[free] = v
+        return np.array([cpu_path_seconds(t["layers"], x[0], x[1]) for t in terms]) - y
+
+    # two starts: the additive form (max -> sum) and the fully hidden form (max -> disk), both nnls
+    starts = []
+    for hide in (False, True):
+        cols = np.array([[np.sum(w * (stream + (0 if hide else res))), np.sum(w * disk)]
+                         for w, res, stream, disk in (t["layers"].T for t in terms)])
+        yy = y - sum(cols[:, j] * x0[j] for j in range(2) if j not in free)
+        starts.append(np.maximum(nnls(cols[:, free], yy)[0], 1e-9))
+    best = None
+    for s0 in starts:
+        r = least_squares(lambda v: model(v), s0, bounds=(0.0, np.inf), method="trf")
+        if best is None or r.cost < best.cost:
+            best = r
+    x = x0.copy()
+    x[free] = best.x
+    return {"cpu_expert": float(x[0]), "disk": float(x[1])}, float(np.sqrt(2 * best.cost)), free
 
 
 def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = None) -> tuple:
@@ -101,8 +167,6 @@ def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = N
     Raises:
         InputError: no reports. FormatError: a malformed report.
     """
-    from scipy.optimize import nnls
-
     from colibri_plan.planner.costmodel import Coefficients
 
     if not reports:
@@ -112,23 +176,17 @@ def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = N
     terms = [report_terms(r, n) for r, n in zip(reports, names)]
     values = base.to_dict()
     detail: dict = {}
-    # CPU path: nnls on the columns that carry information
-    a = np.array([[t["cpu_raw"], t["disk_raw"]] for t in terms], dtype=np.float64)
-    # the fixed per-layer overhead keeps its base value: take it out of the measured path time first
+    # CPU path: least squares of the piecewise-linear path on the columns that carry information
+    # (the fixed per-layer overhead keeps its base value: take it out of the measured path time first)
     y = np.array([t["cpu_path_s"] - t["n_layers"] * base.layer_overhead_s for t in terms], dtype=np.float64)
-    live = [j for j in range(2) if np.any(a[:, j] > 0)]
+    fitted, resid, live = _fit_cpu_path(terms, y, base)
+    values.update(fitted)
     if live:
-        # base values of columns without data are subtracted first, then the rest is fitted
-        fixed = [j for j in range(2) if j not in live]
-        keys = ("cpu_expert", "disk")
-        y_fit = y - sum(a[:, j] * values[keys[j]] for j in fixed)
-        x, resid = nnls(a[:, live], y_fit)
-        for j, v in zip(live, x):
-            values[keys[j]] = float(v)
-        detail["cpu_path"] = {"method": "nnls: measured CPU-path s ~ c_cpu * raw cpu + c_disk * raw disk",
-                              "reports": len(terms), "residual_s": float(resid),
-                              "measured_s": y.tolist(), "raw_cpu_s": a[:, 0].tolist(),
-                              "raw_disk_s": a[:, 1].tolist()}
+        detail["cpu_path"] = {"method": "least squares: measured CPU-path s ~ sum_l w_l "
+                                        "(max(c_cpu resident_l, c_disk disk_l) + c_cpu stream_l)",
+                              "reports": len(terms), "residual_s": resid, "measured_s": y.tolist(),
+                              "raw_cpu_s": [t["cpu_raw"] for t in terms],
+                              "raw_disk_s": [t["disk_raw"] for t in terms]}
     for k, col in (("cpu_expert", 0), ("disk", 1)):
         detail[k] = {"value": values[k], "fitted": col in live}
     for key, m_key, r_key in (("dense", "dense_s", "dense_raw"), ("gpu_expert", "gpu_s", "gpu_raw")):
@@ -145,7 +203,8 @@ def save_coefficients(coef, path: str | os.PathLike, detail: dict | None = None,
                       sources: list[str] | None = None) -> Path:
     """Write a coefficients document atomically."""
     body = {"created_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "method": "nnls on the CPU path, ratio of sums for dense and GPU terms (docs/calibration.md)",
+            "method": "least squares on the CPU path, ratio of sums for dense and GPU terms "
+                      "(docs/calibration.md)",
             "coefficients": coef.to_dict(), "detail": detail or {}, "fitted_from": list(sources or [])}
     return write_document(path, KIND, SCHEMA_VERSION, body)
 

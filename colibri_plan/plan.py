@@ -55,6 +55,13 @@ class Plan:
     def layer_ids(self) -> list[int]:
         return [int(entry["layer"]) for entry in self.doc["layers"]]
 
+    @property
+    def read_threads(self) -> int:
+        """Concurrent O_DIRECT reads the engine should use: ``resources.disk_queue_depth``, the queue depth
+        whose disk figure the cost model assumed (8 when the plan does not record one)."""
+        qd = (self.doc.get("resources") or {}).get("disk_queue_depth")
+        return max(1, int(qd)) if isinstance(qd, (int, float)) and not isinstance(qd, bool) else 8
+
     def layer(self, layer_id: int) -> dict:
         """Tiers of one MoE layer: {"layer", "vram": {key: [ids]}, "ram_pinned", "lru_slots", "disk"}.
 

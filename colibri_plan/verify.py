@@ -165,7 +165,7 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
     placement = Placement.from_layers(plan.doc["layers"])
     say(f"running the plan: {n_tokens} tokens")
     run = run_placement(pack, placement, prompt_ids, n_tokens, cpu_backend=cpu_backend,
-                        progress=lambda m: say(f"  plan {m}"))
+                        read_threads=plan.read_threads, progress=lambda m: say(f"  plan {m}"))
     measured = run.to_dict()
     ref = None
     if reference:
@@ -190,7 +190,7 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
         "machine": {"fingerprint": machine_fp, "plan_profile_fingerprint": plan.profile_fingerprint,
                     "warning": w},
         "settings": {"tokens": int(n_tokens), "prompt_ids": list(map(int, prompt_ids)),
-                     "cpu_backend": cpu_backend},
+                     "cpu_backend": cpu_backend, "read_threads": plan.read_threads},
         "predicted": predicted, "measured": measured, "reference": ref,
         "comparison": compare(predicted, measured),
         "verdict": make_verdict(predicted, measured, token_exact)}

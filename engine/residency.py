@@ -36,6 +36,8 @@ class TierStats:
     """Counters and timers since the last :meth:`ResidencyManager.reset_stats` (seconds, bytes).
 
     ``*_hits`` count expert computations served by each tier; ``misses`` count disk reads;
+    ``disk_busy_s`` sums, per wave of concurrent reads, the time from the first submit to the last read's
+    end (so ``disk_bytes / disk_busy_s`` is the disk throughput decode achieved);
     ``disk_wait_s`` is the time the CPU path waited for reads it had nothing else to do during;
     ``device_compute_s`` is per device key ("cuda:0"), wall time of its share of each layer
     (activation transfers included); ``layer_wall_s`` is the wall time inside :meth:`run`.
@@ -47,6 +49,7 @@ class TierStats:
     misses: int = 0
     disk_bytes: int = 0
     disk_read_s: float = 0.0
+    disk_busy_s: float = 0.0
     disk_wait_s: float = 0.0
     cpu_compute_s: float = 0.0
     device_compute_s: dict[str, float] = field(default_factory=dict)
@@ -77,12 +80,13 @@ class TierStats:
 class _Slot:
     """A page-aligned buffer holding one expert block, and its parsed weights on the CPU backend."""
 
-    __slots__ = ("buf", "key", "weights")
+    __slots__ = ("buf", "key", "weights", "t_submit", "t_read_end")
 
     def __init__(self, nbytes: int):
         self.buf = aligned_buffer(nbytes)
         self.key: tuple[int, int] | None = None
         self.weights = None  # ExpertWeights on the CPU backend (zero-copy views of buf)
+        self.t_submit = self.t_read_end = 0.0  # perf_counter stamps of the last streamed read
 
 
 class ResidencyManager:
@@ -153,7 +157,8 @@ class ResidencyManager:
                                  f"{self.pack.experts_path} was truncated; re-create the pack")
         if not self.o_direct:
             drop_cache(self.fd, off, nbytes)  # keep the page cache from hiding the next read
-        seconds = time.perf_counter() - t0
+        slot.t_read_end = time.perf_counter()
+        seconds = slot.t_read_end - t0
         slot.weights = self.pack.expert_from_bytes(slot.buf, layer, e, check=self.verify)  # views of buf
         slot.key = (layer, e)
         return seconds
@@ -246,6 +251,7 @@ class ResidencyManager:
         pending = []
         for i in wave:
             slot = self._take_slot()
+            slot.t_submit = time.perf_counter()
             pending.append((i, slot, self._pool.submit(self._read_block, slot, layer, int(expert_ids[i]))))
         return pending
 
@@ -268,6 +274,8 @@ class ResidencyManager:
             out[i] = self.cpu.expert_ffn([xs[i]], [slot.weights])[0]
             st.cpu_compute_s += time.perf_counter() - t0
             done.append(slot)
+        if done:  # the wave's reads were in flight together: its wall time is what the disk delivered in
+            st.disk_busy_s += max(s.t_read_end for s in done) - min(s.t_submit for s in done)
         for slot in done:
             self._admit(layer, slot)
 

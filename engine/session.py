@@ -34,7 +34,9 @@ class RunReport:
             outside the expert provider), ``expert_cpu_s``, ``device_s`` {key: s}, ``disk_wait_s``,
             ``disk_read_s`` (reader-thread time, overlapped), ``expert_wall_s``.
         hit_rates: share of expert computations per tier (vram, pinned, lru, disk); ``lru_hit_rate``.
-        disk_bytes_per_token, peak_rss_bytes, resident_bytes {tier: bytes}, o_direct, io_warning.
+        disk_bytes_per_token, disk_read_gbps (disk bytes / time the reads of a wave were in flight, i.e.
+        the throughput streaming achieved), peak_rss_bytes, resident_bytes {tier: bytes}, o_direct,
+        io_warning.
     """
 
     tokens: list[int]
@@ -46,6 +48,7 @@ class RunReport:
     hit_rates: dict
     lru_hit_rate: float
     disk_bytes_per_token: float
+    disk_read_gbps: float | None
     expert_uses_per_token: float
     peak_rss_bytes: int
     resident_bytes: dict
@@ -137,9 +140,12 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
                    "expert_cpu_s": st.cpu_compute_s / n,
                    "device_s": {k: v / n for k, v in st.device_compute_s.items()},
                    "disk_wait_s": st.disk_wait_s / n,
-                   "disk_read_s": st.disk_read_s / n},
+                   "disk_read_s": st.disk_read_s / n,
+                   "disk_busy_s": st.disk_busy_s / n},
             hit_rates=st.hit_rates(), lru_hit_rate=st.lru_hit_rate(),
-            disk_bytes_per_token=st.disk_bytes / n, expert_uses_per_token=st.expert_uses / n,
+            disk_bytes_per_token=st.disk_bytes / n,
+            disk_read_gbps=st.disk_bytes / st.disk_busy_s / 1e9 if st.disk_busy_s > 0 else None,
+            expert_uses_per_token=st.expert_uses / n,
             peak_rss_bytes=peak_rss_bytes(), resident_bytes=rm.resident_bytes(),
             o_direct=rm.o_direct, io_warning=rm.io_warning, placement=placement.summary())
         return report

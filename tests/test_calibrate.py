@@ -128,3 +128,20 @@ def test_bad_coefficients_file(tmp_path):
     p.write_text(json.dumps({"kind": "coefficients", "schema_version": 1, "coefficients": {"disk": -1}}))
     with pytest.raises(InputError, match=">= 0"):
         load_coefficients(p)
+
+
+def test_fit_uses_the_overlapped_cpu_path_per_layer():
+    # Plans record the CPU path's parts per layer; the path is max(c_cpu resident, c_disk disk) + c_cpu
+    # stream. A (all resident, raw 0.2 s) measured 0.4 s -> c_cpu 2.0. B (one layer: resident 0.05 s,
+    # stream 0.05 s, disk 0.6 s raw) measured 0.4 s: the read hides the resident compute, so
+    # 0.4 = c_disk 0.6 + 2.0 x 0.05 -> c_disk 0.5 (the additive form would give (0.4 - 0.2) / 0.6 = 0.33)
+    a = _report({"dense": 0.1, "cpu": 0.2, "disk": 0.0}, TRUE)
+    a["predicted"]["cpu_path_layers"] = {"weight": [1, 1], "cpu_resident_s": [0.1, 0.1],
+                                         "cpu_stream_s": [0.0, 0.0], "disk_s": [0.0, 0.0]}
+    b = _report({"dense": 0.1, "cpu": 0.1, "disk": 0.6}, TRUE, old={"disk": 2.0})
+    b["predicted"]["cpu_path_layers"] = {"weight": [1.0], "cpu_resident_s": [0.05], "cpu_stream_s": [0.05],
+                                         "disk_s": [1.2]}              # predicted with c_disk 2: raw 0.6
+    b["measured"]["terms"]["expert_wall_s"] = 0.4
+    c, detail = fit_coefficients([a, b])
+    assert (c.cpu_expert, c.disk) == pytest.approx((2.0, 0.5), rel=1e-4)
+    assert detail["cpu_path"]["residual_s"] == pytest.approx(0.0, abs=1e-6)

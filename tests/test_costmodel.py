@@ -31,7 +31,12 @@ def test_layer_terms_by_hand():
     assert t["disk_s"] == pytest.approx(0.2 * 1e8 / 2e9)          # every selection of the disk expert misses
     assert t["gpu_s"] == [pytest.approx(0.5 * 1e8 / 100e9)]
     assert t["transfer_s"] == [pytest.approx(2 * 1e6 / 10e9)]
-    assert t["time_s"] == pytest.approx(0.005 + 0.01)             # CPU path is the slowest resource
+    # CPU path: the pinned expert's compute (0.003 s) runs while the miss is read (0.01 s), then the
+    # streamed expert is computed (0.002 s): max(0.003, 0.01) + 0.002
+    assert t["cpu_resident_s"] == pytest.approx(0.3 * 1e8 / 10e9)
+    assert t["cpu_stream_s"] == pytest.approx(0.2 * 1e8 / 10e9)
+    assert t["disk_wait_s"] == pytest.approx(0.01 - 0.003)        # the part of the read not hidden
+    assert t["time_s"] == pytest.approx(0.01 + 0.002)             # CPU path is the slowest resource
     assert (t["vram"], t["ram_pinned"], t["lru"], t["disk"]) == pytest.approx((0.5, 0.3, 0.0, 0.2))
     # one LRU slot holds the only streamed expert: it always hits
     t1 = layer_terms(p, np.array([0, TIER_RAM, TIER_DISK]), 1, B, RES, Coefficients(), ACT)
@@ -39,6 +44,23 @@ def test_layer_terms_by_hand():
     # everything on the GPU: the GPU is the slowest; coefficients scale their term only
     t2 = layer_terms(p, np.zeros(3, int), 0, B, RES, Coefficients(gpu_expert=2.0, transfer=0.5), ACT)
     assert t2["time_s"] == pytest.approx(2 * 1e8 / 100e9 + 0.5 * 2e-4)
+
+
+def test_cpu_path_overlaps_reads_with_resident_compute():
+    """Toy numbers: 10 experts of 100 MB, CPU 10 GB/s (0.01 s each), disk 2 GB/s (0.05 s each)."""
+    res = Resources(cpu_matmul_gbps=10, ram_read_gbps=20, disk_read_gbps=2)
+    p = np.full(10, 0.8)                                           # top-k 8 over 10 experts
+    # 9 pinned, 1 streamed: resident 7.2 x 0.01 = 0.072 s hides the read 0.8 x 0.05 = 0.04 s
+    t = layer_terms(p, np.array([TIER_RAM] * 9 + [TIER_DISK]), 0, B, res, Coefficients(), 0)
+    assert t["cpu_path_s"] == pytest.approx(0.072 + 0.008) and t["disk_wait_s"] == 0.0
+    # 2 pinned, 8 streamed: the read 6.4 x 0.05 = 0.32 s hides the resident 0.016 s; + 0.064 s stream
+    t = layer_terms(p, np.array([TIER_RAM] * 2 + [TIER_DISK] * 8), 0, B, res, Coefficients(), 0)
+    assert t["cpu_path_s"] == pytest.approx(0.32 + 0.064)
+    assert t["disk_wait_s"] == pytest.approx(0.32 - 0.016)
+    # coefficients scale their own parts: c_disk 0.5 halves the read; c_cpu 2 doubles both computes
+    t = layer_terms(p, np.array([TIER_RAM] * 2 + [TIER_DISK] * 8), 0, B, res,
+                    Coefficients(cpu_expert=2.0, disk=0.5), 0)
+    assert t["cpu_path_s"] == pytest.approx(max(0.032, 0.16) + 0.128)
 
 
 def test_decode_cost_by_hand():
@@ -50,9 +72,11 @@ def test_decode_cost_by_hand():
     t = c["terms"]
     assert t["dense_s"] == pytest.approx(0.2)                     # 2 GB / 10 GB/s
     assert t["attention_s"] == pytest.approx(1e7 / 20e9)
-    assert t["expert_layers_s"] == pytest.approx(0.015)           # the weight-0 row (an MTP head) is free
-    assert c["decode_s_per_token"] == pytest.approx(0.2 + 0.0005 + 0.015)
-    assert c["tok_s"] == pytest.approx(1 / 0.2155)
+    assert t["expert_layers_s"] == pytest.approx(0.012)           # the weight-0 row (an MTP head) is free
+    assert t["disk_read_s"] == pytest.approx(0.01) and t["disk_wait_s"] == pytest.approx(0.007)
+    assert c["decode_s_per_token"] == pytest.approx(0.2 + 0.0005 + 0.012)
+    assert c["tok_s"] == pytest.approx(1 / 0.2125)
+    assert c["cpu_path_layers"]["disk_s"] == pytest.approx([0.01, 0.0])
     assert c["disk_bytes_per_token"] == pytest.approx(0.2 * B)
     assert c["hit_rate"]["disk"] == pytest.approx(0.2)
 

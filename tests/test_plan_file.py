@@ -147,3 +147,25 @@ def test_setup_mtp_rows_have_no_decode_weight():
     spec = toy_spec(n_layers=4, moe_layers=(1, 2, 3, 4))       # row 4 = an MTP head
     setup = build_setup(toy_profile(), spec, None)
     assert setup.problem.weights.tolist() == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_plan_records_the_queue_depth_the_engine_reads_with():
+    from colibri_plan.plan import Plan
+    from colibri_plan.planner.budgets import best_queue_depth
+
+    prof = toy_profile(disk_gbps=2.0)            # QD 1: 1.0 GB/s, QD 4: 2.0 GB/s
+    assert best_queue_depth(prof, top_k=8) == 4
+    assert best_queue_depth(prof, top_k=2) == 1  # a token never has 4 reads of a layer in flight
+    # a disk that is slower at the deeper queue: the shallower, faster depth wins
+    prof.doc["disk"]["random"].append({"queue_depth": 8, "read_gbps": {"median": 1.5},
+                                       "latency_ms": {"p50": 9.0, "p99": 9.0}})
+    assert best_queue_depth(prof, top_k=8) == 4
+    prof.doc["disk"]["random"][2]["read_gbps"] = {"median": 3.0}
+    assert best_queue_depth(prof, top_k=8) == 8
+    spec = toy_spec(n_experts=16, top_k=4, hidden=2048, inter=1024)
+    plan, _, setup = make_plan(toy_profile(), spec, None, ram="0.58", context_tokens=100)
+    assert setup.res.disk_queue_depth == 4 and setup.res.disk_read_gbps == pytest.approx(2.0)
+    assert plan.doc["resources"]["disk_queue_depth"] == 4 and plan.read_threads == 4
+    doc = json.loads(json.dumps(plan.doc))
+    del doc["resources"]["disk_queue_depth"]
+    assert Plan(doc).read_threads == 8           # plans that do not record it: the engine's default

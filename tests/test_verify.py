@@ -166,3 +166,27 @@ def test_machine_warning_names_both_fingerprints(small_pack, tmp_path):
     assert "aaaaaaaaaaaaaaaa" in w and "bbbbbbbbbbbbbbbb" in w
     assert machine_warning(plan, "aaaaaaaaaaaaaaaa") is None
     assert machine_warning(plan, None) is None      # this machine's fingerprint unknown: nothing to say
+
+
+def test_verify_reads_with_the_plans_queue_depth(small_pack, report, tmp_path, monkeypatch):
+    # a plan without resources.disk_queue_depth runs with the engine's default 8 read threads
+    assert report["settings"]["read_threads"] == 8
+    import colibri_plan.engine.session as session
+
+    seen = []
+    real = session.run_placement
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("read_threads"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session, "run_placement", spy)
+    with open_pack(small_pack) as pack:
+        tiers, slots = _mixed(pack)
+        doc = _plan_doc(pack, tiers, slots, PREDICTED)
+        doc["resources"] = {"disk_queue_depth": 3}
+        save_plan(doc, tmp_path / "plan.json")
+        plan = load_plan(tmp_path / "plan.json")
+        rep = verify_plan(plan, pack, fixture_prompt(pack.arch.vocab_size, 5, seed=3), 2,
+                          plan_path="p", cpu_backend="numpy", reference=False)
+    assert seen == [3] and rep["settings"]["read_threads"] == 3

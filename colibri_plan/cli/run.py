@@ -170,8 +170,9 @@ def write_stats(recorder, weights, stats_out: str | None, usage_out: str | None)
 @click.option("--quant", default="f32", show_default=True, help="Expert format when --model is a checkpoint.")
 @click.option("--plan", "plan_path", type=click.Path(), default=None,
               help="Place experts as this plan says (VRAM / pinned RAM / LRU / O_DIRECT disk); needs a pack.")
-@click.option("--read-threads", type=click.IntRange(1, 64), default=8, show_default=True,
-              help="Concurrent O_DIRECT expert reads with --plan (queue depth).")
+@click.option("--read-threads", type=click.IntRange(1, 64), default=None,
+              help="Concurrent O_DIRECT expert reads with --plan (queue depth) [default: the plan's "
+                   "resources.disk_queue_depth, else 8].")
 @click.option("--stats-out", type=click.Path(), default=None, help="Write routing counts (heat JSON).")
 @click.option("--usage-out", type=click.Path(), default=None,
               help="Write routing counts (colibrì usage text).")
@@ -214,7 +215,7 @@ def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, qu
 
 
 def run_with_plan(weights, plan_path: str, prompt: list[int], n_tokens: int, backend: str,
-                  read_threads: int, stats_out: str | None, usage_out: str | None) -> None:
+                  read_threads: int | None, stats_out: str | None, usage_out: str | None) -> None:
     """`run --plan`: refuse a plan for another model, warn about another machine, run, report."""
     from colibri_plan.cli.common import warn
     from colibri_plan.engine.moe import RoutingRecorder
@@ -237,7 +238,8 @@ def run_with_plan(weights, plan_path: str, prompt: list[int], n_tokens: int, bac
                          "host backend (cpu or numpy); GPU experts use the devices the plan names")
     recorder = RoutingRecorder(weights.arch)
     rep = run_placement(weights, Placement.from_layers(plan.doc["layers"]), prompt, n_tokens,
-                        cpu_backend=backend, read_threads=read_threads, recorder=recorder,
+                        cpu_backend=backend, read_threads=read_threads or plan.read_threads,
+                        recorder=recorder,
                         progress=lambda m: progress(m, verbose_only=True))
     if rep.io_warning:
         warn(rep.io_warning)

@@ -127,7 +127,9 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
                     t = g[0]                                # m_t - a[q] n_t >= S(q) - a[q] q, a ascending
                     row([mcol(i, t), ncol(i, t)], [1.0, -asc[q]], suf[q] - asc[q] * q, np.inf)
         miss = coef.disk * t_miss * miss_factor_row[r]
-        row([tcol(i), mcol(i, t_ram), mcol(i, t_disk)], [1.0, -cpu_c, -(cpu_c + miss)], 0.0, np.inf)
+        # CPU path max(resident, disk) + stream as two rows (all compute; disk + stream of the misses)
+        row([tcol(i), mcol(i, t_ram), mcol(i, t_disk)], [1.0, -cpu_c, -cpu_c], 0.0, np.inf)
+        row([tcol(i), mcol(i, t_disk)], [1.0, -(miss + cpu_c * miss_factor_row[r])], 0.0, np.inf)
         for d in range(n_gpu):
             cols, cf = [tcol(i), mcol(i, d)], [1.0, -gpu_c[d]]
             if d in zdev:
@@ -277,10 +279,17 @@ def realise_layer(p: np.ndarray, counts: np.ndarray, masses: np.ndarray, rate: n
     return tier
 
 
-def _layer_time(p, tier, rate, fixed, n_gpu) -> float:
-    """Slowest resource of one realised layer (GPUs alone, RAM and disk together on the CPU)."""
+def _layer_time(p, tier, rate, fixed, n_gpu, stream_rate: float | None = None) -> float:
+    """Slowest resource of one realised layer (GPUs alone, RAM and disk together on the CPU).
+
+    ``stream_rate``: seconds per unit of disk-tier p of the disk + stream bound (the CPU path is then
+    max(all compute, disk + stream), the cost model's max(resident, disk) + stream); None: additive."""
     times = [rate[d] * p[tier == d].sum() + (fixed[d] if np.any(tier == d) else 0.0) for d in range(n_gpu)]
-    times.append(rate[n_gpu] * p[tier == n_gpu].sum() + rate[n_gpu + 1] * p[tier == n_gpu + 1].sum())
+    p_ram, p_disk = p[tier == n_gpu].sum(), p[tier == n_gpu + 1].sum()
+    if stream_rate is None:
+        times.append(rate[n_gpu] * p_ram + rate[n_gpu + 1] * p_disk)
+    else:
+        times += [rate[n_gpu] * (p_ram + p_disk), stream_rate * p_disk]
     return max(times)
 
 
@@ -342,7 +351,8 @@ def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[
             rr[-1] = cpu_c + coef.disk * t_miss * row_miss[r]
             t = realise_layer(problem.probs[r], counts[r], masses[r], rr, fixed)
             tiers[r] = np.where(t < n_gpu, t, np.where(t == n_gpu, TIER_RAM, TIER_DISK))
-            total += problem.weights[r] * _layer_time(problem.probs[r], t, rr, fixed, n_gpu)
+            stream = (coef.disk * t_miss + cpu_c) * row_miss[r]
+            total += problem.weights[r] * _layer_time(problem.probs[r], t, rr, fixed, n_gpu, stream)
         if best is None or total < best[1]:
             best = (tiers, total)
     if best is None:

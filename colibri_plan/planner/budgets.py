@@ -148,13 +148,34 @@ def vram_budgets(gpus: list[dict], vram: str = "auto",
     return out, explain
 
 
-def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str | None = None,
-                           io_threads: int = 8) -> Resources:
+def best_queue_depth(profile, top_k: int) -> int:
+    """The measured random-read queue depth with the highest median GB/s among those <= ``top_k``.
+
+    A decode token reads at most top-k experts of a layer at once, so deeper queues are never filled; on
+    some disks (network or virtual block devices) a deeper queue is slower than a shallower one, so the
+    best measured depth is taken rather than the deepest. Ties go to the shallower depth; when every
+    measured depth exceeds top-k, the smallest measured one.
+
+    Raises:
+        InputError: the profile has no disk figure (from MachineProfile).
+    """
+    disk = profile.doc.get("disk")
+    entries = disk.get("random") if isinstance(disk, dict) else None
+    if not entries:
+        profile.disk_read_gbps(1)   # raises the profile's InputError saying how to measure the disk
+        return 1
+    depths = sorted({int(e["queue_depth"]) for e in entries})
+    usable = [q for q in depths if q <= max(1, int(top_k))] or depths[:1]
+    return max(usable, key=lambda q: (profile.disk_read_gbps(q), -q))
+
+
+def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str | None = None) -> Resources:
     """Cost-model figures from a MachineProfile for ``spec`` at expert format ``fmt``.
 
     CPU matmul: the best CPU-device backend measured at ``fmt`` (1 token, nearest expert shape). Disk: the
-    random-read GB/s at the achievable queue depth min(top-k, io_threads); None when the profile has no
-    disk section. GPUs: every gpu/igpu device with its matmul and link figures.
+    random-read GB/s at :func:`best_queue_depth` (<= top-k), recorded as ``disk_queue_depth``: the plan
+    carries it and the engine reads with that many threads; None when the profile has no disk section.
+    GPUs: every gpu/igpu device with its matmul and link figures.
 
     Raises:
         InputError: a needed figure is missing (the message says how to measure it).
@@ -170,7 +191,7 @@ def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str 
                          f"`colibri-plan profile --formats {fmt}`")
     cpu = max(profile.matmul_weight_gbps(b, d, fmt, 1, i, h) for b, d in cpu_rows)
     try:
-        qd = max(1, min(spec.top_k, io_threads))
+        qd = best_queue_depth(profile, spec.top_k)
         disk = profile.disk_read_gbps(qd)
     except InputError:
         disk, qd = None, 1

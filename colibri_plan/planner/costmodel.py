@@ -3,18 +3,28 @@
 Pure functions on plain numbers, so every term can be checked by hand (docs/plan-format.md and
 DESIGN.md §7). Per decode token:
 
-    decode_s = dense_s + attention_s + Σ_layers w_l · max(cpu_l + disk_l, gpu_l,d + xfer_l,d for each d)
+    decode_s = dense_s + attention_s + Σ_layers w_l · max(cpu_path_l, gpu_l,d + xfer_l,d for each d)
+    cpu_path_l = max(cpu_resident_l, disk_l) + cpu_stream_l
 
 * ``dense_s``     = c_dense · dense read bytes / (dense GB/s)  (the trunk is read once per token)
 * ``attention_s`` = c_attention · context · KV bytes per token / RAM GB/s
-* ``cpu_l``       = c_cpu · Σ_{e in RAM ∪ disk} p_e · b / CPU matmul GB/s  (streamed experts are computed
-                     on the CPU after their read; CPU GB/s is capped by RAM GB/s)
-* ``disk_l``      = c_disk · Σ_{e in disk} p_e · (1 − h_e) · b / disk GB/s at the achievable queue depth
-                     (the profile measures expert-sized blocks at that depth, so a read's latency is
-                     inside this figure)
+* ``cpu_resident_l`` = c_cpu · Σ_{e in RAM} p_e · b / CPU GB/s + c_cpu · Σ_{e on disk} p_e · h_e · b / CPU
+                     GB/s: compute of the pinned experts and the LRU hits (CPU GB/s is capped by RAM GB/s)
+* ``cpu_stream_l`` = c_cpu · Σ_{e on disk} p_e · (1 − h_e) · b / CPU GB/s: compute of the streamed misses
+* ``disk_l``      = c_disk · Σ_{e on disk} p_e · (1 − h_e) · b / disk GB/s at the queue depth the engine
+                     reads with (``Resources.disk_queue_depth``; the profile measures expert-sized blocks at
+                     that depth, so a read's latency is inside this figure)
 * ``gpu_l,d``     = c_gpu · Σ_{e on d} p_e · b / GPU d matmul GB/s
 * ``xfer_l,d``    = c_transfer · (activation H2D + D2H + 2 link latencies), paid by each discrete GPU
                      that holds any expert of the layer (the hidden state goes there and back once)
+
+The CPU path follows the residency manager (engine/residency.py): it submits the reads of all of a
+layer's misses first, computes the resident experts while they are in flight, then computes each streamed
+expert after its read lands. Reads in flight together share the disk's bandwidth and land together at
+about ``disk_l``, so the resident compute hides behind the reads (or the reads behind it) and the streamed
+experts' compute comes after both: max(resident, disk) + stream. The part of ``disk_l`` the resident
+compute does not hide, max(0, disk_l − cpu_resident_l), is the predicted disk wait, the figure the engine
+measures as the time the CPU path waited for reads.
 
 ``p_e`` is the selection probability of expert ``e`` per token (a layer's p sum to top-k), ``b`` the
 expert's bytes, ``h_e`` the LRU hit rate of a non-pinned expert from the characteristic-time (Che)
@@ -97,7 +107,8 @@ class Resources:
         cpu_matmul_gbps: CPU expert matmul weight GB/s at 1 token.
         ram_read_gbps: all-core RAM read GB/s (caps the CPU matmul and bounds attention).
         disk_read_gbps: random-read GB/s at expert blocks and ``disk_queue_depth``; None = no figure.
-        disk_queue_depth: queue depth the disk figure was taken at (the achievable concurrency).
+        disk_queue_depth: concurrent reads the engine issues (its read threads) and the queue depth the
+            disk figure was taken at; a plan records it and the engine reads with it.
         gpus: the GPUs, in plan order.
         dense_gbps: GB/s of the dense trunk's per-token read (defaults to the CPU path).
     """
@@ -209,7 +220,7 @@ def transfer_seconds(gpu: GpuResource, activation_bytes: int) -> float:
 
 def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, res: Resources,
                 coef: Coefficients, activation_bytes: int) -> dict:
-    """Expected seconds of one MoE layer for one token, term by term.
+    """Expected seconds of one MoE layer for one token, term by term (module docstring).
 
     Args:
         p: float ``[E]`` selection probabilities of the layer's experts.
@@ -218,26 +229,34 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
         expert_bytes: bytes of one expert; activation_bytes: bytes of one token's hidden state.
 
     Returns:
-        dict: cpu_s, disk_s, gpu_s [G], transfer_s [G], time_s (the max), and expected selections per
-        tier: vram, ram_pinned, lru, disk (misses).
+        dict: cpu_resident_s, cpu_stream_s, cpu_s (their sum), disk_s (read time of the misses),
+        disk_wait_s (the part of disk_s the resident compute does not hide), cpu_path_s
+        (max(cpu_resident_s, disk_s) + cpu_stream_s), gpu_s [G], transfer_s [G], time_s (the slowest
+        path + the layer overhead), and expected selections per tier: vram, ram_pinned, lru, disk (misses).
     """
     p = np.asarray(p, dtype=np.float64)
     tier = np.asarray(tier)
     on_disk = tier == TIER_DISK
     h = che_hit_rates(np.where(on_disk, p, 0.0), slots)
     misses = float(np.sum(p * (1 - h) * on_disk))
-    cpu_sel = float(p[(tier == TIER_RAM) | on_disk].sum())
-    cpu_s = coef.cpu_expert * cpu_sel * expert_bytes / (res.cpu_gbps * 1e9)
+    lru_hits = float(np.sum(p * h * on_disk))
+    per_sel = coef.cpu_expert * expert_bytes / (res.cpu_gbps * 1e9)   # CPU seconds per expert computed
+    cpu_res_s = per_sel * (float(p[tier == TIER_RAM].sum()) + lru_hits)
+    cpu_stream_s = per_sel * misses
     disk_s = coef.disk * misses * miss_seconds(expert_bytes, res) if misses > 0 else 0.0
+    # reads of the misses overlap the resident compute; each streamed expert is computed after its read
+    cpu_path_s = max(cpu_res_s, disk_s) + cpu_stream_s
     gpu_s, xfer_s = [], []
     for d, g in enumerate(res.gpus):
         mine = tier == d
         gpu_s.append(coef.gpu_expert * float(p[mine].sum()) * expert_bytes / (g.matmul_gbps * 1e9))
         xfer_s.append(coef.transfer * transfer_seconds(g, activation_bytes) if mine.any() else 0.0)
-    time_s = max([cpu_s + disk_s] + [a + b for a, b in zip(gpu_s, xfer_s)]) + coef.layer_overhead_s
-    return {"cpu_s": cpu_s, "disk_s": disk_s, "gpu_s": gpu_s, "transfer_s": xfer_s, "time_s": time_s,
+    time_s = max([cpu_path_s] + [a + b for a, b in zip(gpu_s, xfer_s)]) + coef.layer_overhead_s
+    return {"cpu_resident_s": cpu_res_s, "cpu_stream_s": cpu_stream_s, "cpu_s": cpu_res_s + cpu_stream_s,
+            "disk_s": disk_s, "disk_wait_s": max(0.0, disk_s - cpu_res_s), "cpu_path_s": cpu_path_s,
+            "gpu_s": gpu_s, "transfer_s": xfer_s, "time_s": time_s,
             "vram": float(p[tier >= 0].sum()), "ram_pinned": float(p[tier == TIER_RAM].sum()),
-            "lru": float(np.sum(p * h * on_disk)), "disk": misses}
+            "lru": lru_hits, "disk": misses}
 
 
 def dense_seconds(dense_read_bytes: int, res: Resources, coef: Coefficients) -> float:
@@ -264,8 +283,10 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
 
     Returns:
         dict with decode_s_per_token, tok_s, terms {dense_s, attention_s, expert_layers_s,
-        expert_compute_s {"cpu", "<gpu key>"...}, disk_wait_s, transfer_s}, hit_rate {vram, ram_pinned,
-        lru, disk} (shares of expert selections), disk_bytes_per_token, and per_layer_s [rows].
+        expert_compute_s {"cpu", "<gpu key>"...}, disk_wait_s (reads not hidden by compute), disk_read_s
+        (all reads), transfer_s}, hit_rate {vram, ram_pinned, lru, disk} (shares of expert selections),
+        disk_bytes_per_token, per_layer_s [rows], and cpu_path_layers {weight, cpu_resident_s,
+        cpu_stream_s, disk_s} (lists [rows], the CPU path's parts per layer; calibration refits on them).
     """
     coef = coef or Coefficients()
     probs = np.asarray(probs, dtype=np.float64)
@@ -274,7 +295,8 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
     dense_s = dense_seconds(dense_read_bytes, res, coef)
     attn_s = attention_seconds(context_tokens, kv_bytes_per_token, res, coef)
     comp = {"cpu": 0.0, **{g.key: 0.0 for g in res.gpus}}
-    disk_s = xfer_s = layers_s = 0.0
+    disk_s = read_s = xfer_s = layers_s = 0.0
+    parts = {"weight": [float(x) for x in w], "cpu_resident_s": [], "cpu_stream_s": [], "disk_s": []}
     share = dict.fromkeys(("vram", "ram_pinned", "lru", "disk"), 0.0)
     per_layer = []
     for i in range(rows):
@@ -284,7 +306,10 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
         comp["cpu"] += w[i] * t["cpu_s"]
         for g, s in zip(res.gpus, t["gpu_s"]):
             comp[g.key] += w[i] * s
-        disk_s += w[i] * t["disk_s"]
+        disk_s += w[i] * t["disk_wait_s"]
+        read_s += w[i] * t["disk_s"]
+        for k in ("cpu_resident_s", "cpu_stream_s", "disk_s"):
+            parts[k].append(t[k])
         xfer_s += w[i] * sum(t["transfer_s"])
         for k in share:
             share[k] += w[i] * t[k]
@@ -292,7 +317,8 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
     total = dense_s + attn_s + layers_s
     return {"decode_s_per_token": total, "tok_s": 1.0 / total if total > 0 else float("inf"),
             "terms": {"dense_s": dense_s, "attention_s": attn_s, "expert_layers_s": layers_s,
-                      "expert_compute_s": comp, "disk_wait_s": disk_s, "transfer_s": xfer_s},
+                      "expert_compute_s": comp, "disk_wait_s": disk_s, "disk_read_s": read_s,
+                      "transfer_s": xfer_s},
             "hit_rate": {k: (v / total_sel if total_sel else 0.0) for k, v in share.items()},
             "disk_bytes_per_token": share["disk"] * expert_bytes,
-            "per_layer_s": per_layer}
+            "per_layer_s": per_layer, "cpu_path_layers": parts}

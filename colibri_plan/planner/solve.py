@@ -6,7 +6,10 @@ linear program solved by HiGHS (``scipy.optimize.milp``):
 * ``x[l,e,t]`` ∈ {0,1}: expert e of row l lives in tier t (each GPU, RAM pinned, disk); Σ_t x = 1.
 * ``z[l,d]`` ∈ {0,1}: discrete GPU d holds some expert of row l (then it pays one activation round
   trip per token): Σ_e x[l,e,d] <= E · z[l,d].
-* ``τ_l`` >= the CPU path Σ_e p_e (x_RAM + x_disk) c_cpu + Σ_e p_e m_e x_disk, and >= each GPU's
+* ``τ_l`` >= the CPU path max(resident, disk) + stream, written as two linear rows because
+  max(a, b) + s <= τ  ⇔  a + s <= τ and b + s <= τ:
+  τ_l >= Σ_e p_e (x_RAM + x_disk) c_cpu (all CPU compute: resident + stream) and
+  τ_l >= Σ_e p_e (m_e + (1 − h_e) c_cpu) x_disk (disk + stream); and τ_l >= each GPU's
   Σ_e p_e x[l,e,d] c_d + xfer_d z[l,d] — the epigraph of the layer's max, which is exact at the optimum.
 * capacities: per discrete GPU Σ b x[·,·,d] <= budget_d; RAM Σ b x_RAM + b·(unified-GPU experts) +
   b·LRU slots <= RAM budget (a unified device shares the RAM pool and is never counted twice).
@@ -132,7 +135,8 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
     idx = np.arange(len(act))
     r_of = np.array([rpos[r] for r, _ in act])
     p_of = np.array([probs[r, e] for r, e in act])
-    m_of = np.array([miss_factor[r, e] for r, e in act]) * coef.disk * t_miss
+    f_of = np.array([miss_factor[r, e] for r, e in act])   # 1 - h: the share of selections that miss
+    m_of = f_of * coef.disk * t_miss
     A = []        # (row index array, col index array, values) blocks
     lo, hi = [], []
     nrow = 0
@@ -147,10 +151,16 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
     # each expert in exactly one tier
     add(np.repeat(idx, n_t), (idx[:, None] * n_t + np.arange(n_t)).ravel(), np.ones(len(act) * n_t),
         [1.0] * len(act), [1.0] * len(act), len(act))
-    # CPU epigraph: tau_r - sum p cpu (x_ram + x_disk) - sum p m x_disk >= 0
+    # CPU epigraph of max(resident, disk) + stream, as two rows (tau >= resident + stream and
+    # tau >= disk + stream): resident + stream = sum p cpu (x_ram + x_disk) ...
     ci = np.concatenate([idx * n_t + t_ram, idx * n_t + t_disk, taucol + np.arange(n_tau)])
     ri = np.concatenate([r_of, r_of, np.arange(n_tau)])
-    v = np.concatenate([-p_of * cpu_c, -p_of * (cpu_c + m_of), np.ones(n_tau)])
+    v = np.concatenate([-p_of * cpu_c, -p_of * cpu_c, np.ones(n_tau)])
+    add(ri, ci, v, [0.0] * n_tau, [np.inf] * n_tau, n_tau)
+    # ... and disk + stream = sum p (1 - h) (c_disk t_miss + cpu) x_disk
+    ci = np.concatenate([idx * n_t + t_disk, taucol + np.arange(n_tau)])
+    ri = np.concatenate([r_of, np.arange(n_tau)])
+    v = np.concatenate([-p_of * (m_of + f_of * cpu_c), np.ones(n_tau)])
     add(ri, ci, v, [0.0] * n_tau, [np.inf] * n_tau, n_tau)
     for d in range(n_gpu):   # GPU epigraph: tau_r - sum p c_d x_d - xfer_d z_rd >= 0
         ci = [idx * n_t + d, taucol + np.arange(n_tau)]
