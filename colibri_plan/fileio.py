@@ -18,21 +18,44 @@ from typing import Any
 from colibri_plan.errors import FormatError, InputError
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically; returns the path.
+def check_output_path(path: str | os.PathLike) -> Path:
+    """Check, before any work, that ``path`` can take an output file: its folder exists and the path is
+    not a folder, a device or anything else that is not a regular file (a rename would replace it).
 
     Raises:
-        InputError: the folder does not exist or is not writable.
+        InputError: saying what is wrong with the path.
     """
     path = Path(path)
+    if not str(path):
+        raise InputError("the output path is empty; give a file name")
+    if path.exists() and not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file"
+        raise InputError(f"cannot write {path}: it is {kind}; give a file path")
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise InputError(f"cannot write {path}: folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"cannot write {path}: folder {folder} is not writable")
+    return path
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically; returns the path. The file gets the usual mode
+    (0666 less the umask), like a plain ``open``.
+
+    Raises:
+        InputError: see :func:`check_output_path`.
+    """
+    path = check_output_path(path)
+    folder = path.parent if str(path.parent) else Path(".")
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror}") from exc
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600: the file is for other users/tools too
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

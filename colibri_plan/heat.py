@@ -313,8 +313,8 @@ def uniform_heat(spec, tokens: int = 1_000_000) -> tuple[Heat, str]:
                 tokens=tokens, source="uniform fallback", model_fingerprint=spec.fingerprint(),
                 n_model_layers=spec.n_layers, engine_id=fnv1a32(spec.family))
     msg = (f"no routing statistics for {spec.name}: assuming uniform expert heat; a plan from uniform heat "
-           "cannot favour hot experts — record real statistics (colibri-plan run --stats, or colibrì STATS=) "
-           "and solve again with --heat")
+           "cannot favour hot experts — record real statistics (colibri-plan run --stats-out, or "
+           "colibrì STATS=) and solve again with --heat")
     heat.warnings.append(msg)
     return heat, msg
 
@@ -344,8 +344,9 @@ def align_heat(heat: Heat, spec) -> Heat:
         raise MismatchError(f"heat ({heat.source}) has rows for layers {extra[:6]} that are not MoE layers "
                             f"of {spec.name} ({spec.moe_layers[0]}..{spec.moe_layers[-1]}): "
                             "heat for another model")
-    if not heat.layers:
-        raise MismatchError(f"heat ({heat.source}) is empty: no routing counts to plan from")
+    if not heat.layers or not np.any(heat.counts > 0):
+        raise MismatchError(f"heat ({heat.source}) is empty: no routing counts to plan from; record "
+                            "statistics with `colibri-plan run --stats-out`, or use --heat synth")
     base = replace(heat, top_k=spec.top_k, warnings=list(heat.warnings))
     p = base.probabilities()
     tokens = base.tokens or 1_000_000

@@ -231,7 +231,13 @@ def load_plan(path: str | os.PathLike) -> Plan:
 
 
 def check_model(plan: Plan, spec) -> None:
-    """Refuse a plan made for another model. Raises MismatchError naming both fingerprints."""
+    """Refuse a plan made for another model, or for another expert format than ``spec`` stores (its
+    byte budgets would be wrong). Raises MismatchError naming both."""
     if plan.model_fingerprint != spec.fingerprint():
         raise MismatchError(f"plan was made for {plan.doc['model']['name']} (fingerprint "
                             f"{plan.model_fingerprint}), not {spec.name} ({spec.fingerprint()}); solve again")
+    fmt = plan.doc.get("expert_format")
+    if fmt and fmt != spec.expert_format:
+        raise MismatchError(f"plan was solved for {fmt} experts, but {spec.name} stores "
+                            f"{spec.expert_format}: its memory budgets do not hold; solve again with "
+                            f"--quant {spec.expert_format}")

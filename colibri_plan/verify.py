@@ -47,6 +47,9 @@ def check_plan_model(plan, pack) -> None:
     if want != have:
         raise MismatchError(f"plan was made for {plan.doc['model'].get('name')} (model fingerprint {want}), "
                             f"but {pack.path} holds {spec.name} ({have}); solve a plan for this model")
+    from colibri_plan.plan import check_model
+
+    check_model(plan, spec)  # the expert format too: byte budgets depend on it
 
 
 def this_machine_fingerprint() -> str | None:

@@ -169,3 +169,29 @@ def test_plan_records_the_queue_depth_the_engine_reads_with():
     doc = json.loads(json.dumps(plan.doc))
     del doc["resources"]["disk_queue_depth"]
     assert Plan(doc).read_threads == 8           # plans that do not record it: the engine's default
+
+
+def test_output_paths_are_checked_before_work(tmp_path):
+    """A folder or a device as output is refused with a clear error; nothing is replaced."""
+    import pytest
+
+    from colibri_plan.errors import InputError
+    from colibri_plan.fileio import atomic_write_text, check_output_path
+
+    with pytest.raises(InputError, match="is a folder"):
+        check_output_path(tmp_path)
+    with pytest.raises(InputError, match="not a regular file"):
+        atomic_write_text("/dev/null", "x")
+    with pytest.raises(InputError, match="does not exist"):
+        check_output_path(tmp_path / "missing" / "plan.json")
+    out = atomic_write_text(tmp_path / "p.json", "{}")
+    assert out.read_text() == "{}"
+    assert (out.stat().st_mode & 0o777) == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    import os
+
+    m = os.umask(0)
+    os.umask(m)
+    return m

@@ -132,6 +132,10 @@ def profile(path, model, quick, out, backends, probes, block_bytes, file_bytes, 
     from colibri_plan.profiler.run import PROBES, ProfileOptions, run_profile
     from colibri_plan.profiler.schema import save_profile
 
+    if out != "-":
+        from colibri_plan.fileio import check_output_path
+
+        check_output_path(out)  # before minutes of measuring
     for name, v in (("--hidden", hidden_size), ("--width", width), ("--disk-seconds", disk_seconds)):
         if v is not None and v <= 0:
             raise InputError(f"{name} must be positive, got {v}")

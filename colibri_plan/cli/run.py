@@ -184,6 +184,11 @@ def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, qu
     Without --plan every expert is held in RAM on one backend. With --plan the experts live where the
     plan says, and the report splits each decode token's time (dense, expert compute per device, disk
     wait), gives hit rates per tier, disk bytes per token and peak RSS, beside the plan's prediction."""
+    from colibri_plan.fileio import check_output_path
+
+    for p in (stats_out, usage_out):  # before the run, not after it
+        if p is not None:
+            check_output_path(p)
     prompt = read_prompt(prompt_ids, prompt_file)
     weights = open_weights(model_path, quant)
     check_prompt(prompt, weights.arch.vocab_size)

@@ -85,12 +85,16 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
     """Solve where every expert lives (VRAM per GPU, pinned RAM, LRU cache, disk) to minimise predicted
     decode time per token within the memory budgets; write a plan file."""
     from colibri_plan.errors import InputError
+    from colibri_plan.fileio import check_output_path
     from colibri_plan.model import load_model_spec
     from colibri_plan.plan import save_plan
     from colibri_plan.planner.make import make_plan
 
     if png_path and not what_if_kind:
         raise InputError("--png needs --what-if ram|vram|nvme")
+    for p in (out_path, png_path):  # before the solve, not after it
+        if p is not None:
+            check_output_path(p)
     if lru_slots != "auto" and not str(lru_slots).isdigit():
         raise InputError(f"--lru-slots must be 'auto' or a whole number, got {lru_slots!r}")
     profile, source = resolve_profile(profile_path)

@@ -36,6 +36,7 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
     a report (kind verify-report)."""
     from colibri_plan.cli.run import check_prompt, read_prompt
     from colibri_plan.engine.pack import is_pack, open_pack
+    from colibri_plan.fileio import check_output_path
     from colibri_plan.plan import load_plan
     from colibri_plan.verify import (
         report_table,
@@ -46,6 +47,7 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
     )
 
     plan = load_plan(plan_path)
+    check_output_path(report_path or default_report_path(plan_path))  # before the runs, not after
     if not is_pack(model_path):
         raise InputError(f"{model_path} is not an expert pack (no pack.json); build one with "
                          "`colibri-plan model pack` or `colibri-plan model fixture`")

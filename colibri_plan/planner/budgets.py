@@ -13,6 +13,7 @@ never counted twice).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from colibri_plan.errors import BudgetError, InputError
@@ -53,12 +54,14 @@ class Budgets:
 
 
 def parse_gb(value: str, what: str) -> float:
-    """Parse a decimal GB figure; InputError if it is not a number, BudgetError if it is negative."""
+    """Parse a decimal GB figure; InputError if it is not a finite number, BudgetError if negative."""
     try:
         v = float(value)
     except (TypeError, ValueError):
         raise InputError(f"{what}: expected 'auto' or a number of GB, got {value!r}") from None
-    if v < 0 or v != v:
+    if not math.isfinite(v):
+        raise InputError(f"{what}: expected a finite number of GB, got {value!r}")
+    if v < 0:
         raise BudgetError(f"{what}: a memory budget cannot be negative ({value} GB)")
     return v
 
@@ -144,6 +147,10 @@ def vram_budgets(gpus: list[dict], vram: str = "auto",
     it = iter(vals)
     for g, k in zip(gpus, keys):
         out[k] = 0 if g.get("unified_memory") else int(next(it) * GB)
+        total = int(g.get("total_memory_bytes") or 0)
+        if total and out[k] > total:
+            raise BudgetError(f"--vram: {out[k] / GB:.2f} GB for {k} ({g.get('name', '?')}) is more than its "
+                              f"{total / GB:.2f} GB of memory; give at most that, or 'auto'")
         explain.append({"what": f"{k}: --vram", "bytes": out[k]})
     return out, explain
 
@@ -167,6 +174,22 @@ def best_queue_depth(profile, top_k: int) -> int:
     depths = sorted({int(e["queue_depth"]) for e in entries})
     usable = [q for q in depths if q <= max(1, int(top_k))] or depths[:1]
     return max(usable, key=lambda q: (profile.disk_read_gbps(q), -q))
+
+
+def gpu_expert_gbps(profile, backend: str, index: int, fmt: str, spec) -> float:
+    """Weight GB/s of a GPU on routed experts: from the batched ``expert_ffn`` timing of top-k experts
+    when the profile has it (the call the engine makes per layer), else from single ``matmul`` calls.
+
+    One matmul of an expert-sized matrix is too short to fill an H200 (launch and sync dominate: about
+    155 GB/s against 900 GB/s for eight experts in one call), so the matmul figure made GPUs look slower
+    than they are and pushed hot experts onto the CPU.
+    """
+    try:
+        s = profile.expert_ffn_s(backend, index, fmt, spec.top_k)
+        return spec.top_k * spec.expert_bytes(fmt) / s / 1e9
+    except InputError:
+        return profile.matmul_weight_gbps(backend, index, fmt, 1, spec.moe_intermediate_size,
+                                          spec.hidden_size)
 
 
 def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str | None = None) -> Resources:
@@ -199,7 +222,7 @@ def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str 
     for g in profile.gpus():
         key = f"{g['backend']}:{g['index']}"
         unified = bool(g.get("unified_memory"))
-        gbps = profile.matmul_weight_gbps(g["backend"], g["index"], fmt, 1, i, h)
+        gbps = gpu_expert_gbps(profile, g["backend"], g["index"], fmt, spec)
         h2d = d2h = 0.0
         if not unified:
             h2d = profile.h2d_gbps(g["backend"], g["index"], pinned=True)
