@@ -33,7 +33,7 @@ from colibri_plan.backends import BACKEND_NAMES, get_backend
 from colibri_plan.errors import ColibriError
 from colibri_plan.fileio import atomic_write_text
 
-H, I = 6144, 2048  # GLM-5.2 hidden size and routed expert width (shared/data/models.md)
+H, I = 6144, 2048  # GLM-5.2 hidden size and routed expert width (colibri_plan/data/models.json)
 SHAPES = {"gate/up 2048x6144": (I, H), "down 6144x2048": (H, I)}  # (out, in)
 
 

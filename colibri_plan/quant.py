@@ -1,7 +1,7 @@
 """Quant formats: the living definition every kernel is tested against.
 
-Semantics follow colibrì's container formats (``docs/FORMATS.md`` there; see
-``shared/reference/colibri-engine.md`` §2.2): symmetric integers stored with an offset, float32 scales.
+Semantics follow colibrì's container formats (its ``docs/FORMATS.md`` and ``qt_bytes``): symmetric
+integers stored with an offset, float32 scales.
 
 | format      | data (dtype, shape)              | value                          | scales (float32)       |
 |-------------|----------------------------------|--------------------------------|------------------------|

@@ -4,8 +4,8 @@ Each entry holds the model's language-model ``config`` with the real Hugging Fac
 catalogue and a checkpoint folder go through the same reader, :mod:`colibri_plan.model.hfconfig`), the
 number of MTP heads whose experts are counted as extra MoE rows, ``dense_params`` (counted once by
 :mod:`colibri_plan.model.metacount`), an optional ``kv_bytes_per_token`` override, the sources and the
-assumptions made where the facts were silent. Facts come from ``shared/data/models.md`` and colibrì's
-published GLM-5.2 figures.
+assumptions made where the facts were silent. Facts come from the models' public configs (each entry
+names its source) and colibrì's published GLM-5.2 figures.
 """
 
 from __future__ import annotations

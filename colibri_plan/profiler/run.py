@@ -23,7 +23,7 @@ from colibri_plan.profiler.ram import probe_ram
 from colibri_plan.profiler.schema import MachineProfile, machine_fingerprint
 
 PROBES = ("disk", "ram", "links", "matmul")
-#: GLM-5.2 routed expert geometry, used when no model is named (facts: shared/data/models.md)
+#: GLM-5.2 routed expert geometry, used when no model is named (colibri_plan/data/models.json)
 DEFAULT_MODEL = {"name": "glm-5.2 (built-in default)", "hidden": 6144, "width": 2048, "expert_format": "int4",
                  "top_k": 8, "expert_bytes": disk_mod.DEFAULT_BLOCK_BYTES}
 
