@@ -96,5 +96,8 @@ for name in sorted(p.name for p in d.glob("verify-*.json")):
     exact = {True: "yes", False: "NO", None: "not checked"}[v["token_exact"]]
     print(f"{name}: {'PASS' if v['ok'] else 'FAIL'}  token-exact {exact}, tok/s measured/predicted "
           f"{v['tok_s_ratio']:.2f}, hit rate {v['hit_rate_diff_points']:+.1f} pts")
+print("verify-auto and verify-1.5gb use the cost model's default coefficients (1.0): on a new machine a "
+      "FAIL on tok/s there is what calibration is for; verify-2.5gb-calibrated is the budget predicted "
+      "after `calibrate` refitted the coefficients from those two reports (docs/calibration.md)")
 print(f"files: {d}/ (profile.json, heat.json, plan-*.json, verify-*.json/.txt, fixture/)")
 EOF

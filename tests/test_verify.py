@@ -190,3 +190,20 @@ def test_verify_reads_with_the_plans_queue_depth(small_pack, report, tmp_path, m
         rep = verify_plan(plan, pack, fixture_prompt(pack.arch.vocab_size, 5, seed=3), 2,
                           plan_path="p", cpu_backend="numpy", reference=False)
     assert seen == [3] and rep["settings"]["read_threads"] == 3
+
+
+def test_strict_exit_code_follows_the_verdict(small_pack, tmp_path):
+    """--strict: exit 3 on FAIL (a prediction 1000x off), 0 without --strict."""
+    with open_pack(small_pack) as pack:
+        tiers, slots = _mixed(pack)
+        predicted = json.loads(json.dumps(PREDICTED))  # a copy: other tests use PREDICTED
+        doc = _plan_doc(pack, tiers, slots, predicted)
+        doc["predicted"]["tok_s"] = 1e6  # no run on this machine gets within 25% of that
+        doc["predicted"]["decode_s_per_token"] = 1e-6
+        save_plan(doc, tmp_path / "p.json")
+    args = ["verify", "--plan", str(tmp_path / "p.json"), "--model", str(small_pack), "--tokens", "2",
+            "--backend", "numpy", "--no-reference"]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    res = CliRunner().invoke(cli, args + ["--strict"])
+    assert res.exit_code == 3, res.output
+    assert "FAIL" in res.output

@@ -74,7 +74,8 @@ COMPARE_HEADER = ["placement", "tok/s", "ms/token", "VRAM %", "pinned %", "LRU %
 @click.option("--png", "png_path", default=None, help="With --what-if: write the plot here.")
 @click.option("--method", type=click.Choice(["auto", "exact", "aggregate"]), default="auto",
               show_default=True)
-@click.option("--time-limit", default=30.0, show_default=True, type=float, help="Solver seconds.")
+@click.option("--time-limit", default=30.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Solver seconds.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of synthesised heat.")
 @click.option("--coefficients", "coef_path", default=None,
               help="Cost-model coefficients from `colibri-plan calibrate` (default: all 1.0); "

@@ -29,8 +29,11 @@ def default_report_path(plan_path: str) -> Path:
               help="Also run the all-RAM CPU reference and check the tokens are identical.")
 @click.option("--report", "report_path", type=click.Path(), default=None,
               help="Where to write the verify report (default: PLAN.verify.json beside the plan).")
+@click.option("--strict", is_flag=True,
+              help="Exit with status 3 when the verdict is FAIL (for scripts and CI gates).")
 @json_option
-def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend, reference, report_path):
+def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend, reference, report_path,
+           strict):
     """Run PLAN on the engine and compare the measured tok/s, time split, hit rates and disk bytes with
     the plan's predictions; check the tokens against the all-RAM CPU reference; give a verdict and write
     a report (kind verify-report)."""
@@ -46,6 +49,9 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
         verify_plan,
     )
 
+    if cpu_backend not in ("cpu", "numpy"):
+        raise InputError(f"--backend {cpu_backend}: RAM-resident and streamed experts run on a host backend "
+                         "(cpu or numpy); GPU experts use the devices the plan names")
     plan = load_plan(plan_path)
     check_output_path(report_path or default_report_path(plan_path))  # before the runs, not after
     if not is_pack(model_path):
@@ -80,6 +86,8 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
         return "\n".join(lines)
 
     emit(report, human)
+    if strict and not report["verdict"]["ok"]:
+        raise SystemExit(3)
 
 
 @click.command("calibrate")
