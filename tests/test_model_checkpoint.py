@@ -83,12 +83,11 @@ def test_catalogue_and_checkpoint_share_fingerprint_rules(saved):
     assert renamed.fingerprint() == s.fingerprint()
 
 
-def test_mtp_row_from_headers(saved, tmp_path):
-    """A DeepSeek-V3 checkpoint stores its MTP head as layer num_hidden_layers (61 in the real one)."""
+def _with_mtp_head(folder, work):
+    """A copy of the tiny DeepSeek-V3 checkpoint ``folder`` plus an MTP head's routed experts (layer 3) and
+    its ``eh_proj`` [H, 2H]."""
     from safetensors.numpy import save_file
 
-    folder, _ = saved["deepseek_v3"]
-    work = tmp_path / "ds3mtp"
     work.mkdir()
     for f in folder.iterdir():
         (work / f.name).write_bytes(f.read_bytes())
@@ -101,6 +100,13 @@ def test_mtp_row_from_headers(saved, tmp_path):
         mtp[f"{base}.down_proj.weight"] = rng.standard_normal((32, 16), dtype=np.float32)
     mtp["model.layers.3.eh_proj.weight"] = np.zeros((32, 64), np.float32)
     save_file(mtp, str(work / "mtp.safetensors"))
+    return work
+
+
+def test_mtp_row_from_headers(saved, tmp_path):
+    """A DeepSeek-V3 checkpoint stores its MTP head as layer num_hidden_layers (61 in the real one)."""
+    folder, _ = saved["deepseek_v3"]
+    work = _with_mtp_head(folder, tmp_path / "ds3mtp")
     s = load_model_spec(work)
     base = load_model_spec(folder)
     assert s.moe_layers == (1, 2, 3) and s.mtp_layers == (3,) and s.decode_moe_layers == (1, 2)
@@ -149,14 +155,6 @@ def test_config_without_moe_fields_is_unsupported(tmp_path):
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "dense")
     with pytest.raises(UnsupportedError, match="not a Mixture-of-Experts model"):
         load_model_spec(tmp_path / "dense")
-
-
-def test_no_safetensors(saved, tmp_path):
-    folder = tmp_path / "cfgonly"
-    folder.mkdir()
-    (folder / "config.json").write_text((saved["mixtral"][0] / "config.json").read_text())
-    with pytest.raises(InputError, match="no \\*.safetensors"):
-        load_model_spec(folder)
 
 
 def test_truncated_safetensors(saved, tmp_path):
@@ -240,3 +238,96 @@ def test_fused_float_layout_checks_width(tmp_path):
     (tmp_path / "fused" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(FormatError, match=r"\[16\] wide in the headers"):
         load_model_spec(tmp_path / "fused")
+
+
+# --- a folder holding config.json alone (planning before the download) ------------------------------------
+
+def _config_only(family, folder, **overrides):
+    """Save only the config of FAMILIES[family] (what a user fetches before the weights)."""
+    cfg_name, _, extra, _ = FAMILIES[family]
+    getattr(transformers, cfg_name)(**COMMON, **{**extra, **overrides}).save_pretrained(folder)
+    assert [f.name for f in folder.iterdir()] == ["config.json"]
+    return folder
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_config_only_folder_matches_full_checkpoint(saved, tmp_path, family):
+    from colibri_plan.model.checkpoint import CONFIG_ONLY_NOTE
+
+    full = load_model_spec(saved[family][0])
+    s = load_model_spec(_config_only(family, tmp_path / "cfg"))
+    n_experts, inter, _, moe_layers = FAMILIES[family][3]
+    assert s.moe_layers == moe_layers and s.n_experts == n_experts
+    # 3 · H · I parameters per expert (gate, up [I, H]; down [H, I]) at 2 B (bf16) / 4 B (f32)
+    assert s.expert_params == 3 * 32 * inter
+    assert (s.expert_bytes("bf16"), s.expert_bytes("f32")) == (2 * 3 * 32 * inter, 4 * 3 * 32 * inter)
+    assert s.routed_params == len(moe_layers) * n_experts * 3 * 32 * inter
+    assert s.fingerprint() == full.fingerprint()
+    assert s.dense_params == full.dense_params  # transformers' count == the saved tensors' element count
+    assert s.kv_bytes_per_token == full.kv_bytes_per_token
+    assert s.source.startswith(CONFIG_ONLY_NOTE) and full.source.startswith("checkpoint: ")
+
+
+def test_config_only_deepseek_mtp_and_router_bias(saved, tmp_path):
+    """A config declaring an MTP head gets its MTP row (as the catalogue does), so the fingerprint equals
+    the checkpoint that ships the head; the dense count is transformers' parameters, which leave out the
+    router's score-correction bias (a persistent buffer, E values per MoE row) that the headers hold."""
+    folder, params = saved["deepseek_v3"]
+    with_mtp = load_model_spec(_with_mtp_head(folder, tmp_path / "ds3mtp"))
+    s = load_model_spec(_config_only("deepseek_v3", tmp_path / "cfg", num_nextn_predict_layers=1))
+    assert s.moe_layers == (1, 2, 3) and s.mtp_layers == (3,)
+    assert s.fingerprint() == with_mtp.fingerprint()
+    assert s.kv_bytes_per_token == with_mtp.kv_bytes_per_token
+    no_mtp = load_model_spec(_config_only("deepseek_v3", tmp_path / "cfg0", num_nextn_predict_layers=0))
+    base = load_model_spec(folder)
+    assert no_mtp.fingerprint() == base.fingerprint()
+    bias = [n for n in params if n.endswith("e_score_correction_bias")]
+    assert len(bias) == 2 and no_mtp.dense_params == base.dense_params - 2 * 8
+    # MTP trunk: one more decoder layer's non-expert parameters + eh_proj [H, 2H] + three H-wide norms
+    layer2 = sum(n for name, n in params.items()
+                 if name.startswith("model.layers.2.") and ".experts." not in name and name not in bias)
+    assert s.dense_params - no_mtp.dense_params == layer2 + 2 * 32 * 32 + 3 * 32
+
+
+def test_config_only_index_without_shards(saved, tmp_path):
+    """config.json + model.safetensors.index.json, no shard downloaded yet: still sized from the config."""
+    folder = _config_only("mixtral", tmp_path / "cfg")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
+    assert load_model_spec(folder).fingerprint() == load_model_spec(saved["mixtral"][0]).fingerprint()
+
+
+def test_config_only_needs_transformers(tmp_path, monkeypatch):
+    import colibri_plan.model.metacount as metacount
+
+    def no_torch(*a, **k):
+        raise ImportError("No module named 'torch'")
+
+    monkeypatch.setattr(metacount, "count_params", no_torch)
+    with pytest.raises(UnsupportedError, match="needs torch and transformers"):
+        load_model_spec(_config_only("mixtral", tmp_path / "cfg"))
+
+
+def test_config_only_without_model_type(tmp_path):
+    folder = _config_only("mixtral", tmp_path / "cfg")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["model_type"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FormatError, match="no model_type"):
+        load_model_spec(folder)
+
+
+def test_model_show_config_only_prints_the_note(tmp_path):
+    from click.testing import CliRunner
+
+    from colibri_plan.cli import cli
+    from colibri_plan.model.checkpoint import CONFIG_ONLY_NOTE
+
+    folder = _config_only("qwen3_moe", tmp_path / "cfg")
+    res = CliRunner().invoke(cli, ["model", "show", str(folder)])
+    assert res.exit_code == 0, res.output
+    assert CONFIG_ONLY_NOTE in res.output
+    res = CliRunner().invoke(cli, ["model", "show", str(folder), "--json"])
+    doc = json.loads(res.output)
+    assert doc["source"].startswith(CONFIG_ONLY_NOTE) and doc["expert_params"] == 3 * 32 * 16
+    assert doc["by_format"]["bf16"]["expert_bytes"] == 2 * 3 * 32 * 16

@@ -36,7 +36,7 @@ def _load_json_spec(path: Path) -> ModelSpec:
                           f"colibri-plan reads version {SPEC_SCHEMA_VERSION}")
     if "model_type" in doc or "architectures" in doc:
         raise InputError(f"{path} is a Hugging Face config.json; pass its checkpoint folder instead "
-                         "(the safetensors headers are needed to size the model)")
+                         "(config.json alone is enough; safetensors headers there are checked against it)")
     return ModelSpec.from_dict(doc.get("spec", doc))
 
 
@@ -49,8 +49,8 @@ def save_model_spec(spec: ModelSpec, path: str | os.PathLike) -> Path:
 
 def load_model_spec(name_or_path: str | os.PathLike, quant: str | None = None) -> ModelSpec:
     """A ModelSpec from a catalogue name, a Hugging Face checkpoint folder (config.json + safetensors
-    headers), a GGUF file (header only) or a JSON spec file (``save_model_spec`` output or
-    ``colibri-plan model show --json`` output).
+    headers, or config.json alone before the weights are downloaded), a GGUF file (header only) or a JSON
+    spec file (``save_model_spec`` output or ``colibri-plan model show --json`` output).
 
     Args:
         name_or_path: "glm-5.2" (see :func:`catalogue_names`) or a path.

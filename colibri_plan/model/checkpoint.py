@@ -18,16 +18,22 @@ MoE rows with ids >= num_hidden_layers that hold experts in the headers are an M
 layer 61, GLM's layer 78/92) and become extra rows. Dense parameters are counted exactly from the
 headers: every tensor outside the routed experts, quantisation side tensors (``*_scale_inv``,
 ``*.weight_scale`` ...) excluded.
+
+A folder with ``config.json`` and no ``*.safetensors`` file yet (planning before a download) is sized
+from the config alone, the catalogue's way: the geometry from :mod:`colibri_plan.model.hfconfig`, MTP rows
+from ``num_nextn_predict_layers``, dense parameters counted by transformers on the meta device
+(:mod:`colibri_plan.model.metacount`; needs torch and transformers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import struct
 from pathlib import Path
 
-from colibri_plan.errors import FormatError, InputError
+from colibri_plan.errors import FormatError, InputError, UnsupportedError
 from colibri_plan.model import hfconfig
 from colibri_plan.model.spec import ModelSpec
 
@@ -178,10 +184,11 @@ def _expert_rows(tensors: dict, hidden: int, where: str) -> dict[int, dict]:
 
 
 def checkpoint_spec(folder: str | Path) -> ModelSpec:
-    """ModelSpec of a Hugging Face checkpoint folder, from config.json and safetensors headers only.
+    """ModelSpec of a Hugging Face checkpoint folder, from config.json and safetensors headers only; a
+    folder without any ``*.safetensors`` file is sized from config.json alone (:func:`config_only_spec`).
 
     Raises:
-        InputError: the folder or its config.json is missing, or it holds no safetensors files.
+        InputError: the folder or its config.json is missing, or a shard named in the index is missing.
         UnsupportedError: config.json describes a model without routed experts.
         FormatError: corrupt config/header, or the headers disagree with config.json (layers, expert
             count, widths) — the message names the tensor and the config field.
@@ -200,6 +207,8 @@ def checkpoint_spec(folder: str | Path) -> ModelSpec:
         raise FormatError(f"{cfg_path} must hold a JSON object")
     geo = hfconfig.moe_geometry(cfg, str(cfg_path))
     where = str(folder)
+    if not any(folder.glob("*.safetensors")):
+        return config_only_spec(folder, cfg)
     tensors = read_checkpoint_headers(folder)
     rows = _expert_rows(tensors, geo["hidden_size"], where)
     n_layers, n_experts = geo["n_layers"], geo["n_experts"]
@@ -236,3 +245,50 @@ def checkpoint_spec(folder: str | Path) -> ModelSpec:
         kv_bytes_per_token=hfconfig.kv_bytes_per_token(cfg, 2, len(mtp)),
         source=f"checkpoint: {folder.resolve()} (experts stored as {'/'.join(dtypes) or 'packed'})",
         expert_bias=geo["expert_bias"])
+
+
+#: the ``source`` note of a spec sized without weights
+CONFIG_ONLY_NOTE = "config.json only (no weights: dense bytes computed from the config)"
+
+
+def config_only_spec(folder: str | Path, cfg: dict) -> ModelSpec:
+    """ModelSpec of a folder that holds ``config.json`` but no weights yet, built as a catalogue entry is
+    (:func:`colibri_plan.model.catalogue.spec_from_entry`): routed-expert geometry, MTP rows
+    (``num_nextn_predict_layers``) and KV bytes from the config; ``dense_params`` counted by transformers'
+    own model class on torch's meta device (:func:`colibri_plan.model.metacount.count_params`), so no
+    weight is read or allocated. ``source`` says so (:data:`CONFIG_ONLY_NOTE`).
+
+    Nothing checks the config against weights here; size the folder again once they are downloaded.
+
+    Raises:
+        UnsupportedError: torch/transformers are not installed, or transformers cannot build the config.
+        FormatError: the config has no ``model_type`` or lacks a needed field.
+    """
+    from colibri_plan.model.catalogue import spec_from_entry
+
+    folder = Path(folder)
+    where = str(folder / "config.json")
+    geo = hfconfig.moe_geometry(cfg, where)
+    if not cfg.get("model_type"):
+        raise FormatError(f"{where} has no model_type; it is needed to count the dense parameters")
+    mtp = geo["mtp_layers"]
+    # the meta-device build needs only the architecture; a quantised checkpoint's recipe is irrelevant
+    arch = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    try:
+        from colibri_plan.model.metacount import count_params
+
+        dense = count_params(arch, mtp)["dense"]
+    except ImportError as exc:
+        raise UnsupportedError(f"{folder} holds config.json but no *.safetensors files; sizing it from the "
+                               f"config alone needs torch and transformers ({exc}): pip install torch "
+                               "transformers, or download the safetensors files") from exc
+    except UnsupportedError:
+        raise
+    except Exception as exc:  # transformers' own validation of a config it cannot build
+        raise UnsupportedError(f"{where}: transformers cannot build model_type {cfg['model_type']!r} to "
+                               f"count its dense parameters ({type(exc).__name__}: {exc}); download the "
+                               "safetensors files and size the folder from their headers") from exc
+    entry = {"name": folder.resolve().name, "config": cfg, "mtp_layers": mtp, "dense_params": dense,
+             "source": ""}
+    spec = spec_from_entry(entry)
+    return dataclasses.replace(spec, source=f"{CONFIG_ONLY_NOTE}: {folder.resolve()}")

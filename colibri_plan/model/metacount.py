@@ -8,7 +8,8 @@ MoE row of their own) and checks that the routed parameters equal rows · E · 3
 of the geometry read by :mod:`colibri_plan.model.hfconfig`. ``--write`` stores ``dense_params`` in
 ``colibri_plan/data/models.json``; without it the command only reports differences.
 
-Needs torch and transformers (the ``test`` extra); the library never imports this module.
+Needs torch and transformers (the ``test`` extra); the library imports this module only to size a
+checkpoint folder that holds config.json alone (:func:`colibri_plan.model.checkpoint.config_only_spec`).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ reproduced, only the VRAM set; the budgets carry half an expert of slack (plus c
 MiB allocation overhead per VRAM expert) so the ranked prefix stops exactly where the plan's tier ends.
 
 llama.cpp stores a layer's experts as merged 3-D tensors ``blk.N.ffn_{gate,up,down}_exps``, so it cannot
-place single experts: each layer goes whole to the device holding most of that layer's experts in the
-plan (ties and CPU-majority layers stay on the CPU). The export states how many experts moved tier.
+place single experts: each GPU takes whole layers, those the plan serves most from VRAM first, as many as
+fit its VRAM budget; the other layers stay on the CPU. The export states how many experts moved tier and
+the share of selections served from GPU, exported versus planned.
 """
 
 from __future__ import annotations
@@ -120,37 +121,96 @@ def export_colibri(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.nda
             "notes": notes}
 
 
+def llama_device_name(key: str) -> str:
+    """llama.cpp's device name for a plan device key: ``cuda:1`` -> ``CUDA1``, ``vulkan:0`` -> ``Vulkan0``."""
+    backend, _, idx = key.partition(":")
+    return f"{LLAMA_DEVICE.get(backend, backend.upper())}{idx}"
+
+
+def _whole_layer_assignment(plan: Plan, rows: list[int], gpu_mass: np.ndarray,
+                            mass: np.ndarray) -> dict[int, int]:
+    """Row index -> device position for the rows that go whole to a GPU (the rest stay on the CPU).
+
+    Rows are ranked by the plan's VRAM-resident selection mass ``gpu_mass`` [rows] (then total ``mass``,
+    then layer order); each device in plan order takes the highest-ranked remaining rows while one whole
+    layer (``n_experts x expert_bytes``) still fits its budget: ``budgets.vram_budget_bytes[key]``, or for
+    a unified device without one, the bytes of the plan's own experts there.
+    """
+    layer_bytes = plan.n_experts * plan.expert_bytes
+    vram = plan.doc["budgets"].get("vram_budget_bytes", {})
+    counts = plan.counts()
+    ranked = sorted(rows, key=lambda i: (-gpu_mass[i], -mass[i], i))
+    out: dict[int, int] = {}
+    for d, key in enumerate(plan.device_keys):
+        budget = int(vram.get(key, counts[key] * plan.expert_bytes))
+        n_fit = budget // layer_bytes if layer_bytes > 0 else 0
+        take = [i for i in ranked if i not in out][:max(0, int(n_fit))]
+        out.update((i, d) for i in take)
+    return out
+
+
 def export_llama_cpp(plan: Plan) -> dict:
-    """Whole-layer ``-ot`` override patterns (see module docstring).
+    """Whole-layer ``-ot`` override patterns that approximate the plan (see module docstring).
+
+    llama.cpp places the merged expert tensors of a layer as a unit, so each GPU gets the whole layers the
+    plan serves most from VRAM, as many as fit its VRAM budget (hottest VRAM share first, devices in plan
+    order); every other layer goes to the CPU. The selection probabilities are the plan's ``p`` (uniform
+    when the plan has none). MTP rows (layer >= model.n_layers) have no ``blk.N`` tensors and are skipped.
 
     Returns:
-        {"args": "-ot ... ", "patterns": [...], "layers": {device: [layer ids]}, "moved_experts": n, "notes"}
+        {"args": "-ot ... ", "patterns": [...], "layers": {device: [layer ids]}, "moved_experts": n (experts
+        that change tier VRAM <-> CPU against the plan), "moved_device_experts": n (VRAM experts that stay
+        in VRAM on another GPU), "gpu_share": {"plan": f, "export": f} (share of routed selections served
+        from a GPU), "notes": [...]}
     """
-    tiers = plan.tiers()
+    tiers = plan.tiers()                                            # [rows, E] device position or < 0
     keys = plan.device_keys
     n_layers = plan.doc["model"].get("n_layers", max(plan.layer_ids) + 1)
+    probs = layer_probabilities(plan)
+    if probs is None:
+        probs = np.full(tiers.shape, 1.0 / max(1, tiers.shape[1]))
+    rows = [i for i, lid in enumerate(plan.layer_ids) if lid < n_layers]   # MTP rows have no blk.N experts
+    on_gpu = tiers >= 0                                             # [rows, E]
+    gpu_mass = np.sum(np.where(on_gpu, probs, 0.0), axis=1)         # [rows] VRAM-served selections per token
+    mass = probs.sum(axis=1)                                        # [rows] ~ top-k
+    assign = _whole_layer_assignment(plan, rows, gpu_mass, mass)
     by_dev: dict[str, list[int]] = {}
-    moved = 0
-    for lid, row in zip(plan.layer_ids, tiers):
-        if lid >= n_layers:
-            continue                                    # MTP rows have no blk.N expert tensors to place
-        counts = [(int(np.sum(row == d)), d) for d in range(len(keys))]
-        best = max(counts, default=(0, -1))
-        if best[0] * 2 > len(row):
-            dev = keys[best[1]]
-            backend, idx = dev.split(":")
-            name = f"{LLAMA_DEVICE.get(backend, backend.upper())}{idx}"
-            moved += len(row) - best[0]
+    moved = moved_dev = 0
+    for i in rows:
+        row = tiers[i]
+        if i in assign:
+            d = assign[i]
+            name = llama_device_name(keys[d])
+            moved += int(np.sum(row < 0))                           # RAM/disk experts promoted to VRAM
+            moved_dev += int(np.sum((row >= 0) & (row != d)))       # VRAM experts of other GPUs
         else:
             name = "CPU"
-            moved += int(np.sum(row >= 0))
-        by_dev.setdefault(name, []).append(lid)
+            moved += int(np.sum(row >= 0))                          # VRAM experts demoted to the CPU
+        by_dev.setdefault(name, []).append(plan.layer_ids[i])
+    total = float(mass[rows].sum()) if rows else 0.0
+    share_plan = float(gpu_mass[rows].sum()) / total if total > 0 else 0.0
+    share_export = float(sum(mass[i] for i in assign)) / total if total > 0 else 0.0
+    order = [llama_device_name(k) for k in keys] + ["CPU"]
+    by_dev = {dev: sorted(by_dev[dev]) for dev in order if dev in by_dev}      # device order, ids ascending
     patterns = [f"blk\\.({'|'.join(str(x) for x in ids)})\\.ffn_(gate|up|down)_exps={dev}"
-                for dev, ids in sorted(by_dev.items())]
+                for dev, ids in by_dev.items()]
+    n_gpu_layers = ", ".join(f"{dev} {len(ids)}" for dev, ids in by_dev.items() if dev != "CPU")
     notes = ["llama.cpp keeps each layer's experts in merged 3-D tensors blk.N.ffn_{gate,up,down}_exps: "
-             f"per-expert placement is not expressible; whole layers follow their majority device, "
-             f"{moved} experts change tier against the plan",
+             "per-expert placement is not expressible; whole layers go to the GPUs, hottest VRAM share "
+             f"first, as many as fit each VRAM budget (layers: {n_gpu_layers or 'none'}), "
+             "the rest to the CPU",
+             f"{moved} experts change tier (VRAM <-> CPU) against the plan; {moved_dev} more stay in VRAM "
+             "on another GPU",
+             f"selections served from GPU: export {share_export:.1%}, plan {share_plan:.1%}",
              "CPU layers are read through mmap: the OS page cache, not the plan's pins, decides what stays "
              "in RAM"]
+    budgets = plan.doc["budgets"]
+    trunk = int(budgets.get("dense_bytes", 0)) + int(budgets.get("kv_bytes", 0))
+    if trunk and n_gpu_layers:
+        notes.append(f"with -ngl 99 llama.cpp also puts the dense trunk and KV cache ({trunk / 1e9:.2f} GB, "
+                     "split over the GPUs) in VRAM, which the plan's expert budgets do not count: if a GPU "
+                     "runs out of memory, move its coldest layer to CPU")
     args = " ".join(f'-ot "{p}"' for p in patterns)
-    return {"args": args, "patterns": patterns, "layers": by_dev, "moved_experts": moved, "notes": notes}
+    return {"args": args, "patterns": patterns, "layers": by_dev, "moved_experts": moved,
+            "moved_device_experts": moved_dev, "gpu_share": {"plan": share_plan, "export": share_export},
+            "notes": notes}
