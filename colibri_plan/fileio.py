@@ -99,6 +99,22 @@ def write_document(path: str | os.PathLike, kind: str, schema_version: int, body
     return atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=False, allow_nan=False) + "\n")
 
 
+def read_json_object(path: str | os.PathLike, what: str) -> dict:
+    """Parse ``path`` as UTF-8 JSON holding one object.
+
+    Raises:
+        FormatError: not UTF-8 / not valid JSON, or not an object; ``what`` names the expected file.
+    """
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{path} is not valid JSON ({exc}); is it a {what}? re-create it") from exc
+    if not isinstance(doc, dict):
+        raise FormatError(f"{path} must hold a JSON object (a {what})")
+    return doc
+
+
 def read_document(path: str | os.PathLike, kind: str, schema_version: int) -> dict:
     """Read a JSON document written by :func:`write_document` and check its kind and version.
 
@@ -112,12 +128,7 @@ def read_document(path: str | os.PathLike, kind: str, schema_version: int) -> di
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{kind} file {path} does not exist")
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path} is not a valid {kind} file (bad JSON: {exc}); re-create it") from exc
-    if not isinstance(doc, dict):
-        raise FormatError(f"{path} is not a {kind} file: expected a JSON object")
+    doc = read_json_object(path, f"{kind} file")
     if doc.get("kind") != kind:
         raise FormatError(f"{path} is a {doc.get('kind')!r} file, expected {kind!r}")
     if doc.get("schema_version") != schema_version:

@@ -154,7 +154,7 @@ def _full(doc):
 def test_bad_json_rejected(tmp_path):
     path = tmp_path / "p.json"
     path.write_text('{"kind": "profile", "schema_version": 1, "machine": ')
-    with pytest.raises(FormatError, match="bad JSON"):
+    with pytest.raises(FormatError, match="not valid JSON"):
         load_profile(path)
 
 

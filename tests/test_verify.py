@@ -147,7 +147,7 @@ def test_corrupt_report_is_rejected(tmp_path):
     with pytest.raises(FormatError, match="measured"):
         load_report(bad)
     bad.write_text("{not json")
-    with pytest.raises(FormatError, match="bad JSON"):
+    with pytest.raises(FormatError, match="not valid JSON"):
         load_report(bad)
     res = CliRunner().invoke(cli, ["calibrate", str(bad), "--out", str(tmp_path / "c.json")])
     assert res.exit_code == 1 and "FormatError" in res.output and not (tmp_path / "c.json").exists()

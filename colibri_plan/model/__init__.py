@@ -8,11 +8,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from colibri_plan.errors import FormatError, InputError
+from colibri_plan.fileio import read_json_object
 from colibri_plan.model.catalogue import catalogue_names, catalogue_spec
 from colibri_plan.model.spec import ModelSpec
 
@@ -23,12 +23,7 @@ SPEC_SCHEMA_VERSION = 1
 
 
 def _load_json_spec(path: Path) -> ModelSpec:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path} is not valid JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise FormatError(f"{path}: a model spec file must hold a JSON object")
+    doc = read_json_object(path, "model spec file")
     if doc.get("kind") not in (None, SPEC_KIND):
         raise FormatError(f"{path} is a {doc.get('kind')!r} file, not a model spec")
     if doc.get("kind") == SPEC_KIND and doc.get("schema_version") != SPEC_SCHEMA_VERSION:

@@ -34,6 +34,7 @@ import struct
 from pathlib import Path
 
 from colibri_plan.errors import FormatError, InputError, UnsupportedError
+from colibri_plan.fileio import read_json_object
 from colibri_plan.model import hfconfig
 from colibri_plan.model.spec import ModelSpec
 
@@ -199,12 +200,7 @@ def checkpoint_spec(folder: str | Path) -> ModelSpec:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise InputError(f"{folder} has no config.json; is it a Hugging Face checkpoint folder?")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{cfg_path} is not valid JSON ({exc})") from exc
-    if not isinstance(cfg, dict):
-        raise FormatError(f"{cfg_path} must hold a JSON object")
+    cfg = read_json_object(cfg_path, "Hugging Face config.json")
     geo = hfconfig.moe_geometry(cfg, str(cfg_path))
     where = str(folder)
     if not any(folder.glob("*.safetensors")):
