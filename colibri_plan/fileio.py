@@ -67,7 +67,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         except OSError:
             pass
         raise
-    try:  # make the rename itself durable
+    fsync_dir(folder)  # make the rename itself durable
+    return path
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """fsync a folder so renames and new entries in it survive a crash; errors are ignored (some
+    filesystems refuse fsync on folders)."""
+    try:
         dfd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -75,7 +82,6 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             os.close(dfd)
     except OSError:
         pass
-    return path
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

@@ -44,22 +44,11 @@ from colibri_plan.engine.pack_index import (
 )
 from colibri_plan.engine.weights import ModelWeights
 from colibri_plan.errors import FormatError, InputError, IntegrityError
-from colibri_plan.fileio import write_document
+from colibri_plan.fileio import fsync_dir, write_document
 from colibri_plan.quant import QuantTensor, check_format, dequantize, quantize
 
 __all__ = ["PackWriter", "PackedModel", "write_pack", "open_pack", "verify_pack", "spec_from_pack",
            "spec_from_arch", "is_pack", "pack_summary", "BlockLayout", "block_layout"]
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 class PackWriter:
@@ -212,7 +201,7 @@ class PackWriter:
         for f in self.tmp.iterdir():  # temp files are created 0600; give them the usual mode
             os.chmod(f, 0o666 & ~mask)
         os.chmod(self.tmp, 0o777 & ~mask)
-        _fsync_dir(self.tmp)
+        fsync_dir(self.tmp)
         old = None
         if self.out.exists():  # overwrite: move the old pack aside first, delete it after the rename
             old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
@@ -223,7 +212,7 @@ class PackWriter:
             if old is not None:  # put the previous pack back
                 os.replace(old, self.out)
             raise
-        _fsync_dir(self.out.parent)
+        fsync_dir(self.out.parent)
         self.committed = True
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
