@@ -230,14 +230,20 @@ def load_plan(path: str | os.PathLike) -> Plan:
     return plan
 
 
-def check_model(plan: Plan, spec) -> None:
+def check_model(plan: Plan, spec, where: str | None = None) -> None:
     """Refuse a plan made for another model, or for another expert format than ``spec`` stores (its
-    byte budgets would be wrong). Raises MismatchError naming both."""
+    byte budgets would be wrong). ``where`` names the pack the spec came from, for the message.
+
+    Raises:
+        MismatchError: naming both fingerprints (or both formats).
+    """
+    held = f"{where} holds {spec.name}" if where else spec.name
     if plan.model_fingerprint != spec.fingerprint():
-        raise MismatchError(f"plan was made for {plan.doc['model']['name']} (fingerprint "
-                            f"{plan.model_fingerprint}), not {spec.name} ({spec.fingerprint()}); solve again")
+        raise MismatchError(f"plan was made for {plan.doc['model']['name']} (model fingerprint "
+                            f"{plan.model_fingerprint}), but {held} ({spec.fingerprint()}); "
+                            "solve a plan for this model")
     fmt = plan.doc.get("expert_format")
     if fmt and fmt != spec.expert_format:
-        raise MismatchError(f"plan was solved for {fmt} experts, but {spec.name} stores "
-                            f"{spec.expert_format}: its memory budgets do not hold; solve again with "
+        raise MismatchError(f"plan was solved for {fmt} experts, but {held} with "
+                            f"{spec.expert_format} experts: its memory budgets do not hold; solve again with "
                             f"--quant {spec.expert_format}")

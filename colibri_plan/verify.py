@@ -24,7 +24,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from colibri_plan.errors import FormatError, MismatchError
+from colibri_plan.errors import FormatError
 from colibri_plan.fileio import fingerprint, read_document, write_document
 
 KIND = "verify-report"
@@ -36,20 +36,14 @@ _HIT_TIERS = (("vram", "vram"), ("ram_pinned", "pinned"), ("lru", "lru"), ("disk
 
 
 def check_plan_model(plan, pack) -> None:
-    """Refuse a plan made for another model than ``pack`` (an open PackedModel).
+    """Refuse a plan made for another model or expert format than ``pack`` (an open PackedModel).
 
     Raises:
-        MismatchError: the fingerprints differ (both are named).
+        MismatchError: naming both fingerprints (see :func:`colibri_plan.plan.check_model`).
     """
-    spec = pack.spec()
-    want = plan.model_fingerprint
-    have = spec.fingerprint()
-    if want != have:
-        raise MismatchError(f"plan was made for {plan.doc['model'].get('name')} (model fingerprint {want}), "
-                            f"but {pack.path} holds {spec.name} ({have}); solve a plan for this model")
     from colibri_plan.plan import check_model
 
-    check_model(plan, spec)  # the expert format too: byte budgets depend on it
+    check_model(plan, pack.spec(), where=str(pack.path))
 
 
 def this_machine_fingerprint() -> str | None:

@@ -195,3 +195,22 @@ def _umask() -> int:
     m = os.umask(0)
     os.umask(m)
     return m
+
+
+def test_check_model_refuses_another_expert_format():
+    """Same geometry, other format: the plan's byte budgets would not hold, so it is refused."""
+    import pytest
+
+    from colibri_plan.errors import MismatchError
+    from colibri_plan.model import load_model_spec
+    from colibri_plan.plan import Plan, check_model
+
+    spec = load_model_spec("olmoe-1b-7b", quant="int4")
+    plan = Plan({"model": {"name": spec.name, "fingerprint": spec.fingerprint()}, "expert_format": "int8"})
+    with pytest.raises(MismatchError, match="solved for int8 experts.*int4"):
+        check_model(plan, spec, where="/packs/olmoe")
+    check_model(Plan({"model": {"name": spec.name, "fingerprint": spec.fingerprint()},
+                      "expert_format": "int4"}), spec)  # same format: accepted
+    other = Plan({"model": {"name": "x", "fingerprint": "0" * 16}, "expert_format": "int4"})
+    with pytest.raises(MismatchError, match="/packs/olmoe holds"):
+        check_model(other, spec, where="/packs/olmoe")

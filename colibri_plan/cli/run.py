@@ -234,7 +234,7 @@ def run_with_plan(weights, plan_path: str, prompt: list[int], n_tokens: int, bac
         raise InputError("--plan needs an expert pack (colibri-plan model pack / model fixture), not a "
                          "checkpoint folder: streaming reads experts from the pack's experts.bin")
     plan = load_plan(plan_path)
-    check_model(plan, weights.spec())
+    check_model(plan, weights.spec(), where=str(weights.path))
     w = machine_warning(plan, this_machine_fingerprint())
     if w:
         warn(w)
