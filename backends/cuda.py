@@ -25,7 +25,12 @@ from colibri_plan.quant import FORMATS, QuantTensor, group_size
 _FMT_ID = {"f32": 0, "f16": 1, "bf16": 2, "int8": 3, "int4": 4, "int2": 5}
 _GSHIFT = {32: 0, 64: 1, 128: 2}  # log2(G / 32): 16-byte words of int4 per group
 _WARPS = 8  # warps per block
-_R_MM, _R_GU = 4, 2  # rows per warp: 4 (matmul) or 2 x 2 matrices (gate/up) 16-byte loads in flight
+# (rows per warp tile R, 16-byte words per lane per step U): R * U (matmul) or 2 * R * U (gate and up)
+# loads per lane in flight, twice over while the previous step computes (bench/cuda_expert_ffn.py --tune;
+# staging the weights through shared memory with cp.async instead measured ~20% slower on an H200)
+_SHAPE = {"mm": (4, 1), "gate_up": (2, 1)}
+_NVRTC_OPTIONS = ("--std=c++14",)  # benchmarks add -DCOLIBRI_READ_ONLY (loads without arithmetic)
+_TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their activations in shared memory)
 _RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the module and work buffers
 _STAGE_BYTES = 64 << 20  # pinned staging chunk for uploads
 
@@ -93,11 +98,11 @@ class CUDABackend(Backend):
 
         self.cp, self.rt = cupy, cupy.cuda.runtime
         self.dev = cupy.cuda.Device(self.device.index)
-        src = importlib.resources.files("colibri_plan.shaders").joinpath("cuda", "matmul.cu").read_text()
-        names = [f"mm<{f},{_R_MM}>" for f in range(7)] + [f"gate_up<{f},{_R_GU}>" for f in range(7)]
+        shaders = importlib.resources.files("colibri_plan.shaders")
+        self._src = shaders.joinpath("cuda", "matmul.cu").read_text()
         with self.dev:
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            self.module = cupy.RawModule(code=src, options=("--std=c++14",), name_expressions=names)
+            self.module = cupy.RawModule(code=self._src, options=("--std=c++14",))  # rmsnorm
             self._events = (cupy.cuda.Event(), cupy.cuda.Event())
             free, _ = self.rt.memGetInfo()
             self._sms = int(self.dev.attributes["MultiProcessorCount"])
@@ -113,6 +118,9 @@ class CUDABackend(Backend):
         self._pinned_ptr: dict[str, int] = {}  # name -> its host address
         self.timing = False  # True: record CUDA events around each op into last_device_seconds
         self.last_device_seconds: float | None = None
+        # benchmarks: run each op's kernels this many times (idempotent); the GPU time at 2 less that
+        # at 1 is the kernels' own time (events inside a captured graph cannot be timed)
+        self.kernel_passes = 1
 
     def _close(self) -> None:
         with self.dev:
@@ -190,15 +198,27 @@ class CUDABackend(Backend):
         w.payload.mem = None  # cudaFree when the last reference goes (it waits for running kernels)
 
     # ---- launches --------------------------------------------------------------------------------
-    def _fn(self, name: str, fmt: str, smem: int):
-        key = f"{name}<{_fmt_id(fmt)},{_R_MM if name == 'mm' else _R_GU}>"
+    def _smem_limit(self) -> int:
+        return int(self.dev.attributes.get("MaxSharedMemoryPerBlockOptin", 48 * 1024))
+
+    def _tokens_per_pass(self, T: int, in_pad: int) -> int:
+        """1 for decode; ``_TOKENS_PER_PASS`` for T > 1 when their activations fit in shared memory."""
+        return _TOKENS_PER_PASS if T > 1 and _TOKENS_PER_PASS * in_pad * 4 <= self._smem_limit() else 1
+
+    def _fn(self, name: str, fmt: str, tc: int, smem: int):
+        """The kernel instance ``name<format, R, U, tc>``, compiled by NVRTC on first use (one module each:
+        only the formats a model uses are compiled; CuPy caches the binaries on disk)."""
+        R, U = _SHAPE[name]
+        key = f"{name}<{_fmt_id(fmt)},{R},{U},{tc}>"
         fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[key] = self.module.get_function(key)
+            with self.dev:
+                mod = self.cp.RawModule(code=self._src, options=_NVRTC_OPTIONS, name_expressions=[key])
+            fn = self._fns[key] = mod.get_function(key)
         if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
-            limit = self.dev.attributes.get("MaxSharedMemoryPerBlockOptin", 48 * 1024)
+            limit = self._smem_limit()
             if smem > limit:
-                raise UnsupportedError(f"cuda: rows of {smem // 4} columns need {smem} B of shared memory; "
+                raise UnsupportedError(f"cuda: {name} on rows of this width needs {smem} B of shared memory; "
                                        f"this GPU allows {limit} B per block")
             fn.max_dynamic_shared_size_bytes = smem
         return fn
@@ -216,17 +236,17 @@ class CUDABackend(Backend):
         return self._occupancy[key]
 
     def _launcher(self, name: str, fmt: str, n_mats: int, rows_grid: int, rows: int, in_pad: int,
-                  stride: int):
+                  stride: int, T: int):
         """(kernel, grid, block, shared bytes, scalar args) of one launch, cached: calls stay cheap."""
-        key = (name, fmt, n_mats, rows_grid, rows, in_pad, stride)
+        key = (name, fmt, n_mats, rows_grid, rows, in_pad, stride, T)
         hit = self._launchers.get(key)
         if hit is None:
-            R = _R_MM if name == "mm" else _R_GU
-            smem = in_pad * 4
-            fn = self._fn(name, fmt, smem)
-            tiles = -(-rows_grid // (R * _WARPS))
-            # one wave of resident blocks over all matrices; each block loops over its row tiles
-            blocks = max(1, min(tiles, -(-self._resident(fn, smem) * self._sms // n_mats)))
+            tc = self._tokens_per_pass(T, in_pad)
+            smem = tc * in_pad * 4
+            fn = self._fn(name, fmt, tc, smem)
+            warp_tiles = -(-rows_grid // _SHAPE[name][0])
+            # one wave of resident blocks over all matrices; each warp streams its row tiles
+            blocks = max(1, min(-(-warp_tiles // _WARPS), -(-self._resident(fn, smem) * self._sms // n_mats)))
             scalars = tuple(np.int32(v) for v in (rows, in_pad, stride, _GSHIFT.get(group_size(fmt), 0)))
             hit = self._launchers[key] = (fn, (blocks, n_mats), (32 * _WARPS,), smem, scalars)
         return hit
@@ -251,8 +271,9 @@ class CUDABackend(Backend):
     def _enqueue(self, n: int, launches, out_ptr: int, out_nbytes: int) -> None:
         rt, s, base = self.rt, self.stream, self._work["args"].ptr
         rt.memcpyAsync(base, self._pinned_ptr["args"], n, rt.memcpyHostToDevice, s.ptr)
-        for (fn, grid, block, smem, scalars), table_off in launches:
-            fn(grid, block, (np.uint64(base + table_off),) + scalars, shared_mem=smem)
+        for _ in range(self.kernel_passes):
+            for (fn, grid, block, smem, scalars), table_off in launches:
+                fn(grid, block, (np.uint64(base + table_off),) + scalars, shared_mem=smem)
         rt.memcpyAsync(self._pinned_ptr["out"], out_ptr, out_nbytes, rt.memcpyDeviceToHost, s.ptr)
 
     def _run(self, n: int, launches, out_ptr: int, out_nbytes: int) -> np.ndarray:
@@ -263,7 +284,7 @@ class CUDABackend(Backend):
         """
         host_out = self._pinned_view("out", out_nbytes)
         s = self.stream
-        key = (n, out_ptr, out_nbytes, self._work["args"].ptr, self._pinned_ptr["args"],
+        key = (self.kernel_passes, n, out_ptr, out_nbytes, self._work["args"].ptr, self._pinned_ptr["args"],
                self._pinned_ptr["out"], tuple((id(lr), off) for lr, off in launches))
         with self.dev, s:
             graph = self._graphs.get(key)
@@ -309,7 +330,7 @@ class CUDABackend(Backend):
         xdev = self._work_ptr("args", 64 + T * p.in_pad * 4) + 64
         n, _ = self._stage_args([p.data_ptr, p.scales_ptr, xdev, y, T, 0, 0, 0], [x], p.in_pad)
         # y [T, out] = x [T, in_pad] . W [out, in_pad]^T
-        launches = [(self._launcher("mm", w.fmt, 1, out, out, p.in_pad, out), 0)]
+        launches = [(self._launcher("mm", w.fmt, 1, out, out, p.in_pad, out, T), 0)]
         return self._run(n, launches, y, T * out * 4).reshape(T, out)
 
     def _expert_ffn(self, xs, experts: list[ExpertWeights]) -> list[np.ndarray]:
@@ -336,8 +357,9 @@ class CUDABackend(Backend):
             gu += (g.data_ptr, g.scales_ptr, u.data_ptr, u.scales_ptr, xdev + t0 * Hp * 4, hi, T, 0)
             dn += (d.data_ptr, d.scales_ptr, hi, y + t0 * H * 4, T, 0, 0, 0)
         nbytes, _ = self._stage_args(gu + dn, xs, Hp)
-        launches = [(self._launcher("gate_up", e0.gate.fmt, n, Ip, I, Hp, Ip), 0),  # h = SiLU(x.g) * x.u
-                    (self._launcher("mm", e0.down.fmt, n, H, H, Ip, H), 64 * n)]  # y_i = h_i . down^T
+        Tm = max(Ts)
+        launches = [(self._launcher("gate_up", e0.gate.fmt, n, Ip, I, Hp, Ip, Tm), 0),  # h = SiLU(x.g) * x.u
+                    (self._launcher("mm", e0.down.fmt, n, H, H, Ip, H, Tm), 64 * n)]  # y_i = h_i . down^T
         flat = self._run(nbytes, launches, y, tok[-1] * H * 4)
         return [flat[a * H:b * H].reshape(b - a, H) for a, b in zip(tok, tok[1:])]
 

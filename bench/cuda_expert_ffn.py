@@ -3,11 +3,13 @@
 ``bench/kernels.py`` measures every backend by host wall clock (what decode pays). This script splits
 the CUDA figure: the same ``expert_ffn`` calls timed on the host and by CUDA events
 (``CUDABackend.last_device_seconds`` with ``timing = True``: the op's copies and kernels; the events
-cost a few microseconds of host time, included in the wall figure here), and the device-to-device copy
+cost a few microseconds of host time, included in the wall figure here), the kernels' own GPU time (the
+same calls with the kernels run twice, less the plain ones), and the device-to-device copy
 bandwidth of the same GPU in the same run, so a shortfall can be put on the kernels or on host overhead.
 Experts cycle through a pool larger than the GPU's L2 cache. Prints a table; ``--out`` writes JSON.
-``--tune`` repeats the int4, 1-token case for several work shapes (rows per warp of the gate/up and
-down kernels, warps per block: the constants ``_R_GU``, ``_R_MM``, ``_WARPS`` of backends/cuda.py).
+``--tune`` repeats the int4, 1-token case for several work shapes (rows per warp tile and words per
+lane per step of the gate/up and down kernels, warps per block: ``_SHAPE`` and ``_WARPS`` of
+backends/cuda.py).
 
     .venv/bin/python bench/cuda_expert_ffn.py --out /tmp/cuda_ffn.json
     .venv/bin/python bench/cuda_expert_ffn.py --tune
@@ -51,17 +53,23 @@ def ffn_rows(be, fmt: str, tokens, args, rng) -> list[dict]:
     rows = []
     for T in tokens:
         xs = [rng.standard_normal((T, H), dtype=np.float32) for _ in range(args.experts)]
-        wall, dev = [], []
-        for k in range(args.calls + 5):
-            batch = [experts[(k * args.experts + j) % args.pool] for j in range(args.experts)]
-            t0 = time.perf_counter()
-            be.expert_ffn(xs, batch)
-            if k >= 5:  # the first calls compile, capture graphs and warm caches
-                wall.append(time.perf_counter() - t0)
-                dev.append(be.last_device_seconds)
+        wall, dev, kern = [], [], []
+        for passes, times in ((1, dev), (2, kern)):
+            be.kernel_passes = passes
+            for k in range(args.calls + 5):
+                batch = [experts[(k * args.experts + j) % args.pool] for j in range(args.experts)]
+                t0 = time.perf_counter()
+                be.expert_ffn(xs, batch)
+                if k >= 5:  # the first calls compile, capture graphs and warm caches
+                    if passes == 1:
+                        wall.append(time.perf_counter() - t0)
+                    times.append(be.last_device_seconds)
+        be.kernel_passes = 1
         nbytes, w_s, d_s = args.experts * ebytes, float(np.median(wall)), float(np.median(dev))
+        k_s = float(np.median(kern)) - d_s  # kernels' own time: (copies + 2 passes) - (copies + 1 pass)
         rows.append({"op": "expert_ffn", "fmt": fmt, "experts": args.experts, "tokens": T, "wall_s": w_s,
-                     "device_s": d_s, "wall_gbps": nbytes / w_s / 1e9, "device_gbps": nbytes / d_s / 1e9})
+                     "device_s": d_s, "kernel_s": k_s, "wall_gbps": nbytes / w_s / 1e9,
+                     "device_gbps": nbytes / d_s / 1e9, "kernel_gbps": nbytes / k_s / 1e9})
     for e in experts:
         for w in e:
             be.free(w)
@@ -71,18 +79,21 @@ def ffn_rows(be, fmt: str, tokens, args, rng) -> list[dict]:
 def tune(cls, args, rng) -> list[dict]:
     from colibri_plan.backends import cuda as mod
 
-    rows, saved = [], (mod._R_GU, mod._R_MM, mod._WARPS)
-    for r_gu, r_mm, warps in ((2, 4, 8), (1, 2, 8), (1, 4, 8), (2, 2, 8), (4, 4, 8), (2, 8, 8), (2, 4, 4),
-                              (4, 8, 4)):
-        mod._R_GU, mod._R_MM, mod._WARPS = r_gu, r_mm, warps
+    rows, saved = [], (dict(mod._SHAPE), mod._WARPS)
+    for gu, dn, warps in (((2, 1), (4, 1), 8), ((1, 1), (2, 1), 8), ((2, 2), (4, 1), 8), ((1, 2), (2, 2), 8),
+                          ((2, 1), (4, 2), 8), ((2, 1), (4, 1), 4), ((1, 2), (2, 2), 4)):
+        mod._SHAPE.update(gate_up=gu, mm=dn)
+        mod._WARPS = warps
         be = cls.open(0)
         be.timing = True
         (r,) = ffn_rows(be, "int4", [1], args, rng)
         be.close()
-        rows.append({**r, "r_gate_up": r_gu, "r_down": r_mm, "warps": warps})
-        print(f"rows/warp gate-up {r_gu} down {r_mm}, {warps} warps: GPU {r['device_gbps']:.0f} GB/s, "
-              f"wall {r['wall_gbps']:.0f} GB/s", flush=True)
-    mod._R_GU, mod._R_MM, mod._WARPS = saved
+        rows.append({**r, "gate_up_rows_words": list(gu), "down_rows_words": list(dn),
+                     "warps": warps})
+        print(f"gate-up R,U {gu}, down R,U {dn}, {warps} warps: kernels {r['kernel_gbps']:.0f} GB/s, "
+              f"op {r['device_gbps']:.0f} GB/s, wall {r['wall_gbps']:.0f} GB/s", flush=True)
+    mod._SHAPE.update(saved[0])
+    mod._WARPS = saved[1]
     return rows
 
 
@@ -90,13 +101,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="int4,int4-g64,int8")
     p.add_argument("--experts", type=int, default=8, help="experts per call (top-k)")
-    p.add_argument("--tokens", default="1,4")
+    p.add_argument("--tokens", default="1,4,16")
     p.add_argument("--pool", type=int, default=64, help="distinct experts cycled (> L2 cache)")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--tune", action="store_true", help="compare work shapes (int4, 1 token)")
+    p.add_argument("--read-only", action="store_true",
+                   help="kernels compiled to load the weights without the arithmetic (memory side alone; "
+                        "results are wrong on purpose)")
     p.add_argument("--out")
     args = p.parse_args()
     cls = get_backend("cuda")
+    from colibri_plan.backends import cuda as mod
+
+    if args.read_only:
+        mod._NVRTC_OPTIONS = mod._NVRTC_OPTIONS + ("-DCOLIBRI_READ_ONLY",)
     if (reason := cls.unavailable_reason()) is not None:
         print(f"cuda unavailable: {reason}", file=sys.stderr)
         return 1
@@ -114,14 +132,20 @@ def main() -> int:
         for fmt in args.formats.split(","):
             rows += ffn_rows(be, fmt, [int(t) for t in args.tokens.split(",")], args, rng)
     copy = rows[0]["gbps"]
+    print(f"resident blocks per SM (kernel, shared bytes): {be._occupancy}", file=sys.stderr)
     print(f"device-to-device copy: {copy:.0f} GB/s")
-    print(f"{'fmt':10} {'T':>3} {'wall us':>9} {'GPU us':>8} {'wall GB/s':>10} {'GPU GB/s':>9} "
-          f"{'wall/copy':>9}")
+    print("wall: host time of the call; op: GPU time of its copies and kernels; kernels: GPU time of the "
+          "kernels alone; x/copy: that rate over the device-to-device copy rate")
+    print(f"{'fmt':10} {'T':>3} {'wall us':>8} {'op us':>7} {'kern us':>8} {'wall GB/s':>9} {'op GB/s':>8} "
+          f"{'kern GB/s':>9} {'wall/copy':>9} {'op/copy':>7} {'kern/copy':>9}")
     for r in rows[1:]:
-        print(f"{r['fmt']:10} {r['tokens']:>3} {r['wall_s'] * 1e6:9.1f} {r['device_s'] * 1e6:8.1f} "
-              f"{r['wall_gbps']:10.0f} {r['device_gbps']:9.0f} {r['wall_gbps'] / copy:9.2f}")
+        print(f"{r['fmt']:10} {r['tokens']:>3} {r['wall_s'] * 1e6:8.1f} {r['device_s'] * 1e6:7.1f} "
+              f"{r['kernel_s'] * 1e6:8.1f} {r['wall_gbps']:9.0f} {r['device_gbps']:8.0f} "
+              f"{r['kernel_gbps']:9.0f} "
+              f"{r['wall_gbps'] / copy:9.2f} {r['device_gbps'] / copy:7.2f} {r['kernel_gbps'] / copy:9.2f}")
     if args.out:
-        atomic_write_text(args.out, json.dumps({"device": be.device.to_dict(), "rows": rows}, indent=1))
+        atomic_write_text(args.out, json.dumps({"device": be.device.to_dict(), "read_only": args.read_only,
+                                                "rows": rows}, indent=1))
     be.close()
     return 0
 

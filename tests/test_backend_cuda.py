@@ -27,9 +27,8 @@ SOURCE = importlib.resources.files("colibri_plan.shaders").joinpath("cuda", "mat
 
 
 def _instances() -> str:
-    body = "".join(f"template __global__ void mm<{f}, 4>(const u64 *, int, int, int, int);\n"
-                   f"template __global__ void gate_up<{f}, 2>(const u64 *, int, int, int, int);\n"
-                   for f in range(7))
+    body = "".join(f"template __global__ void {k}<{f}, {r}, {u}, {tc}>(const u64 *, int, int, int, int);\n"
+                   for f in range(7) for k, r, u in (("mm", 4, 1), ("gate_up", 2, 1)) for tc in (1, 4))
     return f'#include "{SOURCE}"\n{body}'
 
 
@@ -50,7 +49,7 @@ def test_kernels_compile_to_ptx(tmp_path):
                           str(src)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     ptx = (tmp_path / "k.ptx").read_text()
-    assert ptx.count(".entry") == 15  # 7 mm + 7 gate_up + rmsnorm
+    assert ptx.count(".entry") == 29  # 7 formats x (mm, gate_up) x (1, 4 tokens per pass) + rmsnorm
 
 
 HARNESS = r"""
@@ -79,6 +78,7 @@ static float __shfl_xor_sync(unsigned, float, int) { return 0.0f; }  // lanes ar
 static void __syncthreads() {}
 static float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 template <class T> T __ldg(const T *p) { return *p; }
+static uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 #define asm(...) (f = 0.0f)
 #include "SOURCE"
 // reads: fmt rows in_pad G, then the weight bytes, scales, x; prints each row's dot product
@@ -87,27 +87,31 @@ int main() {
   int bits = fmt == 0 ? 32 : fmt <= 2 ? 16 : fmt == 3 ? 8 : fmt == 5 ? 2 : 4;
   int row_bytes = in_pad * bits / 8, ngroups = fmt == 6 ? in_pad / G : 1;
   int gshift = G == 64 ? 1 : G == 128 ? 2 : 0;
-  static uint4 W[1 << 16]; static float S[1 << 16], x[1 << 14], xs[1 << 14];  // xs: staged (rotated)
+  static uint4 W[1 << 16]; static float S[1 << 16], x[1 << 15], xs[1 << 15];  // xs: staged (rotated)
   unsigned char *wb = (unsigned char *)W; unsigned v;
   for (int i = 0; i < rows * row_bytes; i++) { if (scanf("%u", &v) != 1) return 3; wb[i] = v; }
   int ns = fmt == 6 ? rows * ngroups : rows;
   for (int i = 0; i < ns; i++) if (scanf("%f", &S[i]) != 1) return 4;
   for (int i = 0; i < in_pad; i++) if (scanf("%f", &x[i]) != 1) return 5;
   const uint4 *Wp[1] = {W}; const float *Sp[1] = {S};
-  for (int row0 = 0; row0 < rows; row0 += 2) {
-    double sum[2] = {0, 0};
-    for (int lane = 0; lane < 32; lane++) {
-      threadIdx.x = lane; float acc[1][2];
-      switch (fmt) {
+  // token 1 = -0.5 * token 0: two tokens per pass, staged one after the other
+  for (int i = 0; i < in_pad; i++) x[in_pad + i] = -0.5f * x[i];
+  static double sum[2][1 << 12];
+  gridDim.x = 1; blockDim.x = 32; blockIdx.x = 0;
+  const int ntiles = (rows + 1) / 2;
+  for (int lane = 0; lane < 32; lane++) {  // one warp streams every 2-row tile, 2 words per lane per step
+    auto emit = [&](int row0, float (&acc)[2][1][2]) {
+      for (int j = 0; j < 2; j++)
+        for (int i = 0; i < 2; i++) if (row0 + i < rows) sum[j][row0 + i] += acc[j][0][i]; };
+    switch (fmt) {
 #define CASE(F) case F: \
-        threadIdx.x = 0; blockDim.x = 1; stage<F>(xs, x, in_pad); threadIdx.x = lane; \
-        warp_dots<F, 2, 1>(Wp, Sp, row0, rows, in_pad / Cols<F>::n, gshift, ngroups, xs, acc); break;
-        CASE(0) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
-      }
-      sum[0] += acc[0][0]; sum[1] += acc[0][1];
+      threadIdx.x = 0; blockDim.x = 1; stage_tokens<F>(xs, x, in_pad, 2); \
+      threadIdx.x = lane; blockDim.x = 32; \
+      warp_rows<F, 2, 1, 2, 2>(Wp, Sp, rows, ntiles, in_pad / Cols<F>::n, gshift, xs, in_pad, 2, emit); break;
+      CASE(0) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
     }
-    for (int i = 0; i < 2 && row0 + i < rows; i++) printf("%.9g\n", sum[i]);
   }
+  for (int j = 0; j < 2; j++) for (int r = 0; r < rows; r++) printf("%.9g\n", sum[j][r]);
   return 0;
 }
 """
@@ -128,8 +132,9 @@ def harness(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int2", "int4-g32", "int4-g64", "int4-g128"])
 def test_kernel_decoding_matches_quant_on_the_host(harness, fmt):
-    """warp_dots of matmul.cu (every lane's part, summed) equals x . dequantize(W) for odd shapes: the
-    16-byte word decoding, byte-permute conversions, column order, group scales and row clamping."""
+    """warp_rows of matmul.cu (every lane's part, summed) equals x . dequantize(W) for odd shapes and two
+    tokens per pass: the 16-byte word decoding, byte-permute conversions, column order, group scales,
+    row clamping, and the step stream crossing tiles (2 words per lane per step, 4 tiles per warp)."""
     from colibri_plan.backends.base import padded_layout
 
     rows, in_f = 7, 300
@@ -145,8 +150,8 @@ def test_kernel_decoding_matches_quant_on_the_host(harness, fmt):
                      " ".join(repr(float(s)) for s in sc), " ".join(repr(float(v)) for v in x)])
     run = subprocess.run([str(harness)], input=text, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    got = np.array(run.stdout.split(), np.float64)
-    ref = quant.matmul_ref(x[None, :in_f], qt)[0].astype(np.float64)
+    got = np.array(run.stdout.split(), np.float64).reshape(2, rows)
+    ref = quant.matmul_ref(np.stack([x[:in_f], -0.5 * x[:in_f]]), qt).astype(np.float64)
     assert got.shape == ref.shape
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 

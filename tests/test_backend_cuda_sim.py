@@ -161,7 +161,7 @@ def fake_cupy(sim: Sim):
             sim.run(lambda: _kernel_op(sim, self.__name__, grid, args))
 
     class RawModule:
-        def __init__(self, code, options, name_expressions):
+        def __init__(self, code, options, name_expressions=()):
             self.names = set(name_expressions)
 
         def get_function(self, name):

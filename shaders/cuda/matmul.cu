@@ -6,9 +6,10 @@
 // colibri_plan/quant.py: int4 (nibble - 8) * s, int2 (crumb - 2) * s, int8 q * s, bf16 bits << 16,
 // f16 IEEE half, group formats (nibble - 8) * s[r, c / G]; packing low bits first.
 //
-// Work shape (decode is bound by weight reads): a warp owns R rows; each lane reads whole 16-byte
-// words (uint4) of consecutive columns, so a warp reads 512 contiguous bytes per row per step; the
-// activations of one token sit in shared memory; lanes reduce with shuffles.
+// Work shape (decode is bound by weight reads): a warp owns tiles of R rows; each lane reads whole
+// 16-byte words (uint4) of consecutive columns, so a warp reads 512 contiguous bytes per row per word
+// step, and the next step's words are loaded while the current ones are summed; the activations of up
+// to TC tokens sit in shared memory; lanes reduce with shuffles.
 // Compiled by NVRTC through CuPy RawModule; `nvcc --ptx` checks it too (no headers needed).
 
 typedef unsigned long long u64;  // NVRTC has no <cstddef>: no size_t
@@ -29,10 +30,14 @@ template <> struct Cols<F_BF16> { static constexpr int n = 8; };
 template <> struct Cols<F_INT8> { static constexpr int n = 16; };
 template <> struct Cols<F_INT2> { static constexpr int n = 64; };
 
-// float whose bits are 0x4B0000bb equals 2^23 + bb: one byte permute + one subtract converts a byte
-// code to float exactly (cheaper than an int-to-float conversion)
-__device__ __forceinline__ float byte_f(unsigned word, int b, float bias) {
-    return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | b)) - bias;
+// 2^23 + bb as float has bits 0x4B0000bb: one byte permute and one subtract convert a byte code to
+// float exactly (cheaper than an int-to-float conversion). The 0x4B000000 word comes from memory: as a
+// literal, ptxas makes it the permute's one immediate operand and moves the selector into a register
+// instead, an extra instruction per weight.
+__device__ unsigned magic_bits = 0x4B000000u;
+template <int B>
+__device__ __forceinline__ float byte_f(unsigned word, float bias) {
+    return __int_as_float(__byte_perm(word, magic_bits, 0x7440 | B)) - bias;
 }
 
 __device__ __forceinline__ float half_f(unsigned short h) {
@@ -54,22 +59,29 @@ __device__ __forceinline__ float dot_part(unsigned v, const float *x, float acc)
         acc = fmaf(__uint_as_float(v << 16), x[0], acc);
         acc = fmaf(__uint_as_float(v & 0xFFFF0000u), x[1], acc);
     } else if (FMT == F_INT8) {
-        unsigned u = v ^ 0x80808080u;  // signed q -> q + 128
-#pragma unroll
-        for (int b = 0; b < 4; b++) acc = fmaf(byte_f(u, b, 8388736.0f), x[b], acc);
+        const unsigned u = v ^ 0x80808080u;  // signed q -> q + 128
+        acc = fmaf(byte_f<0>(u, 8388736.0f), x[0], acc);
+        acc = fmaf(byte_f<1>(u, 8388736.0f), x[1], acc);
+        acc = fmaf(byte_f<2>(u, 8388736.0f), x[2], acc);
+        acc = fmaf(byte_f<3>(u, 8388736.0f), x[3], acc);
     } else if (FMT == F_INT4 || FMT == F_INT4G) {
-        unsigned lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;  // byte b: columns 2b, 2b+1
-#pragma unroll
-        for (int b = 0; b < 4; b++) {
-            acc = fmaf(byte_f(lo, b, 8388616.0f), x[2 * b], acc);
-            acc = fmaf(byte_f(hi, b, 8388616.0f), x[2 * b + 1], acc);
-        }
+        const unsigned lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;  // byte b: columns 2b, 2b+1
+        acc = fmaf(byte_f<0>(lo, 8388616.0f), x[0], acc);
+        acc = fmaf(byte_f<0>(hi, 8388616.0f), x[1], acc);
+        acc = fmaf(byte_f<1>(lo, 8388616.0f), x[2], acc);
+        acc = fmaf(byte_f<1>(hi, 8388616.0f), x[3], acc);
+        acc = fmaf(byte_f<2>(lo, 8388616.0f), x[4], acc);
+        acc = fmaf(byte_f<2>(hi, 8388616.0f), x[5], acc);
+        acc = fmaf(byte_f<3>(lo, 8388616.0f), x[6], acc);
+        acc = fmaf(byte_f<3>(hi, 8388616.0f), x[7], acc);
     } else {  // F_INT2: byte b holds columns 4b .. 4b+3
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            unsigned c = (v >> (2 * i)) & 0x03030303u;
-#pragma unroll
-            for (int b = 0; b < 4; b++) acc = fmaf(byte_f(c, b, 8388610.0f), x[4 * b + i], acc);
+            const unsigned c = (v >> (2 * i)) & 0x03030303u;
+            acc = fmaf(byte_f<0>(c, 8388610.0f), x[i], acc);
+            acc = fmaf(byte_f<1>(c, 8388610.0f), x[4 + i], acc);
+            acc = fmaf(byte_f<2>(c, 8388610.0f), x[8 + i], acc);
+            acc = fmaf(byte_f<3>(c, 8388610.0f), x[12 + i], acc);
         }
     }
     return acc;
@@ -78,6 +90,9 @@ __device__ __forceinline__ float dot_part(unsigned v, const float *x, float acc)
 template <int FMT>
 __device__ __forceinline__ float dot_word(uint4 w, const float *x) {
     constexpr int q = Cols<FMT>::n / 4;
+#ifdef COLIBRI_READ_ONLY  // benchmarks only: the same loads without the arithmetic (memory side alone)
+    return __uint_as_float(w.x ^ w.y ^ w.z ^ w.w) * x[0];
+#endif
     float acc = dot_part<FMT>(w.x, x, 0.0f);
     acc = dot_part<FMT>(w.y, x + q, acc);
     acc = dot_part<FMT>(w.z, x + 2 * q, acc);
@@ -125,56 +140,129 @@ __device__ __forceinline__ void load_x(const float *xs, int k, float (&xv)[Cols<
     }
 }
 
-// acc[m][i] = W_m[row0 + i] . xs for NW weights, R rows; every lane gets the full sums.
-// Rows past `rows` are clamped to the last row (valid memory); callers discard them.
-template <int FMT, int R, int NW>
-__device__ __forceinline__ void warp_dots(const uint4 *const *W, const float *const *S, int row0, int rows,
-                                          int words, int gshift, int ngroups, const float *xs,
-                                          float (&acc)[NW][R]) {
-    const int lane = threadIdx.x & 31;
-    int row[R];
-#pragma unroll
-    for (int i = 0; i < R; i++) row[i] = min(row0 + i, rows - 1);
-#pragma unroll
-    for (int m = 0; m < NW; m++)
-#pragma unroll
-        for (int i = 0; i < R; i++) acc[m][i] = 0.0f;
-#pragma unroll 2
-    for (int k = lane; k < words; k += 32) {
-        uint4 w[NW][R];
-#pragma unroll
-        for (int m = 0; m < NW; m++)  // issue every load before any math: NW * R words in flight
-#pragma unroll
-            for (int i = 0; i < R; i++) w[m][i] = __ldg(W[m] + (u64)row[i] * words + k);
-        float x[Cols<FMT>::n];
-        load_x<FMT>(xs, k, x);
-#pragma unroll
-        for (int m = 0; m < NW; m++)
-#pragma unroll
-            for (int i = 0; i < R; i++) {
-                float d = dot_word<FMT>(w[m][i], x);
-                if (FMT == F_INT4G)
-                    acc[m][i] = fmaf(d, __ldg(S[m] + (u64)row[i] * ngroups + (k >> gshift)), acc[m][i]);
-                else
-                    acc[m][i] += d;
-            }
-    }
+// One step of a warp's stream: U 16-byte words per lane of R rows of NW matrices, with their scales
+// (group formats: each word's group scale; per-row formats: the row scale, in s[m][i][0]).
+template <int FMT, int R, int NW, int U>
+struct Step {
+    uint4 w[NW][R][U];
+    float s[NW][R][U];
+};
+
+// Issue the loads of one step: this lane's words k0 + 32 u of rows row0 .. row0 + R - 1 (rows past
+// `rows` are clamped to the last row, valid memory; words past the row end read as zero, never used).
+template <int FMT, int R, int NW, int U>
+__device__ __forceinline__ void load_step(Step<FMT, R, NW, U> &st, const uint4 *const *W, const float *const *S,
+                                          int row0, int rows, int words, int gshift, int k0) {
+    const int ngroups = words >> gshift;
 #pragma unroll
     for (int m = 0; m < NW; m++)
 #pragma unroll
         for (int i = 0; i < R; i++) {
-            float v = warp_sum(acc[m][i]);
-            if (FMT == F_INT8 || FMT == F_INT4 || FMT == F_INT2) v *= __ldg(S[m] + row[i]);
-            acc[m][i] = v;
+            const int r = min(row0 + i, rows - 1);
+            const uint4 *wr = W[m] + (u64)r * words;
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int k = k0 + 32 * u;
+                st.w[m][i][u] = k < words ? __ldg(wr + k) : make_uint4(0u, 0u, 0u, 0u);
+                if (FMT == F_INT4G) st.s[m][i][u] = k < words ? __ldg(S[m] + (u64)r * ngroups + (k >> gshift)) : 0.0f;
+            }
+            if (FMT == F_INT8 || FMT == F_INT4 || FMT == F_INT2) st.s[m][i][0] = __ldg(S[m] + r);
         }
 }
 
-// Blocks loop over row tiles of R * warps rows (tile = blockIdx.x, += gridDim.x), so one staging of
-// x[t] serves several tiles; the host sizes gridDim.x to fill the GPU a few blocks per SM deep.
+// acc[j][m][i] += W_m[row i] . x_j over the step's words, for the tn <= TC tokens staged at xs + j * in_pad
+template <int FMT, int R, int NW, int U, int TC>
+__device__ __forceinline__ void dot_step(const Step<FMT, R, NW, U> &st, const float *xs, int in_pad, int tn,
+                                         int words, int k0, float (&acc)[TC][NW][R]) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int k = k0 + 32 * u;
+        if (k >= words) break;
+#pragma unroll
+        for (int j = 0; j < TC; j++) {
+            if (j >= tn) break;
+            float x[Cols<FMT>::n];
+            load_x<FMT>(xs + j * in_pad, k, x);
+#pragma unroll
+            for (int m = 0; m < NW; m++)
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    const float d = dot_word<FMT>(st.w[m][i][u], x);
+                    acc[j][m][i] = FMT == F_INT4G ? fmaf(d, st.s[m][i][u], acc[j][m][i]) : acc[j][m][i] + d;
+                }
+        }
+    }
+}
+
+// A warp's share of the row tiles (R rows each; warp g of the grid takes tiles g, g + all warps, ...),
+// as one stream of steps: the loads of the next step, which may belong to the next tile, are in
+// flight while this one computes, so a short row (2048 int4 columns are 2 words per lane) does not
+// expose the memory latency once per tile. emit(row0, acc) gets each tile's finished sums (every lane
+// holds them; per-row scales applied).
+template <int FMT, int R, int NW, int U, int TC, class Emit>
+__device__ __forceinline__ void warp_rows(const uint4 *const *W, const float *const *S, int rows, int ntiles,
+                                          int words, int gshift, const float *xs, int in_pad, int tn, Emit emit) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, tstep = gridDim.x * warps;
+    int tile = blockIdx.x * warps + (threadIdx.x >> 5);
+    if (tile >= ntiles) return;
+    const int steps = (words + 32 * U - 1) / (32 * U);  // steps per tile, the same for every lane
+    int step = 0;
+    Step<FMT, R, NW, U> cur, nxt;
+    load_step<FMT, R, NW, U>(cur, W, S, tile * R, rows, words, gshift, lane);
+    float acc[TC][NW][R];
+#pragma unroll
+    for (int j = 0; j < TC; j++)
+#pragma unroll
+        for (int m = 0; m < NW; m++)
+#pragma unroll
+            for (int i = 0; i < R; i++) acc[j][m][i] = 0.0f;
+    for (;;) {
+        int ntile = tile, nstep = step + 1;
+        if (nstep == steps) {
+            nstep = 0;
+            ntile += tstep;
+        }
+        const bool more = ntile < ntiles;
+        if (more) load_step<FMT, R, NW, U>(nxt, W, S, ntile * R, rows, words, gshift, lane + 32 * U * nstep);
+        dot_step<FMT, R, NW, U, TC>(cur, xs, in_pad, tn, words, lane + 32 * U * step, acc);
+        if (nstep == 0) {  // the tile is complete: reduce over lanes, hand it out, start the next
+#pragma unroll
+            for (int j = 0; j < TC; j++)
+#pragma unroll
+                for (int m = 0; m < NW; m++)
+#pragma unroll
+                    for (int i = 0; i < R; i++) {
+                        float v = warp_sum(acc[j][m][i]);
+                        if (FMT == F_INT8 || FMT == F_INT4 || FMT == F_INT2) v *= cur.s[m][i][0];
+                        acc[j][m][i] = v;
+                    }
+            emit(tile * R, acc);
+#pragma unroll
+            for (int j = 0; j < TC; j++)
+#pragma unroll
+                for (int m = 0; m < NW; m++)
+#pragma unroll
+                    for (int i = 0; i < R; i++) acc[j][m][i] = 0.0f;
+        }
+        if (!more) break;
+        tile = ntile;
+        step = nstep;
+        cur = nxt;
+    }
+}
+
+// x[t0 .. t0 + tn) (rows of in_pad floats, 16-byte aligned) -> shared memory, token j at xs + j * in_pad
+template <int FMT>
+__device__ __forceinline__ void stage_tokens(float *xs, const float *x, int in_pad, int tn) {
+    for (int j = 0; j < tn; j++) stage<FMT>(xs + j * in_pad, x + (u64)j * in_pad, in_pad);
+}
+
+// Tokens go in passes of TC (weights are read once per pass); blocks cover the row tiles of their
+// matrix, a few resident per SM (the host sizes gridDim.x), each warp streaming its tiles.
 
 // Table entry per matrix (8 x u64): W, S, x, y, T. y[t * y_stride + r] = x[t] . W[r] for r < rows.
-// Grid (tile blocks, n_matrices), block (32 * warps), shared memory in_pad * 4 bytes.
-template <int FMT, int R>
+// Grid (blocks, n_matrices), block (32 * warps), shared memory TC * in_pad * 4 bytes.
+template <int FMT, int R, int U, int TC>
 __global__ void mm(const u64 *__restrict__ table, int rows, int in_pad, int y_stride, int gshift) {
     extern __shared__ float4 smem4[];
     float *xs = reinterpret_cast<float *>(smem4);
@@ -183,27 +271,28 @@ __global__ void mm(const u64 *__restrict__ table, int rows, int in_pad, int y_st
     const float *S[1] = {reinterpret_cast<const float *>(e[1])};
     const float *x = reinterpret_cast<const float *>(e[2]);
     float *y = reinterpret_cast<float *>(e[3]);
-    const int T = (int)e[4], words = in_pad / Cols<FMT>::n, ngroups = (words >> gshift);
-    const int warps = blockDim.x >> 5, tiles = (rows + R * warps - 1) / (R * warps), lane = threadIdx.x & 31;
-    for (int t = 0; t < T; t++) {
-        stage<FMT>(xs, x + (u64)t * in_pad, in_pad);
+    const int T = (int)e[4], words = in_pad / Cols<FMT>::n, ntiles = (rows + R - 1) / R;
+    const int lane = threadIdx.x & 31;
+    for (int t0 = 0; t0 < T; t0 += TC) {
+        const int tn = min(TC, T - t0);
+        stage_tokens<FMT>(xs, x + (u64)t0 * in_pad, in_pad, tn);
         __syncthreads();
-        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-            const int row0 = (tile * warps + (threadIdx.x >> 5)) * R;
-            float acc[1][R];
-            warp_dots<FMT, R, 1>(W, S, row0, rows, words, gshift, ngroups, xs, acc);
+        warp_rows<FMT, R, 1, U, TC>(W, S, rows, ntiles, words, gshift, xs, in_pad, tn,
+                                    [&](int row0, float (&acc)[TC][1][R]) {
 #pragma unroll
-            for (int i = 0; i < R; i++)
-                if (lane == i && row0 + i < rows) y[(u64)t * y_stride + row0 + i] = acc[0][i];
-        }
-        __syncthreads();  // xs is overwritten by the next token
+            for (int j = 0; j < TC; j++)
+#pragma unroll
+                for (int i = 0; i < R; i++)
+                    if (lane == i && j < tn && row0 + i < rows) y[(u64)(t0 + j) * y_stride + row0 + i] = acc[j][0][i];
+        });
+        __syncthreads();  // xs is overwritten by the next pass
     }
 }
 
 // Table entry per expert (8 x u64): gate W, gate S, up W, up S, x, h, T.
 // h[t * h_stride + r] = SiLU(gate[r] . x[t]) * (up[r] . x[t]) for r < rows; rows <= r < h_stride
-// (padding the down projection reads) get 0. Grid (tile blocks, n_experts), tiles cover h_stride.
-template <int FMT, int R>
+// (padding the down projection reads) get 0. Grid (blocks, n_experts); tiles cover h_stride.
+template <int FMT, int R, int U, int TC>
 __global__ void gate_up(const u64 *__restrict__ table, int rows, int in_pad, int h_stride, int gshift) {
     extern __shared__ float4 smem4[];
     float *xs = reinterpret_cast<float *>(smem4);
@@ -212,25 +301,25 @@ __global__ void gate_up(const u64 *__restrict__ table, int rows, int in_pad, int
     const float *S[2] = {reinterpret_cast<const float *>(e[1]), reinterpret_cast<const float *>(e[3])};
     const float *x = reinterpret_cast<const float *>(e[4]);
     float *h = reinterpret_cast<float *>(e[5]);
-    const int T = (int)e[6], words = in_pad / Cols<FMT>::n, ngroups = (words >> gshift);
-    const int warps = blockDim.x >> 5, tiles = (h_stride + R * warps - 1) / (R * warps);
+    const int T = (int)e[6], words = in_pad / Cols<FMT>::n, ntiles = (h_stride + R - 1) / R;
     const int lane = threadIdx.x & 31;
-    for (int t = 0; t < T; t++) {
-        stage<FMT>(xs, x + (u64)t * in_pad, in_pad);
+    for (int t0 = 0; t0 < T; t0 += TC) {
+        const int tn = min(TC, T - t0);
+        stage_tokens<FMT>(xs, x + (u64)t0 * in_pad, in_pad, tn);
         __syncthreads();
-        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-            const int row0 = (tile * warps + (threadIdx.x >> 5)) * R;
-            float acc[2][R];
-            warp_dots<FMT, R, 2>(W, S, row0, rows, words, gshift, ngroups, xs, acc);
+        warp_rows<FMT, R, 2, U, TC>(W, S, rows, ntiles, words, gshift, xs, in_pad, tn,
+                                    [&](int row0, float (&acc)[TC][2][R]) {
 #pragma unroll
-            for (int i = 0; i < R; i++) {
-                const int r = row0 + i;
-                if (lane == i && r < h_stride) {
-                    const float g = acc[0][i], u = acc[1][i];
-                    h[(u64)t * h_stride + r] = r < rows ? g / (1.0f + expf(-g)) * u : 0.0f;
+            for (int j = 0; j < TC; j++)
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    const int r = row0 + i;
+                    if (lane == i && j < tn && r < h_stride) {
+                        const float g = acc[j][0][i], u = acc[j][1][i];
+                        h[(u64)(t0 + j) * h_stride + r] = r < rows ? g / (1.0f + expf(-g)) * u : 0.0f;
+                    }
                 }
-            }
-        }
+        });
         __syncthreads();
     }
 }
