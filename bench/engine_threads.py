@@ -45,7 +45,7 @@ THREAD_VARS = ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREA
                "NUMBA_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_DEFAULT_NUM_THREADS")
 VARIANTS = {
     "openblas-spin": {"OPENBLAS_THREAD_TIMEOUT": "28"},  # OpenBLAS's own default: 2^28 cycles of spin
-    "default": {},  # what colibri_plan sets when the user sets nothing (OPENBLAS_THREAD_TIMEOUT=16)
+    "default": {},  # what colibri_plan sets when the user sets nothing (OPENBLAS_THREAD_TIMEOUT=4)
     "blas-timeout-4": {"OPENBLAS_THREAD_TIMEOUT": "4"},  # the smallest: BLAS workers sleep at once
     "blas-1thread": {"OPENBLAS_NUM_THREADS": "1"},
     "omp-active": {"OMP_WAIT_POLICY": "active"},
