@@ -2,7 +2,7 @@
 # On a CUDA GPU host: plans with a VRAM tier smaller than the experts, so GPU-resident and CPU-resident
 # experts share every MoE layer, verified against their predictions and beside colibrì's hot-first fill.
 #
-#   source .carry/enter.sh && bash bench/h200_verify.sh        # outputs under $OUT (default /tmp/h200-verify)
+#   bash bench/h200_verify.sh        # outputs under $OUT (default /tmp/h200-verify)
 #   VRAM_GBS="1.0 3.3" REPEATS=3 TOKENS=16 OUT=/tmp/x bash bench/h200_verify.sh
 #
 # For each VRAM budget: solve ours, write the hot-first plan with the same budgets, then verify both

@@ -86,6 +86,35 @@ def test_gpu_ratio_and_cpu_path_with_devices():
     assert (c.cpu_expert, c.disk) == pytest.approx((2.0, 0.5))   # from CPU compute + disk wait
 
 
+def _with_calls(report: dict, calls: float, call_s: float) -> dict:
+    """The report's plan counted ``calls`` GPU layer calls per token, and each took ``call_s`` more."""
+    report["predicted"]["terms"]["gpu_calls"] = calls
+    report["measured"]["terms"]["device_s"]["cuda:0"] += calls * call_s
+    return report
+
+
+def test_gpu_time_beyond_the_kernel_rate_is_per_call_overhead():
+    # raw GPU 0.1 s per token, measured 0.1 + 3 calls x 0.02 s (+ the 0.002 s of predicted transfers)
+    reps = [_with_calls(_report({"dense": 0.1, "cpu": 0.2, "disk": 0.0}, TRUE, device=True), 3, 0.02)
+            for _ in range(2)]
+    c, detail = fit_coefficients(reps)
+    assert c.gpu_call_s == pytest.approx(0.02) and c.gpu_expert == 1.0
+    assert detail["gpu_call_s"]["calls_sum"] == pytest.approx(6.0) and not detail["gpu_expert"]["fitted"]
+    # a plan made with that overhead predicts it inside transfer_s: refitting its own report changes nothing
+    rep = _report({"dense": 0.1, "cpu": 0.2, "disk": 0.0}, TRUE, old={"gpu_call_s": 0.02}, device=True)
+    rep = _with_calls(rep, 3, 0.02)
+    rep["predicted"]["terms"]["transfer_s"] += 3 * 0.02
+    c2, _ = fit_coefficients([rep])
+    assert c2.gpu_call_s == pytest.approx(0.02) and c2.gpu_expert == 1.0
+
+
+def test_gpu_faster_than_profiled_scales_the_rate_not_the_calls():
+    true = {**TRUE, "gpu_expert": 0.8}
+    reps = [_with_calls(_report({"dense": 0.1, "cpu": 0.2, "disk": 0.0}, true, device=True), 3, 0.0)]
+    c, detail = fit_coefficients(reps)
+    assert c.gpu_expert == pytest.approx(0.8) and c.gpu_call_s == 0.0 and "gpu_call_s" not in detail
+
+
 def test_base_coefficients_are_kept_where_there_is_no_data():
     base = Coefficients(disk=0.7, transfer=1.3)
     c, detail = fit_coefficients([_report({"dense": 0.1, "cpu": 0.2, "disk": 0.0}, TRUE)], base=base)

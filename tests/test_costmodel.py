@@ -46,6 +46,23 @@ def test_layer_terms_by_hand():
     assert t2["time_s"] == pytest.approx(2 * 1e8 / 100e9 + 0.5 * 2e-4)
 
 
+def test_gpu_call_overhead_is_paid_per_layer_the_gpu_holds_experts_of():
+    p = np.array([0.5, 0.3, 0.2])
+    coef = Coefficients(gpu_call_s=0.004)
+    # all on the GPU: compute 1e8/100e9 = 0.001 s, transfers 2e-4 s, the call 0.004 s
+    t = layer_terms(p, np.zeros(3, int), 0, B, RES, coef, ACT)
+    assert t["transfer_s"] == [pytest.approx(2e-4 + 0.004)] and t["gpu_calls"] == 1
+    assert t["time_s"] == pytest.approx(0.001 + 2e-4 + 0.004)
+    # nothing on the GPU: no call, no transfer; the CPU computes all (1e8 / 10e9 = 0.01 s)
+    t0 = layer_terms(p, np.full(3, TIER_RAM), 0, B, RES, coef, ACT)
+    assert t0["transfer_s"] == [0.0] and t0["gpu_calls"] == 0 and t0["time_s"] == pytest.approx(0.01)
+    # two layers, one with GPU experts: one call per token
+    d = decode_cost(np.stack([p, p]), np.array([[0, 0, TIER_RAM], [TIER_RAM] * 3]), np.zeros(2, int), B, RES,
+                    coef, activation_bytes=ACT)
+    assert d["terms"]["gpu_calls"] == pytest.approx(1.0)
+    assert d["terms"]["transfer_s"] == pytest.approx(2e-4 + 0.004)
+
+
 def test_cpu_path_overlaps_reads_with_resident_compute():
     """Toy numbers: 10 experts of 100 MB, CPU 10 GB/s (0.01 s each), disk 2 GB/s (0.05 s each)."""
     res = Resources(cpu_matmul_gbps=10, ram_read_gbps=20, disk_read_gbps=2)

@@ -120,7 +120,14 @@ def calibrate(reports, out_path, base_path):
             else:
                 how = (f"ratio of sums {d['measured_sum_s'] * 1e3:.1f} / {d['raw_sum_s'] * 1e3:.1f} ms "
                        f"({d['reports']} report(s))")
+            if t == "gpu_expert" and "gpu_call_s" in detail:
+                how = "base value kept: the GPU time beyond it is per-call overhead (gpu_call_s)"
             rows.append([t, f"{d['value']:.3f}", how])
+        if "gpu_call_s" in detail:
+            d = detail["gpu_call_s"]
+            rows.append(["gpu_call_s", f"{d['value'] * 1e3:.3f} ms",
+                         f"({d['measured_sum_s'] * 1e3:.1f} - {d['raw_sum_s'] * 1e3:.1f} ms) / "
+                         f"{d['calls_sum']:.0f} GPU layer calls"])
         return "\n".join([table(rows, ["term", "coefficient", "fitted by"]),
                           f"wrote {path}; use it with: colibri-plan solve ... --coefficients {path}"])
 

@@ -30,7 +30,7 @@ from scipy import sparse
 from scipy.optimize import linprog
 
 from colibri_plan.errors import BudgetError, SolverError
-from colibri_plan.planner.costmodel import TIER_DISK, TIER_RAM, miss_seconds, transfer_seconds
+from colibri_plan.planner.costmodel import TIER_DISK, TIER_RAM, gpu_fixed_seconds, miss_seconds
 
 N_BREAKPOINTS = 5
 CUT_ROUNDS = 6
@@ -77,8 +77,8 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
     n_t = n_gpu + 2
     t_ram, t_disk = n_gpu, n_gpu + 1
     rows = [r for r in range(probs.shape[0]) if w[r] > 0 and probs[r].sum() > 0]
-    xfer = [coef.transfer * transfer_seconds(g, problem.activation_bytes) for g in res.gpus]
-    zdev = [d for d, g in enumerate(res.gpus) if not g.unified and xfer[d] > 0]
+    xfer = [gpu_fixed_seconds(g, problem.activation_bytes, coef) for g in res.gpus]
+    zdev = [d for d in range(len(res.gpus)) if xfer[d] > 0]
     cpu_c = coef.cpu_expert * b / (res.cpu_gbps * 1e9)
     gpu_c = [coef.gpu_expert * b / (g.matmul_gbps * 1e9) for g in res.gpus]
     t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
@@ -332,8 +332,7 @@ def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[
     cpu_c = coef.cpu_expert * b / (res.cpu_gbps * 1e9)
     t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
     rate = np.array([coef.gpu_expert * b / (g.matmul_gbps * 1e9) for g in res.gpus] + [cpu_c, cpu_c])
-    fixed = np.array([coef.transfer * transfer_seconds(g, problem.activation_bytes) for g in res.gpus]
-                     + [0.0, 0.0])
+    fixed = np.array([gpu_fixed_seconds(g, problem.activation_bytes, coef) for g in res.gpus] + [0.0, 0.0])
     best = None
     t1 = time.perf_counter()
     for i, z in enumerate(candidates):

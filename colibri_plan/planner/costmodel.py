@@ -15,8 +15,9 @@ DESIGN.md §7). Per decode token:
                      reads with (``Resources.disk_queue_depth``; the profile measures expert-sized blocks at
                      that depth, so a read's latency is inside this figure)
 * ``gpu_l,d``     = c_gpu · Σ_{e on d} p_e · b / GPU d matmul GB/s
-* ``xfer_l,d``    = c_transfer · (activation H2D + D2H + 2 link latencies), paid by each discrete GPU
-                     that holds any expert of the layer (the hidden state goes there and back once)
+* ``xfer_l,d``    = c_transfer · (activation H2D + D2H + 2 link latencies) + gpu_call_s, paid by each
+                     GPU that holds any expert of the layer (the hidden state goes there and back once;
+                     the host's call costs about the same for 1 expert or 8)
 
 The CPU path follows the residency manager (engine/residency.py): it submits the reads of all of a
 layer's misses first, computes the resident experts while they are in flight, then computes each streamed
@@ -60,6 +61,9 @@ class Coefficients:
     disk: float = 1.0
     transfer: float = 1.0
     layer_overhead_s: float = 0.0   # fixed seconds per MoE layer per token (router, dispatch)
+    # fixed seconds per MoE layer per token for each GPU holding experts of the layer: the host's call
+    # (hand-off to the device thread, launch, synchronisation), paid however few experts it computes
+    gpu_call_s: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -218,6 +222,12 @@ def transfer_seconds(gpu: GpuResource, activation_bytes: int) -> float:
             + 2 * gpu.link_latency_s)
 
 
+def gpu_fixed_seconds(gpu: GpuResource, activation_bytes: int, coef: Coefficients) -> float:
+    """Seconds a GPU adds to a layer it holds experts of, whatever they compute: c_transfer · transfer
+    + gpu_call_s (the solver's per-(layer, GPU) fixed cost; the ``xfer_l,d`` term)."""
+    return coef.transfer * transfer_seconds(gpu, activation_bytes) + coef.gpu_call_s
+
+
 def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, res: Resources,
                 coef: Coefficients, activation_bytes: int) -> dict:
     """Expected seconds of one MoE layer for one token, term by term (module docstring).
@@ -246,15 +256,17 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
     disk_s = coef.disk * misses * miss_seconds(expert_bytes, res) if misses > 0 else 0.0
     # reads of the misses overlap the resident compute; each streamed expert is computed after its read
     cpu_path_s = max(cpu_res_s, disk_s) + cpu_stream_s
-    gpu_s, xfer_s = [], []
+    gpu_s, xfer_s, calls = [], [], 0
     for d, g in enumerate(res.gpus):
         mine = tier == d
+        calls += int(mine.any())
         gpu_s.append(coef.gpu_expert * float(p[mine].sum()) * expert_bytes / (g.matmul_gbps * 1e9))
-        xfer_s.append(coef.transfer * transfer_seconds(g, activation_bytes) if mine.any() else 0.0)
+        xfer_s.append(gpu_fixed_seconds(g, activation_bytes, coef) if mine.any() else 0.0)
     time_s = max([cpu_path_s] + [a + b for a, b in zip(gpu_s, xfer_s)]) + coef.layer_overhead_s
     return {"cpu_resident_s": cpu_res_s, "cpu_stream_s": cpu_stream_s, "cpu_s": cpu_res_s + cpu_stream_s,
             "disk_s": disk_s, "disk_wait_s": max(0.0, disk_s - cpu_res_s), "cpu_path_s": cpu_path_s,
-            "gpu_s": gpu_s, "transfer_s": xfer_s, "time_s": time_s,
+            "gpu_s": gpu_s, "transfer_s": xfer_s, "gpu_calls": calls,
+            "time_s": time_s,
             "vram": float(p[tier >= 0].sum()), "ram_pinned": float(p[tier == TIER_RAM].sum()),
             "lru": lru_hits, "disk": misses}
 
@@ -284,7 +296,9 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
     Returns:
         dict with decode_s_per_token, tok_s, terms {dense_s, attention_s, expert_layers_s,
         expert_compute_s {"cpu", "<gpu key>"...}, disk_wait_s (reads not hidden by compute), disk_read_s
-        (all reads), transfer_s}, hit_rate {vram, ram_pinned, lru, disk} (shares of expert selections),
+        (all reads), transfer_s (transfers and GPU call overhead), gpu_calls (GPU layer calls per
+        token: Σ_l w_l · GPUs holding experts of l)}, hit_rate {vram, ram_pinned, lru, disk} (shares of
+        expert selections),
         disk_bytes_per_token, per_layer_s [rows], and cpu_path_layers {weight, cpu_resident_s,
         cpu_stream_s, disk_s} (lists [rows], the CPU path's parts per layer; calibration refits on them).
     """
@@ -295,7 +309,7 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
     dense_s = dense_seconds(dense_read_bytes, res, coef)
     attn_s = attention_seconds(context_tokens, kv_bytes_per_token, res, coef)
     comp = {"cpu": 0.0, **{g.key: 0.0 for g in res.gpus}}
-    disk_s = read_s = xfer_s = layers_s = 0.0
+    disk_s = read_s = xfer_s = layers_s = calls = 0.0
     parts = {"weight": [float(x) for x in w], "cpu_resident_s": [], "cpu_stream_s": [], "disk_s": []}
     share = dict.fromkeys(("vram", "ram_pinned", "lru", "disk"), 0.0)
     per_layer = []
@@ -311,6 +325,7 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
         for k in ("cpu_resident_s", "cpu_stream_s", "disk_s"):
             parts[k].append(t[k])
         xfer_s += w[i] * sum(t["transfer_s"])
+        calls += w[i] * t["gpu_calls"]
         for k in share:
             share[k] += w[i] * t[k]
     total_sel = sum(share.values())
@@ -318,7 +333,7 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
     return {"decode_s_per_token": total, "tok_s": 1.0 / total if total > 0 else float("inf"),
             "terms": {"dense_s": dense_s, "attention_s": attn_s, "expert_layers_s": layers_s,
                       "expert_compute_s": comp, "disk_wait_s": disk_s, "disk_read_s": read_s,
-                      "transfer_s": xfer_s},
+                      "transfer_s": xfer_s, "gpu_calls": calls},
             "hit_rate": {k: (v / total_sel if total_sel else 0.0) for k, v in share.items()},
             "disk_bytes_per_token": share["disk"] * expert_bytes,
             "per_layer_s": per_layer, "cpu_path_layers": parts}

@@ -42,8 +42,8 @@ from colibri_plan.planner.costmodel import (
     Resources,
     che_hit_rates,
     decode_cost,
+    gpu_fixed_seconds,
     miss_seconds,
-    transfer_seconds,
 )
 
 #: above this many expert-level binaries the count-and-mass method is used (method="auto")
@@ -122,8 +122,8 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
     rows = sorted({r for r, _ in act})
     rpos = {r: i for i, r in enumerate(rows)}
     n_x = len(act) * n_t
-    xfer = [coef.transfer * transfer_seconds(g, problem.activation_bytes) for g in res.gpus]
-    zdev = [d for d, g in enumerate(res.gpus) if not g.unified and xfer[d] > 0]
+    xfer = [gpu_fixed_seconds(g, problem.activation_bytes, coef) for g in res.gpus]
+    zdev = [d for d in range(len(res.gpus)) if xfer[d] > 0]
     n_z = len(rows) * len(zdev)
     n_tau = len(rows)
     n_var = n_x + n_z + n_tau
