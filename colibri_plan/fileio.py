@@ -12,22 +12,32 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from colibri_plan.errors import FormatError, InputError
 
 
-def check_output_path(path: str | os.PathLike) -> Path:
+def check_output_path(path: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = ()) -> Path:
     """Check, before any work, that ``path`` can take an output file: its folder exists and the path is
-    not a folder, a device or anything else that is not a regular file (a rename would replace it).
+    not a folder, a device or anything else that is not a regular file (a rename would replace it), not
+    one of the command's ``inputs`` (files, or folders such as a pack, which it must not write into).
 
     Raises:
         InputError: saying what is wrong with the path.
     """
-    path = Path(path)
-    if not str(path):
+    if not str(path).strip():   # Path("") is "."
         raise InputError("the output path is empty; give a file name")
+    path = Path(path)
+    out = path.resolve()
+    for inp in inputs:
+        if inp is None or not str(inp):
+            continue
+        src = Path(inp).resolve()
+        if out == src or (src.is_dir() and src in out.parents):
+            where = "is" if out == src else "is inside"
+            raise InputError(f"cannot write {path}: it {where} the input {inp}; give another output path")
     if path.exists() and not path.is_file():
         kind = "a folder" if path.is_dir() else "not a regular file"
         raise InputError(f"cannot write {path}: it is {kind}; give a file path")
