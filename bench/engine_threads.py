@@ -61,7 +61,7 @@ def _engine_child(args) -> dict:
 
     plan = load_plan(args.plan)
     with open_pack(args.model) as pack:
-        rep = run_placement(pack, Placement.from_layers(plan.doc["layers"]), [1, 2, 3, 4], args.tokens)
+        rep = run_placement(pack, Placement.from_layers(plan.doc["layers"]), [1, 2, 3, 4], args.tokens + 1)
     t = rep.terms
     return {"decode_ms": rep.decode_s_median * 1e3, "cpu_expert_ms": t["expert_cpu_s"] * 1e3,
             "device_ms": sum(t["device_s"].values()) * 1e3, "dense_ms": t["dense_s"] * 1e3,

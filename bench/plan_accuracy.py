@@ -82,7 +82,7 @@ def placement_key(plan) -> str:
 
 
 def measure(pack, plan, prompt, tokens: int) -> dict:
-    run = run_placement(pack, Placement.from_layers(plan.doc["layers"]), prompt, tokens,
+    run = run_placement(pack, Placement.from_layers(plan.doc["layers"]), prompt, tokens + 1,  # + prefill
                         read_threads=plan.read_threads)   # the queue depth the plan's disk figure assumed
     return run.to_dict()
 

@@ -52,7 +52,8 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "colibri_plan", "profile", "--quick", "--backends", "cpu",
                             "--model", args.model, "--out", profile_path], check=True,
                            stdout=subprocess.DEVNULL)
-        runs = [run_placement(pack, placement, [3 + r, 1, 4, 1, 5], args.tokens) for r in range(args.repeats)]
+        runs = [run_placement(pack, placement, [3 + r, 1, 4, 1, 5], args.tokens + 1)  # + the prefill token
+                for r in range(args.repeats)]
     prof = load_profile(profile_path)
     engine_gbps = statistics.median(r.disk_read_gbps for r in runs)
     reads_per_token = statistics.median(r.disk_bytes_per_token for r in runs) / pack.expert_location(

@@ -52,12 +52,15 @@ KIND = "coefficients"
 SCHEMA_VERSION = 1
 
 
-def _num(d: dict, key: str, where: str) -> float:
+def _num(d: dict, key: str, where: str, section: str = "") -> float:
+    """``d[key]`` as seconds (0.0 when absent or null). Raises FormatError naming ``where`` and the
+    field's path (``section.key``) unless it is a finite number >= 0."""
     v = d.get(key, 0.0)
     if v is None:
         return 0.0
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-        raise FormatError(f"{where}: {key} must be a number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
+        raise FormatError(f"{where}: {section + '.' if section else ''}{key} must be a finite number >= 0, "
+                          f"got {v!r}; re-run `colibri-plan verify` to get a clean report")
     return float(v)
 
 
@@ -81,19 +84,34 @@ def report_terms(report: dict, where: str = "report") -> dict:
     except (KeyError, TypeError, AttributeError) as exc:
         raise FormatError(f"{where}: not a verify report ({exc!r} missing); "
                           "re-run `colibri-plan verify`") from exc
-    old = Coefficients.from_dict((report.get("plan") or {}).get("coefficients") or {})
+    try:
+        old = Coefficients.from_dict((report.get("plan") or {}).get("coefficients"),
+                                     where=f"{where}: plan.coefficients")
+    except InputError as exc:
+        raise FormatError(str(exc)) from None
 
     def raw(v: float, c: float) -> float:
         return v / c if c > 0 else 0.0
 
-    gpu_pred = sum(_num(comp, k, where) for k in comp if k != "cpu")
-    gpu_meas = sum(_num(dev_meas, k, where) for k in dev_meas)
+    if not all(isinstance(x, dict) for x in (pt, mt, comp, dev_meas)):
+        raise FormatError(f"{where}: predicted.terms, measured.terms and their expert_compute_s / device_s "
+                          "must be objects; re-run `colibri-plan verify`")
+    ppt, mmt = "predicted.terms", "measured.terms"
+    for section, terms in ((ppt, pt), (mmt, mt)):   # every figure, used by this fit or not
+        for k, v in terms.items():
+            if isinstance(v, dict):
+                for kk in v:
+                    _num(v, kk, where, f"{section}.{k}")
+            elif not isinstance(v, list):
+                _num(terms, k, where, section)
+    gpu_pred = sum(_num(comp, k, where, ppt + ".expert_compute_s") for k in comp if k != "cpu")
+    gpu_meas = sum(_num(dev_meas, k, where, mmt + ".device_s") for k in dev_meas)
     devices = gpu_pred > 0 or gpu_meas > 0
-    cpu_path = (_num(mt, "expert_cpu_s", where) + _num(mt, "disk_wait_s", where) if devices
-                else _num(mt, "expert_wall_s", where))
-    n_layers = int((report.get("plan") or {}).get("n_decode_layers") or 0)
-    calls = _num(pt, "gpu_calls", where)   # 0 in plans made before the term existed
-    cpu_raw = raw(_num(comp, "cpu", where), old.cpu_expert)
+    cpu_path = (_num(mt, "expert_cpu_s", where, mmt) + _num(mt, "disk_wait_s", where, mmt) if devices
+                else _num(mt, "expert_wall_s", where, mmt))
+    n_layers = _num(report.get("plan") or {}, "n_decode_layers", where, "plan")
+    calls = _num(pt, "gpu_calls", where, ppt)   # 0 in plans made before the term existed
+    cpu_raw = raw(_num(comp, "cpu", where, ppt + ".expert_compute_s"), old.cpu_expert)
     parts = pred.get("cpu_path_layers")
     if isinstance(parts, dict) and parts.get("disk_s") is not None:
         try:
@@ -101,6 +119,8 @@ def report_terms(report: dict, where: str = "report") -> dict:
             c_cpu, c_disk = max(old.cpu_expert, 1e-300), max(old.disk, 1e-300)
             layers = np.stack([col("weight"), col("cpu_resident_s") / c_cpu, col("cpu_stream_s") / c_cpu,
                                col("disk_s") / c_disk], axis=1)
+            if layers.ndim != 2 or not np.all(np.isfinite(layers)) or np.any(layers < 0):
+                raise ValueError("its figures must be finite numbers >= 0 in lists of one length")
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"{where}: predicted.cpu_path_layers is malformed ({exc}); re-solve the "
                               "plan and re-run `colibri-plan verify`") from exc
@@ -110,16 +130,16 @@ def report_terms(report: dict, where: str = "report") -> dict:
             layers[:, 3] = 0.0
         disk_raw = float(np.sum(layers[:, 0] * layers[:, 3]))
     else:   # an older plan: no per-layer parts, so no overlap is known
-        disk_raw = raw(_num(pt, "disk_wait_s", where), old.disk)
+        disk_raw = raw(_num(pt, "disk_wait_s", where, ppt), old.disk)
         layers = np.array([[1.0, 0.0, cpu_raw, disk_raw]])
     return {"cpu_raw": cpu_raw, "n_layers": n_layers, "disk_raw": disk_raw,
             "layers": layers,   # [rows, 4]: weight, resident, stream, disk (raw seconds per token)
             "cpu_path_s": cpu_path,
-            "dense_raw": raw(_num(pt, "dense_s", where), old.dense),
-            "dense_s": _num(mt, "dense_s", where) - _num(pt, "attention_s", where),
+            "dense_raw": raw(_num(pt, "dense_s", where, ppt), old.dense),
+            "dense_s": _num(mt, "dense_s", where, mmt) - _num(pt, "attention_s", where, ppt),
             "gpu_raw": raw(gpu_pred, old.gpu_expert),
             # measured device time less the predicted transfers (the old call overhead taken out of them)
-            "gpu_s": gpu_meas - (_num(pt, "transfer_s", where) - old.gpu_call_s * calls),
+            "gpu_s": gpu_meas - (_num(pt, "transfer_s", where, ppt) - old.gpu_call_s * calls),
             "gpu_calls": calls,
             "devices": devices}
 
@@ -164,6 +184,53 @@ def _fit_cpu_path(terms: list[dict], y: np.ndarray, base) -> tuple[dict, float, 
     return {"cpu_expert": float(x[0]), "disk": float(x[1])}, float(np.sqrt(2 * best.cost)), free
 
 
+def _fingerprint_of(report: dict, section: str) -> str | None:
+    v = report.get(section)
+    v = v.get("fingerprint") if isinstance(v, dict) else None
+    return v if isinstance(v, str) and v else None
+
+
+def check_sources(reports: list[dict], names: list[str]) -> tuple[list[str], list[str]]:
+    """Check the reports belong in one fit.
+
+    Returns:
+        (machine fingerprints the reports were measured on, sorted; warnings: reports from several
+        machines, the same report given twice).
+
+    Raises:
+        InputError: the reports come from different models (``model.fingerprint``): a fit over them mixes
+        unrelated expert sizes and routing.
+    """
+    from colibri_plan.fileio import fingerprint
+
+    by_model: dict[str, list[str]] = {}
+    for r, n in zip(reports, names):
+        fp = _fingerprint_of(r, "model")
+        if fp:
+            by_model.setdefault(fp, []).append(n)
+    if len(by_model) > 1:
+        parts = "; ".join(f"model {fp}: {', '.join(ns)}" for fp, ns in sorted(by_model.items()))
+        raise InputError(f"calibrate: the reports come from different models ({parts}); calibrate each "
+                         "model's reports on their own")
+    warnings = []
+    machines = sorted({m for m in (_fingerprint_of(r, "machine") for r in reports) if m})
+    if len(machines) > 1:
+        warnings.append(f"the reports were measured on {len(machines)} different machines "
+                        f"({', '.join(machines)}): the coefficients average them; calibrate each machine's "
+                        "reports on their own for its plans")
+    seen: dict[str, str] = {}
+    for r, n in zip(reports, names):
+        try:
+            key = fingerprint(r)
+        except (TypeError, ValueError):
+            continue
+        if key in seen:
+            warnings.append(f"{n} is the same report as {seen[key]}: it counts twice in the fit; "
+                            "give each report once")
+        seen.setdefault(key, n)
+    return machines, warnings
+
+
 def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = None) -> tuple:
     """Fit the coefficients (module docstring) over ``reports``.
 
@@ -172,10 +239,13 @@ def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = N
         names: labels of the reports for error messages.
 
     Returns:
-        (Coefficients, detail) — detail per fitted term: method, the sums or the residual, "fitted".
+        (Coefficients, detail) — detail per fitted term: method, the sums or the residual, "fitted";
+        detail["machine_fingerprints"] (the machines the reports were measured on) and
+        detail["warnings"] (a fit the reports cannot determine, a coefficient fitted to 0, mixed
+        machines, a report given twice: for the caller to show).
 
     Raises:
-        InputError: no reports. FormatError: a malformed report.
+        InputError: no reports, or reports of different models. FormatError: a malformed report.
     """
     from colibri_plan.planner.costmodel import Coefficients
 
@@ -184,6 +254,7 @@ def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = N
     base = base or Coefficients()
     names = names or [f"report {i}" for i in range(len(reports))]
     terms = [report_terms(r, n) for r, n in zip(reports, names)]
+    machines, warnings = check_sources(reports, names)
     values = base.to_dict()
     detail: dict = {}
     # CPU path: least squares of the piecewise-linear path on the columns that carry information
@@ -213,24 +284,46 @@ def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = N
             values[key] = max(0.0, m / r)
         detail[key] = {"method": "ratio of sums", "measured_sum_s": m, "raw_sum_s": r, "reports": len(used),
                        "value": values[key], "fitted": bool(used and r > 0) and "gpu_call_s" not in detail}
-    return Coefficients.from_dict(values), detail
+    if 0 < len(terms) < len(live):
+        warnings.append(f"the CPU path's {len(live)} coefficients (cpu_expert, disk) were fitted from "
+                        f"{len(terms)} report(s): one report cannot tell them apart; verify plans with "
+                        "different disk shares (e.g. solve with a smaller --ram) and calibrate over all "
+                        "the reports")
+    zero = [k for k in ("cpu_expert", "disk", "dense", "gpu_expert", "gpu_call_s")
+            if detail.get(k, {}).get("fitted") and values[k] == 0]
+    if zero:
+        warnings.append(f"{', '.join(zero)} fitted to 0: the reports do not determine "
+                        f"{'it' if len(zero) == 1 else 'them'} (plans solved with these coefficients would "
+                        "treat that time as free); add reports that exercise it, or start from --base")
+    detail["machine_fingerprints"] = machines
+    detail["warnings"] = warnings
+    try:
+        return Coefficients.from_dict(values, where="fitted coefficients"), detail
+    except InputError as exc:
+        raise InputError(f"{exc} (from reports {', '.join(names)}): the reports do not determine the "
+                         "coefficients; check them or start from --base") from None
 
 
 def save_coefficients(coef, path: str | os.PathLike, detail: dict | None = None,
                       sources: list[str] | None = None) -> Path:
     """Write a coefficients document atomically."""
+    detail = detail or {}
     body = {"created_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "method": "least squares on the CPU path, ratio of sums for dense and GPU terms "
                       "(docs/calibration.md)",
-            "coefficients": coef.to_dict(), "detail": detail or {}, "fitted_from": list(sources or [])}
+            "coefficients": coef.to_dict(), "detail": detail, "fitted_from": list(sources or []),
+            # the machines the reports were measured on: solve warns when its profile is of another one
+            "machine_fingerprints": list(detail.get("machine_fingerprints", []))}
     return write_document(path, KIND, SCHEMA_VERSION, body)
 
 
-def load_coefficients(path: str | os.PathLike):
-    """Read a coefficients document -> :class:`~colibri_plan.planner.costmodel.Coefficients`.
+def read_coefficients(path: str | os.PathLike) -> tuple:
+    """Read a coefficients document -> (:class:`~colibri_plan.planner.costmodel.Coefficients`, the
+    machine fingerprints it was fitted on (``[]`` when it does not record them)).
 
     Raises:
-        InputError: missing file, unknown or negative coefficients. FormatError: bad document.
+        InputError: missing file. FormatError: bad document, or a coefficient that is not a finite number
+        in range (the message names the file and the key).
     """
     from colibri_plan.planner.costmodel import Coefficients
 
@@ -239,6 +332,17 @@ def load_coefficients(path: str | os.PathLike):
     if not isinstance(c, dict):
         raise FormatError(f"{path}: no 'coefficients' object; re-create it with `colibri-plan calibrate`")
     try:
-        return Coefficients.from_dict(c)
-    except (TypeError, ValueError) as exc:
-        raise FormatError(f"{path}: bad coefficient values ({exc}); re-create it") from exc
+        coef = Coefficients.from_dict(c, where=f"{path}: coefficients")
+    except InputError as exc:
+        raise FormatError(str(exc)) from None
+    machines = doc.get("machine_fingerprints") or []
+    if not isinstance(machines, list) or not all(isinstance(m, str) for m in machines):
+        raise FormatError(f"{path}: machine_fingerprints must be a list of strings; re-create it with "
+                          "`colibri-plan calibrate`")
+    return coef, machines
+
+
+def load_coefficients(path: str | os.PathLike):
+    """Read a coefficients document -> :class:`~colibri_plan.planner.costmodel.Coefficients`
+    (see :func:`read_coefficients`; same errors)."""
+    return read_coefficients(path)[0]

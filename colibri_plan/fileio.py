@@ -49,6 +49,24 @@ def check_output_path(path: str | os.PathLike, inputs: Iterable[str | os.PathLik
     return path
 
 
+def check_input_file(path: str | os.PathLike, what: str) -> Path:
+    """Check that the input ``path`` is an existing regular file (it may be a link to one); ``what`` names
+    it in the message ("plan file", "prompt file"). Returns the path.
+
+    Raises:
+        InputError: it does not exist, is a folder, or is something else (a device such as /dev/null, a
+            pipe, a socket).
+    """
+    path = Path(path)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise InputError(f"{what} {path} is a folder, expected a file")
+    if path.exists():
+        raise InputError(f"{what} {path} is not a regular file (a device, pipe or socket); give a file")
+    raise InputError(f"{what} {path} does not exist")
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically; returns the path. The file gets the usual mode
     (0666 less the umask), like a plain ``open``.
@@ -119,12 +137,19 @@ def read_json_object(path: str | os.PathLike, what: str) -> dict:
     """Parse ``path`` as UTF-8 JSON holding one object.
 
     Raises:
+        InputError: the file cannot be read.
         FormatError: not UTF-8 / not valid JSON, or not an object; ``what`` names the expected file.
     """
     path = Path(path)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{path} is not valid JSON ({exc}); is it a {what}? re-create it") from exc
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise FormatError(f"{path} is not valid JSON ({exc}); is it a {what}? re-create it") from exc
     if not isinstance(doc, dict):
         raise FormatError(f"{path} must hold a JSON object (a {what})")
@@ -138,12 +163,11 @@ def read_document(path: str | os.PathLike, kind: str, schema_version: int) -> di
         The parsed document (a dict, including ``kind`` and ``schema_version``).
 
     Raises:
-        InputError: the file does not exist.
+        InputError: the file does not exist, is a folder or is not a regular file (see
+            :func:`check_input_file`), or cannot be read.
         FormatError: not JSON, not an object, another kind, or another schema version.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{kind} file {path} does not exist")
+    path = check_input_file(path, f"{kind} file")
     doc = read_json_object(path, f"{kind} file")
     if doc.get("kind") != kind:
         raise FormatError(f"{path} is a {doc.get('kind')!r} file, expected {kind!r}")

@@ -27,6 +27,7 @@ from colibri_plan.errors import FormatError, InputError, MismatchError
 from colibri_plan.fileio import (
     atomic_write_bytes,
     atomic_write_text,
+    check_input_file,
     fingerprint,
     read_document,
     write_document,
@@ -74,8 +75,10 @@ class Heat:
         if self.n_experts < 1:
             raise InputError(f"heat: n_experts must be >= 1, got {self.n_experts}")
         if self.counts.shape != (len(self.layers), self.n_experts):
-            raise InputError(f"heat: counts have shape {self.counts.shape}, expected "
-                             f"({len(self.layers)}, {self.n_experts}) for {len(self.layers)} layers")
+            got = (f"{self.counts.shape[0]} rows x {self.counts.shape[1]} experts" if self.counts.ndim == 2
+                   else f"{self.counts.size} values")
+            raise InputError(f"heat: counts are {got}, expected {len(self.layers)} rows (one per layer id) "
+                             f"x {self.n_experts} experts")
         if len(set(self.layers)) != len(self.layers) or any(x < 0 for x in self.layers):
             raise InputError(f"heat: layer ids must be unique and >= 0, got {self.layers[:8]}...")
         if not np.all(np.isfinite(self.counts)) or np.any(self.counts < 0):
@@ -134,7 +137,9 @@ class Heat:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "heat document") -> Heat:
-        """Inverse of :meth:`to_dict`. Raises FormatError on missing or malformed fields."""
+        """Inverse of :meth:`to_dict`. Raises FormatError on missing or malformed fields (a count table
+        whose rows or experts do not match ``layers`` / ``n_experts`` is named in those terms)."""
+        _check_count_table(d, where)
         try:
             return cls(n_experts=int(d["n_experts"]), layers=tuple(d["layers"]),
                        counts=np.asarray(d["counts"], dtype=np.float64).reshape(len(d["layers"]), -1)
@@ -154,6 +159,22 @@ def fnv1a32(text: str) -> int:
     for byte in text.encode("utf-8"):
         h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
     return h
+
+
+def _check_count_table(d: dict, where: str) -> None:
+    """FormatError when ``d["counts"]`` is not one row per layer id of ``n_experts`` counts each."""
+    layers, counts, n = d.get("layers"), d.get("counts"), d.get("n_experts")
+    if not isinstance(layers, list) or not isinstance(counts, list) or isinstance(n, bool) \
+            or not isinstance(n, int):
+        return  # missing / mistyped fields: from_dict's own error names them
+    if len(counts) != len(layers):
+        raise FormatError(f"{where}: counts has {len(counts)} rows but layers lists {len(layers)} layer ids "
+                          "(one row per layer id is needed); re-create it")
+    for i, row in enumerate(counts):
+        if not isinstance(row, list) or len(row) != n:
+            got = f"{len(row)} values" if isinstance(row, list) else f"a {type(row).__name__}"
+            raise FormatError(f"{where}: counts row {i} (layer {layers[i]}) has {got}, expected n_experts = "
+                              f"{n} counts; re-create it")
 
 
 def _waterfill(row: np.ndarray, k: int, n_experts: int) -> np.ndarray:
@@ -187,9 +208,7 @@ def load_heat(path: str | os.PathLike) -> Heat:
         InputError: the file does not exist.
         FormatError: the file is corrupt; the message names the line.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"heat file {path} does not exist")
+    path = check_input_file(path, "heat file")
     head = path.read_bytes()[:64]
     if head.startswith(b"IKU1"):
         return read_iku1(path)
@@ -210,9 +229,7 @@ def read_usage_text(path: str | os.PathLike, n_experts: int | None = None) -> He
         FormatError: a line is not 3 integers, a count is negative, or an id is out of range; the message
             names the file and line number.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"usage file {path} does not exist")
+    path = check_input_file(path, "usage file")
     try:
         text = path.read_text(encoding="ascii")
     except UnicodeDecodeError as exc:

@@ -8,13 +8,15 @@ budgets (:func:`validate_plan`); a corrupt file raises FormatError.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from colibri_plan.errors import FormatError, MismatchError
+from colibri_plan.errors import FormatError, InputError, MismatchError
 from colibri_plan.fileio import read_document, write_document
 
 KIND = "plan"
@@ -132,13 +134,110 @@ def _fail(where: str, what: str):
     raise FormatError(f"plan {where}: {what}; re-create the plan with `colibri-plan solve`")
 
 
-def check_structure(doc: dict, where: str = "file") -> None:
-    """Structural checks of a plan document (see module docstring). Raises FormatError."""
+# (dotted path, type, constraint) of every section and figure a plan's readers use: "object", "list",
+# "str", "bool", "int" or "num" (a finite JSON number, bools excluded); the constraint is a closed range
+# (lo, hi) with None for no bound. A "?" suffix marks an optional entry (absent or null is fine); the
+# figures under "predicted." are required of plan files (plan show, run and verify report them).
+_FIELDS = (
+    ("model", "object", None), ("model.name", "str", None), ("model.fingerprint", "str", None),
+    ("model.n_experts", "int", (1, None)), ("model.expert_bytes", "int", (1, None)),
+    ("model.moe_layers", "list", None), ("model.top_k?", "int", (1, None)),
+    ("model.n_layers?", "int", (1, None)),
+    ("profile", "object", None), ("profile.fingerprint?", "str", None),
+    ("heat", "object", None), ("heat.source?", "str", None),
+    ("budgets", "object", None), ("budgets.ram_budget_bytes", "num", (0, None)),
+    ("budgets.vram_budget_bytes", "object", None), ("budgets.dense_bytes?", "num", (0, None)),
+    ("budgets.kv_bytes?", "num", (0, None)), ("budgets.context_tokens?", "int", (0, None)),
+    ("expert_format", "str", None), ("devices", "list", None), ("layers", "list", None),
+    ("predicted", "object", None), ("predicted.tok_s", "num", (0, None)),
+    ("predicted.decode_s_per_token", "num", (0, None)), ("predicted.disk_bytes_per_token", "num", (0, None)),
+    ("predicted.terms", "object", None),
+    *((f"predicted.terms.{k}", "num", (0, None))
+      for k in ("dense_s", "attention_s", "expert_layers_s", "disk_wait_s", "transfer_s")),
+    ("predicted.terms.expert_compute_s?", "object", None), ("predicted.terms.gpu_calls?", "num", (0, None)),
+    ("predicted.hit_rate", "object", None),
+    *((f"predicted.hit_rate.{k}", "num", (0, 1)) for k in ("vram", "ram_pinned", "lru", "disk")),
+    ("solver", "object", None), ("solver.method?", "str", None), ("solver.status?", "str", None),
+    ("solver.seconds?", "num", (0, None)), ("solver.gap?", "num", (0, None)),   # baselines have neither
+    ("resources?", "object", None),
+    # the engine reads with this many threads (run --read-threads accepts 1..64)
+    ("resources.disk_queue_depth?", "int", (1, 64)),
+    ("coefficients?", "object", None),
+)
+_TYPE_NAMES = {"object": "an object", "list": "a list", "str": "a string", "bool": "true or false",
+               "int": "a whole number", "num": "a finite number"}
+
+
+def _is(v, kind: str) -> bool:
+    if kind == "object":
+        return isinstance(v, dict)
+    if kind == "list":
+        return isinstance(v, list)
+    if kind == "str":
+        return isinstance(v, str)
+    if kind == "bool":
+        return isinstance(v, bool)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return False
+    return kind == "num" or float(v).is_integer()
+
+
+def _check_field(doc: dict, path: str, kind: str, limits, where: str, predictions: bool) -> None:
+    optional = path.endswith("?") or (not predictions and path.startswith("predicted."))
+    path = path.rstrip("?")
+    *parents, last = path.split(".")
+    node = doc
+    for part in parents:   # a missing parent was reported by its own entry (or is optional)
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict):
+        return
+    v = node.get(last)
+    if v is None and optional:
+        return
+    if last not in node:
+        _fail(where, f"{path} is missing")
+    rng = ""
+    if limits is not None:
+        lo, hi = limits
+        rng = f" >= {lo}" if hi is None else f" in {lo}..{hi}"
+    if not _is(v, kind) or (limits is not None and ((limits[0] is not None and v < limits[0])
+                                                     or (limits[1] is not None and v > limits[1]))):
+        _fail(where, f"{path} must be {_TYPE_NAMES[kind]}{rng}, got {json.dumps(v, default=str)[:60]}")
+
+
+def check_structure(doc: dict, where: str = "file", predictions: bool = False) -> None:
+    """Structural checks of a plan document (see module docstring), and every section and figure its
+    readers use has the right type and a finite value in range (``_FIELDS``); with ``predictions`` (plan
+    files: :func:`load_plan`, :func:`save_plan`) the predicted figures must also be there.
+
+    Raises:
+        FormatError: naming the field, what it must be and what it holds.
+    """
     if not isinstance(doc, dict):
         _fail(where, "expected a JSON object")
     missing = [k for k in _TOP_KEYS if k not in doc]
     if missing:
         _fail(where, f"missing {', '.join(missing)}")
+    for path, kind, limits in _FIELDS:
+        _check_field(doc, path, kind, limits, where, predictions)
+    for k, v in doc["budgets"]["vram_budget_bytes"].items():
+        if not _is(v, "num") or v < 0:
+            _fail(where, f"budgets.vram_budget_bytes.{k} must be a finite number >= 0, got {v!r}")
+    for k, v in ((doc["predicted"].get("terms") or {}).get("expert_compute_s") or {}).items():
+        if not _is(v, "num") or v < 0:
+            _fail(where, f"predicted.terms.expert_compute_s.{k} must be a finite number >= 0, got {v!r}")
+    for i, d in enumerate(doc["devices"]):
+        if not isinstance(d, dict) or not isinstance(d.get("key"), str):
+            _fail(where, f"devices[{i}] must be an object with a string key, got {d!r}")
+        if not isinstance(d.get("unified", False), bool):
+            _fail(where, f"devices[{i}].unified must be true or false, got {d.get('unified')!r}")
+    if doc.get("coefficients") is not None:
+        from colibri_plan.planner.costmodel import Coefficients
+
+        try:
+            Coefficients.from_dict(doc["coefficients"], where="coefficients")
+        except InputError as exc:
+            _fail(where, str(exc))
     model = doc["model"]
     for k in ("name", "fingerprint", "n_experts", "expert_bytes", "moe_layers"):
         if k not in model:
@@ -208,7 +307,7 @@ def validate_plan(plan: Plan) -> None:
 def save_plan(plan: Plan | dict, path: str | os.PathLike) -> Path:
     """Check and write a plan atomically (FormatError and nothing written when it is invalid)."""
     doc = plan.doc if isinstance(plan, Plan) else plan
-    check_structure(doc, "to write")
+    check_structure(doc, "to write", predictions=True)
     validate_plan(Plan(doc))
     body = {k: v for k, v in doc.items() if k not in ("kind", "schema_version")}
     return write_document(path, KIND, SCHEMA_VERSION, body)
@@ -222,7 +321,7 @@ def load_plan(path: str | os.PathLike) -> Plan:
     """
     doc = read_document(path, KIND, SCHEMA_VERSION)
     try:
-        check_structure(doc, str(path))
+        check_structure(doc, str(path), predictions=True)
         plan = Plan(doc)
         validate_plan(plan)
     except (KeyError, TypeError, ValueError) as exc:

@@ -139,7 +139,8 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
 
     Args:
         plan: a loaded :class:`colibri_plan.plan.Plan`; pack: an open PackedModel.
-        prompt_ids: prompt token ids; n_tokens: decode steps to time (>= 1).
+        prompt_ids: prompt token ids; n_tokens: decode steps to time (>= 1): n_tokens + 1 new ids are
+            generated, the first by the prefill.
         reference: also run the all-RAM CPU reference for token-exactness (``token_exact`` is None
             otherwise).
         machine_fp: this machine's fingerprint (for the other-machine warning).
@@ -160,8 +161,9 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
     if w and warn:
         warn(w)
     placement = Placement.from_layers(plan.doc["layers"])
-    say(f"running the plan: {n_tokens} tokens")
-    run = run_placement(pack, placement, prompt_ids, n_tokens, cpu_backend=cpu_backend,
+    # n_tokens decode steps are timed: the first of the n_tokens + 1 new ids comes from the prefill
+    say(f"running the plan: {n_tokens} decode step{'s' if n_tokens != 1 else ''} ({n_tokens + 1} tokens)")
+    run = run_placement(pack, placement, prompt_ids, n_tokens + 1, cpu_backend=cpu_backend,
                         read_threads=plan.read_threads, progress=lambda m: say(f"  plan {m}"))
     measured = run.to_dict()
     ref = None
@@ -169,7 +171,8 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
         say("running the all-RAM CPU reference")
         arch = pack.arch
         ref_run = run_placement(pack, Placement.all_ram(arch.moe_layers, arch.n_experts), prompt_ids,
-                                n_tokens, cpu_backend=cpu_backend, progress=lambda m: say(f"  reference {m}"))
+                                n_tokens + 1, cpu_backend=cpu_backend,
+                                progress=lambda m: say(f"  reference {m}"))
         ref = {"tokens": ref_run.tokens, "tok_s": ref_run.tok_s,
                "decode_s_per_token": ref_run.decode_s_per_token}
     token_exact = None if ref is None else list(ref["tokens"]) == list(run.tokens)

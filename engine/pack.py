@@ -42,13 +42,14 @@ from colibri_plan.engine.pack_index import (
     spec_from_pack,
     verify_pack,
 )
+from colibri_plan.engine.pack_target import check_pack_output  # noqa: F401 - re-exported
 from colibri_plan.engine.weights import ModelWeights
 from colibri_plan.errors import FormatError, InputError, IntegrityError
 from colibri_plan.fileio import fsync_dir, write_document
 from colibri_plan.quant import QuantTensor, check_format, dequantize, quantize
 
-__all__ = ["PackWriter", "PackedModel", "write_pack", "open_pack", "verify_pack", "spec_from_pack",
-           "spec_from_arch", "is_pack", "pack_summary", "BlockLayout", "block_layout"]
+__all__ = ["PackWriter", "PackedModel", "check_pack_output", "write_pack", "open_pack", "verify_pack",
+           "spec_from_pack", "spec_from_arch", "is_pack", "pack_summary", "BlockLayout", "block_layout"]
 
 
 class PackWriter:
@@ -62,19 +63,16 @@ class PackWriter:
             w.commit()                           # rename into place; without it nothing appears
 
     Raises:
-        InputError: ``out`` exists (and ``overwrite`` is False) or its parent folder does not.
+        InputError: see :func:`check_pack_output`; the parent folder is not writable.
         FormatError: an expert of the wrong format/shape, out of order, or missing at commit.
     """
 
     def __init__(self, out_dir, arch: ArchConfig, fmt: str, name: str = "", source: str = "",
                  overwrite: bool = False):
         check_format(fmt)
-        self.out = Path(out_dir)
-        if self.out.exists() and not overwrite:
-            raise InputError(f"{self.out} already exists; remove it or choose another output folder")
-        parent = self.out.parent if str(self.out.parent) else Path(".")
-        if not parent.is_dir():
-            raise InputError(f"cannot write pack {self.out}: folder {parent} does not exist")
+        self.out = check_pack_output(out_dir, overwrite)
+        parent = self.out.parent
+        self._overwrite = overwrite
         self.arch, self.fmt, self.name, self.source = arch, fmt, name or self.out.name, source
         self.layout = block_layout(fmt, arch.hidden_size, arch.moe_intermediate_size)
         self._order = [(int(l), e) for l in arch.moe_layers for e in range(arch.n_experts)]
@@ -82,12 +80,16 @@ class PackWriter:
         self._dense_info: dict | None = None
         self._dense_params = 0
         self.tmp = parent / f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}"
-        self.tmp.mkdir()
+        try:
+            self.tmp.mkdir()
+        except OSError as exc:  # read-only/immutable folder, /proc, no space...
+            raise InputError(f"cannot write pack {self.out}: folder {parent} is not writable "
+                             f"({exc.strerror})") from exc
         try:
             self._f = open(self.tmp / EXPERTS_NAME, "wb")
         except OSError as exc:
             shutil.rmtree(self.tmp, ignore_errors=True)
-            raise InputError(f"cannot write pack {self.out}: {exc}") from exc
+            raise InputError(f"cannot write pack {self.out}: {exc.strerror}") from exc
         self._pos = 0
         self.committed = False
 
@@ -202,16 +204,17 @@ class PackWriter:
             os.chmod(f, 0o666 & ~mask)
         os.chmod(self.tmp, 0o777 & ~mask)
         fsync_dir(self.tmp)
+        check_pack_output(self.out, self._overwrite)  # again: OUT may have changed during the writing
         old = None
-        if self.out.exists():  # overwrite: move the old pack aside first, delete it after the rename
-            old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(self.out, old)
         try:
+            if self.out.exists():  # overwrite: move the old pack aside first, delete it after the rename
+                old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(self.out, old)
             os.replace(self.tmp, self.out)
-        except OSError:
-            if old is not None:  # put the previous pack back
+        except OSError as exc:
+            if old is not None and old.exists():  # put the previous pack back
                 os.replace(old, self.out)
-            raise
+            raise InputError(f"cannot write pack {self.out}: {exc.strerror}") from exc
         fsync_dir(self.out.parent)
         self.committed = True
         if old is not None:
@@ -231,7 +234,8 @@ def write_pack(weights: ModelWeights, out_dir, fmt: str, overwrite: bool = False
         progress: optional ``fn(done, total)``.
 
     Raises:
-        InputError: ``out_dir`` exists (without ``overwrite``) or its parent is missing.
+        InputError: ``out_dir`` is refused by :func:`check_pack_output` (exists without ``overwrite``,
+            or is not a pack), or its parent is missing or not writable.
         UnsupportedError: unknown format.
     """
     check_format(fmt)

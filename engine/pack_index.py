@@ -261,11 +261,14 @@ def verify_pack(path: str | os.PathLike, progress=None) -> dict:
     exp_path, dense_path = folder / EXPERTS_NAME, folder / DENSE_NAME
     size = exp_path.stat().st_size if exp_path.is_file() else -1
     if size < 0:
-        problems.append(f"{EXPERTS_NAME} is missing")
+        problems.append(f"{EXPERTS_NAME} is a folder, not a file" if exp_path.is_dir()
+                        else f"{EXPERTS_NAME} is missing")
     elif size != fmt.get("experts_file_bytes"):
         problems.append(f"{EXPERTS_NAME} has {size} bytes, the index says {fmt.get('experts_file_bytes')}: "
                         "the file was truncated or replaced")
-    problems += check_entries(doc, layout, arch.moe_layers, arch.n_experts, max(size, 0))
+    # no file: entries are checked against the size the index records (one problem, not one per expert)
+    bound = size if size >= 0 else int(fmt.get("experts_file_bytes") or 0)
+    problems += check_entries(doc, layout, arch.moe_layers, arch.n_experts, bound)
     bad = 0
     if size >= 0:
         fd = os.open(exp_path, os.O_RDONLY)

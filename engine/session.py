@@ -36,7 +36,7 @@ class RunReport:
         hit_rates: share of expert computations per tier (vram, pinned, lru, disk); ``lru_hit_rate``.
         disk_bytes_per_token, disk_read_gbps (disk bytes / time the reads of a wave were in flight, i.e.
         the throughput streaming achieved), peak_rss_bytes, resident_bytes {tier: bytes}, o_direct,
-        io_warning.
+        io_warning. ``decode_steps``: the decode steps the means are over (tokens - 1).
     """
 
     tokens: list[int]
@@ -55,6 +55,7 @@ class RunReport:
     o_direct: bool
     io_warning: str | None
     placement: dict = field(default_factory=dict)
+    decode_steps: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,6 +83,57 @@ def open_devices(placement: Placement) -> dict:
     return devices
 
 
+#: set to 1 to skip the check that a placement's RAM fits this machine's available memory
+NO_RAM_CHECK_ENV = "COLIBRI_PLAN_NO_RAM_CHECK"
+
+
+def mem_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, bytes (None where there is no /proc/meminfo)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel reports kB (KiB)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def placement_ram_bytes(pack, placement: Placement) -> int:
+    """RAM the residency manager allocates up front for ``placement``: one expert block per pinned expert,
+    per LRU slot and per working buffer (top-k in-flight misses). The pack's dense tensors are already
+    loaded when it is open, so they are not counted."""
+    arch = pack.arch
+    block = max(pack.expert_location(layer, 0)[1] for layer in arch.moe_layers)
+    n = arch.top_k + sum(len(placement.layer(layer).ram_pinned) + placement.layer(layer).lru_slots
+                         for layer in arch.moe_layers)
+    return n * block
+
+
+def check_ram_fits(pack, placement: Placement, available: int | None = None) -> None:
+    """Refuse a placement whose up-front RAM (:func:`placement_ram_bytes`) exceeds MemAvailable, before
+    anything is allocated (the pinned experts are read and pre-faulted at start-up). Skipped when
+    ``$COLIBRI_PLAN_NO_RAM_CHECK`` is 1 or the available memory is unknown.
+
+    Raises:
+        BudgetError: naming the bytes needed and available and how to proceed.
+    """
+    import os
+
+    from colibri_plan.errors import BudgetError
+
+    if os.environ.get(NO_RAM_CHECK_ENV) == "1":
+        return
+    available = mem_available_bytes() if available is None else available
+    need = placement_ram_bytes(pack, placement)
+    if available is not None and need > available:
+        raise BudgetError(f"the placement needs {need / 1e9:.2f} GB of RAM up front (pinned experts, LRU "
+                          f"slots and working buffers: {need:,} B) but this machine has "
+                          f"{available / 1e9:.2f} GB available ({available:,} B, MemAvailable); solve a plan "
+                          f"with a smaller --ram, or "
+                          f"set {NO_RAM_CHECK_ENV}=1 to run it anyway")
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (Linux reports KiB)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -90,7 +142,10 @@ def peak_rss_bytes() -> int:
 def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_tokens: int,
                   cpu_backend: str = "cpu", read_threads: int = 8, verify_checksums: bool = True,
                   progress: Callable[[str], None] | None = None, recorder=None) -> RunReport:
-    """Decode ``n_tokens`` greedily from ``prompt_ids`` with experts placed as ``placement`` says.
+    """Generate ``n_tokens`` new ids greedily from ``prompt_ids`` with experts placed as ``placement`` says.
+
+    The first new id comes from the prefill, so ``n_tokens - 1`` decode steps are timed (none for one
+    token: the decode figures are then 0.0). A caller that wants N timed decode steps asks for N + 1.
 
     Args:
         pack: an open PackedModel.
@@ -99,12 +154,14 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
         recorder: a RoutingRecorder to record routing into (prefill and decode), e.g. for --stats-out.
 
     Raises:
-        InputError: ``n_tokens`` < 1 or bad prompt ids. The ResidencyManager's errors (capacity, integrity).
+        InputError: ``n_tokens`` < 1 or bad prompt ids. BudgetError: the placement's RAM exceeds
+        MemAvailable (:func:`check_ram_fits`). The ResidencyManager's errors (capacity, integrity).
     """
     from colibri_plan.backends import get_backend
 
     if int(n_tokens) < 1:
         raise InputError(f"--tokens must be >= 1, got {n_tokens}")
+    check_ram_fits(pack, placement)  # before any device is opened or any expert allocated
     devices = open_devices(placement)
     cpu = None
     rm = None
@@ -126,8 +183,8 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
             if progress:
                 progress(f"token {step + 1}/{n_tokens}: id {tok} ({seconds * 1e3:.0f} ms)")
 
-        # one extra step: step 0 is the prefill's token, so n_tokens decode steps are timed
-        tokens = model.generate(list(prompt_ids), int(n_tokens) + 1, on_token=on_token)
+        # step 0 is the prefill's token; steps 1..n_tokens-1 are the timed decode steps
+        tokens = model.generate(list(prompt_ids), int(n_tokens), on_token=on_token)
         st = rm.stats
         n = max(1, len(step_s))
         decode_s = sum(step_s) / n
@@ -147,7 +204,8 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
             disk_read_gbps=st.disk_bytes / st.disk_busy_s / 1e9 if st.disk_busy_s > 0 else None,
             expert_uses_per_token=st.expert_uses / n,
             peak_rss_bytes=peak_rss_bytes(), resident_bytes=rm.resident_bytes(),
-            o_direct=rm.o_direct, io_warning=rm.io_warning, placement=placement.summary())
+            o_direct=rm.o_direct, io_warning=rm.io_warning, placement=placement.summary(),
+            decode_steps=len(step_s))
         return report
     finally:
         if rm is not None:

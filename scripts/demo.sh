@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole job on the bundled fixture: profile -> statistics run -> solve -> run with the plan -> verify.
 #
-#   bash scripts/demo.sh            # outputs under ./work-demo/ (about 10 minutes on a 2-core machine)
+#   bash scripts/demo.sh            # outputs under ./work-demo/ (~3.6 GB; about 2 minutes on a 2-core
+#                                   # machine after set-up)
 #   DEMO_DIR=/elsewhere TOKENS=16 bash scripts/demo.sh
 #
 # The fixture is a synthetic MoE model with real GLM-5.2 expert geometry (hidden 6144, expert width 2048,

@@ -74,7 +74,8 @@ def test_verify_is_token_exact_and_uses_the_runs_counters(small_pack, report):
     with open_pack(small_pack) as pack:
         tiers, slots = _mixed(pack)
         pl = Placement.from_layers(layers_from_tiers(pack.arch.moe_layers, tiers, slots, []))
-        again = run_placement(pack, pl, report["settings"]["prompt_ids"], N_TOKENS, cpu_backend="numpy")
+        # verify times N_TOKENS decode steps, so it generates N_TOKENS + 1 ids (the first from the prefill)
+        again = run_placement(pack, pl, report["settings"]["prompt_ids"], N_TOKENS + 1, cpu_backend="numpy")
         block = pack.expert_location(0, 0)[1]
     assert report["measured"]["tokens"] == again.tokens
     for term, key in (("share ram_pinned", "pinned"), ("share lru", "lru"), ("share disk", "disk")):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,10 +39,39 @@ def get_ctx() -> Ctx:
     return ctx.ensure_object(Ctx) if ctx is not None else Ctx()
 
 
+def _finite_only(obj: Any, path: str, bad: list[str]) -> Any:
+    """``obj`` with every non-finite float replaced by None; ``bad`` collects their dotted paths."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        bad.append(f"{path or 'the document'} ({obj})")
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite_only(v, f"{path}.{k}" if path else str(k), bad) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_only(v, f"{path}[{i}]", bad) for i, v in enumerate(obj)]
+    return obj
+
+
+def to_json(data: Any) -> str:
+    """``data`` as strict JSON text (indent 1; unknown objects as str).
+
+    JSON has no NaN or Infinity (``json.dumps`` would write the bare words, which other readers reject),
+    so a non-finite float is written as ``null`` and a warning on stderr names where it was.
+    """
+    try:
+        return json.dumps(data, indent=1, default=str, allow_nan=False)
+    except ValueError:
+        bad: list[str] = []
+        text = json.dumps(_finite_only(data, "", bad), indent=1, default=str, allow_nan=False)
+        warn(f"--json output: not-finite value(s) written as null: {', '.join(bad[:5])}"
+             + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
+        return text
+
+
 def emit(data: Any, human: Callable[[], str] | str | None = None) -> None:
-    """Print ``data`` as one JSON document with --json, else the human text (or JSON if none)."""
+    """Print ``data`` as one JSON document with --json (strict JSON: see :func:`to_json`), else the human
+    text (or JSON if none)."""
     if get_ctx().json or human is None:
-        click.echo(json.dumps(data, indent=1, default=str))
+        click.echo(to_json(data))
     else:
         click.echo(human() if callable(human) else human)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 import numpy as np
 
@@ -80,9 +82,11 @@ def show(path, model_name):
 @json_option
 def synth(model_name, out_path, fmt, domain, source_model, seed, uniform):
     """Synthesise whole-model heat for MODEL from real OLMoE/Mixtral per-layer routing (docs/heat.md)."""
+    from colibri_plan.fileio import check_output_path
     from colibri_plan.heat import save_heat, synth_heat, uniform_heat, write_usage_text
     from colibri_plan.model import load_model_spec
 
+    check_output_path(out_path, [model_name] if Path(model_name).exists() else [])
     spec = load_model_spec(model_name)
     if uniform:
         h, msg = uniform_heat(spec)
@@ -91,7 +95,7 @@ def synth(model_name, out_path, fmt, domain, source_model, seed, uniform):
         h = synth_heat(spec, domain=domain, seed=seed, source_model=source_model)
     (write_usage_text if fmt == "usage" else save_heat)(h, out_path)
     data = {"written": out_path, "format": fmt, **_summary(h, spec)}
-    emit(data, lambda: f"wrote {out_path} ({fmt}): {data['rows']} rows x {data['n_experts']} experts from "
+    emit(data, lambda: f"wrote {out_path} ({fmt}): {data['rows']} rows x {data['n_experts']} experts, "
                        f"{h.source}")
 
 
@@ -103,8 +107,10 @@ def synth(model_name, out_path, fmt, domain, source_model, seed, uniform):
 @json_option
 def convert(src, dst, fmt, model_name):
     """Convert a heat file between the JSON heat document and colibrì's usage/STATS text."""
+    from colibri_plan.fileio import check_output_path
     from colibri_plan.heat import align_heat, load_heat, save_heat, write_usage_text
 
+    check_output_path(dst, [p for p in (src, model_name) if p and Path(p).exists()])
     h = load_heat(src)
     if model_name:
         from colibri_plan.model import load_model_spec

@@ -66,6 +66,8 @@ def spec_report(spec) -> dict:
         "routed_bytes": spec.routed_bytes(),
         "cold_bytes_per_token": spec.cold_bytes_per_token(),
         "dense_bytes_bf16": spec.dense_bytes("bf16"),
+        "dense_bytes_format": spec.dense_format or "bf16",
+        "dense_bytes": spec.dense_bytes(spec.dense_format or "bf16"),
         "by_format": {f: {"expert_bytes": spec.expert_bytes(f), "routed_bytes": spec.routed_bytes(f),
                           "cold_bytes_per_token": spec.cold_bytes_per_token(f),
                           "dense_bytes": spec.dense_bytes(f)} for f in fmts},
@@ -73,7 +75,29 @@ def spec_report(spec) -> dict:
     return doc
 
 
-def _human(spec) -> str:
+def _dense_line(spec, dense_file_bytes: int | None = None) -> str:
+    """The "dense trunk" line: at the stored format when the model records it (a pack), else at bf16."""
+    if spec.dense_format is None:
+        return f"  dense trunk      {_gb(spec.dense_bytes('bf16'))} at bf16"
+    line = f"  dense trunk      {_gb(spec.dense_bytes(spec.dense_format))} at {spec.dense_format} (as stored"
+    if dense_file_bytes is not None:
+        line += f"; file {dense_file_bytes:,} B"
+    return line + ")"
+
+
+def _pack_dense_file_bytes(name_or_path: str) -> int | None:
+    """Bytes of a pack's dense file (None when ``name_or_path`` is not a pack or the file is absent)."""
+    from pathlib import Path
+
+    from colibri_plan.engine.pack_index import DENSE_NAME
+
+    p = Path(name_or_path).expanduser()
+    if p.is_dir() and (p / "pack.json").is_file() and (p / DENSE_NAME).is_file():
+        return (p / DENSE_NAME).stat().st_size
+    return None
+
+
+def _human(spec, dense_file_bytes: int | None = None) -> str:
     mtp = f" + {len(spec.mtp_layers)} MTP row(s) (id {_ranges(spec.mtp_layers)})" if spec.mtp_layers else ""
     shared = (f"{spec.n_shared_experts} (total width {spec.shared_intermediate_size})"
               if spec.n_shared_experts else "none")
@@ -89,7 +113,7 @@ def _human(spec) -> str:
         f"  vocab            {spec.vocab_size:,}",
         f"  parameters       {_params(spec.total_params)} (dense {_params(spec.dense_params)}, "
         f"routed {_params(spec.routed_params)})",
-        f"  dense trunk      {_gb(spec.dense_bytes('bf16'))} at bf16",
+        _dense_line(spec, dense_file_bytes),
         f"  KV cache         {spec.kv_bytes_per_token:,} B per context token",
         f"  expert format    {spec.expert_format}: {spec.expert_bytes():,} B per expert, "
         f"{_gb(spec.cold_bytes_per_token())} cold per token",
@@ -119,7 +143,11 @@ def show(name_or_path, quant):
     from colibri_plan.model import load_model_spec
 
     spec = load_model_spec(name_or_path, quant=quant)
-    emit(spec_report(spec), lambda: _human(spec))
+    doc = spec_report(spec)
+    dense_file = _pack_dense_file_bytes(name_or_path)
+    if dense_file is not None:
+        doc["dense_file_bytes"] = dense_file
+    emit(doc, lambda: _human(spec, dense_file))
 
 
 @model.command("list")

@@ -10,6 +10,9 @@ from colibri_plan.cli.common import emit, get_ctx, json_option, progress
 from colibri_plan.errors import IntegrityError
 from colibri_plan.quant import FORMATS
 
+#: a count or size option of `model fixture`: a whole number >= 1 (else a usage error)
+_POS = click.IntRange(1, None)
+
 #: expert formats `model pack` and `model fixture` accept (f16 packs work too but are not advertised)
 PACK_FORMATS = ("f32", "bf16", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int2")
 
@@ -53,9 +56,10 @@ def _checkpoint_spec(checkpoint, weights, fmt):
 @json_option
 def pack(checkpoint, out, fmt, force):
     """Convert a Hugging Face checkpoint folder into an expert pack OUT (atomic; see docs/pack-format.md)."""
-    from colibri_plan.engine.pack import pack_summary, write_pack
+    from colibri_plan.engine.pack import check_pack_output, pack_summary, write_pack
     from colibri_plan.engine.weights import load_checkpoint
 
+    check_pack_output(out, force, inputs=(checkpoint,))  # before loading: never into/over the checkpoint
     t0 = time.perf_counter()
     weights = load_checkpoint(checkpoint, expert_format="f32")
     spec = _checkpoint_spec(checkpoint, weights, fmt)
@@ -86,20 +90,23 @@ def verify(pack_dir):
         emit(report, f"OK: {pack_dir}: {report['experts']} experts ({report['expert_format']}), "
                      f"{report['experts_bytes']:,} B, every checksum matches ({report['seconds']:.1f} s)")
     if not report["ok"]:
-        for p in report["problems"]:
+        shown = 10  # a truncated file can put every expert out of bounds: the first few say enough
+        for p in report["problems"][:shown]:
             click.echo(f"  {p}", err=True)
+        if len(report["problems"]) > shown:
+            click.echo(f"  ... {len(report['problems']) - shown} more (--json lists them all)", err=True)
         raise IntegrityError(f"pack {pack_dir} failed verification: {len(report['problems'])} problem(s); "
                              f"first: {report['problems'][0]}")
 
 
 @click.command("fixture")
 @click.argument("out", type=click.Path())
-@click.option("--layers", type=int, default=None, help="MoE layers [3].")
-@click.option("--experts", type=int, default=None, help="Routed experts per layer [64].")
-@click.option("--top-k", type=int, default=None, help="Experts per token [8].")
-@click.option("--hidden", type=int, default=None, help="Hidden size H [6144; 256 with --small].")
-@click.option("--width", type=int, default=None, help="Expert width I [2048; 128 with --small].")
-@click.option("--vocab", type=int, default=None, help="Vocabulary [4096; 512 with --small].")
+@click.option("--layers", type=_POS, default=None, help="MoE layers [3].")
+@click.option("--experts", type=_POS, default=None, help="Routed experts per layer [64].")
+@click.option("--top-k", type=_POS, default=None, help="Experts per token [8].")
+@click.option("--hidden", type=_POS, default=None, help="Hidden size H [6144; 256 with --small].")
+@click.option("--width", type=_POS, default=None, help="Expert width I [2048; 128 with --small].")
+@click.option("--vocab", type=_POS, default=None, help="Vocabulary [4096; 512 with --small].")
 @click.option("--quant", "fmt", type=click.Choice(PACK_FORMATS), default=None, help="Expert format [int4].")
 @click.option("--seed", type=int, default=None, help="Seed [0].")
 @click.option("--domain", default=None, help="OLMoE text domain whose routing skew is copied [tulu].")
@@ -110,12 +117,17 @@ def fixture(out, layers, experts, top_k, hidden, width, vocab, fmt, seed, domain
     """Write a deterministic synthetic MoE model in the pack format (GLM-5.2 expert geometry by default:
     hidden 6144, width 2048, int4, 64 experts x 3 layers, about 3.6 GB)."""
     from colibri_plan.engine.fixture import FixtureConfig, build_fixture
+    from colibri_plan.engine.pack import check_pack_output
 
     kw = dict(layers=layers, experts=experts, top_k=top_k, hidden=hidden, width=width, vocab=vocab,
               quant=fmt, seed=seed, domain=domain)
     kw = {k: v for k, v in kw.items() if v is not None}
     cfg = FixtureConfig.small(**kw) if small else FixtureConfig(**kw)
+    if cfg.top_k > cfg.experts:  # checked before the progress line and the output folder
+        raise click.BadParameter(f"{cfg.top_k} is more than the {cfg.experts} experts per layer",
+                                 param_hint="--top-k")
     est = cfg.layers * cfg.experts
+    check_pack_output(out, force)  # before minutes of generating
     progress(f"fixture: {est} experts of H {cfg.hidden} x I {cfg.width} in {cfg.quant} -> {out}")
     doc = build_fixture(out, cfg, overwrite=force, progress=_progress_every("generated experts"))
     doc["seconds"] = round(doc["seconds"], 3)

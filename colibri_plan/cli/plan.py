@@ -30,12 +30,14 @@ def show(path, show_layers):
                            "ram_pinned": len(e["ram_pinned"]), "lru_slots": e["lru_slots"],
                            "disk": len(e["disk"])} for e in d["layers"]]
 
+    sv = d["solver"]
+
     def human():
         pr, t, h = d["predicted"], d["predicted"]["terms"], d["predicted"]["hit_rate"]
         lines = [f"plan {path}: {data['model']} ({d['expert_format']}, fingerprint {p.model_fingerprint})",
                  f"machine: {d['profile'].get('cpu_model')}, GPUs {d['profile'].get('gpus')} "
                  f"(profile {d['profile'].get('fingerprint')})",
-                 f"heat: {d['heat']['source']}",
+                 f"heat: {d['heat'].get('source', '(not recorded)')}",
                  f"RAM budget for experts {d['budgets']['ram_budget_bytes'] / 1e9:.2f} GB; VRAM "
                  + (", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in d["budgets"]["vram_budget_bytes"].items())
                     or "none (no GPU in the profile)"),
@@ -46,7 +48,8 @@ def show(path, show_layers):
                  f"served from VRAM {h['vram'] * 100:.1f}%, pinned {h['ram_pinned'] * 100:.1f}%, LRU "
                  f"{h['lru'] * 100:.1f}%, disk {h['disk'] * 100:.1f}%; "
                  f"{pr['disk_bytes_per_token'] / 1e6:.1f} MB/token from disk",
-                 f"solver: {d['solver']['method']}, {d['solver']['status']}, {d['solver']['seconds']} s"]
+                 f"solver: {sv.get('method', '?')}, {sv.get('status', '?')}, "
+                 + (f"{sv['seconds']} s" if "seconds" in sv else "time not recorded")]
         if show_layers:
             keys = p.device_keys
             rows = [[e["layer"]] + [len(e["vram"].get(k, [])) for k in keys]

@@ -133,12 +133,16 @@ def profile(path, model, quick, out, backends, probes, block_bytes, file_bytes, 
     from colibri_plan.profiler.schema import save_profile
 
     if out != "-":
+        from pathlib import Path
+
         from colibri_plan.fileio import check_output_path
 
-        check_output_path(out)  # before minutes of measuring
+        # before minutes of measuring; a --path folder may take the output, a --path file may not
+        check_output_path(out, [p for p in (model, path) if p and Path(p).exists()
+                                and not (p == path and Path(p).is_dir())])
     for name, v in (("--hidden", hidden_size), ("--width", width), ("--disk-seconds", disk_seconds)):
         if v is not None and v <= 0:
-            raise InputError(f"{name} must be positive, got {v}")
+            raise click.BadParameter(f"must be positive, got {v}", param_hint=name)  # a usage error: exit 2
     opts = ProfileOptions(
         path=path, model=model, quick=quick, backends=_names(backends),
         probes=_names([probes]) if probes else PROBES, block_bytes=parse_bytes(block_bytes),

@@ -47,9 +47,9 @@ def read_prompt(prompt_ids: str | None, prompt_file: str | None) -> list[int]:
         raise InputError("give exactly one of --prompt-ids 1,2,3 or --prompt-file FILE")
     if prompt_ids is not None:
         return parse_prompt(prompt_ids, "--prompt-ids")
-    path = Path(prompt_file)
-    if not path.is_file():
-        raise InputError(f"prompt file {path} does not exist")
+    from colibri_plan.fileio import check_input_file
+
+    path = check_input_file(prompt_file, "prompt file")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -57,12 +57,13 @@ def read_prompt(prompt_ids: str | None, prompt_file: str | None) -> list[int]:
     return parse_prompt(text, f"prompt file {path}")
 
 
-def open_weights(model_path: str, quant: str = "f32"):
+def open_weights(model_path: str, quant: str | None = None):
     """A ModelWeights for an expert pack folder (``pack.json``) or a Hugging Face checkpoint folder
-    (experts quantized to ``quant`` at load).
+    (experts quantized to ``quant`` at load; default f32).
 
     Raises:
-        InputError: the path is neither.
+        InputError: the path is neither, or ``quant`` is given for a pack whose expert format differs (a
+        pack's format is fixed when it is made).
     """
     from colibri_plan.engine.pack import is_pack, open_pack
 
@@ -71,20 +72,35 @@ def open_weights(model_path: str, quant: str = "f32"):
         raise InputError(f"model {path} does not exist; give an expert pack folder (colibri-plan model pack "
                          "/ model fixture) or a Hugging Face checkpoint folder")
     if is_pack(path):
-        return open_pack(path)
+        pack = open_pack(path)
+        if quant is not None and quant != pack.expert_format:
+            pack.close()
+            raise InputError(f"--quant {quant}: {path} is a pack of {pack.expert_format} experts, and a "
+                             "pack's format is fixed when it is made; leave --quant out, or make another "
+                             f"pack with `colibri-plan model pack --quant {quant}`")
+        return pack
     if (path / "config.json").is_file():
         from colibri_plan.engine.weights import load_checkpoint
 
-        return load_checkpoint(path, expert_format=quant)
+        return load_checkpoint(path, expert_format=quant or "f32")
     raise InputError(f"{path} is neither an expert pack (no pack.json) nor a checkpoint (no config.json)")
 
 
 def resolve_backend(name: str) -> str:
-    """``auto`` -> "cpu" (numba kernels) when usable here, else "numpy"; other names unchanged."""
-    if name != "auto":
-        return name
-    from colibri_plan.backends import get_backend
+    """``auto`` -> "cpu" (numba kernels) when usable here, else "numpy"; other names unchanged.
 
+    Raises:
+        click.BadParameter: an unknown backend name (a usage error, exit 2).
+    """
+    from colibri_plan.backends import get_backend
+    from colibri_plan.errors import UnsupportedError
+
+    if name != "auto":
+        try:
+            get_backend(name)
+        except UnsupportedError as exc:
+            raise click.BadParameter(str(exc), param_hint="--backend") from None
+        return name
     return "cpu" if get_backend("cpu").is_available() else "numpy"
 
 
@@ -167,7 +183,8 @@ def write_stats(recorder, weights, stats_out: str | None, usage_out: str | None)
               help="Backend for the experts: auto (cpu if usable, else numpy), cpu, numpy, opencl, ...")
 @click.option("--device", "device_index", type=int, default=0, show_default=True,
               help="Backend device index.")
-@click.option("--quant", default="f32", show_default=True, help="Expert format when --model is a checkpoint.")
+@click.option("--quant", default=None,
+              help="Expert format when --model is a checkpoint [default: f32]; a pack keeps its own.")
 @click.option("--plan", "plan_path", type=click.Path(), default=None,
               help="Place experts as this plan says (VRAM / pinned RAM / LRU / O_DIRECT disk); needs a pack.")
 @click.option("--read-threads", type=click.IntRange(1, 64), default=None,
@@ -183,16 +200,18 @@ def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, qu
 
     Without --plan every expert is held in RAM on one backend. With --plan the experts live where the
     plan says, and the report splits each decode token's time (dense, expert compute per device, disk
-    wait), gives hit rates per tier, disk bytes per token and peak RSS, beside the plan's prediction."""
+    wait), gives hit rates per tier, disk bytes per token and peak RSS, beside the plan's prediction. A plan
+    whose pinned experts, LRU slots and buffers exceed this machine's available memory is refused before
+    anything is allocated (COLIBRI_PLAN_NO_RAM_CHECK=1 runs it anyway)."""
     from colibri_plan.fileio import check_output_path
 
     for p in (stats_out, usage_out):  # before the run, not after it
         if p is not None:
-            check_output_path(p)
+            check_output_path(p, (model_path, plan_path, prompt_file))
     prompt = read_prompt(prompt_ids, prompt_file)
+    backend = resolve_backend(backend)  # before the weights load and any progress line
     weights = open_weights(model_path, quant)
     check_prompt(prompt, weights.arch.vocab_size)
-    backend = resolve_backend(backend)
     if plan_path is not None:
         return run_with_plan(weights, plan_path, prompt, n_tokens, backend, read_threads, stats_out,
                              usage_out)
@@ -260,7 +279,9 @@ def run_with_plan(weights, plan_path: str, prompt: list[int], n_tokens: int, bac
         dev = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t["device_s"].items()) or "none"
         hr = ", ".join(f"{k} {v:.1%}" for k, v in rep.hit_rates.items())
         lines = [" ".join(str(x) for x in rep.tokens),
-                 f"decode {rep.tok_s:.2f} tok/s measured"
+                 (f"decode {rep.tok_s:.2f} tok/s measured over {rep.decode_steps} step"
+                  f"{'s' if rep.decode_steps != 1 else ''}" if rep.decode_steps
+                  else "decode n/a (one token: it comes from the prefill, no decode step was timed)")
                  + (f" (plan predicted {pred['tok_s']:.2f})" if pred.get("tok_s") else "")
                  + f"; prefill {len(prompt)} tokens in {rep.prefill_s:.2f} s",
                  f"per token: dense {t['dense_s'] * 1e3:.1f} ms, experts {t['expert_wall_s'] * 1e3:.1f} ms "

@@ -40,6 +40,17 @@ def load_heat_arg(heat: str | None):
     return load_heat(heat)
 
 
+def _finite(param, value: float) -> float:
+    """Option callback: FloatRange lets NaN and Infinity through (no comparison fails on NaN)."""
+    import math
+
+    from colibri_plan.errors import InputError
+
+    if value is not None and not math.isfinite(value):
+        raise InputError(f"--{param.name.replace('_', '-')} must be a finite number, got {value}")
+    return value
+
+
 def _gb(x) -> str:
     return f"{x / GB:,.2f} GB"
 
@@ -62,10 +73,12 @@ COMPARE_HEADER = ["placement", "tok/s", "ms/token", "VRAM %", "pinned %", "LRU %
 @click.option("--ram", default="auto", show_default=True, help="'auto' or the process RAM budget in GB.")
 @click.option("--vram", default="auto", show_default=True, help="'auto', or GB per GPU (one, or a,b,c).")
 @click.option("--headroom", default=None, help="OS + page-cache headroom in GB for --ram auto.")
-@click.option("--vram-reserve", default=2.0, show_default=True, type=float, help="GB kept free per GPU.")
+@click.option("--vram-reserve", default=2.0, show_default=True, type=click.FloatRange(0),
+              callback=lambda _c, p, v: _finite(p, v), help="GB kept free per GPU.")
 @click.option("--context", default=4096, show_default=True, type=int, help="Context tokens (KV cache).")
 @click.option("--quant", default=None, help="Expert quant format (default: the model's).")
-@click.option("--dense-format", default=None, help="Dense trunk format (default: the expert format).")
+@click.option("--dense-format", default=None,
+              help="Dense trunk format (default: as a pack stores it, else the expert format).")
 @click.option("--lru-slots", default="auto", show_default=True, help="'auto' or LRU slots per layer.")
 @click.option("--out", "out_path", default=None, help="Write the plan here.")
 @click.option("--compare", is_flag=True, help="Also evaluate colibrì hot-first, --fit layers and uniform.")
@@ -75,6 +88,7 @@ COMPARE_HEADER = ["placement", "tok/s", "ms/token", "VRAM %", "pinned %", "LRU %
 @click.option("--method", type=click.Choice(["auto", "exact", "aggregate"]), default="auto",
               show_default=True)
 @click.option("--time-limit", default=30.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              callback=lambda _c, p, v: _finite(p, v),
               help="Solver seconds.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of synthesised heat.")
 @click.option("--coefficients", "coef_path", default=None,
@@ -93,20 +107,30 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
 
     if png_path and not what_if_kind:
         raise InputError("--png needs --what-if ram|vram|nvme")
+    inputs = [p for p in (profile_path, model_name, heat, coef_path) if p and Path(p).exists()]
     for p in (out_path, png_path):  # before the solve, not after it
         if p is not None:
-            check_output_path(p)
-    if lru_slots != "auto" and not str(lru_slots).isdigit():
-        raise InputError(f"--lru-slots must be 'auto' or a whole number, got {lru_slots!r}")
+            check_output_path(p, inputs)
+    from colibri_plan.errors import ColibriError
+    from colibri_plan.planner.make import check_budget_options
+
+    try:  # bad option values are usage errors (exit 2), like --time-limit 0
+        check_budget_options(ram, vram, headroom, lru_slots)
+    except ColibriError as exc:
+        raise click.BadParameter(str(exc)) from None
     profile, source = resolve_profile(profile_path)
     spec = load_model_spec(model_name, quant=quant)
     heat_obj = load_heat_arg(heat)
     coef = None
     if coef_path:  # calibrated coefficients are only ever used when asked for (docs/calibration.md)
-        from colibri_plan.calibrate import load_coefficients
+        from colibri_plan.calibrate import read_coefficients
 
-        coef = load_coefficients(coef_path)
+        coef, coef_machines = read_coefficients(coef_path)
         progress(f"cost-model coefficients from {coef_path}: {coef.to_dict()}")
+        if coef_machines and profile.fingerprint not in coef_machines:
+            warn(f"{coef_path} was fitted on machine(s) {', '.join(coef_machines)}, but the profile is of "
+                 f"machine {profile.fingerprint}: the coefficients may not hold here; calibrate from "
+                 "verify reports measured on this machine")
     progress(f"solving {spec.name}: {spec.n_routed_experts} experts of {spec.expert_bytes() / 1e6:.2f} MB "
              f"on {source}")
     plan, sol, setup = make_plan(profile, spec, heat_obj, method=method, time_limit_s=time_limit,

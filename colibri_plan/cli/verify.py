@@ -53,7 +53,8 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
         raise InputError(f"--backend {cpu_backend}: RAM-resident and streamed experts run on a host backend "
                          "(cpu or numpy); GPU experts use the devices the plan names")
     plan = load_plan(plan_path)
-    check_output_path(report_path or default_report_path(plan_path))  # before the runs, not after
+    check_output_path(report_path or default_report_path(plan_path),  # before the runs, not after
+                      (plan_path, model_path, prompt_file))
     if not is_pack(model_path):
         raise InputError(f"{model_path} is not an expert pack (no pack.json); build one with "
                          "`colibri-plan model pack` or `colibri-plan model fixture`")
@@ -101,11 +102,15 @@ def calibrate(reports, out_path, base_path):
     ratio of sums for dense and GPU terms; docs/calibration.md) and write them to --out.
     Use them with `colibri-plan solve --coefficients FILE`."""
     from colibri_plan.calibrate import fit_coefficients, load_coefficients, save_coefficients
+    from colibri_plan.fileio import check_output_path
     from colibri_plan.verify import load_report
 
+    check_output_path(out_path, (*reports, base_path))  # before reading and fitting
     docs = [load_report(r) for r in reports]
     base = load_coefficients(base_path) if base_path else None
     coef, detail = fit_coefficients(docs, base=base, names=list(reports))
+    for w in detail.get("warnings", []):
+        warn(w)
     path = save_coefficients(coef, out_path, detail, sources=list(reports))
     doc = {"coefficients": coef.to_dict(), "detail": detail, "out": str(path), "reports": list(reports)}
 

@@ -25,7 +25,8 @@ SPEC_SCHEMA_VERSION = 1
 def _load_json_spec(path: Path) -> ModelSpec:
     doc = read_json_object(path, "model spec file")
     if doc.get("kind") not in (None, SPEC_KIND):
-        raise FormatError(f"{path} is a {doc.get('kind')!r} file, not a model spec")
+        raise FormatError(f"{path} has kind {doc.get('kind')!r}, not a model spec: a spec file has kind "
+                          f"{SPEC_KIND!r} (or none, as `colibri-plan model show --json` writes it)")
     if doc.get("kind") == SPEC_KIND and doc.get("schema_version") != SPEC_SCHEMA_VERSION:
         raise FormatError(f"{path} has model_spec schema_version {doc.get('schema_version')!r}; this "
                           f"colibri-plan reads version {SPEC_SCHEMA_VERSION}")
@@ -33,6 +34,49 @@ def _load_json_spec(path: Path) -> ModelSpec:
         raise InputError(f"{path} is a Hugging Face config.json; pass its checkpoint folder instead "
                          "(config.json alone is enough; safetensors headers there are checked against it)")
     return ModelSpec.from_dict(doc.get("spec", doc))
+
+
+#: safetensors header dtype -> colibri_plan.quant format of a stored dense trunk
+_ST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+
+
+def pack_dense_format(folder: Path, index: dict) -> str | None:
+    """The format an expert pack stores its dense trunk in: ``format.dense_format`` of ``pack.json``, else
+    (an index that does not record it) the dtype of the tensors in the safetensors header of its dense
+    file (the widest when they differ: the planner budgets by it). None when neither says.
+
+    Raises:
+        FormatError: the dense file's header cannot be read.
+    """
+    fmt = index.get("format", {})
+    if isinstance(fmt.get("dense_format"), str):
+        return fmt["dense_format"]
+    dense = folder / str(fmt.get("dense_file") or "dense.safetensors")
+    if not dense.is_file():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(dense), framework="numpy") as f:
+            names = list(f.keys())
+            dtypes = {str(f.get_slice(n).get_dtype()).upper() for n in names}
+    except Exception as exc:  # safetensors raises its own error types
+        raise FormatError(f"{dense}: cannot read the safetensors header ({exc})") from None
+    fmts = [_ST_DTYPES[d] for d in dtypes if d in _ST_DTYPES]
+    from colibri_plan import quant
+
+    return max(sorted(fmts), key=quant.bits) if fmts else None
+
+
+def _pack_spec(path: Path) -> ModelSpec:
+    """The ModelSpec a pack stores, with the format its dense trunk is stored in (``dense_format``)."""
+    import dataclasses
+
+    from colibri_plan.engine.pack import spec_from_pack
+    from colibri_plan.engine.pack_index import read_index
+
+    spec = spec_from_pack(path)
+    return dataclasses.replace(spec, dense_format=pack_dense_format(path, read_index(path)))
 
 
 def save_model_spec(spec: ModelSpec, path: str | os.PathLike) -> Path:
@@ -61,8 +105,7 @@ def load_model_spec(name_or_path: str | os.PathLike, quant: str | None = None) -
     looks_like_path = os.sep in text or text.startswith(".") or path.suffix in (".gguf", ".json")
     if path.is_dir() and (path / "pack.json").is_file():
         # an expert pack (colibri-plan model pack / model fixture) stores the spec it was made from
-        from colibri_plan.engine.pack import spec_from_pack
-        spec = spec_from_pack(path)
+        spec = _pack_spec(path)
     elif path.is_dir():
         from colibri_plan.model.checkpoint import checkpoint_spec
         spec = checkpoint_spec(path)
@@ -74,6 +117,9 @@ def load_model_spec(name_or_path: str | os.PathLike, quant: str | None = None) -
             spec = gguf_spec(path)
         else:
             spec = _load_json_spec(path)
+    elif path.exists():  # /dev/null, a pipe...
+        raise InputError(f"{text} is not a regular file (expected a checkpoint folder, a .gguf file or a "
+                         "spec JSON file)")
     elif looks_like_path:
         raise InputError(f"{text} does not exist (expected a checkpoint folder, a .gguf file or a spec "
                          "JSON file)")

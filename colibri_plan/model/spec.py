@@ -60,6 +60,9 @@ class ModelSpec:
         kv_bytes_per_token: KV-cache bytes per context token, all layers together.
         source: where the figures came from: "catalogue: <source>", "checkpoint: <path>", "gguf: <path>".
         expert_bias: experts carry biases (gpt-oss).
+        dense_format: the format the dense trunk is stored in when that is known (an expert pack records
+            it: f32 for packs this tool writes), else None; planning then assumes ``expert_format``.
+            Not part of the geometry or the fingerprint.
 
     Raises:
         FormatError: on construction, when a field is of the wrong type or out of range.
@@ -81,6 +84,7 @@ class ModelSpec:
     kv_bytes_per_token: int
     source: str
     expert_bias: bool = False
+    dense_format: str | None = None
 
     def __post_init__(self):
         for f in _INT_FIELDS:
@@ -100,6 +104,8 @@ class ModelSpec:
         object.__setattr__(self, "moe_layers", layers)
         try:
             quant.check_format(self.expert_format)
+            if self.dense_format is not None:
+                quant.check_format(self.dense_format)
         except Exception as exc:
             raise FormatError(f"model spec {self.name!r}: {exc}") from None
 
@@ -208,6 +214,8 @@ class ModelSpec:
         """A JSON-ready dict (``moe_layers`` as a list); :meth:`from_dict` reads it back."""
         d = dataclasses.asdict(self)
         d["moe_layers"] = list(self.moe_layers)
+        if d["dense_format"] is None:  # unknown: left out, as in files written before the field existed
+            del d["dense_format"]
         return d
 
     @classmethod
@@ -227,7 +235,10 @@ class ModelSpec:
         kw = {k: d[k] for k in _REQUIRED}
         kw["moe_layers"] = tuple(d["moe_layers"])
         kw["expert_bias"] = bool(d.get("expert_bias", False))
+        kw["dense_format"] = d.get("dense_format")
         for k in ("name", "family", "expert_format", "source"):
             if not isinstance(kw[k], str):
                 raise FormatError(f"model spec field {k} must be a string, got {kw[k]!r}")
+        if kw["dense_format"] is not None and not isinstance(kw["dense_format"], str):
+            raise FormatError(f"model spec field dense_format must be a string, got {kw['dense_format']!r}")
         return cls(**kw)

@@ -68,16 +68,40 @@ class Coefficients:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    #: largest accepted multiplier (a fit or a hand edit beyond it is a broken file, not a slow machine)
+    MAX_MULTIPLIER = 1e3
+    #: seconds-valued fields (per MoE layer per token) and their largest accepted value
+    SECONDS = {"layer_overhead_s": 1.0, "gpu_call_s": 1.0}
+
     @classmethod
-    def from_dict(cls, d: dict | None) -> Coefficients:
-        """Build from a dict (unknown keys rejected). Raises InputError on a negative value."""
-        d = dict(d or {})
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    def from_dict(cls, d: dict | None, where: str = "cost coefficients") -> Coefficients:
+        """Build from a dict (``where`` names its source in messages, e.g. "FILE: coefficients").
+
+        Each value must be a JSON number (not a bool), finite, >= 0, at most :attr:`MAX_MULTIPLIER` for a
+        multiplier and at most 1 s for the seconds fields; not all may be zero (that predicts 0 s/token).
+
+        Raises:
+            InputError: not an object, an unknown key, or a bad value (the message names the key).
+        """
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise InputError(f"{where} must be an object of coefficient: number, got {d!r:.60}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = set(d) - set(names)
         if unknown:
-            raise InputError(f"unknown cost coefficient(s) {sorted(unknown)}")
+            raise InputError(f"{where}: unknown cost coefficient(s) {sorted(unknown)} (known: {names})")
+        for k, v in d.items():
+            hi = cls.SECONDS.get(k, cls.MAX_MULTIPLIER)
+            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and bool(np.isfinite(v))
+            if not ok or not 0 <= v <= hi:
+                unit = " s" if k in cls.SECONDS else ""
+                raise InputError(f"{where}: {k} must be a finite number >= 0 and <= {hi:g}{unit}, got {v!r}; "
+                                 "re-create the coefficients with `colibri-plan calibrate`")
         out = cls(**{k: float(v) for k, v in d.items()})
-        if any(v < 0 for v in dataclasses.asdict(out).values()):
-            raise InputError(f"cost coefficients must be >= 0, got {out}")
+        if not any(dataclasses.asdict(out).values()):
+            raise InputError(f"{where}: every coefficient is 0 (that predicts 0 s per token); "
+                             "re-create the coefficients with `colibri-plan calibrate`")
         return out
 
 
@@ -125,11 +149,16 @@ class Resources:
     dense_gbps: float | None = None
 
     def __post_init__(self):
-        rates = [self.cpu_matmul_gbps, self.ram_read_gbps] + [g.matmul_gbps for g in self.gpus]
+        rates = [("CPU expert matmul", self.cpu_matmul_gbps), ("RAM read", self.ram_read_gbps)]
+        rates += [(f"{g.key} GPU expert matmul", g.matmul_gbps) for g in self.gpus]
         if self.disk_read_gbps is not None:
-            rates.append(self.disk_read_gbps)
-        if any(not np.isfinite(r) or r <= 0 for r in rates):
-            raise InputError(f"machine figures must be positive GB/s, got {rates}")
+            rates.append(("disk random-read", self.disk_read_gbps))
+        if self.dense_gbps is not None:
+            rates.append(("dense trunk read", self.dense_gbps))
+        bad = [f"{name} {r!r} GB/s" for name, r in rates if not np.isfinite(r) or r <= 0]
+        if bad:
+            raise InputError(f"machine figures must be positive GB/s, got {', '.join(bad)}; re-measure "
+                             "them with `colibri-plan profile` (or fix the profile's figure)")
         for g in self.gpus:
             if not g.unified and (g.h2d_gbps <= 0 or g.d2h_gbps <= 0):
                 raise InputError(f"{g.key}: host<->device GB/s must be positive for a discrete GPU")

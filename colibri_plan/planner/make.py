@@ -11,7 +11,7 @@ from colibri_plan import quant
 from colibri_plan.errors import BudgetError, InputError
 from colibri_plan.heat import Heat, align_heat, synth_heat, uniform_heat
 from colibri_plan.plan import Plan, layers_from_tiers
-from colibri_plan.planner.budgets import Budgets, ram_budget, resources_from_profile, vram_budgets
+from colibri_plan.planner.budgets import Budgets, parse_gb, ram_budget, resources_from_profile, vram_budgets
 from colibri_plan.planner.costmodel import Coefficients, Resources, attention_seconds, dense_seconds
 from colibri_plan.planner.solve import Problem, Solution, evaluate, solve_placement
 
@@ -28,8 +28,10 @@ def heat_for(spec, heat: Heat | str | None, seed: int = 0) -> Heat:
     """
     if heat is None or heat == "synth":
         h = synth_heat(spec, seed=seed)
-        h.warnings.append(f"no routing statistics given: heat synthesised from real OLMoE routing "
-                          f"({h.source}); record real statistics and pass --heat for a better plan")
+        # h.source already says "synthesised from real olmoe routing (...)": not repeated here
+        h.warnings.append(f"no routing statistics given (--heat omitted or 'synth'): heat {h.source}. "
+                          "Record real statistics (`colibri-plan run --stats-out`) and pass --heat for "
+                          "a better plan")
         return h
     if heat == "uniform":
         return uniform_heat(spec)[0]
@@ -69,6 +71,44 @@ def auto_lru_slots(spec, res: Resources, ram_bytes: int, weights: np.ndarray, pr
     return np.where(decode, min(max(1, min(spec.top_k, per_row)), fit), 0)
 
 
+def check_budget_options(ram="auto", vram="auto", headroom=None, lru_slots="auto") -> None:
+    """Check the values of the budget options before any work (the CLI turns these into usage errors).
+
+    Raises:
+        InputError / BudgetError: naming the option: not 'auto' or a finite GB figure, a negative figure,
+        --lru-slots not 'auto' or a whole number.
+    """
+    if str(ram) != "auto":
+        parse_gb(ram, "--ram")
+    if str(vram) != "auto":
+        for v in str(vram).split(","):
+            parse_gb(v, "--vram")
+    if headroom is not None:
+        parse_gb(headroom, "--headroom")
+    if str(lru_slots) != "auto" and not str(lru_slots).isdigit():
+        raise InputError(f"--lru-slots must be 'auto' or a whole number, got {lru_slots!r}")
+
+
+def _option_notes(profile, ram, vram, headroom) -> list[str]:
+    """Warnings for options that do not apply; raises InputError for a --vram with no VRAM to give it to.
+
+    ``--vram`` with numbers on a profile without a discrete GPU is refused whatever the count of figures
+    (one figure used to be ignored silently while two were refused); 0 is accepted (no VRAM tier).
+    """
+    notes = []
+    if headroom is not None and str(ram) != "auto":
+        notes.append(f"--headroom {headroom} does not apply with --ram {ram}: an explicit --ram is the whole "
+                     "process budget (headroom is only subtracted from --ram auto); ignored")
+    discrete = [g for g in profile.gpus() if not g.get("unified_memory")]
+    if str(vram) != "auto" and not discrete:
+        if any(parse_gb(v, "--vram") > 0 for v in str(vram).split(",")):
+            what = "only unified-memory GPUs (their experts share the RAM budget)" if profile.gpus() \
+                else "no GPU"
+            raise InputError(f"--vram {vram}: the profile has {what}, so there is no VRAM to budget; leave "
+                             "--vram out, or profile a machine with a discrete GPU (--backends cuda ...)")
+    return notes
+
+
 @dataclasses.dataclass
 class Setup:
     """Everything a placement is evaluated against (shared by solve, baselines and what-if)."""
@@ -87,16 +127,21 @@ def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto",
                 coef: Coefficients | None = None, vram_reserve_gb: float = 2.0, seed: int = 0) -> Setup:
     """Budgets, resources and the placement problem for ``spec`` on ``profile``.
 
+    ``dense_fmt`` None: the format the model stores its dense trunk in when known (``spec.dense_format``,
+    e.g. f32 for an expert pack), else the expert format.
+
     Raises:
         BudgetError: negative or too-small budgets; InputError: missing profile figures;
         MismatchError: heat for another model.
     """
     if vram_reserve_gb < 0:
         raise BudgetError(f"--vram-reserve cannot be negative ({vram_reserve_gb} GB)")
-    dense_fmt = dense_fmt or spec.expert_format
+    dense_fmt = dense_fmt or getattr(spec, "dense_format", None) or spec.expert_format
     coef = coef or Coefficients()
+    check_budget_options(ram, vram, headroom, lru_slots)
+    notes = _option_notes(profile, ram, vram, headroom)
     h = heat_for(spec, heat, seed)
-    warnings = list(h.warnings)
+    warnings = list(h.warnings) + notes
     ram_bytes, ram_explain, parts = ram_budget(spec, profile.ram_available_bytes(), ram, headroom,
                                                context_tokens, dense_fmt)
     vram_b, vram_explain = vram_budgets(profile.gpus(), vram, int(vram_reserve_gb * 1e9))

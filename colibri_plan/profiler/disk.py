@@ -97,12 +97,17 @@ def _timed_reads(fd: int, file_bytes: int, block_bytes: int, queue_depth: int, s
     seq_next = [random.Random(seed).randrange(n_slots) * ALIGN]
     seeds = [None if seed is None else seed * 1000 + k for k in range(queue_depth)]
 
+    stop = threading.Event()  # set when the main thread leaves early (Ctrl-C, an error)
+
     def reader(k: int) -> None:
         rnd = random.Random(seeds[k])
         buf = aligned_buffer(block_bytes)
         mine, got = [], 0
-        start.wait()
-        while time.perf_counter() < stop_at[0] or not mine:
+        try:
+            start.wait()
+        except threading.BrokenBarrierError:  # stop_readers aborted the start
+            return
+        while not stop.is_set() and (time.perf_counter() < stop_at[0] or not mine):
             if sequential:
                 with lock:
                     off = seq_next[0]
@@ -116,15 +121,36 @@ def _timed_reads(fd: int, file_bytes: int, block_bytes: int, queue_depth: int, s
             lat.extend(mine)
             total[0] += got
 
-    threads = [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(queue_depth)]
-    for t in threads:
-        t.start()
-    stop_at[0] = time.perf_counter() + seconds
-    t0 = time.perf_counter()
-    start.wait()
-    for t in threads:
-        t.join()
+    threads = [threading.Thread(target=reader, args=(k,), daemon=True, name=f"colibri-disk-reader-{k}")
+               for k in range(queue_depth)]
+    try:
+        for t in threads:
+            t.start()
+        stop_at[0] = time.perf_counter() + seconds
+        t0 = time.perf_counter()
+        start.wait()
+        for t in threads:
+            t.join()
+    except BaseException:
+        # Ctrl-C or an error here: the readers still use fd, which the caller closes next; stop them first
+        stop_readers(threads, stop, start)
+        raise
     return time.perf_counter() - t0, total[0], lat
+
+
+def stop_readers(threads: list[threading.Thread], stop: threading.Event, start: threading.Barrier) -> None:
+    """Tell reader threads to stop (``stop`` set, the ``start`` barrier aborted for those not started
+    yet) and wait until every one has ended, so the file descriptor they read can be closed safely.
+    Each reader finishes at most the one read it is in (milliseconds). A second Ctrl-C while waiting
+    does not cut the wait short."""
+    stop.set()
+    start.abort()
+    for t in threads:
+        while t.ident is not None and t.is_alive():
+            try:
+                t.join()
+            except KeyboardInterrupt:
+                continue
 
 
 def measure(fd: int, file_bytes: int, block_bytes: int, queue_depth: int, repetitions: int,
@@ -190,8 +216,8 @@ def probe_disk(path: str | os.PathLike | None = None, block_bytes: int = DEFAULT
             write_test_file(created, size, say)
         size = (probe_file.stat().st_size // ALIGN) * ALIGN
         if size < block:
-            raise InputError(f"{probe_file} has {size} B, less than one {block} B block; give a larger file "
-                             "or a folder")
+            raise InputError(f"{probe_file} has {probe_file.stat().st_size:,} B, less than one {block:,} B "
+                             "block; give a larger file or a folder")
         fs = filesystem_of(probe_file)
         fd, direct, method, warning = open_for_read(probe_file)
         random_rows = []

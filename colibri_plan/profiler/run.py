@@ -115,6 +115,10 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
         check_format(f)
     if "disk" in opts.probes and opts.path is not None and not os.path.exists(opts.path):
         raise InputError(f"--path {opts.path} does not exist; give a folder or a file on the disk to probe")
+    if "disk" in opts.probes and opts.path is not None and os.path.isdir(opts.path) \
+            and not os.access(opts.path, os.W_OK | os.X_OK):  # checked before minutes of other probes
+        raise InputError(f"--path {opts.path}: cannot write a test file in this folder (permission "
+                         "denied); give a folder you can write to, or an existing large file")
     t_start = time.perf_counter()
     load_start = _loadavg()
     st = mode_settings(opts.quick)
@@ -153,6 +157,9 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
                                               settings["disk_seconds"], say)
             warnings += doc["disk"]["warnings"]
         except OSError as exc:
+            if opts.path is not None:  # a disk the user named must be measured, or the command fails
+                raise InputError(f"--path {opts.path}: the disk probe failed ({exc}); give a folder you can "
+                                 "write to (a test file is created there) or an existing large file") from exc
             doc["disk"] = {"unavailable": f"disk probe failed: {exc}"}
             warnings.append(doc["disk"]["unavailable"])
         durations["disk"] = time.perf_counter() - t0

@@ -156,8 +156,17 @@ def validate_profile(doc: dict) -> dict:
         _check_stat(ram["read_gbps"], "ram.read_gbps")
         _check_int(ram, "threads", "ram", 1)
     for i, d in enumerate(_check_list(doc, "devices") or []):
-        _check_keys(d, ("backend", "index", "name", "kind", "total_memory_bytes", "unified_memory"),
-                    f"devices[{i}]")
+        w = f"devices[{i}]"
+        _check_keys(d, ("backend", "index", "name", "kind", "total_memory_bytes", "unified_memory"), w)
+        for k in ("backend", "name", "kind"):
+            if not isinstance(d[k], str):
+                _fail(w, f"{k} must be a string, got {d[k]!r}")
+        _check_int(d, "index", w)
+        _check_int(d, "total_memory_bytes", w)
+        if d.get("free_memory_bytes") is not None:
+            _check_int(d, "free_memory_bytes", w)
+        if not isinstance(d["unified_memory"], bool):
+            _fail(w, f"unified_memory must be true or false, got {d['unified_memory']!r}")
     for i, e in enumerate(_check_list(doc, "links") or []):
         w = f"links[{i}]"
         _check_keys(e, ("backend", "device_index", "device_name", "unified_memory", "block_bytes"), w)
@@ -248,7 +257,8 @@ class MachineProfile:
         if not rows:
             have = sorted({f"{e['backend']}:{e['device_index']}:{e['fmt']}" for e in self._section("matmul")})
             raise InputError(f"profile has no matmul figure for {backend}:{device_index} at {fmt} "
-                             f"(has {', '.join(have) or 'none'}); {MEASURE_HINT} --backends {backend}")
+                             f"(has {', '.join(have) or 'none'}); measure it with "
+                             f"`colibri-plan profile --out profile.json --backends {backend}`")
         return rows
 
     def matmul_weight_gbps(self, backend: str, device_index: int, fmt: str, tokens: int = 1,
