@@ -16,8 +16,10 @@ order), so "paired min" is the smallest over baselines of the median over repeat
 the same repeat; "ours OK" means that paired ratio is not below 1 by more than the noise.
 
 Calibration (``--calibrate``, once): after the runs, the cost model's coefficients are fitted
-(:func:`colibri_plan.calibrate.fit_coefficients`, docs/calibration.md) on OUR plan at the lowest and the
-highest budget only (per-term medians over the repeats, measured in the same interleaved session), and
+(:func:`colibri_plan.calibrate.fit_coefficients`, docs/calibration.md) on OUR plan at the lowest, the
+second-highest and the highest budget only (``--calibrate-at``; per-term medians over the repeats,
+measured in the same interleaved session: all-RAM fixes the CPU rate, the lowest the disk rate, the
+middle one how much of the reads hide behind the compute), and
 every plan at every budget is predicted again with them: the middle budgets and all baseline placements
 are out of sample. The script also re-solves with the calibrated coefficients and says whether our
 placement would change. ``--coefficients FILE`` instead solves and predicts with a file from the start.
@@ -140,7 +142,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16, help="decode steps per run")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--calibrate", action="store_true", help="fit coefficients on ours at the end budgets")
+    ap.add_argument("--calibrate", action="store_true", help="fit coefficients on ours at --calibrate-at")
+    ap.add_argument("--calibrate-at", default=None,
+                    help="budgets (GB) whose runs of our plan calibrate (default: lowest, second-highest, "
+                         "highest)")
     ap.add_argument("--coefficients", default=None, help="use these coefficients (calibrate output)")
     ap.add_argument("--out", default="bench/results/plan_accuracy.json")
     a = ap.parse_args(argv)
@@ -159,6 +164,10 @@ def main(argv=None) -> int:
                               "--tokens", "4", "--stats-out", a.heat], check=True)
     profile, spec, heat = load_profile(a.profile), load_model_spec(fx), load_heat(a.heat)
     budgets = sorted(float(x) for x in a.budgets.split(","))
+    cal_at = (sorted(float(x) for x in a.calibrate_at.split(",")) if a.calibrate_at
+              else sorted({budgets[0], budgets[max(0, len(budgets) - 2)], budgets[-1]}))
+    if not set(cal_at) <= set(budgets):
+        sys.exit(f"--calibrate-at {a.calibrate_at}: every value must be one of --budgets {a.budgets}")
     # repeat r uses prompt seed 1 + r (never the statistics run's seed 0): hit rates pool over prompts
     prompts = [fixture_prompt(spec.vocab_size, 8, seed=1 + r) for r in range(a.repeats)]
     pack = open_pack(fx)
@@ -188,7 +197,7 @@ def main(argv=None) -> int:
     pred = {gb: {n: p.doc["predicted"] for n, p in plans[gb].items()} for gb in budgets}
     cal_pred, moved = None, {}
     if a.calibrate and not a.coefficients:
-        coef, coef_src = calibrate(plans, meas, [budgets[0], budgets[-1]], out.parent)
+        coef, coef_src = calibrate(plans, meas, cal_at, out.parent)
         # for comparison only: coefficients fitted on ours at every budget (in sample for ours)
         coef_all, _ = calibrate(plans, meas, budgets, out.parent, tag="-all-budgets")
         in_sample = {}
@@ -220,7 +229,7 @@ def main(argv=None) -> int:
                      "tok_s_ratio_measured_over_predicted": m["tok_s_median"] / pr["tok_s"],
                      "hit_rate_diff_points": 100 * (m["hit_rate_memory"] - memory_hit_rate(pr["hit_rate"])),
                      "vs_best_baseline": m["tok_s_median"] / best_base,
-                     "calibration_input": bool(cal_pred) and n == "ours" and gb in (budgets[0], budgets[-1]),
+                     "calibration_input": bool(cal_pred) and n == "ours" and gb in cal_at,
                      "predicted_tok_s_all_budget_fit": in_sample[gb][n] if cal_pred else None}
             if n == "ours":
                 entry["paired_ratio_vs_baselines"] = paired
@@ -242,8 +251,8 @@ def main(argv=None) -> int:
               "meas hit %", "diff pts", "vs best base", "paired min", "noise", "ours OK"]
     text = table(rows, header)
     if cal_pred:
-        text += ("\n* calibration input (ours at the lowest and highest budget); every other row is "
-                 "predicted out of sample")
+        text += (f"\n* calibration input (ours at {', '.join(f'{g:g}' for g in cal_at)} GB); every other row "
+                 "is predicted out of sample")
     print(text)
     ours = [r for r in result if r["placement"] == "ours"]
     summary = {"tok_s_within_25pct_all": all(abs(r["tok_s_ratio_measured_over_predicted"] - 1) <= 0.25

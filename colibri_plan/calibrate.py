@@ -5,11 +5,12 @@ Method (docs/calibration.md). Each report holds the plan's predicted terms, made
 ``predicted / c_old``.
 
 * ``cpu_expert`` and ``disk`` — least squares on the CPU path's time per token. In the cost model a
-  layer's CPU path costs ``max(c_cpu · resident_raw, c_disk · disk_raw) + c_cpu · stream_raw`` (reads
-  overlap the compute of resident experts; streamed experts are computed after their reads), so over the
-  reports
+  layer's CPU path costs ``max(c_cpu · resident_raw + verify, c_disk · disk_raw) + c_cpu · stream_raw``
+  (reads overlap the compute of resident experts, which shares the cores with the reads' crc32 checks,
+  ``verify``, measured by the profile and not refitted; streamed experts are computed after their
+  reads), so over the reports
 
-      measured CPU-path s ≈ Σ_l w_l · (max(c_cpu · resident_l, c_disk · disk_l) + c_cpu · stream_l)
+      measured CPU-path s ≈ Σ_l w_l · (max(c_cpu · resident_l + verify_l, c_disk · disk_l) + c_cpu · stream_l)
 
   with the per-layer raw parts from the plan's ``predicted.cpu_path_layers``. This is piecewise linear in
   the two coefficients: it is minimised by bounded least squares (``scipy.optimize.least_squares``, c >= 0)
@@ -68,7 +69,8 @@ def report_terms(report: dict, where: str = "report") -> dict:
     """The raw predicted and measured seconds per token of one verify report that calibration uses.
 
     Returns:
-        {"cpu_raw", "disk_raw", "layers" (float ``[rows, 4]``: weight, resident, stream, disk raw seconds),
+        {"cpu_raw", "disk_raw", "layers" (float ``[rows, 5]``: weight, resident, stream, disk raw seconds,
+        checksum seconds),
         "n_layers", "cpu_path_s", "dense_raw", "dense_s", "gpu_raw", "gpu_s", "devices": bool}.
 
     Raises:
@@ -117,8 +119,9 @@ def report_terms(report: dict, where: str = "report") -> dict:
         try:
             col = lambda k: np.asarray(parts[k], dtype=np.float64)   # noqa: E731
             c_cpu, c_disk = max(old.cpu_expert, 1e-300), max(old.disk, 1e-300)
+            verify = col("verify_s") if parts.get("verify_s") is not None else 0.0 * col("weight")
             layers = np.stack([col("weight"), col("cpu_resident_s") / c_cpu, col("cpu_stream_s") / c_cpu,
-                               col("disk_s") / c_disk], axis=1)
+                               col("disk_s") / c_disk, verify], axis=1)
             if layers.ndim != 2 or not np.all(np.isfinite(layers)) or np.any(layers < 0):
                 raise ValueError("its figures must be finite numbers >= 0 in lists of one length")
         except (KeyError, TypeError, ValueError) as exc:
@@ -131,9 +134,10 @@ def report_terms(report: dict, where: str = "report") -> dict:
         disk_raw = float(np.sum(layers[:, 0] * layers[:, 3]))
     else:   # an older plan: no per-layer parts, so no overlap is known
         disk_raw = raw(_num(pt, "disk_wait_s", where, ppt), old.disk)
-        layers = np.array([[1.0, 0.0, cpu_raw, disk_raw]])
+        layers = np.array([[1.0, 0.0, cpu_raw, disk_raw, 0.0]])
     return {"cpu_raw": cpu_raw, "n_layers": n_layers, "disk_raw": disk_raw,
-            "layers": layers,   # [rows, 4]: weight, resident, stream, disk (raw seconds per token)
+            # [rows, 5]: weight, resident, stream, disk (raw seconds per token), checksums (seconds, fixed)
+            "layers": layers,
             "cpu_path_s": cpu_path,
             "dense_raw": raw(_num(pt, "dense_s", where, ppt), old.dense),
             "dense_s": _num(mt, "dense_s", where, mmt) - _num(pt, "attention_s", where, ppt),
@@ -144,44 +148,58 @@ def report_terms(report: dict, where: str = "report") -> dict:
             "devices": devices}
 
 
-def cpu_path_seconds(layers: np.ndarray, c_cpu: float, c_disk: float) -> float:
-    """Σ_l w_l (max(c_cpu · resident_l, c_disk · disk_l) + c_cpu · stream_l) for ``layers`` ``[rows, 4]``
-    (weight, resident, stream, disk raw seconds): the cost model's CPU path with these coefficients."""
-    w, res, stream, disk = layers.T
-    return float(np.sum(w * (np.maximum(c_cpu * res, c_disk * disk) + c_cpu * stream)))
+def cpu_path_seconds(layers: np.ndarray, c_cpu: float, c_disk: float, overlap: float = 1.0) -> float:
+    """Σ_l w_l (max(a_l, d_l) + (1 − overlap) · min(a_l, d_l) + c_cpu · stream_l), a_l = c_cpu · resident_l
+    + verify_l, d_l = c_disk · disk_l, for ``layers`` ``[rows, 5]`` (weight, resident, stream, disk raw
+    seconds, checksum seconds): the cost model's CPU path with these coefficients."""
+    w, res, stream, disk, verify = layers.T
+    a, d = c_cpu * res + verify, c_disk * disk
+    return float(np.sum(w * (np.maximum(a, d) + (1.0 - overlap) * np.minimum(a, d) + c_cpu * stream)))
 
 
 def _fit_cpu_path(terms: list[dict], y: np.ndarray, base) -> tuple[dict, float, list]:
-    """(c_cpu, c_disk) minimising Σ (cpu_path_seconds - y)^2; columns without data keep base values."""
+    """(c_cpu, c_disk, overlap) minimising Σ (cpu_path_seconds - y)^2; columns without data keep base
+    values, and ``overlap`` is fitted only when more reports than the other free coefficients have both
+    CPU work and reads in some layer (it is not identified otherwise)."""
     from scipy.optimize import least_squares, nnls
 
     has_cpu = any(np.any(t["layers"][:, 1:3] > 0) for t in terms)
     has_disk = any(np.any(t["layers"][:, 3] > 0) for t in terms)
-    x0 = np.array([base.cpu_expert, base.disk], dtype=np.float64)
+    both = sum(bool(np.any((t["layers"][:, 1] + t["layers"][:, 4] > 0) & (t["layers"][:, 3] > 0)))
+               for t in terms)
+    x0 = np.array([base.cpu_expert, base.disk, base.overlap], dtype=np.float64)
     free = [j for j, ok in enumerate((has_cpu, has_disk)) if ok]
+    if both and len(terms) > len(free):
+        free.append(2)
     if not free:
-        return {"cpu_expert": x0[0], "disk": x0[1]}, 0.0, []
+        return {"cpu_expert": x0[0], "disk": x0[1], "overlap": x0[2]}, 0.0, []
 
     def model(v: np.ndarray) -> np.ndarray:
         x = x0.copy()
         x[free] = v
-        return np.array([cpu_path_seconds(t["layers"], x[0], x[1]) for t in terms]) - y
+        return np.array([cpu_path_seconds(t["layers"], *x) for t in terms]) - y
 
-    # two starts: the additive form (max -> sum) and the fully hidden form (max -> disk), both nnls
+    # starts: the additive form (max -> sum) and the fully hidden form (max -> disk), both nnls, at
+    # overlap 0 and 1 where it is free
     starts = []
+    two = [j for j in free if j < 2]
     for hide in (False, True):
         cols = np.array([[np.sum(w * (stream + (0 if hide else res))), np.sum(w * disk)]
-                         for w, res, stream, disk in (t["layers"].T for t in terms)])
-        yy = y - sum(cols[:, j] * x0[j] for j in range(2) if j not in free)
-        starts.append(np.maximum(nnls(cols[:, free], yy)[0], 1e-9))
+                         for w, res, stream, disk, _ in (t["layers"].T for t in terms)])
+        fixed = 0.0 if hide else np.array([np.sum(t["layers"][:, 0] * t["layers"][:, 4]) for t in terms])
+        yy = y - fixed - sum(cols[:, j] * x0[j] for j in range(2) if j not in free)
+        s0 = np.maximum(nnls(cols[:, two], yy)[0], 1e-9) if two else np.zeros(0)
+        starts.append(np.append(s0, 1.0 if hide else 0.0) if 2 in free else s0)
+    hi = [np.inf if j < 2 else 1.0 for j in free]
     best = None
     for s0 in starts:
-        r = least_squares(lambda v: model(v), s0, bounds=(0.0, np.inf), method="trf")
+        r = least_squares(model, np.minimum(s0, hi), bounds=(0.0, hi), method="trf")
         if best is None or r.cost < best.cost:
             best = r
     x = x0.copy()
     x[free] = best.x
-    return {"cpu_expert": float(x[0]), "disk": float(x[1])}, float(np.sqrt(2 * best.cost)), free
+    return ({"cpu_expert": float(x[0]), "disk": float(x[1]), "overlap": float(x[2])},
+            float(np.sqrt(2 * best.cost)), free)
 
 
 def _fingerprint_of(report: dict, section: str) -> str | None:
@@ -268,7 +286,7 @@ def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = N
                               "reports": len(terms), "residual_s": resid, "measured_s": y.tolist(),
                               "raw_cpu_s": [t["cpu_raw"] for t in terms],
                               "raw_disk_s": [t["disk_raw"] for t in terms]}
-    for k, col in (("cpu_expert", 0), ("disk", 1)):
+    for k, col in (("cpu_expert", 0), ("disk", 1), ("overlap", 2)):
         detail[k] = {"value": values[k], "fitted": col in live}
     for key, m_key, r_key in (("dense", "dense_s", "dense_raw"), ("gpu_expert", "gpu_s", "gpu_raw")):
         used = [t for t in terms if t[r_key] > 0]

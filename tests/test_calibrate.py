@@ -174,3 +174,34 @@ def test_fit_uses_the_overlapped_cpu_path_per_layer():
     c, detail = fit_coefficients([a, b])
     assert (c.cpu_expert, c.disk) == pytest.approx((2.0, 0.5), rel=1e-4)
     assert detail["cpu_path"]["residual_s"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_cpu_path_with_checksum_column_by_hand():
+    from colibri_plan.calibrate import cpu_path_seconds
+
+    # one layer: resident 0.1, stream 0.05, disk 0.3 raw s, checks 0.2 s; c_cpu 2, c_disk 0.5:
+    # max(2 * 0.1 + 0.2, 0.5 * 0.3) + 2 * 0.05 = 0.4 + 0.1
+    layers = np.array([[1.0, 0.1, 0.05, 0.3, 0.2]])
+    assert cpu_path_seconds(layers, 2.0, 0.5) == pytest.approx(0.5)
+    assert cpu_path_seconds(layers, 2.0, 2.0) == pytest.approx(0.6 + 0.1)    # now the disk is slower
+
+
+def test_overlap_is_fitted_from_a_report_with_both_compute_and_reads():
+    # A: all resident (raw 0.2 s) measured 0.4 -> c_cpu 2. B: only reads (disk raw 0.6 s) measured 0.3 ->
+    # c_disk 0.5. C: resident 0.1 s raw (0.2 s at c_cpu 2) and disk 0.8 s raw (0.4 s), no stream; with
+    # overlap o: max(0.2, 0.4) + (1 - o) 0.2 = 0.5 measured -> o = 0.5
+    def with_layers(rep, res, disk, wall):
+        rep["predicted"]["cpu_path_layers"] = {"weight": [1.0], "cpu_resident_s": [res],
+                                               "cpu_stream_s": [0.0], "disk_s": [disk], "verify_s": [0.0]}
+        rep["measured"]["terms"]["expert_wall_s"] = wall
+        return rep
+
+    a = with_layers(_report({"dense": 0.1, "cpu": 0.2, "disk": 0.0}, TRUE), 0.2, 0.0, 0.4)
+    b = with_layers(_report({"dense": 0.1, "cpu": 0.0, "disk": 0.6}, TRUE), 0.0, 0.6, 0.3)
+    c = with_layers(_report({"dense": 0.1, "cpu": 0.1, "disk": 0.8}, TRUE), 0.1, 0.8, 0.5)
+    coef, detail = fit_coefficients([a, b, c])
+    assert (coef.cpu_expert, coef.disk, coef.overlap) == pytest.approx((2.0, 0.5, 0.5), rel=1e-4)
+    assert detail["overlap"]["fitted"]
+    # with A and B alone nothing tells how much hides: overlap keeps its base value
+    coef2, detail2 = fit_coefficients([a, b])
+    assert coef2.overlap == 1.0 and not detail2["overlap"]["fitted"]

@@ -63,6 +63,22 @@ def test_gpu_call_overhead_is_paid_per_layer_the_gpu_holds_experts_of():
     assert d["terms"]["transfer_s"] == pytest.approx(2e-4 + 0.004)
 
 
+def test_checksums_of_streamed_experts_take_cpu_time_from_the_resident_compute():
+    import dataclasses
+
+    res = dataclasses.replace(RES, checksum_gbps=1.0)          # 1e8 B / 1 GB/s = 0.1 s per streamed expert
+    p = np.array([0.5, 0.3, 0.2])
+    t = layer_terms(p, np.array([0, TIER_RAM, TIER_DISK]), 0, B, res, Coefficients(), ACT)
+    assert t["verify_s"] == pytest.approx(0.2 * 0.1)
+    # max(resident 0.003 + checks 0.02, disk 0.01) + stream 0.002: the checks now set the CPU path
+    assert t["cpu_path_s"] == pytest.approx(0.003 + 0.02 + 0.002)
+    assert t["disk_wait_s"] == 0.0
+    d = decode_cost(p[None], np.array([[0, TIER_RAM, TIER_DISK]]), np.zeros(1, int), B, res)
+    assert d["cpu_path_layers"]["verify_s"] == [pytest.approx(0.02)]
+    # without a checksum figure (older profiles) the term is absent
+    assert layer_terms(p, np.array([0, TIER_RAM, TIER_DISK]), 0, B, RES, Coefficients(), ACT)["verify_s"] == 0
+
+
 def test_cpu_path_overlaps_reads_with_resident_compute():
     """Toy numbers: 10 experts of 100 MB, CPU 10 GB/s (0.01 s each), disk 2 GB/s (0.05 s each)."""
     res = Resources(cpu_matmul_gbps=10, ram_read_gbps=20, disk_read_gbps=2)

@@ -199,6 +199,8 @@ def test_ram_probe():
     assert r["threads"] == 2 and r["read_gbps"]["repetitions"] == 3
     assert r["array_bytes"] == 8 << 20
     assert 0 < r["read_gbps"]["min"] <= r["read_gbps"]["median"] <= r["read_gbps"]["max"] < 10_000
+    c = r["checksum_gbps"]
+    assert c["repetitions"] == 3 and 0 < c["min"] <= c["median"] <= c["max"] < 10_000
 
 
 def _dev(backend, kind, unified, index=0):

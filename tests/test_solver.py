@@ -1,5 +1,6 @@
 """Placement solver: optimality against brute force, budgets never exceeded, the certified gap, GLM-5.2."""
 
+import dataclasses
 import itertools
 import time
 
@@ -27,7 +28,7 @@ from colibri_plan.planner.solve import Problem, solve_placement
 B = 10_000_000
 
 
-def random_problem(rng, rows, n_exp, n_gpu, top_k=2, slots=0, unified=False, disk=True):
+def random_problem(rng, rows, n_exp, n_gpu, top_k=2, slots=0, unified=False, disk=True, extras=False):
     probs = np.array([cap_probabilities(rng.pareto(1.2, n_exp) + 0.01, top_k) for _ in range(rows)])
     gpus = tuple(GpuResource(f"cuda:{d}", matmul_gbps=float(rng.uniform(2, 200)),
                              h2d_gbps=float(rng.uniform(1, 30)), d2h_gbps=float(rng.uniform(1, 30)),
@@ -37,8 +38,12 @@ def random_problem(rng, rows, n_exp, n_gpu, top_k=2, slots=0, unified=False, dis
     res = Resources(cpu_matmul_gbps=float(rng.uniform(1, 20)), ram_read_gbps=float(rng.uniform(5, 40)),
                     disk_read_gbps=float(rng.uniform(0.2, 5)) if disk else None, gpus=gpus)
     ram = int(rng.integers(0, rows * n_exp + 1)) * B
-    return Problem(probs=probs, weights=np.ones(rows), expert_bytes=B, res=res, ram_budget_bytes=ram,
-                   lru_slots=np.full(rows, slots), activation_bytes=int(rng.integers(1, 10**6)))
+    pr = Problem(probs=probs, weights=np.ones(rows), expert_bytes=B, res=res, ram_budget_bytes=ram,
+                 lru_slots=np.full(rows, slots), activation_bytes=int(rng.integers(1, 10**6)))
+    if extras:   # checksum CPU time, partial overlap of compute and reads, GPU call overhead
+        pr.res = dataclasses.replace(res, checksum_gbps=float(rng.uniform(0.5, 10)))
+        pr.coef = Coefficients(overlap=float(rng.uniform(0, 1)), gpu_call_s=float(rng.uniform(0, 1e-3)))
+    return pr
 
 
 def brute_force(pr: Problem) -> float:
@@ -83,7 +88,8 @@ def shapes():
 
 @pytest.mark.parametrize("seed, rows, n_exp, n_gpu, unified, disk", shapes())
 def test_exact_solver_matches_brute_force(seed, rows, n_exp, n_gpu, unified, disk):
-    pr = random_problem(np.random.default_rng(seed), rows, n_exp, n_gpu, unified=unified, disk=disk)
+    pr = random_problem(np.random.default_rng(seed), rows, n_exp, n_gpu, unified=unified, disk=disk,
+                        extras=seed % 2 == 1)
     best = brute_force(pr)
     if not np.isfinite(best):
         with pytest.raises(BudgetError, match="disk"):

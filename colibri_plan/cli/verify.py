@@ -116,11 +116,11 @@ def calibrate(reports, out_path, base_path):
 
     def human() -> str:
         rows = []
-        for t in ("cpu_expert", "disk", "dense", "gpu_expert"):
+        for t in ("cpu_expert", "disk", "overlap", "dense", "gpu_expert"):
             d = detail[t]
             if not d["fitted"]:
                 how = "no data (base value kept)"
-            elif t in ("cpu_expert", "disk"):
+            elif t in ("cpu_expert", "disk", "overlap"):
                 how = f"nnls on the CPU path over {detail['cpu_path']['reports']} report(s)"
             else:
                 how = (f"ratio of sums {d['measured_sum_s'] * 1e3:.1f} / {d['raw_sum_s'] * 1e3:.1f} ms "

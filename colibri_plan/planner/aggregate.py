@@ -30,7 +30,13 @@ from scipy import sparse
 from scipy.optimize import linprog
 
 from colibri_plan.errors import BudgetError, SolverError
-from colibri_plan.planner.costmodel import TIER_DISK, TIER_RAM, gpu_fixed_seconds, miss_seconds
+from colibri_plan.planner.costmodel import (
+    TIER_DISK,
+    TIER_RAM,
+    gpu_fixed_seconds,
+    miss_seconds,
+    verify_seconds,
+)
 
 N_BREAKPOINTS = 5
 CUT_ROUNDS = 6
@@ -128,8 +134,10 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
                     row([mcol(i, t), ncol(i, t)], [1.0, -asc[q]], suf[q] - asc[q] * q, np.inf)
         miss = coef.disk * t_miss * miss_factor_row[r]
         # CPU path max(resident, disk) + stream as two rows (all compute; disk + stream of the misses)
-        row([tcol(i), mcol(i, t_ram), mcol(i, t_disk)], [1.0, -cpu_c, -cpu_c], 0.0, np.inf)
-        row([tcol(i), mcol(i, t_disk)], [1.0, -(miss + cpu_c * miss_factor_row[r])], 0.0, np.inf)
+        f, v, lap = miss_factor_row[r], verify_seconds(b, res) * miss_factor_row[r], 1.0 - coef.overlap
+        row([tcol(i), mcol(i, t_ram), mcol(i, t_disk)], [1.0, -cpu_c, -(cpu_c + v + lap * miss)], 0.0, np.inf)
+        row([tcol(i), mcol(i, t_ram), mcol(i, t_disk)],
+            [1.0, -lap * cpu_c, -(miss + cpu_c * f + lap * ((1 - f) * cpu_c + v))], 0.0, np.inf)
         for d in range(n_gpu):
             cols, cf = [tcol(i), mcol(i, d)], [1.0, -gpu_c[d]]
             if d in zdev:
@@ -347,7 +355,7 @@ def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[
             if problem.weights[r] <= 0 or problem.probs[r].sum() <= 0:
                 continue
             rr = rate.copy()
-            rr[-1] = cpu_c + coef.disk * t_miss * row_miss[r]
+            rr[-1] = cpu_c + (coef.disk * t_miss + verify_seconds(b, res)) * row_miss[r]
             t = realise_layer(problem.probs[r], counts[r], masses[r], rr, fixed)
             tiers[r] = np.where(t < n_gpu, t, np.where(t == n_gpu, TIER_RAM, TIER_DISK))
             stream = (coef.disk * t_miss + cpu_c) * row_miss[r]

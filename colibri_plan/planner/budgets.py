@@ -230,4 +230,4 @@ def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str 
         gpus.append(GpuResource(key=key, matmul_gbps=gbps, h2d_gbps=h2d, d2h_gbps=d2h,
                                 budget_bytes=int(vram_budget.get(key, 0)), unified=unified))
     return Resources(cpu_matmul_gbps=cpu, ram_read_gbps=profile.ram_read_gbps(), disk_read_gbps=disk,
-                     disk_queue_depth=qd, gpus=tuple(gpus))
+                     disk_queue_depth=qd, gpus=tuple(gpus), checksum_gbps=profile.checksum_gbps())

@@ -4,13 +4,16 @@ Pure functions on plain numbers, so every term can be checked by hand (docs/plan
 DESIGN.md §7). Per decode token:
 
     decode_s = dense_s + attention_s + Σ_layers w_l · max(cpu_path_l, gpu_l,d + xfer_l,d for each d)
-    cpu_path_l = max(cpu_resident_l, disk_l) + cpu_stream_l
+    cpu_path_l = max(a, d) + (1 − c_overlap) · min(a, d) + cpu_stream_l,  a = cpu_resident_l + verify_l,
+                 d = disk_l (c_overlap = 1: the reads hide behind the resident compute or vice versa)
 
 * ``dense_s``     = c_dense · dense read bytes / (dense GB/s)  (the trunk is read once per token)
 * ``attention_s`` = c_attention · context · KV bytes per token / RAM GB/s
 * ``cpu_resident_l`` = c_cpu · Σ_{e in RAM} p_e · b / CPU GB/s + c_cpu · Σ_{e on disk} p_e · h_e · b / CPU
                      GB/s: compute of the pinned experts and the LRU hits (CPU GB/s is capped by RAM GB/s)
 * ``cpu_stream_l`` = c_cpu · Σ_{e on disk} p_e · (1 − h_e) · b / CPU GB/s: compute of the streamed misses
+* ``verify_l``    = Σ_{e on disk} p_e · (1 − h_e) · b / all-core crc32 GB/s: the reader threads check every
+                     streamed expert, CPU time taken from the resident compute (0 without a figure)
 * ``disk_l``      = c_disk · Σ_{e on disk} p_e · (1 − h_e) · b / disk GB/s at the queue depth the engine
                      reads with (``Resources.disk_queue_depth``; the profile measures expert-sized blocks at
                      that depth, so a read's latency is inside this figure)
@@ -64,6 +67,9 @@ class Coefficients:
     # fixed seconds per MoE layer per token for each GPU holding experts of the layer: the host's call
     # (hand-off to the device thread, launch, synchronisation), paid however few experts it computes
     gpu_call_s: float = 0.0
+    # the share of the shorter of (resident compute + checks, disk reads) that hides behind the longer
+    # one in a layer's CPU path: 1 = full overlap (max), 0 = one after the other (sum)
+    overlap: float = 1.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -72,6 +78,8 @@ class Coefficients:
     MAX_MULTIPLIER = 1e3
     #: seconds-valued fields (per MoE layer per token) and their largest accepted value
     SECONDS = {"layer_overhead_s": 1.0, "gpu_call_s": 1.0}
+    #: fractions (0..1)
+    FRACTIONS = ("overlap",)
 
     @classmethod
     def from_dict(cls, d: dict | None, where: str = "cost coefficients") -> Coefficients:
@@ -92,7 +100,7 @@ class Coefficients:
         if unknown:
             raise InputError(f"{where}: unknown cost coefficient(s) {sorted(unknown)} (known: {names})")
         for k, v in d.items():
-            hi = cls.SECONDS.get(k, cls.MAX_MULTIPLIER)
+            hi = 1.0 if k in cls.FRACTIONS else cls.SECONDS.get(k, cls.MAX_MULTIPLIER)
             ok = not isinstance(v, bool) and isinstance(v, (int, float)) and bool(np.isfinite(v))
             if not ok or not 0 <= v <= hi:
                 unit = " s" if k in cls.SECONDS else ""
@@ -139,6 +147,8 @@ class Resources:
             disk figure was taken at; a plan records it and the engine reads with it.
         gpus: the GPUs, in plan order.
         dense_gbps: GB/s of the dense trunk's per-token read (defaults to the CPU path).
+        checksum_gbps: all-core crc32 GB/s: the engine checks every streamed expert in its reader
+            threads, CPU time the resident compute cannot use; None = not measured (no term).
     """
 
     cpu_matmul_gbps: float
@@ -147,6 +157,7 @@ class Resources:
     disk_queue_depth: int = 1
     gpus: tuple[GpuResource, ...] = field(default_factory=tuple)
     dense_gbps: float | None = None
+    checksum_gbps: float | None = None
 
     def __post_init__(self):
         rates = [("CPU expert matmul", self.cpu_matmul_gbps), ("RAM read", self.ram_read_gbps)]
@@ -243,6 +254,11 @@ def miss_seconds(expert_bytes: int, res: Resources) -> float:
     return expert_bytes / (res.disk_read_gbps * 1e9)
 
 
+def verify_seconds(expert_bytes: int, res: Resources) -> float:
+    """CPU seconds per streamed expert for its crc32 check: b / all-core checksum GB/s (0 unmeasured)."""
+    return expert_bytes / (res.checksum_gbps * 1e9) if res.checksum_gbps else 0.0
+
+
 def transfer_seconds(gpu: GpuResource, activation_bytes: int) -> float:
     """Seconds to send one token's hidden state to ``gpu`` and its result back (0 on unified memory)."""
     if gpu.unified:
@@ -283,8 +299,11 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
     cpu_res_s = per_sel * (float(p[tier == TIER_RAM].sum()) + lru_hits)
     cpu_stream_s = per_sel * misses
     disk_s = coef.disk * misses * miss_seconds(expert_bytes, res) if misses > 0 else 0.0
-    # reads of the misses overlap the resident compute; each streamed expert is computed after its read
-    cpu_path_s = max(cpu_res_s, disk_s) + cpu_stream_s
+    verify_s = misses * verify_seconds(expert_bytes, res)
+    # reads of the misses overlap the resident compute, which shares the cores with the reads' checksums
+    # (a share ``overlap`` of the shorter one hides); each streamed expert is computed after its read
+    a, b = cpu_res_s + verify_s, disk_s
+    cpu_path_s = max(a, b) + (1.0 - coef.overlap) * min(a, b) + cpu_stream_s
     gpu_s, xfer_s, calls = [], [], 0
     for d, g in enumerate(res.gpus):
         mine = tier == d
@@ -293,7 +312,8 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
         xfer_s.append(gpu_fixed_seconds(g, activation_bytes, coef) if mine.any() else 0.0)
     time_s = max([cpu_path_s] + [a + b for a, b in zip(gpu_s, xfer_s)]) + coef.layer_overhead_s
     return {"cpu_resident_s": cpu_res_s, "cpu_stream_s": cpu_stream_s, "cpu_s": cpu_res_s + cpu_stream_s,
-            "disk_s": disk_s, "disk_wait_s": max(0.0, disk_s - cpu_res_s), "cpu_path_s": cpu_path_s,
+            "verify_s": verify_s, "disk_s": disk_s, "disk_wait_s": max(0.0, cpu_path_s - cpu_stream_s - a),
+            "cpu_path_s": cpu_path_s,
             "gpu_s": gpu_s, "transfer_s": xfer_s, "gpu_calls": calls,
             "time_s": time_s,
             "vram": float(p[tier >= 0].sum()), "ram_pinned": float(p[tier == TIER_RAM].sum()),
@@ -329,7 +349,8 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
         token: Σ_l w_l · GPUs holding experts of l)}, hit_rate {vram, ram_pinned, lru, disk} (shares of
         expert selections),
         disk_bytes_per_token, per_layer_s [rows], and cpu_path_layers {weight, cpu_resident_s,
-        cpu_stream_s, disk_s} (lists [rows], the CPU path's parts per layer; calibration refits on them).
+        cpu_stream_s, disk_s, verify_s} (lists [rows], the CPU path's parts per layer; calibrate refits
+        on them).
     """
     coef = coef or Coefficients()
     probs = np.asarray(probs, dtype=np.float64)
@@ -339,7 +360,8 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
     attn_s = attention_seconds(context_tokens, kv_bytes_per_token, res, coef)
     comp = {"cpu": 0.0, **{g.key: 0.0 for g in res.gpus}}
     disk_s = read_s = xfer_s = layers_s = calls = 0.0
-    parts = {"weight": [float(x) for x in w], "cpu_resident_s": [], "cpu_stream_s": [], "disk_s": []}
+    parts = {"weight": [float(x) for x in w], "cpu_resident_s": [], "cpu_stream_s": [], "disk_s": [],
+             "verify_s": []}
     share = dict.fromkeys(("vram", "ram_pinned", "lru", "disk"), 0.0)
     per_layer = []
     for i in range(rows):
@@ -351,7 +373,7 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
             comp[g.key] += w[i] * s
         disk_s += w[i] * t["disk_wait_s"]
         read_s += w[i] * t["disk_s"]
-        for k in ("cpu_resident_s", "cpu_stream_s", "disk_s"):
+        for k in ("cpu_resident_s", "cpu_stream_s", "disk_s", "verify_s"):
             parts[k].append(t[k])
         xfer_s += w[i] * sum(t["transfer_s"])
         calls += w[i] * t["gpu_calls"]

@@ -8,7 +8,8 @@ linear program solved by HiGHS (``scipy.optimize.milp``):
   trip per token): Σ_e x[l,e,d] <= E · z[l,d].
 * ``τ_l`` >= the CPU path max(resident, disk) + stream, written as two linear rows because
   max(a, b) + s <= τ  ⇔  a + s <= τ and b + s <= τ:
-  τ_l >= Σ_e p_e (x_RAM + x_disk) c_cpu (all CPU compute: resident + stream) and
+  τ_l >= Σ_e p_e (x_RAM + x_disk) c_cpu + Σ_e p_e (1 − h_e) v x_disk (all CPU compute: resident +
+  stream, and the crc32 check v of each streamed expert) and
   τ_l >= Σ_e p_e (m_e + (1 − h_e) c_cpu) x_disk (disk + stream); and τ_l >= each GPU's
   Σ_e p_e x[l,e,d] c_d + xfer_d z[l,d] — the epigraph of the layer's max, which is exact at the optimum.
 * capacities: per discrete GPU Σ b x[·,·,d] <= budget_d; RAM Σ b x_RAM + b·(unified-GPU experts) +
@@ -44,6 +45,7 @@ from colibri_plan.planner.costmodel import (
     decode_cost,
     gpu_fixed_seconds,
     miss_seconds,
+    verify_seconds,
 )
 
 #: above this many expert-level binaries the count-and-mass method is used (method="auto")
@@ -132,6 +134,7 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
     cpu_c = coef.cpu_expert * b / (res.cpu_gbps * 1e9)
     gpu_c = [coef.gpu_expert * b / (g.matmul_gbps * 1e9) for g in res.gpus]
     t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
+    t_verify = verify_seconds(b, res)
     idx = np.arange(len(act))
     r_of = np.array([rpos[r] for r, _ in act])
     p_of = np.array([probs[r, e] for r, e in act])
@@ -153,14 +156,18 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
         [1.0] * len(act), [1.0] * len(act), len(act))
     # CPU epigraph of max(resident, disk) + stream, as two rows (tau >= resident + stream and
     # tau >= disk + stream): resident + stream = sum p cpu (x_ram + x_disk) ...
+    # with partial overlap max(a, d) + (1 - o) min(a, d) = max(a + (1 - o) d, d + (1 - o) a): still two rows
+    k = 1.0 - coef.overlap
     ci = np.concatenate([idx * n_t + t_ram, idx * n_t + t_disk, taucol + np.arange(n_tau)])
     ri = np.concatenate([r_of, r_of, np.arange(n_tau)])
-    v = np.concatenate([-p_of * cpu_c, -p_of * cpu_c, np.ones(n_tau)])
+    v = np.concatenate([-p_of * cpu_c, -p_of * (cpu_c + f_of * t_verify + k * m_of), np.ones(n_tau)])
     add(ri, ci, v, [0.0] * n_tau, [np.inf] * n_tau, n_tau)
-    # ... and disk + stream = sum p (1 - h) (c_disk t_miss + cpu) x_disk
-    ci = np.concatenate([idx * n_t + t_disk, taucol + np.arange(n_tau)])
-    ri = np.concatenate([r_of, np.arange(n_tau)])
-    v = np.concatenate([-p_of * (m_of + f_of * cpu_c), np.ones(n_tau)])
+    # ... and disk + stream = sum p (1 - h) (c_disk t_miss + cpu) x_disk (+ (1 - o) a)
+    ci = np.concatenate([idx * n_t + t_ram, idx * n_t + t_disk, taucol + np.arange(n_tau)])
+    ri = np.concatenate([r_of, r_of, np.arange(n_tau)])
+    v = np.concatenate([-p_of * k * cpu_c,
+                        -p_of * (m_of + f_of * cpu_c + k * ((1 - f_of) * cpu_c + f_of * t_verify)),
+                        np.ones(n_tau)])
     add(ri, ci, v, [0.0] * n_tau, [np.inf] * n_tau, n_tau)
     for d in range(n_gpu):   # GPU epigraph: tau_r - sum p c_d x_d - xfer_d z_rd >= 0
         ci = [idx * n_t + d, taucol + np.arange(n_tau)]

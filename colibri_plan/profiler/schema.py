@@ -242,6 +242,11 @@ class MachineProfile:
         return bool(self._section("disk")["o_direct"])
 
     # RAM
+    def checksum_gbps(self) -> float | None:
+        """All-core crc32 GB/s (the engine checks every expert it streams), None in older profiles."""
+        v = (self.doc.get("ram") or {}).get("checksum_gbps")
+        return float(v["median"]) if isinstance(v, dict) and v.get("median") else None
+
     def ram_read_gbps(self) -> float:
         """Median all-core RAM read bandwidth, GB/s."""
         return float(self._section("ram")["read_gbps"]["median"])
