@@ -281,8 +281,9 @@ def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = N
     fitted, resid, live = _fit_cpu_path(terms, y, base)
     values.update(fitted)
     if live:
-        detail["cpu_path"] = {"method": "least squares: measured CPU-path s ~ sum_l w_l "
-                                        "(max(c_cpu resident_l, c_disk disk_l) + c_cpu stream_l)",
+        detail["cpu_path"] = {"method": "least squares: measured CPU-path s ~ sum_l w_l (max(a_l, d_l) + "
+                                        "(1 - c_overlap) min(a_l, d_l) + c_cpu stream_l), a_l = c_cpu "
+                                        "resident_l + checks_l, d_l = c_disk disk_l",
                               "reports": len(terms), "residual_s": resid, "measured_s": y.tolist(),
                               "raw_cpu_s": [t["cpu_raw"] for t in terms],
                               "raw_disk_s": [t["disk_raw"] for t in terms]}
@@ -327,7 +328,8 @@ def save_coefficients(coef, path: str | os.PathLike, detail: dict | None = None,
     """Write a coefficients document atomically."""
     detail = detail or {}
     body = {"created_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "method": "least squares on the CPU path, ratio of sums for dense and GPU terms "
+            "method": "least squares on the CPU path (compute, crc32 checks, reads and their overlap), ratio "
+                      "of sums for dense and GPU terms, GPU time beyond the kernel rate as per-call overhead "
                       "(docs/calibration.md)",
             "coefficients": coef.to_dict(), "detail": detail, "fitted_from": list(sources or []),
             # the machines the reports were measured on: solve warns when its profile is of another one

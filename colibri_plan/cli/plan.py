@@ -49,7 +49,9 @@ def show(path, show_layers):
                  f"{h['lru'] * 100:.1f}%, disk {h['disk'] * 100:.1f}%; "
                  f"{pr['disk_bytes_per_token'] / 1e6:.1f} MB/token from disk",
                  f"solver: {sv.get('method', '?')}, {sv.get('status', '?')}, "
-                 + (f"{sv['seconds']} s" if "seconds" in sv else "time not recorded")]
+                 + (f"{sv['seconds']} s" if "seconds" in sv else "time not recorded"),
+                 "cost coefficients: " + (", ".join(f"{k} {v:g}" for k, v in d["coefficients"].items())
+                                          if d.get("coefficients") else "defaults (not calibrated)")]
         if show_layers:
             keys = p.device_keys
             rows = [[e["layer"]] + [len(e["vram"].get(k, [])) for k in keys]

@@ -71,8 +71,9 @@ def render(doc: dict) -> str:
         rows = [row(e["queue_depth"], e) for e in d["random"]] + [row("seq", d["sequential"])]
         out.append(table(rows, ["QD", "read GB/s median (min-max)", "p50 ms", "p99 ms", "reads"]))
     r = doc["ram"]
+    crc = f"; crc32 checks {_fig(r['checksum_gbps'], 1)} GB/s" if r.get("checksum_gbps") else ""
     out.append("\nram      " + (f"unavailable: {r['unavailable']}" if "unavailable" in r else
-                               f"read {_fig(r['read_gbps'], 1)} GB/s with {r['threads']} thread(s)"))
+                               f"read {_fig(r['read_gbps'], 1)} GB/s with {r['threads']} thread(s){crc}"))
     links = doc["links"]
     if isinstance(links, dict):
         out.append(f"\nlinks    unavailable: {links['unavailable']}")

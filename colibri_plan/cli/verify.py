@@ -118,10 +118,13 @@ def calibrate(reports, out_path, base_path):
         rows = []
         for t in ("cpu_expert", "disk", "overlap", "dense", "gpu_expert"):
             d = detail[t]
-            if not d["fitted"]:
+            if not d["fitted"] and t == "overlap":
+                how = ("not determined by these reports (base value kept): it needs a report with "
+                       "resident compute and reads in a layer, beyond one report per other coefficient")
+            elif not d["fitted"]:
                 how = "no data (base value kept)"
             elif t in ("cpu_expert", "disk", "overlap"):
-                how = f"nnls on the CPU path over {detail['cpu_path']['reports']} report(s)"
+                how = f"least squares on the CPU path over {detail['cpu_path']['reports']} report(s)"
             else:
                 how = (f"ratio of sums {d['measured_sum_s'] * 1e3:.1f} / {d['raw_sum_s'] * 1e3:.1f} ms "
                        f"({d['reports']} report(s))")

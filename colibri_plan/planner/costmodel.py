@@ -284,9 +284,10 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
         expert_bytes: bytes of one expert; activation_bytes: bytes of one token's hidden state.
 
     Returns:
-        dict: cpu_resident_s, cpu_stream_s, cpu_s (their sum), disk_s (read time of the misses),
-        disk_wait_s (the part of disk_s the resident compute does not hide), cpu_path_s
-        (max(cpu_resident_s, disk_s) + cpu_stream_s), gpu_s [G], transfer_s [G], time_s (the slowest
+        dict: cpu_resident_s, cpu_stream_s, cpu_s (their sum), verify_s (crc32 checks of the misses),
+        disk_s (read time of the misses), disk_wait_s (the CPU path's time beyond its CPU work), cpu_path_s
+        (max(a, disk_s) + (1 − c_overlap) · min(a, disk_s) + cpu_stream_s, a = cpu_resident_s +
+        verify_s), gpu_s [G], transfer_s [G] (transfers + call overhead), gpu_calls, time_s (the slowest
         path + the layer overhead), and expected selections per tier: vram, ram_pinned, lru, disk (misses).
     """
     p = np.asarray(p, dtype=np.float64)
