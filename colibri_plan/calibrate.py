@@ -53,15 +53,22 @@ KIND = "coefficients"
 SCHEMA_VERSION = 1
 
 
+#: largest figure a report may hold (seconds per token, layers or calls per token): beyond it the
+#: report is corrupt, and one such figure would swamp the least-squares fit
+MAX_REPORT_FIGURE = 1e6
+
+
 def _num(d: dict, key: str, where: str, section: str = "") -> float:
     """``d[key]`` as seconds (0.0 when absent or null). Raises FormatError naming ``where`` and the
-    field's path (``section.key``) unless it is a finite number >= 0."""
+    field's path (``section.key``) unless it is a finite number in 0..:data:`MAX_REPORT_FIGURE`."""
     v = d.get(key, 0.0)
     if v is None:
         return 0.0
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
-        raise FormatError(f"{where}: {section + '.' if section else ''}{key} must be a finite number >= 0, "
-                          f"got {v!r}; re-run `colibri-plan verify` to get a clean report")
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0
+            or v > MAX_REPORT_FIGURE):
+        raise FormatError(f"{where}: {section + '.' if section else ''}{key} must be a finite number >= 0 "
+                          f"and <= {MAX_REPORT_FIGURE:g}, got {v!r}; re-run `colibri-plan verify` to get a "
+                          "clean report")
     return float(v)
 
 
@@ -132,7 +139,9 @@ def report_terms(report: dict, where: str = "report") -> dict:
         if old.disk <= 0:
             layers[:, 3] = 0.0
         disk_raw = float(np.sum(layers[:, 0] * layers[:, 3]))
+        older = False
     else:   # an older plan: no per-layer parts, so no overlap is known
+        older = True
         disk_raw = raw(_num(pt, "disk_wait_s", where, ppt), old.disk)
         layers = np.array([[1.0, 0.0, cpu_raw, disk_raw, 0.0]])
     return {"cpu_raw": cpu_raw, "n_layers": n_layers, "disk_raw": disk_raw,
@@ -145,7 +154,8 @@ def report_terms(report: dict, where: str = "report") -> dict:
             # measured device time less the predicted transfers (the old call overhead taken out of them)
             "gpu_s": gpu_meas - (_num(pt, "transfer_s", where, ppt) - old.gpu_call_s * calls),
             "gpu_calls": calls,
-            "devices": devices}
+            "devices": devices,
+            "older_plan": older}
 
 
 def cpu_path_seconds(layers: np.ndarray, c_cpu: float, c_disk: float, overlap: float = 1.0) -> float:
@@ -273,6 +283,11 @@ def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = N
     names = names or [f"report {i}" for i in range(len(reports))]
     terms = [report_terms(r, n) for r, n in zip(reports, names)]
     machines, warnings = check_sources(reports, names)
+    for n, t in zip(names, terms):
+        if t["older_plan"]:
+            warnings.append(f"{n}: its plan predates per-layer CPU-path parts (no "
+                            "predicted.cpu_path_layers); the older additive form (one layer, no overlap) "
+                            "is used for it")
     values = base.to_dict()
     detail: dict = {}
     # CPU path: least squares of the piecewise-linear path on the columns that carry information

@@ -18,11 +18,30 @@ from typing import Any
 
 from colibri_plan.errors import FormatError, InputError
 
+#: the pipeline's own documents: an existing one is only ever replaced by a document of the same kind
+PROTECTED_KINDS = ("plan", "profile", "heat", "coefficients", "verify-report", "model_spec", "pack")
+ANY_KIND = "*"   # check_output_path: the kind is not known yet (checked again when the file is written)
 
-def check_output_path(path: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = ()) -> Path:
+
+def _document_kind(path: Path) -> str | None:
+    """The "kind" of a small JSON document at ``path`` (None for anything else or unreadable)."""
+    try:
+        if path.stat().st_size > (16 << 20):
+            return None
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    kind = doc.get("kind") if isinstance(doc, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
+def check_output_path(path: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
+                      kind: str | None = ANY_KIND) -> Path:
     """Check, before any work, that ``path`` can take an output file: its folder exists and the path is
     not a folder, a device or anything else that is not a regular file (a rename would replace it), not
-    one of the command's ``inputs`` (files, or folders such as a pack, which it must not write into).
+    one of the command's ``inputs`` (files, or folders such as a pack, which it must not write into),
+    not inside an expert pack folder, and not an existing pipeline document (:data:`PROTECTED_KINDS`) of
+    another kind than ``kind`` (None: the output is not such a document; :data:`ANY_KIND`: not known).
 
     Raises:
         InputError: saying what is wrong with the path.
@@ -38,9 +57,18 @@ def check_output_path(path: str | os.PathLike, inputs: Iterable[str | os.PathLik
         if out == src or (src.is_dir() and src in out.parents):
             where = "is" if out == src else "is inside"
             raise InputError(f"cannot write {path}: it {where} the input {inp}; give another output path")
+    if kind != ANY_KIND and out.is_file():
+        old = _document_kind(out)
+        if old in PROTECTED_KINDS and old != kind:
+            new = f"a {kind!r} document" if kind else "another kind of file"
+            raise InputError(f"cannot write {path}: it holds a {old!r} document and this would replace it "
+                             f"with {new}; remove it yourself or choose another output path")
+    if _document_kind(out.parent / "pack.json") == "pack":
+        raise InputError(f"cannot write {path}: folder {path.parent} is an expert pack; write outputs "
+                         "outside it")
     if path.exists() and not path.is_file():
-        kind = "a folder" if path.is_dir() else "not a regular file"
-        raise InputError(f"cannot write {path}: it is {kind}; give a file path")
+        what = "a folder" if path.is_dir() else "not a regular file"
+        raise InputError(f"cannot write {path}: it is {what}; give a file path")
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise InputError(f"cannot write {path}: folder {folder} does not exist; create it first")
@@ -67,14 +95,14 @@ def check_input_file(path: str | os.PathLike, what: str) -> Path:
     raise InputError(f"{what} {path} does not exist")
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, kind: str | None = None) -> Path:
     """Write ``data`` to ``path`` atomically; returns the path. The file gets the usual mode
     (0666 less the umask), like a plain ``open``.
 
     Raises:
         InputError: see :func:`check_output_path`.
     """
-    path = check_output_path(path)
+    path = check_output_path(path, kind=kind)
     folder = path.parent if str(path.parent) else Path(".")
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
@@ -112,9 +140,9 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         pass
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+def atomic_write_text(path: str | os.PathLike, text: str, kind: str | None = None) -> Path:
     """Write UTF-8 ``text`` atomically (see :func:`atomic_write_bytes`)."""
-    return atomic_write_bytes(path, text.encode("utf-8"))
+    return atomic_write_bytes(path, text.encode("utf-8"), kind=kind)
 
 
 def canonical_json(obj: Any) -> str:
@@ -130,7 +158,8 @@ def fingerprint(obj: Any) -> str:
 def write_document(path: str | os.PathLike, kind: str, schema_version: int, body: dict) -> Path:
     """Write a versioned JSON document ``{"kind", "schema_version", **body}`` atomically."""
     doc = {"kind": kind, "schema_version": int(schema_version), **body}
-    return atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=False, allow_nan=False) + "\n")
+    return atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=False, allow_nan=False) + "\n",
+                             kind=kind)
 
 
 def read_json_object(path: str | os.PathLike, what: str) -> dict:

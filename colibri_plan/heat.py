@@ -32,6 +32,7 @@ from colibri_plan.fileio import (
     read_document,
     write_document,
 )
+from colibri_plan.heat_fields import MAX_COUNT, MAX_EXPERTS, check_count_table, whole_counts, whole_field
 
 HEAT_KIND = "heat"
 HEAT_SCHEMA_VERSION = 1
@@ -127,10 +128,9 @@ class Heat:
         return float(self.counts.sum())
 
     def to_dict(self) -> dict:
-        """JSON-ready body (without kind/schema_version)."""
-        counts = self.counts
-        as_int = bool(np.all(counts == np.round(counts)))
-        rows = [[int(v) if as_int else float(v) for v in r] for r in counts]
+        """JSON-ready body (without kind/schema_version). Counts are written as whole selections (rounded;
+        a positive count below 1 is kept as 1), the only counts :meth:`from_dict` reads back."""
+        rows = [[int(v) for v in r] for r in whole_counts(self.counts)]
         return {"n_experts": self.n_experts, "layers": list(self.layers), "top_k": self.top_k,
                 "tokens": self.tokens, "source": self.source, "model_fingerprint": self.model_fingerprint,
                 "n_model_layers": self.n_model_layers, "engine_id": self.engine_id, "counts": rows}
@@ -138,17 +138,29 @@ class Heat:
     @classmethod
     def from_dict(cls, d: dict, where: str = "heat document") -> Heat:
         """Inverse of :meth:`to_dict`. Raises FormatError on missing or malformed fields (a count table
-        whose rows or experts do not match ``layers`` / ``n_experts`` is named in those terms)."""
-        _check_count_table(d, where)
+        whose rows or experts do not match ``layers`` / ``n_experts`` is named in those terms; counts must
+        be whole JSON numbers in 0..2**53-1, tokens / n_model_layers / top_k / engine_id whole numbers in
+        range)."""
+        check_count_table(d, where)
         try:
-            return cls(n_experts=int(d["n_experts"]), layers=tuple(d["layers"]),
-                       counts=np.asarray(d["counts"], dtype=np.float64).reshape(len(d["layers"]), -1)
-                       if d["layers"] else np.zeros((0, int(d["n_experts"]))),
-                       top_k=d.get("top_k"), tokens=d.get("tokens"), source=str(d.get("source", "")),
-                       model_fingerprint=d.get("model_fingerprint"), n_model_layers=d.get("n_model_layers"),
-                       engine_id=d.get("engine_id"))
+            n = whole_field(d["n_experts"], "n_experts", where, 1, MAX_EXPERTS + 1, optional=False)
+            layers = [whole_field(x, "a layer id", where, 0, 2**31, optional=False) for x in d["layers"]]
+            n_model = whole_field(d.get("n_model_layers"), "n_model_layers", where, 1, 2**31)
+            if n_model is not None and layers and max(layers) > n_model:
+                raise FormatError(f"{where}: layer {max(layers)} is beyond n_model_layers = {n_model}; "
+                                  "re-create it")
+            return cls(n_experts=n, layers=tuple(layers),
+                       counts=np.asarray(d["counts"], dtype=np.float64).reshape(len(layers), -1)
+                       if layers else np.zeros((0, n)),
+                       top_k=whole_field(d.get("top_k"), "top_k", where, 1, n + 1),
+                       tokens=whole_field(d.get("tokens"), "tokens", where, 0, MAX_COUNT),
+                       source=str(d.get("source", "")),
+                       model_fingerprint=d.get("model_fingerprint"), n_model_layers=n_model,
+                       engine_id=whole_field(d.get("engine_id"), "engine_id", where, 0, 2**32))
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"{where} is malformed ({type(exc).__name__}: {exc}); re-create it") from exc
+        except FormatError:
+            raise
         except InputError as exc:
             raise FormatError(f"{where} is inconsistent: {exc}") from exc
 
@@ -159,22 +171,6 @@ def fnv1a32(text: str) -> int:
     for byte in text.encode("utf-8"):
         h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
     return h
-
-
-def _check_count_table(d: dict, where: str) -> None:
-    """FormatError when ``d["counts"]`` is not one row per layer id of ``n_experts`` counts each."""
-    layers, counts, n = d.get("layers"), d.get("counts"), d.get("n_experts")
-    if not isinstance(layers, list) or not isinstance(counts, list) or isinstance(n, bool) \
-            or not isinstance(n, int):
-        return  # missing / mistyped fields: from_dict's own error names them
-    if len(counts) != len(layers):
-        raise FormatError(f"{where}: counts has {len(counts)} rows but layers lists {len(layers)} layer ids "
-                          "(one row per layer id is needed); re-create it")
-    for i, row in enumerate(counts):
-        if not isinstance(row, list) or len(row) != n:
-            got = f"{len(row)} values" if isinstance(row, list) else f"a {type(row).__name__}"
-            raise FormatError(f"{where}: counts row {i} (layer {layers[i]}) has {got}, expected n_experts = "
-                              f"{n} counts; re-create it")
 
 
 def _waterfill(row: np.ndarray, k: int, n_experts: int) -> np.ndarray:
@@ -248,8 +244,9 @@ def read_usage_text(path: str | os.PathLike, n_experts: int | None = None) -> He
             raise FormatError(f"{path}:{lineno}: expected three integers '<layer> <expert> <count>', "
                               f"got {line[:60]!r}")
         if a == -1:
-            if b < 1 or c < 1:
-                raise FormatError(f"{path}:{lineno}: header '-1 {b} {c}' needs n_layers >= 1, n_experts >= 1")
+            if not (1 <= b < 2**31 and 1 <= c <= MAX_EXPERTS):
+                raise FormatError(f"{path}:{lineno}: header '-1 {b} {c}' needs n_layers >= 1 and "
+                                  f"1 <= n_experts <= {MAX_EXPERTS}")
             n_model_layers, n_experts = b, c
         elif a == -2:
             if b != USAGE_FORMAT_VERSION:
@@ -261,6 +258,9 @@ def read_usage_text(path: str | os.PathLike, n_experts: int | None = None) -> He
         else:
             if b < 0 or c < 0:
                 raise FormatError(f"{path}:{lineno}: expert id and count must be >= 0, got {line!r}")
+            if b >= MAX_EXPERTS or c >= MAX_COUNT or a >= 2**31:
+                raise FormatError(f"{path}:{lineno}: layer, expert id or count too large in {line[:60]!r} "
+                                  f"(ids below {MAX_EXPERTS} experts, counts below 2**53)")
             if n_experts is not None and b >= n_experts:
                 raise FormatError(f"{path}:{lineno}: expert {b} out of range "
                                   f"(header says {n_experts} experts)")
@@ -286,7 +286,10 @@ def write_usage_text(heat: Heat, path: str | os.PathLike) -> Path:
     the engine id is known, then non-zero rows layer-major, expert-ascending, counts rounded to integers
     (a positive count below 1 is kept as 1). An all-zero heat gives a zero-byte file, as colibrì writes."""
     n_layers = heat.n_model_layers if heat.n_model_layers is not None else (max(heat.layers, default=-1) + 1)
-    counts = np.where((heat.counts > 0) & (heat.counts < 1), 1.0, np.round(heat.counts)).astype(np.int64)
+    if heat.counts.size and heat.counts.max() >= MAX_COUNT:
+        raise InputError(f"heat ({heat.source}): a count of {heat.counts.max():.3g} selections is too large "
+                         "for a usage file (counts must stay below 2**53)")
+    counts = whole_counts(heat.counts).astype(np.int64)
     if not counts.any():
         return atomic_write_bytes(path, b"")
     lines = [f"-1 {n_layers} {heat.n_experts}"]

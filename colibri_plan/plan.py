@@ -149,6 +149,7 @@ _FIELDS = (
     ("budgets.vram_budget_bytes", "object", None), ("budgets.dense_bytes?", "num", (0, None)),
     ("budgets.kv_bytes?", "num", (0, None)), ("budgets.context_tokens?", "int", (0, None)),
     ("expert_format", "str", None), ("devices", "list", None), ("layers", "list", None),
+    ("dense_format?", "str", None),
     ("predicted", "object", None), ("predicted.tok_s", "num", (0, None)),
     ("predicted.decode_s_per_token", "num", (0, None)), ("predicted.disk_bytes_per_token", "num", (0, None)),
     ("predicted.terms", "object", None),
@@ -205,6 +206,27 @@ def _check_field(doc: dict, path: str, kind: str, limits, where: str, prediction
         _fail(where, f"{path} must be {_TYPE_NAMES[kind]}{rng}, got {json.dumps(v, default=str)[:60]}")
 
 
+def _check_values(doc: dict, where: str) -> None:
+    """Cross-field checks after the types: known quant formats, top_k <= n_experts, a positive decode
+    time and tok/s = 1 / decode time (1e-6 relative)."""
+    from colibri_plan.quant import FORMATS
+
+    for key in ("expert_format", "dense_format"):
+        if doc.get(key) is not None and doc[key] not in FORMATS:
+            _fail(where, f"{key} {doc[key]!r} is not a known quant format ({', '.join(FORMATS)})")
+    model = doc["model"]
+    if _is(model.get("top_k"), "int") and _is(model.get("n_experts"), "int") \
+            and model["top_k"] > model["n_experts"]:
+        _fail(where, f"model.top_k {model['top_k']} is more than model.n_experts {model['n_experts']}")
+    pred = doc["predicted"]
+    dec, tok = pred.get("decode_s_per_token"), pred.get("tok_s")
+    if _is(dec, "num"):
+        if dec <= 0:
+            _fail(where, f"predicted.decode_s_per_token must be > 0, got {dec!r}")
+        if _is(tok, "num") and abs(tok * dec - 1.0) > 1e-6:
+            _fail(where, f"predicted.tok_s {tok!r} is not 1 / predicted.decode_s_per_token ({1.0 / dec:.6g})")
+
+
 def check_structure(doc: dict, where: str = "file", predictions: bool = False) -> None:
     """Structural checks of a plan document (see module docstring), and every section and figure its
     readers use has the right type and a finite value in range (``_FIELDS``); with ``predictions`` (plan
@@ -220,6 +242,7 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
         _fail(where, f"missing {', '.join(missing)}")
     for path, kind, limits in _FIELDS:
         _check_field(doc, path, kind, limits, where, predictions)
+    _check_values(doc, where)
     for k, v in doc["budgets"]["vram_budget_bytes"].items():
         if not _is(v, "num") or v < 0:
             _fail(where, f"budgets.vram_budget_bytes.{k} must be a finite number >= 0, got {v!r}")
@@ -236,8 +259,8 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
 
         try:
             Coefficients.from_dict(doc["coefficients"], where="coefficients")
-        except InputError as exc:
-            _fail(where, str(exc))
+        except InputError as exc:  # the plan's own advice (re-solve) replaces the coefficients' advice
+            _fail(where, str(exc).split("; re-create the coefficients")[0])
     model = doc["model"]
     for k in ("name", "fingerprint", "n_experts", "expert_bytes", "moe_layers"):
         if k not in model:
@@ -279,11 +302,13 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
             _fail(where, f"layer {lid}: lru_slots must be an integer >= 0, got {s!r}")
 
 
-def validate_plan(plan: Plan) -> None:
+def validate_plan(plan: Plan, where: str = "budgets") -> None:
     """Check the plan's placement against its own budgets, independently of any solver.
 
     VRAM per discrete device: experts x expert_bytes <= budgets.vram_budget_bytes[key]. RAM: pinned +
     LRU slots + experts on unified devices, x expert_bytes <= budgets.ram_budget_bytes.
+
+    ``where`` names the plan in messages (load_plan passes "<path>: budgets").
 
     Raises:
         FormatError: a budget is exceeded or missing (the message gives the bytes).
@@ -298,10 +323,10 @@ def validate_plan(plan: Plan) -> None:
         if d.get("unified"):
             ram += used
         elif used > int(vram.get(d["key"], -1)):
-            _fail("budgets", f"{d['key']} holds {used} B of experts, over its VRAM budget "
+            _fail(where, f"{d['key']} holds {used} B of experts, over its VRAM budget "
                              f"{vram.get(d['key'])} B")
     if ram > int(budgets["ram_budget_bytes"]):
-        _fail("budgets", f"RAM tiers hold {ram} B, over the RAM budget {budgets['ram_budget_bytes']} B")
+        _fail(where, f"RAM tiers hold {ram} B, over the RAM budget {budgets['ram_budget_bytes']} B")
 
 
 def save_plan(plan: Plan | dict, path: str | os.PathLike) -> Path:
@@ -323,7 +348,7 @@ def load_plan(path: str | os.PathLike) -> Plan:
     try:
         check_structure(doc, str(path), predictions=True)
         plan = Plan(doc)
-        validate_plan(plan)
+        validate_plan(plan, f"{path}: budgets")
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"plan {path} is malformed ({type(exc).__name__}: {exc}); re-create it") from exc
     return plan

@@ -20,6 +20,7 @@ coefficients from these reports.
 
 from __future__ import annotations
 
+import math
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,6 +33,8 @@ SCHEMA_VERSION = 1
 #: verdict tolerances (issue 8): tok/s ratio band and hit-rate points
 TOK_S_TOLERANCE = 0.25
 HIT_RATE_TOLERANCE = 0.05
+#: largest seconds per token a report may hold (beyond it the report is corrupt)
+MAX_S_PER_TOKEN = 1e6
 _HIT_TIERS = (("vram", "vram"), ("ram_pinned", "pinned"), ("lru", "lru"), ("disk", "disk"))
 
 
@@ -218,11 +221,19 @@ def load_report(path: str | os.PathLike) -> dict:
                           ("measured", ("decode_s_per_token", "tok_s"))):
         for k in keys:
             v = doc[section].get(k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise FormatError(f"verify report {path}: {section}.{k} must be a number >= 0, got {v!r}")
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                    or (k == "decode_s_per_token" and v > MAX_S_PER_TOKEN)):
+                bound = f">= 0 and <= {MAX_S_PER_TOKEN:g}" if k == "decode_s_per_token" else ">= 0"
+                raise FormatError(f"verify report {path}: {section}.{k} must be a finite number {bound}, "
+                                  f"got {v!r}")
         if not isinstance(doc[section].get("terms"), dict):
             raise FormatError(f"verify report {path}: {section}.terms is missing; "
                               "re-run `colibri-plan verify`")
+        for k, v in doc[section]["terms"].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not (
+                    math.isfinite(v) and 0 <= v <= MAX_S_PER_TOKEN):
+                raise FormatError(f"verify report {path}: {section}.terms.{k} must be a finite number >= 0 "
+                                  f"and <= {MAX_S_PER_TOKEN:g}, got {v!r}")
     return doc
 
 

@@ -23,6 +23,8 @@ top-level ``rope_theta``/``partial_rotary_factor``/``rope_scaling`` keys are acc
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 
 from colibri_plan.errors import FormatError, UnsupportedError
@@ -112,9 +114,27 @@ class ArchConfig:
     architecture: str = ""
 
     def __post_init__(self):
+        _check_types(self)
         object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
         object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
         problems = []
+        for name in ("rope_theta", "rope_scaling_factor", "rms_norm_eps", "routed_scaling_factor"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            problems.append(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            problems.append(f"clip_qkv must be > 0 or null, got {self.clip_qkv!r}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window must be >= 1 or null, got {self.sliding_window!r}")
+        if any(not 0 <= i < self.n_layers for i in self.sliding_layers):
+            problems.append(f"sliding_layers must be layer ids in 0..{self.n_layers - 1}")
+        for name in ("dense_intermediate_size", "n_shared_experts", "shared_intermediate_size",
+                     "first_k_dense_replace"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.moe_layers and (self.n_experts < 1 or self.moe_intermediate_size < 1):
+            problems.append("n_experts and moe_intermediate_size must be > 0 when there are MoE layers")
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
             if int(getattr(self, name)) <= 0:
                 problems.append(f"{name} must be > 0")
@@ -186,6 +206,57 @@ class ArchConfig:
             return cls(**{k: v for k, v in d.items() if k in known})
         except TypeError as e:
             raise FormatError(f"architecture is missing fields: {e}") from None
+
+
+_INT_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
+               "top_k", "moe_intermediate_size", "dense_intermediate_size", "n_shared_experts",
+               "shared_intermediate_size", "first_k_dense_replace", "n_group", "topk_group")
+_FLOAT_FIELDS = ("rope_theta", "partial_rotary_factor", "rope_scaling_factor", "rms_norm_eps",
+                 "routed_scaling_factor")
+_BOOL_FIELDS = ("rope_interleave", "tie_word_embeddings", "attention_bias", "shared_expert_gate",
+                "norm_topk_prob", "e_score_correction_bias")
+_STR_FIELDS = ("family", "scoring", "group_score", "hidden_act", "attention", "architecture")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_types(a: ArchConfig) -> None:
+    """Types and finiteness of every field (a hand-edited pack index may hold strings, NaN, 1.5 layers...).
+
+    Raises:
+        FormatError: naming the first bad field (``arch.<field>``).
+    """
+    def bad(name, want):
+        raise FormatError(f"invalid architecture: arch.{name} must be {want}, got {getattr(a, name)!r}")
+
+    for name in _INT_FIELDS:
+        if not _is_int(getattr(a, name)):
+            bad(name, "a whole number")
+    for name in _FLOAT_FIELDS:
+        if not _is_real(getattr(a, name)):
+            bad(name, "a finite number")
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(a, name), bool):
+            bad(name, "true or false")
+    for name in _STR_FIELDS:
+        if not isinstance(getattr(a, name), str):
+            bad(name, "a string")
+    if a.qk_norm is not None and not isinstance(a.qk_norm, str):
+        bad("qk_norm", "null or a string")
+    if a.clip_qkv is not None and not _is_real(a.clip_qkv):
+        bad("clip_qkv", "null or a finite number")
+    if a.sliding_window is not None and not _is_int(a.sliding_window):
+        bad("sliding_window", "null or a whole number")
+    for name in ("moe_layers", "sliding_layers"):
+        v = getattr(a, name)
+        if not isinstance(v, (list, tuple)) or not all(_is_int(i) for i in v):
+            bad(name, "a list of whole layer ids")
 
 
 def _rope(cfg: dict) -> tuple[float, float, float]:

@@ -130,7 +130,7 @@ class Model:
         if int(n_tokens) < 0:
             raise InputError(f"n_tokens must be >= 0, got {n_tokens}")
         ids = self._ids(prompt_ids)
-        cache = self.new_cache(len(ids) + int(n_tokens)) if cache is None else cache
+        cache = self.new_cache(min(len(ids) + int(n_tokens), 4096)) if cache is None else cache  # grows
         out: list[int] = []
         t0 = time.perf_counter()
         if n_tokens == 0:

@@ -185,12 +185,82 @@ def read_index(path: str | os.PathLike) -> dict:
     if not (folder / INDEX_NAME).is_file():
         raise InputError(f"{folder} is not an expert pack: it has no {INDEX_NAME}")
     doc = read_document(folder / INDEX_NAME, PACK_KIND, PACK_SCHEMA_VERSION)
-    for key in ("arch", "format", "block", "experts", "model"):
-        if key not in doc:
-            raise FormatError(f"{folder / INDEX_NAME}: missing section {key!r}; re-create the pack")
+    where = folder / INDEX_NAME
+    for key in ("arch", "format", "block", "model"):
+        if not isinstance(doc.get(key), dict):
+            raise FormatError(f"{where}: missing or malformed section {key!r}; re-create the pack")
+    if not isinstance(doc.get("experts"), list):
+        raise FormatError(f"{where}: missing or malformed section 'experts'; re-create the pack")
     if doc["format"].get("expert_format") not in (doc["block"].get("format"),):
-        raise FormatError(f"{folder / INDEX_NAME}: expert_format disagrees with the block layout")
+        raise FormatError(f"{where}: expert_format disagrees with the block layout")
+    check_index_fields(where, doc)
     return doc
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_index_fields(where, doc: dict) -> None:
+    """Field-level check of a pack index (run by :func:`read_index`, so ``run``, ``model verify``,
+    ``model show`` and ``solve`` all refuse a hand-edited index before any work): the architecture
+    (:class:`ArchConfig` types and ranges), file names (plain names: no folders, no ".."), known
+    formats, sizes and crc32s as non-negative whole numbers, the block layout against its format and
+    the arch geometry, and every expert entry ``[layer, expert, offset, nbytes, crc32]`` (whole numbers,
+    crc32 < 2**32, inside the ``experts_file_bytes`` the index records).
+
+    Raises:
+        FormatError: the first bad field, named as ``<where>: <section>.<field> ...``.
+    """
+    from colibri_plan.quant import FORMATS
+
+    try:
+        arch = ArchConfig.from_dict(doc["arch"])
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}; re-create the pack") from None
+    fmt = doc["format"]
+    for key, want in (("experts_file", EXPERTS_NAME), ("dense_file", DENSE_NAME)):
+        name = fmt.get(key, want)
+        if (not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..")
+                or ".." in name.split(os.sep)):
+            raise FormatError(f"{where}: format.{key} must be a plain file name inside the pack folder, "
+                              f"got {name!r}")
+        if name != want:
+            raise FormatError(f"{where}: format.{key} is {name!r}; this version reads only {want!r}")
+    for key in ("expert_format", "dense_format"):
+        if key in fmt or key == "expert_format":
+            if fmt.get(key) not in FORMATS:
+                raise FormatError(f"{where}: format.{key} {fmt.get(key)!r} is not a known format "
+                                  f"({', '.join(FORMATS)})")
+    for key in ("experts_file_bytes", "dense_file_bytes", "dense_crc32"):
+        if key in fmt and not _whole(fmt[key]):
+            raise FormatError(f"{where}: format.{key} must be a non-negative whole number, got {fmt[key]!r}")
+    if "dense_crc32" in fmt and fmt["dense_crc32"] >= 1 << 32:
+        raise FormatError(f"{where}: format.dense_crc32 {fmt['dense_crc32']} is not a 32-bit crc")
+    block = doc["block"]
+    for key in ("hidden_size", "width", "payload_bytes", "block_bytes"):
+        if not _whole(block.get(key)):
+            raise FormatError(f"{where}: block.{key} must be a non-negative whole number, "
+                              f"got {block.get(key)!r}")
+    if (block["hidden_size"], block["width"]) != (arch.hidden_size, arch.moe_intermediate_size):
+        raise FormatError(f"{where}: block geometry (hidden {block['hidden_size']}, width {block['width']}) "
+                          f"differs from arch (hidden_size {arch.hidden_size}, moe_intermediate_size "
+                          f"{arch.moe_intermediate_size})")
+    want = block_layout(block["format"], block["hidden_size"], block["width"])
+    for key in ("payload_bytes", "block_bytes"):
+        if block[key] != getattr(want, key):
+            raise FormatError(f"{where}: block.{key} is {block[key]}, but {block['format']} experts of "
+                              f"hidden {want.hidden_size} x width {want.width} take {getattr(want, key)}")
+    limit = fmt.get("experts_file_bytes")
+    for i, row in enumerate(doc["experts"]):
+        if not (isinstance(row, list) and len(row) == 5 and all(_whole(v) for v in row)):
+            raise FormatError(f"{where}: experts[{i}] must be [layer, expert, offset, nbytes, crc32] of "
+                              f"non-negative whole numbers, got {row!r}")
+        if row[4] >= 1 << 32:
+            raise FormatError(f"{where}: experts[{i}] crc32 {row[4]} is not a 32-bit crc")
+        if limit is not None and row[2] + row[3] > limit:
+            raise FormatError(f"{where}: experts[{i}] bytes {row[2]}..{row[2] + row[3]} lie beyond "
+                              f"format.experts_file_bytes ({limit})")
 
 
 def check_entries(doc: dict, layout: BlockLayout, moe_layers, n_experts: int, file_bytes: int) -> list[str]:

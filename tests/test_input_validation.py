@@ -210,7 +210,9 @@ def test_two_unknowns_from_one_report_warn(tmp_path):
     # two reports with different disk shares determine both: c_cpu 2, c_disk 0.5, no warning
     paths = write_reports(tmp_path, report(disk=0.0), report())
     r = cli_run("calibrate", *paths, "--out", tmp_path / "c.json", "--json")
-    assert r.exit_code == 0 and "warning" not in r.stderr, r.stderr
+    # (these reports' plans lack per-layer parts: only that warning, one per report, may appear)
+    others = [ln for ln in r.stderr.splitlines() if "warning" in ln and "predates per-layer" not in ln]
+    assert r.exit_code == 0 and not others, r.stderr
     c = json.loads(r.stdout)["coefficients"]
     assert c["cpu_expert"] == pytest.approx(2.0) and c["disk"] == pytest.approx(0.5)
 

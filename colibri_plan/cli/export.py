@@ -22,19 +22,19 @@ def export(plan_path, target, out_path):
     from colibri_plan.plan import load_plan
     from colibri_plan.planner.exports import export_colibri, export_llama_cpp
 
-    if out_path:  # either target; never over the plan itself
+    if out_path is not None:  # either target; never over the plan itself ("" is refused)
         check_output_path(out_path, (plan_path,))
     plan = load_plan(plan_path)
     if target == "colibri":
-        out_path = out_path or str(Path(plan_path).with_suffix(".coli_usage"))
+        out_path = str(Path(plan_path).with_suffix(".coli_usage")) if out_path is None else out_path
         check_output_path(out_path, (plan_path,))  # the default PLAN.coli_usage too
         data = export_colibri(plan, out_path)
         emit(data, lambda: "\n".join([data["env"], *(f"# {n}" for n in data["notes"])]))
     else:
         data = export_llama_cpp(plan)
-        if out_path:
+        if out_path is not None:
             from colibri_plan.fileio import atomic_write_text
 
             data["args_file"] = str(atomic_write_text(out_path, data["args"] + "\n"))
-        emit(data, lambda: "\n".join([data["args"], *(f"# {n}" for n in data["notes"]),
-                                      *([f"# written to {data['args_file']}"] if out_path else [])]))
+        tail = [f"# written to {data['args_file']}"] if "args_file" in data else []
+        emit(data, lambda: "\n".join([data["args"], *(f"# {n}" for n in data["notes"]), *tail]))

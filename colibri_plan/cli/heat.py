@@ -8,6 +8,7 @@ import click
 import numpy as np
 
 from colibri_plan.cli.common import emit, json_option, table, warn
+from colibri_plan.errors import InputError
 
 
 @click.group("heat")
@@ -77,7 +78,7 @@ def show(path, model_name):
 @click.option("--format", "fmt", type=click.Choice(["json", "usage"]), default="json", show_default=True)
 @click.option("--domain", default=None, help="Text domain of the real counts (default: a seeded mix).")
 @click.option("--source-model", type=click.Choice(["olmoe", "mixtral"]), default="olmoe", show_default=True)
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**32 - 1))
 @click.option("--uniform", is_flag=True, help="Write uniform heat instead (a fallback that says so).")
 @json_option
 def synth(model_name, out_path, fmt, domain, source_model, seed, uniform):
@@ -112,6 +113,8 @@ def convert(src, dst, fmt, model_name):
 
     check_output_path(dst, [p for p in (src, model_name) if p and Path(p).exists()])
     h = load_heat(src)
+    if not np.any(h.counts > 0):  # an empty usage file could not be read back (no header, no rows)
+        raise InputError(f"{src}: heat is empty: no selections recorded; nothing to convert")
     if model_name:
         from colibri_plan.model import load_model_spec
 

@@ -108,7 +108,7 @@ def verify(pack_dir):
 @click.option("--width", type=_POS, default=None, help="Expert width I [2048; 128 with --small].")
 @click.option("--vocab", type=_POS, default=None, help="Vocabulary [4096; 512 with --small].")
 @click.option("--quant", "fmt", type=click.Choice(PACK_FORMATS), default=None, help="Expert format [int4].")
-@click.option("--seed", type=int, default=None, help="Seed [0].")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=None, help="Seed [0].")
 @click.option("--domain", default=None, help="OLMoE text domain whose routing skew is copied [tulu].")
 @click.option("--small", is_flag=True, help="Small geometry for tests (hidden 256, width 128, vocab 512).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")

@@ -133,7 +133,8 @@ def generate(weights, provider, prompt: list[int], n_tokens: int) -> dict:
     from colibri_plan.engine.forward import Model
 
     model = Model(weights, experts=provider)
-    cache = model.new_cache(capacity=len(prompt) + n_tokens + 1)
+    # the cache doubles as it fills: start small so a long --tokens run does not allocate its KV up front
+    cache = model.new_cache(capacity=min(len(prompt) + n_tokens + 1, 4096))
     t0 = time.perf_counter()
     logits = model.forward(prompt, cache)  # [T, V]
     prefill_s = time.perf_counter() - t0
@@ -177,7 +178,7 @@ def write_stats(recorder, weights, stats_out: str | None, usage_out: str | None)
               help="Expert pack folder (or a Hugging Face checkpoint folder).")
 @click.option("--prompt-ids", default=None, help="Prompt token ids, e.g. 1,2,3.")
 @click.option("--prompt-file", default=None, type=click.Path(), help="File of token ids (spaces/commas).")
-@click.option("--tokens", "n_tokens", type=click.IntRange(1, None), default=16, show_default=True,
+@click.option("--tokens", "n_tokens", type=click.IntRange(1, 1_000_000), default=16, show_default=True,
               help="Tokens to generate.")
 @click.option("--backend", default="auto", show_default=True,
               help="Backend for the experts: auto (cpu if usable, else numpy), cpu, numpy, opencl, ...")

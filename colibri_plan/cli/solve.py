@@ -75,7 +75,8 @@ COMPARE_HEADER = ["placement", "tok/s", "ms/token", "VRAM %", "pinned %", "LRU %
 @click.option("--headroom", default=None, help="OS + page-cache headroom in GB for --ram auto.")
 @click.option("--vram-reserve", default=2.0, show_default=True, type=click.FloatRange(0),
               callback=lambda _c, p, v: _finite(p, v), help="GB kept free per GPU.")
-@click.option("--context", default=4096, show_default=True, type=int, help="Context tokens (KV cache).")
+@click.option("--context", default=4096, show_default=True, type=click.IntRange(0, 10_000_000),
+              help="Context tokens (KV cache).")
 @click.option("--quant", default=None, help="Expert quant format (default: the model's).")
 @click.option("--dense-format", default=None,
               help="Dense trunk format (default: as a pack stores it, else the expert format).")
@@ -90,7 +91,8 @@ COMPARE_HEADER = ["placement", "tok/s", "ms/token", "VRAM %", "pinned %", "LRU %
 @click.option("--time-limit", default=30.0, show_default=True, type=click.FloatRange(0, min_open=True),
               callback=lambda _c, p, v: _finite(p, v),
               help="Solver seconds.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of synthesised heat.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**32 - 1),
+              help="Seed of synthesised heat.")
 @click.option("--coefficients", "coef_path", default=None,
               help="Cost-model coefficients from `colibri-plan calibrate` (default: all 1.0); "
                    "recorded in the plan.")

@@ -19,7 +19,7 @@ def default_report_path(plan_path: str) -> Path:
 @click.command("verify")
 @click.option("--plan", "plan_path", required=True, type=click.Path(), help="Plan file (colibri-plan solve).")
 @click.option("--model", "model_path", required=True, type=click.Path(), help="Expert pack folder.")
-@click.option("--tokens", "n_tokens", type=click.IntRange(1, None), default=16, show_default=True,
+@click.option("--tokens", "n_tokens", type=click.IntRange(1, 1_000_000), default=16, show_default=True,
               help="Decode steps to measure.")
 @click.option("--prompt-ids", default=None, help="Prompt token ids (default: 8 seeded ids).")
 @click.option("--prompt-file", default=None, type=click.Path(), help="File of prompt token ids.")
@@ -53,7 +53,9 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
         raise InputError(f"--backend {cpu_backend}: RAM-resident and streamed experts run on a host backend "
                          "(cpu or numpy); GPU experts use the devices the plan names")
     plan = load_plan(plan_path)
-    check_output_path(report_path or default_report_path(plan_path),  # before the runs, not after
+    if report_path is None:  # "" is refused by check_output_path, not replaced by the default
+        report_path = default_report_path(plan_path)
+    check_output_path(report_path,  # before the runs, not after
                       (plan_path, model_path, prompt_file))
     if not is_pack(model_path):
         raise InputError(f"{model_path} is not an expert pack (no pack.json); build one with "
@@ -72,7 +74,7 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
                              progress=lambda m: progress(m, verbose_only=m.startswith("  ")), warn=warn)
     finally:
         pack.close()
-    out = save_report(report, report_path or default_report_path(plan_path))
+    out = save_report(report, report_path)
     report["report_path"] = str(out)
     m = report["measured"]
 

@@ -25,6 +25,14 @@ PAGE_CACHE_RESERVE_BYTES = int(2.5 * GB)
 OS_RESERVE_FRACTION = 0.05
 RUNTIME_BYTES = int(0.5 * GB)     # interpreter, logits, activations, thread stacks
 DEFAULT_VRAM_RESERVE_BYTES = 2 * GB
+#: largest GB figure accepted for a memory option (1 PB): beyond any machine, and float-to-int safe
+MAX_GB = 1_000_000.0
+
+
+def fmt_gb(n_bytes: float) -> str:
+    """Bytes as GB with enough digits to tell small figures apart: "12.34", "0.515", "0.005"."""
+    v = n_bytes / GB
+    return f"{v:.2f}" if abs(v) >= 1 or v == 0 else f"{v:.3g}"
 
 
 @dataclass
@@ -63,6 +71,8 @@ def parse_gb(value: str, what: str) -> float:
         raise InputError(f"{what}: expected a finite number of GB, got {value!r}")
     if v < 0:
         raise BudgetError(f"{what}: a memory budget cannot be negative ({value} GB)")
+    if v > MAX_GB:
+        raise InputError(f"{what}: {value} GB is beyond any machine's memory (at most {MAX_GB:.0f} GB)")
     return v
 
 
@@ -95,7 +105,7 @@ def ram_budget(spec, available_bytes: int, ram: str = "auto", headroom_gb: float
     else:
         start = int(parse_gb(ram, "--ram") * GB)
         if start > available_bytes:
-            raise BudgetError(f"--ram {ram} GB is more than the {available_bytes / GB:.1f} GB available "
+            raise BudgetError(f"--ram {ram} GB is more than the {fmt_gb(available_bytes)} GB available "
                               "on this machine (profile); lower it or use --ram auto")
         headroom = 0
         explain = [{"what": "--ram budget (dense, KV and buffers come out of it)", "bytes": start}]
@@ -105,11 +115,15 @@ def ram_budget(spec, available_bytes: int, ram: str = "auto", headroom_gb: float
                  "bytes": -working}]
     left = start - headroom - dense - kv - working
     explain.append({"what": "RAM for experts (pinned + LRU)", "bytes": left})
+    if left < 0 and kv > max(start - headroom, 0):
+        raise BudgetError(f"the RAM budget is too small for --context {context_tokens} tokens: their KV "
+                          f"cache alone needs {fmt_gb(kv)} GB and the budget is "
+                          f"{fmt_gb(start - headroom)} GB after headroom; give more --ram or a smaller "
+                          "--context")
     if left < 0:
-        raise BudgetError(f"RAM budget too small: {start / GB:.2f} GB minus headroom {headroom / GB:.2f}, "
-                          f"dense "
-                          f"{dense / GB:.2f}, KV {kv / GB:.2f} and buffers {working / GB:.2f} GB leaves "
-                          f"{left / GB:.2f} GB; give more --ram or a smaller --context")
+        raise BudgetError(f"RAM budget too small: {fmt_gb(start)} GB minus headroom {fmt_gb(headroom)}, "
+                          f"dense {fmt_gb(dense)}, KV {fmt_gb(kv)} and buffers {fmt_gb(working)} GB leaves "
+                          f"{fmt_gb(left)} GB; give more --ram or a smaller --context")
     return left, explain, {"headroom_bytes": headroom, "dense_bytes": dense, "kv_bytes": kv,
                            "working_bytes": working}
 

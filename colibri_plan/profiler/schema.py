@@ -65,7 +65,7 @@ def _fail(where: str, what: str):
     raise FormatError(f"profile {where}: {what}; re-measure with `colibri-plan profile`")
 
 
-def _check_stat(s, where: str) -> None:
+def _check_stat(s, where: str, positive: bool = False) -> None:
     if not isinstance(s, dict):
         _fail(where, f"expected a figure {{min, median, max, repetitions}}, got {type(s).__name__}")
     for key in ("min", "median", "max"):
@@ -76,6 +76,8 @@ def _check_stat(s, where: str) -> None:
             _fail(where, f"{key} is negative ({v})")
     if not s["min"] <= s["median"] <= s["max"]:
         _fail(where, f"expected min <= median <= max, got {s['min']}, {s['median']}, {s['max']}")
+    if positive and not s["min"] > 0:
+        _fail(where, f"figures must be > 0, got min {s['min']}")
     r = s.get("repetitions")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         _fail(where, f"repetitions must be a positive integer, got {r!r}")
@@ -155,6 +157,9 @@ def validate_profile(doc: dict) -> dict:
         _check_keys(ram, ("read_gbps", "threads"), "ram")
         _check_stat(ram["read_gbps"], "ram.read_gbps")
         _check_int(ram, "threads", "ram", 1)
+        # optional (older profiles lack it); present, it must be a real figure, never a silent "none"
+        if ram.get("checksum_gbps") is not None and not _unavailable(ram["checksum_gbps"]):
+            _check_stat(ram["checksum_gbps"], "ram.checksum_gbps", positive=True)
     for i, d in enumerate(_check_list(doc, "devices") or []):
         w = f"devices[{i}]"
         _check_keys(d, ("backend", "index", "name", "kind", "total_memory_bytes", "unified_memory"), w)
@@ -182,11 +187,24 @@ def validate_profile(doc: dict) -> dict:
         _check_stat(e["weight_gbps"], w + ".weight_gbps")
         _check_stat(e["seconds"], w + ".seconds")
     if "expert_ffn" in doc:
-        for i, e in enumerate(_check_list(doc, "expert_ffn") or []):
+        ffn = _check_list(doc, "expert_ffn")
+        if ffn is not None and not ffn:  # the profiler writes {"unavailable": reason} instead
+            _fail("expert_ffn", "empty list; expected entries or {'unavailable': reason}")
+        for i, e in enumerate(ffn or []):
             w = f"expert_ffn[{i}]"
             _check_keys(e, ("backend", "device_index", "fmt", "experts", "tokens", "seconds"), w)
-            _check_int(e, "experts", w, 1)
-            _check_stat(e["seconds"], w + ".seconds")
+            for k in ("backend", "fmt"):
+                if not isinstance(e[k], str):
+                    _fail(w, f"{k} must be a string, got {e[k]!r}")
+            _check_int(e, "device_index", w)
+            for k in ("experts", "tokens"):
+                _check_int(e, k, w, 1)
+            for k in ("hidden", "width"):
+                if k in e:
+                    _check_int(e, k, w, 1)
+            _check_stat(e["seconds"], w + ".seconds", positive=True)
+            if "weight_gbps" in e:
+                _check_stat(e["weight_gbps"], w + ".weight_gbps", positive=True)
     return doc
 
 
