@@ -326,6 +326,11 @@ def solve_placement(problem: Problem, time_limit_s: float = 30.0, gap: float = 1
         for r in range(tiers.shape[0]):               # Che hit rates of this disk set for the next round
             on_disk = tiers[r] == TIER_DISK
             miss[r] = 1.0 - che_hit_rates(np.where(on_disk, problem.probs[r], 0.0), int(slots[r]))
+    if problem.lru_slots.any():   # the Che fixed point is a heuristic: never worse than colibrì's fill
+        hot = _fill(problem, hot_first(problem)[0])
+        hot_cost = evaluate(problem, *hot)
+        if hot_cost["decode_s_per_token"] < best[2]["decode_s_per_token"]:
+            best = (*hot, hot_cost, best[3], best[4])
     tiers, slots, cost, status, g = best
     validate_placement(problem, tiers, slots)
     name = ("HiGHS count-and-mass LP (cutting planes) + per-layer realisation"
