@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+from _reports import toy_report
 from _solver_fixtures import toy_profile, toy_spec
 from click.testing import CliRunner
 
@@ -180,16 +181,7 @@ def test_string_coefficients_in_a_report_name_the_report(tmp_path):
 # ---- 4. calibrate ------------------------------------------------------------------------------
 def report(cpu: float = 0.2, disk: float = 0.3, model: str = "m1", machine: str = "hostA") -> dict:
     """A verify report: raw CPU ``cpu`` s and disk ``disk`` s per token, measured at exactly 2x and 0.5x."""
-    return {
-        "plan": {"coefficients": None, "n_decode_layers": 3},
-        "model": {"fingerprint": model}, "machine": {"fingerprint": machine},
-        "predicted": {"decode_s_per_token": 1.0, "tok_s": 1.0,
-                      "terms": {"dense_s": 0.1, "attention_s": 0.01, "expert_compute_s": {"cpu": cpu},
-                                "disk_wait_s": disk, "transfer_s": 0.0}},
-        "measured": {"decode_s_per_token": 1.0, "tok_s": 1.0,
-                     "terms": {"dense_s": 0.16, "expert_cpu_s": 2 * cpu, "disk_wait_s": 0.5 * disk,
-                               "expert_wall_s": 2 * cpu + 0.5 * disk, "device_s": {}}},
-        "verdict": {}}
+    return toy_report(cpu, disk, model, machine)
 
 
 def write_reports(tmp_path, *reports):

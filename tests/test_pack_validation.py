@@ -6,6 +6,7 @@ import math
 import shutil
 
 import pytest
+from _reports import toy_report
 from _solver_fixtures import toy_profile, toy_spec
 from click.testing import CliRunner
 
@@ -188,19 +189,7 @@ def test_good_optional_profile_figures_pass():
 
 # ---- verify reports -------------------------------------------------------------------------------
 def _report(cpu=0.2, disk=0.3, layers=True):
-    rep = {"plan": {"coefficients": None, "n_decode_layers": 3},
-           "model": {"fingerprint": "m1"}, "machine": {"fingerprint": "hostA"},
-           "predicted": {"decode_s_per_token": 1.0, "tok_s": 1.0,
-                         "terms": {"dense_s": 0.1, "attention_s": 0.01, "expert_compute_s": {"cpu": cpu},
-                                   "disk_wait_s": disk, "transfer_s": 0.0}},
-           "measured": {"decode_s_per_token": 1.0, "tok_s": 1.0,
-                        "terms": {"dense_s": 0.16, "expert_cpu_s": 2 * cpu, "disk_wait_s": 0.5 * disk,
-                                  "expert_wall_s": 2 * cpu + 0.5 * disk, "device_s": {}}},
-           "verdict": {}}
-    if layers:
-        rep["predicted"]["cpu_path_layers"] = {"weight": [1.0], "cpu_resident_s": [0.0],
-                                               "cpu_stream_s": [cpu], "disk_s": [disk]}
-    return rep
+    return toy_report(cpu, disk, layers=layers)
 
 
 def _raw_report(tmp_path, rep):
