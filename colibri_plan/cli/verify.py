@@ -100,9 +100,10 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
               help="Start from these coefficients (terms without data keep them); default all 1.0.")
 @json_option
 def calibrate(reports, out_path, base_path):
-    """Refit the cost model's per-term coefficients from verify REPORTS (least squares on the CPU path,
-    ratio of sums for dense and GPU terms; docs/calibration.md) and write them to --out.
-    Use them with `colibri-plan solve --coefficients FILE`."""
+    """Refit the cost model's per-term coefficients from verify REPORTS and write them to --out: least
+    squares on the CPU path (cpu_expert, disk, and overlap when a report has compute and reads in one
+    layer), ratio of sums for dense and GPU terms, GPU time beyond the kernel rate as gpu_call_s
+    (docs/calibration.md). Use them with `colibri-plan solve --coefficients FILE`."""
     from colibri_plan.calibrate import fit_coefficients, load_coefficients, save_coefficients
     from colibri_plan.fileio import check_output_path
     from colibri_plan.verify import load_report
