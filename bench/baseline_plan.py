@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from colibri_plan.calibrate import load_coefficients
-from colibri_plan.cli.solve import load_heat_arg, resolve_profile
+from colibri_plan.formats.coefficients import load_coefficients
+from colibri_plan.formats.heat import load_heat_arg
+from colibri_plan.formats.plan import save_plan
+from colibri_plan.formats.profile import resolve_profile
 from colibri_plan.model import load_model_spec
-from colibri_plan.plan import save_plan
 from colibri_plan.planner.baselines import fit_layers, hot_first, uniform
 from colibri_plan.planner.make import build_setup, plan_document
 from colibri_plan.planner.solve import validate_placement

@@ -57,7 +57,7 @@ def _engine_child(args) -> dict:
     from colibri_plan.engine.pack import open_pack
     from colibri_plan.engine.placement import Placement
     from colibri_plan.engine.session import run_placement
-    from colibri_plan.plan import load_plan
+    from colibri_plan.formats.plan import load_plan
 
     plan = load_plan(args.plan)
     with open_pack(args.model) as pack:

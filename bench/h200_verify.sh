@@ -63,7 +63,7 @@ $CP verify --plan "$OUT/plan-ours-${V}-calibrated.json" --model "$OUT/fixture" -
 say "summary (medians over repeats)"
 $PY - "$OUT" "$VRAM_GBS" <<'PYEOF'
 import glob, json, statistics, sys
-from colibri_plan.plan import load_plan
+from colibri_plan.formats.plan import load_plan
 d, budgets = sys.argv[1], sys.argv[2].split()
 print(f"{'VRAM GB':8s} {'plan':10s} {'(layer, vram, ram)':34s} {'pred tok/s':>10s} {'meas tok/s':>10s} "
       f"{'runs':24s} {'cpu ms':>7s} {'gpu ms':>7s} {'exact':>6s}")

@@ -16,7 +16,7 @@ order), so "paired min" is the smallest over baselines of the median over repeat
 the same repeat; "ours OK" means that paired ratio is not below 1 by more than the noise.
 
 Calibration (``--calibrate``, once): after the runs, the cost model's coefficients are fitted
-(:func:`colibri_plan.calibrate.fit_coefficients`, docs/calibration.md) on OUR plan at the lowest, the
+(:func:`colibri_plan.planner.calibrate.fit_coefficients`, docs/calibration.md) on OUR plan at the lowest, the
 second-highest and the highest budget only (``--calibrate-at``; per-term medians over the repeats,
 measured in the same interleaved session: all-RAM fixes the CPU rate, the lowest the disk rate, the
 middle one how much of the reads hide behind the compute), and
@@ -40,19 +40,20 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri_plan.calibrate import fit_coefficients, load_coefficients, save_coefficients
 from colibri_plan.cli.common import table
 from colibri_plan.engine.fixture import fixture_prompt
 from colibri_plan.engine.pack import open_pack
 from colibri_plan.engine.placement import Placement
 from colibri_plan.engine.session import run_placement
 from colibri_plan.fileio import atomic_write_text, fingerprint
-from colibri_plan.heat import load_heat
+from colibri_plan.formats.coefficients import load_coefficients, save_coefficients
+from colibri_plan.formats.heat import load_heat
+from colibri_plan.formats.profile import load_profile
 from colibri_plan.model import load_model_spec
 from colibri_plan.planner.baselines import fit_layers, hot_first
+from colibri_plan.planner.calibrate import fit_coefficients
 from colibri_plan.planner.make import build_setup, cost_of, plan_document
 from colibri_plan.planner.solve import solve_placement, validate_placement
-from colibri_plan.profiler.schema import load_profile
 from colibri_plan.verify import compare, memory_hit_rate
 
 PLACEMENTS = {"ours": None, "hot-first": hot_first, "fit-layers": fit_layers}

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from colibri_plan.cli.common import table
-from colibri_plan.cli.solve import resolve_profile
+from colibri_plan.formats.profile import resolve_profile
 from colibri_plan.model import load_model_spec
 from colibri_plan.planner.baselines import hot_first
 from colibri_plan.planner.make import auto_lru_slots, build_setup

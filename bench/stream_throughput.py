@@ -24,7 +24,7 @@ from colibri_plan.engine.pack import open_pack
 from colibri_plan.engine.placement import LayerPlacement, Placement
 from colibri_plan.engine.session import run_placement
 from colibri_plan.fileio import atomic_write_text
-from colibri_plan.profiler.schema import load_profile
+from colibri_plan.formats.profile import load_profile
 
 
 def main() -> None:

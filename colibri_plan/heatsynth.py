@@ -21,7 +21,7 @@ from importlib import resources
 import numpy as np
 
 from colibri_plan.errors import InputError
-from colibri_plan.heat import Heat, fnv1a32
+from colibri_plan.formats.heat import Heat, fnv1a32
 
 DATA_FILE = "olmoe_mixtral_expert_counts.json"
 #: model key in the data file -> (experts, top-k, transformer layers)

@@ -14,8 +14,8 @@ Term names follow the plan (``docs/plan-format.md``): predicted ``dense_s + atte
 the measured ``dense_s`` (all decode time outside the expert provider), ``expert_compute_s.cpu`` with the
 CPU backend's expert time, ``expert_compute_s[<device>]`` with the device's share (activation transfers
 included), ``disk_wait_s`` with the time the CPU path waited for reads, ``expert_layers_s`` with the
-wall time inside the expert provider. ``calibrate`` (:mod:`colibri_plan.calibrate`) refits the cost model's
-coefficients from these reports.
+wall time inside the expert provider. ``calibrate`` (:mod:`colibri_plan.planner.calibrate`) refits the
+cost model's coefficients from these reports.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def check_plan_model(plan, pack) -> None:
     """Refuse a plan made for another model or expert format than ``pack`` (an open PackedModel).
 
     Raises:
-        MismatchError: naming both fingerprints (see :func:`colibri_plan.plan.check_model`).
+        MismatchError: naming both fingerprints (see :func:`colibri_plan.formats.plan.check_model`).
     """
-    from colibri_plan.plan import check_model
+    from colibri_plan.formats.plan import check_model
 
     check_model(plan, pack.spec(), where=str(pack.path))
 
@@ -52,8 +52,8 @@ def check_plan_model(plan, pack) -> None:
 def this_machine_fingerprint() -> str | None:
     """The profile-style fingerprint of this machine (CPU, cores, RAM, GPUs); None if it cannot be built."""
     try:
+        from colibri_plan.formats.profile import machine_fingerprint
         from colibri_plan.profiler.machine import list_all_devices, machine_info
-        from colibri_plan.profiler.schema import machine_fingerprint
 
         return machine_fingerprint(machine_info(), list_all_devices()[0])
     except Exception:  # noqa: BLE001 - only feeds a warning
@@ -141,7 +141,7 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
     """Run ``plan`` on ``pack`` and build the verify report (see the module docstring).
 
     Args:
-        plan: a loaded :class:`colibri_plan.plan.Plan`; pack: an open PackedModel.
+        plan: a loaded :class:`colibri_plan.formats.plan.Plan`; pack: an open PackedModel.
         prompt_ids: prompt token ids; n_tokens: decode steps to time (>= 1): n_tokens + 1 new ids are
             generated, the first by the prefill.
         reference: also run the all-RAM CPU reference for token-exactness (``token_exact`` is None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_plan.engine.arch import ArchConfig
+from colibri_plan.formats.arch import ArchConfig
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri_plan.engine.arch import ArchConfig
 from colibri_plan.engine.pack import PackWriter
 from colibri_plan.errors import InputError
+from colibri_plan.formats.arch import ArchConfig
 from colibri_plan.quant import FLOAT_FORMATS, check_format, data_shape, quantize, scales_shape
 
 #: the OLMoE layers with recorded counts

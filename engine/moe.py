@@ -24,8 +24,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from colibri_plan.engine.arch import ArchConfig
 from colibri_plan.errors import BackendUnavailableError, InputError
+from colibri_plan.formats.arch import ArchConfig
 
 
 @runtime_checkable
@@ -151,8 +151,8 @@ class RoutingRecorder:
         return np.concatenate(parts) if parts else np.zeros((0, self.arch.top_k), dtype=np.int64)
 
     def to_heat(self, source: str = "engine run", model_fingerprint: str | None = None):
-        """The counts as a :class:`colibri_plan.heat.Heat` (rows = ``layers``)."""
-        from colibri_plan.heat import Heat
+        """The counts as a :class:`colibri_plan.formats.heat.Heat` (rows = ``layers``)."""
+        from colibri_plan.formats.heat import Heat
 
         tokens = int(self.tokens.max()) if len(self.tokens) else 0
         return Heat(n_experts=self.arch.n_experts, layers=self.layers, counts=self.counts.astype(np.float64),

@@ -1,7 +1,7 @@
 """The expert pack: write a model's routed experts as 4096-byte-aligned blocks, read them back.
 
 Format (details and field list in ``docs/pack-format.md``; layout code in
-:mod:`colibri_plan.engine.pack_index`): a folder with ``pack.json`` (index), ``experts.bin`` (one block
+:mod:`colibri_plan.formats.pack_index`): a folder with ``pack.json`` (index), ``experts.bin`` (one block
 per expert: gate/up/down data and scales contiguous, zero-padded to 4096 bytes so one O_DIRECT read
 fetches a whole expert) and ``dense.safetensors`` (float32 dense tensors under canonical engine names).
 
@@ -21,35 +21,29 @@ from pathlib import Path
 import numpy as np
 
 from colibri_plan import __version__
-from colibri_plan.engine.arch import ArchConfig
-from colibri_plan.engine.pack_index import (
+from colibri_plan.engine.pack_target import check_pack_output  # noqa: F401 - re-exported
+from colibri_plan.engine.weights import ModelWeights
+from colibri_plan.errors import FormatError, InputError, IntegrityError
+from colibri_plan.fileio import fsync_dir, write_document
+from colibri_plan.formats.arch import ArchConfig
+from colibri_plan.formats.pack_index import (
     BLOCK_ALIGN,
     DENSE_NAME,
     EXPERTS_NAME,
     INDEX_NAME,
     PACK_KIND,
     PACK_SCHEMA_VERSION,
-    BlockLayout,
     block_layout,
     check_entries,
-    file_crc32,
-    is_pack,
     layout_from_dict,
-    pack_summary,
     parse_block,
     read_index,
     spec_from_arch,
-    spec_from_pack,
-    verify_pack,
 )
-from colibri_plan.engine.pack_target import check_pack_output  # noqa: F401 - re-exported
-from colibri_plan.engine.weights import ModelWeights
-from colibri_plan.errors import FormatError, InputError, IntegrityError
-from colibri_plan.fileio import fsync_dir, write_document
+from colibri_plan.formats.pack_verify import file_crc32
 from colibri_plan.quant import QuantTensor, check_format, dequantize, quantize
 
-__all__ = ["PackWriter", "PackedModel", "check_pack_output", "write_pack", "open_pack", "verify_pack",
-           "spec_from_pack", "spec_from_arch", "is_pack", "pack_summary", "BlockLayout", "block_layout"]
+__all__ = ["PackWriter", "PackedModel", "check_pack_output", "write_pack", "open_pack"]
 
 
 class PackWriter:
@@ -296,8 +290,8 @@ class PackedModel(ModelWeights):
         self._fd = os.open(self.experts_path, os.O_RDONLY)
 
     def spec(self):
-        """The stored :class:`~colibri_plan.model.spec.ModelSpec`."""
-        from colibri_plan.model.spec import ModelSpec
+        """The stored :class:`~colibri_plan.formats.model_spec.ModelSpec`."""
+        from colibri_plan.formats.model_spec import ModelSpec
 
         return ModelSpec.from_dict(self.index["model"]["spec"])
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from colibri_plan.engine.pack_index import INDEX_NAME, PACK_KIND
 from colibri_plan.errors import InputError
+from colibri_plan.formats.pack_index import INDEX_NAME, PACK_KIND
 
 
 def _holds_pack_index(folder: Path) -> bool:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from colibri_plan.model.spec import ModelSpec
-from colibri_plan.profiler.schema import MachineProfile, machine_fingerprint
+from colibri_plan.formats.model_spec import ModelSpec
+from colibri_plan.formats.profile import MachineProfile, machine_fingerprint
 
 
 def st(v: float) -> dict:

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from colibri_plan.calibrate import fit_coefficients, load_coefficients, save_coefficients
 from colibri_plan.cli import cli
 from colibri_plan.errors import FormatError, InputError
-from colibri_plan.planner.costmodel import Coefficients
+from colibri_plan.formats.coefficients import Coefficients, load_coefficients, save_coefficients
+from colibri_plan.planner.calibrate import fit_coefficients
 from colibri_plan.verify import save_report
 
 
@@ -177,7 +177,7 @@ def test_fit_uses_the_overlapped_cpu_path_per_layer():
 
 
 def test_cpu_path_with_checksum_column_by_hand():
-    from colibri_plan.calibrate import cpu_path_seconds
+    from colibri_plan.planner.calibrate import cpu_path_seconds
 
     # one layer: resident 0.1, stream 0.05, disk 0.3 raw s, checks 0.2 s; c_cpu 2, c_disk 0.5:
     # max(2 * 0.1 + 0.2, 0.5 * 0.3) + 2 * 0.05 = 0.4 + 0.1

@@ -14,10 +14,11 @@ from click.testing import CliRunner
 from colibri_plan.cli import cli
 from colibri_plan.engine.fixture import FixtureConfig, build_fixture
 from colibri_plan.errors import FormatError, InputError
-from colibri_plan.heat import Heat, load_heat
-from colibri_plan.model import load_model_spec, pack_dense_format
+from colibri_plan.formats.heat import Heat, load_heat
+from colibri_plan.formats.pack_index import pack_dense_format
+from colibri_plan.formats.profile import save_profile
+from colibri_plan.model import load_model_spec
 from colibri_plan.planner.make import heat_for
-from colibri_plan.profiler.schema import save_profile
 
 PROMPT = "5,80,200,7"
 
@@ -183,7 +184,7 @@ def _heat_doc(layers, counts):
 
 
 def test_heat_shape_errors_speak_of_rows_and_experts(tmp_path):
-    from colibri_plan.heat import save_heat
+    from colibri_plan.formats.heat import save_heat
 
     good = Heat(n_experts=64, layers=(0, 1, 2), counts=np.ones((3, 64)), top_k=8)
     save_heat(good, tmp_path / "h.json")

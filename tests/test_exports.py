@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from colibri_plan.cli import cli
-from colibri_plan.plan import Plan, check_structure, validate_plan
+from colibri_plan.formats.plan import Plan, check_structure, validate_plan
 from colibri_plan.planner.exports import export_llama_cpp
 
 B = 100                                    # expert bytes: a whole layer of 4 experts is 400 B

@@ -18,7 +18,8 @@ from colibri_plan.engine.fixture import (
     top8_share,
 )
 from colibri_plan.engine.forward import Model
-from colibri_plan.engine.pack import open_pack, verify_pack
+from colibri_plan.engine.pack import open_pack
+from colibri_plan.formats.pack_verify import verify_pack
 from colibri_plan.heatsynth import real_heat
 from colibri_plan.quant import dequantize
 

@@ -12,15 +12,16 @@ from _reports import toy_report
 from _solver_fixtures import toy_profile, toy_spec
 from click.testing import CliRunner
 
-from colibri_plan.calibrate import fit_coefficients, load_coefficients, save_coefficients
 from colibri_plan.cli import cli
 from colibri_plan.cli.common import to_json
 from colibri_plan.errors import FormatError, InputError
+from colibri_plan.formats.coefficients import Coefficients, load_coefficients, save_coefficients
+from colibri_plan.formats.plan import load_plan, save_plan
+from colibri_plan.formats.profile import load_profile, save_profile
 from colibri_plan.model import save_model_spec
-from colibri_plan.plan import load_plan, save_plan
-from colibri_plan.planner.costmodel import Coefficients, GpuResource, Resources
+from colibri_plan.planner.calibrate import fit_coefficients
+from colibri_plan.planner.costmodel import GpuResource, Resources
 from colibri_plan.planner.make import make_plan
-from colibri_plan.profiler.schema import load_profile, save_profile
 from colibri_plan.verify import save_report
 
 GPU = {"gbps": 60.0, "free_bytes": 2_060_000_000}

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from colibri_plan.cli import cli
 from colibri_plan.engine.fixture import FixtureConfig, build_fixture
 from colibri_plan.errors import FormatError, InputError
-from colibri_plan.heat import Heat, load_heat, read_usage_text, save_heat, write_usage_text
-from colibri_plan.profiler.schema import save_profile
+from colibri_plan.formats.heat import Heat, load_heat, read_usage_text, save_heat, write_usage_text
+from colibri_plan.formats.profile import save_profile
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,11 @@ from _tiny_models import build  # noqa: E402
 
 from colibri_plan.cli import cli  # noqa: E402
 from colibri_plan.engine.forward import Model  # noqa: E402
-from colibri_plan.engine.pack import (  # noqa: E402
-    block_layout,
-    open_pack,
-    spec_from_pack,
-    verify_pack,
-    write_pack,
-)
+from colibri_plan.engine.pack import open_pack, write_pack  # noqa: E402
 from colibri_plan.engine.weights import load_checkpoint  # noqa: E402
 from colibri_plan.errors import InputError, IntegrityError  # noqa: E402
+from colibri_plan.formats.pack_index import block_layout, spec_from_pack  # noqa: E402
+from colibri_plan.formats.pack_verify import verify_pack  # noqa: E402
 from colibri_plan.quant import quantize, tensor_bytes  # noqa: E402
 
 PROMPT = [3, 17, 99, 42, 5, 120, 64, 7]

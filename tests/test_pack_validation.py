@@ -10,13 +10,15 @@ from _reports import toy_report
 from _solver_fixtures import toy_profile, toy_spec
 from click.testing import CliRunner
 
-from colibri_plan.calibrate import fit_coefficients
 from colibri_plan.cli import cli
-from colibri_plan.engine.pack import open_pack, spec_from_pack, verify_pack
+from colibri_plan.engine.pack import open_pack
 from colibri_plan.errors import FormatError
-from colibri_plan.plan import load_plan
+from colibri_plan.formats.pack_index import spec_from_pack
+from colibri_plan.formats.pack_verify import verify_pack
+from colibri_plan.formats.plan import load_plan
+from colibri_plan.formats.profile import validate_profile
+from colibri_plan.planner.calibrate import fit_coefficients
 from colibri_plan.planner.make import make_plan
-from colibri_plan.profiler.schema import validate_profile
 from colibri_plan.verify import load_report, save_report
 
 

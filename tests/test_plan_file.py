@@ -8,8 +8,8 @@ import pytest
 from _solver_fixtures import toy_profile, toy_spec
 
 from colibri_plan.errors import FormatError, MismatchError
-from colibri_plan.heat import read_usage_text
-from colibri_plan.plan import TIER_DISK, TIER_RAM, check_model, load_plan, save_plan
+from colibri_plan.formats.heat import read_usage_text
+from colibri_plan.formats.plan import TIER_DISK, TIER_RAM, check_model, load_plan, save_plan
 from colibri_plan.planner.baselines import BASELINES, fit_layers, hot_first, uniform
 from colibri_plan.planner.exports import export_colibri, export_llama_cpp, fnv1a32
 from colibri_plan.planner.make import build_setup, make_plan
@@ -150,7 +150,7 @@ def test_setup_mtp_rows_have_no_decode_weight():
 
 
 def test_plan_records_the_queue_depth_the_engine_reads_with():
-    from colibri_plan.plan import Plan
+    from colibri_plan.formats.plan import Plan
     from colibri_plan.planner.budgets import best_queue_depth
 
     prof = toy_profile(disk_gbps=2.0)            # QD 1: 1.0 GB/s, QD 4: 2.0 GB/s
@@ -202,8 +202,8 @@ def test_check_model_refuses_another_expert_format():
     import pytest
 
     from colibri_plan.errors import MismatchError
+    from colibri_plan.formats.plan import Plan, check_model
     from colibri_plan.model import load_model_spec
-    from colibri_plan.plan import Plan, check_model
 
     spec = load_model_spec("olmoe-1b-7b", quant="int4")
     plan = Plan({"model": {"name": spec.name, "fingerprint": spec.fingerprint()}, "expert_format": "int8"})

@@ -14,12 +14,12 @@ from click.testing import CliRunner
 from colibri_plan.backends.base import Backend, DeviceInfo
 from colibri_plan.cli import cli
 from colibri_plan.errors import InputError
+from colibri_plan.formats.profile import load_profile
 from colibri_plan.profiler import disk, matmul_probe
 from colibri_plan.profiler.links import probe_links
 from colibri_plan.profiler.machine import filesystem_of, machine_info, meminfo
 from colibri_plan.profiler.ram import probe_ram
 from colibri_plan.profiler.run import PROBES
-from colibri_plan.profiler.schema import load_profile
 from colibri_plan.quant import matmul_ref, tensor_bytes
 
 SMALL = {"block_bytes": 64 << 10, "file_bytes": 2 << 20, "queue_depths": (1, 2), "repetitions": 2,
@@ -183,7 +183,7 @@ def test_opencl_link_probe():
 def test_shipped_profiles_load():
     from importlib import resources
 
-    from colibri_plan.profiler.schema import load_profile as load
+    from colibri_plan.formats.profile import load_profile as load
 
     files = [f for f in resources.files("colibri_plan.profiles").iterdir() if f.name.endswith(".json")]
     if not files:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from colibri_plan.errors import FormatError, InputError
-from colibri_plan.profiler.schema import (
+from colibri_plan.formats.profile import (
     MachineProfile,
     load_profile,
     machine_fingerprint,
@@ -209,7 +209,7 @@ def test_missing_file(tmp_path):
 
 def test_gpus_counts_each_card_once_across_backends():
     """An H200 listed by cuda, opencl and vulkan is one GPU; two cards of one model stay two."""
-    from colibri_plan.profiler.schema import MachineProfile
+    from colibri_plan.formats.profile import MachineProfile
 
     def dev(backend, index, name="NVIDIA H200"):
         return {"backend": backend, "index": index, "name": name, "kind": "gpu",

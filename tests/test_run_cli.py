@@ -14,7 +14,7 @@ from colibri_plan.engine.fixture import FixtureConfig, build_fixture
 from colibri_plan.engine.forward import Model
 from colibri_plan.engine.pack import open_pack
 from colibri_plan.errors import InputError
-from colibri_plan.heat import load_heat
+from colibri_plan.formats.heat import load_heat
 
 PROMPT = [5, 80, 200, 7, 211]
 

@@ -7,8 +7,8 @@ from _solver_fixtures import toy_profile, toy_spec
 from click.testing import CliRunner
 
 from colibri_plan.cli import cli
+from colibri_plan.formats.profile import save_profile
 from colibri_plan.model import save_model_spec
-from colibri_plan.profiler.schema import save_profile
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from colibri_plan.errors import BudgetError, MismatchError
-from colibri_plan.heat import real_heat
-from colibri_plan.heatsynth import cap_probabilities
+from colibri_plan.heatsynth import cap_probabilities, real_heat
 from colibri_plan.model import load_model_spec
 from colibri_plan.planner.costmodel import (
     TIER_DISK,
@@ -133,7 +132,7 @@ def test_budgets_never_exceeded(seed, rows, n_exp, n_gpu, slots, unified, method
 
 
 def test_glm52_on_published_6x_rtx5090_host_fits_vram_and_ram():
-    from colibri_plan.cli.solve import resolve_profile
+    from colibri_plan.formats.profile import resolve_profile
 
     profile, _ = resolve_profile("published-6x-rtx5090")
     spec = load_model_spec("glm-5.2")

@@ -12,7 +12,7 @@ from colibri_plan.engine.pack import open_pack
 from colibri_plan.engine.placement import Placement
 from colibri_plan.engine.session import run_placement
 from colibri_plan.errors import FormatError, MismatchError
-from colibri_plan.plan import TIER_DISK, TIER_RAM, layers_from_tiers, load_plan, save_plan
+from colibri_plan.formats.plan import TIER_DISK, TIER_RAM, layers_from_tiers, load_plan, save_plan
 from colibri_plan.verify import check_plan_model, load_report, make_verdict, memory_hit_rate, verify_plan
 
 N_TOKENS = 4

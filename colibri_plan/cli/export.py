@@ -19,7 +19,7 @@ def export(plan_path, target, out_path):
     from pathlib import Path
 
     from colibri_plan.fileio import check_output_path
-    from colibri_plan.plan import load_plan
+    from colibri_plan.formats.plan import load_plan
     from colibri_plan.planner.exports import export_colibri, export_llama_cpp
 
     if out_path is not None:  # either target; never over the plan itself ("" is refused)

@@ -89,7 +89,7 @@ def _pack_dense_file_bytes(name_or_path: str) -> int | None:
     """Bytes of a pack's dense file (None when ``name_or_path`` is not a pack or the file is absent)."""
     from pathlib import Path
 
-    from colibri_plan.engine.pack_index import DENSE_NAME
+    from colibri_plan.formats.pack_index import DENSE_NAME
 
     p = Path(name_or_path).expanduser()
     if p.is_dir() and (p / "pack.json").is_file() and (p / DENSE_NAME).is_file():

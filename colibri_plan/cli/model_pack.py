@@ -34,8 +34,8 @@ def _checkpoint_spec(checkpoint, weights, fmt):
     """The foundation's ModelSpec of the checkpoint when it can be built, else one from the arch."""
     from pathlib import Path
 
-    from colibri_plan.engine.pack import spec_from_arch
     from colibri_plan.errors import ColibriError
+    from colibri_plan.formats.pack_index import spec_from_arch
 
     try:
         from colibri_plan.model import load_model_spec
@@ -56,8 +56,9 @@ def _checkpoint_spec(checkpoint, weights, fmt):
 @json_option
 def pack(checkpoint, out, fmt, force):
     """Convert a Hugging Face checkpoint folder into an expert pack OUT (atomic; see docs/pack-format.md)."""
-    from colibri_plan.engine.pack import check_pack_output, pack_summary, write_pack
+    from colibri_plan.engine.pack import check_pack_output, write_pack
     from colibri_plan.engine.weights import load_checkpoint
+    from colibri_plan.formats.pack_index import pack_summary
 
     check_pack_output(out, force, inputs=(checkpoint,))  # before loading: never into/over the checkpoint
     t0 = time.perf_counter()
@@ -79,7 +80,7 @@ def pack(checkpoint, out, fmt, force):
 @json_option
 def verify(pack_dir):
     """Re-check every expert checksum, the index against experts.bin and the dense tensors' checksum."""
-    from colibri_plan.engine.pack import verify_pack
+    from colibri_plan.formats.pack_verify import verify_pack
 
     t0 = time.perf_counter()
     report = verify_pack(pack_dir, progress=_progress_every("checked experts"))

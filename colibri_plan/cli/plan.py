@@ -18,7 +18,7 @@ def plan():
 @json_option
 def show(path, show_layers):
     """Print a plan: model, machine, budgets, tier sizes, predicted tok/s and its terms, solver facts."""
-    from colibri_plan.plan import load_plan
+    from colibri_plan.formats.plan import load_plan
 
     p = load_plan(path)
     d = p.doc

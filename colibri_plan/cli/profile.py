@@ -130,8 +130,8 @@ def profile(path, model, quick, out, backends, probes, block_bytes, file_bytes, 
             disk_seconds, hidden_size, width, formats):
     """Measure NVMe reads (O_DIRECT, expert-sized blocks, queue depth 1..N), RAM bandwidth, host<->GPU
     links and the matmul throughput of every backend; write the profile file."""
+    from colibri_plan.formats.profile import save_profile
     from colibri_plan.profiler.run import PROBES, ProfileOptions, run_profile
-    from colibri_plan.profiler.schema import save_profile
 
     if out != "-":
         from pathlib import Path

@@ -65,7 +65,8 @@ def open_weights(model_path: str, quant: str | None = None):
         InputError: the path is neither, or ``quant`` is given for a pack whose expert format differs (a
         pack's format is fixed when it is made).
     """
-    from colibri_plan.engine.pack import is_pack, open_pack
+    from colibri_plan.engine.pack import open_pack
+    from colibri_plan.formats.pack_index import is_pack
 
     path = Path(model_path)
     if not path.exists():
@@ -156,7 +157,7 @@ def generate(weights, provider, prompt: list[int], n_tokens: int) -> dict:
 
 def write_stats(recorder, weights, stats_out: str | None, usage_out: str | None) -> dict:
     """Write the routing counts as a heat JSON (``stats_out``) and/or colibrì usage text (``usage_out``)."""
-    from colibri_plan.heat import save_heat, write_usage_text
+    from colibri_plan.formats.heat import save_heat, write_usage_text
 
     written = {}
     if not (stats_out or usage_out):
@@ -247,7 +248,7 @@ def run_with_plan(weights, plan_path: str, prompt: list[int], n_tokens: int, bac
     from colibri_plan.engine.pack import PackedModel
     from colibri_plan.engine.placement import Placement
     from colibri_plan.engine.session import run_placement
-    from colibri_plan.plan import check_model, load_plan
+    from colibri_plan.formats.plan import check_model, load_plan
     from colibri_plan.verify import machine_warning, this_machine_fingerprint
 
     if not isinstance(weights, PackedModel):

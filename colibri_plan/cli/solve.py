@@ -11,35 +11,6 @@ from colibri_plan.cli.common import emit, json_option, progress, table, warn
 GB = 1e9
 
 
-def resolve_profile(path: str):
-    """Load a profile file, or a profile shipped in colibri_plan/profiles by name
-    (e.g. "published-6x-rtx5090")."""
-    from importlib import resources
-
-    from colibri_plan.errors import InputError
-    from colibri_plan.profiler.schema import load_profile
-
-    p = Path(path)
-    if p.is_file():
-        return load_profile(p), str(p)
-    name = path if path.endswith(".json") else f"{path}.json"
-    shipped = resources.files("colibri_plan.profiles").joinpath(name)
-    if shipped.is_file():
-        with resources.as_file(shipped) as f:
-            return load_profile(f), f"shipped profile {name}"
-    raise InputError(f"profile {path} not found (not a file, nor a shipped profile); measure one with "
-                     "`colibri-plan profile --out profile.json`")
-
-
-def load_heat_arg(heat: str | None):
-    """None / "synth" / "uniform" pass through; anything else is a heat file."""
-    if heat in (None, "synth", "uniform"):
-        return heat
-    from colibri_plan.heat import load_heat
-
-    return load_heat(heat)
-
-
 def _finite(param, value: float) -> float:
     """Option callback: FloatRange lets NaN and Infinity through (no comparison fails on NaN)."""
     import math
@@ -103,8 +74,8 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
     decode time per token within the memory budgets; write a plan file."""
     from colibri_plan.errors import InputError
     from colibri_plan.fileio import check_output_path
+    from colibri_plan.formats.plan import save_plan
     from colibri_plan.model import load_model_spec
-    from colibri_plan.plan import save_plan
     from colibri_plan.planner.make import make_plan
 
     if png_path and not what_if_kind:
@@ -120,12 +91,16 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
         check_budget_options(ram, vram, headroom, lru_slots)
     except ColibriError as exc:
         raise click.BadParameter(str(exc)) from None
+    from colibri_plan.formats.profile import resolve_profile
+
     profile, source = resolve_profile(profile_path)
     spec = load_model_spec(model_name, quant=quant)
+    from colibri_plan.formats.heat import load_heat_arg
+
     heat_obj = load_heat_arg(heat)
     coef = None
     if coef_path:  # calibrated coefficients are only ever used when asked for (docs/calibration.md)
-        from colibri_plan.calibrate import read_coefficients
+        from colibri_plan.formats.coefficients import read_coefficients
 
         coef, coef_machines = read_coefficients(coef_path)
         progress(f"cost-model coefficients from {coef_path}: {coef.to_dict()}")

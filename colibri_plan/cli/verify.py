@@ -38,9 +38,10 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
     the plan's predictions; check the tokens against the all-RAM CPU reference; give a verdict and write
     a report (kind verify-report)."""
     from colibri_plan.cli.run import check_prompt, read_prompt
-    from colibri_plan.engine.pack import is_pack, open_pack
+    from colibri_plan.engine.pack import open_pack
     from colibri_plan.fileio import check_output_path
-    from colibri_plan.plan import load_plan
+    from colibri_plan.formats.pack_index import is_pack
+    from colibri_plan.formats.plan import load_plan
     from colibri_plan.verify import (
         report_table,
         save_report,
@@ -104,8 +105,9 @@ def calibrate(reports, out_path, base_path):
     squares on the CPU path (cpu_expert, disk, and overlap when a report has compute and reads in one
     layer), ratio of sums for dense and GPU terms, GPU time beyond the kernel rate as gpu_call_s
     (docs/calibration.md). Use them with `colibri-plan solve --coefficients FILE`."""
-    from colibri_plan.calibrate import fit_coefficients, load_coefficients, save_coefficients
     from colibri_plan.fileio import check_output_path
+    from colibri_plan.formats.coefficients import load_coefficients, save_coefficients
+    from colibri_plan.planner.calibrate import fit_coefficients
     from colibri_plan.verify import load_report
 
     check_output_path(out_path, (*reports, base_path))  # before reading and fitting

@@ -11,79 +11,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from colibri_plan.errors import FormatError, InputError
-from colibri_plan.fileio import read_json_object
+from colibri_plan.errors import InputError
+from colibri_plan.formats.model_spec import ModelSpec, load_spec_file, save_model_spec
 from colibri_plan.model.catalogue import catalogue_names, catalogue_spec
-from colibri_plan.model.spec import ModelSpec
 
 __all__ = ["ModelSpec", "load_model_spec", "catalogue_names", "save_model_spec"]
-
-SPEC_KIND = "model_spec"
-SPEC_SCHEMA_VERSION = 1
-
-
-def _load_json_spec(path: Path) -> ModelSpec:
-    doc = read_json_object(path, "model spec file")
-    if doc.get("kind") not in (None, SPEC_KIND):
-        raise FormatError(f"{path} has kind {doc.get('kind')!r}, not a model spec: a spec file has kind "
-                          f"{SPEC_KIND!r} (or none, as `colibri-plan model show --json` writes it)")
-    if doc.get("kind") == SPEC_KIND and doc.get("schema_version") != SPEC_SCHEMA_VERSION:
-        raise FormatError(f"{path} has model_spec schema_version {doc.get('schema_version')!r}; this "
-                          f"colibri-plan reads version {SPEC_SCHEMA_VERSION}")
-    if "model_type" in doc or "architectures" in doc:
-        raise InputError(f"{path} is a Hugging Face config.json; pass its checkpoint folder instead "
-                         "(config.json alone is enough; safetensors headers there are checked against it)")
-    return ModelSpec.from_dict(doc.get("spec", doc))
-
-
-#: safetensors header dtype -> colibri_plan.quant format of a stored dense trunk
-_ST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
-
-
-def pack_dense_format(folder: Path, index: dict) -> str | None:
-    """The format an expert pack stores its dense trunk in: ``format.dense_format`` of ``pack.json``, else
-    (an index that does not record it) the dtype of the tensors in the safetensors header of its dense
-    file (the widest when they differ: the planner budgets by it). None when neither says.
-
-    Raises:
-        FormatError: the dense file's header cannot be read.
-    """
-    fmt = index.get("format", {})
-    if isinstance(fmt.get("dense_format"), str):
-        return fmt["dense_format"]
-    dense = folder / str(fmt.get("dense_file") or "dense.safetensors")
-    if not dense.is_file():
-        return None
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(dense), framework="numpy") as f:
-            names = list(f.keys())
-            dtypes = {str(f.get_slice(n).get_dtype()).upper() for n in names}
-    except Exception as exc:  # safetensors raises its own error types
-        raise FormatError(f"{dense}: cannot read the safetensors header ({exc})") from None
-    fmts = [_ST_DTYPES[d] for d in dtypes if d in _ST_DTYPES]
-    from colibri_plan import quant
-
-    return max(sorted(fmts), key=quant.bits) if fmts else None
-
 
 def _pack_spec(path: Path) -> ModelSpec:
     """The ModelSpec a pack stores, with the format its dense trunk is stored in (``dense_format``)."""
     import dataclasses
 
-    from colibri_plan.engine.pack import spec_from_pack
-    from colibri_plan.engine.pack_index import read_index
+    from colibri_plan.formats.pack_index import pack_dense_format, read_index, spec_from_pack
 
     spec = spec_from_pack(path)
     return dataclasses.replace(spec, dense_format=pack_dense_format(path, read_index(path)))
-
-
-def save_model_spec(spec: ModelSpec, path: str | os.PathLike) -> Path:
-    """Write ``spec`` as a JSON document (kind "model_spec", schema_version 1), atomically."""
-    from colibri_plan import fileio
-    return fileio.write_document(path, SPEC_KIND, SPEC_SCHEMA_VERSION,
-                                 {"spec": spec.to_dict(), "fingerprint": spec.fingerprint()})
 
 
 def load_model_spec(name_or_path: str | os.PathLike, quant: str | None = None) -> ModelSpec:
@@ -116,7 +57,7 @@ def load_model_spec(name_or_path: str | os.PathLike, quant: str | None = None) -
             from colibri_plan.model.gguf_header import gguf_spec
             spec = gguf_spec(path)
         else:
-            spec = _load_json_spec(path)
+            spec = load_spec_file(path)
     elif path.exists():  # /dev/null, a pipe...
         raise InputError(f"{text} is not a regular file (expected a checkpoint folder, a .gguf file or a "
                          "spec JSON file)")

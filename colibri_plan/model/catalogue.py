@@ -15,8 +15,8 @@ import json
 from importlib import resources
 
 from colibri_plan.errors import FormatError, InputError, UnsupportedError
+from colibri_plan.formats.model_spec import ModelSpec
 from colibri_plan.model import hfconfig
-from colibri_plan.model.spec import ModelSpec
 
 
 @functools.lru_cache(maxsize=1)

@@ -35,8 +35,8 @@ from pathlib import Path
 
 from colibri_plan.errors import FormatError, InputError, UnsupportedError
 from colibri_plan.fileio import read_json_object
+from colibri_plan.formats.model_spec import ModelSpec
 from colibri_plan.model import hfconfig
-from colibri_plan.model.spec import ModelSpec
 
 #: bytes per element of safetensors dtypes (BOOL/U8/I8/F8 = 1)
 DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from colibri_plan.errors import FormatError, InputError, UnsupportedError
-from colibri_plan.model.spec import ModelSpec
+from colibri_plan.formats.model_spec import ModelSpec
 
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 #: GGUF architecture -> the Hugging Face model_type we use as family

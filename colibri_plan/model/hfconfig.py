@@ -64,7 +64,7 @@ def is_moe_layer(cfg: dict, layer: int) -> bool:
 
 
 def moe_geometry(cfg: dict, where: str) -> dict:
-    """Geometry fields of :class:`~colibri_plan.model.spec.ModelSpec` from a config dict.
+    """Geometry fields of :class:`~colibri_plan.formats.model_spec.ModelSpec` from a config dict.
 
     Returns a dict with family, n_layers, moe_layers (decoder layers only, no MTP), mtp_layers (count of
     MTP heads the config declares), n_experts, top_k, n_shared_experts, hidden_size,

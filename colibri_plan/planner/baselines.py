@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_plan.planner.costmodel import TIER_DISK, TIER_RAM
+from colibri_plan.formats.plan import TIER_DISK, TIER_RAM
 
 
 def _ram_capacity(problem) -> int:

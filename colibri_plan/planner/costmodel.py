@@ -40,77 +40,14 @@ The layer's expert time is the slowest of its concurrently working resources, ta
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from colibri_plan.errors import InputError
-
-#: tier codes in a per-layer placement array; GPUs are 0..G-1
-TIER_RAM = -1
-TIER_DISK = -2
-
-
-@dataclass(frozen=True)
-class Coefficients:
-    """Per-term multipliers of the cost model (1.0 = the raw roofline); refitted by ``calibrate``."""
-
-    dense: float = 1.0
-    attention: float = 1.0
-    cpu_expert: float = 1.0
-    gpu_expert: float = 1.0
-    disk: float = 1.0
-    transfer: float = 1.0
-    layer_overhead_s: float = 0.0   # fixed seconds per MoE layer per token (router, dispatch)
-    # fixed seconds per MoE layer per token for each GPU holding experts of the layer: the host's call
-    # (hand-off to the device thread, launch, synchronisation), paid however few experts it computes
-    gpu_call_s: float = 0.0
-    # the share of the shorter of (resident compute + checks, disk reads) that hides behind the longer
-    # one in a layer's CPU path: 1 = full overlap (max), 0 = one after the other (sum)
-    overlap: float = 1.0
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    #: largest accepted multiplier (a fit or a hand edit beyond it is a broken file, not a slow machine)
-    MAX_MULTIPLIER = 1e3
-    #: seconds-valued fields (per MoE layer per token) and their largest accepted value
-    SECONDS = {"layer_overhead_s": 1.0, "gpu_call_s": 1.0}
-    #: fractions (0..1)
-    FRACTIONS = ("overlap",)
-
-    @classmethod
-    def from_dict(cls, d: dict | None, where: str = "cost coefficients") -> Coefficients:
-        """Build from a dict (``where`` names its source in messages, e.g. "FILE: coefficients").
-
-        Each value must be a JSON number (not a bool), finite, >= 0, at most :attr:`MAX_MULTIPLIER` for a
-        multiplier and at most 1 s for the seconds fields; not all may be zero (that predicts 0 s/token).
-
-        Raises:
-            InputError: not an object, an unknown key, or a bad value (the message names the key).
-        """
-        if d is None:
-            d = {}
-        if not isinstance(d, dict):
-            raise InputError(f"{where} must be an object of coefficient: number, got {d!r:.60}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = set(d) - set(names)
-        if unknown:
-            raise InputError(f"{where}: unknown cost coefficient(s) {sorted(unknown)} (known: {names})")
-        for k, v in d.items():
-            hi = 1.0 if k in cls.FRACTIONS else cls.SECONDS.get(k, cls.MAX_MULTIPLIER)
-            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and bool(np.isfinite(v))
-            if not ok or not 0 <= v <= hi:
-                unit = " s" if k in cls.SECONDS else ""
-                raise InputError(f"{where}: {k} must be a finite number >= 0 and <= {hi:g}{unit}, got {v!r}; "
-                                 "re-create the coefficients with `colibri-plan calibrate`")
-        out = cls(**{k: float(v) for k, v in d.items()})
-        if not any(dataclasses.asdict(out).values()):
-            raise InputError(f"{where}: every coefficient is 0 (that predicts 0 s per token); "
-                             "re-create the coefficients with `colibri-plan calibrate`")
-        return out
+from colibri_plan.formats.coefficients import Coefficients
+from colibri_plan.formats.plan import TIER_DISK, TIER_RAM
 
 
 @dataclass(frozen=True)

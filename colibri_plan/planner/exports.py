@@ -26,8 +26,8 @@ import numpy as np
 
 from colibri_plan.errors import UnsupportedError
 from colibri_plan.fileio import atomic_write_text
-from colibri_plan.heat import fnv1a32  # noqa: F401 - re-exported for callers
-from colibri_plan.plan import TIER_DISK, TIER_RAM, Plan, layer_probabilities
+from colibri_plan.formats.heat import fnv1a32  # noqa: F401 - re-exported for callers
+from colibri_plan.formats.plan import TIER_DISK, TIER_RAM, Plan, layer_probabilities
 
 VRAM_OVERHEAD_BYTES = int(0.741 * 2**20)   # colibrì's measured per-expert VRAM allocation overhead
 COLIBRI_SLACK_BYTES = int(1.2e9 + 2.5e9)    # colibrì reserves 1.2 GB activations + 2.5 GB page cache

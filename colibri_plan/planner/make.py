@@ -9,8 +9,9 @@ import numpy as np
 
 from colibri_plan import quant
 from colibri_plan.errors import BudgetError, InputError
-from colibri_plan.heat import Heat, align_heat, synth_heat, uniform_heat
-from colibri_plan.plan import Plan, layers_from_tiers
+from colibri_plan.formats.heat import Heat, align_heat, uniform_heat
+from colibri_plan.formats.plan import Plan, layers_from_tiers
+from colibri_plan.heatsynth import synth_heat
 from colibri_plan.planner.budgets import Budgets, parse_gb, ram_budget, resources_from_profile, vram_budgets
 from colibri_plan.planner.costmodel import Coefficients, Resources, attention_seconds, dense_seconds
 from colibri_plan.planner.solve import Problem, Solution, evaluate, solve_placement

@@ -36,8 +36,8 @@ from colibri_plan.directio import (  # noqa: F401 - ALIGN, RAM_FILESYSTEMS re-ex
     read_full,
 )
 from colibri_plan.errors import InputError
+from colibri_plan.formats.profile import stat
 from colibri_plan.profiler.machine import filesystem_of
-from colibri_plan.profiler.schema import stat
 
 #: GLM-5.2 routed expert at int4: gate + up [2048, 6144] + down [6144, 2048], data + f32 row scales
 DEFAULT_BLOCK_BYTES = 18_915_328
@@ -183,7 +183,7 @@ def probe_disk(path: str | os.PathLike | None = None, block_bytes: int = DEFAULT
         repetitions, seconds: repetitions per figure and wall seconds per repetition.
 
     Returns:
-        The profile's ``disk`` section (see :mod:`colibri_plan.profiler.schema`).
+        The profile's ``disk`` section (see :mod:`colibri_plan.formats.profile`).
 
     Raises:
         InputError: ``path`` does not exist, or the file is smaller than one block.

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from colibri_plan.profiler.schema import stat
+from colibri_plan.formats.profile import stat
 
 #: backends that compute on the host itself: no link to measure
 HOST_BACKENDS = ("numpy", "cpu")

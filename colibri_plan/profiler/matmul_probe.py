@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from colibri_plan.profiler.schema import stat
+from colibri_plan.formats.profile import stat
 from colibri_plan.quant import FLOAT_FORMATS, QuantTensor, data_shape, quantize, scales_shape
 
 Progress = Callable[[str], None]

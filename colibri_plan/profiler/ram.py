@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from colibri_plan.errors import IntegrityError
+from colibri_plan.formats.profile import stat
 from colibri_plan.profiler.machine import usable_cores
-from colibri_plan.profiler.schema import stat
 
 
 def probe_ram(array_bytes: int = 512 << 20, repetitions: int = 7, threads: int | None = None,

@@ -1,4 +1,4 @@
-"""Run every probe and assemble the profile document (see :mod:`colibri_plan.profiler.schema`).
+"""Run every probe and assemble the profile document (see :mod:`colibri_plan.formats.profile`).
 
 Two modes: ``quick`` (CI; under ~30 s on a 2-core machine: smaller test file, queue depths {1, 4},
 fewer repetitions) and ``default`` (under ~120 s there). Every size can be overridden (tests use tiny
@@ -15,12 +15,12 @@ from datetime import datetime, timezone
 
 from colibri_plan import __version__
 from colibri_plan.errors import InputError
+from colibri_plan.formats.profile import MachineProfile, machine_fingerprint
 from colibri_plan.profiler import disk as disk_mod
 from colibri_plan.profiler.links import HOST_BACKENDS, probe_links
 from colibri_plan.profiler.machine import list_all_devices, machine_info
 from colibri_plan.profiler.matmul_probe import probe_matmul
 from colibri_plan.profiler.ram import probe_ram
-from colibri_plan.profiler.schema import MachineProfile, machine_fingerprint
 
 PROBES = ("disk", "ram", "links", "matmul")
 #: GLM-5.2 routed expert geometry, used when no model is named (colibri_plan/data/models.json)

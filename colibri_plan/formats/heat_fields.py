@@ -1,6 +1,6 @@
 """Field checks of heat documents: counts are whole selections, ids and sizes stay in range.
 
-Used by :mod:`colibri_plan.heat` when reading (so a file it wrote reads back) and writing (counts are
+Used by :mod:`colibri_plan.formats.heat` when reading (so a file it wrote reads back) and writing (counts are
 rounded to whole selections).
 """
 

@@ -23,11 +23,14 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from colibri_plan import fileio, quant
-from colibri_plan.errors import FormatError
+from colibri_plan.errors import FormatError, InputError
+from colibri_plan.fileio import read_json_object, write_document
 
 #: dict keys a serialised spec must have (``to_dict`` writes exactly these plus the optional ones)
 _REQUIRED = ("name", "family", "n_layers", "moe_layers", "n_experts", "top_k", "n_shared_experts",
@@ -242,3 +245,32 @@ class ModelSpec:
         if kw["dense_format"] is not None and not isinstance(kw["dense_format"], str):
             raise FormatError(f"model spec field dense_format must be a string, got {kw['dense_format']!r}")
         return cls(**kw)
+
+
+SPEC_KIND = "model_spec"
+SPEC_SCHEMA_VERSION = 1
+
+
+def load_spec_file(path: Path) -> ModelSpec:
+    """Read a model spec document (kind "model_spec", or ``model show --json`` output without a kind).
+
+    Raises:
+        FormatError: another kind of document or another schema version; InputError: a config.json.
+    """
+    doc = read_json_object(path, "model spec file")
+    if doc.get("kind") not in (None, SPEC_KIND):
+        raise FormatError(f"{path} has kind {doc.get('kind')!r}, not a model spec: a spec file has kind "
+                          f"{SPEC_KIND!r} (or none, as `colibri-plan model show --json` writes it)")
+    if doc.get("kind") == SPEC_KIND and doc.get("schema_version") != SPEC_SCHEMA_VERSION:
+        raise FormatError(f"{path} has model_spec schema_version {doc.get('schema_version')!r}; this "
+                          f"colibri-plan reads version {SPEC_SCHEMA_VERSION}")
+    if "model_type" in doc or "architectures" in doc:
+        raise InputError(f"{path} is a Hugging Face config.json; pass its checkpoint folder instead "
+                         "(config.json alone is enough; safetensors headers there are checked against it)")
+    return ModelSpec.from_dict(doc.get("spec", doc))
+
+
+def save_model_spec(spec: ModelSpec, path: str | os.PathLike) -> Path:
+    """Write ``spec`` as a JSON document (kind "model_spec", schema_version 1), atomically."""
+    return write_document(path, SPEC_KIND, SPEC_SCHEMA_VERSION,
+                                 {"spec": spec.to_dict(), "fingerprint": spec.fingerprint()})

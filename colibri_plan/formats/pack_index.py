@@ -20,15 +20,14 @@ what ``load_model_spec(PACK)`` returns) and :func:`pack_summary`.
 from __future__ import annotations
 
 import os
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from colibri_plan.engine.arch import ArchConfig
 from colibri_plan.errors import FormatError, InputError, IntegrityError
 from colibri_plan.fileio import read_document
+from colibri_plan.formats.arch import ArchConfig
 from colibri_plan.quant import check_format, data_shape, scales_shape
 
 PACK_KIND = "pack"
@@ -299,86 +298,11 @@ def check_entries(doc: dict, layout: BlockLayout, moe_layers, n_experts: int, fi
     return problems
 
 
-def file_crc32(path: Path, chunk_bytes: int = 1 << 24) -> int:
-    """zlib.crc32 of a whole file, read in chunks."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def verify_pack(path: str | os.PathLike, progress=None) -> dict:
-    """Re-check a pack: index structure, file sizes against the index, every entry, every expert's crc32
-    and the dense file's crc32.
-
-    Args:
-        progress: optional callable(done_experts, total) called every few experts.
-
-    Returns:
-        ``{"path", "ok", "experts", "experts_bytes", "problems": [messages]}``; ``ok`` is False when
-        anything is wrong (a flipped byte, a truncated file, a wrong index entry, ...).
-
-    Raises:
-        InputError / FormatError: not a pack, or an unreadable index (nothing else can be checked).
-    """
-    folder = Path(path)
-    doc = read_index(folder)
-    layout = layout_from_dict(doc["block"])
-    arch = ArchConfig.from_dict(doc["arch"])
-    fmt = doc["format"]
-    problems: list[str] = []
-    exp_path, dense_path = folder / EXPERTS_NAME, folder / DENSE_NAME
-    size = exp_path.stat().st_size if exp_path.is_file() else -1
-    if size < 0:
-        problems.append(f"{EXPERTS_NAME} is a folder, not a file" if exp_path.is_dir()
-                        else f"{EXPERTS_NAME} is missing")
-    elif size != fmt.get("experts_file_bytes"):
-        problems.append(f"{EXPERTS_NAME} has {size} bytes, the index says {fmt.get('experts_file_bytes')}: "
-                        "the file was truncated or replaced")
-    # no file: entries are checked against the size the index records (one problem, not one per expert)
-    bound = size if size >= 0 else int(fmt.get("experts_file_bytes") or 0)
-    problems += check_entries(doc, layout, arch.moe_layers, arch.n_experts, bound)
-    bad = 0
-    if size >= 0:
-        fd = os.open(exp_path, os.O_RDONLY)
-        try:
-            rows = doc["experts"]
-            for i, row in enumerate(rows):
-                if not (isinstance(row, list) and len(row) == 5):
-                    continue
-                l, e, off, nb, crc = row
-                buf = os.pread(fd, nb, off)
-                if len(buf) != nb:
-                    continue  # already reported as beyond the end
-                if zlib.crc32(buf) != crc:
-                    bad += 1
-                    if bad <= 10:
-                        problems.append(f"expert (layer {l}, expert {e}) at offset {off}: crc32 "
-                                        f"{zlib.crc32(buf):08x} != index {crc:08x} "
-                                        "(corrupt data or wrong index entry)")
-                if progress is not None and (i % 16 == 15 or i == len(rows) - 1):
-                    progress(i + 1, len(rows))
-        finally:
-            os.close(fd)
-    if bad > 10:
-        problems.append(f"... {bad - 10} more experts with a crc32 mismatch")
-    if not dense_path.is_file():
-        problems.append(f"{DENSE_NAME} is missing")
-    elif dense_path.stat().st_size != fmt.get("dense_file_bytes"):
-        problems.append(f"{DENSE_NAME} has {dense_path.stat().st_size} bytes, the index says "
-                        f"{fmt.get('dense_file_bytes')}")
-    elif file_crc32(dense_path) != fmt.get("dense_crc32"):
-        problems.append(f"{DENSE_NAME}: crc32 mismatch (corrupt dense tensors)")
-    return {"path": str(folder), "ok": not problems, "experts": len(doc["experts"]),
-            "experts_bytes": size, "expert_format": fmt.get("expert_format"), "problems": problems}
-
-
 def spec_from_arch(arch: ArchConfig, expert_format: str, dense_params: int, name: str, source: str,
                    kv_bytes_per_element: int = 4):
-    """A :class:`colibri_plan.model.spec.ModelSpec` of ``arch`` (KV cache counted at
+    """A :class:`colibri_plan.formats.model_spec.ModelSpec` of ``arch`` (KV cache counted at
     ``kv_bytes_per_element`` bytes per element, float32 as this engine stores it)."""
-    from colibri_plan.model.spec import ModelSpec
+    from colibri_plan.formats.model_spec import ModelSpec
 
     kv = arch.n_layers * 2 * arch.n_kv_heads * arch.head_dim * kv_bytes_per_element
     return ModelSpec(name=name, family=arch.family, n_layers=arch.n_layers, moe_layers=arch.moe_layers,
@@ -400,7 +324,7 @@ def spec_from_pack(path):
     Raises:
         InputError / FormatError: not a pack or a bad index.
     """
-    from colibri_plan.model.spec import ModelSpec
+    from colibri_plan.formats.model_spec import ModelSpec
 
     doc = read_index(path)
     spec = ModelSpec.from_dict(doc["model"]["spec"])
@@ -419,3 +343,34 @@ def pack_summary(path) -> dict:
             "experts_file_bytes": doc["format"]["experts_file_bytes"], "extra": doc.get("extra", {}),
             "arch": doc["arch"]}
 
+
+#: safetensors header dtype -> colibri_plan.quant format of a stored dense trunk
+_ST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+
+
+def pack_dense_format(folder: Path, index: dict) -> str | None:
+    """The format an expert pack stores its dense trunk in: ``format.dense_format`` of ``pack.json``, else
+    (an index that does not record it) the dtype of the tensors in the safetensors header of its dense
+    file (the widest when they differ: the planner budgets by it). None when neither says.
+
+    Raises:
+        FormatError: the dense file's header cannot be read.
+    """
+    fmt = index.get("format", {})
+    if isinstance(fmt.get("dense_format"), str):
+        return fmt["dense_format"]
+    dense = folder / str(fmt.get("dense_file") or "dense.safetensors")
+    if not dense.is_file():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(dense), framework="numpy") as f:
+            names = list(f.keys())
+            dtypes = {str(f.get_slice(n).get_dtype()).upper() for n in names}
+    except Exception as exc:  # safetensors raises its own error types
+        raise FormatError(f"{dense}: cannot read the safetensors header ({exc})") from None
+    fmts = [_ST_DTYPES[d] for d in dtypes if d in _ST_DTYPES]
+    from colibri_plan import quant
+
+    return max(sorted(fmts), key=quant.bits) if fmts else None

@@ -255,7 +255,7 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
         if not isinstance(d.get("unified", False), bool):
             _fail(where, f"devices[{i}].unified must be true or false, got {d.get('unified')!r}")
     if doc.get("coefficients") is not None:
-        from colibri_plan.planner.costmodel import Coefficients
+        from colibri_plan.formats.coefficients import Coefficients
 
         try:
             Coefficients.from_dict(doc["coefficients"], where="coefficients")

@@ -32,7 +32,13 @@ from colibri_plan.fileio import (
     read_document,
     write_document,
 )
-from colibri_plan.heat_fields import MAX_COUNT, MAX_EXPERTS, check_count_table, whole_counts, whole_field
+from colibri_plan.formats.heat_fields import (
+    MAX_COUNT,
+    MAX_EXPERTS,
+    check_count_table,
+    whole_counts,
+    whole_field,
+)
 
 HEAT_KIND = "heat"
 HEAT_SCHEMA_VERSION = 1
@@ -390,16 +396,9 @@ def align_heat(heat: Heat, spec) -> Heat:
     return out
 
 
-def synth_heat(spec, domain: str | None = None, seed: int = 0, source_model: str = "olmoe") -> Heat:
-    """Whole-model heat synthesised from real OLMoE/Mixtral per-layer distributions
-    (see :func:`colibri_plan.heatsynth.synth_heat` and docs/heat.md)."""
-    from colibri_plan.heatsynth import synth_heat as _synth
-
-    return _synth(spec, domain=domain, seed=seed, source_model=source_model)
-
-
-def real_heat(model: str = "olmoe", domain: str = "c4", kind: str = "topk") -> Heat:
-    """Real routing counts of OLMoE / Mixtral (see :func:`colibri_plan.heatsynth.real_heat`)."""
-    from colibri_plan.heatsynth import real_heat as _real
-
-    return _real(model, domain, kind)
+def load_heat_arg(heat: str | None) -> Heat | str | None:
+    """A ``--heat`` option value: None, "synth" and "uniform" pass through (the planner makes that heat);
+    anything else is read as a heat file with :func:`load_heat` (same errors)."""
+    if heat in (None, "synth", "uniform"):
+        return heat
+    return load_heat(heat)

@@ -40,18 +40,9 @@ it, and a plan records the coefficients it was made with. Nothing reads it impli
 
 from __future__ import annotations
 
-import os
-from datetime import datetime, timezone
-from pathlib import Path
-
 import numpy as np
 
 from colibri_plan.errors import FormatError, InputError
-from colibri_plan.fileio import read_document, write_document
-
-KIND = "coefficients"
-SCHEMA_VERSION = 1
-
 
 #: largest figure a report may hold (seconds per token, layers or calls per token): beyond it the
 #: report is corrupt, and one such figure would swamp the least-squares fit
@@ -83,7 +74,7 @@ def report_terms(report: dict, where: str = "report") -> dict:
     Raises:
         FormatError: a needed figure is missing or not a number (names the report and field).
     """
-    from colibri_plan.planner.costmodel import Coefficients
+    from colibri_plan.formats.coefficients import Coefficients
 
     try:
         pred, meas = report["predicted"], report["measured"]
@@ -275,7 +266,7 @@ def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = N
     Raises:
         InputError: no reports, or reports of different models. FormatError: a malformed report.
     """
-    from colibri_plan.planner.costmodel import Coefficients
+    from colibri_plan.formats.coefficients import Coefficients
 
     if not reports:
         raise InputError("calibrate needs at least one verify report")
@@ -336,48 +327,3 @@ def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = N
     except InputError as exc:
         raise InputError(f"{exc} (from reports {', '.join(names)}): the reports do not determine the "
                          "coefficients; check them or start from --base") from None
-
-
-def save_coefficients(coef, path: str | os.PathLike, detail: dict | None = None,
-                      sources: list[str] | None = None) -> Path:
-    """Write a coefficients document atomically."""
-    detail = detail or {}
-    body = {"created_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "method": "least squares on the CPU path (compute, crc32 checks, reads and their overlap), ratio "
-                      "of sums for dense and GPU terms, GPU time beyond the kernel rate as per-call overhead "
-                      "(docs/calibration.md)",
-            "coefficients": coef.to_dict(), "detail": detail, "fitted_from": list(sources or []),
-            # the machines the reports were measured on: solve warns when its profile is of another one
-            "machine_fingerprints": list(detail.get("machine_fingerprints", []))}
-    return write_document(path, KIND, SCHEMA_VERSION, body)
-
-
-def read_coefficients(path: str | os.PathLike) -> tuple:
-    """Read a coefficients document -> (:class:`~colibri_plan.planner.costmodel.Coefficients`, the
-    machine fingerprints it was fitted on (``[]`` when it does not record them)).
-
-    Raises:
-        InputError: missing file. FormatError: bad document, or a coefficient that is not a finite number
-        in range (the message names the file and the key).
-    """
-    from colibri_plan.planner.costmodel import Coefficients
-
-    doc = read_document(path, KIND, SCHEMA_VERSION)
-    c = doc.get("coefficients")
-    if not isinstance(c, dict):
-        raise FormatError(f"{path}: no 'coefficients' object; re-create it with `colibri-plan calibrate`")
-    try:
-        coef = Coefficients.from_dict(c, where=f"{path}: coefficients")
-    except InputError as exc:
-        raise FormatError(str(exc)) from None
-    machines = doc.get("machine_fingerprints") or []
-    if not isinstance(machines, list) or not all(isinstance(m, str) for m in machines):
-        raise FormatError(f"{path}: machine_fingerprints must be a list of strings; re-create it with "
-                          "`colibri-plan calibrate`")
-    return coef, machines
-
-
-def load_coefficients(path: str | os.PathLike):
-    """Read a coefficients document -> :class:`~colibri_plan.planner.costmodel.Coefficients`
-    (see :func:`read_coefficients`; same errors)."""
-    return read_coefficients(path)[0]

@@ -382,3 +382,27 @@ def save_profile(profile: MachineProfile | dict, path: str | os.PathLike) -> Pat
     validate_profile(doc)
     body = {k: v for k, v in doc.items() if k not in ("kind", "schema_version")}
     return write_document(path, KIND, SCHEMA_VERSION, body)
+
+
+def resolve_profile(path: str) -> tuple[MachineProfile, str]:
+    """Load a profile file, or a profile shipped in ``colibri_plan/profiles`` by name
+    (e.g. "published-6x-rtx5090").
+
+    Returns:
+        (profile, where it came from: the path or "shipped profile NAME").
+
+    Raises:
+        InputError: neither a file nor a shipped profile. FormatError: as :func:`load_profile`.
+    """
+    from importlib import resources
+
+    p = Path(path)
+    if p.is_file():
+        return load_profile(p), str(p)
+    name = path if path.endswith(".json") else f"{path}.json"
+    shipped = resources.files("colibri_plan.profiles").joinpath(name)
+    if shipped.is_file():
+        with resources.as_file(shipped) as f:
+            return load_profile(f), f"shipped profile {name}"
+    raise InputError(f"profile {path} not found (not a file, nor a shipped profile); measure one with "
+                     "`colibri-plan profile --out profile.json`")

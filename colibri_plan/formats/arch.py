@@ -1,0 +1,259 @@
+"""Architecture description of a MoE decoder, read from a Hugging Face ``config.json``.
+
+:class:`ArchConfig` is everything the forward pass needs to know about a model's shape and routing; it
+is plain data (``to_dict``/``from_dict`` round-trip through JSON, so an expert pack stores it).
+:func:`arch_from_hf_config` reads the families below from their ``config.json`` (key names as in the
+transformers configuration classes of each family; both the v5 ``rope_parameters`` dict and the older
+top-level ``rope_theta``/``partial_rotary_factor``/``rope_scaling`` keys are accepted):
+
+| family (model_type)  | attention                       | router                                   |
+|----------------------|---------------------------------|------------------------------------------|
+| mixtral              | GQA, RoPE                       | softmax, top-k, always renormalised      |
+| qwen2_moe            | GQA, q/k/v bias, RoPE           | softmax, norm_topk_prob; shared expert    |
+|                      |                                 | scaled by sigmoid(shared_expert_gate · x) |
+| qwen3_moe            | GQA, RMSNorm on q/k per head    | softmax, norm_topk_prob                  |
+| olmoe                | GQA, RMSNorm on the full q/k    | softmax, norm_topk_prob                  |
+|                      | projections, optional clip_qkv  |                                          |
+| glm4_moe             | GQA, partial RoPE, opt. q/k norm| sigmoid + e_score_correction_bias,       |
+|                      |                                 | group-limited top-k, routed scaling;     |
+|                      |                                 | shared experts; first_k_dense_replace    |
+| deepseek_v2/v3/v32,  | MLA (+ DSA): rejected           | the MoE block is described here (v3, v32 |
+| glm_moe_dsa (GLM-5)  | (UnsupportedError)              | and GLM-5 as glm4_moe; v2 softmax + max) |
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import asdict, dataclass, fields
+
+from colibri_plan.errors import FormatError, UnsupportedError
+
+#: model_type values this engine runs end to end.
+SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
+#: model_type values whose MoE block is understood but whose attention (MLA) is not implemented yet.
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """Shape and routing of a MoE decoder (every size in elements, not bytes).
+
+    Attributes:
+        family: HF ``model_type`` ("mixtral", "qwen3_moe", ...) or "synthetic" for generated models.
+        vocab_size, hidden_size, n_layers: V, H and the number of decoder layers (MTP heads excluded).
+        n_heads, n_kv_heads, head_dim: query heads, key/value heads (GQA groups) and per-head width.
+        rope_theta: RoPE base. partial_rotary_factor: fraction of ``head_dim`` that is rotated (the
+            first ``rotary_dim`` channels; GLM-4.x-MoE uses 0.5). rope_interleave: rotate pairs
+            (x0, x1), (x2, x3) instead of the rotate_half halves (only DeepSeek layouts set it).
+        rope_scaling_factor: linear position scaling (positions / factor); 1.0 = none.
+        rms_norm_eps: epsilon of every RMSNorm.
+        tie_word_embeddings: the LM head reuses the embedding matrix.
+        attention_bias: q/k/v projections carry a bias (o may too; the loader keeps any bias it finds).
+        qk_norm: None, "head" (RMSNorm over each head's ``head_dim``: Qwen3-MoE, GLM with use_qk_norm)
+            or "full" (RMSNorm over the whole q / k projection: OLMoE).
+        clip_qkv: clamp q, k, v to ±clip_qkv after projection (OLMoE option), or None.
+        sliding_window: attention window in tokens on ``sliding_layers``, or None.
+        n_experts, top_k: routed experts per MoE layer and experts chosen per token.
+        moe_intermediate_size: width I of one routed expert (gate/up [I, H], down [H, I]).
+        dense_intermediate_size: width of the FFN of layers without experts (0 if none).
+        n_shared_experts: shared experts per MoE layer (stored fused as one MLP).
+        shared_intermediate_size: total width of the fused shared-expert MLP (0 if none).
+        shared_expert_gate: the shared expert output is scaled by sigmoid(w · x), w [1, H] (Qwen2-MoE).
+        first_k_dense_replace: the first k layers are dense (informative; ``moe_layers`` is the truth).
+        moe_layers: ids of layers with routed experts, ascending.
+        scoring: "softmax" or "sigmoid" router scores.
+        norm_topk_prob: renormalise the chosen top-k weights to sum to 1.
+        routed_scaling_factor: multiplies the routed weights after normalisation.
+        n_group, topk_group: group-limited top-k: experts form n_group equal groups, only experts in
+            the topk_group best groups are eligible (1, 1 = plain top-k).
+        group_score: how a group is scored: "top2_sum" (DeepSeek-V3/GLM) or "max" (DeepSeek-V2).
+        e_score_correction_bias: a per-expert bias is added to the scores for choosing only (the
+            weights use the unbiased scores), as in DeepSeek-V3/GLM-4.x-MoE.
+        hidden_act: activation of the SwiGLU MLPs; only "silu" is implemented.
+        attention: "gqa" (the only kind implemented) or "mla".
+        architecture: the HF architecture class name, when known.
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    moe_layers: tuple[int, ...]
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    rope_interleave: bool = False
+    rope_scaling_factor: float = 1.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: str | None = None
+    clip_qkv: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    dense_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    first_k_dense_replace: int = 0
+    scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "top2_sum"
+    e_score_correction_bias: bool = False
+    hidden_act: str = "silu"
+    attention: str = "gqa"
+    architecture: str = ""
+
+    def __post_init__(self):
+        _check_types(self)
+        object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
+        object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
+        problems = []
+        for name in ("rope_theta", "rope_scaling_factor", "rms_norm_eps", "routed_scaling_factor"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            problems.append(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            problems.append(f"clip_qkv must be > 0 or null, got {self.clip_qkv!r}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window must be >= 1 or null, got {self.sliding_window!r}")
+        if any(not 0 <= i < self.n_layers for i in self.sliding_layers):
+            problems.append(f"sliding_layers must be layer ids in 0..{self.n_layers - 1}")
+        for name in ("dense_intermediate_size", "n_shared_experts", "shared_intermediate_size",
+                     "first_k_dense_replace"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.moe_layers and (self.n_experts < 1 or self.moe_intermediate_size < 1):
+            problems.append("n_experts and moe_intermediate_size must be > 0 when there are MoE layers")
+        for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                problems.append(f"{name} must be > 0")
+        if self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if any(not 0 <= i < self.n_layers for i in self.moe_layers) or list(self.moe_layers) != sorted(
+                set(self.moe_layers)):
+            problems.append(f"moe_layers must be distinct ascending ids in 0..{self.n_layers - 1}")
+        if self.moe_layers and not 0 < self.top_k <= self.n_experts:
+            problems.append(f"top_k {self.top_k} must be in 1..n_experts ({self.n_experts})")
+        if self.scoring not in ("softmax", "sigmoid"):
+            problems.append(f"scoring {self.scoring!r} must be 'softmax' or 'sigmoid'")
+        if self.group_score not in ("top2_sum", "max"):
+            problems.append(f"group_score {self.group_score!r} must be 'top2_sum' or 'max'")
+        if self.n_group < 1 or self.n_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            problems.append(f"n_group {self.n_group} must divide n_experts {self.n_experts} and "
+                            f"topk_group {self.topk_group} be in 1..n_group")
+        if self.qk_norm not in (None, "head", "full"):
+            problems.append(f"qk_norm {self.qk_norm!r} must be None, 'head' or 'full'")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            problems.append(f"rotary_dim {self.rotary_dim} (head_dim × partial_rotary_factor) must be even")
+        if len(set(range(self.n_layers)) - set(self.moe_layers)) and self.dense_intermediate_size <= 0:
+            problems.append("layers without experts need dense_intermediate_size > 0")
+        if problems:
+            raise FormatError("invalid architecture: " + "; ".join(problems))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates: int(head_dim · partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def n_moe_layers(self) -> int:
+        """Number of layers with routed experts."""
+        return len(self.moe_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """True when ``layer`` has routed experts (else it has a dense FFN)."""
+        return layer in self.moe_layers
+
+    def check_supported(self) -> None:
+        """Raise UnsupportedError when the forward pass cannot run this architecture (MLA, non-SiLU)."""
+        if self.attention != "gqa":
+            raise UnsupportedError(
+                f"{self.family}: {self.attention.upper()} attention (multi-head latent attention) is not "
+                "supported yet; only GQA attention models (Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.x-MoE) run")
+        if self.hidden_act != "silu":
+            raise UnsupportedError(f"{self.family}: activation {self.hidden_act!r} is not supported "
+                                   "(only SiLU/SwiGLU experts)")
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (tuples become lists)."""
+        d = asdict(self)
+        d["moe_layers"] = list(self.moe_layers)
+        d["sliding_layers"] = list(self.sliding_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ArchConfig:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            FormatError: a required field is missing or a value is invalid; unknown keys are ignored.
+        """
+        if not isinstance(d, dict):
+            raise FormatError(f"architecture must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in d.items() if k in known})
+        except TypeError as e:
+            raise FormatError(f"architecture is missing fields: {e}") from None
+
+
+_INT_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
+               "top_k", "moe_intermediate_size", "dense_intermediate_size", "n_shared_experts",
+               "shared_intermediate_size", "first_k_dense_replace", "n_group", "topk_group")
+_FLOAT_FIELDS = ("rope_theta", "partial_rotary_factor", "rope_scaling_factor", "rms_norm_eps",
+                 "routed_scaling_factor")
+_BOOL_FIELDS = ("rope_interleave", "tie_word_embeddings", "attention_bias", "shared_expert_gate",
+                "norm_topk_prob", "e_score_correction_bias")
+_STR_FIELDS = ("family", "scoring", "group_score", "hidden_act", "attention", "architecture")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_types(a: ArchConfig) -> None:
+    """Types and finiteness of every field (a hand-edited pack index may hold strings, NaN, 1.5 layers...).
+
+    Raises:
+        FormatError: naming the first bad field (``arch.<field>``).
+    """
+    def bad(name, want):
+        raise FormatError(f"invalid architecture: arch.{name} must be {want}, got {getattr(a, name)!r}")
+
+    for name in _INT_FIELDS:
+        if not _is_int(getattr(a, name)):
+            bad(name, "a whole number")
+    for name in _FLOAT_FIELDS:
+        if not _is_real(getattr(a, name)):
+            bad(name, "a finite number")
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(a, name), bool):
+            bad(name, "true or false")
+    for name in _STR_FIELDS:
+        if not isinstance(getattr(a, name), str):
+            bad(name, "a string")
+    if a.qk_norm is not None and not isinstance(a.qk_norm, str):
+        bad("qk_norm", "null or a string")
+    if a.clip_qkv is not None and not _is_real(a.clip_qkv):
+        bad("clip_qkv", "null or a finite number")
+    if a.sliding_window is not None and not _is_int(a.sliding_window):
+        bad("sliding_window", "null or a whole number")
+    for name in ("moe_layers", "sliding_layers"):
+        v = getattr(a, name)
+        if not isinstance(v, (list, tuple)) or not all(_is_int(i) for i in v):
+            bad(name, "a list of whole layer ids")
