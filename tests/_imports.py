@@ -13,7 +13,8 @@ from pathlib import Path
 
 #: layer of a module: the first rule whose prefix matches its dotted name (without "colibri_plan.")
 LAYER_RULES = (
-    ("errors", "leaf"), ("fileio", "leaf"), ("quant", "leaf"), ("directio", "leaf"), ("", "leaf"),
+    ("errors", "leaf"), ("fileio", "leaf"), ("quant", "leaf"), ("directio", "leaf"), ("meminfo", "leaf"),
+    ("", "leaf"),
     ("formats", "formats"), ("backends", "backends"), ("families", "families"), ("model", "model"),
     ("heatsynth", "heatsynth"), ("profiler", "profiler"), ("planner", "planner"), ("engine", "engine"),
     ("verify", "verify"), ("cli", "cli"), ("__main__", "cli"),
