@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from colibri_plan.formats.coefficients import load_coefficients
-from colibri_plan.formats.heat import load_heat_arg
+from colibri_plan.formats.heat_align import load_heat_arg
 from colibri_plan.formats.plan import save_plan
 from colibri_plan.formats.profile import resolve_profile
 from colibri_plan.model import load_model_spec

@@ -9,13 +9,12 @@ from _solver_fixtures import toy_spec
 from colibri_plan.errors import FormatError, InputError, MismatchError
 from colibri_plan.formats.heat import (
     Heat,
-    align_heat,
     load_heat,
     read_usage_text,
     save_heat,
-    uniform_heat,
     write_usage_text,
 )
+from colibri_plan.formats.heat_align import align_heat, uniform_heat
 from colibri_plan.heatsynth import cap_probabilities, real_heat, resample_profile, sample_trace, synth_heat
 from colibri_plan.model import load_model_spec
 

@@ -45,7 +45,8 @@ def _fmt(v, pattern):
 @json_option
 def show(path, model_name):
     """Summarise a heat file: rows, experts, skew per layer (share of the hottest top-k and 10%)."""
-    from colibri_plan.formats.heat import align_heat, load_heat
+    from colibri_plan.formats.heat import load_heat
+    from colibri_plan.formats.heat_align import align_heat
 
     h = load_heat(path)
     spec = None
@@ -84,7 +85,8 @@ def show(path, model_name):
 def synth(model_name, out_path, fmt, domain, source_model, seed, uniform):
     """Synthesise whole-model heat for MODEL from real OLMoE/Mixtral per-layer routing (docs/heat.md)."""
     from colibri_plan.fileio import check_output_path
-    from colibri_plan.formats.heat import save_heat, uniform_heat, write_usage_text
+    from colibri_plan.formats.heat import save_heat, write_usage_text
+    from colibri_plan.formats.heat_align import uniform_heat
     from colibri_plan.heatsynth import synth_heat
     from colibri_plan.model import load_model_spec
 
@@ -110,7 +112,8 @@ def synth(model_name, out_path, fmt, domain, source_model, seed, uniform):
 def convert(src, dst, fmt, model_name):
     """Convert a heat file between the JSON heat document and colibrì's usage/STATS text."""
     from colibri_plan.fileio import check_output_path
-    from colibri_plan.formats.heat import align_heat, load_heat, save_heat, write_usage_text
+    from colibri_plan.formats.heat import load_heat, save_heat, write_usage_text
+    from colibri_plan.formats.heat_align import align_heat
 
     check_output_path(dst, [p for p in (src, model_name) if p and Path(p).exists()])
     h = load_heat(src)

@@ -95,7 +95,7 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
 
     profile, source = resolve_profile(profile_path)
     spec = load_model_spec(model_name, quant=quant)
-    from colibri_plan.formats.heat import load_heat_arg
+    from colibri_plan.formats.heat_align import load_heat_arg
 
     heat_obj = load_heat_arg(heat)
     coef = None

@@ -31,10 +31,10 @@ from pathlib import Path
 from colibri_plan.errors import FormatError, InputError
 from colibri_plan.fileio import fingerprint as fp_of
 from colibri_plan.fileio import read_document, write_document
+from colibri_plan.formats.profile_check import validate_profile
 
 KIND = "profile"
 SCHEMA_VERSION = 1
-SECTIONS = ("machine", "disk", "ram", "devices", "links", "matmul")
 MEASURE_HINT = "measure it with `colibri-plan profile --out profile.json`"
 
 
@@ -58,154 +58,6 @@ def machine_fingerprint(machine: dict, devices: list | None = None) -> str:
                   for d in (devices or []) if isinstance(d, dict) and d.get("kind") in ("gpu", "igpu"))
     return fp_of({"cpu_model": machine.get("cpu_model"), "cores": machine.get("cores"),
                   "ram_total_bytes": machine.get("ram_total_bytes"), "gpus": [list(g) for g in gpus]})
-
-
-# ---- validation --------------------------------------------------------------------------------
-def _fail(where: str, what: str):
-    raise FormatError(f"profile {where}: {what}; re-measure with `colibri-plan profile`")
-
-
-def _check_stat(s, where: str, positive: bool = False) -> None:
-    if not isinstance(s, dict):
-        _fail(where, f"expected a figure {{min, median, max, repetitions}}, got {type(s).__name__}")
-    for key in ("min", "median", "max"):
-        v = s.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            _fail(where, f"{key} must be a finite number, got {v!r}")
-        if v < 0:
-            _fail(where, f"{key} is negative ({v})")
-    if not s["min"] <= s["median"] <= s["max"]:
-        _fail(where, f"expected min <= median <= max, got {s['min']}, {s['median']}, {s['max']}")
-    if positive and not s["min"] > 0:
-        _fail(where, f"figures must be > 0, got min {s['min']}")
-    r = s.get("repetitions")
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        _fail(where, f"repetitions must be a positive integer, got {r!r}")
-
-
-def _check_int(d: dict, key: str, where: str, minimum: int = 0) -> None:
-    v = d.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        _fail(where, f"{key} must be an integer >= {minimum}, got {v!r}")
-
-
-def _check_keys(d, keys: Iterable[str], where: str) -> None:
-    if not isinstance(d, dict):
-        _fail(where, f"expected an object, got {type(d).__name__}")
-    missing = [k for k in keys if k not in d]
-    if missing:
-        _fail(where, f"missing {', '.join(missing)}")
-
-
-def _unavailable(section) -> bool:
-    if isinstance(section, dict) and "unavailable" in section:
-        if not isinstance(section["unavailable"], str) or not section["unavailable"]:
-            _fail("section", "'unavailable' must give a reason (a non-empty string)")
-        return True
-    return False
-
-
-def _check_list(doc: dict, name: str) -> list | None:
-    section = doc[name]
-    if _unavailable(section):
-        return None
-    if not isinstance(section, list):
-        _fail(name, f"expected a list or {{'unavailable': reason}}, got {type(section).__name__}")
-    return section
-
-
-def validate_profile(doc: dict) -> dict:
-    """Check every section of a profile document; return it unchanged.
-
-    Raises:
-        FormatError: a section is missing, malformed, or holds a negative / non-finite figure.
-    """
-    if not isinstance(doc, dict):
-        raise FormatError("profile: expected a JSON object")
-    missing = [s for s in SECTIONS if s not in doc]
-    if missing:
-        _fail("document", f"missing section(s) {', '.join(missing)}")
-    m = doc["machine"]
-    _check_keys(m, ("cpu_model", "cores", "ram_total_bytes", "ram_available_bytes", "os", "fingerprint"),
-                "machine")
-    for key in ("cores", "ram_total_bytes", "ram_available_bytes"):
-        _check_int(m, key, "machine", 1 if key == "cores" else 0)
-    disk = doc["disk"]
-    if not _unavailable(disk):
-        _check_keys(disk, ("path", "filesystem", "o_direct", "page_cache_method", "block_bytes", "random",
-                           "sequential"), "disk")
-        _check_int(disk, "block_bytes", "disk", 1)
-        if not isinstance(disk["o_direct"], bool):
-            _fail("disk", "o_direct must be true or false")
-        if not isinstance(disk["random"], list) or not disk["random"]:
-            _fail("disk.random", "expected a non-empty list of queue-depth entries")
-        for i, e in enumerate(disk["random"]):
-            w = f"disk.random[{i}]"
-            _check_keys(e, ("queue_depth", "read_gbps", "latency_ms"), w)
-            _check_int(e, "queue_depth", w, 1)
-            _check_stat(e["read_gbps"], w + ".read_gbps")
-            _check_keys(e["latency_ms"], ("p50", "p99"), w + ".latency_ms")
-            for k in ("p50", "p99"):
-                v = e["latency_ms"][k]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                    _fail(w + ".latency_ms", f"{k} must be a non-negative number, got {v!r}")
-        if not _unavailable(disk["sequential"]):
-            _check_keys(disk["sequential"], ("read_gbps",), "disk.sequential")
-            _check_stat(disk["sequential"]["read_gbps"], "disk.sequential.read_gbps")
-    ram = doc["ram"]
-    if not _unavailable(ram):
-        _check_keys(ram, ("read_gbps", "threads"), "ram")
-        _check_stat(ram["read_gbps"], "ram.read_gbps")
-        _check_int(ram, "threads", "ram", 1)
-        # optional (older profiles lack it); present, it must be a real figure, never a silent "none"
-        if ram.get("checksum_gbps") is not None and not _unavailable(ram["checksum_gbps"]):
-            _check_stat(ram["checksum_gbps"], "ram.checksum_gbps", positive=True)
-    for i, d in enumerate(_check_list(doc, "devices") or []):
-        w = f"devices[{i}]"
-        _check_keys(d, ("backend", "index", "name", "kind", "total_memory_bytes", "unified_memory"), w)
-        for k in ("backend", "name", "kind"):
-            if not isinstance(d[k], str):
-                _fail(w, f"{k} must be a string, got {d[k]!r}")
-        _check_int(d, "index", w)
-        _check_int(d, "total_memory_bytes", w)
-        if d.get("free_memory_bytes") is not None:
-            _check_int(d, "free_memory_bytes", w)
-        if not isinstance(d["unified_memory"], bool):
-            _fail(w, f"unified_memory must be true or false, got {d['unified_memory']!r}")
-    for i, e in enumerate(_check_list(doc, "links") or []):
-        w = f"links[{i}]"
-        _check_keys(e, ("backend", "device_index", "device_name", "unified_memory", "block_bytes"), w)
-        for k in ("h2d_pinned_gbps", "h2d_pageable_gbps", "d2h_pinned_gbps", "d2h_pageable_gbps"):
-            if k in e and not _unavailable(e[k]):
-                _check_stat(e[k], f"{w}.{k}")
-    for i, e in enumerate(_check_list(doc, "matmul") or []):
-        w = f"matmul[{i}]"
-        _check_keys(e, ("backend", "device_index", "fmt", "out_features", "in_features", "tokens",
-                        "weight_gbps", "seconds"), w)
-        for k in ("out_features", "in_features", "tokens"):
-            _check_int(e, k, w, 1)
-        _check_stat(e["weight_gbps"], w + ".weight_gbps")
-        _check_stat(e["seconds"], w + ".seconds")
-    if "expert_ffn" in doc:
-        ffn = _check_list(doc, "expert_ffn")
-        if ffn is not None and not ffn:  # the profiler writes {"unavailable": reason} instead
-            _fail("expert_ffn", "empty list; expected entries or {'unavailable': reason}")
-        for i, e in enumerate(ffn or []):
-            w = f"expert_ffn[{i}]"
-            _check_keys(e, ("backend", "device_index", "fmt", "experts", "tokens", "seconds"), w)
-            for k in ("backend", "fmt"):
-                if not isinstance(e[k], str):
-                    _fail(w, f"{k} must be a string, got {e[k]!r}")
-            _check_int(e, "device_index", w)
-            for k in ("experts", "tokens"):
-                _check_int(e, k, w, 1)
-            for k in ("hidden", "width"):
-                if k in e:
-                    _check_int(e, k, w, 1)
-            _check_stat(e["seconds"], w + ".seconds", positive=True)
-            if "weight_gbps" in e:
-                _check_stat(e["weight_gbps"], w + ".weight_gbps", positive=True)
-    return doc
 
 
 # ---- the document and its accessors ------------------------------------------------------------

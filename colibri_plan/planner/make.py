@@ -9,7 +9,8 @@ import numpy as np
 
 from colibri_plan import quant
 from colibri_plan.errors import BudgetError, InputError
-from colibri_plan.formats.heat import Heat, align_heat, uniform_heat
+from colibri_plan.formats.heat import Heat
+from colibri_plan.formats.heat_align import align_heat, uniform_heat
 from colibri_plan.formats.plan import Plan, layers_from_tiers
 from colibri_plan.heatsynth import synth_heat
 from colibri_plan.planner.budgets import Budgets, parse_gb, ram_budget, resources_from_profile, vram_budgets
