@@ -1,9 +1,11 @@
 """Heat: files (JSON, colibrì usage text, IKU1), probabilities, real counts, synthesis, alignment."""
 
+import json
 import struct
 
 import numpy as np
 import pytest
+from _cli_fixtures import heat_doc, write
 from _solver_fixtures import toy_spec
 
 from colibri_plan.errors import FormatError, InputError, MismatchError
@@ -152,3 +154,66 @@ def test_sample_trace_rows_are_distinct_topk():
     t = sample_trace(np.linspace(1, 2, 16), 200, 4, seed=1)
     assert t.shape == (200, 4)
     assert all(len(set(row)) == 4 for row in t.tolist())
+
+
+def test_heat_shape_errors_speak_of_rows_and_experts(tmp_path):
+    from colibri_plan.formats.heat import save_heat
+
+    good = Heat(n_experts=64, layers=(0, 1, 2), counts=np.ones((3, 64)), top_k=8)
+    save_heat(good, tmp_path / "h.json")
+    doc = json.loads((tmp_path / "h.json").read_text())
+    doc["layers"] = [0, 1]                                   # 3 rows of 64, 2 layer ids
+    (tmp_path / "rows.json").write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match="3 rows but layers lists 2 layer ids"):
+        load_heat(tmp_path / "rows.json")
+    doc["layers"] = [0, 1, 2]
+    doc["counts"][1] = doc["counts"][1][:63]                  # a ragged row
+    (tmp_path / "ragged.json").write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match=r"row 1 \(layer 1\) has 63 values, expected n_experts = 64"):
+        load_heat(tmp_path / "ragged.json")
+    with pytest.raises(InputError, match="2 rows x 5 experts, expected 3 rows"):
+        Heat(n_experts=64, layers=(0, 1, 2), counts=np.ones((2, 5)))
+
+
+@pytest.mark.parametrize("value", [1e30, "5", 1.5, -1, True, float("nan"), 2**53])
+def test_heat_count_must_be_a_whole_json_number(tmp_path, value):
+    doc = heat_doc(tmp_path)
+    doc["counts"][0][2] = value
+    with pytest.raises(FormatError, match="count of layer 1 expert 2 .*whole numbers"):
+        load_heat(write(tmp_path / "bad.json", doc))
+
+
+@pytest.mark.parametrize("field,value", [("tokens", float("nan")), ("tokens", "7"), ("tokens", 2.5),
+                                         ("tokens", -1), ("n_model_layers", -3), ("n_model_layers", 1.5),
+                                         ("n_experts", "4"), ("top_k", 9), ("engine_id", 2**32)])
+def test_heat_scalar_fields_checked(tmp_path, field, value):
+    with pytest.raises(FormatError, match=f"{field} must be a whole number"):
+        load_heat(write(tmp_path / "bad.json", heat_doc(tmp_path, **{field: value})))
+
+
+def test_heat_layer_beyond_model_layers_refused(tmp_path):
+    with pytest.raises(FormatError, match="layer 2 is beyond n_model_layers = 1"):
+        load_heat(write(tmp_path / "bad.json", heat_doc(tmp_path, n_model_layers=1)))
+
+
+def test_whole_float_counts_accepted_and_fractions_written_whole(tmp_path):
+    doc = heat_doc(tmp_path, tokens=7.0)
+    doc["counts"][0][0] = 5.0
+    back = load_heat(write(tmp_path / "ok.json", doc))
+    assert back.tokens == 7 and isinstance(back.tokens, int) and back.counts[0, 0] == 5
+    frac = Heat(n_experts=3, layers=(0,), counts=np.array([[0.3, 2.6, 0.0]]), tokens=3)
+    again = load_heat(save_heat(frac, tmp_path / "frac.json"))   # the writer's output reads back
+    assert again.counts.tolist() == [[1.0, 3.0, 0.0]]
+
+
+def test_usage_text_bounds(tmp_path):
+    (tmp_path / "wide.txt").write_text("-1 2 99999999999\n0 0 1\n")
+    with pytest.raises(FormatError, match="n_experts <="):
+        read_usage_text(tmp_path / "wide.txt")
+    (tmp_path / "big.txt").write_text(f"-1 2 4\n0 0 {2**53}\n")
+    with pytest.raises(FormatError, match=":2: .*too large"):
+        read_usage_text(tmp_path / "big.txt")
+    huge = Heat(n_experts=2, layers=(0,), counts=np.array([[1e30, 1.0]]))
+    with pytest.raises(InputError, match="too large for a usage file"):
+        write_usage_text(huge, tmp_path / "never.txt")
+    assert not (tmp_path / "never.txt").exists()

@@ -1,10 +1,12 @@
 """Plan files: round trip, corruption caught before use, budgets re-checked, exports, baselines."""
 
 import json
+import math
 import re
 
 import numpy as np
 import pytest
+from _cli_fixtures import assert_one_line, cli_run, edited, good_plan
 from _solver_fixtures import toy_profile, toy_spec
 
 from colibri_plan.errors import FormatError, MismatchError
@@ -214,3 +216,55 @@ def test_check_model_refuses_another_expert_format():
     other = Plan({"model": {"name": "x", "fingerprint": "0" * 16}, "expert_format": "int4"})
     with pytest.raises(MismatchError, match="/packs/olmoe holds"):
         check_model(other, spec, where="/packs/olmoe")
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A folder with a toy profile, model spec and a plan solved from them (and the plan's document)."""
+    return good_plan(tmp_path_factory)
+
+
+
+PLAN_CASES = [
+    ("budgets", None, "budgets must be an object"),
+    ("devices", [1, 2], "devices[0] must be an object"),
+    ("budgets.ram_budget_bytes", math.inf, "budgets.ram_budget_bytes must be a finite number"),
+    ("budgets.vram_budget_bytes.cuda:0", "big", "budgets.vram_budget_bytes.cuda:0 must be a finite"),
+    ("predicted", {}, "predicted.tok_s is missing"),
+    ("predicted", None, "predicted must be an object"),
+    ("predicted.tok_s", "fast", "predicted.tok_s must be a finite number"),
+    ("predicted.tok_s", math.nan, "predicted.tok_s must be a finite number"),
+    ("predicted.terms.dense_s", -1.0, "predicted.terms.dense_s must be a finite number >= 0"),
+    ("predicted.hit_rate.lru", 1.5, "predicted.hit_rate.lru must be a finite number in 0..1"),
+    ("profile", None, "profile must be an object"),
+    ("solver", None, "solver must be an object"),
+    ("solver.seconds", "slow", "solver.seconds must be a finite number"),
+    ("resources.disk_queue_depth", math.nan, "resources.disk_queue_depth must be a whole number in 1..64"),
+    ("resources.disk_queue_depth", math.inf, "resources.disk_queue_depth must be a whole number in 1..64"),
+    ("resources.disk_queue_depth", 0, "resources.disk_queue_depth must be a whole number in 1..64"),
+    ("model.expert_bytes", -5, "model.expert_bytes must be a whole number >= 1"),
+    ("heat", None, "heat must be an object"),
+    ("coefficients.disk", True, "coefficients: disk must be a finite number >= 0"),
+    ("coefficients", "x", "coefficients must be an object"),
+]
+
+
+@pytest.mark.parametrize("path, value, message", PLAN_CASES,
+                         ids=[c[0] + "=" + repr(c[1]) for c in PLAN_CASES])
+def test_bad_plan_field_is_a_format_error(tmp_path, good, path, value, message):
+    _, doc, _ = good
+    f = edited(tmp_path, doc, path, value)
+    with pytest.raises(FormatError) as err:
+        load_plan(f)
+    text = str(err.value)
+    assert message in text and str(f) in text and "colibri-plan solve" in text
+    for command in (["plan", "show", f], ["plan", "show", f, "--json"],
+                    ["export", f, "--to", "colibri", "--out", tmp_path / "x.env"]):
+        assert_one_line(cli_run(*command), str(f), message)
+
+
+def test_good_plan_still_loads_and_reads_its_queue_depth(good):
+    d, doc, _ = good
+    plan = load_plan(d / "plan.json")
+    assert plan.read_threads == doc["resources"]["disk_queue_depth"] >= 1
+    r = cli_run("plan", "show", d / "plan.json", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["predicted"]["tok_s"] == doc["predicted"]["tok_s"]

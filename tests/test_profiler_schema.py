@@ -6,6 +6,7 @@ import copy
 import json
 
 import pytest
+from _cli_fixtures import assert_one_line, cli_run, edited, good_plan
 
 from colibri_plan.errors import FormatError, InputError
 from colibri_plan.formats.profile import (
@@ -221,3 +222,21 @@ def test_gpus_counts_each_card_once_across_backends():
     got = MachineProfile.gpus(type("P", (), {"doc": doc})())
     assert [(d["backend"], d["index"], d["name"]) for d in got] == [
         ("cuda", 0, "NVIDIA H200"), ("cuda", 1, "NVIDIA H200"), ("vulkan", 0, "AMD Radeon 780M")]
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A folder with a toy profile, model spec and a plan solved from them (and the plan's document)."""
+    return good_plan(tmp_path_factory)
+
+
+
+@pytest.mark.parametrize("field, value", [("total_memory_bytes", "lots"), ("index", -1),
+                                          ("unified_memory", "no"), ("name", 5)])
+def test_bad_device_entry_is_a_format_error(tmp_path, good, field, value):
+    d, _, _ = good
+    doc = json.loads((d / "profile.json").read_text())
+    f = edited(tmp_path, doc, f"devices.1.{field}", value, "profile.json")
+    with pytest.raises(FormatError, match=rf"devices\[1\]: {field} must be"):
+        load_profile(f)
+    r = cli_run("solve", "--profile", f, "--model", d / "model.json")
+    assert_one_line(r, str(f), f"devices[1]: {field} must be")

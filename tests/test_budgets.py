@@ -1,4 +1,7 @@
-"""Budget figures from the command line: non-finite values and VRAM beyond a card are refused."""
+"""planner/budgets: budget figures from the command line: non-finite values and VRAM beyond a card are
+refused."""
+
+from __future__ import annotations
 
 import pytest
 
