@@ -9,17 +9,19 @@ A backend is one short file with driver calls only. Lifecycle::
     w = be.upload(qt)                       # QuantTensor -> DeviceWeight, once per tensor
     y = be.matmul(x, w)                     # x [T, in] float32 -> y [T, out] float32
     ys = be.expert_ffn(xs, experts)         # per expert: down(silu(gate x) * up x)
+    secs = be.time_matmul(x, w)             # timed calls: the same path, synchronized, wall seconds
     be.free(w); be.close()
 
 Shapes: activations are C-contiguous float32 numpy arrays on the host; results come back as float32
 numpy arrays. Sizes are bytes (ints). Subclasses implement the ``_``-prefixed hooks; the public methods
-here validate arguments and keep the memory accounting, so every backend fails the same way.
+here validate arguments and keep the memory accounting, so every backend fails the same way. What the
+GPU backends share beyond this (staging, batched experts, replays, cache folders) is in ``_shared``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -140,6 +142,10 @@ class Backend:
         self.device = device
         self.held_bytes = 0
         self.closed = False
+        #: True: after each op, ``last_device_seconds`` holds the device's own time of it (CUDA events,
+        #: Vulkan timestamps), which separates kernel time from host overhead in benchmarks
+        self.timing = False
+        self.last_device_seconds: float | None = None
         self._open()
 
     # ---- hooks for subclasses ------------------------------------------------------------------
@@ -174,6 +180,10 @@ class Backend:
 
     def _close(self) -> None:
         """Release contexts and queues."""
+
+    def _device_seconds(self) -> float | None:
+        """Device time in seconds of the last op, measured on the device; None when not measured."""
+        return None
 
     def capacity_bytes(self) -> int | None:
         """Usable device memory for weights, or None when unbounded/unknown (host RAM)."""
@@ -224,7 +234,7 @@ class Backend:
         """
         self._check_open()
         x = self._check_x(x, w)
-        return self._matmul(x, w)
+        return self._timed_op(self._matmul(x, w))
 
     def expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
         """For each expert i: y_i [T_i, H] = down_i(SiLU(gate_i x_i) · up_i x_i), x_i [T_i, H] float32.
@@ -245,7 +255,7 @@ class Backend:
             self._check_weight(e.down)
         if not checked:
             return []
-        return self._expert_ffn(checked, experts)
+        return self._timed_op(self._expert_ffn(checked, experts))
 
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float = 1e-6) -> np.ndarray:
         """RMSNorm: x / sqrt(mean(x²) + eps) · weight; x [T, H] float32, weight [H] float32."""
@@ -254,20 +264,41 @@ class Backend:
         weight = np.ascontiguousarray(weight, dtype=np.float32)
         if x.ndim != 2 or weight.shape != (x.shape[1],):
             raise InputError(f"rmsnorm: x must be [T, H] and weight [H]; got {x.shape}, {weight.shape}")
-        return self._rmsnorm(x, weight, float(eps))
+        return self._timed_op(self._rmsnorm(x, weight, float(eps)))
 
-    def time_matmul(self, x: np.ndarray, w: DeviceWeight, repeats: int = 5) -> list[float]:
-        """Seconds per :meth:`matmul` call, ``repeats`` times after one warm-up (host wall clock,
-        synchronized): the code path inference uses, so the profiler measures what will run."""
-        self.matmul(x, w)
+    # ---- timed calls ---------------------------------------------------------------------------
+    def timed(self, op: Callable, *args, repeats: int = 5) -> list[float]:
+        """Seconds per call of ``op(*args)``, a public op of this backend (``self.matmul``,
+        ``self.expert_ffn``), ``repeats`` times after one warm-up (host wall clock, synchronized after
+        each call): the code path inference uses, so the profiler measures what will run."""
+        op(*args)
         self.synchronize()
         times = []
         for _ in range(max(1, int(repeats))):
             t0 = time.perf_counter()
-            self.matmul(x, w)
+            op(*args)
             self.synchronize()
             times.append(time.perf_counter() - t0)
         return times
+
+    def time_matmul(self, x: np.ndarray, w: DeviceWeight, repeats: int = 5) -> list[float]:
+        """Seconds per :meth:`matmul` call (see :meth:`timed`)."""
+        return self.timed(self.matmul, x, w, repeats=repeats)
+
+    def time_expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights],
+                        repeats: int = 5) -> list[float]:
+        """Seconds per :meth:`expert_ffn` call over the same batch (see :meth:`timed`)."""
+        return self.timed(self.expert_ffn, xs, experts, repeats=repeats)
+
+    def last_gpu_seconds(self) -> float | None:
+        """Device time of the last op (matmul, expert_ffn, rmsnorm), without the host's share; None when
+        this backend or device does not measure it (CUDA: only with ``timing`` on)."""
+        return self._device_seconds()
+
+    def _timed_op(self, result):
+        if self.timing:
+            self.last_device_seconds = self._device_seconds()
+        return result
 
     def free(self, w: DeviceWeight) -> None:
         """Release a weight; freeing twice is an InputError."""

@@ -52,24 +52,24 @@ def _q4_dot(row, xe, xd):
     return a1 + a2
 
 
-@njit(fastmath=True, cache=True)
-def _q4_dot32(row, xe, xd):
-    # one int4-g64 group (32 bytes); a constant trip count vectorises without a scalar tail
-    a = np.float32(0.0)  # one accumulator: one horizontal reduction per group instead of two
-    for j in range(32):
-        f = np.float32(row[j])
-        a += f * xe[j] + np.floor(f * _F16) * xd[j]
-    return a
+def _q4_dot_fixed(nbytes: int):
+    """Σ code·x over one int4 group of ``nbytes`` bytes (zero code not removed). ``nbytes`` is a closure
+    constant, so numba compiles a constant trip count, which vectorises without a scalar tail; numba's
+    disk cache keys closures by their cell contents, so each size has its own cached entry."""
+
+    @njit(fastmath=True, cache=True)
+    def dot(row, xe, xd):
+        a = np.float32(0.0)  # one accumulator: one horizontal reduction per group instead of two
+        for j in range(nbytes):
+            f = np.float32(row[j])
+            a += f * xe[j] + np.floor(f * _F16) * xd[j]
+        return a
+
+    return dot
 
 
-@njit(fastmath=True, cache=True)
-def _q4_dot64(row, xe, xd):
-    # one int4-g128 group (64 bytes)
-    a = np.float32(0.0)  # one accumulator: one horizontal reduction per group instead of two
-    for j in range(64):
-        f = np.float32(row[j])
-        a += f * xe[j] + np.floor(f * _F16) * xd[j]
-    return a
+_q4_dot32 = _q4_dot_fixed(32)  # one int4-g64 group (32 bytes)
+_q4_dot64 = _q4_dot_fixed(64)  # one int4-g128 group (64 bytes)
 
 
 @njit(fastmath=True, cache=True)
@@ -182,8 +182,8 @@ def q2_matmul(data, scales, x0, d1, d2, d3, xsum, y):
 def q8_matmul(data, scales, x, y):
     """int8 GEMM with per-row scales: data int8 [out, in], scales float32 [out], x float32 [T, in],
     y float32 [T, out] written in place."""
-    out, n = data.shape
     T = x.shape[0]
+    out, n = data.shape
     for r in prange(out):
         row = data[r]
         for t in range(T):

@@ -13,26 +13,24 @@ dispatches per expert (gate/up fused with SiLU·up, then down), which run in ord
 
 from __future__ import annotations
 
-import importlib.resources
-import importlib.util
 import platform
 import struct
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from colibri_plan.backends.base import Backend, DeviceInfo, ExpertWeights, padded_layout
-from colibri_plan.errors import BackendUnavailableError, DeviceOutOfMemoryError
-from colibri_plan.quant import FORMATS, QuantTensor, group_size
+from colibri_plan.backends import _shared as sh
+from colibri_plan.backends._shared import GPUBackend, PaddedWeight
+from colibri_plan.backends.base import DeviceInfo, padded_layout
+from colibri_plan.errors import BackendUnavailableError
+from colibri_plan.quant import QuantTensor, group_size
 
-_FMT_ID = {"f32": 0, "f16": 1, "bf16": 2, "int8": 3, "int4": 4, "int2": 5}
 _NEEDS = "Metal needs macOS with PyObjC (pyobjc-framework-Metal)"
 _SIMDGROUPS = 4  # rows (simdgroups of 32) per threadgroup
 
 
-def _devices() -> list:
+def _mtl_devices() -> list:
     import Metal
 
     devs = list(Metal.MTLCopyAllDevices() or [])
@@ -42,55 +40,35 @@ def _devices() -> list:
     return devs
 
 
-@dataclass
-class _MetalWeight:
-    data: Any  # MTLBuffer uint8 [out, row_bytes]
-    scales: Any  # MTLBuffer float32
-    in_pad: int
-
-
-class MetalBackend(Backend):
+class MetalBackend(GPUBackend):
     """Quantized matmul, fused expert FFN and rmsnorm through Metal (unverified; see the module docstring)."""
 
     name = "metal"
-    formats = FORMATS
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        if sys.platform != "darwin" or importlib.util.find_spec("Metal") is None:
+        if sys.platform != "darwin":
             return _NEEDS
-        try:
-            if not _devices():
-                return "no Metal device found"
-        except Exception as exc:  # noqa: BLE001 - a broken PyObjC install raises many kinds
-            return f"{_NEEDS}: {exc}"
-        return None
+        return sh.import_problem("Metal", _NEEDS, lambda _: None if _mtl_devices() else
+                                 "no Metal device found", _NEEDS + ": {exc}")
 
     @classmethod
-    def list_devices(cls) -> list[DeviceInfo]:
-        try:
-            if cls.unavailable_reason() is not None:
-                return []
-            out = []
-            for i, d in enumerate(_devices()):
-                unified = bool(d.hasUnifiedMemory())
-                total = int(d.recommendedMaxWorkingSetSize())
-                out.append(DeviceInfo(
-                    backend=cls.name, index=i, name=str(d.name()), kind="igpu" if unified else "gpu",
-                    total_memory_bytes=total, free_memory_bytes=max(0, total - int(d.currentAllocatedSize())),
-                    unified_memory=unified, formats=cls.formats, driver=f"macOS {platform.mac_ver()[0]}"))
-            return out
-        except Exception:  # noqa: BLE001 - discovery never raises
-            return []
+    def _devices(cls) -> list[DeviceInfo]:
+        out = []
+        for i, d in enumerate(_mtl_devices()):
+            total, kind = int(d.recommendedMaxWorkingSetSize()), "igpu" if d.hasUnifiedMemory() else "gpu"
+            out.append(cls._info(i, str(d.name()), kind, total, max(0, total - int(d.currentAllocatedSize())),
+                                 f"macOS {platform.mac_ver()[0]}"))
+        return out
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def _open(self) -> None:
         import Metal
 
         self.mtl = Metal
-        self.dev = _devices()[self.device.index]
+        self.dev = _mtl_devices()[self.device.index]
         self.queue = self.dev.newCommandQueue()
-        src = importlib.resources.files("colibri_plan.shaders").joinpath("metal", "matmul.metal").read_text()
+        src = sh.kernel_source("metal", "matmul.metal")
         self.lib, err = self.dev.newLibraryWithSource_options_error_(src, None, None)
         if self.lib is None:
             raise BackendUnavailableError(f"metal: the kernels do not compile: {err}")
@@ -121,15 +99,12 @@ class MetalBackend(Backend):
         raw += bytes(n - len(raw))  # Metal copies `n` bytes: never let it read past the host data
         return self.dev.newBufferWithBytes_length_options_(raw, n, self._shared)
 
-    def _upload(self, qt: QuantTensor) -> _MetalWeight:
+    def _upload(self, qt: QuantTensor) -> PaddedWeight:
         data, scales, in_pad = padded_layout(qt)
         bufs = [self._buffer(a, a.nbytes) for a in (data, scales)]
         if any(b is None for b in bufs):  # Metal answers nil when it cannot allocate
-            raise DeviceOutOfMemoryError(
-                f"metal device {self.device.name!r} could not allocate {qt.nbytes} B "
-                f"({self.held_bytes} B held)", requested_bytes=qt.nbytes, held_bytes=self.held_bytes,
-                capacity_bytes=self.capacity_bytes())
-        return _MetalWeight(bufs[0], bufs[1], in_pad)
+            raise self._oom(f"could not allocate {qt.nbytes} B", qt.nbytes)
+        return PaddedWeight(bufs[0], bufs[1], in_pad)
 
     def _free(self, w) -> None:
         w.payload.data = w.payload.scales = None  # released with the last reference
@@ -137,8 +112,7 @@ class MetalBackend(Backend):
     def _work(self, nbytes: int):
         buf = self._buffer(None, nbytes)
         if buf is None:
-            raise DeviceOutOfMemoryError(f"metal: no memory for {nbytes} B of work buffers",
-                                         requested_bytes=nbytes, held_bytes=self.held_bytes)
+            raise self._oom(f"no memory for {nbytes} B of work buffers", nbytes)
         return buf
 
     @staticmethod
@@ -167,54 +141,42 @@ class MetalBackend(Backend):
             raise BackendUnavailableError(f"metal: command buffer failed: {cb.error()}")
 
     def _stage_x(self, xs, in_pad: int):
-        """One shared buffer holding every x_i zero-padded to [T_i, in_pad]; returns it and offsets."""
+        """One shared buffer holding every x_i, stacked and zero-padded to [Σ T_i, in_pad] (zero copy)."""
         rows = sum(x.shape[0] for x in xs)
         buf = self._work(rows * in_pad * 4)
-        view = self._view(buf, rows * in_pad * 4).reshape(rows, in_pad)
-        view[:] = 0.0
-        offs, t = [], 0
-        for x in xs:
-            view[t:t + x.shape[0], : x.shape[1]] = x
-            offs.append(t * in_pad)
-            t += x.shape[0]
-        return buf, offs
+        sh.stage_rows(xs, in_pad, self._view(buf, rows * in_pad * 4).reshape(rows, in_pad))
+        return buf
 
     def _matmul(self, x: np.ndarray, w) -> np.ndarray:
         p, T, out = w.payload, x.shape[0], w.out_features
-        xb, _ = self._stage_x([x], p.in_pad)
+        xb = self._stage_x([x], p.in_pad)
         yb = self._work(T * out * 4)
         cb = self.queue.commandBuffer()
         enc = cb.computeCommandEncoder()
         # y [T, out] = x [T, in_pad] . W [out, in_pad]^T
-        self._dispatch(enc, f"mm_{self._fid(w.fmt)}", [(p.data, 0), (p.scales, 0), (xb, 0), (yb, 0)],
+        self._dispatch(enc, f"mm_{sh.kernel_format(w.fmt)}", [(p.data, 0), (p.scales, 0), (xb, 0), (yb, 0)],
                        self._params(w.fmt, p.in_pad, out, T, out, 0, 0), out)
         enc.endEncoding()
         self._commit(cb)
         return self._view(yb, T * out * 4).reshape(T, out).copy()
 
-    def _expert_ffn(self, xs, experts: list[ExpertWeights]) -> list[np.ndarray]:
-        if any(e.gate.fmt != e.up.fmt for e in experts) or len({e.gate.payload.in_pad for e in experts}) > 1:
-            return super()._expert_ffn(xs, experts)
-        xb, xoffs = self._stage_x(xs, experts[0].gate.payload.in_pad)
-        h_rows = [e.down.payload.in_pad for e in experts]  # h_i [T_i, I_pad], zero-padded by gate_up
-        h_offs = np.cumsum([0] + [x.shape[0] * r for x, r in zip(xs, h_rows)])
-        y_offs = np.cumsum([0] + [x.shape[0] * e.down.out_features for x, e in zip(xs, experts)])
-        hb, yb = self._work(int(h_offs[-1]) * 4), self._work(int(y_offs[-1]) * 4)
+    def _ffn_batch(self, xs, experts, b) -> np.ndarray:
+        xb = self._stage_x(xs, b.Hp)
+        hb = self._work(b.tok[-1] * b.Ip * 4)  # h_i [T_i, I_pad], zero-padded by gate_up
+        yb = self._work(b.tok[-1] * b.H * 4)
         cb = self.queue.commandBuffer()
         enc = cb.computeCommandEncoder()  # serial: each dispatch sees the previous one's writes
-        for i, (x, e) in enumerate(zip(xs, experts)):
-            T, g, u, d = x.shape[0], e.gate.payload, e.up.payload, e.down.payload
-            self._dispatch(enc, f"gate_up_{self._fid(e.gate.fmt)}",
+        for e, T, t0 in zip(experts, b.counts, b.tok):
+            g, u, d = e.gate.payload, e.up.payload, e.down.payload
+            self._dispatch(enc, f"gate_up_{sh.kernel_format(e.gate.fmt)}",
                            [(g.data, 0), (g.scales, 0), (u.data, 0), (u.scales, 0), (xb, 0), (hb, 0)],
-                           self._params(e.gate.fmt, g.in_pad, e.gate.out_features, T, h_rows[i], xoffs[i],
-                                        int(h_offs[i])), h_rows[i])
-            H = e.down.out_features
-            self._dispatch(enc, f"mm_{self._fid(e.down.fmt)}", [(d.data, 0), (d.scales, 0), (hb, 0), (yb, 0)],
-                           self._params(e.down.fmt, d.in_pad, H, T, H, int(h_offs[i]), int(y_offs[i])), H)
+                           self._params(e.gate.fmt, b.Hp, b.I, T, b.Ip, t0 * b.Hp, t0 * b.Ip), b.Ip)
+            self._dispatch(enc, f"mm_{sh.kernel_format(e.down.fmt)}",
+                           [(d.data, 0), (d.scales, 0), (hb, 0), (yb, 0)],
+                           self._params(e.down.fmt, b.Ip, b.H, T, b.H, t0 * b.Ip, t0 * b.H), b.H)
         enc.endEncoding()
         self._commit(cb)
-        y = self._view(yb, int(y_offs[-1]) * 4)
-        return [y[y_offs[i]:y_offs[i + 1]].reshape(x.shape[0], -1).copy() for i, x in enumerate(xs)]
+        return self._view(yb, b.tok[-1] * b.H * 4).reshape(b.tok[-1], b.H).copy()
 
     def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         T, H = x.shape
@@ -231,10 +193,6 @@ class MetalBackend(Backend):
         enc.endEncoding()
         self._commit(cb)
         return self._view(yb, x.nbytes).reshape(T, H).copy()
-
-    @staticmethod
-    def _fid(fmt: str) -> int:
-        return 6 if group_size(fmt) else _FMT_ID[fmt]
 
 
 BACKEND = MetalBackend

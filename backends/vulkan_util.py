@@ -1,22 +1,24 @@
-"""Struct boilerplate of the Vulkan backend: instance, device discovery and the pipeline-cache file.
+"""Driver plumbing of the Vulkan backend: struct boilerplate, instance and device discovery, memory
+types per role, buffers, the device's fixed objects (:class:`Device`) and the pipeline-cache header.
 
 Only :mod:`colibri_plan.backends.vulkan` uses this module. Functions take the imported ``vulkan``
-module as ``vk`` so that nothing here imports it at load time.
+module as ``vk`` so that nothing here imports it at load time. Generic logic (cache folders and files,
+staging, batching, replays) is in ``_shared``.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
 import re
+import time
 from pathlib import Path
 from types import SimpleNamespace as NS
 
+from colibri_plan.backends import _shared as sh
 from colibri_plan.errors import ColibriError
-from colibri_plan.fileio import atomic_write_bytes
 
-COMPUTE = 0x20  # VK_SHADER_STAGE_COMPUTE_BIT
+COMPUTE, STORAGE = 0x20, 7  # VK_SHADER_STAGE_COMPUTE_BIT, VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+FENCE_TIMEOUT_NS = 600 * 10**9
 DL, HV, HC, HCACHED = 1, 2, 4, 8  # VkMemoryPropertyFlagBits: DEVICE_LOCAL, HOST_VISIBLE, _COHERENT, _CACHED
 CACHE_MAGIC = b"CPVKPC01"  # our file: magic, sha256 of the driver's blob, then the blob
 _V11, _V12 = (1 << 22) | (1 << 12), (1 << 22) | (2 << 12)  # VK_MAKE_API_VERSION(0, 1, 1|2, 0)
@@ -145,39 +147,24 @@ def probe() -> tuple[str | None, list]:
 
 
 def cache_path(facts: NS) -> Path:
-    """``$XDG_CACHE_HOME`` (default ~/.cache) / colibri-plan/vulkan/<device uuid>.bin"""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "colibri-plan" / "vulkan" / f"{facts.uuid.hex()}.bin"
+    """``_shared.cache_dir("vulkan") / <device uuid>.bin``."""
+    return sh.cache_dir("vulkan") / f"{facts.uuid.hex()}.bin"
 
 
 def read_cache(path: Path, facts: NS) -> tuple[bytes, str]:
     """(driver blob, state) where state is "loaded", "absent" or "corrupt: why" (blob then b"").
 
-    Checks our checksum, then the VkPipelineCacheHeaderVersionOne the blob starts with (header length 32,
-    version 1, vendorID, deviceID, pipelineCacheUUID), so a blob from another driver never reaches it.
+    After our checksum (``_shared.read_cache_file``), checks the VkPipelineCacheHeaderVersionOne the blob
+    starts with (header length 32, version 1, vendorID, deviceID, pipelineCacheUUID), so a blob from
+    another driver never reaches it.
     """
-    try:
-        raw = path.read_bytes()
-    except OSError:
-        return b"", "absent"
-    blob = raw[40:]
-    if raw[:8] != CACHE_MAGIC or hashlib.sha256(blob).digest() != raw[8:40]:
-        return b"", "corrupt: bad magic or checksum"
+    blob, state = sh.read_cache_file(path, CACHE_MAGIC)
+    if state != "loaded":
+        return blob, state
     head = [int.from_bytes(blob[i:i + 4], "little") for i in range(0, 16, 4)]
     if len(blob) < 32 or (*head, blob[16:32]) != (32, 1, facts.vendor, facts.device, facts.cache_uuid):
         return b"", "corrupt: header does not match this device and driver"
     return blob, "loaded"
-
-
-def write_cache(path: Path, blob: bytes) -> bool:
-    """Write the driver blob atomically with our magic and checksum; False when the folder is not
-    writable (a missing cache only costs compile time on the next run)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, CACHE_MAGIC + hashlib.sha256(blob).digest() + blob)
-    except (OSError, ColibriError):
-        return False
-    return True
 
 
 def memory_roles(f: NS) -> tuple[dict[str, list[int]], bool, int]:
@@ -202,19 +189,6 @@ def memory_roles(f: NS) -> tuple[dict[str, list[int]], bool, int]:
     heap = f.types[roles["w"][0]][1]
     free = f.budget[heap] if f.budget is not None else int(0.9 * f.heaps[heap][0])
     return roles, bool(direct), max(0, free - (64 << 20))
-
-
-def save_cache(vk, dev, pcache, path: Path, old_blob: bytes) -> None:
-    """Write the pipeline cache's data (vkGetPipelineCacheData, reached through ``vk.lib``) when it
-    differs from what was loaded."""
-    ffi, lib, n = vk.ffi, vk.lib, vk.ffi.new("size_t*")
-    if lib.vkGetPipelineCacheData(dev, pcache, n, ffi.NULL) != 0 or not n[0]:
-        return
-    buf = ffi.new("char[]", n[0])
-    if lib.vkGetPipelineCacheData(dev, pcache, n, buf) == 0:
-        blob = ffi.buffer(buf, n[0])[:]
-        if blob != old_blob:
-            write_cache(path, blob)
 
 
 def make_buffer(vk, dev, size: int, usage: int, types: list[int], f: NS, map_it: bool) -> NS:
@@ -255,3 +229,152 @@ def release_buffer(vk, dev, b: NS) -> None:
         b.map = None
     vk.lib.vkDestroyBuffer(dev, b.buf, vk.ffi.NULL)
     vk.lib.vkFreeMemory(dev, b.mem, vk.ffi.NULL)
+
+
+class Device:
+    """A logical device with the objects every call uses: one compute queue, a command pool, a fence, a
+    timestamp query pool (start and end of a call), the descriptor-set layout of matmul.comp (A[maxe],
+    B[maxe], x, y) with 64 bytes of push constants, a descriptor pool, the shader modules and the
+    pipeline cache (created from ``cache_blob``). :meth:`close` destroys them in reverse order."""
+
+    def __init__(self, vk, pd, f: NS, maxe: int, cache_blob: bytes):
+        self.vk, self.f, self.maxe, self.dev, self._undo, self._pipes = vk, f, maxe, None, [], {}
+        ffi, lib = vk.ffi, vk.lib
+        try:
+            prio = ffi.new("float[1]", [1.0])
+            qinfo = new(vk, "VkDeviceQueueCreateInfo", queueFamilyIndex=f.queue, queueCount=1,
+                        pQueuePriorities=prio)
+            feats = ffi.new("VkPhysicalDeviceFeatures*", {"shaderStorageBufferArrayDynamicIndexing": 1})
+            info = new(vk, "VkDeviceCreateInfo", queueCreateInfoCount=1, pQueueCreateInfos=qinfo,
+                       pEnabledFeatures=feats)
+            self.dev = self.make(lib.vkCreateDevice, "VkDevice", pd, info,
+                                 undo=lambda h: lib.vkDestroyDevice(h, ffi.NULL), device=False)
+            q = ffi.new("VkQueue*")
+            lib.vkGetDeviceQueue(self.dev, f.queue, 0, q)
+            self.queue = q[0]
+            self.pool = self.make(lib.vkCreateCommandPool, "VkCommandPool", new(
+                vk, "VkCommandPoolCreateInfo", flags=2, queueFamilyIndex=f.queue))  # RESET_COMMAND_BUFFER
+            self.fence = ffi.new("VkFence[1]", [self.make(lib.vkCreateFence, "VkFence",
+                                                          new(vk, "VkFenceCreateInfo"))])
+            self.queries = self.make(lib.vkCreateQueryPool, "VkQueryPool", new(
+                vk, "VkQueryPoolCreateInfo", queryType=2, queryCount=2))  # TIMESTAMP: start and end of a call
+            binds = ffi.new("VkDescriptorSetLayoutBinding[4]", [
+                {"binding": b, "descriptorType": STORAGE, "descriptorCount": n, "stageFlags": COMPUTE}
+                for b, n in enumerate((maxe, maxe, 1, 1))])  # A[MAXE], B[MAXE], x, y as in matmul.comp
+            self.dsl = ffi.new("VkDescriptorSetLayout[1]", [self.make(
+                lib.vkCreateDescriptorSetLayout, "VkDescriptorSetLayout",
+                new(vk, "VkDescriptorSetLayoutCreateInfo", bindingCount=4, pBindings=binds))])
+            pcr = ffi.new("VkPushConstantRange*", {"stageFlags": COMPUTE, "offset": 0, "size": 64})
+            self.layout = self.make(lib.vkCreatePipelineLayout, "VkPipelineLayout", new(
+                vk, "VkPipelineLayoutCreateInfo", setLayoutCount=1, pSetLayouts=self.dsl,
+                pushConstantRangeCount=1, pPushConstantRanges=pcr))
+            sizes = ffi.new("VkDescriptorPoolSize*", {"type": STORAGE,
+                                                      "descriptorCount": 1024 * (2 * maxe + 2)})
+            self.dpool = self.make(lib.vkCreateDescriptorPool, "VkDescriptorPool", new(
+                vk, "VkDescriptorPoolCreateInfo", flags=1, maxSets=1024, poolSizeCount=1, pPoolSizes=sizes))
+            self.mods = {}
+            for shader in ("matmul", "rmsnorm"):
+                code = sh.kernel_source("vulkan", f"{shader}.spv", binary=True)
+                words = ffi.cast("uint32_t*", ffi.from_buffer(code))
+                self.mods[shader] = self.make(lib.vkCreateShaderModule, "VkShaderModule", new(
+                    vk, "VkShaderModuleCreateInfo", codeSize=len(code), pCode=words))
+            cdata = ffi.from_buffer(cache_blob)
+            self.pcache = self.make(lib.vkCreatePipelineCache, "VkPipelineCache", new(
+                vk, "VkPipelineCacheCreateInfo", initialDataSize=len(cache_blob), pInitialData=cdata))
+        except BaseException:
+            self.close()
+            raise
+
+    def make(self, fn, ctype, *args, undo=None, device=True):
+        """Create a handle with ``fn(dev?, *args, NULL, &h)``; its destroy call is queued for close."""
+        ffi, h = self.vk.ffi, self.vk.ffi.new(ctype + "*")
+        check(self.vk, fn(*((self.dev,) if device else ()), *args, ffi.NULL, h))
+        destroy = getattr(self.vk.lib, "vkDestroy" + ctype[2:], None)
+        self._undo.append((lambda: undo(h[0])) if undo else (lambda: destroy(self.dev, h[0], ffi.NULL)))
+        return h[0]
+
+    def pipeline(self, shader: str, spec: tuple[int, ...]):
+        """The compute pipeline of ``shader`` with specialisation constants ``spec`` (made once)."""
+        key = (shader, spec)
+        if key not in self._pipes:
+            vk, ffi = self.vk, self.vk.ffi
+            data = ffi.new("uint32_t[]", list(spec))
+            entries = ffi.new("VkSpecializationMapEntry[]", [(i, 4 * i, 4) for i in range(len(spec))])
+            spec_info = ffi.new("VkSpecializationInfo*", (len(spec), entries, 4 * len(spec), data))
+            name = ffi.new("char[]", b"main")
+            stage = {"sType": vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO, "stage": COMPUTE,
+                     "module": self.mods[shader], "pName": name, "pSpecializationInfo": spec_info}
+            info = new(vk, "VkComputePipelineCreateInfo", stage=stage, layout=self.layout)
+            self._pipes[key] = self.make(vk.lib.vkCreateComputePipelines, "VkPipeline", self.pcache, 1, info)
+        return self._pipes[key]
+
+    def new_set(self, bufs: list[NS], when_full):
+        """A descriptor set over ``bufs`` (binding 0: maxe buffers, 1: maxe, 2: x, 3: y); when the pool
+        is full, ``when_full()`` frees sets (recorded commands) and it tries once more."""
+        vk, ffi, lib, m = self.vk, self.vk.ffi, self.vk.lib, self.maxe
+        ds = ffi.new("VkDescriptorSet[1]")
+        info = new(vk, "VkDescriptorSetAllocateInfo", descriptorPool=self.dpool, descriptorSetCount=1,
+                   pSetLayouts=self.dsl)
+        if lib.vkAllocateDescriptorSets(self.dev, info, ds) != 0:
+            when_full()
+            check(vk, lib.vkAllocateDescriptorSets(self.dev, info, ds))
+        infos = ffi.new("VkDescriptorBufferInfo[]", [(q.buf, 0, q.size) for q in bufs])  # real sizes
+        writes = ffi.new("VkWriteDescriptorSet[4]", [
+            {"sType": vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, "dstSet": ds[0], "dstBinding": i,
+             "descriptorCount": n, "descriptorType": STORAGE, "pBufferInfo": infos + start}
+            for i, (start, n) in enumerate(((0, m), (m, m), (2 * m, 1), (2 * m + 1, 1)))])
+        lib.vkUpdateDescriptorSets(self.dev, 4, writes, 0, ffi.NULL)
+        return ds
+
+    def barrier(self, cb) -> None:
+        # shader/transfer writes -> shader reads/writes, transfers and host reads
+        mb = new(self.vk, "VkMemoryBarrier", srcAccessMask=0x40 | 0x1000,
+                 dstAccessMask=0x20 | 0x40 | 0x1000 | 0x2000)
+        null = self.vk.ffi.NULL  # stages: compute|transfer -> compute|transfer|host
+        self.vk.lib.vkCmdPipelineBarrier(cb, 0x800 | 0x1000, 0x800 | 0x1000 | 0x4000, 0, 1, mb, 0, null, 0,
+                                         null)
+
+    def submit(self, submit, poll: bool) -> None:
+        """Submit and wait; ``poll``: spin briefly first (a sleeping wait adds wake-up latency to short
+        ops; never on CPU devices, where it would steal their cores)."""
+        vk, lib = self.vk, self.vk.lib
+        check(vk, lib.vkQueueSubmit(self.queue, 1, submit, self.fence[0]))
+        until = time.perf_counter() + 0.002 if poll else 0.0
+        while lib.vkGetFenceStatus(self.dev, self.fence[0]) == 1 and time.perf_counter() < until:
+            pass  # 1 = VK_NOT_READY
+        res = lib.vkWaitForFences(self.dev, 1, self.fence, 1, FENCE_TIMEOUT_NS)
+        if res == vk.VK_TIMEOUT:  # not a VkError: check it by value
+            raise ColibriError(f"vulkan device {self.f.name!r} did not finish within "
+                               f"{FENCE_TIMEOUT_NS // 10**9} s; it may be hung")
+        check(vk, res)
+        check(vk, lib.vkResetFences(self.dev, 1, self.fence))
+
+    def free_cmd(self, e: NS) -> None:
+        """Free a recorded command buffer and its descriptor sets."""
+        for ds in e.sets:
+            self.vk.lib.vkFreeDescriptorSets(self.dev, self.dpool, 1, ds)
+        self.vk.lib.vkFreeCommandBuffers(self.dev, self.pool, 1, e.cbp)
+
+    def gpu_seconds(self) -> float | None:
+        """Time between the last call's two timestamps; None when the queue has no timestamps."""
+        f, t = self.f, self.vk.ffi.new("uint64_t[2]")
+        if not f.timestamp_bits or self.vk.lib.vkGetQueryPoolResults(
+                self.dev, self.queries, 0, 2, 16, t, 8, 1) != 0:  # VK_QUERY_RESULT_64_BIT
+            return None
+        return ((t[1] - t[0]) & ((1 << f.timestamp_bits) - 1)) * f.timestamp_ns * 1e-9
+
+    def save_cache(self, path: Path, old_blob: bytes) -> None:
+        """Write the pipeline cache's data (vkGetPipelineCacheData) when it differs from what was loaded."""
+        ffi, lib, n = self.vk.ffi, self.vk.lib, self.vk.ffi.new("size_t*")
+        if lib.vkGetPipelineCacheData(self.dev, self.pcache, n, ffi.NULL) != 0 or not n[0]:
+            return
+        buf = ffi.new("char[]", n[0])
+        if lib.vkGetPipelineCacheData(self.dev, self.pcache, n, buf) == 0:
+            blob = ffi.buffer(buf, n[0])[:]
+            if blob != old_blob:
+                sh.write_cache_file(path, CACHE_MAGIC, blob)
+
+    def close(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo, self.dev = [], None
