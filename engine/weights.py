@@ -1,6 +1,9 @@
 """Model weights under canonical engine names, and the Hugging Face safetensors importer.
 
-Canonical dense names (float32 numpy arrays; W is [out, in] as in ``torch.nn.Linear``):
+Canonical dense names (float32 numpy arrays; W is [out, in] as in ``torch.nn.Linear``). The HF names
+below are the common ones; each family's own (Mixtral's ``block_sparse_moe``, Qwen2-MoE's shared expert
+and its gate, GLM's ``shared_experts`` and router bias) are declared in its file under
+``colibri_plan/families/`` (``TENSORS``, :func:`colibri_plan.families.tensor_names`):
 
 | name                                   | shape            | HF source (``model.layers.{i}.`` prefix)       |
 |----------------------------------------|------------------|------------------------------------------------|
@@ -32,8 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri_plan.engine.arch import ArchConfig, arch_from_hf_config
 from colibri_plan.errors import FormatError, InputError, UnsupportedError
+from colibri_plan.families import arch_from_config, tensor_names
+from colibri_plan.formats.arch import ArchConfig
 from colibri_plan.quant import QuantTensor, check_format, quantize
 
 
@@ -261,23 +265,6 @@ def _checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-# HF name (after "model.layers.{i}.") -> canonical suffix (after "layers.{i}.")
-_LAYER_MAP = {
-    "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
-    **{f"self_attn.{p}_proj.weight": f"attn.{p}" for p in "qkvo"},
-    **{f"self_attn.{p}_proj.bias": f"attn.{p}_bias" for p in "qkvo"},
-    "self_attn.q_norm.weight": "attn.q_norm", "self_attn.k_norm.weight": "attn.k_norm",
-    "mlp.gate.weight": "router", "block_sparse_moe.gate.weight": "router",
-    "mlp.gate.e_score_correction_bias": "router_bias",
-    "mlp.shared_expert_gate.weight": "shared_gate",
-    **{f"mlp.shared_expert.{p}_proj.weight": f"shared.{p}" for p in ("gate", "up", "down")},
-    **{f"mlp.shared_experts.{p}_proj.weight": f"shared.{p}" for p in ("gate", "up", "down")},
-    **{f"mlp.{p}_proj.weight": f"ffn.{p}" for p in ("gate", "up", "down")},
-}
-_EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
-                        r"\.weight$")
-_ROLE = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
-_FUSED = {"mlp.experts.gate_up_proj": "gate_up", "mlp.experts.down_proj": "down"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)$")
 
 
@@ -328,8 +315,9 @@ def load_checkpoint(path, expert_format: str = "f32") -> ModelWeights:
         config = json.loads(cfg_path.read_text())
     except ValueError as e:
         raise FormatError(f"{cfg_path}: invalid JSON ({e})") from None
-    arch = arch_from_hf_config(config)
+    arch = arch_from_config(config, where=str(cfg_path))
     arch.check_supported()
+    names = tensor_names(arch.family)
     tensors = _Tensors(_checkpoint_files(folder))
     dense: dict[str, np.ndarray] = {}
     experts: dict[tuple[int, int], list] = {}
@@ -350,15 +338,15 @@ def load_checkpoint(path, expert_format: str = "f32") -> ModelWeights:
         layer, rest = int(m.group(1)), m.group(2)
         if layer >= arch.n_layers:  # multi-token-prediction layers: not part of the decoder
             continue
-        em = _EXPERT_RE.match(rest)
+        em = names.expert.match(rest)
         if em and arch.is_moe_layer(layer):
-            experts.setdefault((layer, int(em.group(1))), [None] * 3)[_ROLE[em.group(2)]] = name
-        elif rest in _FUSED and arch.is_moe_layer(layer):
+            experts.setdefault((layer, int(em.group(1))), [None] * 3)[names.roles[em.group(2)]] = name
+        elif rest in names.fused and arch.is_moe_layer(layer):
             for e in range(arch.n_experts):
                 slot = experts.setdefault((layer, e), [None, None])
-                slot[0 if _FUSED[rest] == "gate_up" else 1] = name
-        elif rest in _LAYER_MAP:
-            dense[f"layers.{layer}.{_LAYER_MAP[rest]}"] = tensors.get(name)
+                slot[0 if names.fused[rest] == "gate_up" else 1] = name
+        elif rest in names.layer:
+            dense[f"layers.{layer}.{names.layer[rest]}"] = tensors.get(name)
         else:
             unknown.append(name)
     if unknown:

@@ -8,11 +8,12 @@ import shutil
 import numpy as np
 import pytest
 
-from colibri_plan.engine.arch import ArchConfig, arch_from_hf_config
 from colibri_plan.engine.forward import Model
 from colibri_plan.engine.moe import RamExperts, RoutingRecorder, moe_block, route
 from colibri_plan.engine.weights import InMemoryWeights, load_checkpoint
 from colibri_plan.errors import FormatError, InputError, UnsupportedError
+from colibri_plan.families import arch_from_config
+from colibri_plan.formats.arch import ArchConfig
 from colibri_plan.quant import dequantize
 
 
@@ -39,7 +40,7 @@ def _copy(src, dst):
 
 
 def test_arch_round_trips_and_validates(olmoe_dir):
-    arch = arch_from_hf_config(json.loads((olmoe_dir / "config.json").read_text()))
+    arch = arch_from_config(json.loads((olmoe_dir / "config.json").read_text()))
     assert (arch.qk_norm, arch.clip_qkv, arch.moe_layers, arch.n_experts) == ("full", 2.0, (0, 1), 8)
     assert ArchConfig.from_dict(json.loads(json.dumps(arch.to_dict()))) == arch
     bad = dict(arch.to_dict(), n_kv_heads=3)
@@ -51,12 +52,12 @@ def test_arch_round_trips_and_validates(olmoe_dir):
 
 def test_unsupported_family_and_rope_named():
     with pytest.raises(UnsupportedError, match="'llama'"):
-        arch_from_hf_config({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+        arch_from_config({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
     cfg = {"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
            "vocab_size": 10, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 8,
            "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4}}
     with pytest.raises(UnsupportedError, match="yarn"):
-        arch_from_hf_config(cfg)
+        arch_from_config(cfg)
 
 
 def test_deepseek_v3_checkpoint_rejected_naming_mla(tmp_path):
@@ -70,7 +71,7 @@ def test_deepseek_v3_checkpoint_rejected_naming_mla(tmp_path):
     tf.DeepseekV3ForCausalLM(cfg).save_pretrained(str(tmp_path))
     with pytest.raises(UnsupportedError, match="MLA"):
         load_checkpoint(tmp_path)
-    arch = arch_from_hf_config(json.loads((tmp_path / "config.json").read_text()), allow_mla=True)
+    arch = arch_from_config(json.loads((tmp_path / "config.json").read_text()), plan_only=True)
     assert (arch.attention, arch.moe_layers, arch.scoring, arch.n_group) == ("mla", (1,), "sigmoid", 2)
     with pytest.raises(UnsupportedError, match="MLA|latent"):
         arch.check_supported()
@@ -113,7 +114,7 @@ def test_deepseek_moe_block_matches_transformers(version):
             p.normal_(0, 0.3)
         if version == "v3":
             block.gate.e_score_correction_bias.normal_(0, 0.2)
-    arch = arch_from_hf_config(cfg.to_dict(), allow_mla=True)
+    arch = arch_from_config(cfg.to_dict(), plan_only=True)
     assert arch.group_score == ("top2_sum" if version == "v3" else "max")
     x = torch.randn(1, 24, 32)
     with torch.no_grad():

@@ -231,7 +231,7 @@ def test_fused_float_layout_checks_width(tmp_path):
          "model.layers.0.mlp.experts.gate_up_proj": np.zeros((e, 2 * i, h), np.float32),
          "model.layers.0.mlp.experts.down_proj": np.zeros((e, h, i), np.float32)}
     cfg = {"model_type": "qwen3_moe", "num_hidden_layers": 1, "num_experts": e, "num_experts_per_tok": 2,
-           "hidden_size": h, "moe_intermediate_size": i, "vocab_size": 10}
+           "hidden_size": h, "moe_intermediate_size": i, "vocab_size": 10, "num_attention_heads": 4}
     s = load_model_spec(_synthetic(tmp_path / "fused", cfg, t))
     assert s.n_routed_experts == e and s.dense_params == 10 * h + e * h
     cfg["moe_intermediate_size"] = 8

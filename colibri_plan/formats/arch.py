@@ -1,10 +1,11 @@
-"""Architecture description of a MoE decoder, read from a Hugging Face ``config.json``.
+"""Architecture description of a MoE decoder: the document an expert pack stores.
 
 :class:`ArchConfig` is everything the forward pass needs to know about a model's shape and routing; it
-is plain data (``to_dict``/``from_dict`` round-trip through JSON, so an expert pack stores it).
-:func:`arch_from_hf_config` reads the families below from their ``config.json`` (key names as in the
-transformers configuration classes of each family; both the v5 ``rope_parameters`` dict and the older
-top-level ``rope_theta``/``partial_rotary_factor``/``rope_scaling`` keys are accepted):
+is plain data (``to_dict``/``from_dict`` round-trip through JSON, so an expert pack stores it). It is read
+from a Hugging Face ``config.json`` by the model's family file under ``colibri_plan/families/``
+(:func:`colibri_plan.families.arch_from_config`; key names as in the transformers configuration classes;
+both the v5 ``rope_parameters`` dict and the older top-level ``rope_theta``/``partial_rotary_factor``/
+``rope_scaling`` keys are accepted). The families the engine knows:
 
 | family (model_type)  | attention                       | router                                   |
 |----------------------|---------------------------------|------------------------------------------|
@@ -18,7 +19,12 @@ top-level ``rope_theta``/``partial_rotary_factor``/``rope_scaling`` keys are acc
 |                      |                                 | group-limited top-k, routed scaling;     |
 |                      |                                 | shared experts; first_k_dense_replace    |
 | deepseek_v2/v3/v32,  | MLA (+ DSA): rejected           | the MoE block is described here (v3, v32 |
-| glm_moe_dsa (GLM-5)  | (UnsupportedError)              | and GLM-5 as glm4_moe; v2 softmax + max) |
+| kimi_k2, glm_moe_dsa | (UnsupportedError); planned     | and GLM-5 as glm4_moe; v2 softmax + max) |
+| gpt_oss, qwen3_next, | not implemented: planned only   | (described for planning)                 |
+| phimoe, jamba, ...   |                                 |                                          |
+
+The list of families and which of them run is :data:`colibri_plan.families.FAMILIES` /
+:data:`colibri_plan.families.ENGINE_FAMILIES`.
 """
 
 from __future__ import annotations
@@ -28,11 +34,6 @@ import numbers
 from dataclasses import asdict, dataclass, fields
 
 from colibri_plan.errors import FormatError, UnsupportedError
-
-#: model_type values this engine runs end to end.
-SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
-#: model_type values whose MoE block is understood but whose attention (MLA) is not implemented yet.
-MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 
 
 @dataclass(frozen=True)

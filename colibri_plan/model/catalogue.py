@@ -1,7 +1,7 @@
 """The built-in catalogue of real MoE models (``colibri_plan/data/models.json``).
 
 Each entry holds the model's language-model ``config`` with the real Hugging Face field names (so the
-catalogue and a checkpoint folder go through the same reader, :mod:`colibri_plan.model.hfconfig`), the
+catalogue and a checkpoint folder go through the same family reader, :mod:`colibri_plan.families`), the
 number of MTP heads whose experts are counted as extra MoE rows, ``dense_params`` (counted once by
 :mod:`colibri_plan.model.metacount`), an optional ``kv_bytes_per_token`` override, the sources and the
 assumptions made where the facts were silent. Facts come from the models' public configs (each entry
@@ -15,8 +15,8 @@ import json
 from importlib import resources
 
 from colibri_plan.errors import FormatError, InputError, UnsupportedError
+from colibri_plan.families import plan_geometry
 from colibri_plan.formats.model_spec import ModelSpec
-from colibri_plan.model import hfconfig
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,23 +62,16 @@ def spec_from_entry(entry: dict) -> ModelSpec:
     if entry.get("partial"):
         raise UnsupportedError(f"catalogue model {name!r} is partial ({entry.get('assumptions')}); "
                                "size it from its checkpoint folder or GGUF file instead")
-    geo = hfconfig.moe_geometry(entry["config"], f"catalogue entry {name!r}")
-    mtp = int(entry.get("mtp_layers", 0))
-    n_layers = geo["n_layers"]
-    moe_layers = geo["moe_layers"] + tuple(range(n_layers, n_layers + mtp))
+    geo = plan_geometry(entry["config"], f"catalogue entry {name!r}")
+    n_layers, mtp = geo.arch.n_layers, int(entry.get("mtp_layers", 0))
+    fields = geo.spec_fields(tuple(range(n_layers, n_layers + mtp)))
     if entry.get("dense_params") is None:
         raise FormatError(f"catalogue entry {name!r} has no dense_params; run "
                           "`python -m colibri_plan.model.metacount --write`")
-    kv = entry.get("kv_bytes_per_token")
-    if kv is None:
-        kv = hfconfig.kv_bytes_per_token(entry["config"], 2, mtp)
-    return ModelSpec(
-        name=name, family=geo["family"], n_layers=n_layers, moe_layers=moe_layers,
-        n_experts=geo["n_experts"], top_k=geo["top_k"], n_shared_experts=geo["n_shared_experts"],
-        hidden_size=geo["hidden_size"], moe_intermediate_size=geo["moe_intermediate_size"],
-        shared_intermediate_size=geo["shared_intermediate_size"], vocab_size=geo["vocab_size"],
-        expert_format=entry.get("expert_format", "int4"), dense_params=int(entry["dense_params"]),
-        kv_bytes_per_token=int(kv), source=f"catalogue: {entry['source']}", expert_bias=geo["expert_bias"])
+    if entry.get("kv_bytes_per_token") is not None:  # e.g. colibrì's measured GLM-5.x figure
+        fields["kv_bytes_per_token"] = int(entry["kv_bytes_per_token"])
+    return ModelSpec(name=name, **fields, expert_format=entry.get("expert_format", "int4"),
+                     dense_params=int(entry["dense_params"]), source=f"catalogue: {entry['source']}")
 
 
 def catalogue_spec(name: str) -> ModelSpec:

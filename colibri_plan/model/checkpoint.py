@@ -5,7 +5,8 @@ each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offset
 after the header), optionally a ``__metadata__`` entry; the tensor data follows. We read those N + 8
 bytes per shard and never a tensor, so sizing a 700 GB checkpoint reads a few megabytes.
 
-The expert geometry comes from ``config.json`` (:mod:`colibri_plan.model.hfconfig`) and is checked
+The expert geometry comes from ``config.json`` (read by the model's family file,
+:func:`colibri_plan.families.plan_geometry`) and is checked
 against the routed-expert tensors the headers list (real tensor names):
 
 - Mixtral: ``model.layers.L.block_sparse_moe.experts.E.{w1,w3}.weight`` [I, H], ``w2`` [H, I];
@@ -20,7 +21,7 @@ headers: every tensor outside the routed experts, quantisation side tensors (``*
 ``*.weight_scale`` ...) excluded.
 
 A folder with ``config.json`` and no ``*.safetensors`` file yet (planning before a download) is sized
-from the config alone, the catalogue's way: the geometry from :mod:`colibri_plan.model.hfconfig`, MTP rows
+from the config alone, the catalogue's way: the geometry from :mod:`colibri_plan.families`, MTP rows
 from ``num_nextn_predict_layers``, dense parameters counted by transformers on the meta device
 (:mod:`colibri_plan.model.metacount`; needs torch and transformers).
 """
@@ -34,9 +35,9 @@ import struct
 from pathlib import Path
 
 from colibri_plan.errors import FormatError, InputError, UnsupportedError
+from colibri_plan.families import plan_geometry
 from colibri_plan.fileio import read_json_object
 from colibri_plan.formats.model_spec import ModelSpec
-from colibri_plan.model import hfconfig
 
 #: bytes per element of safetensors dtypes (BOOL/U8/I8/F8 = 1)
 DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
@@ -201,46 +202,40 @@ def checkpoint_spec(folder: str | Path) -> ModelSpec:
     if not cfg_path.is_file():
         raise InputError(f"{folder} has no config.json; is it a Hugging Face checkpoint folder?")
     cfg = read_json_object(cfg_path, "Hugging Face config.json")
-    geo = hfconfig.moe_geometry(cfg, str(cfg_path))
+    geo = plan_geometry(cfg, str(cfg_path))
+    arch = geo.arch
     where = str(folder)
     if not any(folder.glob("*.safetensors")):
         return config_only_spec(folder, cfg)
     tensors = read_checkpoint_headers(folder)
-    rows = _expert_rows(tensors, geo["hidden_size"], where)
-    n_layers, n_experts = geo["n_layers"], geo["n_experts"]
+    rows = _expert_rows(tensors, arch.hidden_size, where)
+    n_layers, n_experts = arch.n_layers, arch.n_experts
     found = tuple(sorted(i for i in rows if i < n_layers))
-    if found != geo["moe_layers"]:
+    if found != arch.moe_layers:
         raise FormatError(f"{where}: the safetensors headers hold routed experts in layers "
                           f"{list(found)[:8]}{'...' if len(found) > 8 else ''} ({len(found)} layers) but "
-                          f"config.json puts them in {len(geo['moe_layers'])} layers "
-                          f"{list(geo['moe_layers'])[:8]}...; the config does not belong to these weights")
+                          f"config.json puts them in {len(arch.moe_layers)} layers "
+                          f"{list(arch.moe_layers)[:8]}...; the config does not belong to these weights")
     for layer in sorted(rows):
         r = rows[layer]
         count = r["count"] if r["count"] is not None else len(r["ids"])
         if count != n_experts or (r["ids"] and r["ids"] != set(range(n_experts))):
             raise FormatError(f"{where}: layer {layer} holds {count} routed experts in the headers, "
                               f"config.json says {n_experts}")
-        if r["inter"] and r["inter"] != {geo["moe_intermediate_size"]}:
+        if r["inter"] and r["inter"] != {arch.moe_intermediate_size}:
             raise FormatError(f"{where}: layer {layer} experts are {sorted(r['inter'])} wide in the headers, "
-                              f"config.json says moe_intermediate_size {geo['moe_intermediate_size']}")
+                              f"config.json says moe_intermediate_size {arch.moe_intermediate_size}")
     shared_w = {t["shape"][0] for n, t in tensors.items() if _SHARED.search(n)}
-    if shared_w and shared_w != {geo["shared_intermediate_size"]}:
+    if shared_w and shared_w != {arch.shared_intermediate_size}:
         raise FormatError(f"{where}: shared experts are {sorted(shared_w)} wide in the headers, config.json "
-                          f"says {geo['shared_intermediate_size']}")
+                          f"says {arch.shared_intermediate_size}")
     mtp = tuple(sorted(i for i in rows if i >= n_layers))
     dense = sum(_numel(t["shape"]) for n, t in tensors.items()
                 if not (_PER_EXPERT.search(n) or _FUSED.search(n) or _AUX.search(n)))
     dtypes = sorted(set().union(*(r["dtypes"] for r in rows.values())))
     return ModelSpec(
-        name=folder.resolve().name, family=geo["family"], n_layers=n_layers,
-        moe_layers=geo["moe_layers"] + mtp, n_experts=n_experts, top_k=geo["top_k"],
-        n_shared_experts=geo["n_shared_experts"], hidden_size=geo["hidden_size"],
-        moe_intermediate_size=geo["moe_intermediate_size"],
-        shared_intermediate_size=geo["shared_intermediate_size"], vocab_size=geo["vocab_size"],
-        expert_format="int4", dense_params=dense,
-        kv_bytes_per_token=hfconfig.kv_bytes_per_token(cfg, 2, len(mtp)),
-        source=f"checkpoint: {folder.resolve()} (experts stored as {'/'.join(dtypes) or 'packed'})",
-        expert_bias=geo["expert_bias"])
+        name=folder.resolve().name, **geo.spec_fields(mtp), expert_format="int4", dense_params=dense,
+        source=f"checkpoint: {folder.resolve()} (experts stored as {'/'.join(dtypes) or 'packed'})")
 
 
 #: the ``source`` note of a spec sized without weights
@@ -264,10 +259,7 @@ def config_only_spec(folder: str | Path, cfg: dict) -> ModelSpec:
 
     folder = Path(folder)
     where = str(folder / "config.json")
-    geo = hfconfig.moe_geometry(cfg, where)
-    if not cfg.get("model_type"):
-        raise FormatError(f"{where} has no model_type; it is needed to count the dense parameters")
-    mtp = geo["mtp_layers"]
+    mtp = plan_geometry(cfg, where).mtp_layers
     # the meta-device build needs only the architecture; a quantised checkpoint's recipe is irrelevant
     arch = {k: v for k, v in cfg.items() if k != "quantization_config"}
     try:

@@ -5,8 +5,8 @@ own model classes on torch's ``meta`` device (shapes only, no memory), sums the 
 routed experts (``*.experts.*``), adds each MTP head's trunk (one more decoder layer's non-expert
 parameters plus the ``eh_proj`` [H, 2H] projection and its three H-wide norms; its routed experts are a
 MoE row of their own) and checks that the routed parameters equal rows · E · 3·H·I — an independent check
-of the geometry read by :mod:`colibri_plan.model.hfconfig`. ``--write`` stores ``dense_params`` in
-``colibri_plan/data/models.json``; without it the command only reports differences.
+of the geometry read by the family files (:mod:`colibri_plan.families`). ``--write`` stores
+``dense_params`` in ``colibri_plan/data/models.json``; without it the command only reports differences.
 
 Needs torch and transformers (the ``test`` extra); the library imports this module only to size a
 checkpoint folder that holds config.json alone (:func:`colibri_plan.model.checkpoint.config_only_spec`).
@@ -20,7 +20,7 @@ import sys
 from importlib import resources
 
 from colibri_plan.errors import UnsupportedError
-from colibri_plan.model import hfconfig
+from colibri_plan.families import plan_geometry
 from colibri_plan.model.catalogue import spec_from_entry
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -57,7 +57,7 @@ def count_params(config: dict, mtp_layers: int = 0) -> dict:
         m = _LAYER.search(name)
         if m:
             per_layer_dense[int(m.group(1))] = per_layer_dense.get(int(m.group(1)), 0) + n
-    h = int(hfconfig.text_config(config)["hidden_size"])
+    h = plan_geometry(config).arch.hidden_size
     last = max(per_layer_dense)
     mtp_trunk = mtp_layers * (per_layer_dense[last] + 2 * h * h + 3 * h)
     return {"total": total, "routed": routed, "dense": total - routed + mtp_trunk, "mtp_trunk": mtp_trunk}
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
         ok = counts["routed"] == want_routed
         bad += not ok
         print(f"{entry['name']:22s} dense {counts['dense']:>16,d} (stored {entry.get('dense_params')}) "
-              f"routed {counts['routed']:>18,d} {'ok' if ok else f'!= {want_routed:,d} from hfconfig'} "
+              f"routed {counts['routed']:>18,d} {'ok' if ok else f'!= {want_routed:,d} from families'} "
               f"total(no MTP) {(counts['total']) / 1e9:8.2f} B")
         entry["dense_params"] = counts["dense"]
     if write:
