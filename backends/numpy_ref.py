@@ -15,24 +15,11 @@ from importlib import metadata
 import numpy as np
 
 from colibri_plan.backends.base import Backend, DeviceInfo, DeviceWeight
+from colibri_plan.meminfo import host_memory
 from colibri_plan.quant import FORMATS, QuantTensor, dequantize
 
 #: float32 scratch per dequantized row block (small enough to stay in L2/L3 while BLAS reads it)
 BLOCK_BYTES = 4 << 20
-
-
-def _meminfo() -> tuple[int, int | None]:
-    """(total, available) host RAM in bytes; available is None when the OS does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            vals = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.split()[1:]}
-        return vals["MemTotal"], vals.get("MemAvailable")
-    except (OSError, KeyError, ValueError, IndexError):
-        pass
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), None
-    except (ValueError, OSError, AttributeError):
-        return 0, None
 
 
 def cpu_name() -> str:
@@ -49,7 +36,7 @@ def cpu_name() -> str:
 
 def host_device(backend: str, formats: tuple[str, ...], driver: str) -> DeviceInfo:
     """The host CPU as a DeviceInfo: host RAM, ``unified_memory`` True (it computes on host memory)."""
-    total, avail = _meminfo()
+    total, avail = host_memory()
     return DeviceInfo(backend=backend, index=0, name=f"{cpu_name()} ({os.cpu_count() or 1} cores)",
                       kind="cpu", total_memory_bytes=total, free_memory_bytes=avail,
                       unified_memory=True, formats=formats, driver=driver)

@@ -43,8 +43,7 @@ import numpy as np
 from colibri_plan.cli.common import table
 from colibri_plan.engine.fixture import fixture_prompt
 from colibri_plan.engine.pack import open_pack
-from colibri_plan.engine.placement import Placement
-from colibri_plan.engine.session import run_placement
+from colibri_plan.engine.runner import generate
 from colibri_plan.fileio import atomic_write_text, fingerprint
 from colibri_plan.formats.coefficients import load_coefficients, save_coefficients
 from colibri_plan.formats.heat import load_heat
@@ -54,7 +53,7 @@ from colibri_plan.planner.baselines import fit_layers, hot_first
 from colibri_plan.planner.calibrate import fit_coefficients
 from colibri_plan.planner.make import build_setup, cost_of, plan_document
 from colibri_plan.planner.solve import solve_placement, validate_placement
-from colibri_plan.verify import compare, memory_hit_rate
+from colibri_plan.verify import compare
 
 PLACEMENTS = {"ours": None, "hot-first": hot_first, "fit-layers": fit_layers}
 CLI = [sys.executable, "-m", "colibri_plan"]
@@ -85,9 +84,8 @@ def placement_key(plan) -> str:
 
 
 def measure(pack, plan, prompt, tokens: int) -> dict:
-    run = run_placement(pack, Placement.from_layers(plan.doc["layers"]), prompt, tokens + 1,  # + prefill
-                        read_threads=plan.read_threads)   # the queue depth the plan's disk figure assumed
-    return run.to_dict()
+    # + the prefill token; reads with the plan's queue depth, as `run --plan` does
+    return generate(pack, prompt, tokens + 1, plan=plan, backend="cpu").to_dict()
 
 
 def step_tok_s(run: dict) -> float:
@@ -100,18 +98,20 @@ def summarise(runs: list[dict]) -> dict:
     med = statistics.median(tok)
     return {"tok_s_median": med, "tok_s_runs": tok, "spread": (max(tok) - min(tok)) / med if med else None,
             "tok_s_mean_based_runs": [r["tok_s"] for r in runs],
-            "hit_rate_memory": statistics.mean(memory_hit_rate(r["hit_rates"]) for r in runs),
-            "hit_rates": {k: statistics.mean(r["hit_rates"][k] for r in runs) for k in runs[0]["hit_rates"]},
+            "hit_rate_memory": statistics.mean(1.0 - r["hit_rate"]["disk"] for r in runs),
+            "hit_rate": {k: statistics.mean(r["hit_rate"][k] for r in runs) for k in runs[0]["hit_rate"]},
             "disk_bytes_per_token": statistics.median(r["disk_bytes_per_token"] for r in runs),
-            "terms": {k: statistics.median(r["terms"][k] for r in runs)
-                      for k in ("dense_s", "expert_cpu_s", "disk_wait_s", "expert_wall_s")},
+            "terms": {**{k: statistics.median(r["terms"][k] for r in runs)
+                         for k in ("dense_s", "disk_wait_s", "expert_layers_s")},
+                      "expert_compute_s": {"cpu": statistics.median(r["terms"]["expert_compute_s"]["cpu"]
+                                                                    for r in runs)}},
             "tokens": [r["tokens"] for r in runs]}
 
 
 def report_of(plan, m: dict) -> dict:
     """A verify-report body (no reference run) from a placement's medians, for calibrate."""
     measured = {"tok_s": m["tok_s_median"], "decode_s_per_token": 1 / m["tok_s_median"],
-                "terms": {**m["terms"], "device_s": {}}, "hit_rates": m["hit_rates"],
+                "terms": m["terms"], "hit_rate": m["hit_rate"],
                 "disk_bytes_per_token": m["disk_bytes_per_token"]}
     return {"plan": {"coefficients": plan.doc.get("coefficients"), "n_decode_layers": len(plan.doc["layers"]),
                      "counts": plan.counts()},
@@ -225,10 +225,10 @@ def main(argv=None) -> int:
             same = [o for o in plans[gb] if o != n and placement_key(plans[gb][o]) == placement_key(p)]
             entry = {"ram_gb": gb, "placement": n, "counts": p.counts(), "same_placement_as": same,
                      "predicted_tok_s_plan": pred[gb][n]["tok_s"], "predicted_tok_s": pr["tok_s"],
-                     "predicted_hit_rate": memory_hit_rate(pr["hit_rate"]), "predicted_terms": pr["terms"],
+                     "predicted_hit_rate": (1.0 - pr["hit_rate"]["disk"]), "predicted_terms": pr["terms"],
                      **m, "noise": noise,
                      "tok_s_ratio_measured_over_predicted": m["tok_s_median"] / pr["tok_s"],
-                     "hit_rate_diff_points": 100 * (m["hit_rate_memory"] - memory_hit_rate(pr["hit_rate"])),
+                     "hit_rate_diff_points": 100 * (m["hit_rate_memory"] - (1.0 - pr["hit_rate"]["disk"])),
                      "vs_best_baseline": m["tok_s_median"] / best_base,
                      "calibration_input": bool(cal_pred) and n == "ours" and gb in cal_at,
                      "predicted_tok_s_all_budget_fit": in_sample[gb][n] if cal_pred else None}

@@ -66,7 +66,7 @@ def main() -> None:
            "reads_per_wave": per_wave, "profile_queue_depth": qd, "profile_read_gbps": probe_gbps,
            "ratio": engine_gbps / probe_gbps, "block_bytes": prof.disk_block_bytes(),
            "o_direct": runs[0].o_direct, "tok_s": [r.tok_s for r in runs],
-           "hit_rates": runs[0].hit_rates}
+           "hit_rate": runs[0].hit_rate}
     each = ", ".join(f"{r.disk_read_gbps:.2f}" for r in runs)
     print(f"engine streaming {engine_gbps:.2f} GB/s (runs {each}; "
           f"{per_wave:.1f} reads per wave, O_DIRECT {runs[0].o_direct}); profiler O_DIRECT at QD{qd}: "

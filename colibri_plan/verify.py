@@ -1,41 +1,41 @@
 """Verify a plan: run it, compare every predicted term with what was measured, and give a verdict.
 
 :func:`verify_plan` checks that the plan was made for this pack (model fingerprint), runs the plan on
-the engine (:func:`colibri_plan.engine.session.run_placement`), runs the all-RAM CPU reference on the
-same prompt, and builds a *verify report* (JSON document kind ``"verify-report"``, schema_version 1):
-the plan's predictions, the run's measurements, one comparison row per term, and the verdict:
+the engine (:func:`colibri_plan.engine.runner.generate`, the path `run` takes), runs the all-RAM CPU
+reference on the same prompt (the same call without the plan), and builds a *verify report* (JSON
+document kind ``"verify-report"``, :mod:`colibri_plan.formats.report`): the plan's predictions, the run's
+measurements in the same vocabulary (:class:`~colibri_plan.formats.report.RunReport`), one comparison
+row per term, and the verdict:
 
 * token-exact: the plan's generated ids equal the reference's;
 * tok/s within ±25 % of the prediction (``measured / predicted`` in [0.75, 1.25]);
 * hit rate within ±5 points: the share of expert uses served from memory (VRAM, pinned or LRU, i.e.
   1 − disk share) predicted against measured.
 
-Term names follow the plan (``docs/plan-format.md``): predicted ``dense_s + attention_s`` is compared with
-the measured ``dense_s`` (all decode time outside the expert provider), ``expert_compute_s.cpu`` with the
-CPU backend's expert time, ``expert_compute_s[<device>]`` with the device's share (activation transfers
-included), ``disk_wait_s`` with the time the CPU path waited for reads, ``expert_layers_s`` with the
-wall time inside the expert provider. ``calibrate`` (:mod:`colibri_plan.planner.calibrate`) refits the
+Predicted and measured use the plan's keys (``docs/plan-format.md``), so every row pairs one key with
+itself; only ``dense_s + attention_s`` is compared with the measured ``dense_s`` (a run does not time
+attention apart from the rest outside the expert provider). Measured ``expert_compute_s[<device>]``
+includes the device's activation transfers. ``calibrate`` (:mod:`colibri_plan.planner.calibrate`) refits the
 cost model's coefficients from these reports.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from datetime import datetime, timezone
-from pathlib import Path
 
-from colibri_plan.errors import FormatError
-from colibri_plan.fileio import fingerprint, read_document, write_document
+from colibri_plan.fileio import fingerprint
+from colibri_plan.formats.report import (  # noqa: F401 - the report file's readers, re-exported
+    HIT_TIERS,
+    KIND,
+    SCHEMA_VERSION,
+    RunReport,
+    load_report,
+    save_report,
+)
 
-KIND = "verify-report"
-SCHEMA_VERSION = 1
 #: verdict tolerances (issue 8): tok/s ratio band and hit-rate points
 TOK_S_TOLERANCE = 0.25
 HIT_RATE_TOLERANCE = 0.05
-#: largest seconds per token a report may hold (beyond it the report is corrupt)
-MAX_S_PER_TOKEN = 1e6
-_HIT_TIERS = (("vram", "vram"), ("ram_pinned", "pinned"), ("lru", "lru"), ("disk", "disk"))
 
 
 def check_plan_model(plan, pack) -> None:
@@ -75,49 +75,44 @@ def _ratio(pred: float | None, meas: float | None) -> float | None:
     return meas / pred
 
 
-def memory_hit_rate(shares: dict, disk_key: str = "disk") -> float:
-    """Share of expert uses served without a disk read: 1 − the disk share."""
-    return 1.0 - float(shares.get(disk_key, 0.0))
+def _report(d) -> RunReport:
+    return d if isinstance(d, RunReport) else RunReport.from_dict(d)
 
 
-def compare(predicted: dict, measured: dict) -> list[dict]:
+def compare(predicted, measured) -> list[dict]:
     """Comparison rows ``{"term", "unit", "predicted", "measured", "ratio"|"diff_points"}``.
 
     Args:
-        predicted: the plan's ``predicted`` section (decode_s_per_token, tok_s, terms, hit_rate, ...).
-        measured: a RunReport as a dict (``RunReport.to_dict()``).
+        predicted: the plan's ``predicted`` section (or a RunReport); measured: a RunReport (or its dict).
     """
-    pt, mt = predicted.get("terms", {}), measured.get("terms", {})
-    comp = pt.get("expert_compute_s", {}) or {}
-    rows = [("tok/s", "tok/s", predicted.get("tok_s"), measured.get("tok_s")),
-            ("decode s/token", "s", predicted.get("decode_s_per_token"), measured.get("decode_s_per_token")),
-            ("dense + attention", "s", pt.get("dense_s", 0.0) + pt.get("attention_s", 0.0),
-             mt.get("dense_s")),
-            ("expert layers (wall)", "s", pt.get("expert_layers_s"), mt.get("expert_wall_s")),
-            ("expert compute cpu", "s", comp.get("cpu"), mt.get("expert_cpu_s"))]
-    dev_meas = mt.get("device_s", {}) or {}
-    for key in sorted(set(comp) - {"cpu"} | set(dev_meas)):
-        rows.append((f"expert compute {key}", "s", comp.get(key), dev_meas.get(key, 0.0)))
-    rows += [("disk wait", "s", pt.get("disk_wait_s"), mt.get("disk_wait_s")),
-             ("disk bytes/token", "B", predicted.get("disk_bytes_per_token"),
-              measured.get("disk_bytes_per_token"))]
-    out = [{"term": t, "unit": u, "predicted": p, "measured": m, "ratio": _ratio(p, m)}
-           for t, u, p, m in rows]
-    ph, mh = predicted.get("hit_rate", {}) or {}, measured.get("hit_rates", {}) or {}
-    hit_rows = [("hit rate (memory)", memory_hit_rate(ph), memory_hit_rate(mh))]
-    hit_rows += [(f"share {pk}", float(ph.get(pk, 0.0)), float(mh.get(mk, 0.0))) for pk, mk in _HIT_TIERS]
-    lru_pred = ph.get("lru", 0.0) + ph.get("disk", 0.0)
-    hit_rows.append(("LRU hit rate (streamed)", ph.get("lru", 0.0) / lru_pred if lru_pred else 0.0,
-                     measured.get("lru_hit_rate", 0.0)))
-    out += [{"term": t, "unit": "share", "predicted": p, "measured": m, "diff_points": 100.0 * (m - p)}
-            for t, p, m in hit_rows]
+    p, m = _report(predicted), _report(measured)
+    pc, mc = p.expert_compute_s_per_token, m.expert_compute_s_per_token
+    rows = [("tok/s", "tok/s", p.tok_s, m.tok_s),
+            ("decode s/token", "s", p.decode_s_per_token, m.decode_s_per_token),
+            ("dense + attention", "s", (p.dense_s_per_token or 0.0) + (p.attention_s_per_token or 0.0),
+             None if m.dense_s_per_token is None
+             else m.dense_s_per_token + (m.attention_s_per_token or 0.0)),
+            ("expert layers (wall)", "s", p.expert_layers_s_per_token, m.expert_layers_s_per_token),
+            ("expert compute cpu", "s", pc.get("cpu"), mc.get("cpu"))]
+    for key in sorted((set(pc) | set(mc)) - {"cpu"}):
+        rows.append((f"expert compute {key}", "s", pc.get(key), mc.get(key, 0.0)))
+    rows += [("disk wait", "s", p.disk_wait_s_per_token, m.disk_wait_s_per_token),
+             ("disk bytes/token", "B", p.disk_bytes_per_token, m.disk_bytes_per_token)]
+    out = [{"term": t, "unit": u, "predicted": a, "measured": b, "ratio": _ratio(a, b)}
+           for t, u, a, b in rows]
+    hit_rows = [("hit rate (memory)", p.memory_hit_rate, m.memory_hit_rate)]
+    hit_rows += [(f"share {k}", p.hit_rate[k], m.hit_rate[k]) for k in HIT_TIERS]
+    hit_rows.append(("LRU hit rate (streamed)", p.lru_hit_rate or 0.0, m.lru_hit_rate or 0.0))
+    out += [{"term": t, "unit": "share", "predicted": a, "measured": b, "diff_points": 100.0 * (b - a)}
+            for t, a, b in hit_rows]
     return out
 
 
-def make_verdict(predicted: dict, measured: dict, token_exact: bool | None) -> dict:
+def make_verdict(predicted, measured, token_exact: bool | None) -> dict:
     """The verdict: token_exact, tok_s_ok (ratio within ±25 %), hit_rate_ok (±5 points), ok (all)."""
-    ratio = _ratio(predicted.get("tok_s"), measured.get("tok_s"))
-    diff = memory_hit_rate(measured.get("hit_rates", {})) - memory_hit_rate(predicted.get("hit_rate", {}))
+    p, m = _report(predicted), _report(measured)
+    ratio = _ratio(p.tok_s, m.tok_s)
+    diff = m.memory_hit_rate - p.memory_hit_rate
     tok_ok = ratio is not None and abs(ratio - 1.0) <= TOK_S_TOLERANCE
     hit_ok = abs(diff) <= HIT_RATE_TOLERANCE
     return {"token_exact": token_exact, "tok_s_ratio": ratio, "tok_s_ok": tok_ok,
@@ -155,27 +150,22 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
     Raises:
         MismatchError: the plan is for another model. Engine errors from the runs.
     """
-    from colibri_plan.engine.placement import Placement
-    from colibri_plan.engine.session import run_placement
+    from colibri_plan.engine.runner import generate
 
     say = progress or (lambda _m: None)
     check_plan_model(plan, pack)
     w = machine_warning(plan, machine_fp)
     if w and warn:
         warn(w)
-    placement = Placement.from_layers(plan.doc["layers"])
     # n_tokens decode steps are timed: the first of the n_tokens + 1 new ids comes from the prefill
     say(f"running the plan: {n_tokens} decode step{'s' if n_tokens != 1 else ''} ({n_tokens + 1} tokens)")
-    run = run_placement(pack, placement, prompt_ids, n_tokens + 1, cpu_backend=cpu_backend,
-                        read_threads=plan.read_threads, progress=lambda m: say(f"  plan {m}"))
-    measured = run.to_dict()
+    run = generate(pack, prompt_ids, n_tokens + 1, plan=plan, backend=cpu_backend,
+                   progress=lambda m: say(f"  plan {m}"))
     ref = None
     if reference:
         say("running the all-RAM CPU reference")
-        arch = pack.arch
-        ref_run = run_placement(pack, Placement.all_ram(arch.moe_layers, arch.n_experts), prompt_ids,
-                                n_tokens + 1, cpu_backend=cpu_backend,
-                                progress=lambda m: say(f"  reference {m}"))
+        ref_run = generate(pack, prompt_ids, n_tokens + 1, backend=cpu_backend,
+                           progress=lambda m: say(f"  reference {m}"))
         ref = {"tokens": ref_run.tokens, "tok_s": ref_run.tok_s,
                "decode_s_per_token": ref_run.decode_s_per_token}
     token_exact = None if ref is None else list(ref["tokens"]) == list(run.tokens)
@@ -194,47 +184,9 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
                     "warning": w},
         "settings": {"tokens": int(n_tokens), "prompt_ids": list(map(int, prompt_ids)),
                      "cpu_backend": cpu_backend, "read_threads": plan.read_threads},
-        "predicted": predicted, "measured": measured, "reference": ref,
-        "comparison": compare(predicted, measured),
-        "verdict": make_verdict(predicted, measured, token_exact)}
-
-
-def save_report(report: dict, path: str | os.PathLike) -> Path:
-    """Write a verify report atomically (kind "verify-report", schema_version 1)."""
-    body = {k: v for k, v in report.items() if k not in ("kind", "schema_version")}
-    return write_document(path, KIND, SCHEMA_VERSION, body)
-
-
-def load_report(path: str | os.PathLike) -> dict:
-    """Read and check a verify report.
-
-    Raises:
-        InputError: missing file. FormatError: bad JSON/kind/version, or a section calibrate needs is
-        missing or not numeric (the message names it).
-    """
-    doc = read_document(path, KIND, SCHEMA_VERSION)
-    for section in ("predicted", "measured", "plan", "verdict"):
-        if not isinstance(doc.get(section), dict):
-            raise FormatError(f"verify report {path} lacks its {section!r} section; "
-                              "re-run `colibri-plan verify`")
-    for section, keys in (("predicted", ("decode_s_per_token", "tok_s")),
-                          ("measured", ("decode_s_per_token", "tok_s"))):
-        for k in keys:
-            v = doc[section].get(k)
-            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
-                    or (k == "decode_s_per_token" and v > MAX_S_PER_TOKEN)):
-                bound = f">= 0 and <= {MAX_S_PER_TOKEN:g}" if k == "decode_s_per_token" else ">= 0"
-                raise FormatError(f"verify report {path}: {section}.{k} must be a finite number {bound}, "
-                                  f"got {v!r}")
-        if not isinstance(doc[section].get("terms"), dict):
-            raise FormatError(f"verify report {path}: {section}.terms is missing; "
-                              "re-run `colibri-plan verify`")
-        for k, v in doc[section]["terms"].items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and not (
-                    math.isfinite(v) and 0 <= v <= MAX_S_PER_TOKEN):
-                raise FormatError(f"verify report {path}: {section}.terms.{k} must be a finite number >= 0 "
-                                  f"and <= {MAX_S_PER_TOKEN:g}, got {v!r}")
-    return doc
+        "predicted": predicted, "measured": run.to_dict(), "reference": ref,
+        "comparison": compare(predicted, run),
+        "verdict": make_verdict(predicted, run, token_exact)}
 
 
 def _fmt(v, unit: str) -> str:

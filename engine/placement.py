@@ -2,14 +2,17 @@
 
 A :class:`Placement` is the engine's view of a plan's tiers: per MoE layer the experts resident in VRAM
 on each device ("cuda:0"), the experts pinned in RAM, and the number of LRU slots; every other expert
-of the layer is streamed from disk through that layer's LRU cache. It is built from a plan file's
-per-layer ``tiers`` (``docs/plan-format.md``) or directly (tests, the all-RAM reference).
+of the layer is streamed from disk through that layer's LRU cache. It is built from a loaded plan
+(:meth:`Placement.from_plan`, the only place a plan becomes a Placement) or directly (tests, the all-RAM
+reference, `run` without a plan).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from colibri_plan.errors import FormatError
 
@@ -84,23 +87,35 @@ class Placement:
         return cls({int(l): LayerPlacement(lru_slots=lru_slots) for l in moe_layers})
 
     @classmethod
-    def from_layers(cls, layers: list[dict]) -> Placement:
-        """From a plan file's ``layers`` list: ``{"layer", "vram": {key: ids}, "ram_pinned": ids,
-        "lru_slots": n, ...}`` (other keys, e.g. "disk", are ignored: they are the complement).
+    def from_plan(cls, plan) -> Placement:
+        """The engine's placement of a loaded plan (:class:`colibri_plan.formats.plan.Plan`): the one place
+        a plan becomes a Placement. Tier codes come from :meth:`Plan.tiers` (device position in
+        ``plan.device_keys``, ``TIER_RAM`` pinned, ``TIER_DISK`` streamed) and slots from
+        :meth:`Plan.lru_slots`.
 
         Raises:
-            FormatError: a malformed entry.
+            FormatError: a malformed plan (load plans with ``load_plan``, which checks them first).
         """
-        out: dict[int, LayerPlacement] = {}
+        from colibri_plan.formats.plan import TIER_RAM
+
         try:
-            for d in layers:
-                out[int(d["layer"])] = LayerPlacement(
-                    vram={str(k): [int(e) for e in v] for k, v in (d.get("vram") or {}).items()},
-                    ram_pinned=[int(e) for e in d.get("ram_pinned") or []],
-                    lru_slots=int(d.get("lru_slots", 0)))
-        except (KeyError, TypeError, ValueError) as exc:
+            tiers, slots, keys = plan.tiers(), plan.lru_slots(), plan.device_keys
+            out = {int(lid): LayerPlacement(
+                       vram={k: np.flatnonzero(row == d).tolist() for d, k in enumerate(keys)
+                             if np.any(row == d)},
+                       ram_pinned=np.flatnonzero(row == TIER_RAM).tolist(), lru_slots=int(s))
+                   for lid, row, s in zip(plan.layer_ids, tiers, slots)}
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise FormatError(f"plan layer entry is malformed ({exc!r}); re-create the plan") from exc
         return cls(out)
+
+    @classmethod
+    def all_resident(cls, moe_layers: Iterable[int], n_experts: int, device: str | None = None) -> Placement:
+        """Every expert resident: pinned in RAM (``device`` None), or in VRAM on ``device``
+        ("<backend>:<index>"). What `run` without a plan uses."""
+        if device is None:
+            return cls.all_ram(moe_layers, n_experts)
+        return cls({int(l): LayerPlacement(vram={device: list(range(n_experts))}) for l in moe_layers})
 
     def summary(self) -> dict:
         """Counts per tier over all layers."""

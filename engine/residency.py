@@ -60,9 +60,10 @@ class TierStats:
         return self.vram_hits + self.pinned_hits + self.lru_hits + self.misses
 
     def hit_rates(self) -> dict[str, float]:
-        """Share of expert computations served by each tier (vram, pinned, lru, disk)."""
+        """Share of expert computations served by each tier, keyed as a plan's ``hit_rate`` (vram,
+        ram_pinned, lru, disk)."""
         n = max(1, self.expert_uses)
-        return {"vram": self.vram_hits / n, "pinned": self.pinned_hits / n, "lru": self.lru_hits / n,
+        return {"vram": self.vram_hits / n, "ram_pinned": self.pinned_hits / n, "lru": self.lru_hits / n,
                 "disk": self.misses / n}
 
     def lru_hit_rate(self) -> float:
@@ -72,7 +73,7 @@ class TierStats:
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
-        d["hit_rates"] = self.hit_rates()
+        d["hit_rate"] = self.hit_rates()
         d["lru_hit_rate"] = self.lru_hit_rate()
         return d
 
@@ -120,8 +121,20 @@ class ResidencyManager:
         if missing:
             raise InputError(f"the placement puts experts on {', '.join(missing)}, "
                              "but no such device is open")
-        self.block_bytes = max(pack.expert_location(l, 0)[1] for l in arch.moe_layers)
-        self.fd, self.o_direct, self.page_cache_method, self.io_warning = open_for_read(pack.experts_path)
+        # weights held in memory (a checkpoint folder) have no experts.bin: every expert must be resident
+        self.in_memory = not hasattr(pack, "expert_location")
+        if self.in_memory:
+            streamed = [l for l in arch.moe_layers if len(placement.layer(l).resident()) < arch.n_experts]
+            if streamed:
+                raise InputError(f"the placement streams experts of layer {streamed[0]} from disk, which "
+                                 "needs an expert pack (colibri-plan model pack); a checkpoint folder runs "
+                                 "with every expert resident")
+            self.block_bytes, self.fd, self.o_direct, self.page_cache_method, self.io_warning = (
+                0, None, None, None, None)
+        else:
+            self.block_bytes = max(pack.expert_location(l, 0)[1] for l in arch.moe_layers)
+            self.fd, self.o_direct, self.page_cache_method, self.io_warning = open_for_read(
+                pack.experts_path)
         self.stats = TierStats()
         self._vram: dict[tuple[int, int], tuple[str, object]] = {}
         self._pinned: dict[tuple[int, int], _Slot] = {}
@@ -133,7 +146,7 @@ class ResidencyManager:
         try:
             self._load_vram()
             self._load_pinned()
-            n_work = int(working_buffers or arch.top_k)
+            n_work = 1 if self.in_memory else int(working_buffers or arch.top_k)   # never used in memory
             total = n_work + sum(placement.layer(l).lru_slots for l in arch.moe_layers)
             self._free = [_Slot(self.block_bytes) for _ in range(total)]
             self.working_buffers = n_work
@@ -168,6 +181,9 @@ class ResidencyManager:
             for key, ids in self.placement.layer(layer).vram.items():
                 backend = self.devices[key]
                 for e in ids:
+                    if self.in_memory:
+                        self._vram[(layer, e)] = (key, backend.upload_expert(*self.pack.expert(layer, e)))
+                        continue
                     # a fresh buffer per expert, dropped after the upload: a GPU keeps the only copy
                     scratch = _Slot(self.block_bytes)
                     self._read_block(scratch, layer, e)
@@ -177,6 +193,10 @@ class ResidencyManager:
         for layer in self.pack.arch.moe_layers:
             for e in self.placement.layer(layer).ram_pinned:
                 slot = _Slot(self.block_bytes)
+                if self.in_memory:   # the checkpoint's arrays are already in RAM: no read, no copy
+                    slot.weights = self.cpu.upload_expert(*self.pack.expert(layer, e))
+                    self._pinned[(layer, e)] = slot
+                    continue
                 self._read_block(slot, layer, e)
                 slot.weights = self.cpu.upload_expert(*slot.weights)
                 self._pinned[(layer, e)] = slot

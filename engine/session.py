@@ -2,9 +2,10 @@
 
 :func:`run_placement` opens the devices a placement names, builds the
 :class:`~colibri_plan.engine.residency.ResidencyManager`, decodes greedily and returns a
-:class:`RunReport`: the tokens, prefill and per-token decode time split into the terms the cost model
-predicts (dense/attention outside the experts, expert compute per device, disk wait), hit rates per
-tier, disk bytes per token and peak RSS. Statistics cover decode only (the prefill is reported apart),
+:class:`~colibri_plan.formats.report.RunReport` (the plan's ``predicted`` vocabulary): the tokens,
+prefill and per-token decode time split into the terms the cost model predicts (dense/attention outside
+the experts, expert compute per device, disk wait), hit rates per tier, disk bytes per token and peak
+RSS. Statistics cover decode only (the prefill is reported apart),
 because the plan predicts decode.
 """
 
@@ -12,53 +13,15 @@ from __future__ import annotations
 
 import resource
 import statistics
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 
+from colibri_plan import meminfo
 from colibri_plan.engine.forward import Model
 from colibri_plan.engine.placement import Placement
 from colibri_plan.engine.residency import ResidencyManager
 from colibri_plan.errors import InputError
-
-
-@dataclass
-class RunReport:
-    """What one measured run did (seconds, bytes; per-token figures are decode means).
-
-    Attributes:
-        tokens: generated ids (prompt excluded).
-        prefill_s: wall time of the prompt's forward pass.
-        decode_s_per_token: mean wall time of a decode step; ``decode_s_median`` its median.
-        tok_s: 1 / decode_s_per_token.
-        terms: per-token decode split: ``dense_s`` (attention, router, shared/dense FFN, LM head: all
-            outside the expert provider), ``expert_cpu_s``, ``device_s`` {key: s}, ``disk_wait_s``,
-            ``disk_read_s`` (reader-thread time, overlapped), ``expert_wall_s``.
-        hit_rates: share of expert computations per tier (vram, pinned, lru, disk); ``lru_hit_rate``.
-        disk_bytes_per_token, disk_read_gbps (disk bytes / time the reads of a wave were in flight, i.e.
-        the throughput streaming achieved), peak_rss_bytes, resident_bytes {tier: bytes}, o_direct,
-        io_warning. ``decode_steps``: the decode steps the means are over (tokens - 1).
-    """
-
-    tokens: list[int]
-    prefill_s: float
-    decode_s_per_token: float
-    decode_s_median: float
-    tok_s: float
-    terms: dict
-    hit_rates: dict
-    lru_hit_rate: float
-    disk_bytes_per_token: float
-    disk_read_gbps: float | None
-    expert_uses_per_token: float
-    peak_rss_bytes: int
-    resident_bytes: dict
-    o_direct: bool
-    io_warning: str | None
-    placement: dict = field(default_factory=dict)
-    decode_steps: int = 0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from colibri_plan.formats.report import RunReport
 
 
 def open_devices(placement: Placement) -> dict:
@@ -88,15 +51,8 @@ NO_RAM_CHECK_ENV = "COLIBRI_PLAN_NO_RAM_CHECK"
 
 
 def mem_available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo, bytes (None where there is no /proc/meminfo)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the kernel reports kB (KiB)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    """MemAvailable in bytes, None where the OS does not say (the one reader: :mod:`colibri_plan.meminfo`)."""
+    return meminfo.mem_available_bytes()
 
 
 def placement_ram_bytes(pack, placement: Placement) -> int:
@@ -148,7 +104,8 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
     token: the decode figures are then 0.0). A caller that wants N timed decode steps asks for N + 1.
 
     Args:
-        pack: an open PackedModel.
+        pack: an open PackedModel, or weights held in memory (a checkpoint folder's ModelWeights) with
+            every expert resident in the placement.
         cpu_backend: backend for CPU-resident and streamed experts ("cpu", else "numpy").
         progress: optional ``fn(message)`` called once per token.
         recorder: a RoutingRecorder to record routing into (prefill and decode), e.g. for --stats-out.
@@ -161,15 +118,18 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
 
     if int(n_tokens) < 1:
         raise InputError(f"--tokens must be >= 1, got {n_tokens}")
-    check_ram_fits(pack, placement)  # before any device is opened or any expert allocated
+    if hasattr(pack, "expert_location"):   # in-memory weights hold their experts already
+        check_ram_fits(pack, placement)  # before any device is opened or any expert allocated
     devices = open_devices(placement)
     cpu = None
     rm = None
     try:
         cpu_cls = get_backend(cpu_backend)
         cpu = cpu_cls.open(0) if cpu_cls.is_available() else get_backend("numpy").open(0)
+        t_load = time.perf_counter()
         rm = ResidencyManager(pack, placement, cpu, devices=devices, read_threads=read_threads,
                               verify_checksums=verify_checksums)
+        load_s = time.perf_counter() - t_load
         model = Model(pack, experts=rm, recorder=recorder)
         step_s: list[float] = []
         marks = {"prefill": 0.0}
@@ -189,23 +149,22 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
         n = max(1, len(step_s))
         decode_s = sum(step_s) / n
         report = RunReport(
-            tokens=tokens, prefill_s=marks["prefill"], decode_s_per_token=decode_s,
+            tokens=tokens, prompt_tokens=len(prompt_ids), decode_steps=len(step_s), load_s=load_s,
+            prefill_s=marks["prefill"], decode_s_per_token=decode_s,
             decode_s_median=statistics.median(step_s) if step_s else 0.0,
             tok_s=1.0 / decode_s if decode_s > 0 else 0.0,
-            terms={"dense_s": max(0.0, decode_s - st.layer_wall_s / n),
-                   "expert_wall_s": st.layer_wall_s / n,
-                   "expert_cpu_s": st.cpu_compute_s / n,
-                   "device_s": {k: v / n for k, v in st.device_compute_s.items()},
-                   "disk_wait_s": st.disk_wait_s / n,
-                   "disk_read_s": st.disk_read_s / n,
-                   "disk_busy_s": st.disk_busy_s / n},
-            hit_rates=st.hit_rates(), lru_hit_rate=st.lru_hit_rate(),
+            dense_s_per_token=max(0.0, decode_s - st.layer_wall_s / n),
+            expert_layers_s_per_token=st.layer_wall_s / n,
+            expert_compute_s_per_token={"cpu": st.cpu_compute_s / n,
+                                        **{k: v / n for k, v in st.device_compute_s.items()}},
+            disk_wait_s_per_token=st.disk_wait_s / n, disk_read_s_per_token=st.disk_read_s / n,
+            disk_busy_s_per_token=st.disk_busy_s / n,
+            hit_rate=st.hit_rates(), lru_hit_rate=st.lru_hit_rate(),
             disk_bytes_per_token=st.disk_bytes / n,
             disk_read_gbps=st.disk_bytes / st.disk_busy_s / 1e9 if st.disk_busy_s > 0 else None,
             expert_uses_per_token=st.expert_uses / n,
             peak_rss_bytes=peak_rss_bytes(), resident_bytes=rm.resident_bytes(),
-            o_direct=rm.o_direct, io_warning=rm.io_warning, placement=placement.summary(),
-            decode_steps=len(step_s))
+            o_direct=rm.o_direct, io_warning=rm.io_warning, placement=placement.summary())
         return report
     finally:
         if rm is not None:

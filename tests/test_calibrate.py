@@ -9,8 +9,8 @@ from click.testing import CliRunner
 from colibri_plan.cli import cli
 from colibri_plan.errors import FormatError, InputError
 from colibri_plan.formats.coefficients import Coefficients, load_coefficients, save_coefficients
+from colibri_plan.formats.report import save_report
 from colibri_plan.planner.calibrate import fit_coefficients
-from colibri_plan.verify import save_report
 
 
 def _report(raw: dict, true: dict, old: dict | None = None, layers: int = 3, device: bool = False) -> dict:
@@ -34,8 +34,8 @@ def _report(raw: dict, true: dict, old: dict | None = None, layers: int = 3, dev
         "measured": {"decode_s_per_token": 1.0, "tok_s": 1.0,
                      "terms": {"dense_s": true["dense"] * raw["dense"] + 0.01,
                                # the wall time of the CPU path; its split between timers must not matter
-                               "expert_cpu_s": meas_cpu + 0.5 * meas_disk, "disk_wait_s": 0.5 * meas_disk,
-                               "expert_wall_s": meas_cpu + meas_disk, "device_s": dev}},
+                               "expert_compute_s": {"cpu": meas_cpu + 0.5 * meas_disk, **dev},
+                               "disk_wait_s": 0.5 * meas_disk, "expert_layers_s": meas_cpu + meas_disk}},
         "verdict": {}}
 
 
@@ -47,7 +47,7 @@ def test_recovers_known_coefficients_by_hand():
     # 0.55 s -> c_disk (0.55 - 0.4) / 0.3 = 0.5; dense 0.1 s raw measured 0.15 s (twice) -> 1.5
     a = _report({"dense": 0.1, "cpu": 0.2, "disk": 0.0}, TRUE)
     b = _report({"dense": 0.1, "cpu": 0.2, "disk": 0.3}, TRUE)
-    assert b["measured"]["terms"]["expert_wall_s"] == pytest.approx(0.55)
+    assert b["measured"]["terms"]["expert_layers_s"] == pytest.approx(0.55)
     c, detail = fit_coefficients([a, b])
     assert (c.dense, c.cpu_expert, c.disk) == pytest.approx((1.5, 2.0, 0.5))
     assert detail["cpu_path"]["residual_s"] == pytest.approx(0.0, abs=1e-12)
@@ -71,7 +71,7 @@ def test_least_squares_over_noisy_reports():
     raws = ((0.2, 0), (0.2, 0.3), (0.3, 0.3))
     reps = [_report({"dense": 0.1, "cpu": cc, "disk": dd}, TRUE) for cc, dd in raws]
     for r, y in zip(reps, (0.41, 0.55, 0.74)):
-        r["measured"]["terms"]["expert_wall_s"] = y
+        r["measured"]["terms"]["expert_layers_s"] = y
     c, _ = fit_coefficients(reps)
     want = np.linalg.lstsq(np.array(raws), np.array([0.41, 0.55, 0.74]), rcond=None)[0]
     assert want.min() > 0          # the unconstrained optimum is feasible, so nnls must find it
@@ -89,7 +89,7 @@ def test_gpu_ratio_and_cpu_path_with_devices():
 def _with_calls(report: dict, calls: float, call_s: float) -> dict:
     """The report's plan counted ``calls`` GPU layer calls per token, and each took ``call_s`` more."""
     report["predicted"]["terms"]["gpu_calls"] = calls
-    report["measured"]["terms"]["device_s"]["cuda:0"] += calls * call_s
+    report["measured"]["terms"]["expert_compute_s"]["cuda:0"] += calls * call_s
     return report
 
 
@@ -142,8 +142,8 @@ def test_bad_inputs():
     with pytest.raises(InputError, match="at least one"):
         fit_coefficients([])
     rep = _report({"dense": 0.1, "cpu": 0.2, "disk": 0.3}, TRUE)
-    rep["measured"]["terms"]["expert_wall_s"] = "fast"
-    with pytest.raises(FormatError, match="expert_wall_s"):
+    rep["measured"]["terms"]["expert_layers_s"] = "fast"
+    with pytest.raises(FormatError, match="expert_layers_s"):
         fit_coefficients([rep], names=["r.json"])
     with pytest.raises(FormatError, match="not a verify report"):
         fit_coefficients([{"plan": {}}])
@@ -170,7 +170,7 @@ def test_fit_uses_the_overlapped_cpu_path_per_layer():
     b = _report({"dense": 0.1, "cpu": 0.1, "disk": 0.6}, TRUE, old={"disk": 2.0})
     b["predicted"]["cpu_path_layers"] = {"weight": [1.0], "cpu_resident_s": [0.05], "cpu_stream_s": [0.05],
                                          "disk_s": [1.2]}              # predicted with c_disk 2: raw 0.6
-    b["measured"]["terms"]["expert_wall_s"] = 0.4
+    b["measured"]["terms"]["expert_layers_s"] = 0.4
     c, detail = fit_coefficients([a, b])
     assert (c.cpu_expert, c.disk) == pytest.approx((2.0, 0.5), rel=1e-4)
     assert detail["cpu_path"]["residual_s"] == pytest.approx(0.0, abs=1e-6)
@@ -193,7 +193,7 @@ def test_overlap_is_fitted_from_a_report_with_both_compute_and_reads():
     def with_layers(rep, res, disk, wall):
         rep["predicted"]["cpu_path_layers"] = {"weight": [1.0], "cpu_resident_s": [res],
                                                "cpu_stream_s": [0.0], "disk_s": [disk], "verify_s": [0.0]}
-        rep["measured"]["terms"]["expert_wall_s"] = wall
+        rep["measured"]["terms"]["expert_layers_s"] = wall
         return rep
 
     a = with_layers(_report({"dense": 0.1, "cpu": 0.2, "disk": 0.0}, TRUE), 0.2, 0.0, 0.4)

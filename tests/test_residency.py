@@ -198,3 +198,20 @@ def test_bad_placements(fixture_dir):
             ResidencyManager(pack, Placement({7: LayerPlacement()}), cpu)
         with pytest.raises(InputError, match="no such device"):
             ResidencyManager(pack, Placement({0: LayerPlacement(vram={"cuda:0": [1]})}), cpu)
+
+
+def test_weights_held_in_memory_run_all_resident_and_refuse_streaming(fixture_dir, reference_tokens):
+    """A checkpoint folder's weights (in memory, no experts.bin) take the same run path with every
+    expert resident; a placement that streams needs a pack."""
+    from colibri_plan.engine import runner
+    from colibri_plan.engine.weights import InMemoryWeights
+
+    with open_pack(fixture_dir) as pack:
+        arch = pack.arch
+        mem = InMemoryWeights(arch, dict(pack.dense), {k: pack.expert(*k) for k in pack.expert_keys()},
+                              pack.expert_format)
+        rep = runner.generate(mem, PROMPT, len(reference_tokens), backend="numpy")
+        assert rep.hit_rate["ram_pinned"] == 1 and rep.disk_bytes_per_token == 0
+        with pytest.raises(InputError, match="needs an expert pack"):
+            ResidencyManager(mem, Placement.all_disk(arch.moe_layers, 1), get_backend("numpy").open(0))
+    assert rep.tokens == reference_tokens

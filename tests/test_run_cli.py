@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from colibri_plan.cli import cli
-from colibri_plan.cli.run import parse_prompt
+from colibri_plan.cli.common import parse_prompt
 from colibri_plan.engine.fixture import FixtureConfig, build_fixture
 from colibri_plan.engine.forward import Model
 from colibri_plan.engine.pack import open_pack
@@ -37,8 +37,38 @@ def test_run_tokens_equal_engine_api(fx):
     want = Model(open_pack(fx)).generate(PROMPT, 10)
     assert doc["tokens"] == want
     assert doc["prompt_tokens"] == 5 and doc["decode_steps"] == 9
-    assert doc["decode_s"] > 0 and doc["decode_tok_s"] == pytest.approx(9 / doc["decode_s"], rel=0.01)
-    assert doc["prefill_s"] > 0
+    assert doc["decode_s_per_token"] > 0 and doc["tok_s"] == pytest.approx(1 / doc["decode_s_per_token"])
+    assert doc["prefill_s"] > 0 and doc["plan"] is None
+    # the same report as `run --plan`: the plan's vocabulary, every expert pinned in RAM
+    assert set(doc["hit_rate"]) == {"vram", "ram_pinned", "lru", "disk"}
+    assert doc["hit_rate"]["ram_pinned"] == 1
+    assert doc["terms"]["expert_compute_s"]["cpu"] > 0 and doc["disk_bytes_per_token"] == 0
+
+
+def test_run_without_plan_equals_run_with_a_plan(fx, tmp_path):
+    """One run path: without a plan (every expert pinned) and with one (half of each layer streamed)
+    the engine gives identical tokens and the same report keys; Placement.from_plan reads the plan."""
+    from colibri_plan.engine import runner
+    from colibri_plan.engine.placement import Placement
+    from colibri_plan.formats.plan import TIER_RAM, Plan, layers_from_tiers
+
+    pack = open_pack(fx)
+    a = pack.arch
+    tiers = np.full((len(a.moe_layers), a.n_experts), TIER_RAM)
+    tiers[:, : a.n_experts // 2] = -2           # half of every layer streamed from disk
+    doc = {"layers": layers_from_tiers(a.moe_layers, tiers, np.full(len(a.moe_layers), 2), []),
+           "devices": [], "model": {"n_experts": a.n_experts}, "resources": {"disk_queue_depth": 4}}
+    plan = Plan(doc)
+    pl = Placement.from_plan(plan)
+    assert pl.layer(a.moe_layers[0]).ram_pinned == list(range(a.n_experts // 2, a.n_experts))
+    assert pl.layer(a.moe_layers[0]).lru_slots == 2 and plan.read_threads == 4
+    plain = runner.generate(pack, PROMPT, 8, backend="numpy")
+    planned = runner.generate(pack, PROMPT, 8, plan=plan, backend="numpy")
+    assert plain.tokens == planned.tokens == Model(open_pack(fx)).generate(PROMPT, 8)
+    assert planned.hit_rate["disk"] > 0 and plain.hit_rate["disk"] == 0
+    assert set(plain.to_dict()["terms"]) == set(planned.to_dict()["terms"])
+    assert set(plain.to_dict()) - {"disk_read_gbps"} == set(planned.to_dict()) - {"disk_read_gbps"}
+    pack.close()
 
 
 def test_prompt_file_and_human_output(fx, tmp_path):

@@ -12,8 +12,9 @@ from colibri_plan.engine.pack import open_pack
 from colibri_plan.engine.placement import Placement
 from colibri_plan.engine.session import run_placement
 from colibri_plan.errors import FormatError, MismatchError
-from colibri_plan.formats.plan import TIER_DISK, TIER_RAM, layers_from_tiers, load_plan, save_plan
-from colibri_plan.verify import check_plan_model, load_report, make_verdict, memory_hit_rate, verify_plan
+from colibri_plan.formats.plan import TIER_DISK, TIER_RAM, Plan, layers_from_tiers, load_plan, save_plan
+from colibri_plan.formats.report import RunReport
+from colibri_plan.verify import check_plan_model, load_report, make_verdict, verify_plan
 
 N_TOKENS = 4
 
@@ -73,18 +74,21 @@ def test_verify_is_token_exact_and_uses_the_runs_counters(small_pack, report):
     # tier counters must be identical to the ones the report compared
     with open_pack(small_pack) as pack:
         tiers, slots = _mixed(pack)
-        pl = Placement.from_layers(layers_from_tiers(pack.arch.moe_layers, tiers, slots, []))
+        pl = Placement.from_plan(Plan(_plan_doc(pack, tiers, slots, PREDICTED)))
         # verify times N_TOKENS decode steps, so it generates N_TOKENS + 1 ids (the first from the prefill)
         again = run_placement(pack, pl, report["settings"]["prompt_ids"], N_TOKENS + 1, cpu_backend="numpy")
         block = pack.expert_location(0, 0)[1]
     assert report["measured"]["tokens"] == again.tokens
-    for term, key in (("share ram_pinned", "pinned"), ("share lru", "lru"), ("share disk", "disk")):
-        assert _row(report, term)["measured"] == pytest.approx(again.hit_rates[key])
-    assert _row(report, "hit rate (memory)")["measured"] == pytest.approx(1 - again.hit_rates["disk"])
+    # predicted and measured share the plan's keys: every row pairs a key with itself
+    assert set(report["measured"]["hit_rate"]) == set(PREDICTED["hit_rate"])
+    assert set(PREDICTED["terms"]) - {"attention_s", "transfer_s"} <= set(report["measured"]["terms"])
+    for key in ("ram_pinned", "lru", "disk"):
+        assert _row(report, f"share {key}")["measured"] == pytest.approx(again.hit_rate[key])
+    assert _row(report, "hit rate (memory)")["measured"] == pytest.approx(1 - again.hit_rate["disk"])
     # layer 0 pins 8 of 16 experts and everything else streams: the pinned share is well inside (0, 0.5)
-    assert 0.0 < again.hit_rates["pinned"] < 0.5 and again.hit_rates["disk"] > 0.3
+    assert 0.0 < again.hit_rate["ram_pinned"] < 0.5 and again.hit_rate["disk"] > 0.3
     # disk bytes per token = misses per token x one expert block
-    misses = again.hit_rates["disk"] * again.expert_uses_per_token
+    misses = again.hit_rate["disk"] * again.expert_uses_per_token
     assert _row(report, "disk bytes/token")["measured"] == pytest.approx(misses * block)
 
 
@@ -103,16 +107,19 @@ def test_verify_ratios_and_verdict_follow_the_numbers(report):
 
 
 def test_verdict_by_hand():
-    pred = {"tok_s": 10.0, "hit_rate": {"disk": 0.4}}
-    v = make_verdict(pred, {"tok_s": 12.4, "hit_rates": {"disk": 0.44}}, True)
+    def rep(tok_s, disk):
+        return RunReport(tok_s=tok_s, hit_rate={"disk": disk})
+
+    pred = rep(10.0, 0.4)
+    v = make_verdict(pred, rep(12.4, 0.44), True)
     assert v["ok"] and v["tok_s_ratio"] == pytest.approx(1.24)
     assert v["hit_rate_diff_points"] == pytest.approx(-4)
-    v = make_verdict(pred, {"tok_s": 7.4, "hit_rates": {"disk": 0.4}}, True)
+    v = make_verdict(pred, rep(7.4, 0.4), True)
     assert not v["tok_s_ok"] and not v["ok"]
-    v = make_verdict(pred, {"tok_s": 10.0, "hit_rates": {"disk": 0.34}}, True)
+    v = make_verdict(pred, rep(10.0, 0.34), True)
     assert not v["hit_rate_ok"] and v["hit_rate_diff_points"] == pytest.approx(6)
-    assert not make_verdict(pred, {"tok_s": 10.0, "hit_rates": {"disk": 0.4}}, False)["ok"]
-    assert memory_hit_rate({"vram": 0.2, "disk": 0.25}) == 0.75
+    assert not make_verdict(pred, rep(10.0, 0.4), False)["ok"]
+    assert RunReport(hit_rate={"vram": 0.2, "disk": 0.25}).memory_hit_rate == 0.75
 
 
 def test_plan_for_another_model_is_refused(small_pack, tmp_path):
@@ -144,8 +151,12 @@ def test_cli_writes_a_report_and_json(small_pack, tmp_path):
 
 def test_corrupt_report_is_rejected(tmp_path):
     bad = tmp_path / "r.json"
-    bad.write_text('{"kind": "verify-report", "schema_version": 1, "predicted": {}}')
+    bad.write_text('{"kind": "verify-report", "schema_version": 2, "predicted": {}}')
     with pytest.raises(FormatError, match="measured"):
+        load_report(bad)
+    # a version-1 report (measured hit_rates/pinned, expert_wall_s...) is refused with what to do
+    bad.write_text('{"kind": "verify-report", "schema_version": 1, "predicted": {}, "measured": {}}')
+    with pytest.raises(FormatError, match=r"schema_version 1.*re-run `colibri-plan verify`"):
         load_report(bad)
     bad.write_text("{not json")
     with pytest.raises(FormatError, match="not valid JSON"):

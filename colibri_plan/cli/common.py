@@ -99,3 +99,44 @@ def table(rows: list[list[Any]], header: list[str]) -> str:
 
 def stderr_is_tty() -> bool:
     return sys.stderr.isatty()
+
+
+def parse_prompt(text: str, where: str) -> list[int]:
+    """Token ids from ``text``: integers separated by whitespace and/or commas.
+
+    Raises:
+        InputError: no ids, or an item that is not a non-negative integer (names ``where``).
+    """
+    import re
+
+    from colibri_plan.errors import InputError
+
+    items = [t for t in re.split(r"[\s,]+", text.strip()) if t]
+    if not items:
+        raise InputError(f"{where}: the prompt is empty; give at least one token id")
+    for t in items:
+        if not re.fullmatch(r"\d+", t):
+            raise InputError(f"{where}: {t!r} is not a token id (non-negative integers separated by "
+                             "spaces or commas)")
+    return [int(t) for t in items]
+
+
+def read_prompt(prompt_ids: str | None, prompt_file: str | None) -> list[int]:
+    """The prompt from exactly one of ``--prompt-ids`` / ``--prompt-file`` (`run` and `verify`).
+
+    Raises:
+        InputError: neither or both given; the file is missing/unreadable; bad ids.
+    """
+    from colibri_plan.errors import InputError
+    from colibri_plan.fileio import check_input_file
+
+    if (prompt_ids is None) == (prompt_file is None):
+        raise InputError("give exactly one of --prompt-ids 1,2,3 or --prompt-file FILE")
+    if prompt_ids is not None:
+        return parse_prompt(prompt_ids, "--prompt-ids")
+    path = check_input_file(prompt_file, "prompt file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read prompt file {path}: {exc}") from exc
+    return parse_prompt(text, f"prompt file {path}")

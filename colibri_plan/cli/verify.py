@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from colibri_plan.cli.common import emit, json_option, progress, table, warn
+from colibri_plan.cli.common import emit, json_option, progress, read_prompt, table, warn
 from colibri_plan.errors import InputError
 
 
@@ -37,18 +37,13 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
     """Run PLAN on the engine and compare the measured tok/s, time split, hit rates and disk bytes with
     the plan's predictions; check the tokens against the all-RAM CPU reference; give a verdict and write
     a report (kind verify-report)."""
-    from colibri_plan.cli.run import check_prompt, read_prompt
     from colibri_plan.engine.pack import open_pack
+    from colibri_plan.engine.runner import check_prompt
     from colibri_plan.fileio import check_output_path
     from colibri_plan.formats.pack_index import is_pack
     from colibri_plan.formats.plan import load_plan
-    from colibri_plan.verify import (
-        report_table,
-        save_report,
-        this_machine_fingerprint,
-        verdict_line,
-        verify_plan,
-    )
+    from colibri_plan.formats.report import save_report
+    from colibri_plan.verify import report_table, this_machine_fingerprint, verdict_line, verify_plan
 
     if cpu_backend not in ("cpu", "numpy"):
         raise InputError(f"--backend {cpu_backend}: RAM-resident and streamed experts run on a host backend "
@@ -107,8 +102,8 @@ def calibrate(reports, out_path, base_path):
     (docs/calibration.md). Use them with `colibri-plan solve --coefficients FILE`."""
     from colibri_plan.fileio import check_output_path
     from colibri_plan.formats.coefficients import load_coefficients, save_coefficients
+    from colibri_plan.formats.report import load_report
     from colibri_plan.planner.calibrate import fit_coefficients
-    from colibri_plan.verify import load_report
 
     check_output_path(out_path, (*reports, base_path))  # before reading and fitting
     docs = [load_report(r) for r in reports]

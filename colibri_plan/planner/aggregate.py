@@ -33,6 +33,9 @@ from colibri_plan.errors import BudgetError, SolverError
 from colibri_plan.planner.costmodel import (
     TIER_DISK,
     TIER_RAM,
+    cpu_path_parts,
+    cpu_path_rows,
+    cpu_path_seconds,
     gpu_fixed_seconds,
     miss_seconds,
     verify_seconds,
@@ -132,12 +135,11 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
                 if len(g) == 1:                             # and at least the mass of its coldest experts:
                     t = g[0]                                # m_t - a[q] n_t >= S(q) - a[q] q, a ascending
                     row([mcol(i, t), ncol(i, t)], [1.0, -asc[q]], suf[q] - asc[q] * q, np.inf)
-        miss = coef.disk * t_miss * miss_factor_row[r]
-        # CPU path max(resident, disk) + stream as two rows (all compute; disk + stream of the misses)
-        f, v, lap = miss_factor_row[r], verify_seconds(b, res) * miss_factor_row[r], 1.0 - coef.overlap
-        row([tcol(i), mcol(i, t_ram), mcol(i, t_disk)], [1.0, -cpu_c, -(cpu_c + v + lap * miss)], 0.0, np.inf)
-        row([tcol(i), mcol(i, t_ram), mcol(i, t_disk)],
-            [1.0, -lap * cpu_c, -(miss + cpu_c * f + lap * ((1 - f) * cpu_c + v))], 0.0, np.inf)
+        # the CPU path as the max of its two linear forms (costmodel.cpu_path_rows), one row each
+        ram_c, disk_c = cpu_path_rows(miss_factor_row[r], cpu_c, coef.disk * t_miss, verify_seconds(b, res),
+                                      coef.overlap)
+        for j in range(2):
+            row([tcol(i), mcol(i, t_ram), mcol(i, t_disk)], [1.0, -ram_c[j], -float(disk_c[j])], 0.0, np.inf)
         for d in range(n_gpu):
             cols, cf = [tcol(i), mcol(i, d)], [1.0, -gpu_c[d]]
             if d in zdev:
@@ -287,17 +289,11 @@ def realise_layer(p: np.ndarray, counts: np.ndarray, masses: np.ndarray, rate: n
     return tier
 
 
-def _layer_time(p, tier, rate, fixed, n_gpu, stream_rate: float | None = None) -> float:
-    """Slowest resource of one realised layer (GPUs alone, RAM and disk together on the CPU).
-
-    ``stream_rate``: seconds per unit of disk-tier p of the disk + stream bound (the CPU path is then
-    max(all compute, disk + stream), the cost model's max(resident, disk) + stream); None: additive."""
+def _layer_time(p, tier, rate, fixed, n_gpu, cpu_path) -> float:
+    """Slowest resource of one realised layer: each GPU alone, and the CPU path ``cpu_path(p_ram,
+    p_disk)`` (seconds; the cost model's :func:`~colibri_plan.planner.costmodel.cpu_path_seconds`)."""
     times = [rate[d] * p[tier == d].sum() + (fixed[d] if np.any(tier == d) else 0.0) for d in range(n_gpu)]
-    p_ram, p_disk = p[tier == n_gpu].sum(), p[tier == n_gpu + 1].sum()
-    if stream_rate is None:
-        times.append(rate[n_gpu] * p_ram + rate[n_gpu + 1] * p_disk)
-    else:
-        times += [rate[n_gpu] * (p_ram + p_disk), stream_rate * p_disk]
+    times.append(cpu_path(p[tier == n_gpu].sum(), p[tier == n_gpu + 1].sum()))
     return max(times)
 
 
@@ -339,6 +335,7 @@ def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[
             candidates.append(z)
     cpu_c = coef.cpu_expert * b / (res.cpu_gbps * 1e9)
     t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
+    t_verify = verify_seconds(b, res)
     rate = np.array([coef.gpu_expert * b / (g.matmul_gbps * 1e9) for g in res.gpus] + [cpu_c, cpu_c])
     fixed = np.array([gpu_fixed_seconds(g, problem.activation_bytes, coef) for g in res.gpus] + [0.0, 0.0])
     best = None
@@ -354,12 +351,18 @@ def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[
         for r in range(problem.probs.shape[0]):
             if problem.weights[r] <= 0 or problem.probs[r].sum() <= 0:
                 continue
-            rr = rate.copy()
-            rr[-1] = cpu_c + (coef.disk * t_miss + verify_seconds(b, res)) * row_miss[r]
+            f = row_miss[r]
+            rr = rate.copy()   # the swaps' additive rate of a disk-tier expert: all four CPU-path parts
+            rr[-1] = sum(cpu_path_parts(0.0, 1.0 - f, f, cpu_c, coef.disk * t_miss, t_verify))
             t = realise_layer(problem.probs[r], counts[r], masses[r], rr, fixed)
             tiers[r] = np.where(t < n_gpu, t, np.where(t == n_gpu, TIER_RAM, TIER_DISK))
-            stream = (coef.disk * t_miss + cpu_c) * row_miss[r]
-            total += problem.weights[r] * _layer_time(problem.probs[r], t, rr, fixed, n_gpu, stream)
+
+            def cpu_path(p_ram, p_disk, f=f):
+                parts = cpu_path_parts(p_ram, p_disk * (1.0 - f), p_disk * f, cpu_c, coef.disk * t_miss,
+                                       t_verify)
+                return float(cpu_path_seconds(*parts, coef.overlap))
+
+            total += problem.weights[r] * _layer_time(problem.probs[r], t, rr, fixed, n_gpu, cpu_path)
         if best is None or total < best[1]:
             best = (tiers, total)
     if best is None:

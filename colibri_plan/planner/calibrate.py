@@ -1,8 +1,9 @@
 """Refit the cost model's per-term coefficients from verify reports (``colibri-plan calibrate``).
 
-Method (docs/calibration.md). Each report holds the plan's predicted terms, made with coefficients
-``c_old`` (recorded in the plan; 1.0 when absent), and the measured terms. The *raw* roofline of a term is
-``predicted / c_old``.
+Method (docs/calibration.md). Reports are read through :class:`colibri_plan.formats.report.RunReport`:
+predicted and measured carry the plan's keys. Each report holds the plan's predicted terms, made with
+coefficients ``c_old`` (recorded in the plan; 1.0 when absent), and the measured terms. The *raw*
+roofline of a term is ``predicted / c_old``.
 
 * ``cpu_expert`` and ``disk`` — least squares on the CPU path's time per token. In the cost model a
   layer's CPU path costs ``max(c_cpu · resident_raw + verify, c_disk · disk_raw) + c_cpu · stream_raw``
@@ -66,6 +67,9 @@ def _num(d: dict, key: str, where: str, section: str = "") -> float:
 def report_terms(report: dict, where: str = "report") -> dict:
     """The raw predicted and measured seconds per token of one verify report that calibration uses.
 
+    Both sections are read through :class:`colibri_plan.formats.report.RunReport` (one vocabulary: the
+    plan's keys), which checks every figure.
+
     Returns:
         {"cpu_raw", "disk_raw", "layers" (float ``[rows, 5]``: weight, resident, stream, disk raw seconds,
         checksum seconds),
@@ -75,15 +79,14 @@ def report_terms(report: dict, where: str = "report") -> dict:
         FormatError: a needed figure is missing or not a number (names the report and field).
     """
     from colibri_plan.formats.coefficients import Coefficients
+    from colibri_plan.formats.report import RunReport
 
-    try:
-        pred, meas = report["predicted"], report["measured"]
-        pt, mt = pred["terms"], meas["terms"]
-        comp = pt.get("expert_compute_s") or {}
-        dev_meas = mt.get("device_s") or {}
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise FormatError(f"{where}: not a verify report ({exc!r} missing); "
-                          "re-run `colibri-plan verify`") from exc
+    if not isinstance(report, dict) or not all(isinstance(report.get(k), dict)
+                                                for k in ("predicted", "measured")):
+        raise FormatError(f"{where}: not a verify report (predicted and measured sections missing); "
+                          "re-run `colibri-plan verify`")
+    pred = RunReport.from_dict(report["predicted"], where, "predicted")
+    meas = RunReport.from_dict(report["measured"], where, "measured")
     try:
         old = Coefficients.from_dict((report.get("plan") or {}).get("coefficients"),
                                      where=f"{where}: plan.coefficients")
@@ -93,26 +96,16 @@ def report_terms(report: dict, where: str = "report") -> dict:
     def raw(v: float, c: float) -> float:
         return v / c if c > 0 else 0.0
 
-    if not all(isinstance(x, dict) for x in (pt, mt, comp, dev_meas)):
-        raise FormatError(f"{where}: predicted.terms, measured.terms and their expert_compute_s / device_s "
-                          "must be objects; re-run `colibri-plan verify`")
-    ppt, mmt = "predicted.terms", "measured.terms"
-    for section, terms in ((ppt, pt), (mmt, mt)):   # every figure, used by this fit or not
-        for k, v in terms.items():
-            if isinstance(v, dict):
-                for kk in v:
-                    _num(v, kk, where, f"{section}.{k}")
-            elif not isinstance(v, list):
-                _num(terms, k, where, section)
-    gpu_pred = sum(_num(comp, k, where, ppt + ".expert_compute_s") for k in comp if k != "cpu")
-    gpu_meas = sum(_num(dev_meas, k, where, mmt + ".device_s") for k in dev_meas)
+    pc, mc = pred.expert_compute_s_per_token, meas.expert_compute_s_per_token
+    gpu_pred = sum(v for k, v in pc.items() if k != "cpu")
+    gpu_meas = sum(v for k, v in mc.items() if k != "cpu")
     devices = gpu_pred > 0 or gpu_meas > 0
-    cpu_path = (_num(mt, "expert_cpu_s", where, mmt) + _num(mt, "disk_wait_s", where, mmt) if devices
-                else _num(mt, "expert_wall_s", where, mmt))
+    cpu_path = (mc.get("cpu", 0.0) + (meas.disk_wait_s_per_token or 0.0) if devices
+                else meas.expert_layers_s_per_token or 0.0)
     n_layers = _num(report.get("plan") or {}, "n_decode_layers", where, "plan")
-    calls = _num(pt, "gpu_calls", where, ppt)   # 0 in plans made before the term existed
-    cpu_raw = raw(_num(comp, "cpu", where, ppt + ".expert_compute_s"), old.cpu_expert)
-    parts = pred.get("cpu_path_layers")
+    calls = pred.gpu_calls_per_token or 0.0   # 0 in plans made before the term existed
+    cpu_raw = raw(pc.get("cpu", 0.0), old.cpu_expert)
+    parts = pred.cpu_path_layers
     if isinstance(parts, dict) and parts.get("disk_s") is not None:
         try:
             col = lambda k: np.asarray(parts[k], dtype=np.float64)   # noqa: E731
@@ -133,29 +126,34 @@ def report_terms(report: dict, where: str = "report") -> dict:
         older = False
     else:   # an older plan: no per-layer parts, so no overlap is known
         older = True
-        disk_raw = raw(_num(pt, "disk_wait_s", where, ppt), old.disk)
+        disk_raw = raw(pred.disk_wait_s_per_token or 0.0, old.disk)
         layers = np.array([[1.0, 0.0, cpu_raw, disk_raw, 0.0]])
+    attention = pred.attention_s_per_token or 0.0
     return {"cpu_raw": cpu_raw, "n_layers": n_layers, "disk_raw": disk_raw,
             # [rows, 5]: weight, resident, stream, disk (raw seconds per token), checksums (seconds, fixed)
             "layers": layers,
             "cpu_path_s": cpu_path,
-            "dense_raw": raw(_num(pt, "dense_s", where, ppt), old.dense),
-            "dense_s": _num(mt, "dense_s", where, mmt) - _num(pt, "attention_s", where, ppt),
+            "dense_raw": raw(pred.dense_s_per_token or 0.0, old.dense),
+            # a run's dense time includes attention (not timed apart): take the predicted share out
+            "dense_s": (meas.dense_s_per_token or 0.0) + (meas.attention_s_per_token or 0.0) - attention,
             "gpu_raw": raw(gpu_pred, old.gpu_expert),
             # measured device time less the predicted transfers (the old call overhead taken out of them)
-            "gpu_s": gpu_meas - (_num(pt, "transfer_s", where, ppt) - old.gpu_call_s * calls),
+            "gpu_s": gpu_meas - ((pred.transfer_s_per_token or 0.0) - old.gpu_call_s * calls),
             "gpu_calls": calls,
             "devices": devices,
             "older_plan": older}
 
 
 def cpu_path_seconds(layers: np.ndarray, c_cpu: float, c_disk: float, overlap: float = 1.0) -> float:
-    """Σ_l w_l (max(a_l, d_l) + (1 − overlap) · min(a_l, d_l) + c_cpu · stream_l), a_l = c_cpu · resident_l
-    + verify_l, d_l = c_disk · disk_l, for ``layers`` ``[rows, 5]`` (weight, resident, stream, disk raw
-    seconds, checksum seconds): the cost model's CPU path with these coefficients."""
+    """Σ_l w_l · :func:`colibri_plan.planner.costmodel.cpu_path_seconds` of the layer's parts scaled by
+    these coefficients (resident and stream x c_cpu, disk x c_disk, checksums fixed), for ``layers``
+    ``[rows, 5]`` (weight, resident, stream, disk raw seconds, checksum seconds): the model calibrate
+    fits, the cost model's CPU path itself."""
+    from colibri_plan.planner import costmodel
+
     w, res, stream, disk, verify = layers.T
-    a, d = c_cpu * res + verify, c_disk * disk
-    return float(np.sum(w * (np.maximum(a, d) + (1.0 - overlap) * np.minimum(a, d) + c_cpu * stream)))
+    return float(np.sum(w * costmodel.cpu_path_seconds(c_cpu * res, c_cpu * stream, c_disk * disk, verify,
+                                                       overlap)))
 
 
 def _fit_cpu_path(terms: list[dict], y: np.ndarray, base) -> tuple[dict, float, list]:

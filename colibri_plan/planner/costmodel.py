@@ -210,6 +210,52 @@ def gpu_fixed_seconds(gpu: GpuResource, activation_bytes: int, coef: Coefficient
     return coef.transfer * transfer_seconds(gpu, activation_bytes) + coef.gpu_call_s
 
 
+def cpu_path_parts(ram_p, lru_p, miss_p, cpu_s: float, disk_s: float, verify_s: float) -> tuple:
+    """The CPU path's four parts from expected selections per token (floats or arrays alike).
+
+    Args:
+        ram_p: selections of pinned experts; lru_p: of disk-tier experts that hit the LRU; miss_p: of
+            disk-tier experts read from disk. cpu_s: seconds to compute one expert (c_cpu included);
+            disk_s: disk seconds per miss (c_disk included); verify_s: checksum seconds per miss.
+
+    Returns:
+        (resident_s, stream_s, disk_s, verify_s): compute of the pinned experts and LRU hits, compute
+        of the misses, their reads, their crc32 checks.
+    """
+    return cpu_s * (ram_p + lru_p), cpu_s * miss_p, disk_s * miss_p, verify_s * miss_p
+
+
+def cpu_path_seconds(resident_s, stream_s, disk_s, verify_s, overlap: float = 1.0):
+    """The CPU path of a layer (module docstring): max(a, d) + (1 − overlap) · min(a, d) + stream_s with
+    a = resident_s + verify_s, d = disk_s. Floats or numpy arrays (element-wise); the one formula the
+    cost model, the solvers and calibrate use."""
+    a = resident_s + verify_s
+    return np.maximum(a, disk_s) + (1.0 - overlap) * np.minimum(a, disk_s) + stream_s
+
+
+def cpu_path_bounds(resident_s, stream_s, disk_s, verify_s, overlap: float = 1.0) -> tuple:
+    """The two linear forms whose max is :func:`cpu_path_seconds` (max(a, d) + k min(a, d) =
+    max(a + k d, d + k a) for k = 1 − overlap in [0, 1]): (a + k d + stream, d + k a + stream)."""
+    a, k = resident_s + verify_s, 1.0 - overlap
+    return a + k * disk_s + stream_s, disk_s + k * a + stream_s
+
+
+def cpu_path_rows(miss_factor, cpu_s: float, disk_s: float, verify_s: float, overlap: float = 1.0) -> tuple:
+    """Coefficients of the solvers' two linear CPU-path rows, per unit of selection probability.
+
+    The parts are linear in the selections, so each bound of :func:`cpu_path_bounds` is Σ p · coefficient:
+    a pinned expert contributes ``ram[j]``, a disk-tier expert with miss factor f = 1 − h contributes
+    ``disk[j]`` (f float or array).
+
+    Returns:
+        (ram, disk): each a pair (row 1, row 2) of coefficients (floats; arrays shaped like f for disk).
+    """
+    f = np.asarray(miss_factor, dtype=np.float64)
+    ram = cpu_path_bounds(*cpu_path_parts(1.0, 0.0, 0.0, cpu_s, disk_s, verify_s), overlap)
+    disk = cpu_path_bounds(*cpu_path_parts(0.0, 1.0 - f, f, cpu_s, disk_s, verify_s), overlap)
+    return ram, disk
+
+
 def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, res: Resources,
                 coef: Coefficients, activation_bytes: int) -> dict:
     """Expected seconds of one MoE layer for one token, term by term (module docstring).
@@ -234,14 +280,14 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
     misses = float(np.sum(p * (1 - h) * on_disk))
     lru_hits = float(np.sum(p * h * on_disk))
     per_sel = coef.cpu_expert * expert_bytes / (res.cpu_gbps * 1e9)   # CPU seconds per expert computed
-    cpu_res_s = per_sel * (float(p[tier == TIER_RAM].sum()) + lru_hits)
-    cpu_stream_s = per_sel * misses
-    disk_s = coef.disk * misses * miss_seconds(expert_bytes, res) if misses > 0 else 0.0
-    verify_s = misses * verify_seconds(expert_bytes, res)
+    per_miss = coef.disk * miss_seconds(expert_bytes, res) if misses > 0 else 0.0
+    cpu_res_s, cpu_stream_s, disk_s, verify_s = cpu_path_parts(
+        float(p[tier == TIER_RAM].sum()), lru_hits, misses, per_sel, per_miss,
+        verify_seconds(expert_bytes, res))
     # reads of the misses overlap the resident compute, which shares the cores with the reads' checksums
     # (a share ``overlap`` of the shorter one hides); each streamed expert is computed after its read
-    a, b = cpu_res_s + verify_s, disk_s
-    cpu_path_s = max(a, b) + (1.0 - coef.overlap) * min(a, b) + cpu_stream_s
+    a = cpu_res_s + verify_s
+    cpu_path_s = float(cpu_path_seconds(cpu_res_s, cpu_stream_s, disk_s, verify_s, coef.overlap))
     gpu_s, xfer_s, calls = [], [], 0
     for d, g in enumerate(res.gpus):
         mine = tier == d

@@ -42,6 +42,7 @@ from colibri_plan.planner.costmodel import (
     Coefficients,
     Resources,
     che_hit_rates,
+    cpu_path_rows,
     decode_cost,
     gpu_fixed_seconds,
     miss_seconds,
@@ -139,7 +140,6 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
     r_of = np.array([rpos[r] for r, _ in act])
     p_of = np.array([probs[r, e] for r, e in act])
     f_of = np.array([miss_factor[r, e] for r, e in act])   # 1 - h: the share of selections that miss
-    m_of = f_of * coef.disk * t_miss
     A = []        # (row index array, col index array, values) blocks
     lo, hi = [], []
     nrow = 0
@@ -154,21 +154,14 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
     # each expert in exactly one tier
     add(np.repeat(idx, n_t), (idx[:, None] * n_t + np.arange(n_t)).ravel(), np.ones(len(act) * n_t),
         [1.0] * len(act), [1.0] * len(act), len(act))
-    # CPU epigraph of max(resident, disk) + stream, as two rows (tau >= resident + stream and
-    # tau >= disk + stream): resident + stream = sum p cpu (x_ram + x_disk) ...
-    # with partial overlap max(a, d) + (1 - o) min(a, d) = max(a + (1 - o) d, d + (1 - o) a): still two rows
-    k = 1.0 - coef.overlap
-    ci = np.concatenate([idx * n_t + t_ram, idx * n_t + t_disk, taucol + np.arange(n_tau)])
-    ri = np.concatenate([r_of, r_of, np.arange(n_tau)])
-    v = np.concatenate([-p_of * cpu_c, -p_of * (cpu_c + f_of * t_verify + k * m_of), np.ones(n_tau)])
-    add(ri, ci, v, [0.0] * n_tau, [np.inf] * n_tau, n_tau)
-    # ... and disk + stream = sum p (1 - h) (c_disk t_miss + cpu) x_disk (+ (1 - o) a)
-    ci = np.concatenate([idx * n_t + t_ram, idx * n_t + t_disk, taucol + np.arange(n_tau)])
-    ri = np.concatenate([r_of, r_of, np.arange(n_tau)])
-    v = np.concatenate([-p_of * k * cpu_c,
-                        -p_of * (m_of + f_of * cpu_c + k * ((1 - f_of) * cpu_c + f_of * t_verify)),
-                        np.ones(n_tau)])
-    add(ri, ci, v, [0.0] * n_tau, [np.inf] * n_tau, n_tau)
+    # CPU epigraph: the cost model's CPU path is the max of two linear forms (costmodel.cpu_path_bounds),
+    # one row each: tau >= sum_e p_e (ram[j] x_ram + disk[j](f_e) x_disk), coefficients from cpu_path_rows
+    ram_c, disk_c = cpu_path_rows(f_of, cpu_c, coef.disk * t_miss, t_verify, coef.overlap)
+    for j in range(2):
+        ci = np.concatenate([idx * n_t + t_ram, idx * n_t + t_disk, taucol + np.arange(n_tau)])
+        ri = np.concatenate([r_of, r_of, np.arange(n_tau)])
+        v = np.concatenate([-p_of * ram_c[j], -p_of * disk_c[j], np.ones(n_tau)])
+        add(ri, ci, v, [0.0] * n_tau, [np.inf] * n_tau, n_tau)
     for d in range(n_gpu):   # GPU epigraph: tau_r - sum p c_d x_d - xfer_d z_rd >= 0
         ci = [idx * n_t + d, taucol + np.arange(n_tau)]
         ri = [r_of, np.arange(n_tau)]

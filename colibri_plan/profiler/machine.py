@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from colibri_plan.errors import ColibriError
+from colibri_plan.meminfo import meminfo  # noqa: F401 - re-exported: the one /proc/meminfo reader
 
 
 def _read(path: str) -> str:
@@ -37,16 +38,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def meminfo() -> dict[str, int]:
-    """/proc/meminfo as bytes: {"MemTotal": ..., "MemAvailable": ...} (empty off Linux)."""
-    out = {}
-    for line in _read("/proc/meminfo").splitlines():
-        m = re.match(r"(\w+):\s+(\d+)\s*(kB)?", line)
-        if m:
-            out[m.group(1)] = int(m.group(2)) * (1024 if m.group(3) else 1)
-    return out
 
 
 def _unescape(field: str) -> str:
