@@ -45,11 +45,13 @@ class FixtureConfig:
         router_std: standard deviation of the router logits x · Wᵀ for unit-RMS x.
     """
 
+    # the MoE part: GLM-5.2's expert geometry (H 6144, I 2048, top-8), few layers and experts
     layers: int = 3
     experts: int = 64
     top_k: int = 8
     hidden: int = 6144
     width: int = 2048
+    # the small trunk
     vocab: int = 4096
     heads: int = 4
     kv_heads: int = 2

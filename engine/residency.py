@@ -29,13 +29,15 @@ import numpy as np
 from colibri_plan.directio import aligned_buffer, drop_cache, open_for_read, read_full
 from colibri_plan.engine.placement import Placement
 from colibri_plan.errors import InputError, IntegrityError
+from colibri_plan.formats.report import HIT_TIERS
 
 
 @dataclass
 class TierStats:
     """Counters and timers since the last :meth:`ResidencyManager.reset_stats` (seconds, bytes).
 
-    ``*_hits`` count expert computations served by each tier; ``misses`` count disk reads;
+    ``uses`` counts expert computations served by each tier, keyed as a plan's ``hit_rate`` (vram,
+    ram_pinned, lru, disk: a disk use is a miss, one read);
     ``disk_busy_s`` sums, per wave of concurrent reads, the time from the first submit to the last read's
     end (so ``disk_bytes / disk_busy_s`` is the disk throughput decode achieved);
     ``disk_wait_s`` is the time the CPU path waited for reads it had nothing else to do during;
@@ -43,10 +45,7 @@ class TierStats:
     (activation transfers included); ``layer_wall_s`` is the wall time inside :meth:`run`.
     """
 
-    vram_hits: int = 0
-    pinned_hits: int = 0
-    lru_hits: int = 0
-    misses: int = 0
+    uses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HIT_TIERS, 0))
     disk_bytes: int = 0
     disk_read_s: float = 0.0
     disk_busy_s: float = 0.0
@@ -57,22 +56,24 @@ class TierStats:
 
     @property
     def expert_uses(self) -> int:
-        return self.vram_hits + self.pinned_hits + self.lru_hits + self.misses
+        return sum(self.uses.values())
+
+    @property
+    def misses(self) -> int:
+        return self.uses["disk"]
 
     def hit_rates(self) -> dict[str, float]:
-        """Share of expert computations served by each tier, keyed as a plan's ``hit_rate`` (vram,
-        ram_pinned, lru, disk)."""
+        """Share of expert computations served by each tier, keyed as a plan's ``hit_rate``."""
         n = max(1, self.expert_uses)
-        return {"vram": self.vram_hits / n, "ram_pinned": self.pinned_hits / n, "lru": self.lru_hits / n,
-                "disk": self.misses / n}
+        return {tier: count / n for tier, count in self.uses.items()}
 
     def lru_hit_rate(self) -> float:
         """Hits among experts that are neither in VRAM nor pinned (the LRU cache's own hit rate)."""
-        n = self.lru_hits + self.misses
-        return self.lru_hits / n if n else 0.0
+        n = self.uses["lru"] + self.uses["disk"]
+        return self.uses["lru"] / n if n else 0.0
 
     def to_dict(self) -> dict:
-        d = dict(self.__dict__)
+        d = dict(self.__dict__, uses=dict(self.uses))
         d["hit_rate"] = self.hit_rates()
         d["lru_hit_rate"] = self.lru_hit_rate()
         return d
@@ -220,17 +221,17 @@ class ResidencyManager:
                 by_dev.setdefault(self._vram[key][0], []).append(i)
             elif key in self._pinned:
                 cpu_hits.append((i, self._pinned[key].weights))
-                st.pinned_hits += 1
+                st.uses["ram_pinned"] += 1
             elif key in lru:
                 lru.move_to_end(key)
                 cpu_hits.append((i, lru[key].weights))
-                st.lru_hits += 1
+                st.uses["lru"] += 1
             else:
                 misses.append(i)
         # devices first: they run in their own threads while the CPU works
         dev_jobs = {k: self._dev_pool.submit(self._device_call, k, layer, [expert_ids[i] for i in idx],
                                              [xs[i] for i in idx]) for k, idx in by_dev.items()}
-        st.vram_hits += sum(len(v) for v in by_dev.values())
+        st.uses["vram"] += sum(len(v) for v in by_dev.values())
         w = self.working_buffers
         first = self._submit_wave(layer, expert_ids, misses[:w])  # reads overlap the CPU hits below
         if cpu_hits:
@@ -287,7 +288,7 @@ class ResidencyManager:
                 self._abort_reads(pending[n:], done)
                 raise
             st.disk_wait_s += time.perf_counter() - t0
-            st.misses += 1
+            st.uses["disk"] += 1
             st.disk_bytes += self.pack.expert_location(layer, int(expert_ids[i]))[1]
             t0 = time.perf_counter()
             slot.weights = self.cpu.upload_expert(*slot.weights)  # zero-copy on host backends

@@ -66,14 +66,14 @@ def test_token_exact_for_every_plan_shape(fixture_dir, reference_tokens, shape):
     uses = stats.expert_uses
     assert uses > 0
     if shape == "all_ram":
-        assert stats.pinned_hits == uses and stats.misses == 0 and stats.disk_bytes == 0
+        assert stats.uses["ram_pinned"] == uses and stats.misses == 0 and stats.disk_bytes == 0
     if shape.startswith("all_disk"):
-        assert stats.pinned_hits == 0 and stats.misses > 0
+        assert stats.uses["ram_pinned"] == 0 and stats.misses > 0
         assert stats.disk_bytes == stats.misses * open_pack(fixture_dir).expert_location(0, 0)[1]
     if shape == "all_disk_no_slot":
-        assert stats.lru_hits == 0 and stats.misses == uses
+        assert stats.uses["lru"] == 0 and stats.misses == uses
     if shape == "device":
-        assert stats.vram_hits > 0 and stats.device_compute_s["numpy:1"] > 0
+        assert stats.uses["vram"] > 0 and stats.device_compute_s["numpy:1"] > 0
 
 
 def test_lru_counts_match_a_simulation(fixture_dir):
@@ -102,7 +102,7 @@ def test_lru_counts_match_a_simulation(fixture_dir):
                 lru = lru[-slots:] if len(lru) > slots else lru
         ref.close()
     _, stats, _ = _generate(fixture_dir, Placement.all_disk(arch.moe_layers, slots))
-    assert (stats.lru_hits, stats.misses) == (hits, misses)
+    assert (stats.uses["lru"], stats.misses) == (hits, misses)
 
 
 def test_resident_bytes_counts_each_byte_once(fixture_dir):

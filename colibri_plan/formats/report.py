@@ -71,30 +71,33 @@ class RunReport:
         cpu_path_layers, per_layer_s: the plan's per-layer CPU-path parts and layer times (predicted).
     """
 
+    # speed and its terms (seconds per decoded token)
     tok_s: float = 0.0
     decode_s_per_token: float = 0.0
     decode_s_median: float | None = None
     dense_s_per_token: float | None = None
     attention_s_per_token: float | None = None
-    expert_layers_s_per_token: float | None = None
     expert_compute_s_per_token: dict[str, float] = field(default_factory=dict)
+    expert_layers_s_per_token: float | None = None
+    transfer_s_per_token: float | None = None
+    gpu_calls_per_token: float | None = None
+    # where the experts were served from, and the disk
+    hit_rate: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HIT_TIERS, 0.0))
+    lru_hit_rate: float | None = None
+    expert_uses_per_token: float | None = None
+    disk_bytes_per_token: float = 0.0
     disk_wait_s_per_token: float | None = None
     disk_read_s_per_token: float | None = None
     disk_busy_s_per_token: float | None = None
-    transfer_s_per_token: float | None = None
-    gpu_calls_per_token: float | None = None
-    hit_rate: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HIT_TIERS, 0.0))
-    lru_hit_rate: float | None = None
-    disk_bytes_per_token: float = 0.0
     disk_read_gbps: float | None = None
+    # the run (measured only)
     tokens: list[int] = field(default_factory=list)
     prompt_tokens: int | None = None
     decode_steps: int | None = None
     load_s: float | None = None
     prefill_s: float | None = None
-    expert_uses_per_token: float | None = None
-    peak_rss_bytes: int | None = None
     resident_bytes: dict[str, int] = field(default_factory=dict)
+    peak_rss_bytes: int | None = None
     o_direct: bool | None = None
     io_warning: str | None = None
     placement: dict = field(default_factory=dict)

@@ -49,18 +49,6 @@ def budgeted(timer: Callable[[int], list[float]], max_repetitions: int, budget_s
     return times
 
 
-def _time_ffn(be, xs, experts, repetitions: int) -> list[float]:
-    be.expert_ffn(xs, experts)
-    be.synchronize()
-    times = []
-    for _ in range(repetitions):
-        t0 = time.perf_counter()
-        be.expert_ffn(xs, experts)
-        be.synchronize()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def probe_device(backend: str, index: int, formats: Sequence[str], hidden: int, width: int,
                  tokens: Sequence[int] = (1, 16), repetitions: int = 5, ffn_experts: int = 8,
                  budget_s: float = 1.0, ffn_budget_s: float = 3.0, device_budget_s: float = 30.0,
@@ -158,7 +146,7 @@ def _probe_ffn(be, base: dict, fmt: str, hidden: int, width: int, k: int, repeti
             experts.append(be.upload_expert(*copies))
             held += sum(q.nbytes for q in copies)
         xs = [np.random.default_rng(i).standard_normal((1, hidden), dtype=np.float32) for i in range(k)]
-        secs = budgeted(lambda n: _time_ffn(be, xs, experts, n), repetitions, budget_s)
+        secs = budgeted(lambda n: be.time_expert_ffn(xs, experts, repeats=n), repetitions, budget_s)
     finally:
         for e in experts:
             for w in e:
