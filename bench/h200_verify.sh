@@ -73,8 +73,9 @@ for v in budgets:
         split = [(e["layer"], sum(len(x) for x in e["vram"].values()), len(e["ram_pinned"])) for e in p.doc["layers"]]
         reps = [json.load(open(f)) for f in sorted(glob.glob(f"{d}/verify-{name}-{v}-r*.json"))]
         tok = [1 / r["measured"]["decode_s_median"] for r in reps]
-        cpu = statistics.median(r["measured"]["terms"]["expert_cpu_s"] for r in reps) * 1e3
-        gpu = statistics.median(sum(r["measured"]["terms"]["device_s"].values()) for r in reps) * 1e3
+        comp = [r["measured"]["terms"]["expert_compute_s"] for r in reps]
+        cpu = statistics.median(c.get("cpu", 0.0) for c in comp) * 1e3
+        gpu = statistics.median(sum(v for k, v in c.items() if k != "cpu") for c in comp) * 1e3
         exact = {True: "yes", False: "NO", None: "-"}[reps[0]["verdict"]["token_exact"]]
         print(f"{v:8s} {name:10s} {str(split):34s} {p.doc['predicted']['tok_s']:10.2f} {statistics.median(tok):10.2f} "
               f"{str([round(t, 1) for t in tok]):24s} {cpu:7.1f} {gpu:7.1f} {exact:>6s}")
