@@ -5,6 +5,8 @@ holds driver calls only (the way tinygrad keeps its runtimes thin over one orche
   and the batched expert FFN (which experts run fused, the token offsets of a batch, the split of the
   result per expert). A backend implements ``_ffn_batch``: gate/up fused with SiLU·mul, then down, over
   a batch of experts of one kind.
+- :func:`padded_layout`, the weight layout the kernels read; :func:`pack`, several inputs of one op
+  (attention's queries and cache rows) in one buffer with their offsets.
 - Staging: :func:`stage_rows` (activations zero-padded into pinned, mapped or shared memory),
   :class:`WorkBuffers` (named grow-only buffers: activations in, FFN intermediate, results, pinned
   staging) and :func:`copy_in_chunks` (uploads through a bounded staging buffer).
@@ -33,7 +35,7 @@ import numpy as np
 from colibri_plan.backends.base import Backend, DeviceInfo, ExpertWeights
 from colibri_plan.errors import ColibriError, DeviceOutOfMemoryError
 from colibri_plan.fileio import atomic_write_bytes
-from colibri_plan.quant import FORMATS, group_size
+from colibri_plan.quant import FORMATS, QuantTensor, bits, group_size
 
 #: the ``FMT`` every kernel source switches on (.cl, .cu, .metal, .comp); see :func:`kernel_format`
 KERNEL_FORMAT = {"f32": 0, "f16": 1, "bf16": 2, "int8": 3, "int4": 4, "int2": 5}
@@ -63,6 +65,59 @@ def import_problem(module: str, missing: str, check: Callable[[Any], str | None]
         return check(importlib.import_module(module))
     except Exception as exc:  # noqa: BLE001 - discovery never raises
         return broken.format(exc=exc)
+
+
+def padded_layout(qt: QuantTensor, multiple: int = 128) -> tuple[np.ndarray, np.ndarray, int]:
+    """The row-padded device layout the GPU kernels (OpenCL, CUDA, Metal) read.
+
+    Columns are padded from ``in_features`` up to ``in_pad``, a multiple of ``multiple`` (128 divides
+    by every group size and makes every row start 16-byte aligned for every format), with the zero
+    code (0.0 for float formats, 8 for int4, 2 for int2, 0 for int8), so kernels need no tail loop and
+    activations padded with zeros give exact sums. Group scales are padded to ``in_pad / G`` groups
+    with 0.0.
+
+    Returns:
+        data: uint8 [out, row_bytes], the rows of ``qt.data`` as bytes plus padding.
+        scales: float32, [out] (per-row), [out, in_pad / G] (groups) or [1] (float formats, unused).
+        in_pad: padded column count.
+    """
+    in_f, out_f = qt.in_features, qt.out_features
+    in_pad = -(-in_f // multiple) * multiple
+    b = bits(qt.fmt)
+    row_bytes = in_pad * b // 8
+    pad_byte = 0xAA if qt.fmt == "int2" else 0x88 if b == 4 else 0  # zero codes 2 (x4) / 8 (x2)
+    src = np.ascontiguousarray(qt.data).view(np.uint8).reshape(out_f, -1)
+    if src.shape[1] == row_bytes:
+        data = src
+    else:  # quantize already filled the unused codes of the last stored byte with the zero code
+        data = np.full((out_f, row_bytes), pad_byte, np.uint8)
+        data[:, : src.shape[1]] = src
+    g = group_size(qt.fmt)
+    if qt.scales is None:
+        scales = np.zeros(1, np.float32)
+    elif g is None:
+        scales = np.ascontiguousarray(qt.scales, np.float32)
+    else:
+        scales = np.zeros((out_f, in_pad // g), np.float32)
+        scales[:, : qt.scales.shape[1]] = qt.scales
+    return data, scales, in_pad
+
+
+def pack(arrays: Sequence[np.ndarray], alloc: Callable[[int], np.ndarray] | None = None, head: int = 0
+         ) -> tuple[np.ndarray, list[int]]:
+    """Several host inputs of one op in one float32 buffer (one copy to the device, one binding; kernels
+    get the offsets): float32 ``arrays`` one after another after ``head`` spare floats (a header), each
+    at a 16-byte boundary. ``alloc(n)`` gives the float32 view to fill, of n floats (mapped or shared
+    memory); default a new array. Gaps are left as they are. Returns (the view, float offsets)."""
+    offs, n = [], head
+    for a in arrays:
+        n = -(-n // 4) * 4
+        offs.append(n)
+        n += a.size
+    out = (alloc or (lambda k: np.empty(k, np.float32)))(n)
+    for a, o in zip(arrays, offs):
+        out[o:o + a.size] = a.reshape(-1)
+    return out, offs
 
 
 # ---- cache folders -------------------------------------------------------------------------------
@@ -239,7 +294,7 @@ class Replays:
 # ---- the GPU backends' base class ----------------------------------------------------------------
 @dataclass
 class PaddedWeight:
-    """A weight in the layout of :func:`colibri_plan.backends.base.padded_layout` on a device."""
+    """A weight in the layout of :func:`padded_layout` on a device."""
 
     data: Any  # the rows, uint8 [out, row_bytes]: cl.Buffer, MTLBuffer or a CUDA device address
     scales: Any  # float32 scales (per row, per group, or a 1-element dummy), same kinds of handle

@@ -8,6 +8,7 @@ A backend is one short file with driver calls only. Lifecycle::
     be = cls.open(index)                    # heavy imports happen here
     w = be.upload(qt)                       # QuantTensor -> DeviceWeight, once per tensor
     y = be.matmul(x, w)                     # x [T, in] float32 -> y [T, out] float32
+    o = be.attention_absorb(q_abs, q_rope, latent, k_rope, scale)   # MLA decode, [H, R] float32
     ys = be.expert_ffn(xs, experts)         # per expert: down(silu(gate x) * up x)
     secs = be.time_matmul(x, w)             # timed calls: the same path, synchronized, wall seconds
     be.free(w); be.close()
@@ -32,6 +33,7 @@ from colibri_plan.errors import (
     ColibriError,
     DeviceOutOfMemoryError,
     InputError,
+    UnsupportedError,
 )
 from colibri_plan.quant import FORMATS, QuantTensor
 
@@ -172,6 +174,12 @@ class Backend:
         ms = np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True)
         return (x / np.sqrt(ms + eps)).astype(np.float32) * weight.astype(np.float32)
 
+    def _attention_absorb(self, q_abs: np.ndarray, q_rope: np.ndarray, latent: np.ndarray,
+                          k_rope: np.ndarray, scale: float) -> np.ndarray:
+        """Absorbed MLA decode attention (see :meth:`attention_absorb`); inputs checked, C-contiguous
+        float32. Default: no kernel here."""
+        raise UnsupportedError(f"{self.name} has no attention_absorb kernel")
+
     def _free(self, w: DeviceWeight) -> None:
         """Release the payload's device memory."""
 
@@ -266,6 +274,39 @@ class Backend:
             raise InputError(f"rmsnorm: x must be [T, H] and weight [H]; got {x.shape}, {weight.shape}")
         return self._timed_op(self._rmsnorm(x, weight, float(eps)))
 
+    def attention_absorb(self, q_abs: np.ndarray, q_rope: np.ndarray, latent: np.ndarray,
+                         k_rope: np.ndarray, scale: float) -> np.ndarray:
+        """Weight-absorbed MLA decode attention over a cache of T compressed rows, shared by all heads.
+
+        ``s[h, t] = scale · (q_abs[h] · latent[t] + q_rope[h] · k_rope[t])``, ``p = softmax_t(s)``
+        (every row visible: causal masking is the caller's), ``out[h] = Σ_t p[h, t] · latent[t]``.
+
+        Args:
+            q_abs: float32 [H, R], the query with W_kv_b's key half absorbed (R = kv_lora_rank).
+            q_rope: float32 [H, Dr], the rotary part of the query (Dr = qk_rope_head_dim).
+            latent: float32 [T, R], the cached kv latent rows (after kv_a_layernorm), T ≥ 1.
+            k_rope: float32 [T, Dr], the cached rotary key rows.
+            scale: softmax scale (finite float).
+
+        Returns:
+            out float32 [H, R] (host array). Inputs of another float dtype are converted.
+
+        Raises:
+            InputError: shapes that do not match, an empty dimension, a non-finite scale.
+            UnsupportedError: this backend (or device) has no kernel for it.
+        """
+        self._check_open()
+        q_abs, q_rope, latent, k_rope = (np.ascontiguousarray(a, dtype=np.float32)
+                                         for a in (q_abs, q_rope, latent, k_rope))
+        shapes = [a.shape for a in (q_abs, q_rope, latent, k_rope)]
+        if not (all(len(s) == 2 and min(s) > 0 for s in shapes) and q_abs.shape[0] == q_rope.shape[0]
+                and latent.shape == (k_rope.shape[0], q_abs.shape[1]) and k_rope.shape[1] == q_rope.shape[1]):
+            raise InputError("attention_absorb: q_abs must be [H, R], q_rope [H, Dr], latent [T, R] and "
+                             f"k_rope [T, Dr], all non-empty; got {', '.join(map(str, shapes))}")
+        if not isinstance(scale, (int, float, np.floating, np.integer)) or not np.isfinite(scale):
+            raise InputError(f"attention_absorb: scale must be a finite number, got {scale!r}")
+        return self._timed_op(self._attention_absorb(q_abs, q_rope, latent, k_rope, float(scale)))
+
     # ---- timed calls ---------------------------------------------------------------------------
     def timed(self, op: Callable, *args, repeats: int = 5) -> list[float]:
         """Seconds per call of ``op(*args)``, a public op of this backend (``self.matmul``,
@@ -291,7 +332,7 @@ class Backend:
         return self.timed(self.expert_ffn, xs, experts, repeats=repeats)
 
     def last_gpu_seconds(self) -> float | None:
-        """Device time of the last op (matmul, expert_ffn, rmsnorm), without the host's share; None when
+        """Device time of the last op (matmul, expert_ffn, rmsnorm, ...), without the host's share; None when
         this backend or device does not measure it (CUDA: only with ``timing`` on)."""
         return self._device_seconds()
 
@@ -350,40 +391,3 @@ class Backend:
             raise InputError("activations have no tokens (T = 0)")
         return np.ascontiguousarray(x, dtype=np.float32)
 
-
-def padded_layout(qt: QuantTensor, multiple: int = 128) -> tuple[np.ndarray, np.ndarray, int]:
-    """The row-padded device layout the GPU kernels (OpenCL, CUDA, Metal) read.
-
-    Columns are padded from ``in_features`` up to ``in_pad``, a multiple of ``multiple`` (128 divides
-    by every group size and makes every row start 16-byte aligned for every format), with the zero
-    code (0.0 for float formats, 8 for int4, 2 for int2, 0 for int8), so kernels need no tail loop and
-    activations padded with zeros give exact sums. Group scales are padded to ``in_pad / G`` groups
-    with 0.0.
-
-    Returns:
-        data: uint8 [out, row_bytes], the rows of ``qt.data`` as bytes plus padding.
-        scales: float32, [out] (per-row), [out, in_pad / G] (groups) or [1] (float formats, unused).
-        in_pad: padded column count.
-    """
-    from colibri_plan.quant import bits, group_size
-
-    in_f, out_f = qt.in_features, qt.out_features
-    in_pad = -(-in_f // multiple) * multiple
-    b = bits(qt.fmt)
-    row_bytes = in_pad * b // 8
-    pad_byte = 0xAA if qt.fmt == "int2" else 0x88 if b == 4 else 0  # zero codes 2 (x4) / 8 (x2)
-    src = np.ascontiguousarray(qt.data).view(np.uint8).reshape(out_f, -1)
-    if src.shape[1] == row_bytes:
-        data = src
-    else:  # quantize already filled the unused codes of the last stored byte with the zero code
-        data = np.full((out_f, row_bytes), pad_byte, np.uint8)
-        data[:, : src.shape[1]] = src
-    g = group_size(qt.fmt)
-    if qt.scales is None:
-        scales = np.zeros(1, np.float32)
-    elif g is None:
-        scales = np.ascontiguousarray(qt.scales, np.float32)
-    else:
-        scales = np.zeros((out_f, in_pad // g), np.float32)
-        scales[:, : qt.scales.shape[1]] = qt.scales
-    return data, scales, in_pad

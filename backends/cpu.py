@@ -3,7 +3,8 @@
 Quantized formats (int8, int4, int4-gG, int2) run the numba kernels of
 :mod:`colibri_plan.backends.cpu_kernels`: a parallel loop over output rows, the packed bytes unpacked in
 the inner loop (never dequantized to memory), so a GEMV reads each weight byte once from RAM.
-Float formats (f32/f16/bf16, the dense trunk) use the numpy reference path (float32 BLAS, f16/bf16
+``attention_absorb`` (MLA decode) runs one head per core step. Float formats (f32/f16/bf16, the dense
+trunk) use the numpy reference path (float32 BLAS, f16/bf16
 converted a block of rows at a time). Weights stay in host memory, referenced, not copied.
 
 Why numba (figures in ``docs/backends.md``): on a 2-core AVX-512 host the int4 GEMV at GLM-5.2 expert
@@ -209,6 +210,12 @@ class CpuBackend(NumpyBackend):
 
     def _tiles(self, rows: int) -> int:
         return -(-rows // self._k.ROW_TILE)
+
+    def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
+        out = np.empty_like(q_abs)  # [H, R], one head per parallel step
+        with self._parallel(64):
+            self._k.attention_absorb(q_abs, q_rope, latent, k_rope, np.float32(scale), out)
+        return out
 
     def _expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
         out = []

@@ -1,13 +1,12 @@
-"""CUDA backend (CuPy): kernels from ``shaders/cuda/matmul.cu`` compiled by NVRTC (``cupy.RawModule``).
+"""CUDA backend (CuPy): kernels from ``shaders/cuda/*.cu`` compiled by NVRTC (``cupy.RawModule``).
 
-Weights use the padded layout of :func:`colibri_plan.backends.base.padded_layout`, one plain
-``cudaMalloc`` per tensor (data, then float32 scales at a 256-byte aligned offset), filled through a
-pinned host staging buffer. Each op makes one host-to-device copy (a pointer table plus the zero-padded
-activations), its launches, and one device-to-host copy: :meth:`CUDABackend.expert_ffn` runs the whole
-batch of experts in two launches (gate/up fused with SiLU·up, then down), whatever the batch size.
-Repeated work shapes replay a captured CUDA graph. With ``timing = True``, ``last_device_seconds``
-holds the GPU time of the last op (its copies and kernels, from CUDA events), for benchmarks. Staging,
-the batch orchestration, replays and timing live in ``_shared`` and ``base``; this file is driver calls.
+Weights use :func:`colibri_plan.backends._shared.padded_layout`, one ``cudaMalloc`` per tensor (data, then
+float32 scales at a 256-byte aligned offset), filled through pinned staging. Each op makes one
+host-to-device copy (a pointer table plus the padded activations), its launches and one device-to-host
+copy: :meth:`CUDABackend.expert_ffn` runs a whole batch of experts in two launches (gate/up fused with
+SiLU·up, then down). Repeated work shapes replay a captured CUDA graph. With ``timing = True``,
+``last_device_seconds`` holds the GPU time of the last op (CUDA events). Staging, batching, replays and
+timing live in ``_shared`` and ``base``; this file is driver calls.
 """
 
 from __future__ import annotations
@@ -19,15 +18,14 @@ import numpy as np
 
 from colibri_plan.backends import _shared as sh
 from colibri_plan.backends._shared import GPUBackend, PaddedWeight, Replays, WorkBuffers
-from colibri_plan.backends.base import DeviceInfo, padded_layout
+from colibri_plan.backends.base import DeviceInfo
 from colibri_plan.errors import UnsupportedError
 from colibri_plan.quant import QuantTensor, group_size
 
 _GSHIFT = {32: 0, 64: 1, 128: 2}  # log2(G / 32): 16-byte words of int4 per group
 _WARPS = 8  # warps per block
-# (rows per warp tile R, 16-byte words per lane per step U): R * U (matmul) or 2 * R * U (gate and up)
-# loads per lane in flight, twice over while the previous step computes (bench/cuda_expert_ffn.py --tune;
-# staging the weights through shared memory with cp.async instead measured ~20% slower on an H200)
+# (rows per warp tile R, 16-byte words per lane per step U): R·U (mm) or 2·R·U (gate_up) loads per lane in
+# flight, twice over (bench/cuda_expert_ffn.py --tune; cp.async shared-memory staging: ~20% slower, H200)
 _SHAPE = {"mm": (4, 1), "gate_up": (2, 1)}
 _NVRTC_OPTIONS = ("--std=c++14",)  # benchmarks add -DCOLIBRI_READ_ONLY (loads without arithmetic)
 _TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their activations in shared memory)
@@ -35,7 +33,7 @@ _RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the modu
 
 
 class CUDABackend(GPUBackend):
-    """Quantized matmul, batched fused expert FFN and rmsnorm on NVIDIA GPUs (see the module docstring)."""
+    """Quantized matmul, batched fused expert FFN, rmsnorm and absorbed MLA attention on NVIDIA GPUs."""
 
     name = "cuda"
 
@@ -72,7 +70,6 @@ class CUDABackend(GPUBackend):
         self._src = sh.kernel_source("cuda", "matmul.cu")
         with self.dev:
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            self.module = cupy.RawModule(code=self._src, options=("--std=c++14",))  # rmsnorm
             self._events = (cupy.cuda.Event(), cupy.cuda.Event())
             free, _ = self.rt.memGetInfo()
             self._sms = int(self.dev.attributes["MultiProcessorCount"])
@@ -85,13 +82,11 @@ class CUDABackend(GPUBackend):
         self.use_graphs = True
         self._work = WorkBuffers(lambda name, n: self._malloc(n))  # device Memory, grow-only
         self._pinned = WorkBuffers(self._alloc_pinned)  # NS(a: uint8 view of pinned memory, ptr)
-        # benchmarks: run each op's kernels this many times (idempotent); the GPU time at 2 less that
-        # at 1 is the kernels' own time (events inside a captured graph cannot be timed)
+        # benchmarks: each op's kernels run this many times; GPU time at 2 less at 1 = the kernels' own
         self.kernel_passes = 1
 
     def _close(self) -> None:
-        with self.dev:
-            self.stream.synchronize()
+        self._synchronize()
         for cache in (self._work, self._pinned, self._fns, self._launchers, self._graphs):
             cache.clear()
 
@@ -133,7 +128,7 @@ class CUDABackend(GPUBackend):
             sh.copy_in_chunks(src, stage.a, put)
 
     def _upload(self, qt: QuantTensor) -> PaddedWeight:
-        data, scales, in_pad = padded_layout(qt)
+        data, scales, in_pad = sh.padded_layout(qt)
         dbytes = -(-data.nbytes // 256) * 256
         mem = self._malloc(dbytes + scales.nbytes)  # raises DeviceOutOfMemoryError, nothing held
         self._h2d(mem.ptr, data)
@@ -146,10 +141,6 @@ class CUDABackend(GPUBackend):
     # ---- launches --------------------------------------------------------------------------------
     def _smem_limit(self) -> int:
         return int(self.dev.attributes.get("MaxSharedMemoryPerBlockOptin", 48 * 1024))
-
-    def _tokens_per_pass(self, T: int, in_pad: int) -> int:
-        """1 for decode; ``_TOKENS_PER_PASS`` for T > 1 when their activations fit in shared memory."""
-        return _TOKENS_PER_PASS if T > 1 and _TOKENS_PER_PASS * in_pad * 4 <= self._smem_limit() else 1
 
     def _fn(self, name: str, fmt: str, tc: int, smem: int):
         """The kernel instance ``name<format, R, U, tc>``, compiled by NVRTC on first use (one module each:
@@ -187,7 +178,8 @@ class CUDABackend(GPUBackend):
         key = (name, fmt, n_mats, rows_grid, rows, in_pad, stride, T)
         hit = self._launchers.get(key)
         if hit is None:
-            tc = self._tokens_per_pass(T, in_pad)
+            # tokens per pass: 1 for decode; _TOKENS_PER_PASS for T > 1 when they fit in shared memory
+            tc = _TOKENS_PER_PASS if T > 1 and _TOKENS_PER_PASS * in_pad * 4 <= self._smem_limit() else 1
             smem = tc * in_pad * 4
             fn = self._fn(name, fmt, tc, smem)
             warp_tiles = -(-rows_grid // _SHAPE[name][0])
@@ -200,8 +192,7 @@ class CUDABackend(GPUBackend):
     def _stage_args(self, table: list[int], xs, in_pad: int) -> int:
         """Fill pinned [u64 table | x_0 | x_1 ...] (x_i zero-padded to [T_i, in_pad]); returns its bytes.
         The table refers to the x block by the device address it will have: work["args"] + table bytes."""
-        tb = len(table) * 8
-        rows = sum(x.shape[0] for x in xs)
+        tb, rows = len(table) * 8, sum(x.shape[0] for x in xs)
         n = tb + rows * in_pad * 4
         host = self._pinned.get("args", n).a
         self._work.get("args", n)
@@ -218,13 +209,9 @@ class CUDABackend(GPUBackend):
         rt.memcpyAsync(self._pinned["out"].ptr, out_ptr, out_nbytes, rt.memcpyDeviceToHost, s.ptr)
 
     def _run(self, n: int, launches, out_ptr: int, out_nbytes: int) -> np.ndarray:
-        """Copy the staged arguments up, launch, copy ``out_nbytes`` back; returns them as float32.
-
-        The second time the same work shape and buffers come, it is captured as a CUDA graph and
-        replayed from then on: one driver call instead of four (host overhead bounds small batches).
-        """
-        host_out = self._pinned.get("out", out_nbytes).a
-        s = self.stream
+        """Copy the staged arguments up, launch, copy ``out_nbytes`` back as float32. A work shape and buffers
+        seen twice are captured as a CUDA graph, then replayed: one driver call (host time bounds decode)."""
+        host_out, s = self._pinned.get("out", out_nbytes).a, self.stream
         key = (self.kernel_passes, n, out_ptr, out_nbytes, self._work["args"].ptr, self._pinned["args"].ptr,
                self._pinned["out"].ptr, tuple((id(lr), off) for lr, off in launches))
         self._timed_run = self.timing
@@ -284,17 +271,29 @@ class CUDABackend(GPUBackend):
                     (self._launcher("mm", e0.down.fmt, n, H, H, Ip, H, Tm), 64 * n)]  # y_i = h_i . down^T
         return self._run(nbytes, launches, y, tok[-1] * H * 4).reshape(tok[-1], H)
 
-    def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        cp, self._timed_run = self.cp, False  # no events around this op
+    def _plain(self, name: str, source: str, grid: int, inputs, out_shape, *scalars) -> np.ndarray:
+        """Run kernel ``name`` of ``shaders/cuda/<source>`` on ``grid`` blocks of 256 threads with arguments
+        (device copies of the host ``inputs``, a float32 output of ``out_shape``, ``scalars``); untimed."""
+        cp, self._timed_run = self.cp, False
         with self.dev, self.stream:
-            xd, wd = cp.asarray(x), cp.asarray(weight)
-            yd = cp.empty_like(xd)
-            if "rmsnorm" not in self._fns:
-                self._fns["rmsnorm"] = self.module.get_function("rmsnorm")
-            self._fns["rmsnorm"]((x.shape[0],), (256,), (xd, wd, yd, np.int32(x.shape[1]), np.float32(eps)))
-            y = cp.asnumpy(yd, stream=self.stream)
+            if name not in self._fns:  # NVRTC, on first use
+                mod = cp.RawModule(code=sh.kernel_source("cuda", source), options=_NVRTC_OPTIONS)
+                self._fns[name] = mod.get_function(name)
+            args = [cp.asarray(a) for a in inputs] + [cp.empty(out_shape, cp.float32)]
+            self._fns[name]((grid,), (256,), (*args, *scalars))
+            y = cp.asnumpy(args[-1], stream=self.stream)
             self.stream.synchronize()
         return y
+
+    def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:  # a block per token
+        return self._plain("rmsnorm", "matmul.cu", x.shape[0], (x, weight), x.shape, np.int32(x.shape[1]),
+                           np.float32(eps))
+
+    def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
+        (H, R), (T, Dr) = q_abs.shape, k_rope.shape
+        host, (_, qr, lat, kr) = sh.pack((q_abs, q_rope, latent, k_rope))  # one copy up, four offsets
+        return self._plain("attention_absorb", "attention.cu", H, (host,), (H, R),  # a block per head
+                           *(np.int32(v) for v in (R, Dr, T, qr, lat, kr)), np.float32(scale))
 
 
 BACKEND = CUDABackend

@@ -1,8 +1,8 @@
 """Metal backend (PyObjC): Apple GPUs, shared-storage buffers on unified memory.
 
-UNVERIFIED: no macOS machine was available to us, so this file and ``shaders/metal/matmul.metal`` have
-never been compiled or run; they follow the same contract, layout
-(:func:`colibri_plan.backends.base.padded_layout`) and kernel structure as the OpenCL backend, which is
+UNVERIFIED: no macOS machine was available to us, so this file and ``shaders/metal/*.metal`` have never
+been compiled or run; they follow the same contract, layout
+(:func:`colibri_plan.backends._shared.padded_layout`) and kernel structure as the OpenCL backend, which is
 tested. Off macOS, :meth:`MetalBackend.unavailable_reason` says so and every test skips with that reason.
 
 The ``.metal`` source is compiled at run time (``newLibraryWithSource``). Weights live in
@@ -22,7 +22,7 @@ import numpy as np
 
 from colibri_plan.backends import _shared as sh
 from colibri_plan.backends._shared import GPUBackend, PaddedWeight
-from colibri_plan.backends.base import DeviceInfo, padded_layout
+from colibri_plan.backends.base import DeviceInfo
 from colibri_plan.errors import BackendUnavailableError
 from colibri_plan.quant import QuantTensor, group_size
 
@@ -41,7 +41,8 @@ def _mtl_devices() -> list:
 
 
 class MetalBackend(GPUBackend):
-    """Quantized matmul, fused expert FFN and rmsnorm through Metal (unverified; see the module docstring)."""
+    """Quantized matmul, fused expert FFN, rmsnorm and absorbed MLA attention through Metal (unverified;
+    see the module docstring)."""
 
     name = "metal"
 
@@ -68,7 +69,7 @@ class MetalBackend(GPUBackend):
         self.mtl = Metal
         self.dev = _mtl_devices()[self.device.index]
         self.queue = self.dev.newCommandQueue()
-        src = sh.kernel_source("metal", "matmul.metal")
+        src = sh.kernel_source("metal", "matmul.metal") + sh.kernel_source("metal", "attention.metal")
         self.lib, err = self.dev.newLibraryWithSource_options_error_(src, None, None)
         if self.lib is None:
             raise BackendUnavailableError(f"metal: the kernels do not compile: {err}")
@@ -100,7 +101,7 @@ class MetalBackend(GPUBackend):
         return self.dev.newBufferWithBytes_length_options_(raw, n, self._shared)
 
     def _upload(self, qt: QuantTensor) -> PaddedWeight:
-        data, scales, in_pad = padded_layout(qt)
+        data, scales, in_pad = sh.padded_layout(qt)
         bufs = [self._buffer(a, a.nbytes) for a in (data, scales)]
         if any(b is None for b in bufs):  # Metal answers nil when it cannot allocate
             raise self._oom(f"could not allocate {qt.nbytes} B", qt.nbytes)
@@ -193,6 +194,18 @@ class MetalBackend(GPUBackend):
         enc.endEncoding()
         self._commit(cb)
         return self._view(yb, x.nbytes).reshape(T, H).copy()
+
+    def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
+        (H, R), (T, Dr) = q_abs.shape, k_rope.shape
+        host, (_, qr, lat, kr) = sh.pack((q_abs, q_rope, latent, k_rope))  # one shared buffer, offsets
+        ib, ob = self._buffer(host, host.nbytes), self._work(q_abs.nbytes)
+        cb = self.queue.commandBuffer()
+        enc = cb.computeCommandEncoder()  # a threadgroup of _SIMDGROUPS simdgroups per head
+        self._dispatch(enc, "attention_absorb", [(ib, 0), (ob, 0)],
+                       struct.pack("<6If", R, Dr, T, qr, lat, kr, scale), H * _SIMDGROUPS)
+        enc.endEncoding()
+        self._commit(cb)
+        return self._view(ob, q_abs.nbytes).reshape(H, R).copy()  # [H, R]
 
 
 BACKEND = MetalBackend

@@ -42,6 +42,27 @@ def host_device(backend: str, formats: tuple[str, ...], driver: str) -> DeviceIn
                       unified_memory=True, formats=formats, driver=driver)
 
 
+def attention_absorb_ref(q_abs: np.ndarray, q_rope: np.ndarray, latent: np.ndarray, k_rope: np.ndarray,
+                         scale: float) -> np.ndarray:
+    """Weight-absorbed MLA decode attention in float64, cast to float32 (the reference of
+    ``Backend.attention_absorb``; ``engine/mla.py`` keeps an identical copy).
+
+    Args:
+        q_abs: [H, R] query with W_kv_b's key half absorbed; q_rope: [H, Dr] its rotary part.
+        latent: [T, R] cached kv latent rows; k_rope: [T, Dr] cached rotary key rows (T ≥ 1).
+        scale: softmax scale.
+
+    Returns:
+        float32 [H, R]: out[h] = Σ_t p[h, t] · latent[t] with
+        p[h] = softmax_t(scale · (q_abs[h]·latent[t] + q_rope[h]·k_rope[t])).
+    """
+    lat = np.asarray(latent, np.float64)
+    s = scale * (np.asarray(q_abs, np.float64) @ lat.T + np.asarray(q_rope, np.float64)
+                 @ np.asarray(k_rope, np.float64).T)  # [H, T]
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    return ((p / p.sum(axis=1, keepdims=True)) @ lat).astype(np.float32)
+
+
 def row_block(qt: QuantTensor, r0: int, r1: int) -> QuantTensor:
     """Rows r0..r1 of a host QuantTensor as a QuantTensor (views, no copy)."""
     s = None if qt.scales is None else qt.scales[r0:r1]
@@ -95,6 +116,10 @@ class NumpyBackend(Backend):
             blk = dequantize(row_block(qt, r0, r1))  # [rows, in] float32 scratch
             y[:, r0:r1] = x @ blk.T
         return y
+
+
+    def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
+        return attention_absorb_ref(q_abs, q_rope, latent, k_rope, scale)
 
 
 def _blas() -> str:

@@ -4,7 +4,7 @@ Kernels are ``shaders/opencl/*.cl``, compiled at run time once per (format, work
 program binaries per device and driver under ``<cache>/opencl/<sha256>.bin`` (``<cache>`` is
 ``$COLIBRI_PLAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/colibri-plan`` or ``~/.cache/colibri-plan``: see
 ``_shared.cache_dir``), with a checksum; a cached binary that fails to load is rebuilt from source.
-Weights use the padded layout of :func:`colibri_plan.backends.base.padded_layout`. Work shape: on CPU
+Weights use the padded layout of :func:`colibri_plan.backends._shared.padded_layout`. Work shape: on CPU
 devices one work-item per row (measured fastest for int4 GEMV on PoCL), on GPUs one work-group of 64 per
 row with a local-memory reduction.
 """
@@ -18,11 +18,12 @@ import numpy as np
 
 from colibri_plan.backends import _shared as sh
 from colibri_plan.backends._shared import GPUBackend, PaddedWeight, WorkBuffers
-from colibri_plan.backends.base import DeviceInfo, padded_layout
+from colibri_plan.backends.base import DeviceInfo
 from colibri_plan.quant import QuantTensor, group_size
 
 _OOM_CODES = ("MEM_OBJECT_ALLOCATION_FAILURE", "OUT_OF_RESOURCES", "OUT_OF_HOST_MEMORY",
               "INVALID_BUFFER_SIZE")
+_SOURCES = {"rmsnorm": "norm.cl", "attention_absorb": "attention.cl"}  # kernels without a weight format
 _MAGIC = b"CPCLPB01"  # cache files: magic, sha256 of the program binary, the binary
 
 
@@ -56,7 +57,8 @@ def _check(cl) -> str | None:
 
 
 class OpenCLBackend(GPUBackend):
-    """Quantized matmul, fused expert FFN and rmsnorm through pyopencl (see the module docstring)."""
+    """Quantized matmul, fused expert FFN, rmsnorm and absorbed MLA attention through pyopencl (see the
+    module docstring)."""
 
     name = "opencl"
 
@@ -127,7 +129,7 @@ class OpenCLBackend(GPUBackend):
         key = (name, fmt, tpi, self.ls)
         if key not in self._kernels:
             if fmt is None:
-                prg = self._build("norm.cl", [f"-DLS={self.ls}"])
+                prg = self._build(_SOURCES[name], [f"-DLS={self.ls}"])
             else:
                 g = group_size(fmt)
                 opts = [f"-DFMT={sh.kernel_format(fmt)}", f"-DLS={self.ls}", f"-DTPI={tpi}"]
@@ -145,7 +147,7 @@ class OpenCLBackend(GPUBackend):
 
     def _upload(self, qt: QuantTensor) -> PaddedWeight:
         cl = self.cl
-        data, scales, in_pad = padded_layout(qt)
+        data, scales, in_pad = sh.padded_layout(qt)
         made = []
         try:
             for host in (data, scales):
@@ -236,6 +238,18 @@ class OpenCLBackend(GPUBackend):
         y = np.empty_like(x)
         cl.enqueue_copy(self.queue, y, yb, is_blocking=True)
         return y
+
+    def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
+        cl, u32, (H, R), (T, Dr) = self.cl, np.uint32, q_abs.shape, k_rope.shape
+        host, (_, qr, lat, kr) = sh.pack((q_abs, q_rope, latent, k_rope))  # one buffer, four offsets
+        ib, ob = self._scratch.get("ax", host.nbytes), self._scratch.get("ay", q_abs.nbytes)
+        cl.enqueue_copy(self.queue, ib, host, is_blocking=False)
+        knl = self._kernel("attention_absorb", None)
+        knl.set_args(ib, ob, u32(R), u32(Dr), u32(T), u32(qr), u32(lat), u32(kr), np.float32(scale))
+        cl.enqueue_nd_range_kernel(self.queue, knl, (H * self.ls,), (self.ls,))  # a work-group per head
+        out = np.empty_like(q_abs)  # [H, R]
+        cl.enqueue_copy(self.queue, out, ob, is_blocking=True)  # in order: `host` was read before
+        return out
 
 
 BACKEND = OpenCLBackend

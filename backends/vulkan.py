@@ -6,10 +6,9 @@ sizes are passed), a numpy view of mapped memory must not outlive ``vkUnmapMemor
 call), nested structs live only as long as the outer one (pointees are kept in locals), push constants
 are an ffi array, ``VK_TIMEOUT`` is a result code, ``import vulkan`` raises OSError without the loader.
 
-One storage buffer per weight (per block of rows over ``maxStorageBufferRange``): padded rows, then
-float32 scales; memory types per role in ``vulkan_util.memory_roles``. Each call shape records its command
-buffer once and replays it (``_shared.Replays``); pipelines come from a cache persisted on disk
-(``vulkan_util.cache_path``). The device's fixed objects are ``vulkan_util.Device``.
+One storage buffer per weight (per row block over ``maxStorageBufferRange``): padded rows, then scales;
+memory types per role: ``vulkan_util.memory_roles``; fixed objects: ``vulkan_util.Device``. Each call
+shape's command buffer is recorded once, then replayed (``_shared.Replays``); pipelines are cached on disk.
 """
 
 from __future__ import annotations
@@ -21,17 +20,18 @@ import numpy as np
 from colibri_plan.backends import _shared as sh
 from colibri_plan.backends import vulkan_util as vu
 from colibri_plan.backends._shared import GPUBackend, Replays, WorkBuffers
-from colibri_plan.backends.base import DeviceInfo, padded_layout
+from colibri_plan.backends.base import DeviceInfo
 from colibri_plan.errors import UnsupportedError
 from colibri_plan.quant import group_size
 
 MAXE, WG, ROWS = 8, 64, 4  # experts per dispatch (the shader's MAXE), invocations and rows per workgroup
+ATT_TILE = 256  # attention.comp: cache rows scored in shared memory at once (online softmax over tiles)
 _CMD_KEEP = 256  # recorded command buffers kept (least recently used dropped)
 _USAGE = 0x20 | 0x1 | 0x2  # VK_BUFFER_USAGE_: STORAGE_BUFFER | TRANSFER_SRC | TRANSFER_DST
 
 
 class VulkanBackend(GPUBackend):
-    """Quantized matmul, fused expert FFN and RMSNorm on any Vulkan 1.1 device (lavapipe included)."""
+    """Quantized matmul, fused expert FFN, RMSNorm and absorbed MLA attention on any Vulkan 1.1 device."""
 
     name = "vulkan"
 
@@ -108,7 +108,7 @@ class VulkanBackend(GPUBackend):
     # ---- weights -------------------------------------------------------------------------------------
     def _upload(self, qt):
         vk = self.vk
-        data, scales, in_pad = padded_layout(qt)  # uint8 [out, row_bytes], float32 scales, padded columns
+        data, scales, in_pad = sh.padded_layout(qt)  # uint8 [out, row_bytes], float32 scales, padded columns
         g = group_size(qt.fmt) or 0
         row_bytes, nscale = data.shape[1], (0 if qt.scales is None else scales.size // qt.out_features)
         per_row = row_bytes + 4 * nscale
@@ -151,11 +151,12 @@ class VulkanBackend(GPUBackend):
     # ---- ops -----------------------------------------------------------------------------------------
     def _put_x(self, xs: list[np.ndarray], in_pad: int) -> NS:
         """Activations of every expert, one after another, as rows zero-padded to ``in_pad`` floats."""
-        total = sum(x.shape[0] for x in xs)
-        b = self._io.get("x", 4 * total * in_pad)
-        view = np.frombuffer(b.map, np.float32, count=total * in_pad).reshape(total, in_pad)
-        sh.stage_rows(xs, in_pad, view)  # x_i [T_i, in] -> rows of the padded [total, in_pad] buffer
-        return b
+        total = sum(x.shape[0] for x in xs)  # x_i [T_i, in] -> rows of the padded [total, in_pad] buffer
+        sh.stage_rows(xs, in_pad, self._x_view(total * in_pad).reshape(total, in_pad))
+        return self._io["x"]
+
+    def _x_view(self, n: int) -> np.ndarray:
+        return np.frombuffer(self._io.get("x", 4 * n).map, np.float32, count=n)  # n floats of x
 
     def _get_y(self, rows: int, cols: int) -> np.ndarray:
         return np.frombuffer(self._io["y"].map, np.float32, count=rows * cols).reshape(rows, cols).copy()
@@ -206,15 +207,21 @@ class VulkanBackend(GPUBackend):
         return self._get_y(T, H)  # [T, H]: expert i's rows tok[i] .. tok[i+1]-1
 
     def _rmsnorm(self, x, weight, eps):
-        T, H = x.shape
-        xb = self._io.get("x", 4 * (T * H + H))
-        view = np.frombuffer(xb.map, np.float32, count=T * H + H)
-        view[:T * H], view[T * H:] = x.reshape(-1), weight  # x [T, H] then weight [H] in one buffer
-        yb = self._io.get("y", 4 * T * H)
-        pc = [H, T * H, int(np.float32(eps).view(np.uint32))]
+        (T, H), (_, offs) = x.shape, sh.pack((x, weight), self._x_view)  # x [T, H], then weight [H]
+        xb, yb = self._io["x"], self._io.get("y", 4 * T * H)
+        pc = [H, offs[1], int(np.float32(eps).view(np.uint32))]
         self._run(("rms", T, H, pc[2]), set(), lambda: [
             (self._d.pipeline("rmsnorm", (WG,)), [xb], [xb], xb, yb, pc, T, 1)])
         return self._get_y(T, H)
+
+    def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale):
+        (H, R), (T, Dr), sbits = q_abs.shape, k_rope.shape, np.float32(scale).view(np.uint32)
+        view, o = sh.pack((q_abs, q_rope, latent, k_rope), self._x_view, head=8)  # header, then inputs
+        view[:8].view(np.uint32)[:] = (R, Dr, T, o[1] - 8, o[2] - 8, o[3] - 8, sbits, 0)
+        xb, yb = self._io["x"], self._io.get("y", 4 * H * R)
+        self._run(("att", H), set(), lambda: [  # T is in the header: one command buffer for every T
+            (self._d.pipeline("attention", (WG, ATT_TILE)), [xb], [xb], xb, yb, [0], H, 1)])
+        return self._get_y(H, R)  # [H, R]
 
     # ---- command buffers -----------------------------------------------------------------------------
     def _run(self, key, owners: set, steps) -> None:

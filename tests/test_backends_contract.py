@@ -150,6 +150,35 @@ def test_wrong_shapes_and_inputs(backend_cls):
         # activations of another dtype are converted, not rejected
         y = be.matmul(np.ones((2, 32), np.float64), w)
         assert y.dtype == np.float32 and y.shape == (2, 16)
+        _attention_inputs_are_checked(be)
+
+
+def _attention_inputs_are_checked(be):
+    """attention_absorb(q_abs [H, R], q_rope [H, Dr], latent [T, R], k_rope [T, Dr], scale)."""
+    H, R, Dr, T = 2, 8, 3, 5
+    good = [np.ones(s, np.float32) for s in ((H, R), (H, Dr), (T, R), (T, Dr))]
+    for i, bad in [(0, (H, R + 1)), (1, (H + 1, Dr)), (2, (T, R - 1)), (3, (T + 1, Dr)), (2, (0, R)),
+                   (3, (T, 0)), (0, (H * R,))]:
+        args = list(good)
+        args[i] = np.ones(bad, np.float32)
+        with pytest.raises(InputError, match="attention_absorb"):
+            be.attention_absorb(*args, 0.5)
+    for scale in (float("nan"), float("inf"), "0.5", None):
+        with pytest.raises(InputError, match="scale"):
+            be.attention_absorb(*good, scale)
+    try:  # float64 inputs are converted; equal latent rows give back that row whatever the scores
+        out = be.attention_absorb(*[a.astype(np.float64) for a in good], 0.5)
+    except UnsupportedError:
+        return
+    assert out.dtype == np.float32 and out.shape == (H, R)
+    np.testing.assert_allclose(out, 1.0, rtol=1e-6)
+
+
+def test_a_backend_without_the_attention_kernel_says_so():
+    cls = type("NoAttention", (get_backend("numpy"),), {"_attention_absorb": Backend._attention_absorb})
+    with cls.open(0) as be:
+        with pytest.raises(UnsupportedError, match="no attention_absorb kernel"):
+            be.attention_absorb(*[np.ones(s, np.float32) for s in ((1, 4), (1, 2), (3, 4), (3, 2))], 1.0)
 
 
 def test_unsupported_format_is_refused():

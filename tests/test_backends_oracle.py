@@ -23,9 +23,11 @@ from colibri_plan.errors import UnsupportedError
 
 
 class Case(NamedTuple):
-    """op: matmul | expert_ffn | rmsnorm. matmul: W [out, in]. expert_ffn: gate/up [out, in] and down
-    [in, out] (out = expert width I, in = hidden size H), ``experts`` experts per call, expert j gets
-    max(1, tokens − j) tokens. rmsnorm: x [tokens, in]."""
+    """op: matmul | expert_ffn | rmsnorm | attention_absorb. matmul: W [out, in]. expert_ffn: gate/up
+    [out, in] and down [in, out] (out = expert width I, in = hidden size H), ``experts`` experts per call,
+    expert j gets max(1, tokens − j) tokens. rmsnorm: x [tokens, in]. attention_absorb: q_abs [out = H
+    heads, in = R], q_rope [H, rope], latent [tokens = T, R], k_rope [T, rope], softmax scale
+    sharp / sqrt(R + rope) (sharp ≫ 1: scores in the thousands, which overflow exp without the max)."""
 
     op: str
     fmt: str
@@ -33,6 +35,8 @@ class Case(NamedTuple):
     in_: int
     tokens: int
     experts: int = 1
+    rope: int = 0
+    sharp: float = 1.0
 
 
 GLM = ((2048, 6144), (6144, 2048))  # GLM-5.2 routed expert gate/up and down (out, in)
@@ -45,10 +49,16 @@ CASES = (
     + [Case("expert_ffn", f, 33, 67, 3, experts=3) for f in quant.FORMATS]
     + [Case("expert_ffn", "int4", 2048, 6144, 1, experts=2), Case("expert_ffn", "int4-g64", 2048, 6144, 3, 2)]
     + [Case("rmsnorm", "f32", 0, n, t) for n, t in ((67, 3), (6144, 1), (6144, 5))]
+    # odd sizes; T = 1; T past one tile of cached rows (256 on the GPUs) and R past 4 columns per thread;
+    # DeepSeek-V3 decode (128 heads, kv_lora_rank 512, rope 64) at 1, 64 and 1000 cached rows
+    + [Case("attention_absorb", "f32", h, r, t, rope=d) for h, r, d, t in (
+        (3, 67, 5, 1), (3, 67, 5, 257), (1, 5, 1, 3), (2, 1030, 3, 513),
+        (128, 512, 64, 1), (128, 512, 64, 64), (128, 512, 64, 1000))]
+    + [Case("attention_absorb", "f32", 3, 67, 300, rope=5, sharp=100.0)]
 )
 #: max|y - ref| / max|ref|; the reference uses the same quantized weights, so this bounds float32
 #: accumulation (and, for expert_ffn, the float32 intermediate) only
-BOUNDS = {"matmul": 1e-4, "expert_ffn": 5e-4, "rmsnorm": 1e-5}
+BOUNDS = {"matmul": 1e-4, "expert_ffn": 5e-4, "rmsnorm": 1e-5, "attention_absorb": 1e-5}
 GUARD = 64  # NaN floats before and after the activations
 
 
@@ -119,6 +129,19 @@ def _ffn_inputs(case: Case):
     return qts, xs, refs
 
 
+@functools.cache
+def _attention_inputs(case: Case):
+    """([q_abs, q_rope, latent, k_rope] float32, scale, float64 reference [H, R]) of an attention case."""
+    H, R, Dr, T = case.out, case.in_, case.rope, case.tokens
+    rng = np.random.default_rng([H, R, Dr, T])
+    arrays = [rng.standard_normal(shape, dtype=np.float32) for shape in ((H, R), (H, Dr), (T, R), (T, Dr))]
+    scale = case.sharp / float(np.sqrt(R + Dr))
+    q_abs, q_rope, latent, k_rope = (a.astype(np.float64) for a in arrays)
+    s = scale * (q_abs @ latent.T + q_rope @ k_rope.T)  # [H, T]
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    return arrays, scale, (p / p.sum(axis=1, keepdims=True)) @ latent
+
+
 def _snapshot(qts):
     return [(q.data.copy(), None if q.scales is None else q.scales.copy()) for q in qts]
 
@@ -143,10 +166,14 @@ def _check(y, ref, op, what=""):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.op}-{c.fmt}-{c.out}x{c.in_}-t{c.tokens}"
-                         + (f"-e{c.experts}" if c.experts > 1 else ""))
+                         + (f"-e{c.experts}" if c.experts > 1 else "") + (f"-r{c.rope}" if c.rope else "")
+                         + (f"-x{c.sharp:g}" if c.sharp != 1.0 else ""))
 def test_oracle(be, case: Case):
     if case.fmt not in be.formats:
         pytest.skip(f"{be.name} does not support {case.fmt}")
+    if case.op == "attention_absorb" and case.tokens >= 1000 and be.device.kind == "cpu" and be.name in (
+            "vulkan", "opencl"):  # lavapipe / PoCL: correctness is covered by the smaller cases
+        pytest.skip(f"{be.name} on a CPU device: the largest attention case runs on GPU devices only")
     rng = np.random.default_rng([case.out, case.in_, case.tokens])
     canary_qt = _weight("int4", 37, 53, 99)
     canary = be.upload(canary_qt)
@@ -158,8 +185,10 @@ def test_oracle(be, case: Case):
             _run_matmul(be, case, rng)
         elif case.op == "expert_ffn":
             _run_expert_ffn(be, case, rng)
-        else:
+        elif case.op == "rmsnorm":
             _run_rmsnorm(be, case, rng)
+        else:
+            _run_attention(be, case)
         assert be.memory_used() == held, "the op's uploads were not all freed"
         np.testing.assert_array_equal(be.matmul(cx, canary), canary_y,
                                       err_msg="canary weight changed: a kernel wrote past its buffers")
@@ -223,7 +252,23 @@ def _run_rmsnorm(be, case, rng):
     assert np.isnan(buf[:GUARD]).all() and np.isnan(buf[-GUARD:]).all(), "guard band overwritten"
 
 
+def _run_attention(be, case):
+    arrays, scale, ref = _attention_inputs(case)
+    bufs, views = zip(*[_guarded(a) for a in arrays])  # q_abs, q_rope, latent, k_rope inside NaN bands
+    copies = [v.copy() for v in views]
+    y = be.attention_absorb(*views, scale)
+    _check(y, ref, "attention_absorb", f"{be.name} attention_absorb {case}")
+    y2 = be.attention_absorb(*views, scale)  # same inputs again: no state left behind by the first call
+    np.testing.assert_allclose(y2, y, rtol=1e-6, atol=1e-6 * float(np.abs(y).max()))
+    for v, c, buf in zip(views, copies, bufs):
+        np.testing.assert_array_equal(v, c, err_msg="backend modified its inputs")
+        assert np.isnan(buf[:GUARD]).all() and np.isnan(buf[-GUARD:]).all(), "guard band overwritten"
+
+
 def test_table_covers_every_format_and_op():
     assert {c.fmt for c in CASES if c.op == "matmul"} == set(quant.FORMATS)
     assert {c.fmt for c in CASES if c.op == "expert_ffn"} == set(quant.FORMATS)
     assert {(c.out, c.in_) for c in CASES if c.fmt == "int4"} >= set(GLM)
+    assert {c.op for c in CASES} == {"matmul", "expert_ffn", "rmsnorm", "attention_absorb"}
+    assert {(c.out, c.in_, c.rope, c.tokens) for c in CASES if c.op == "attention_absorb"} >= {
+        (128, 512, 64, t) for t in (1, 64, 1000)}
