@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from colibri_plan.families.rope import attention_factor, inv_freq
 from colibri_plan.formats.arch import ArchConfig
 
 
@@ -61,20 +62,23 @@ class KVCache:
 
 
 def rope_inv_freq(arch: ArchConfig) -> np.ndarray:
-    """Inverse frequencies float32 [rotary_dim / 2]: 1 / theta^(2i / rotary_dim) (transformers' default)."""
-    rd = arch.rotary_dim
-    return (1.0 / (np.float32(arch.rope_theta) ** (np.arange(0, rd, 2, dtype=np.float32) / rd))).astype(
-        np.float32)
+    """Inverse frequencies float32 [rotary_dim / 2]: 1 / theta^(2i / rotary_dim) (transformers' default),
+    or YaRN's blend (:func:`colibri_plan.families.rope.inv_freq`)."""
+    return inv_freq(arch)
 
 
 def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, arch: ArchConfig) -> np.ndarray:
-    """Rotate the first ``rotary_dim`` channels of x [heads, T, d] at ``positions`` [T]."""
+    """Rotate the first ``rotary_dim`` channels of x [heads, T, d] at ``positions`` [T]; cos and sin carry
+    YaRN's attention factor (1 otherwise), as transformers' rotary embeddings do."""
     rd = arch.rotary_dim
     if rd == 0:
         return x
     pos = positions.astype(np.float32) / np.float32(arch.rope_scaling_factor)
     freqs = pos[:, None] * inv_freq[None, :]  # [T, rd/2]
     cos, sin = np.cos(freqs), np.sin(freqs)
+    af = attention_factor(arch)
+    if af != 1.0:
+        cos, sin = cos * np.float32(af), sin * np.float32(af)
     rot, rest = x[..., :rd], x[..., rd:]
     if arch.rope_interleave:  # pairs (2i, 2i+1) share frequency i
         a, b = rot[..., 0::2], rot[..., 1::2]

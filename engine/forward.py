@@ -1,8 +1,10 @@
-"""The forward pass: embeddings, GQA attention with RoPE and a KV cache, MoE/dense FFN, LM head.
+"""The forward pass: embeddings, GQA or MLA attention with RoPE and a KV cache, MoE/dense FFN, LM head.
 
 Reference CPU path: dense matmuls are plain numpy float32 (x · Wᵀ); routed experts go through an
 :class:`~colibri_plan.engine.moe.ExpertProvider` (default :class:`~colibri_plan.engine.moe.RamExperts`
-on a backend of :mod:`colibri_plan.backends`). Each decoder layer is pre-norm:
+on a backend of :mod:`colibri_plan.backends`); MLA models (DeepSeek-V2/V3, Kimi-K2) use
+:mod:`colibri_plan.engine.mla` with a paged latent cache, their decode attention on the host backend's
+``attention_absorb`` kernel when it has one. Each decoder layer is pre-norm:
 ``h += attn(rmsnorm(h)); h += ffn(rmsnorm(h))``, then a final RMSNorm and the LM head, as in the
 transformers modeling code of every supported family.
 
@@ -25,11 +27,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from colibri_plan.engine.attention import KVCache, attention, rmsnorm, rope_inv_freq
+from colibri_plan.engine.mla import LatentCache, mla_attention, select_absorb
 from colibri_plan.engine.moe import ExpertProvider, RamExperts, RoutingRecorder, moe_block, swiglu
 from colibri_plan.engine.weights import ModelWeights, check_dense
 from colibri_plan.errors import InputError
 
-__all__ = ["KVCache", "Model", "ExpertProvider", "RamExperts", "RoutingRecorder"]
+__all__ = ["KVCache", "LatentCache", "Model", "ExpertProvider", "RamExperts", "RoutingRecorder"]
 
 
 class Model:
@@ -47,7 +50,7 @@ class Model:
         arch, weights, experts, routing (the RoutingRecorder).
 
     Raises:
-        UnsupportedError: the architecture cannot run (MLA attention, non-SiLU activation).
+        UnsupportedError: the architecture cannot run (non-SiLU activation, MLA without its widths).
         FormatError: a dense tensor is missing or has the wrong shape (names and shapes in the message).
         BackendUnavailableError / DeviceOutOfMemoryError: from the default provider.
     """
@@ -65,10 +68,21 @@ class Model:
         self.routing = recorder if recorder is not None else RoutingRecorder(self.arch)
         self._inv_freq = rope_inv_freq(self.arch)
         self._lm_head = self.dense["embed"] if self.arch.tie_word_embeddings else self.dense["lm_head"]
+        self._mla = self.arch.attention == "mla"
+        self._absorb = select_absorb(self._host_backend()) if self._mla else None
 
-    def new_cache(self, capacity: int = 256) -> KVCache:
-        """An empty KV cache for this model (grows beyond ``capacity`` as needed)."""
+    def _host_backend(self):
+        """The expert provider's host backend ("cpu"/"numpy"; RamExperts.backend or the residency
+        manager's cpu), whose ``attention_absorb`` runs MLA decode; None if it has none."""
+        be = getattr(self.experts, "backend", None) or getattr(self.experts, "cpu", None)
+        return be if getattr(be, "name", None) in ("cpu", "numpy") else None
+
+    def new_cache(self, capacity: int = 256) -> KVCache | LatentCache:
+        """An empty cache for this model: a KVCache (GQA; grows beyond ``capacity`` as needed) or a paged
+        LatentCache (MLA; grows by 64-token pages, ``capacity`` unused)."""
         a = self.arch
+        if self._mla:
+            return LatentCache(a.n_layers, a.kv_lora_rank, a.qk_rope_head_dim)
         return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity)
 
     def _ids(self, token_ids) -> np.ndarray:
@@ -84,7 +98,7 @@ class Model:
         return ids.astype(np.int64)
 
     def hidden_states(self, token_ids: Sequence[int] | np.ndarray,
-                      cache: KVCache | None = None) -> np.ndarray:
+                      cache: KVCache | LatentCache | None = None) -> np.ndarray:
         """Final-norm hidden states float32 [T, H] (what the LM head reads); see :meth:`forward`."""
         ids = self._ids(token_ids)
         cache = self.new_cache(len(ids)) if cache is None else cache
@@ -92,7 +106,11 @@ class Model:
         h = d["embed"][ids]  # [T, H]
         for i in range(a.n_layers):
             p = f"layers.{i}."
-            h = h + attention(rmsnorm(h, d[p + "attn_norm"], a.rms_norm_eps), i, a, d, cache, self._inv_freq)
+            xa = rmsnorm(h, d[p + "attn_norm"], a.rms_norm_eps)  # [T, H]
+            if self._mla:
+                h = h + mla_attention(xa, i, a, d, cache, self._inv_freq, self._absorb)
+            else:
+                h = h + attention(xa, i, a, d, cache, self._inv_freq)
             x = rmsnorm(h, d[p + "ffn_norm"], a.rms_norm_eps)
             if a.is_moe_layer(i):
                 h = h + moe_block(x, i, a, d, self.experts, self.routing)
@@ -101,7 +119,8 @@ class Model:
         cache.advance(len(ids))
         return rmsnorm(h, d["final_norm"], a.rms_norm_eps)
 
-    def forward(self, token_ids: Sequence[int] | np.ndarray, cache: KVCache | None = None) -> np.ndarray:
+    def forward(self, token_ids: Sequence[int] | np.ndarray,
+                cache: KVCache | LatentCache | None = None) -> np.ndarray:
         """Logits float32 [T, V] of ``token_ids`` [T] appended after the tokens in ``cache``.
 
         The cache (None = a fresh one, discarded) grows by T. Routing is recorded in ``self.routing``.
@@ -112,7 +131,7 @@ class Model:
         h = self.hidden_states(token_ids, cache)
         return (h @ self._lm_head.T).astype(np.float32, copy=False)  # [T, H] · [V, H]ᵀ -> [T, V]
 
-    def generate(self, prompt_ids: Sequence[int], n_tokens: int, cache: KVCache | None = None,
+    def generate(self, prompt_ids: Sequence[int], n_tokens: int, cache: KVCache | LatentCache | None = None,
                  on_token: Callable[[int, int, float], None] | None = None) -> list[int]:
         """Greedy decoding: prefill ``prompt_ids``, then ``n_tokens`` steps of argmax.
 

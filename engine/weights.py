@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri_plan.engine.fp8 import block_size as fp8_block_size
+from colibri_plan.engine.fp8 import is_fp8_scale
 from colibri_plan.errors import FormatError, InputError, UnsupportedError
 from colibri_plan.families import arch_from_config, tensor_names
 from colibri_plan.formats.arch import ArchConfig
@@ -111,11 +113,16 @@ def expected_dense_shapes(arch: ArchConfig, present: set[str] | None = None) -> 
         out["lm_head"] = (arch.vocab_size, h)
     for i in range(arch.n_layers):
         p = f"layers.{i}."
-        out.update({p + "attn_norm": (h,), p + "ffn_norm": (h,), p + "attn.q": (nh * d, h),
-                    p + "attn.k": (nkv * d, h), p + "attn.v": (nkv * d, h), p + "attn.o": (h, nh * d)})
-        for b, n in (("q", nh * d), ("k", nkv * d), ("v", nkv * d), ("o", h)):
-            if p + f"attn.{b}_bias" in present or (arch.attention_bias and b != "o"):
-                out[p + f"attn.{b}_bias"] = (n,)
+        out.update({p + "attn_norm": (h,), p + "ffn_norm": (h,)})
+        if arch.attention == "mla":  # q_a/q_b (or q), kv_a, kv_b, o: engine/mla.py
+            from colibri_plan.engine.mla import mla_dense_shapes
+            out.update(mla_dense_shapes(arch, i, present))
+        else:
+            out.update({p + "attn.q": (nh * d, h), p + "attn.k": (nkv * d, h), p + "attn.v": (nkv * d, h),
+                        p + "attn.o": (h, nh * d)})
+            for b, n in (("q", nh * d), ("k", nkv * d), ("v", nkv * d), ("o", h)):
+                if p + f"attn.{b}_bias" in present or (arch.attention_bias and b != "o"):
+                    out[p + f"attn.{b}_bias"] = (n,)
         if arch.qk_norm == "head":
             out[p + "attn.q_norm"] = (d,)
             out[p + "attn.k_norm"] = (d,)
@@ -235,9 +242,9 @@ class _Tensors:
             count = int(np.prod(shape, dtype=np.int64))
             bits = self._maps[f][off: off + 2 * count].view("<u2").reshape(shape)
             return (bits.astype(np.uint32) << 16).view(np.float32)
-        if dtype.startswith("F8"):
-            raise UnsupportedError(f"tensor {name} is {dtype}: FP8 checkpoints are not supported; "
-                                   "use the BF16 release of the model")
+        if dtype.startswith("F8"):  # block-scaled FP8 (DeepSeek-V3): dequantised per block, engine/fp8.py
+            from colibri_plan.engine.fp8 import read_fp8
+            return read_fp8(self, name)
         if dtype not in ("F32", "F16", "F64"):
             raise UnsupportedError(f"tensor {name} has dtype {dtype}; only F32/F16/BF16 weights are "
                                    "supported")
@@ -303,7 +310,7 @@ def load_checkpoint(path, expert_format: str = "f32") -> ModelWeights:
 
     Raises:
         InputError: the folder, config.json or safetensors files are missing.
-        UnsupportedError: unsupported family / attention (MLA) / dtype (FP8), unknown format.
+        UnsupportedError: unsupported family / attention variant / dtype, unknown format.
         FormatError: tensors missing, of the wrong shape, or unexpected for the family.
     """
     check_format(expert_format)
@@ -319,11 +326,12 @@ def load_checkpoint(path, expert_format: str = "f32") -> ModelWeights:
     arch.check_supported()
     names = tensor_names(arch.family)
     tensors = _Tensors(_checkpoint_files(folder))
+    tensors.fp8_block = fp8_block_size(config)  # FP8 checkpoints: quantization_config.weight_block_size
     dense: dict[str, np.ndarray] = {}
     experts: dict[tuple[int, int], list] = {}
     unknown = []
     for name in tensors.where:
-        if name.endswith("rotary_emb.inv_freq"):
+        if name.endswith("rotary_emb.inv_freq") or is_fp8_scale(tensors.meta, name):  # scales: read_fp8
             continue
         top = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
                "lm_head.weight": "lm_head"}.get(name)

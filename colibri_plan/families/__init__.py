@@ -3,7 +3,8 @@
 Each family module is the only place that parses its keys. It exports:
 
 - ``MODEL_TYPES``: the ``model_type`` values it reads;
-- ``REFUSE``: None when the engine runs the family, else why not (the family is then plan-only);
+- ``REFUSE``: None when the engine runs the family, else why not (the family is then plan-only), or a
+  dict model_type -> why not for the model types that are plan-only (the others run);
 - ``TENSORS``: its HF tensor names (:class:`~colibri_plan.families.base.TensorNames`), None if plan-only;
 - ``read(c: ConfigReader) -> ArchConfig``: the engine's architecture, also the planner's geometry;
 - optionally ``plan(c, arch) -> PlanGeometry``: planning hooks (KV bytes per token for MLA or hybrid
@@ -18,7 +19,8 @@ A new family is one file here plus one line in :data:`_MODULES`.
 | qwen3_moe    | qwen3_moe                                                       | runs      |
 | olmoe        | olmoe                                                           | runs      |
 | glm4_moe     | glm4_moe                                                        | runs      |
-| deepseek     | deepseek_v2/v3/v32, kimi_k2, glm_moe_dsa (GLM-5), glm4_moe_lite | plan only |
+| deepseek     | deepseek_v2/v3, kimi_k2, glm4_moe_lite (MLA)                    | runs      |
+|              | deepseek_v32, glm_moe_dsa (GLM-5: MLA + DSA indexer)            | plan only |
 | deepseek_v4  | deepseek_v4                                                     | plan only |
 | gpt_oss      | gpt_oss                                                         | plan only |
 | qwen3_next   | qwen3_next, qwen3_5_moe(_text)                                  | plan only |
@@ -63,8 +65,16 @@ _MODULES = (mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe, deepseek, deepseek_v
             phimoe, jamba)
 #: model_type -> its family module
 FAMILIES: dict[str, ModuleType] = {mt: m for m in _MODULES for mt in m.MODEL_TYPES}
+
+
+def _refusal(module: ModuleType, model_type: str) -> str | None:
+    """Why the engine refuses ``model_type`` of ``module`` (None = it runs)."""
+    r = module.REFUSE
+    return r.get(model_type) if isinstance(r, dict) else r
+
+
 #: model_type values the engine runs end to end
-ENGINE_FAMILIES = tuple(mt for mt, m in FAMILIES.items() if m.REFUSE is None)
+ENGINE_FAMILIES = tuple(mt for mt, m in FAMILIES.items() if _refusal(m, mt) is None)
 
 
 def _family(config: dict, where: str) -> tuple[ConfigReader, ModuleType]:
@@ -113,8 +123,8 @@ def arch_from_config(config: dict, plan_only: bool = False, where: str = "config
         FormatError: a required key is missing (named) or the values are inconsistent.
     """
     c, module = _family(config, where)
-    if module.REFUSE and not plan_only:
-        raise UnsupportedError(f"{c.model_type}: {module.REFUSE}. Supported families: "
+    if _refusal(module, c.model_type) and not plan_only:
+        raise UnsupportedError(f"{c.model_type}: {_refusal(module, c.model_type)}. Supported families: "
                                f"{', '.join(ENGINE_FAMILIES)}")
     arch = _read(c, module)
     if c.refusals and not plan_only:
@@ -157,7 +167,7 @@ def tensor_names(family: str) -> TensorNames:
         UnsupportedError: an unknown or plan-only family.
     """
     module = FAMILIES.get(family)
-    if module is None or module.TENSORS is None:
+    if module is None or module.TENSORS is None or _refusal(module, family):
         raise UnsupportedError(f"{family}: the engine has no tensor names for this family; supported: "
                                f"{', '.join(ENGINE_FAMILIES)}")
     return module.TENSORS

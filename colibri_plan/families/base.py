@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from colibri_plan.errors import FormatError
+from colibri_plan.families.rope import Rope, rope  # noqa: F401  (RoPE reading lives in rope.py)
 from colibri_plan.formats.arch import ArchConfig
 
 #: config keys that hold the number of routed experts E, by family: Mixtral/gpt-oss/PhiMoE
@@ -124,40 +125,6 @@ class ConfigReader:
 
 # ---- attention and RoPE --------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Rope:
-    """RoPE settings: base ``theta``, rotated fraction of each head (None = the family's default),
-    linear position ``factor`` (1.0 = none) and the scaling ``rope_type``."""
-
-    theta: float
-    partial_rotary_factor: float | None
-    factor: float
-    rope_type: str
-
-
-def rope(c: ConfigReader) -> Rope:
-    """RoPE from either layout: transformers v5 ``rope_parameters`` {rope_type, rope_theta, factor,
-    partial_rotary_factor} or the older top-level ``rope_theta`` / ``partial_rotary_factor`` /
-    ``rope_scaling`` {type|rope_type, factor}. A type other than default/linear (yarn, llama3, ...) or
-    per-layer-type parameters are refused for the engine (:meth:`ConfigReader.refuse`), not for planning.
-    """
-    rp = c.cfg.get("rope_parameters") or {}
-    if rp and all(isinstance(v, dict) for v in rp.values()):
-        c.refuse("per-layer-type rope_parameters are not supported")
-        rp = {}
-    legacy = c.cfg.get("rope_scaling") or {}
-    rope_type = str(rp.get("rope_type") or rp.get("type") or legacy.get("rope_type") or legacy.get("type")
-                    or "default")
-    theta = rp.get("rope_theta", c.cfg.get("rope_theta", 10000.0))
-    prf = rp.get("partial_rotary_factor", c.cfg.get("partial_rotary_factor"))
-    factor = 1.0
-    if rope_type == "linear":
-        factor = float(rp.get("factor", legacy.get("factor", 1.0)))
-    elif rope_type != "default":
-        c.refuse(f"RoPE type {rope_type!r} is not supported (default and linear are)")
-    return Rope(float(theta), None if prf is None else float(prf), factor, rope_type)
-
-
 def attention_fields(c: ConfigReader, default_prf: float = 1.0,
                      top_k_keys: tuple[str, ...] = ("num_experts_per_tok",)) -> dict:
     """ArchConfig fields every family reads the same way: family, architecture, vocab_size (V),
@@ -172,9 +139,9 @@ def attention_fields(c: ConfigReader, default_prf: float = 1.0,
         family=c.model_type, architecture=c.architecture, vocab_size=c.need_int("vocab_size"),
         hidden_size=hidden, n_layers=c.need_int("num_hidden_layers"), n_heads=n_heads,
         n_kv_heads=c.opt_int("num_key_value_heads", n_heads),
-        head_dim=c.opt_int("head_dim", hidden // max(n_heads, 1)), rope_theta=r.theta,
+        head_dim=c.opt_int("head_dim", hidden // max(n_heads, 1)), **r.arch_fields(),
         partial_rotary_factor=default_prf if r.partial_rotary_factor is None else r.partial_rotary_factor,
-        rope_scaling_factor=r.factor, rms_norm_eps=c.opt_float("rms_norm_eps", 1e-6),
+        rms_norm_eps=c.opt_float("rms_norm_eps", 1e-6),
         tie_word_embeddings=c.opt_bool("tie_word_embeddings", False),
         hidden_act=str(c.cfg.get("hidden_act") or "silu"), top_k=c.need_int(*top_k_keys))
 

@@ -18,8 +18,12 @@ both the v5 ``rope_parameters`` dict and the older top-level ``rope_theta``/``pa
 | glm4_moe             | GQA, partial RoPE, opt. q/k norm| sigmoid + e_score_correction_bias,       |
 |                      |                                 | group-limited top-k, routed scaling;     |
 |                      |                                 | shared experts; first_k_dense_replace    |
-| deepseek_v2/v3/v32,  | MLA (+ DSA): rejected           | the MoE block is described here (v3, v32 |
-| kimi_k2, glm_moe_dsa | (UnsupportedError); planned     | and GLM-5 as glm4_moe; v2 softmax + max) |
+| deepseek_v2/v3,      | MLA (multi-head latent          | v2: softmax, group max (greedy /          |
+| kimi_k2              | attention; optional q LoRA),    | group_limited_greedy); v3/kimi: as        |
+|                      | interleaved RoPE on the rope    | glm4_moe (sigmoid + bias, top-2-sum       |
+|                      | part, YaRN                      | groups); shared experts; dense prefix     |
+| deepseek_v32,        | MLA + DSA indexer: planned only | (described for planning)                 |
+| glm_moe_dsa          |                                 |                                          |
 | gpt_oss, qwen3_next, | not implemented: planned only   | (described for planning)                 |
 | phimoe, jamba, ...   |                                 |                                          |
 
@@ -48,6 +52,11 @@ class ArchConfig:
             first ``rotary_dim`` channels; GLM-4.x-MoE uses 0.5). rope_interleave: rotate pairs
             (x0, x1), (x2, x3) instead of the rotate_half halves (only DeepSeek layouts set it).
         rope_scaling_factor: linear position scaling (positions / factor); 1.0 = none.
+        rope_type: "default", "linear" or "yarn" (inverse frequencies: colibri_plan/families/rope.py).
+        yarn_factor, yarn_original_max_position, yarn_beta_fast, yarn_beta_slow, yarn_mscale,
+            yarn_mscale_all_dim, yarn_attention_factor, yarn_truncate: the YaRN parameters
+            (``rope_parameters`` keys factor, original_max_position_embeddings, beta_fast, beta_slow,
+            mscale, mscale_all_dim, attention_factor (None = derived), truncate); unused otherwise.
         rms_norm_eps: epsilon of every RMSNorm.
         tie_word_embeddings: the LM head reuses the embedding matrix.
         attention_bias: q/k/v projections carry a bias (o may too; the loader keeps any bias it finds).
@@ -72,7 +81,13 @@ class ArchConfig:
         e_score_correction_bias: a per-expert bias is added to the scores for choosing only (the
             weights use the unbiased scores), as in DeepSeek-V3/GLM-4.x-MoE.
         hidden_act: activation of the SwiGLU MLPs; only "silu" is implemented.
-        attention: "gqa" (the only kind implemented) or "mla".
+        attention: "gqa" or "mla" (multi-head latent attention: DeepSeek-V2/V3, Kimi-K2).
+        q_lora_rank: MLA query compression rank (q_a_proj → q_a_layernorm → q_b_proj); 0 = a plain
+            q_proj (DeepSeek-V2-Lite).
+        kv_lora_rank: R, the cached kv latent per token (MLA; 0 for GQA).
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA per-head widths of the key part without
+            RoPE, the decoupled rotary part (shared by all heads in the cache) and the value; for MLA
+            head_dim = qk_nope_head_dim + qk_rope_head_dim and n_kv_heads = n_heads.
         architecture: the HF architecture class name, when known.
     """
 
@@ -113,6 +128,20 @@ class ArchConfig:
     hidden_act: str = "silu"
     attention: str = "gqa"
     architecture: str = ""
+    rope_type: str = "default"
+    yarn_factor: float = 1.0
+    yarn_original_max_position: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 0.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_attention_factor: float | None = None
+    yarn_truncate: bool = True
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self):
         _check_types(self)
@@ -159,13 +188,26 @@ class ArchConfig:
             problems.append(f"rotary_dim {self.rotary_dim} (head_dim × partial_rotary_factor) must be even")
         if len(set(range(self.n_layers)) - set(self.moe_layers)) and self.dense_intermediate_size <= 0:
             problems.append("layers without experts need dense_intermediate_size > 0")
+        problems += _rope_mla_problems(self)
         if problems:
             raise FormatError("invalid architecture: " + "; ".join(problems))
 
     @property
     def rotary_dim(self) -> int:
-        """Channels of each head that RoPE rotates: int(head_dim · partial_rotary_factor)."""
+        """Channels of each head that RoPE rotates: qk_rope_head_dim for MLA, else
+        int(head_dim · partial_rotary_factor)."""
+        if self.attention == "mla" and self.qk_rope_head_dim:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Values one layer caches per context token: kv_lora_rank + qk_rope_head_dim (MLA latent and
+        rope rows) or 2 · n_kv_heads · head_dim (GQA keys and values)."""
+        if self.attention == "mla":
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.n_kv_heads * self.head_dim
+
 
     @property
     def n_moe_layers(self) -> int:
@@ -177,11 +219,15 @@ class ArchConfig:
         return layer in self.moe_layers
 
     def check_supported(self) -> None:
-        """Raise UnsupportedError when the forward pass cannot run this architecture (MLA, non-SiLU)."""
-        if self.attention != "gqa":
-            raise UnsupportedError(
-                f"{self.family}: {self.attention.upper()} attention (multi-head latent attention) is not "
-                "supported yet; only GQA attention models (Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.x-MoE) run")
+        """Raise UnsupportedError when the forward pass cannot run this architecture (an attention other
+        than GQA/MLA, MLA without its widths, non-SiLU)."""
+        if self.attention not in ("gqa", "mla"):
+            raise UnsupportedError(f"{self.family}: attention {self.attention!r} is not supported (gqa and "
+                                   "mla are)")
+        if self.attention == "mla" and not self.kv_lora_rank:
+            raise UnsupportedError(f"{self.family}: MLA attention without kv_lora_rank / qk_*_head_dim / "
+                                   "v_head_dim (an architecture stored for planning only) cannot run; "
+                                   "re-read the model's config.json")
         if self.hidden_act != "silu":
             raise UnsupportedError(f"{self.family}: activation {self.hidden_act!r} is not supported "
                                    "(only SiLU/SwiGLU experts)")
@@ -211,12 +257,44 @@ class ArchConfig:
 
 _INT_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
                "top_k", "moe_intermediate_size", "dense_intermediate_size", "n_shared_experts",
-               "shared_intermediate_size", "first_k_dense_replace", "n_group", "topk_group")
+               "shared_intermediate_size", "first_k_dense_replace", "n_group", "topk_group",
+               "yarn_original_max_position", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+               "qk_rope_head_dim", "v_head_dim")
 _FLOAT_FIELDS = ("rope_theta", "partial_rotary_factor", "rope_scaling_factor", "rms_norm_eps",
-                 "routed_scaling_factor")
+                 "routed_scaling_factor", "yarn_factor", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
+                 "yarn_mscale_all_dim")
 _BOOL_FIELDS = ("rope_interleave", "tie_word_embeddings", "attention_bias", "shared_expert_gate",
-                "norm_topk_prob", "e_score_correction_bias")
-_STR_FIELDS = ("family", "scoring", "group_score", "hidden_act", "attention", "architecture")
+                "norm_topk_prob", "e_score_correction_bias", "yarn_truncate")
+_STR_FIELDS = ("family", "scoring", "group_score", "hidden_act", "attention", "architecture", "rope_type")
+#: MLA widths: all 0 for GQA; kv_lora_rank, qk_nope/rope_head_dim and v_head_dim > 0 for runnable MLA
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _rope_mla_problems(a: ArchConfig) -> list[str]:
+    """Consistency of the RoPE type, the YaRN parameters and the MLA widths (messages name the field)."""
+    problems = []
+    if a.rope_type not in ("default", "linear", "yarn"):
+        problems.append(f"rope_type {a.rope_type!r} must be 'default', 'linear' or 'yarn'")
+    if a.rope_type == "yarn":
+        if not a.yarn_factor > 0 or a.yarn_original_max_position < 1:
+            problems.append("yarn_factor must be > 0 and yarn_original_max_position >= 1 for YaRN RoPE")
+        if not a.yarn_beta_fast > 0 or not a.yarn_beta_slow > 0:
+            problems.append("yarn_beta_fast and yarn_beta_slow must be > 0")
+    if a.attention not in ("gqa", "mla"):
+        problems.append(f"attention {a.attention!r} must be 'gqa' or 'mla'")
+    if any(getattr(a, n) < 0 for n in _MLA_FIELDS):
+        problems.append(f"{', '.join(_MLA_FIELDS)} must be >= 0")
+    elif a.attention == "gqa" and any(getattr(a, n) for n in _MLA_FIELDS):
+        problems.append(f"{', '.join(_MLA_FIELDS)} are MLA widths; a GQA architecture has them 0")
+    elif a.attention == "mla" and a.kv_lora_rank:  # 0 = stored for planning only (check_supported)
+        if min(a.qk_rope_head_dim, a.qk_nope_head_dim, a.v_head_dim) < 1 or a.qk_rope_head_dim % 2:
+            problems.append("MLA needs qk_nope_head_dim, v_head_dim > 0 and an even qk_rope_head_dim > 0")
+        if a.head_dim != a.qk_nope_head_dim + a.qk_rope_head_dim:
+            problems.append(f"MLA head_dim {a.head_dim} must be qk_nope_head_dim + qk_rope_head_dim "
+                            f"({a.qk_nope_head_dim} + {a.qk_rope_head_dim})")
+        if a.n_kv_heads != a.n_heads:
+            problems.append(f"MLA n_kv_heads {a.n_kv_heads} must equal n_heads {a.n_heads}")
+    return problems
 
 
 def _is_int(v) -> bool:
@@ -248,6 +326,8 @@ def _check_types(a: ArchConfig) -> None:
     for name in _STR_FIELDS:
         if not isinstance(getattr(a, name), str):
             bad(name, "a string")
+    if a.yarn_attention_factor is not None and not _is_real(a.yarn_attention_factor):
+        bad("yarn_attention_factor", "null or a finite number")
     if a.qk_norm is not None and not isinstance(a.qk_norm, str):
         bad("qk_norm", "null or a string")
     if a.clip_qkv is not None and not _is_real(a.clip_qkv):

@@ -1,0 +1,244 @@
+"""MLA families (DeepSeek-V2/V2-Lite/V3, Kimi-K2) in the engine against transformers fp32.
+
+Tiny seeded checkpoints (``_tiny_models.MLA_FAMILIES``; random weights, router gaps >= 1e-3 checked on
+every token of the sequences compared, re-seeded otherwise): 32 greedy tokens identical, logits within
+1e-4 on the prefill and on every cached decode step (the weight-absorbed path), identical top-k per MoE
+layer; int8 packs identical in routing to their dequantized reference; YaRN; FP8 block-scaled
+checkpoints against their dequantized reference; the paged latent cache; the absorbed core.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from _tiny_models import MLA_FAMILIES, build_mla, greedy, logits, min_router_gap, record_router_ids
+
+from colibri_plan.engine.forward import Model
+from colibri_plan.engine.mla import PAGE_TOKENS, LatentCache, attention_absorb_ref, select_absorb
+from colibri_plan.engine.weights import InMemoryWeights, load_checkpoint
+from colibri_plan.errors import UnsupportedError
+from colibri_plan.families import plan_geometry
+from colibri_plan.quant import dequantize, quantize
+
+pytest.importorskip("torch", reason="torch is needed to build the reference models")
+pytest.importorskip("transformers", minversion="5.0", reason="transformers >= 5 builds the reference models")
+
+PROMPT = [3, 17, 99, 42, 5, 120, 64, 7, 31, 88, 2, 77, 19, 101, 56, 9, 33, 12, 90, 45]  # 20 tokens
+TOL = 1e-4  # max |logit difference|
+GAP = 1e-3
+YARN_MLA = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
+def _gapped(build_fn, folder_factory, seed: int, tries: int = 10):
+    """(model, folder, greedy ids of PROMPT[:16], gap): the first seed from ``seed`` whose router gaps
+    are >= GAP on PROMPT and on PROMPT[:16] + its 32 greedy tokens."""
+    for s in range(seed, seed + tries):
+        folder = folder_factory()
+        hf = build_fn(folder, s)
+        want = greedy(hf, PROMPT[:16], 32)
+        gap = min_router_gap(hf, [PROMPT, PROMPT[:16] + want])
+        if gap >= GAP:
+            return hf, folder, want, gap
+    raise AssertionError(f"no seed in {seed}..{seed + tries - 1} gives router gaps >= {GAP}")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cache = {}
+
+    def get(name, **overrides):
+        key = (name, json.dumps(overrides, sort_keys=True))
+        if key not in cache:
+            from _tiny_models import MLA_SEEDS
+            cache[key] = _gapped(lambda f, s: build_mla(name, f, seed=s, **overrides),
+                                 lambda: tmp_path_factory.mktemp(name), MLA_SEEDS[name][0])
+        return cache[key]
+    return get
+
+
+def _check_parity(hf, folder, want, family):
+    """Prefill logits, cached decode logits (absorbed path) and top-k per MoE layer against transformers
+    on PROMPT[:16] + the greedy tokens; then 32 greedy tokens. Returns the max |logit diff|."""
+    w = load_checkpoint(folder)
+    assert w.arch.family == family and w.arch.attention == "mla"
+    seq = PROMPT[:16] + want
+    calls, remove = record_router_ids(hf)
+    ref = logits(hf, seq[:-1])  # [47, V]: 16 prompt + 31 decode positions
+    remove()
+    with Model(w) as model:
+        cache = model.new_cache()
+        got = np.concatenate([model.forward(seq[:16], cache)]
+                             + [model.forward([t], cache) for t in seq[16:-1]])  # decode: absorbed path
+        assert isinstance(cache, LatentCache) and cache.length == len(seq) - 1
+        diff = float(np.abs(got - ref).max())
+        assert diff < TOL, f"{family}: logits differ by {diff:.2e}"
+        assert len(calls) == w.arch.n_moe_layers
+        for layer, hf_ids in zip(w.arch.moe_layers, calls):  # prefill and every decode step
+            np.testing.assert_array_equal(np.sort(model.routing.topk_ids(layer), axis=1),
+                                          np.sort(hf_ids, axis=1), err_msg=f"{family} layer {layer}")
+        assert (model.routing.counts > 0).sum() > 2 * w.arch.n_moe_layers  # routing is not degenerate
+        assert model.generate(PROMPT[:16], 32) == want, f"{family}: greedy tokens differ"
+    assert len(set(want)) > 3
+    return diff
+
+
+@pytest.mark.parametrize("name", list(MLA_FAMILIES))
+def test_mla_family_matches_transformers(tiny, name):
+    hf, folder, want, gap = tiny(name)
+    family = json.loads((folder / "config.json").read_text())["model_type"]
+    arch = load_checkpoint(folder).arch
+    assert arch.q_lora_rank == (0 if name == "deepseek_v2_lite" else 32)
+    _check_parity(hf, folder, want, family)
+
+
+def test_yarn_mla_matches_transformers(tiny):
+    from colibri_plan.families.rope import attention_factor, mla_softmax_scale
+
+    hf, folder, want, _ = tiny("deepseek_v3", rope_parameters=YARN_MLA)
+    arch = load_checkpoint(folder).arch
+    assert (arch.rope_type, arch.yarn_factor, arch.yarn_original_max_position) == ("yarn", 4.0, 16)
+    assert attention_factor(arch) != 1.0 and mla_softmax_scale(arch) != 24 ** -0.5  # both mscales act
+    _check_parity(hf, folder, want, "deepseek_v3")
+
+
+def test_paged_latent_cache_crosses_pages_and_matches_the_planner(tiny):
+    hf, folder, _, _ = tiny("deepseek_v3")
+    seq = (PROMPT * 5)[:90]
+    ref = logits(hf, seq)
+    w = load_checkpoint(folder)
+    a = w.arch
+    with Model(w) as model:
+        cache = model.new_cache()
+        parts = [model.forward(seq[:40], cache)]
+        first_page = cache.pages[0][0]
+        parts += [model.forward([t], cache) for t in seq[40:]]
+    assert float(np.abs(np.concatenate(parts) - ref).max()) < TOL
+    assert cache.length == 90 and [len(p) for p in cache.pages] == [2] * a.n_layers  # 64-token pages
+    assert cache.pages[0][0] is first_page  # pages are appended, never reallocated
+    values = a.kv_lora_rank + a.qk_rope_head_dim
+    assert cache.nbytes() == a.n_layers * 90 * values * 4
+    assert cache.allocated_bytes() == a.n_layers * 2 * PAGE_TOKENS * values * 4
+    geo = plan_geometry(json.loads((folder / "config.json").read_text()))
+    assert geo.kv_values_per_layer == values == a.kv_values_per_token  # what the planner charges, per layer
+
+
+def test_absorbed_core_equals_the_expanded_attention():
+    rng = np.random.default_rng(1)
+    nh, dn, dv, r, dr, t = 3, 6, 5, 7, 4, 9
+    w_uk, w_uv = rng.standard_normal((nh, dn, r)), rng.standard_normal((nh, dv, r))
+    q_nope, q_rope = rng.standard_normal((nh, dn)), rng.standard_normal((nh, dr))
+    latent, k_rope = rng.standard_normal((t, r)), rng.standard_normal((t, dr))
+    k_nope, v = np.einsum("hdr,tr->htd", w_uk, latent), np.einsum("hvr,tr->htv", w_uv, latent)
+    s = 0.3 * (np.einsum("hd,htd->ht", q_nope, k_nope) + q_rope @ k_rope.T)
+    p = np.exp(s - s.max(1, keepdims=True))
+    want = np.einsum("ht,htv->hv", p / p.sum(1, keepdims=True), v)  # expanded: per-head keys and values
+    q_abs = np.einsum("hd,hdr->hr", q_nope, w_uk)
+    o_lat = attention_absorb_ref(q_abs.astype(np.float32), q_rope.astype(np.float32),
+                                 latent.astype(np.float32), k_rope.astype(np.float32), 0.3)
+    assert o_lat.dtype == np.float32 and o_lat.shape == (nh, r)
+    np.testing.assert_allclose(np.einsum("hvr,hr->hv", w_uv, o_lat), want, rtol=1e-4, atol=1e-5)
+
+
+def test_absorbed_core_comes_from_the_backend_when_it_has_one():
+    calls = []
+
+    class Kernel:
+        def attention_absorb(self, *args):
+            calls.append(args)
+            return attention_absorb_ref(*args)
+
+    class NoKernel:
+        def attention_absorb(self, *args):
+            raise UnsupportedError("no attention_absorb kernel")
+
+    class Wrong:
+        def attention_absorb(self, q_abs, *args):
+            return np.zeros_like(q_abs)
+
+    kernel = Kernel()
+    assert select_absorb(kernel) == kernel.attention_absorb and calls  # probed once, then used
+    for backend in (None, object(), NoKernel(), Wrong()):
+        assert select_absorb(backend) is attention_absorb_ref
+
+
+def test_int8_pack_routes_as_its_dequantized_reference(tiny, tmp_path):
+    from colibri_plan.engine.pack import open_pack, write_pack
+
+    _, folder, _, _ = tiny("deepseek_v3")
+    out = write_pack(load_checkpoint(folder), tmp_path / "pack", "int8")
+    pack = open_pack(out)
+    assert pack.arch == load_checkpoint(folder).arch  # the MLA and YaRN fields survive the pack index
+    deq = {k: tuple(quantize(dequantize(t), "f32") for t in pack.expert(*k)) for k in pack.expert_keys()}
+    ref = InMemoryWeights(pack.arch, pack.dense, deq, "f32")
+    with Model(pack) as mq, Model(ref) as mref:
+        assert float(np.abs(mq.forward(PROMPT) - mref.forward(PROMPT)).max()) < TOL
+        assert mq.generate(PROMPT[:16], 32) == mref.generate(PROMPT[:16], 32)
+        for layer in pack.arch.moe_layers:
+            np.testing.assert_array_equal(mq.routing.topk_ids(layer), mref.routing.topk_ids(layer))
+    pack.close()
+
+
+def _fp8_copy(folder, out, block):
+    """``folder`` re-saved as an FP8 block-scaled checkpoint (every *_proj weight e4m3 with
+    ``weight_scale_inv`` per ``block``) in ``out``, and its dequantized f32 twin in ``out``-deq."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    fp8, deq = {}, {}
+    for name, w in tensors.items():
+        if w.ndim == 2 and "proj" in name and name.endswith(".weight"):
+            n, k = w.shape
+            bn, bk = block
+            pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+            pad[:n, :k] = w
+            amax = pad.reshape(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk).abs().amax(dim=(1, 3))
+            scale = (amax / 448.0).clamp(min=1e-12)  # [ceil(n/bn), ceil(k/bk)]
+            full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+            q = (w / full).to(torch.float8_e4m3fn)
+            fp8[name], fp8[name + "_scale_inv"] = q, scale.float()
+            deq[name] = q.float() * full
+        else:
+            fp8[name] = deq[name] = w
+    for path, ts, extra in ((out, fp8, {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                                 "weight_block_size": list(block)}}),
+                            (out.with_name(out.name + "-deq"), deq, {})):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({**cfg, **extra}))
+        save_file(ts, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return out, out.with_name(out.name + "-deq")
+
+
+def test_fp8_block_scaled_checkpoint_matches_its_dequantized_reference(tiny, tmp_path):
+    import transformers
+
+    _, folder, _, _ = tiny("deepseek_v3")
+    fp8, deq = _fp8_copy(folder, tmp_path / "fp8", (32, 32))  # partial blocks: 16×64, 96×64, ...
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(deq)).eval()
+    want = greedy(hf, PROMPT[:16], 32)
+    assert min_router_gap(hf, [PROMPT[:16] + want]) >= 1e-4
+    w8, wd = load_checkpoint(fp8), load_checkpoint(deq)
+    for name, t in wd.dense.items():
+        np.testing.assert_array_equal(w8.dense[name], t, err_msg=name)  # per-block dequantization is exact
+    _check_parity(hf, fp8, want, "deepseek_v3")
+
+
+def test_fp8_dequantization_of_128_blocks_matches_torch():
+    import torch
+
+    from colibri_plan.engine.fp8 import dequant_blocks, e4m3_to_f32
+
+    bits = torch.arange(256, dtype=torch.uint8)
+    ok = ~torch.isnan(bits.view(torch.float8_e4m3fn).float())
+    np.testing.assert_array_equal(e4m3_to_f32(bits.numpy())[ok.numpy()],
+                                  bits.view(torch.float8_e4m3fn).float()[ok].numpy())
+    assert np.isnan(e4m3_to_f32(np.array([0x7F, 0xFF], np.uint8))).all()
+    g = torch.Generator().manual_seed(0)
+    w8 = (torch.randn(300, 200, generator=g) * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 2, generator=g) + 0.1
+    want = w8.float() * scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
+    np.testing.assert_array_equal(dequant_blocks(w8.view(torch.uint8).numpy(), scale.numpy()), want.numpy())
