@@ -1,7 +1,8 @@
 """Write a baseline's placement as a plan file (same budgets and cost model as `colibri-plan solve`).
 
     .venv/bin/python bench/baseline_plan.py --profile P --model PACK --heat H --ram auto --vram 1.0 \\
-        --baseline hot-first --out plan-hot-first.json [--dense-format f32] [--context 512]
+        --baseline hot-first --out plan-hot-first.json [--dense-format f32] [--context 512] \\
+        [--vram auto --vram-reserve GB]
 
 Baselines (colibri_plan/planner/baselines.py): ``hot-first`` (colibrì's global hot-first fill: VRAM, then
 RAM pins), ``fit-layers`` (llama.cpp --fit-style whole layers), ``uniform``. The plan's ``predicted``
@@ -32,6 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heat", default=None)
     ap.add_argument("--ram", default="auto")
     ap.add_argument("--vram", default="auto")
+    ap.add_argument("--vram-reserve", type=float, default=2.0, help="GB kept free per GPU under --vram auto "
+                    "(as `colibri-plan solve --vram-reserve`)")
     ap.add_argument("--dense-format", default=None)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--coefficients", default=None)
@@ -42,7 +45,8 @@ def main(argv=None) -> int:
     spec = load_model_spec(a.model)
     coef = load_coefficients(a.coefficients) if a.coefficients else None
     setup = build_setup(profile, spec, load_heat_arg(a.heat), ram=a.ram, vram=a.vram,
-                        context_tokens=a.context, dense_fmt=a.dense_format, coef=coef)
+                        context_tokens=a.context, dense_fmt=a.dense_format, coef=coef,
+                        vram_reserve_gb=a.vram_reserve)
     tiers, slots = BASELINES[a.baseline](setup.problem)
     validate_placement(setup.problem, tiers, slots)
     plan = plan_document(setup, profile, tiers, slots, {"status": "baseline", "method": a.baseline},

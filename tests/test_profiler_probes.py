@@ -354,6 +354,8 @@ def test_cli_quick_every_section(tmp_path):
         assert any(s["backend"] == name and s["reason"] for s in doc["skipped"])
     from colibri_plan.profiler.links import HOST_BACKENDS
 
+    if sum(d["backend"] == "cuda" for d in doc["devices"]) < 2:
+        assert "CUDA device(s)" in doc["peer_links"]["unavailable"]
     if all(b in HOST_BACKENDS for b in available):
         assert "unavailable" in doc["links"]
     else:  # every non-host device has a link entry or a skip reason

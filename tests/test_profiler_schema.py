@@ -240,3 +240,45 @@ def test_bad_device_entry_is_a_format_error(tmp_path, good, field, value):
         load_profile(f)
     r = cli_run("solve", "--profile", f, "--model", d / "model.json")
     assert_one_line(r, str(f), f"devices[1]: {field} must be")
+
+
+def _peer(src, dst, gbps=None, **extra):
+    return {"src": src, "dst": dst, "src_name": "NVIDIA H200", "dst_name": "NVIDIA H200",
+            "block_bytes": 18915328, "can_access_peer": gbps is not None,
+            "peer_access_enabled": gbps is not None,
+            "copy_gbps": fig(gbps) if gbps else {"unavailable": "RuntimeError: cudaErrorIllegalAddress"},
+            "copies_per_repetition": 8, "method": "memcpyPeer", **extra}
+
+
+def test_peer_links_optional_and_read(tmp_path):
+    """Old profiles without the section stay valid; a two-GPU section round-trips and is read back."""
+    old = MachineProfile(toy_doc())
+    assert "peer_links" not in old.doc and old.peer_gbps("cuda:0", "cuda:1") is None
+    doc = toy_doc()
+    doc["peer_links"] = [_peer("cuda:0", "cuda:1", 150.0), _peer("cuda:1", "cuda:0")]
+    save_profile(doc, tmp_path / "p.json")
+    p = load_profile(tmp_path / "p.json")
+    assert p.peer_gbps("cuda:0", "cuda:1") == 150.0
+    assert p.peer_gbps("cuda:1", "cuda:0") is None and p.peer_gbps("cuda:0", "cuda:2") is None
+    one_gpu = MachineProfile({**toy_doc(), "peer_links": {"unavailable": "1 CUDA device(s) in this profile"}})
+    assert one_gpu.peer_gbps("cuda:0", "cuda:1") is None
+
+
+@pytest.mark.parametrize("peers, message", [
+    ([], "empty list"),
+    ({"unavailable": ""}, "reason"),
+    ("fast", "expected a list"),
+    ([{"src": "cuda:0"}], r"peer_links\[0\]: missing dst"),
+    ([_peer("cuda:0", "cuda:0", 100.0)], "same device"),
+    ([_peer("gpu0", "cuda:1", 100.0)], "device key"),
+    ([_peer("cuda:0", "cuda:1", 100.0), _peer("cuda:0", "cuda:1", 90.0)], "listed twice"),
+    ([_peer("cuda:0", "cuda:1", 100.0, can_access_peer="yes")], "can_access_peer must be true or false"),
+    ([_peer("cuda:0", "cuda:1", 100.0, block_bytes=0)], "block_bytes"),
+    ([{**_peer("cuda:0", "cuda:1", 100.0), "copy_gbps": fig(0.0)}], "must be > 0"),
+    ([{**_peer("cuda:0", "cuda:1", 100.0), "copy_gbps": fig(5.0, 6.0)}], "min <= median"),
+])
+def test_bad_peer_links_rejected(tmp_path, peers, message):
+    doc = _full(toy_doc())
+    doc["peer_links"] = peers
+    with pytest.raises(FormatError, match=message):
+        load_profile(_write(tmp_path, doc))

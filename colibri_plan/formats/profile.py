@@ -14,6 +14,9 @@ A profile is a JSON document (kind ``"profile"``, schema_version 1, written atom
   weight_gbps, seconds
 - ``expert_ffn`` (optional): backend, device_index, fmt, experts, tokens, hidden, width, seconds,
   weight_gbps
+- ``peer_links`` (optional; older profiles lack it): per ordered pair of CUDA devices: src, dst ("cuda:0"),
+  src_name, dst_name, block_bytes, can_access_peer, peer_access_enabled, copy_gbps (GB/s of
+  ``cudaMemcpyPeer`` at the expert block), or ``{"unavailable": reason}`` with fewer than two GPUs
 
 Every measured figure is a *stat*: ``{"min", "median", "max", "repetitions"}`` (non-negative, finite,
 min <= median <= max). A section the machine lacks is ``{"unavailable": reason}``. Validation runs on
@@ -184,6 +187,16 @@ class MachineProfile:
     def d2h_gbps(self, backend: str, device_index: int, pinned: bool = True) -> float:
         """Median device-to-host GB/s at expert-sized blocks."""
         return self._link_gbps(backend, device_index, "d2h_pinned_gbps" if pinned else "d2h_pageable_gbps")
+
+    def peer_gbps(self, src: str, dst: str) -> float | None:
+        """Median GB/s (1e9 B/s) of GPU->GPU copies from device key ``src`` to ``dst`` ("cuda:0") at the
+        expert block size; None when the profile has no such figure (older profile, one GPU, a failed
+        pair)."""
+        peers = self.doc.get("peer_links")
+        for e in peers if isinstance(peers, list) else []:
+            if e["src"] == src and e["dst"] == dst and "median" in e["copy_gbps"]:
+                return float(e["copy_gbps"]["median"])
+        return None
 
     def gpus(self) -> list[dict]:
         """Physical GPUs, kind gpu/igpu (DeviceInfo dicts: total/free memory, unified_memory flag).

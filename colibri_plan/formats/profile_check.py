@@ -159,4 +159,31 @@ def validate_profile(doc: dict) -> dict:
             _check_stat(e["seconds"], w + ".seconds", positive=True)
             if "weight_gbps" in e:
                 _check_stat(e["weight_gbps"], w + ".weight_gbps", positive=True)
+    if "peer_links" in doc:
+        _check_peer_links(doc)
     return doc
+
+
+def _check_peer_links(doc: dict) -> None:
+    """The optional ``peer_links`` section: a non-empty list of ordered GPU pairs, or unavailable."""
+    peers = _check_list(doc, "peer_links")
+    if peers is not None and not peers:  # the profiler writes {"unavailable": reason} instead
+        _fail("peer_links", "empty list; expected entries or {'unavailable': reason}")
+    seen = set()
+    for i, e in enumerate(peers or []):
+        w = f"peer_links[{i}]"
+        _check_keys(e, ("src", "dst", "block_bytes", "can_access_peer", "copy_gbps"), w)
+        for k in ("src", "dst"):
+            if not isinstance(e[k], str) or e[k].count(":") != 1 or not e[k].split(":")[1].isdigit():
+                _fail(w, f"{k} must be a device key like 'cuda:0', got {e[k]!r}")
+        if e["src"] == e["dst"]:
+            _fail(w, f"src and dst are the same device ({e['src']})")
+        if (e["src"], e["dst"]) in seen:
+            _fail(w, f"pair {e['src']} -> {e['dst']} is listed twice")
+        seen.add((e["src"], e["dst"]))
+        _check_int(e, "block_bytes", w, 1)
+        for k in ("can_access_peer", "peer_access_enabled"):
+            if k in e and not isinstance(e[k], bool):
+                _fail(w, f"{k} must be true or false, got {e[k]!r}")
+        if not _unavailable(e["copy_gbps"]):
+            _check_stat(e["copy_gbps"], w + ".copy_gbps", positive=True)

@@ -10,6 +10,12 @@
 - Other discrete devices (Vulkan) borrow the figures of the same GPU model measured through CUDA or
   OpenCL (same device name, same index preferred), with the method saying so; otherwise they are skipped.
 - The ``numpy`` and ``cpu`` backends are the host itself and have no link.
+
+Peer links (:func:`probe_peer_links`, the profile's optional ``peer_links`` section): for every ordered
+pair of CUDA devices, whether the source can address the destination's memory directly
+(``cudaDeviceCanAccessPeer``; peer access is then enabled) and the GB/s of ``cudaMemcpyPeer`` at the
+expert block size; without peer access the driver stages the copy through host memory, and the figure
+says what that costs. With fewer than two CUDA devices the section is ``{"unavailable": reason}``.
 """
 
 from __future__ import annotations
@@ -171,3 +177,101 @@ def probe_links(devices: list[dict], ram: dict, block_bytes: int, repetitions: i
 def _same_gpu(entry: dict, d: dict) -> bool:
     """Same GPU model (device names match); identical GPUs of one host share their link figures."""
     return entry["device_name"].strip().lower() == d["name"].strip().lower()
+
+
+# ---- GPU <-> GPU -------------------------------------------------------------------------------
+PEER_METHOD = ("cupy.cuda.runtime.memcpyPeer of one block per copy (peer access enabled where "
+               "deviceCanAccessPeer allows it, else staged by the driver), timed after synchronizing both "
+               "devices")
+
+
+def _enable_peer(rt, src: int, dst: int) -> bool:
+    """Let device ``src`` address ``dst``'s memory; True when enabled now or already before.
+
+    Raises:
+        Exception: the runtime's error for anything other than "already enabled".
+    """
+    import cupy as cp
+
+    with cp.cuda.Device(src):
+        try:
+            rt.deviceEnablePeerAccess(dst)
+        except Exception as exc:  # noqa: BLE001 - CUDARuntimeError; only "already enabled" is fine
+            if "AlreadyEnabled" not in str(exc) and getattr(exc, "status", None) != 704:
+                raise
+    return True
+
+
+def probe_cuda_peer(src: int, dst: int, block_bytes: int, repetitions: int = 5, copies: int = 8) -> dict:
+    """One ordered pair of CUDA devices through CuPy.
+
+    Returns:
+        {"can_access_peer": bool, "peer_access_enabled": bool, "copy_gbps": stat (GB/s = 1e9 B/s of
+        ``block_bytes`` copies from ``src`` to ``dst``), "copies_per_repetition", "method"}.
+
+    Raises:
+        Exception: CuPy or the CUDA runtime failing (the caller records the reason).
+    """
+    import cupy as cp
+
+    rt = cp.cuda.runtime
+    can = bool(rt.deviceCanAccessPeer(src, dst))
+    enabled = _enable_peer(rt, src, dst) if can else False
+    with cp.cuda.Device(src):
+        a = cp.ones(block_bytes, dtype=cp.uint8)
+    with cp.cuda.Device(dst):
+        b = cp.empty(block_bytes, dtype=cp.uint8)
+    s_dev, d_dev = cp.cuda.Device(src), cp.cuda.Device(dst)
+
+    def sync() -> None:
+        s_dev.synchronize()
+        d_dev.synchronize()
+
+    a_ptr, b_ptr = a.data.ptr, b.data.ptr
+    with s_dev:
+        figure = _timed(lambda: rt.memcpyPeer(b_ptr, dst, a_ptr, src, block_bytes), sync, block_bytes,
+                        copies, repetitions)
+    del a, b
+    return {"can_access_peer": can, "peer_access_enabled": enabled, "copy_gbps": figure,
+            "copies_per_repetition": copies, "method": PEER_METHOD}
+
+
+def probe_peer_links(devices: list[dict], block_bytes: int, repetitions: int = 5, copies: int = 8,
+                     progress: Callable[[str], None] | None = None) -> list[dict] | dict:
+    """GPU<->GPU copy figures for every ordered pair of the CUDA devices in ``devices``.
+
+    Args:
+        devices: DeviceInfo dicts; only ``backend == "cuda"`` ones are paired (one per physical card).
+        block_bytes: bytes per copy (the model's expert block).
+
+    Returns:
+        A list of {"src": "cuda:I", "dst": "cuda:J", "src_name", "dst_name", "block_bytes",
+        "can_access_peer", "peer_access_enabled", "copy_gbps": stat or {"unavailable": reason},
+        "copies_per_repetition", "method"} (a failing pair records its reason, never raises), or
+        ``{"unavailable": reason}`` with fewer than two CUDA devices or no CuPy.
+    """
+    cuda = sorted((d for d in devices if d.get("backend") == "cuda"), key=lambda d: d["index"])
+    if len(cuda) < 2:
+        return {"unavailable": f"{len(cuda)} CUDA device(s) in this profile; GPU<->GPU links need two or "
+                               "more (profile with --backends ...,cuda on a multi-GPU host)"}
+    try:
+        import cupy  # noqa: F401 - only to say plainly when CuPy is missing
+    except Exception as exc:  # noqa: BLE001 - ImportError or a broken CUDA install
+        return {"unavailable": f"CuPy cannot be imported ({type(exc).__name__}: {exc})"}
+    out = []
+    for s in cuda:
+        for d in cuda:
+            if s["index"] == d["index"]:
+                continue
+            entry = {"src": f"cuda:{s['index']}", "dst": f"cuda:{d['index']}", "src_name": s["name"],
+                     "dst_name": d["name"], "block_bytes": int(block_bytes)}
+            if progress:
+                progress(f"peer links: {entry['src']} -> {entry['dst']} at {block_bytes} B")
+            try:
+                entry.update(probe_cuda_peer(s["index"], d["index"], block_bytes, repetitions, copies))
+            except Exception as exc:  # noqa: BLE001 - one pair failing must not sink the profile
+                entry.update({"can_access_peer": False, "peer_access_enabled": False,
+                              "copy_gbps": {"unavailable": f"{type(exc).__name__}: {exc}"},
+                              "method": PEER_METHOD})
+            out.append(entry)
+    return out

@@ -17,7 +17,7 @@ from colibri_plan import __version__
 from colibri_plan.errors import InputError
 from colibri_plan.formats.profile import MachineProfile, machine_fingerprint
 from colibri_plan.profiler import disk as disk_mod
-from colibri_plan.profiler.links import HOST_BACKENDS, probe_links
+from colibri_plan.profiler.links import HOST_BACKENDS, probe_links, probe_peer_links
 from colibri_plan.profiler.machine import list_all_devices, machine_info
 from colibri_plan.profiler.matmul_probe import probe_matmul
 from colibri_plan.profiler.ram import probe_ram
@@ -177,6 +177,7 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
             doc["links"] = links if links else {"unavailable": _reasons(s)}
         else:
             doc["links"] = {"unavailable": "no GPU or accelerator device found: " + _reasons(dev_skipped)}
+        doc["peer_links"] = probe_peer_links(devices, block, st["link_repetitions"], progress=say)
         durations["links"] = time.perf_counter() - t0
     if "matmul" in opts.probes:
         t0 = time.perf_counter()
