@@ -148,16 +148,16 @@ class CUDABackend(GPUBackend):
         R, U = _SHAPE[name]
         key = f"{name}<{sh.kernel_format(fmt)},{R},{U},{tc}>"
         fn = self._fns.get(key)
-        if fn is None:
-            with self.dev:
+        # CuPy keeps functions per device, picked by the calling thread's current device (engine threads: 0)
+        with self.dev:
+            if fn is None:
                 mod = self.cp.RawModule(code=self._src, options=_NVRTC_OPTIONS, name_expressions=[key])
-            fn = self._fns[key] = mod.get_function(key)
-        if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
-            limit = self._smem_limit()
-            if smem > limit:
-                raise UnsupportedError(f"cuda: {name} on rows of this width needs {smem} B of shared memory; "
-                                       f"this GPU allows {limit} B per block")
-            fn.max_dynamic_shared_size_bytes = smem
+                fn = self._fns[key] = mod.get_function(key)
+            if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
+                limit = self._smem_limit()
+                if smem > limit:
+                    raise UnsupportedError(f"cuda: {name} needs {smem} B of shared memory, {limit} B allowed")
+                fn.max_dynamic_shared_size_bytes = smem
         return fn
 
     def _resident(self, fn, smem: int) -> int:
@@ -165,8 +165,9 @@ class CUDABackend(GPUBackend):
         key = (fn.__name__, smem)
         if key not in self._occupancy:
             try:
-                n = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                    fn.kernel.ptr, 32 * _WARPS, smem)
+                with self.dev:
+                    n = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                        fn.kernel.ptr, 32 * _WARPS, smem)
             except Exception:  # noqa: BLE001 - older CuPy without the binding
                 n = 2
             self._occupancy[key] = max(1, int(n))
