@@ -151,13 +151,16 @@ MLA_FAMILIES = {
     "kimi_k2": ("DeepseekV3Config", "DeepseekV3ForCausalLM",  # DeepSeek-V3 architecture, labelled kimi_k2
                 dict(q_lora_rank=32, n_group=1, topk_group=1, routed_scaling_factor=2.827,
                      num_nextn_predict_layers=0, v_head_dim=24), "kimi_k2"),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM",  # GLM-4.7-Flash: V3 maths, GLM layout
+                      dict(q_lora_rank=32, n_group=1, topk_group=1, routed_scaling_factor=1.8,
+                           num_hidden_layers=2, rms_norm_eps=1e-5), None),
 }
 
 
 #: name -> (first seed whose router gaps are >= 1e-3 on the tests' sequences, router weight std: softmax
 #: routers want smaller logits than sigmoid ones for their probabilities to spread)
 MLA_SEEDS = {"deepseek_v2": (4, 0.15), "deepseek_v2_lite": (2, 0.2), "deepseek_v3": (3, 0.6),
-             "kimi_k2": (0, 0.6)}
+             "kimi_k2": (0, 0.6), "glm4_moe_lite": (0, 0.6)}
 
 
 def build_mla(name: str, folder, seed: int | None = None, std: float = 0.2, router_std: float | None = None,
@@ -244,10 +247,10 @@ def min_router_gap(model, seqs) -> float:
 
 # ---- a tiny Mixtral checkpoint written with numpy only (no torch): fuzz and bad-input tests -------------
 
-NUMPY_MIXTRAL = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32, hidden_size=16,
-                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                     num_local_experts=4, num_experts_per_tok=2, intermediate_size=8, rms_norm_eps=1e-5,
-                     rope_theta=10000.0, tie_word_embeddings=False)
+NUMPY_MIXTRAL = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32,
+                     hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                     head_dim=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=8,
+                     rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
 #: the first of its two shards (embed, norm, LM head and layer 0); the second holds layer 1
 SHARD = "model-00001-of-00002.safetensors"
 
@@ -265,7 +268,8 @@ def numpy_mixtral_tensors(layers: int = 2) -> list[dict]:
     def r(*shape):
         return rng.standard_normal(shape).astype(np.float32) * 0.2
 
-    shards = [{"model.embed_tokens.weight": r(v, h), "model.norm.weight": 1 + r(h), "lm_head.weight": r(v, h)}]
+    shards = [{"model.embed_tokens.weight": r(v, h), "model.norm.weight": 1 + r(h),
+                "lm_head.weight": r(v, h)}]
     shards += [{} for _ in range(layers - 1)]
     for i in range(layers):
         p, t = f"model.layers.{i}.", shards[i]
@@ -295,5 +299,6 @@ def write_numpy_mixtral(folder, layers: int = 2, **config):
         name = f"model-{k + 1:05d}-of-{layers:05d}.safetensors"
         save_file(t, str(folder / name), metadata={"format": "pt"})
         weight_map.update({n: name for n in t})
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     return folder

@@ -242,3 +242,34 @@ def test_fp8_dequantization_of_128_blocks_matches_torch():
     scale = torch.rand(3, 2, generator=g) + 0.1
     want = w8.float() * scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
     np.testing.assert_array_equal(dequant_blocks(w8.view(torch.uint8).numpy(), scale.numpy()), want.numpy())
+
+
+def test_decode_runs_on_the_cpu_backend_absorb_kernel(tiny):
+    """With experts on the compiled "cpu" backend, MLA decode calls its attention_absorb kernel."""
+    from colibri_plan.backends import get_backend
+
+    reason = get_backend("cpu").unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cpu backend unavailable: {reason}")
+    hf, folder, want, _ = tiny("deepseek_v3")
+    seq = PROMPT[:16] + want
+    ref = logits(hf, seq[:-1])
+    with Model(load_checkpoint(folder), backend_name="cpu") as model:
+        assert getattr(model._absorb, "__self__", None) is model.experts.backend  # the kernel, not the ref
+        cache = model.new_cache()
+        got = np.concatenate([model.forward(seq[:16], cache)]
+                             + [model.forward([t], cache) for t in seq[16:-1]])
+        assert float(np.abs(got - ref).max()) < TOL
+        assert model.generate(PROMPT[:16], 32) == want
+
+
+def test_tiny_mla_attention_is_not_uniform(tiny):
+    """The tiny models' init scale makes attention peaked: the last token's largest weight is several
+    times uniform on every layer and head (else a wrong score would go unnoticed)."""
+    import torch
+
+    hf, _, _, _ = tiny("deepseek_v3")
+    hf.config._attn_implementation = "eager"
+    with torch.no_grad():
+        att = hf(torch.as_tensor([PROMPT]), output_attentions=True).attentions
+    assert len(att) == 3 and all(float(a[0, :, -1].max(-1).values.min()) > 2.5 / len(PROMPT) for a in att)

@@ -136,3 +136,38 @@ def test_sliding_window_attention_matches_transformers(tmp_path):
         cache = model.new_cache()
         got = np.concatenate([model.forward(seq[:20], cache)] + [model.forward([t], cache) for t in seq[20:]])
     assert rel(got, logits(hf, seq)) < TOL
+
+
+YARN_GQA = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def test_yarn_gqa_matches_transformers(tmp_path):
+    """Qwen3-MoE with YaRN RoPE (attention factor on cos/sin, blended frequencies): cached decode logits
+    within 1e-4, identical top-k per MoE layer and 32 identical greedy tokens (router gaps >= 1e-3)."""
+    from _tiny_models import min_router_gap
+
+    from colibri_plan.families.rope import attention_factor
+
+    for seed in range(1, 11):  # the first seed whose router gaps are >= 1e-3 on the compared tokens
+        folder = tmp_path / f"seed{seed}"
+        hf = build("qwen3_moe", folder, seed=seed, rope_parameters=YARN_GQA)
+        want = greedy(hf, PROMPT[:16], 32)
+        if min_router_gap(hf, [PROMPT[:16] + want]) >= 1e-3:
+            break
+    else:
+        raise AssertionError("no seed gives router gaps >= 1e-3")
+    w = load_checkpoint(folder)
+    assert (w.arch.rope_type, w.arch.yarn_factor) == ("yarn", 4.0) and attention_factor(w.arch) > 1.1
+    seq = PROMPT[:16] + want
+    calls, remove = record_router_ids(hf)
+    ref = logits(hf, seq[:-1])
+    remove()
+    with Model(w) as model:
+        cache = model.new_cache()
+        got = np.concatenate([model.forward(seq[:16], cache)]
+                             + [model.forward([t], cache) for t in seq[16:-1]])
+        assert float(np.abs(got - ref).max()) < TOL
+        for layer, hf_ids in zip(w.arch.moe_layers, calls):
+            np.testing.assert_array_equal(np.sort(model.routing.topk_ids(layer), axis=1),
+                                          np.sort(hf_ids, axis=1))
+        assert model.generate(PROMPT[:16], 32) == want

@@ -114,12 +114,14 @@ def _read(c: ConfigReader, module: ModuleType) -> ArchConfig:
 def arch_from_config(config: dict, plan_only: bool = False, where: str = "config.json") -> ArchConfig:
     """The :class:`~colibri_plan.formats.arch.ArchConfig` of a Hugging Face ``config.json`` dict.
 
-    ``plan_only=True`` also returns the geometry of families the forward pass cannot run yet (MLA,
-    gpt-oss, hybrid attention, RoPE scaling other than linear) for planning; the engine leaves it False.
+    ``plan_only=True`` also returns the geometry of families the forward pass cannot run yet (DSA
+    sparse attention, gpt-oss, hybrid attention, RoPE scaling other than linear/YaRN) for planning; the
+    engine leaves it False.
 
     Raises:
-        UnsupportedError: unknown ``model_type`` (named); unless ``plan_only``, a plan-only family (MLA
-            named for DeepSeek/GLM-5) or a RoPE type other than default/linear.
+        UnsupportedError: unknown ``model_type`` (named); unless ``plan_only``, a plan-only family or
+            variant (the config field named, e.g. ``index_topk`` for DeepSeek-V3.2/GLM-5) or a RoPE type
+            other than default/linear/yarn.
         FormatError: a required key is missing (named) or the values are inconsistent.
     """
     c, module = _family(config, where)
