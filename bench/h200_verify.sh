@@ -29,7 +29,7 @@ say "profile --quick (disk, RAM, links, matmul on cpu and cuda)"
 # every listed GPU as its own memory
 $CP profile --quick --backends cpu,cuda --formats int4 --model "$OUT/fixture" --out "$OUT/profile.json"
 say "statistics run"
-$PY -c "from colibri_plan.engine.fixture import fixture_prompt; print(*fixture_prompt(4096, 256, seed=0))" \
+$PY -P -c "from colibri_plan.engine.fixture import fixture_prompt; print(*fixture_prompt(4096, 256, seed=0))" \
   > "$OUT/prompt-stats.txt"
 $CP run --model "$OUT/fixture" --backend cpu --prompt-file "$OUT/prompt-stats.txt" --tokens 4 \
   --stats-out "$OUT/heat.json"
@@ -61,7 +61,7 @@ $CP verify --plan "$OUT/plan-ours-${V}-calibrated.json" --model "$OUT/fixture" -
   --no-reference --report "$OUT/verify-ours-${V}-calibrated.json" | tee "$OUT/verify-ours-${V}-calibrated.txt"
 
 say "summary (medians over repeats)"
-$PY - "$OUT" "$VRAM_GBS" <<'PYEOF'
+$PY -P - "$OUT" "$VRAM_GBS" <<'PYEOF'
 import glob, json, statistics, sys
 from colibri_plan.formats.plan import load_plan
 d, budgets = sys.argv[1], sys.argv[2].split()

@@ -39,7 +39,7 @@ status=0
 if [ "$REHEARSE" = 1 ]; then
   FIXTURE_ARGS=(--small); VOCAB=512; BACKENDS=cpu,numpy; SMOKE=(--backend numpy --devices 0 --hidden 256 --width 128)
 else
-  n=$($PY -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 0)
+  n=$($PY -P -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 0)
   if [ "$n" -lt 2 ]; then
     echo "multi_gpu_verify.sh: needs at least 2 CUDA GPUs visible to CuPy; found $n. Nothing was run." >&2
     exit 2
@@ -72,7 +72,7 @@ $CP profile --quick --backends "$BACKENDS" --formats int4 --model "$WORK/fixture
 [ "$REHEARSE" = 1 ] && $PY bench/multi_gpu_table.py fake-gpus "$WORK/profile.json"
 
 say "statistics run"
-$PY -c "from colibri_plan.engine.fixture import fixture_prompt; print(*fixture_prompt($VOCAB, 256, seed=0))" \
+$PY -P -c "from colibri_plan.engine.fixture import fixture_prompt; print(*fixture_prompt($VOCAB, 256, seed=0))" \
   > "$WORK/prompt-stats.txt"
 $CP run --model "$WORK/fixture" --backend cpu --prompt-file "$WORK/prompt-stats.txt" --tokens 4 \
   --stats-out "$WORK/heat.json"
