@@ -28,8 +28,8 @@ def _document_kind(path: Path) -> str | None:
     try:
         if path.stat().st_size > (16 << 20):
             return None
-        doc = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+        doc = parse_json(path.read_bytes(), str(path), "JSON document")
+    except (OSError, FormatError):
         return None
     kind = doc.get("kind") if isinstance(doc, dict) else None
     return kind if isinstance(kind, str) else None
@@ -162,6 +162,57 @@ def write_document(path: str | os.PathLike, kind: str, schema_version: int, body
                              kind=kind)
 
 
+#: deepest nesting of lists/objects a document may have (ours nest at most 6 deep; config.json ~4)
+MAX_JSON_DEPTH = 64
+#: largest magnitude of a JSON integer (no field of any document comes near it; numpy holds int64)
+MAX_JSON_INT = 2**63 - 1
+
+
+def _json_int(text: str) -> int:
+    v = int(text)
+    if abs(v) > MAX_JSON_INT:
+        raise ValueError(f"integer {text[:24]}{'...' if len(text) > 24 else ''} ({len(text)} digits) is "
+                         "larger than any field can hold (2**63 - 1)")
+    return v
+
+
+def json_depth_ok(doc: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when ``doc`` nests lists/objects at most ``limit`` deep (checked without recursion)."""
+    level = [doc] if isinstance(doc, (dict, list)) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return False
+        nxt: list = []
+        for v in level:
+            nxt.extend(c for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list)))
+        level = nxt
+    return True
+
+
+def parse_json(text: str | bytes, where: str, what: str) -> Any:
+    """Parse JSON text (or UTF-8 bytes) of a document read from ``where``; ``what`` names the expected
+    file in messages. Deep nesting (more than :data:`MAX_JSON_DEPTH` levels, which would exhaust the
+    interpreter's recursion) and integers beyond :data:`MAX_JSON_INT` are refused here, so no reader
+    downstream meets them.
+
+    Raises:
+        FormatError: not UTF-8, not JSON, nested too deeply, or an integer too large.
+    """
+    try:
+        doc = json.loads(text, parse_int=_json_int)
+    except RecursionError:
+        raise FormatError(f"{where}: JSON nested too deeply (more than {MAX_JSON_DEPTH} levels); is it a "
+                          f"{what}? re-create it") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise FormatError(f"{where} is not valid JSON ({exc}); is it a {what}? re-create it") from None
+    if not json_depth_ok(doc):
+        raise FormatError(f"{where}: JSON nested too deeply (more than {MAX_JSON_DEPTH} levels); is it a "
+                          f"{what}? re-create it")
+    return doc
+
+
 def read_json_object(path: str | os.PathLike, what: str) -> dict:
     """Parse ``path`` as UTF-8 JSON holding one object.
 
@@ -176,10 +227,7 @@ def read_json_object(path: str | os.PathLike, what: str) -> dict:
         raise InputError(f"cannot read {path}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
         raise FormatError(f"{path} is not valid JSON ({exc}); is it a {what}? re-create it") from exc
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise FormatError(f"{path} is not valid JSON ({exc}); is it a {what}? re-create it") from exc
+    doc = parse_json(text, str(path), what)
     if not isinstance(doc, dict):
         raise FormatError(f"{path} must hold a JSON object (a {what})")
     return doc

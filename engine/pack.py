@@ -40,7 +40,7 @@ from colibri_plan.formats.pack_index import (
     read_index,
     spec_from_arch,
 )
-from colibri_plan.formats.pack_verify import file_crc32
+from colibri_plan.formats.pack_verify import file_crc32, trunk_problems
 from colibri_plan.quant import QuantTensor, check_format, dequantize, quantize
 
 __all__ = ["PackWriter", "PackedModel", "check_pack_output", "write_pack", "open_pack"]
@@ -264,6 +264,9 @@ class PackedModel(ModelWeights):
         doc = read_index(self.path)
         self.index = doc
         self.arch = ArchConfig.from_dict(doc["arch"])
+        if not self.arch.moe_layers:  # `model verify` reports the same (formats/pack_verify.py)
+            raise FormatError(f"pack {self.path}: arch.moe_layers is empty: the pack has no routed experts "
+                              "to run; re-create it")
         self.layout = layout_from_dict(doc["block"])
         fmt = doc["format"]
         self.expert_format = fmt["expert_format"]
@@ -286,7 +289,14 @@ class PackedModel(ModelWeights):
             raise IntegrityError(f"pack {self.path}: {DENSE_NAME} is missing or has the wrong size")
         if check_dense and file_crc32(dense_path) != fmt.get("dense_crc32"):
             raise IntegrityError(f"pack {self.path}: {DENSE_NAME} fails its crc32 check (corrupt)")
-        self.dense = load_file(str(dense_path))
+        problems = trunk_problems(dense_path, self.arch)  # header and trunk shapes, as `model verify`
+        if problems:
+            raise FormatError(f"pack {self.path}: {problems[0]}; re-create the pack")
+        try:
+            self.dense = load_file(str(dense_path))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError
+            raise FormatError(f"pack {self.path}: cannot read {DENSE_NAME} ({type(exc).__name__}: {exc}); "
+                              "re-create the pack") from None
         self._fd = os.open(self.experts_path, os.O_RDONLY)
 
     def spec(self):

@@ -28,7 +28,6 @@ QuantTensors; HF ``mlp.experts.{e}.{gate,up,down}_proj`` or Mixtral ``block_spar
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,8 +37,10 @@ import numpy as np
 from colibri_plan.engine.fp8 import block_size as fp8_block_size
 from colibri_plan.engine.fp8 import is_fp8_scale
 from colibri_plan.errors import FormatError, InputError, UnsupportedError
-from colibri_plan.families import arch_from_config, tensor_names
+from colibri_plan.families import arch_from_config, plan_geometry, tensor_names
+from colibri_plan.fileio import read_json_object
 from colibri_plan.formats.arch import ArchConfig
+from colibri_plan.formats.st_header import extra_layers, tensor_files
 from colibri_plan.quant import QuantTensor, check_format, quantize
 
 
@@ -203,29 +204,15 @@ class _Tensors:
     shift (bf16 is the upper half of a float32).
     """
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, folder: Path):
         from safetensors import safe_open  # light, but only needed here
         self._safe_open = safe_open
         self.where: dict[str, Path] = {}
         self.meta: dict[str, tuple[str, tuple[int, ...], int]] = {}  # name -> (dtype, shape, abs offset)
-        for f in files:
-            try:
-                with open(f, "rb") as fh:
-                    n = int.from_bytes(fh.read(8), "little")
-                    if not 2 <= n <= 100_000_000:
-                        raise ValueError(f"header length {n}")
-                    header = json.loads(fh.read(n))
-                size = f.stat().st_size
-                for name, info in header.items():
-                    if name != "__metadata__" and 8 + n + info["data_offsets"][1] > size:
-                        raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise FormatError(f"{f}: not a readable safetensors file ({e})") from None
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                self.where[name] = f
-                self.meta[name] = (info["dtype"], tuple(info["shape"]), 8 + n + info["data_offsets"][0])
+        # headers checked as safetensors checks them; shards as the index maps them (no duplicates)
+        for name, (f, info, start) in tensor_files(folder).items():
+            self.where[name] = f
+            self.meta[name] = (info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0])
         self._maps: dict[Path, np.memmap] = {}
         self._handles: dict[Path, object] = {}
 
@@ -249,27 +236,13 @@ class _Tensors:
             raise UnsupportedError(f"tensor {name} has dtype {dtype}; only F32/F16/BF16 weights are "
                                    "supported")
         f = self.where[name]
-        if f not in self._handles:  # one open handle per shard (safetensors memory-maps it)
-            self._handles[f] = self._safe_open(str(f), framework="np")
-        return np.ascontiguousarray(self._handles[f].get_tensor(name), dtype=np.float32)
-
-
-def _checkpoint_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as e:
-            raise FormatError(f"{index}: malformed index ({e})") from None
-        files = [folder / n for n in names]
-        missing = [str(f.name) for f in files if not f.is_file()]
-        if missing:
-            raise InputError(f"{folder}: shards listed in the index are missing: {', '.join(missing[:5])}")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise InputError(f"{folder}: no *.safetensors files (save the model with safe_serialization)")
-    return files
+            if f not in self._handles:  # one open handle per shard (safetensors memory-maps it)
+                self._handles[f] = self._safe_open(str(f), framework="np")
+            return np.ascontiguousarray(self._handles[f].get_tensor(name), dtype=np.float32)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError
+            raise FormatError(f"{f}: cannot read tensor {name} ({type(exc).__name__}: {exc}); the file is "
+                              "corrupt; re-download it") from None
 
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)$")
@@ -318,15 +291,14 @@ def load_checkpoint(path, expert_format: str = "f32") -> ModelWeights:
     cfg_path = folder / "config.json"
     if not folder.is_dir() or not cfg_path.is_file():
         raise InputError(f"{folder}: not a Hugging Face checkpoint folder (config.json missing)")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except ValueError as e:
-        raise FormatError(f"{cfg_path}: invalid JSON ({e})") from None
+    config = read_json_object(cfg_path, "Hugging Face config.json")
     arch = arch_from_config(config, where=str(cfg_path))
     arch.check_supported()
     names = tensor_names(arch.family)
-    tensors = _Tensors(_checkpoint_files(folder))
+    tensors = _Tensors(folder)
     tensors.fp8_block = fp8_block_size(config)  # FP8 checkpoints: quantization_config.weight_block_size
+    mtp = extra_layers(tensors.where, arch.n_layers, plan_geometry(config, str(cfg_path)).mtp_layers,
+                       str(folder))
     dense: dict[str, np.ndarray] = {}
     experts: dict[tuple[int, int], list] = {}
     unknown = []
@@ -344,7 +316,7 @@ def load_checkpoint(path, expert_format: str = "f32") -> ModelWeights:
             unknown.append(name)
             continue
         layer, rest = int(m.group(1)), m.group(2)
-        if layer >= arch.n_layers:  # multi-token-prediction layers: not part of the decoder
+        if layer >= arch.n_layers:  # multi-token-prediction layers (checked by extra_layers): not decoded
             continue
         em = names.expert.match(rest)
         if em and arch.is_moe_layer(layer):
@@ -362,7 +334,11 @@ def load_checkpoint(path, expert_format: str = "f32") -> ModelWeights:
                           f"understand, e.g. {', '.join(unknown[:3])}")
     check_dense(arch, dense, f"{folder}")
     _check_expert_names(arch, experts, tensors, folder)
-    return CheckpointWeights(folder, arch, tensors, dense, experts, expert_format)
+    weights = CheckpointWeights(folder, arch, tensors, dense, experts, expert_format)
+    if mtp:  # named, never dropped silently
+        weights.source += (f" (MTP layer(s) {', '.join(map(str, mtp))} not loaded: the decoder does not "
+                           "run them)")
+    return weights
 
 
 def _check_expert_names(arch: ArchConfig, experts: dict, tensors: _Tensors, folder: Path) -> None:

@@ -143,7 +143,7 @@ def edited(tmp_path, doc: dict, path: str, value, name: str = "bad.json"):
 
 
 def heat_doc(tmp_path, **change) -> dict:
-    h = Heat(n_experts=4, layers=(1, 2), counts=np.array([[5, 0, 3, 1], [2, 2, 2, 2]]), top_k=2, tokens=7,
+    h = Heat(n_experts=4, layers=(1, 2), counts=np.array([[5, 0, 4, 5], [3, 4, 3, 4]]), top_k=2, tokens=7,
              n_model_layers=3)
     doc = json.loads(save_heat(h, tmp_path / "good.json").read_text())
     doc.update(change)

@@ -28,3 +28,39 @@ def test_vram_beyond_the_card_is_refused():
         vram_budgets([GPU], "40")
     got, _ = vram_budgets([GPU], "30")
     assert got == {"cuda:0": 30 * 10**9}
+
+
+def test_a_matmul_row_of_unknown_device_kind_is_never_the_cpu_figure():
+    """Issue 17: a profile whose CPU matmul row was missing used a GPU row without device_kind (the
+    default was "cpu"), so the CPU path looked as fast as the GPU; now it is refused, naming the row."""
+    from _solver_fixtures import toy_profile, toy_spec
+
+    from colibri_plan.formats.profile import MachineProfile
+    from colibri_plan.planner.budgets import resources_from_profile
+
+    doc = toy_profile(gpus=[{"gbps": 900.0, "free_bytes": 2 * 10**9}]).doc
+    doc["matmul"] = [r for r in doc["matmul"] if r["backend"] != "numpy"]  # no CPU figure
+    doc["matmul"][0].pop("device_kind")
+    doc["devices"] = [d for d in doc["devices"] if d["backend"] != "cuda"]  # nor a device listing it
+    with pytest.raises(InputError, match=r"no CPU matmul figure at int4 \(rows of cuda:0 do not say"):
+        resources_from_profile(MachineProfile(doc), toy_spec(), {})
+    doc = toy_profile(gpus=[{"gbps": 900.0, "free_bytes": 2 * 10**9}]).doc
+    doc["matmul"] = [r for r in doc["matmul"] if r["backend"] != "numpy"]
+    doc["matmul"][0].pop("device_kind")  # the devices section says cuda:0 is a GPU
+    with pytest.raises(InputError, match="no CPU matmul figure at int4"):
+        resources_from_profile(MachineProfile(doc), toy_spec(), {})
+    good = toy_profile(gpus=[{"gbps": 900.0, "free_bytes": 2 * 10**9}])
+    assert resources_from_profile(good, toy_spec(), {}).cpu_matmul_gbps == 20.0
+
+
+def test_profile_matmul_rows_are_typed():
+    from _solver_fixtures import toy_profile
+
+    from colibri_plan.errors import FormatError
+    from colibri_plan.formats.profile_check import validate_profile
+
+    for key, value in (("device_kind", "tpu"), ("backend", 3), ("device_index", "0")):
+        doc = toy_profile().doc
+        doc["matmul"][0][key] = value
+        with pytest.raises(FormatError, match=key):
+            validate_profile(doc)

@@ -41,3 +41,15 @@ def test_all_zero_coefficients_are_refused(tmp_path):
     zero = {k: 0.0 for k in Coefficients().to_dict()}
     with pytest.raises(FormatError, match="every coefficient is 0"):
         load_coefficients(coef_file(tmp_path, **zero))
+
+
+@pytest.mark.parametrize("value", [2**64, 10**400, -2**64])
+def test_huge_integers_are_typed_errors(tmp_path, value):
+    """Issue 17: an integer >= 2**64 gave a TypeError from np.isfinite; now the key is named (or the
+    JSON reader refuses the number)."""
+    from colibri_plan.errors import InputError
+
+    with pytest.raises(InputError, match="cpu_expert"):
+        Coefficients.from_dict({"cpu_expert": value})
+    with pytest.raises(InputError, match="cpu_expert|larger than any field"):
+        load_coefficients(coef_file(tmp_path, cpu_expert=value))

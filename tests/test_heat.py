@@ -217,3 +217,23 @@ def test_usage_text_bounds(tmp_path):
     with pytest.raises(InputError, match="too large for a usage file"):
         write_usage_text(huge, tmp_path / "never.txt")
     assert not (tmp_path / "never.txt").exists()
+
+
+# ---- issue 17: tokens must agree with the counts ---------------------------------------------------------
+
+@pytest.mark.parametrize("tokens", [1, 2, 50])
+def test_heat_tokens_disagreeing_with_counts_is_refused(tmp_path, tokens):
+    """Rows sum to tokens x top_k (7 x 2 = 14 here): another token count would scale every probability
+    (x7 for tokens=1... or /3.6 for 50) and move the pinned set, so it is refused, naming the row."""
+    doc = heat_doc(tmp_path, tokens=tokens)
+    with pytest.raises(FormatError, match=r"layer 1 .*(sum to 14 selections|selected 5 times in)"):
+        load_heat(write(tmp_path / "bad.json", doc))
+    with pytest.raises(InputError, match="tokens or counts are wrong"):
+        Heat(n_experts=4, layers=(1,), counts=np.array([[5, 0, 4, 5]]), top_k=2, tokens=tokens)
+
+
+def test_heat_rows_without_tokens_and_unobserved_rows_pass(tmp_path):
+    assert load_heat(write(tmp_path / "ok.json", heat_doc(tmp_path))).tokens == 7
+    # an unobserved (MTP) row of zeros passes
+    Heat(n_experts=4, layers=(1, 2), counts=np.array([[5, 0, 4, 5], [0, 0, 0, 0]]), top_k=2, tokens=7)
+    Heat(n_experts=4, layers=(1,), counts=np.array([[50, 0, 4, 5]]), top_k=2)  # no tokens: nothing to check

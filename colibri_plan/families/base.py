@@ -20,12 +20,15 @@ from dataclasses import dataclass, field
 
 from colibri_plan.errors import FormatError
 from colibri_plan.families.rope import Rope, rope  # noqa: F401  (RoPE reading lives in rope.py)
-from colibri_plan.formats.arch import ArchConfig
+from colibri_plan.formats.arch import MAX_EXPERTS, MAX_LAYERS, MAX_SIZE, ArchConfig
 
 #: config keys that hold the number of routed experts E, by family: Mixtral/gpt-oss/PhiMoE
 #: ``num_local_experts``; Qwen2/3-MoE, OLMoE, Jamba ``num_experts``; DeepSeek, GLM, Kimi ``n_routed_experts``
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _MISSING = object()
+#: upper bounds of the integer fields that size per-layer / per-expert tables (others: MAX_SIZE)
+_INT_LIMITS = {"num_hidden_layers": MAX_LAYERS, "num_nextn_predict_layers": 64,
+               **{k: MAX_EXPERTS for k in EXPERT_KEYS}}
 
 
 def text_config(config: dict) -> dict:
@@ -52,6 +55,36 @@ class ConfigReader:
             raise FormatError(f"{where} must hold a JSON object, got {type(cfg).__name__}")
         self.cfg, self.where = cfg, where
         self.refusals: list[str] = []
+        self._check_structure()
+
+    def _check_structure(self) -> None:
+        """Types of the structured keys every family reads, checked before any family code runs:
+        ``architectures`` a list of strings, ``rope_parameters`` / ``rope_scaling`` objects (of objects,
+        per layer type) whose ``rope_type`` / ``type`` are strings and whose ``rope_theta`` / ``factor`` /
+        ``partial_rotary_factor`` are finite numbers, as are the top-level ``rope_theta`` and
+        ``partial_rotary_factor``.
+
+        Raises:
+            FormatError: naming the key and the value.
+        """
+        _ = self.architecture
+        for key in ("rope_theta", "partial_rotary_factor"):
+            self.opt_float(key, 0.0)
+        for d, where in [(self.cfg, self.where)] + [(self.cfg.get(k), f"{self.where}: {k}")
+                                                    for k in ("rope_parameters", "rope_scaling")]:
+            if isinstance(d, dict) and "rope_theta" in d and d["rope_theta"] is None:
+                raise FormatError(f"{where}: 'rope_theta' is null; give the RoPE base as a number or leave "
+                                  "the key out")
+        for key in ("rope_parameters", "rope_scaling"):
+            d = self.opt_dict(key)
+            subs = list(d.values()) if d and all(isinstance(v, dict) for v in d.values()) else [d]
+            for sub in subs:
+                r = ConfigReader.__new__(ConfigReader)
+                r.cfg, r.where, r.refusals = sub, f"{self.where}: {key}", []
+                for k in ("rope_theta", "factor", "partial_rotary_factor"):
+                    r.opt_float(k, 0.0)
+                for k in ("rope_type", "type"):
+                    r.opt_str(k, "")
 
     @property
     def model_type(self) -> str:
@@ -60,9 +93,16 @@ class ConfigReader:
 
     @property
     def architecture(self) -> str:
-        """First entry of ``architectures`` (e.g. "MixtralForCausalLM"), or ""."""
-        archs = self.cfg.get("architectures") or [""]
-        return str(archs[0]) if isinstance(archs, list) and archs else ""
+        """First entry of ``architectures`` (e.g. "MixtralForCausalLM"), or "".
+
+        Raises:
+            FormatError: ``architectures`` is not a list of strings.
+        """
+        archs = self.opt_list("architectures")
+        if not all(isinstance(a, str) for a in archs):
+            raise FormatError(f"{self.where}: config field 'architectures' must be a list of class names "
+                              f"(strings), got {str(archs)[:80]}")
+        return archs[0] if archs else ""
 
     def has(self, key: str) -> bool:
         """The key is present and not null."""
@@ -88,7 +128,12 @@ class ConfigReader:
     def _int(self, key: str) -> int:
         v = self.cfg[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise FormatError(f"{self.where}: config field {key!r} must be a non-negative integer, got {v!r}")
+            raise FormatError(f"{self.where}: config field {key!r} must be a non-negative integer, "
+                              f"got {str(v)[:80]}")
+        most = _INT_LIMITS.get(key, MAX_SIZE)
+        if v > most:  # a corrupt count must not size per-layer / per-expert tables
+            raise FormatError(f"{self.where}: config field {key!r} is {v}, more than {most:,} (no real model "
+                              "comes near); fix config.json")
         return v
 
     def opt_float(self, key: str, default: float) -> float:
@@ -97,7 +142,8 @@ class ConfigReader:
             return default
         v = self.cfg[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise FormatError(f"{self.where}: config field {key!r} must be a finite number, got {v!r}")
+            raise FormatError(f"{self.where}: config field {key!r} must be a finite number, "
+                              f"got {str(v)[:80]}")
         return float(v)
 
     def opt_bool(self, key: str, default: bool) -> bool:
@@ -110,12 +156,43 @@ class ConfigReader:
         return bool(v)
 
     def opt_list(self, key: str) -> list:
-        """``key`` as a list ([] when absent or null)."""
+        """``key`` as a list of plain values (numbers, strings, true/false, null; [] when absent or null).
+
+        Raises:
+            FormatError: not a list, or an entry is itself a list or an object.
+        """
         v = self.cfg.get(key)
         if v is None:
             return []
-        if not isinstance(v, list):
-            raise FormatError(f"{self.where}: config field {key!r} must be a list, got {v!r}")
+        if not isinstance(v, list) or any(isinstance(x, (list, dict)) for x in v):
+            raise FormatError(f"{self.where}: config field {key!r} must be a list of plain values, "
+                              f"got {str(v)[:80]}")
+        return v
+
+    def opt_dict(self, key: str) -> dict:
+        """``key`` as an object ({} when absent or null).
+
+        Raises:
+            FormatError: present and not an object.
+        """
+        v = self.cfg.get(key)
+        if v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise FormatError(f"{self.where}: config field {key!r} must be an object, got {str(v)[:80]}")
+        return v
+
+    def opt_str(self, key: str, default: str) -> str:
+        """``key`` as a string, or ``default`` when absent or null.
+
+        Raises:
+            FormatError: present and not a string.
+        """
+        v = self.cfg.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, str):
+            raise FormatError(f"{self.where}: config field {key!r} must be a string, got {str(v)[:80]}")
         return v
 
     def refuse(self, reason: str) -> None:

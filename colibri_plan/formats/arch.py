@@ -39,6 +39,15 @@ from dataclasses import asdict, dataclass, fields
 
 from colibri_plan.errors import FormatError, UnsupportedError
 
+#: most decoder layers / routed experts per layer / elements along one dimension a model may declare:
+#: real models have at most ~100 layers, 512 experts and 2**18 vocabulary rows; the bounds stop a corrupt
+#: count from sizing per-layer or per-expert tables (every reader checks them before it allocates)
+MAX_LAYERS = 4096
+MAX_EXPERTS = 2**20
+MAX_SIZE = 2**31 - 1
+#: most routed experts of a whole model (MoE layers x experts; GLM-5.2 has 19,456)
+MAX_ROUTED_EXPERTS = 2**20
+
 
 @dataclass(frozen=True)
 class ArchConfig:
@@ -145,6 +154,18 @@ class ArchConfig:
 
     def __post_init__(self):
         _check_types(self)
+        for name, most in (("n_layers", MAX_LAYERS), ("n_experts", MAX_EXPERTS)):
+            if getattr(self, name) > most:  # before anything is sized by them
+                raise FormatError(f"invalid architecture: {name} {getattr(self, name)} is more than "
+                                  f"{most:,} (no real model comes near); the file is corrupt")
+        for name in _INT_FIELDS:
+            if getattr(self, name) > MAX_SIZE:
+                raise FormatError(f"invalid architecture: {name} {getattr(self, name)} is more than "
+                                  f"{MAX_SIZE:,}; the file is corrupt")
+        if len(self.moe_layers) * self.n_experts > MAX_ROUTED_EXPERTS:
+            raise FormatError(f"invalid architecture: {len(self.moe_layers)} MoE layers x {self.n_experts} "
+                              f"experts is more than {MAX_ROUTED_EXPERTS:,} routed experts; the file is "
+                              "corrupt")
         object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
         object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
         problems = []
@@ -186,7 +207,7 @@ class ArchConfig:
             problems.append(f"qk_norm {self.qk_norm!r} must be None, 'head' or 'full'")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             problems.append(f"rotary_dim {self.rotary_dim} (head_dim × partial_rotary_factor) must be even")
-        if len(set(range(self.n_layers)) - set(self.moe_layers)) and self.dense_intermediate_size <= 0:
+        if self.n_layers > len(set(self.moe_layers)) and self.dense_intermediate_size <= 0:
             problems.append("layers without experts need dense_intermediate_size > 0")
         problems += _rope_mla_problems(self)
         if problems:
@@ -207,7 +228,6 @@ class ArchConfig:
         if self.attention == "mla":
             return self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.n_kv_heads * self.head_dim
-
 
     @property
     def n_moe_layers(self) -> int:

@@ -8,12 +8,11 @@ fitted and the fingerprints of the machines whose verify reports they came from 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-
-import numpy as np
 
 from colibri_plan.errors import FormatError, InputError
 from colibri_plan.fileio import read_document, write_document
@@ -70,7 +69,7 @@ class Coefficients:
             raise InputError(f"{where}: unknown cost coefficient(s) {sorted(unknown)} (known: {names})")
         for k, v in d.items():
             hi = 1.0 if k in cls.FRACTIONS else cls.SECONDS.get(k, cls.MAX_MULTIPLIER)
-            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and bool(np.isfinite(v))
+            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and _finite(v)
             if not ok or not 0 <= v <= hi:
                 unit = " s" if k in cls.SECONDS else ""
                 raise InputError(f"{where}: {k} must be a finite number >= 0 and <= {hi:g}{unit}, got {v!r}; "
@@ -123,3 +122,11 @@ def load_coefficients(path: str | os.PathLike):
     """Read a coefficients document -> :class:`Coefficients`
     (see :func:`read_coefficients`; same errors)."""
     return read_coefficients(path)[0]
+
+
+def _finite(v) -> bool:
+    """A finite number (an integer too large for a float, e.g. 10**400, is not)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False

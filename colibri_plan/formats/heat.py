@@ -32,6 +32,7 @@ from colibri_plan.fileio import (
     read_document,
     write_document,
 )
+from colibri_plan.formats.arch import MAX_ROUTED_EXPERTS
 from colibri_plan.formats.heat_fields import (
     MAX_COUNT,
     MAX_EXPERTS,
@@ -94,6 +95,33 @@ class Heat:
             raise InputError(f"heat: top_k {self.top_k} outside 1..{self.n_experts}")
         if self.tokens is not None and self.tokens < 0:
             raise InputError(f"heat: tokens must be >= 0, got {self.tokens}")
+        self._check_tokens()
+
+    def _check_tokens(self) -> None:
+        """With ``tokens`` known, an expert is chosen at most once per token, and with ``top_k`` too every
+        row that saw tokens sums to tokens x top_k (within the rounding of whole counts: one selection per
+        expert). A row of zeros is a layer that was not observed (an MTP head).
+
+        Raises:
+            InputError: naming the first row that disagrees (probabilities would be off by its ratio).
+        """
+        if not self.tokens or not self.counts.size:
+            return
+        if self.counts.max() > self.tokens:
+            i, e = np.unravel_index(int(self.counts.argmax()), self.counts.shape)
+            raise InputError(f"heat: layer {self.layers[i]} expert {e} was selected {self.counts[i, e]:.0f} "
+                             f"times in {self.tokens} tokens (at most once per token); tokens or counts are "
+                             "wrong: re-create the heat")
+        if self.top_k is None:
+            return
+        want = float(self.tokens) * self.top_k
+        sums = self.counts.sum(axis=1)
+        off = np.flatnonzero((sums > 0) & (np.abs(sums - want) > self.n_experts + 1e-9 * want))
+        if off.size:
+            i = int(off[0])
+            raise InputError(f"heat: layer {self.layers[i]} counts sum to {sums[i]:.0f} selections, but "
+                             f"{self.tokens} tokens x top_k {self.top_k} make {want:.0f}; tokens or counts "
+                             f"are wrong ({off.size} row(s) disagree): re-create the heat")
 
     def probabilities(self, top_k: int | None = None) -> np.ndarray:
         """Selection probability per token, float64 ``[rows, E]``, each value in [0, 1].
@@ -279,6 +307,9 @@ def read_usage_text(path: str | os.PathLike, n_experts: int | None = None) -> He
         if n_experts == 0:
             raise FormatError(f"{path}: no header and no rows: cannot tell the expert count")
     layers = sorted({layer for layer, _, _ in entries})
+    if len(layers) * n_experts > MAX_ROUTED_EXPERTS:  # a few short lines must not size a huge table
+        raise FormatError(f"{path}: {len(layers)} layers x {n_experts} experts is more than "
+                          f"{MAX_ROUTED_EXPERTS:,} routed experts; the file is corrupt")
     index = {layer: i for i, layer in enumerate(layers)}
     counts = np.zeros((len(layers), n_experts), dtype=np.float64)
     for layer, e, c in entries:

@@ -31,6 +31,7 @@ from typing import Any
 from colibri_plan import fileio, quant
 from colibri_plan.errors import FormatError, InputError
 from colibri_plan.fileio import read_json_object, write_document
+from colibri_plan.formats.arch import MAX_EXPERTS, MAX_LAYERS, MAX_ROUTED_EXPERTS, MAX_SIZE
 
 #: dict keys a serialised spec must have (``to_dict`` writes exactly these plus the optional ones)
 _REQUIRED = ("name", "family", "n_layers", "moe_layers", "n_experts", "top_k", "n_shared_experts",
@@ -97,6 +98,12 @@ class ModelSpec:
         for f in ("n_layers", "n_experts", "top_k", "hidden_size", "moe_intermediate_size"):
             if getattr(self, f) <= 0:
                 raise FormatError(f"model spec {self.name!r}: {f} must be positive")
+        for f, most in (("n_layers", MAX_LAYERS), ("n_experts", MAX_EXPERTS), ("hidden_size", MAX_SIZE),
+                        ("moe_intermediate_size", MAX_SIZE), ("shared_intermediate_size", MAX_SIZE),
+                        ("vocab_size", MAX_SIZE), ("dense_params", 2**53), ("kv_bytes_per_token", 2**53)):
+            if getattr(self, f) > most:  # before a planner sizes a table or a product by it
+                raise FormatError(f"model spec {self.name!r}: {f} {getattr(self, f)} is more than {most:,}; "
+                                  "no real model comes near: the spec is corrupt")
         if self.top_k > self.n_experts:
             raise FormatError(f"model spec {self.name!r}: top_k {self.top_k} > n_experts {self.n_experts}")
         layers = tuple(self.moe_layers)
@@ -104,6 +111,10 @@ class ModelSpec:
             raise FormatError(f"model spec {self.name!r}: moe_layers must be a non-empty list of layer ids")
         if list(layers) != sorted(set(layers)) or layers[0] < 0:
             raise FormatError(f"model spec {self.name!r}: moe_layers must be sorted, unique and >= 0")
+        if layers[-1] > 2 * MAX_LAYERS or len(layers) * self.n_experts > MAX_ROUTED_EXPERTS:
+            raise FormatError(f"model spec {self.name!r}: {len(layers)} MoE rows (ids up to {layers[-1]}) x "
+                              f"{self.n_experts} experts is beyond any real model (at most "
+                              f"{MAX_ROUTED_EXPERTS:,} routed experts); the spec is corrupt")
         object.__setattr__(self, "moe_layers", layers)
         try:
             quant.check_format(self.expert_format)

@@ -135,8 +135,8 @@ def layout_from_dict(d: dict) -> BlockLayout:
         got = tuple(Part(p[0], int(p[1]), int(p[2]), str(p[3]), tuple(int(x) for x in p[4]))
                     for p in d["parts"])
         block_bytes = int(d["block_bytes"])
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise FormatError(f"pack index: malformed 'block' layout ({exc}); re-create the pack") from exc
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:  # int(inf): OverflowError
+        raise FormatError(f"pack index: malformed 'block' layout ({exc}); re-create the pack") from None
     if got != want.parts or block_bytes != want.block_bytes:
         raise FormatError("pack index: the expert block layout differs from the layout of its format and "
                           "geometry; the index is corrupt or from another version; re-create the pack")

@@ -10,6 +10,7 @@ import os
 import zlib
 from pathlib import Path
 
+from colibri_plan.errors import FormatError, InputError
 from colibri_plan.formats.arch import ArchConfig
 from colibri_plan.formats.pack_index import (
     DENSE_NAME,
@@ -18,6 +19,7 @@ from colibri_plan.formats.pack_index import (
     layout_from_dict,
     read_index,
 )
+from colibri_plan.formats.st_header import read_header
 
 
 def file_crc32(path: Path, chunk_bytes: int = 1 << 24) -> int:
@@ -91,5 +93,50 @@ def verify_pack(path: str | os.PathLike, progress=None) -> dict:
                         f"{fmt.get('dense_file_bytes')}")
     elif file_crc32(dense_path) != fmt.get("dense_crc32"):
         problems.append(f"{DENSE_NAME}: crc32 mismatch (corrupt dense tensors)")
+    else:
+        problems += trunk_problems(dense_path, arch)
+    if not arch.moe_layers:
+        problems.append("arch.moe_layers is empty: the pack has no routed experts to run; re-create it")
     return {"path": str(folder), "ok": not problems, "experts": len(doc["experts"]),
             "experts_bytes": size, "expert_format": fmt.get("expert_format"), "problems": problems}
+
+
+def trunk_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of the dense tensors outside attention that every pack of ``arch`` stores under the
+    engine's canonical names (the full list, attention included, is
+    ``colibri_plan.engine.weights.expected_dense_shapes``): embed and LM head [V, H], the norms [H], each
+    MoE layer's router [E, H], each dense layer's FFN."""
+    h = arch.hidden_size
+    out = {"embed": (arch.vocab_size, h), "final_norm": (h,)}
+    if not arch.tie_word_embeddings:
+        out["lm_head"] = (arch.vocab_size, h)
+    moe = set(arch.moe_layers)
+    for i in range(arch.n_layers):
+        p = f"layers.{i}."
+        out.update({p + "attn_norm": (h,), p + "ffn_norm": (h,)})
+        if i in moe:
+            out[p + "router"] = (arch.n_experts, h)
+        else:
+            di = arch.dense_intermediate_size
+            out.update({p + "ffn.gate": (di, h), p + "ffn.up": (di, h), p + "ffn.down": (h, di)})
+    return out
+
+
+def trunk_problems(dense_path: Path, arch: ArchConfig) -> list[str]:
+    """What ``run`` would refuse in the dense file: a corrupt safetensors header, or a trunk tensor of
+    :func:`trunk_shapes` missing or of another shape than the index's architecture needs."""
+    try:
+        table, _ = read_header(dense_path)
+    except (FormatError, InputError) as exc:
+        return [f"{DENSE_NAME}: {exc}"]
+    want = trunk_shapes(arch)
+    missing = [n for n in want if n not in table]
+    wrong = [f"{n} {tuple(table[n]['shape'])} (the index's arch needs {want[n]})" for n in want
+             if n in table and tuple(table[n]["shape"]) != want[n]]
+    out = []
+    if missing:
+        out.append(f"{DENSE_NAME} lacks {len(missing)} tensor(s) the model needs, e.g. "
+                   f"{', '.join(missing[:3])}")
+    if wrong:
+        out.append(f"{DENSE_NAME}: wrong shape {', '.join(wrong[:3])}; the index does not match its tensors")
+    return out

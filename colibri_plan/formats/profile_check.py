@@ -136,6 +136,12 @@ def validate_profile(doc: dict) -> dict:
         w = f"matmul[{i}]"
         _check_keys(e, ("backend", "device_index", "fmt", "out_features", "in_features", "tokens",
                         "weight_gbps", "seconds"), w)
+        for k in ("backend", "fmt"):
+            if not isinstance(e[k], str):
+                _fail(w, f"{k} must be a string, got {e[k]!r}")
+        _check_int(e, "device_index", w)
+        if e.get("device_kind") is not None and e["device_kind"] not in ("cpu", "gpu", "igpu"):
+            _fail(w, f"device_kind must be 'cpu', 'gpu' or 'igpu', got {e['device_kind']!r}")
         for k in ("out_features", "in_features", "tokens"):
             _check_int(e, k, w, 1)
         _check_stat(e["weight_gbps"], w + ".weight_gbps")

@@ -147,8 +147,11 @@ class RunReport:
 
 
 def _bad_number(v) -> bool:
-    return (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
-            or v > MAX_S_PER_TOKEN)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return True
+    if isinstance(v, int):  # math.isfinite overflows on an integer beyond a float (10**400)
+        return not 0 <= v <= MAX_S_PER_TOKEN
+    return not math.isfinite(v) or v < 0 or v > MAX_S_PER_TOKEN
 
 
 def check_figures(d, where: str, section: str = "") -> None:

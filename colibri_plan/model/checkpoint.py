@@ -29,21 +29,16 @@ from ``num_nextn_predict_layers``, dense parameters counted by transformers on t
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-import struct
 from pathlib import Path
 
 from colibri_plan.errors import FormatError, InputError, UnsupportedError
 from colibri_plan.families import plan_geometry
 from colibri_plan.fileio import read_json_object
 from colibri_plan.formats.model_spec import ModelSpec
+from colibri_plan.formats.st_header import extra_layers, numel, read_header, tensor_files
 
-#: bytes per element of safetensors dtypes (BOOL/U8/I8/F8 = 1)
-DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-               "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1}
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
-_MAX_HEADER_BYTES = 256 * 1024 * 1024
 
 _PER_EXPERT = re.compile(r"layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward|ffn)\.experts\.(\d+)\."
                          r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.(\w+)$")
@@ -57,88 +52,27 @@ _ROLE = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj":
 
 def read_safetensors_header(path: str | Path) -> dict:
     """The tensor table of one safetensors file: ``{name: {"dtype", "shape", "data_offsets"}}``
-    (``__metadata__`` dropped). Reads only the header.
+    (``__metadata__`` dropped). Reads only the header, checked as the safetensors package checks it
+    (:func:`colibri_plan.formats.st_header.read_header`).
 
     Raises:
         InputError: the file cannot be opened.
-        FormatError: shorter than its declared header, header not JSON, or an entry whose dtype, shape
-            or offsets are malformed or point past the end of the file.
+        FormatError: truncated, header not JSON, or an entry whose dtype, shape or offsets are malformed,
+            disagree with each other, overlap or point past the end of the file.
     """
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise FormatError(f"{path}: truncated safetensors file ({len(head)} bytes; needs an 8-byte "
-                                  "header length); re-download it")
-            (n,) = struct.unpack("<Q", head)
-            size = path.stat().st_size
-            if n > _MAX_HEADER_BYTES or 8 + n > size:
-                raise FormatError(f"{path}: truncated safetensors header (declares {n:,} header bytes, file "
-                                  f"has {size:,}); re-download it")
-            raw = f.read(n)
-    except OSError as exc:
-        raise InputError(f"cannot read {path}: {exc.strerror}") from exc
-    try:
-        table = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path}: safetensors header is not valid JSON ({exc}); the file is "
-                          "corrupt") from exc
-    if not isinstance(table, dict):
-        raise FormatError(f"{path}: safetensors header is not a JSON object")
-    table.pop("__metadata__", None)
-    data_bytes = size - 8 - n
-    for name, t in table.items():
-        ok = (isinstance(t, dict) and t.get("dtype") in DTYPE_BYTES and isinstance(t.get("shape"), list)
-              and all(isinstance(d, int) and d >= 0 for d in t["shape"])
-              and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2)
-        if not ok:
-            raise FormatError(f"{path}: malformed header entry for tensor {name!r}: {t!r}")
-        begin, end = t["data_offsets"]
-        if not (0 <= begin <= end <= data_bytes):
-            raise FormatError(f"{path}: tensor {name!r} lies past the end of the file (offsets "
-                              f"{begin}..{end}, {data_bytes:,} data bytes): the file is truncated; "
-                              "re-download it")
-    return table
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return read_header(path)[0]
 
 
 def read_checkpoint_headers(folder: Path) -> dict:
-    """All tensors of a checkpoint folder's safetensors shards (names unique across shards).
+    """All tensors of a checkpoint folder's safetensors shards (names unique across shards, each in the
+    shard ``model.safetensors.index.json`` maps it to).
 
     Raises:
         InputError: no ``*.safetensors`` file, or a shard named in the index is missing.
-        FormatError: a shard's header is corrupt, or a tensor appears in two shards.
+        FormatError: a shard's header is corrupt, a tensor appears in two shards or in another shard
+            than the index says.
     """
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"{index}: not a safetensors index (no weight_map): {exc}") from exc
-        shards = sorted({folder / s for s in weight_map.values()})
-        missing = [s.name for s in shards if not s.is_file()]
-        if missing:
-            raise InputError(f"{folder}: shard(s) named in {index.name} are missing: "
-                             f"{', '.join(missing[:5])}")
-    else:
-        shards = sorted(folder.glob("*.safetensors"))
-    if not shards:
-        raise InputError(f"{folder} holds no *.safetensors files; colibri-plan sizes safetensors "
-                         "checkpoints (or pass a .gguf file)")
-    tensors: dict[str, dict] = {}
-    for shard in shards:
-        for name, t in read_safetensors_header(shard).items():
-            if name in tensors:
-                raise FormatError(f"{folder}: tensor {name!r} appears in two shards")
-            tensors[name] = t
-    return tensors
+    return {name: t for name, (_, t, _) in tensor_files(Path(folder)).items()}
 
 
 def _expert_rows(tensors: dict, hidden: int, where: str) -> dict[int, dict]:
@@ -229,8 +163,9 @@ def checkpoint_spec(folder: str | Path) -> ModelSpec:
     if shared_w and shared_w != {arch.shared_intermediate_size}:
         raise FormatError(f"{where}: shared experts are {sorted(shared_w)} wide in the headers, config.json "
                           f"says {arch.shared_intermediate_size}")
+    extra_layers(tensors, n_layers, geo.mtp_layers, where)
     mtp = tuple(sorted(i for i in rows if i >= n_layers))
-    dense = sum(_numel(t["shape"]) for n, t in tensors.items()
+    dense = sum(numel(t["shape"]) for n, t in tensors.items()
                 if not (_PER_EXPERT.search(n) or _FUSED.search(n) or _AUX.search(n)))
     dtypes = sorted(set().union(*(r["dtypes"] for r in rows.values())))
     return ModelSpec(

@@ -221,10 +221,19 @@ def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str 
     h, i = spec.hidden_size, spec.moe_intermediate_size
     matmul = profile.doc.get("matmul")
     rows = matmul if isinstance(matmul, list) else []
-    cpu_rows = {(r["backend"], r["device_index"]) for r in rows
-                if r.get("device_kind", "cpu") == "cpu" and r["fmt"] == fmt}
+    devices = profile.doc.get("devices")
+    kinds = {(d.get("backend"), d.get("index")): d.get("kind") for d in devices
+             if isinstance(d, dict)} if isinstance(devices, list) else {}
+    # a row's device kind as measured (or as its device lists it); a row of unknown kind is never taken
+    # for the CPU's: a GPU figure would make the CPU path look many times faster than it is
+    cpu_rows = {(r["backend"], r["device_index"]) for r in rows if r["fmt"] == fmt
+                and (r.get("device_kind") or kinds.get((r["backend"], r["device_index"]))) == "cpu"}
     if not cpu_rows:
-        raise InputError(f"profile has no CPU matmul figure at {fmt}; measure it with "
+        unknown = sorted({f"{r['backend']}:{r['device_index']}" for r in rows if r["fmt"] == fmt
+                          and not (r.get("device_kind") or kinds.get((r["backend"], r["device_index"])))})
+        why = (f" (rows of {', '.join(unknown)} do not say which kind of device they measured)"
+               if unknown else "")
+        raise InputError(f"profile has no CPU matmul figure at {fmt}{why}; measure it with "
                          f"`colibri-plan profile --formats {fmt}`")
     cpu = max(profile.matmul_weight_gbps(b, d, fmt, 1, i, h) for b, d in cpu_rows)
     try:
