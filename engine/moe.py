@@ -150,6 +150,15 @@ class RoutingRecorder:
         parts = self._ids[layer]
         return np.concatenate(parts) if parts else np.zeros((0, self.arch.top_k), dtype=np.int64)
 
+    def trace(self):
+        """The kept top-k ids as a size-bounded :class:`colibri_plan.formats.heat_trace.RoutingTrace`
+        (forward calls in order; None when ids were not kept)."""
+        from colibri_plan.formats.heat_trace import RoutingTrace
+
+        if not self.keep_ids:
+            return None
+        return RoutingTrace.from_calls(self.layers, self.arch.top_k, self._ids)
+
     def to_heat(self, source: str = "engine run", model_fingerprint: str | None = None):
         """The counts as a :class:`colibri_plan.formats.heat.Heat` (rows = ``layers``)."""
         from colibri_plan.formats.heat import Heat

@@ -141,7 +141,8 @@ def generate(weights, prompt: Sequence[int], n_tokens: int, *, plan=None, backen
 
 
 def write_stats(recorder, weights, stats_out: str | None, usage_out: str | None) -> dict:
-    """Write the routing counts as a heat JSON (``stats_out``) and/or colibrì usage text (``usage_out``).
+    """Write the routing counts as a heat JSON (``stats_out``, with the token-level ``trace`` of top-k ids
+    per MoE layer, size-bounded: docs/heat.md) and/or colibrì usage text (``usage_out``, counts only).
 
     Returns:
         {"stats_out": path, "usage_out": path} for what was written.
@@ -156,6 +157,9 @@ def write_stats(recorder, weights, stats_out: str | None, usage_out: str | None)
                             model_fingerprint=fp)
     if heat.n_model_layers is None:
         heat.n_model_layers = weights.arch.n_layers
+    trace = recorder.trace() if hasattr(recorder, "trace") else None
+    if trace is not None and trace.steps:   # the order of the routing: what an LRU cache feels
+        heat.trace = trace
     if stats_out:
         written["stats_out"] = str(save_heat(heat, stats_out))
     if usage_out:

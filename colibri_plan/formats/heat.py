@@ -40,6 +40,7 @@ from colibri_plan.formats.heat_fields import (
     whole_counts,
     whole_field,
 )
+from colibri_plan.formats.heat_trace import RoutingTrace
 
 HEAT_KIND = "heat"
 HEAT_SCHEMA_VERSION = 1
@@ -61,6 +62,7 @@ class Heat:
         model_fingerprint: :meth:`ModelSpec.fingerprint` of the model, when known.
         n_model_layers: the ``-1`` header's layer count of a colibrì usage file (None if unknown).
         engine_id: the ``-2`` header's engine hash of a colibrì usage file (None if absent).
+        trace: optional token-level routing trace (:class:`RoutingTrace`; `run --stats-out` writes one).
 
     Raises:
         InputError: shapes disagree, or counts are negative / not finite.
@@ -76,6 +78,7 @@ class Heat:
     n_model_layers: int | None = None
     engine_id: int | None = None
     warnings: list[str] = field(default_factory=list, compare=False)
+    trace: RoutingTrace | None = field(default=None, compare=False)
 
     def __post_init__(self):
         self.layers = tuple(int(x) for x in self.layers)
@@ -167,7 +170,8 @@ class Heat:
         rows = [[int(v) for v in r] for r in whole_counts(self.counts)]
         return {"n_experts": self.n_experts, "layers": list(self.layers), "top_k": self.top_k,
                 "tokens": self.tokens, "source": self.source, "model_fingerprint": self.model_fingerprint,
-                "n_model_layers": self.n_model_layers, "engine_id": self.engine_id, "counts": rows}
+                "n_model_layers": self.n_model_layers, "engine_id": self.engine_id, "counts": rows,
+                **({"trace": self.trace.to_dict()} if self.trace is not None else {})}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "heat document") -> Heat:
@@ -190,7 +194,8 @@ class Heat:
                        tokens=whole_field(d.get("tokens"), "tokens", where, 0, MAX_COUNT),
                        source=str(d.get("source", "")),
                        model_fingerprint=d.get("model_fingerprint"), n_model_layers=n_model,
-                       engine_id=whole_field(d.get("engine_id"), "engine_id", where, 0, 2**32))
+                       engine_id=whole_field(d.get("engine_id"), "engine_id", where, 0, 2**32),
+                       trace=None if d.get("trace") is None else RoutingTrace.from_dict(d["trace"], n, where))
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"{where} is malformed ({type(exc).__name__}: {exc}); re-create it") from exc
         except FormatError:

@@ -164,6 +164,13 @@ _FIELDS = (
     # the engine reads with this many threads (run --read-threads accepts 1..64)
     ("resources.disk_queue_depth?", "int", (1, 64)),
     ("coefficients?", "object", None),
+    ("model.mtp_expert_bytes?", "int", (1, None)),
+    # the engine knobs the plan was solved for (issue #16; docs/plan-format.md), all optional
+    ("knobs?", "object", None), ("knobs.target?", "str", None), ("knobs.queue_depth?", "int", (1, 64)),
+    ("knobs.o_direct?", "bool", None), ("knobs.keep_host_copies?", "bool", None),
+    ("knobs.vram_overhead_bytes_per_expert?", "int", (0, None)), ("knobs.host_copy_bytes?", "num", (0, None)),
+    ("knobs.cache_model?", "object", None), ("knobs.page_cache?", "object", None),
+    ("knobs.page_cache.capacity_bytes?", "num", (0, None)), ("knobs.ram_warnings?", "list", None),
 )
 _TYPE_NAMES = {"object": "an object", "list": "a list", "str": "a string", "bool": "true or false",
                "int": "a whole number", "num": "a finite number"}
@@ -305,8 +312,9 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
 def validate_plan(plan: Plan, where: str = "budgets") -> None:
     """Check the plan's placement against its own budgets, independently of any solver.
 
-    VRAM per discrete device: experts x expert_bytes <= budgets.vram_budget_bytes[key]. RAM: pinned +
-    LRU slots + experts on unified devices, x expert_bytes <= budgets.ram_budget_bytes.
+    VRAM per discrete device: experts x (expert_bytes + ``knobs.vram_overhead_bytes_per_expert``) <=
+    budgets.vram_budget_bytes[key]. RAM: pinned + LRU slots + experts on unified devices (+ discrete-GPU
+    experts with ``knobs.keep_host_copies``), x expert_bytes <= budgets.ram_budget_bytes.
 
     ``where`` names the plan in messages (load_plan passes "<path>: budgets").
 
@@ -317,12 +325,17 @@ def validate_plan(plan: Plan, where: str = "budgets") -> None:
     budgets = plan.doc["budgets"]
     vram = budgets.get("vram_budget_bytes", {})
     counts = plan.counts()
+    knobs = plan.doc.get("knobs") or {}
+    overhead = int(knobs.get("vram_overhead_bytes_per_expert") or 0)
     ram = (counts["ram_pinned"] + counts["lru_slots"]) * b
     for d in plan.doc["devices"]:
         used = counts[d["key"]] * b
         if d.get("unified"):
             ram += used
-        elif used > int(vram.get(d["key"], -1)):
+            continue
+        ram += used if knobs.get("keep_host_copies") else 0
+        used += counts[d["key"]] * overhead
+        if used > int(vram.get(d["key"], -1)):
             _fail(where, f"{d['key']} holds {used} B of experts, over its VRAM budget "
                              f"{vram.get(d['key'])} B")
     if ram > int(budgets["ram_budget_bytes"]):

@@ -154,11 +154,11 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
     if ram_cap < 0:
         raise BudgetError(f"the LRU slots alone ({slot_bytes} B) exceed the RAM budget "
                           f"({problem.ram_budget_bytes} B); lower --lru-slots or give more --ram")
-    ram_tiers = [t_ram] + [d for d, g in enumerate(res.gpus) if g.unified]
+    ram_tiers = [t_ram] + [d for d, g in enumerate(res.gpus) if g.unified or problem.keep_host_copies]
     row([ncol(i, t) for i in range(nl) for t in ram_tiers], [1.0] * (nl * len(ram_tiers)), -np.inf, ram_cap)
     for d, g in enumerate(res.gpus):
         if not g.unified:
-            row([ncol(i, d) for i in range(nl)], [1.0] * nl, -np.inf, g.budget_bytes // b)
+            row([ncol(i, d) for i in range(nl)], [1.0] * nl, -np.inf, problem.gpu_capacity(d))
     ub = np.full(nvar, np.inf)
     lb = np.zeros(nvar)
     for i in range(nl):
@@ -190,11 +190,13 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
     counts[:, :t_disk] = np.floor(raw[:, :t_disk] + 1e-6).astype(np.int64)
     # largest-remainder rounding: what flooring left of each tier's capacity goes to the rows with the
     # largest fractional counts (one expert each, taken from that row's disk share)
-    caps = {t: res.gpus[t].budget_bytes // b for t in range(n_gpu) if not res.gpus[t].unified}
+    caps = {t: problem.gpu_capacity(t) for t in range(n_gpu) if not res.gpus[t].unified}
     caps[t_ram] = ram_cap
     for t, cap in caps.items():
         tiers = ram_tiers if t == t_ram else [t]
         left = int(cap - counts[:, tiers].sum())
+        if t in ram_tiers and t != t_ram:   # a host copy too: within what RAM has left as well
+            left = min(left, int(ram_cap - counts[:, ram_tiers].sum()))
         frac = raw[:, t] - counts[:, t]
         for r in np.argsort(-frac, kind="stable"):
             room = int(np.sum(probs[r] > 0)) - int(counts[r, :t_disk].sum())

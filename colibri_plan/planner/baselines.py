@@ -9,7 +9,9 @@
   streams (the page cache plays the LRU).
 * ``uniform`` — no heat: each layer gets the same share of every tier, experts in id order.
 
-All three use the same budgets and LRU reserve as the optimiser, so differences are placement only.
+All three use the same budgets and LRU reserve as the optimiser, so differences are placement only; a
+VRAM expert takes ``expert_bytes + problem.vram_overhead_bytes`` of its device and, with
+``problem.keep_host_copies``, its bytes of RAM as well (as in the solver).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def _finish(problem, tiers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     b = problem.expert_bytes
     streaming = (tiers == TIER_DISK).any(axis=1) & (problem.weights > 0)
     unified = [d for d, g in enumerate(problem.res.gpus) if g.unified]
-    pinned = int(np.sum(tiers == TIER_RAM)) + sum(int(np.sum(tiers == d)) for d in unified)
+    pinned = int(np.sum(tiers == TIER_RAM)) + sum(int(np.sum(tiers == d)) for d in unified) \
+        + problem.host_copies(tiers)
     left = problem.ram_budget_bytes // b - pinned
     slots = np.where(streaming, problem.lru_slots, 0)
     if streaming.any():
@@ -45,7 +48,7 @@ def hot_first(problem, counts: np.ndarray | None = None) -> tuple[np.ndarray, np
     probabilities, i.e. the heat). Returns (tiers, lru_slots)."""
     rank_by = problem.probs if counts is None else np.asarray(counts, dtype=np.float64)
     rows, n_exp = rank_by.shape
-    b = problem.expert_bytes
+    b = problem.expert_bytes + problem.vram_overhead_bytes      # device bytes of one VRAM expert
     tiers = np.full((rows, n_exp), TIER_DISK, dtype=np.int64)
     order = np.argsort(-rank_by, axis=None, kind="stable")
     gpus = [(d, g) for d, g in enumerate(problem.res.gpus) if not g.unified]
@@ -62,7 +65,7 @@ def hot_first(problem, counts: np.ndarray | None = None) -> tuple[np.ndarray, np
         tiers.flat[flat] = d
         placed[d] += b
         used += b
-    room = _ram_capacity(problem)
+    room = _ram_capacity(problem) - problem.host_copies(tiers)
     for flat in order[stop:]:
         if room <= 0:
             break
@@ -77,7 +80,7 @@ def fit_layers(problem) -> tuple[np.ndarray, np.ndarray]:
     rows, n_exp = problem.probs.shape
     b = problem.expert_bytes
     tiers = np.full((rows, n_exp), TIER_DISK, dtype=np.int64)
-    layer_bytes = n_exp * b
+    layer_bytes = n_exp * (b + problem.vram_overhead_bytes)
     free = {d: g.budget_bytes for d, g in enumerate(problem.res.gpus) if not g.unified}
     order = [r for r in range(rows) if problem.weights[r] > 0][::-1] + \
             [r for r in range(rows) if problem.weights[r] <= 0]
@@ -89,7 +92,7 @@ def fit_layers(problem) -> tuple[np.ndarray, np.ndarray]:
             continue
         tiers[r] = d
         free[d] -= layer_bytes
-    room = _ram_capacity(problem)
+    room = _ram_capacity(problem) - problem.host_copies(tiers)
     for r in rest:                                     # then whole layers into RAM
         if room >= n_exp:
             tiers[r] = TIER_RAM
@@ -100,11 +103,13 @@ def fit_layers(problem) -> tuple[np.ndarray, np.ndarray]:
 def uniform(problem) -> tuple[np.ndarray, np.ndarray]:
     """Heat-blind even split: every row gets floor(capacity / rows) experts per tier, in id order."""
     rows, n_exp = problem.probs.shape
-    b = problem.expert_bytes
     tiers = np.full((rows, n_exp), TIER_DISK, dtype=np.int64)
     start = np.zeros(rows, dtype=np.int64)
-    shares = [(d, g.budget_bytes // b) for d, g in enumerate(problem.res.gpus) if not g.unified]
-    shares.append((TIER_RAM, _ram_capacity(problem)))
+    shares = [(d, problem.gpu_capacity(d)) for d, g in enumerate(problem.res.gpus) if not g.unified]
+    ram = _ram_capacity(problem)
+    if problem.keep_host_copies:   # every VRAM expert also takes RAM: share what is left after them
+        ram -= sum(min(n_exp, c // rows) * rows for _, c in shares)
+    shares.append((TIER_RAM, max(0, ram)))
     for code, cap in shares:
         per_row = int(min(n_exp, cap // rows))
         for r in range(rows):

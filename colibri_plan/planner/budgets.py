@@ -80,14 +80,26 @@ def ram_budget(spec, available_bytes: int, ram: str = "auto", headroom_gb: float
                context_tokens: int = 4096, dense_fmt: str | None = None) -> tuple[int, list[dict], dict]:
     """RAM for experts, with the explanation lines.
 
+    An explicit ``--ram`` of (nearly: within 5%) all the available memory keeps the page-cache headroom
+    of ``--ram auto`` (max(2.5 GB, 5%) of available) anyway, with a warning in ``parts["warnings"]``:
+    without it the OS page cache that buffered reads and the dense trunk rely on is strangled (colibrì
+    measured buffered reads falling from about 800 to 180 MB/s).
+
     Returns:
-        (bytes, explain, parts) — parts: headroom_bytes, dense_bytes, kv_bytes, working_bytes.
+        (bytes, explain, parts) — parts: headroom_bytes, dense_bytes, kv_bytes, working_bytes, warnings.
 
     Raises:
-        BudgetError: negative inputs, or the dense trunk + KV + buffers do not fit.
+        BudgetError: negative inputs, no memory available at all, or the dense trunk + KV + buffers do
+            not fit.
     """
     if context_tokens < 0:
         raise BudgetError(f"--context must be >= 0 tokens, got {context_tokens}")
+    if available_bytes <= 0:
+        raise BudgetError("the profile says no memory is available on this machine "
+                          f"(machine.ram_available_bytes = {int(available_bytes)}): nothing can be "
+                          "budgeted; close what holds the memory and re-run `colibri-plan profile`, or fix "
+                          "the profile's figure")
+    warnings: list[str] = []
     dense = spec.dense_bytes(dense_fmt or spec.expert_format)
     kv = spec.kv_bytes(context_tokens)
     b = spec.expert_bytes()
@@ -109,6 +121,17 @@ def ram_budget(spec, available_bytes: int, ram: str = "auto", headroom_gb: float
                               "on this machine (profile); lower it or use --ram auto")
         headroom = 0
         explain = [{"what": "--ram budget (dense, KV and buffers come out of it)", "bytes": start}]
+        keep = max(PAGE_CACHE_RESERVE_BYTES, int(OS_RESERVE_FRACTION * available_bytes))
+        if start > (1 - OS_RESERVE_FRACTION) * available_bytes:   # (nearly) all of it: keep the headroom
+            headroom = max(0, min(start, start - (available_bytes - keep)))
+            explain.append({"what": "page-cache headroom kept (--ram is all available memory)",
+                            "bytes": -headroom})
+            warnings.append(f"--ram {ram} GB is {'all' if start >= available_bytes else 'nearly all'} of "
+                            f"the {fmt_gb(available_bytes)} GB available: the OS page cache needs "
+                            f"{fmt_gb(keep)} GB of headroom (buffered reads and the dense trunk slow down "
+                            f"several times without it), so {fmt_gb(headroom)} GB of it is kept out of the "
+                            "budget; give at most "
+                            f"{fmt_gb(available_bytes - keep)} GB, or --ram auto")
     explain += [{"what": f"dense trunk ({dense_fmt or spec.expert_format})", "bytes": -dense},
                 {"what": f"KV cache ({context_tokens} tokens x {spec.kv_bytes_per_token} B)", "bytes": -kv},
                 {"what": f"working buffers (2 x top-{spec.top_k} expert reads + runtime)",
@@ -125,7 +148,7 @@ def ram_budget(spec, available_bytes: int, ram: str = "auto", headroom_gb: float
                           f"dense {fmt_gb(dense)}, KV {fmt_gb(kv)} and buffers {fmt_gb(working)} GB leaves "
                           f"{fmt_gb(left)} GB; give more --ram or a smaller --context")
     return left, explain, {"headroom_bytes": headroom, "dense_bytes": dense, "kv_bytes": kv,
-                           "working_bytes": working}
+                           "working_bytes": working, "warnings": warnings}
 
 
 def vram_budgets(gpus: list[dict], vram: str = "auto",
@@ -188,6 +211,14 @@ def best_queue_depth(profile, top_k: int) -> int:
     depths = sorted({int(e["queue_depth"]) for e in entries})
     usable = [q for q in depths if q <= max(1, int(top_k))] or depths[:1]
     return max(usable, key=lambda q: (profile.disk_read_gbps(q), -q))
+
+
+def disk_depth_table(profile) -> tuple[tuple[int, float], ...]:
+    """((queue depth, random-read GB/s), ...) for every depth the profile measured, shallowest first."""
+    disk = profile.doc.get("disk")
+    entries = disk.get("random") if isinstance(disk, dict) else None
+    depths = sorted({int(e["queue_depth"]) for e in entries or ()})
+    return tuple((q, float(profile.disk_read_gbps(q))) for q in depths)
 
 
 def gpu_expert_gbps(profile, backend: str, index: int, fmt: str, spec) -> float:
@@ -253,4 +284,5 @@ def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str 
         gpus.append(GpuResource(key=key, matmul_gbps=gbps, h2d_gbps=h2d, d2h_gbps=d2h,
                                 budget_bytes=int(vram_budget.get(key, 0)), unified=unified))
     return Resources(cpu_matmul_gbps=cpu, ram_read_gbps=profile.ram_read_gbps(), disk_read_gbps=disk,
-                     disk_queue_depth=qd, gpus=tuple(gpus), checksum_gbps=profile.checksum_gbps())
+                     disk_queue_depth=qd, gpus=tuple(gpus), checksum_gbps=profile.checksum_gbps(),
+                     disk_depth_gbps=disk_depth_table(profile) if disk is not None else ())

@@ -31,8 +31,12 @@ compute does not hide, max(0, disk_l − cpu_resident_l), is the predicted disk 
 measures as the time the CPU path waited for reads.
 
 ``p_e`` is the selection probability of expert ``e`` per token (a layer's p sum to top-k), ``b`` the
-expert's bytes, ``h_e`` the LRU hit rate of a non-pinned expert from the characteristic-time (Che)
-approximation, and ``w_l`` the decode weight of the row (1; 0 for MTP rows, which plain decode skips).
+expert's bytes, ``h_e`` the LRU hit rate of a non-pinned expert (:mod:`colibri_plan.planner.cache_model`:
+from the stack distances of a routing trace when the heat has one, else the characteristic-time (Che)
+approximation), and ``w_l`` the decode weight of the row (1; 0 for MTP rows, which plain decode skips).
+For an engine that reads through the OS page cache (``Resources.page_cache_pool_bytes`` > 0: llama.cpp's
+mmap, colibrì without DIRECT), a share g_e of the misses is served by the page cache at a copy's cost
+instead of a disk read (:mod:`colibri_plan.planner.page_cache`); ours reads with O_DIRECT (g = 0).
 The layer's expert time is the slowest of its concurrently working resources, taken on expected loads
 (max of expectations, a lower bound of the expected max). The ``c_*`` multipliers live in
 :class:`Coefficients` so measured runs can refit them.
@@ -40,6 +44,7 @@ The layer's expert time is the slowest of its concurrently working resources, ta
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -48,6 +53,10 @@ import numpy as np
 from colibri_plan.errors import InputError
 from colibri_plan.formats.coefficients import Coefficients
 from colibri_plan.formats.plan import TIER_DISK, TIER_RAM
+from colibri_plan.planner.cache_model import che_hit_rates, lru_hit_rates
+from colibri_plan.planner.page_cache import page_cache_experts, page_cache_hit_rates
+
+__all__ = ["che_hit_rates"]   # re-exported: the independent-request LRU model lives in cache_model
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,11 @@ class Resources:
         dense_gbps: GB/s of the dense trunk's per-token read (defaults to the CPU path).
         checksum_gbps: all-core crc32 GB/s: the engine checks every streamed expert in its reader
             threads, CPU time the resident compute cannot use; None = not measured (no term).
+        disk_depth_gbps: ((queue depth, random-read GB/s), ...) as the profile measured them, so a
+            placement can be priced at another engine's depth (:meth:`at_queue_depth`).
+        page_cache_pool_bytes: bytes the OS page cache may hold of the expert file before a placement's
+            pins, LRU slots and host copies (:mod:`colibri_plan.planner.page_cache`); 0 = the engine reads
+            with O_DIRECT and the page cache serves nothing (ours).
     """
 
     cpu_matmul_gbps: float
@@ -95,8 +109,12 @@ class Resources:
     gpus: tuple[GpuResource, ...] = field(default_factory=tuple)
     dense_gbps: float | None = None
     checksum_gbps: float | None = None
+    disk_depth_gbps: tuple = ()
+    page_cache_pool_bytes: int = 0
 
     def __post_init__(self):
+        object.__setattr__(self, "disk_depth_gbps",   # a plan's JSON gives lists: back to pairs
+                           tuple((int(q), float(g)) for q, g in self.disk_depth_gbps))
         rates = [("CPU expert matmul", self.cpu_matmul_gbps), ("RAM read", self.ram_read_gbps)]
         rates += [(f"{g.key} GPU expert matmul", g.matmul_gbps) for g in self.gpus]
         if self.disk_read_gbps is not None:
@@ -116,43 +134,14 @@ class Resources:
         """Effective CPU expert GB/s: min(matmul, RAM read)."""
         return min(self.cpu_matmul_gbps, self.ram_read_gbps)
 
-
-def che_hit_rates(p: np.ndarray, slots: int) -> np.ndarray:
-    """LRU hit probability of each item under the characteristic-time (Che) approximation.
-
-    Item e is requested by a token with probability ``p_e`` (``[n]``, independent across tokens); an LRU of
-    ``slots`` entries keeps what was requested within the last T tokens, where T solves
-    Σ (1 − (1 − p_e)^T) = slots; the hit rate of item e is 1 − (1 − p_e)^T. This is the per-token
-    (Bernoulli) form of Che, Tung, Wang, IEEE JSAC 20(7), 2002, whose Poisson form uses exp(−p_e T).
-
-    Returns:
-        float64 ``[n]`` in [0, 1]; all ones when ``slots`` >= the items with p > 0, zeros when slots <= 0.
-    """
-    p = np.asarray(p, dtype=np.float64)
-    live = p > 0
-    if slots <= 0 or not live.any():
-        return np.zeros_like(p)
-    if slots >= int(live.sum()):
-        return live.astype(np.float64)
-    # per-token Bernoulli form: an item is requested at most once per token, so after T tokens it was
-    # seen with probability 1 - (1 - p)^T (the Poisson form 1 - exp(-pT) overestimates hot items).
-    logq = np.log1p(-np.minimum(p[live], 1.0 - 1e-12))
-
-    def occupancy(t: float) -> float:
-        return float(np.sum(-np.expm1(logq * t)))
-
-    lo, hi = 0.0, 1.0
-    while occupancy(hi) < slots:
-        hi *= 2.0
-    for _ in range(100):  # bisection on the monotone occupancy
-        mid = 0.5 * (lo + hi)
-        if occupancy(mid) < slots:
-            lo = mid
-        else:
-            hi = mid
-    out = np.zeros_like(p)
-    out[live] = -np.expm1(logq * 0.5 * (lo + hi))
-    return out
+    def at_queue_depth(self, depth: int) -> Resources:
+        """These resources with the disk read at ``depth`` (the deepest measured depth <= depth, else the
+        shallowest measured): the figure an engine reading ``depth`` experts at a time gets."""
+        if not self.disk_depth_gbps:
+            return self
+        rows = sorted(self.disk_depth_gbps)
+        q, g = ([r for r in rows if r[0] <= depth] or rows[:1])[-1]
+        return dataclasses.replace(self, disk_read_gbps=g, disk_queue_depth=q)
 
 
 def simulate_lru(trace: np.ndarray, slots: int, members: np.ndarray | None = None) -> float:
@@ -257,7 +246,8 @@ def cpu_path_rows(miss_factor, cpu_s: float, disk_s: float, verify_s: float, ove
 
 
 def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, res: Resources,
-                coef: Coefficients, activation_bytes: int) -> dict:
+                coef: Coefficients, activation_bytes: int, hits: np.ndarray | None = None,
+                page_hits: np.ndarray | None = None) -> dict:
     """Expected seconds of one MoE layer for one token, term by term (module docstring).
 
     Args:
@@ -265,22 +255,32 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
         tier: int ``[E]``: GPU index 0..G-1, TIER_RAM (pinned) or TIER_DISK (LRU-cached or streamed).
         slots: LRU slots of the layer (shared by its disk-tier experts).
         expert_bytes: bytes of one expert; activation_bytes: bytes of one token's hidden state.
+        hits: float ``[E]`` LRU hit rate of each disk-tier expert (default: Che on the disk experts; a
+            routing trace gives them through :mod:`colibri_plan.planner.cache_model`).
+        page_hits: float ``[E]`` page-cache hit rate of each read (default none: O_DIRECT); a page-cache
+            hit costs a copy at RAM GB/s instead of a disk read (:mod:`colibri_plan.planner.page_cache`).
 
     Returns:
         dict: cpu_resident_s, cpu_stream_s, cpu_s (their sum), verify_s (crc32 checks of the misses),
         disk_s (read time of the misses), disk_wait_s (the CPU path's time beyond its CPU work), cpu_path_s
         (max(a, disk_s) + (1 − c_overlap) · min(a, disk_s) + cpu_stream_s, a = cpu_resident_s +
         verify_s), gpu_s [G], transfer_s [G] (transfers + call overhead), gpu_calls, time_s (the slowest
-        path + the layer overhead), and expected selections per tier: vram, ram_pinned, lru, disk (misses).
+        path + the layer overhead), and expected selections per tier: vram, ram_pinned, lru, disk (misses:
+        reads the engine issues), page_cache (of those reads, the ones the page cache serves).
     """
     p = np.asarray(p, dtype=np.float64)
     tier = np.asarray(tier)
     on_disk = tier == TIER_DISK
-    h = che_hit_rates(np.where(on_disk, p, 0.0), slots)
+    h = che_hit_rates(np.where(on_disk, p, 0.0), slots) if hits is None else np.asarray(hits, float)
     misses = float(np.sum(p * (1 - h) * on_disk))
     lru_hits = float(np.sum(p * h * on_disk))
+    cached = 0.0 if page_hits is None else float(np.sum(p * (1 - h) * on_disk * page_hits))
     per_sel = coef.cpu_expert * expert_bytes / (res.cpu_gbps * 1e9)   # CPU seconds per expert computed
-    per_miss = coef.disk * miss_seconds(expert_bytes, res) if misses > 0 else 0.0
+    per_miss = 0.0
+    if misses > 0:   # a read from disk, or (page cache) a copy at RAM GB/s
+        copy_s = expert_bytes / (res.ram_read_gbps * 1e9)
+        disk_part = (misses - cached) * miss_seconds(expert_bytes, res) if misses - cached > 1e-15 else 0.0
+        per_miss = coef.disk * (disk_part + cached * copy_s) / misses
     cpu_res_s, cpu_stream_s, disk_s, verify_s = cpu_path_parts(
         float(p[tier == TIER_RAM].sum()), lru_hits, misses, per_sel, per_miss,
         verify_seconds(expert_bytes, res))
@@ -301,7 +301,7 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
             "gpu_s": gpu_s, "transfer_s": xfer_s, "gpu_calls": calls,
             "time_s": time_s,
             "vram": float(p[tier >= 0].sum()), "ram_pinned": float(p[tier == TIER_RAM].sum()),
-            "lru": lru_hits, "disk": misses}
+            "lru": lru_hits, "disk": misses, "page_cache": cached}
 
 
 def dense_seconds(dense_read_bytes: int, res: Resources, coef: Coefficients) -> float:
@@ -319,12 +319,16 @@ def attention_seconds(context_tokens: int, kv_bytes_per_token: int, res: Resourc
 def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_bytes: int,
                 res: Resources, coef: Coefficients | None = None, *, dense_read_bytes: int = 0,
                 context_tokens: int = 0, kv_bytes_per_token: int = 0, activation_bytes: int = 0,
-                layer_weights: np.ndarray | None = None) -> dict:
+                layer_weights: np.ndarray | None = None, trace_hits=None, resident_extra: int = 0) -> dict:
     """Expected decode seconds per token of a whole placement, with its terms.
 
     Args:
         probs: float ``[rows, E]`` selection probabilities; tiers: int ``[rows, E]`` tier codes;
         slots: int ``[rows]`` LRU slots; layer_weights: float ``[rows]`` (default ones).
+        trace_hits: a :class:`~colibri_plan.planner.cache_model.TraceHits` (LRU hit rates from a routing
+            trace for the rows it covers; Che for the others and without one).
+        resident_extra: experts the process holds in RAM beyond pins and unified GPUs (host copies of
+            VRAM experts): only the page cache (``res.page_cache_pool_bytes``) feels them.
 
     Returns:
         dict with decode_s_per_token, tok_s, terms {dense_s, attention_s, expert_layers_s,
@@ -332,9 +336,10 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
         (all reads), transfer_s (transfers and GPU call overhead), gpu_calls (GPU layer calls per
         token: Σ_l w_l · GPUs holding experts of l)}, hit_rate {vram, ram_pinned, lru, disk} (shares of
         expert selections),
-        disk_bytes_per_token, per_layer_s [rows], and cpu_path_layers {weight, cpu_resident_s,
-        cpu_stream_s, disk_s, verify_s} (lists [rows], the CPU path's parts per layer; calibrate refits
-        on them).
+        disk_bytes_per_token (read from the disk itself), per_layer_s [rows], cpu_path_layers {weight,
+        cpu_resident_s, cpu_stream_s, disk_s, verify_s} (lists [rows], the CPU path's parts per layer;
+        calibrate refits on them), page_cache {capacity_experts, hit_rate (share of selections the page
+        cache serves; 0 for an O_DIRECT engine)} and cache_model ("trace" or "che": the LRU model used).
     """
     coef = coef or Coefficients()
     probs = np.asarray(probs, dtype=np.float64)
@@ -346,10 +351,21 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
     disk_s = read_s = xfer_s = layers_s = calls = 0.0
     parts = {"weight": [float(x) for x in w], "cpu_resident_s": [], "cpu_stream_s": [], "disk_s": [],
              "verify_s": []}
-    share = dict.fromkeys(("vram", "ram_pinned", "lru", "disk"), 0.0)
+    share = dict.fromkeys(("vram", "ram_pinned", "lru", "disk", "page_cache"), 0.0)
     per_layer = []
+    tiers = np.asarray(tiers)
+    on_disk = tiers == TIER_DISK
+    hits = np.array([lru_hit_rates(probs[i], on_disk[i], int(slots[i]), i, trace_hits) for i in range(rows)])
+    pc_hits, n_pc = None, 0
+    if res.page_cache_pool_bytes > 0:   # the reads the engine's own tiers miss, one LRU over all layers
+        unified = [d for d, g in enumerate(res.gpus) if g.unified]
+        resident = int(np.sum(tiers == TIER_RAM)) + int(np.isin(tiers, unified).sum()) + int(resident_extra)
+        n_pc = page_cache_experts(res.page_cache_pool_bytes, expert_bytes, resident, int(np.sum(slots)))
+        reads = np.where(on_disk, probs * (1.0 - hits), 0.0) * (w[:, None] > 0)
+        pc_hits = page_cache_hit_rates(reads, n_pc)
     for i in range(rows):
-        t = layer_terms(probs[i], tiers[i], int(slots[i]), expert_bytes, res, coef, activation_bytes)
+        t = layer_terms(probs[i], tiers[i], int(slots[i]), expert_bytes, res, coef, activation_bytes,
+                        hits=hits[i], page_hits=None if pc_hits is None else pc_hits[i])
         per_layer.append(t["time_s"])
         layers_s += w[i] * t["time_s"]
         comp["cpu"] += w[i] * t["cpu_s"]
@@ -363,6 +379,7 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
         calls += w[i] * t["gpu_calls"]
         for k in share:
             share[k] += w[i] * t[k]
+    cached = share.pop("page_cache")
     total_sel = sum(share.values())
     total = dense_s + attn_s + layers_s
     return {"decode_s_per_token": total, "tok_s": 1.0 / total if total > 0 else float("inf"),
@@ -370,5 +387,7 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
                       "expert_compute_s": comp, "disk_wait_s": disk_s, "disk_read_s": read_s,
                       "transfer_s": xfer_s, "gpu_calls": calls},
             "hit_rate": {k: (v / total_sel if total_sel else 0.0) for k, v in share.items()},
-            "disk_bytes_per_token": share["disk"] * expert_bytes,
-            "per_layer_s": per_layer, "cpu_path_layers": parts}
+            "disk_bytes_per_token": (share["disk"] - cached) * expert_bytes,
+            "per_layer_s": per_layer, "cpu_path_layers": parts,
+            "page_cache": {"capacity_experts": n_pc, "hit_rate": cached / total_sel if total_sel else 0.0},
+            "cache_model": "trace" if trace_hits is not None and trace_hits.rows_covered() else "che"}

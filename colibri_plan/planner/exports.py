@@ -28,8 +28,10 @@ from colibri_plan.errors import UnsupportedError
 from colibri_plan.fileio import atomic_write_text
 from colibri_plan.formats.heat import fnv1a32  # noqa: F401 - re-exported for callers
 from colibri_plan.formats.plan import TIER_DISK, TIER_RAM, Plan, layer_probabilities
+from colibri_plan.planner.knobs import COLIBRI_QUEUE_DEPTH
+from colibri_plan.planner.knobs import COLIBRI_VRAM_OVERHEAD_BYTES as VRAM_OVERHEAD_BYTES
+from colibri_plan.planner.page_cache import page_cache_hit_rates
 
-VRAM_OVERHEAD_BYTES = int(0.741 * 2**20)   # colibrì's measured per-expert VRAM allocation overhead
 COLIBRI_SLACK_BYTES = int(1.2e9 + 2.5e9)    # colibrì reserves 1.2 GB activations + 2.5 GB page cache
 LLAMA_DEVICE = {"cuda": "CUDA", "vulkan": "Vulkan", "opencl": "OpenCL", "metal": "Metal"}
 
@@ -75,50 +77,133 @@ def export_colibri(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.nda
                                "export a plan solved for CUDA devices")
     n_vram = sum(counts[k] for k in gpu_keys)
     budgets = plan.doc["budgets"]
+    knobs = plan.doc.get("knobs") or {}
     # colibrì's RAM_GB covers dense + its own slack (1.2 GB activations, 2.5 GB page-cache reserve, a
     # 64-expert working set, KV) + pins + LRU: give it the plan's expert RAM on top of those terms
     slack = COLIBRI_SLACK_BYTES + 64 * b
     ram_gb = (budgets["ram_budget_bytes"] + budgets.get("dense_bytes", 0) + budgets.get("kv_bytes", 0)
               + slack) / 1e9
     slots = plan.lru_slots()
+    vram_rank = list(ranking[:n_vram])
+    pin_rank = ranking[n_vram:n_vram + counts["ram_pinned"]]
+    size = _sizer(plan)                       # bytes colibrì stores each (layer, expert) in (MTP: int8)
+    keep_host = bool(knobs.get("keep_host_copies"))
     env = {}
     late_notes: list[str] = []
-    extra_pins = 0
     if n_vram:
         env["COLI_CUDA"] = "1"
         env["COLI_GPUS"] = ",".join(k.split(":")[1] for k in gpu_keys)
-        need = n_vram * (b + VRAM_OVERHEAD_BYTES) + b // 2
-        budgets_vram = plan.doc["budgets"].get("vram_budget_bytes", {})
-        have = sum(int(v) for k, v in budgets_vram.items() if k in gpu_keys)
-        if have and need > have:     # colibrì's allocation overhead does not fit the plan's VRAM budget
-            lost = -(-(need - have) // (b + VRAM_OVERHEAD_BYTES))
-            room = plan.doc["budgets"]["ram_budget_bytes"] - (counts["ram_pinned"] + counts["lru_slots"]) * b
-            extra_pins = int(max(0, min(lost, room // b)))
-            late_notes.append(f"with colibrì's {VRAM_OVERHEAD_BYTES / 2**20:.3f} MiB allocation overhead per "
-                              f"VRAM expert, about {lost} of the plan's VRAM experts do not fit its VRAM "
-                              f"budget: CUDA_EXPERT_GB is capped at the budget and PIN_GB grows by "
-                              f"{extra_pins} experts so they stay in RAM")
-            need = have
+        per = [size(x) + VRAM_OVERHEAD_BYTES for x in vram_rank]
+        have = sum(int(v) for k, v in budgets.get("vram_budget_bytes", {}).items() if k in gpu_keys)
+        fit = len(per) if not have else int(np.searchsorted(np.cumsum(per), have, side="right"))
+        if fit < n_vram:     # colibrì's allocation overhead does not fit the plan's VRAM budget
+            lost = vram_rank[fit:]
+            room = budgets["ram_budget_bytes"] - (counts["ram_pinned"] + counts["lru_slots"]) * b
+            if keep_host:
+                room -= n_vram * b
+            extra = int(max(0, min(len(lost), room // b)))
+            displaced = pin_rank[len(pin_rank) - (len(lost) - extra):] if len(lost) > extra else []
+            late_notes.append(_pushed_out_note(len(lost), extra, lost, displaced))
+            pin_rank = lost + pin_rank[:len(pin_rank) - len(displaced)]
+            vram_rank = vram_rank[:fit]
+        need = sum(size(x) + VRAM_OVERHEAD_BYTES for x in vram_rank) + b // 2
+        need = min(need, have) if have else need      # capped at the plan's VRAM budget
         env["CUDA_EXPERT_GB"] = f"{need / 1e9:.3f}"
-        env["CUDA_RELEASE_HOST"] = "1"
+        env["CUDA_RELEASE_HOST"] = "0" if keep_host else "1"
+    pinned = sum(size(x) for x in pin_rank) + (sum(size(x) for x in vram_rank) if keep_host else 0)
     env["PIN"] = str(usage_path)
-    env["PIN_GB"] = f"{((counts['ram_pinned'] + extra_pins) * b + b // 2) / 1e9:.3f}"
+    env["PIN_GB"] = f"{(pinned + b // 2) / 1e9:.3f}"
     env["RAM_GB"] = f"{ram_gb:.2f}"
     env["CAP"] = str(int(slots.max()) if slots.size and slots.max() > 0 else 1)
     env["CAP_RAISE"] = "0"
     env["CTX"] = str(budgets.get("context_tokens", 4096))
+    if knobs.get("o_direct", True):
+        env["DIRECT"] = "1"
     notes = [f"{n_vram} VRAM experts and {counts['ram_pinned']} pinned RAM experts rank first in "
              f"{usage_path} "
              "(synthetic counts that fix colibrì's ranking; they are not routing statistics)",
              "colibrì assigns each VRAM expert to the least-loaded device itself: the plan's per-device "
              "split is not reproduced, only its VRAM set",
              f"RAM_GB = the plan's expert RAM + dense + KV + colibrì's own slack ({slack / 1e9:.2f} GB); "
-             "colibrì clamps it to the memory available", *late_notes]
+             "colibrì clamps it to the memory available", *_knob_notes(plan, knobs, keep_host)]
     if slots.size and len(set(slots[slots > 0].tolist())) > 1:
         notes.append("the plan's LRU slots differ per layer; colibrì's CAP is one figure: the largest is "
                      "used")
+    notes += late_notes
     return {"env": " ".join(f"{k}={v}" for k, v in env.items()), "vars": env, "usage_file": str(usage_path),
             "notes": notes}
+
+
+def _sizer(plan: Plan):
+    """``fn((layer, expert)) -> bytes`` as colibrì stores the expert: the plan's expert bytes, and
+    ``model.mtp_expert_bytes`` (int8) for an MTP head row (layer >= model.n_layers)."""
+    model = plan.doc["model"]
+    b, mtp = plan.expert_bytes, int(model.get("mtp_expert_bytes") or plan.expert_bytes)
+    n_layers = int(model.get("n_layers") or max(plan.layer_ids) + 1)
+    return lambda x: mtp if x[0] >= n_layers else b
+
+
+def _names(pairs, most: int = 6) -> str:
+    shown = ", ".join(f"L{layer}/E{e}" for layer, e in pairs[:most])
+    return shown + (f" and {len(pairs) - most} more" if len(pairs) > most else "")
+
+
+def _pushed_out_note(n_lost: int, extra: int, lost: list, displaced: list) -> str:
+    """The note for VRAM experts colibrì's allocation overhead pushes out: which ones, and which of the
+    plan's RAM pins they displace (the coldest: the ranked prefix stops at PIN_GB)."""
+    text = (f"with colibrì's {VRAM_OVERHEAD_BYTES / 2**20:.3f} MiB allocation overhead per VRAM expert, "
+            f"{n_lost} of the plan's VRAM experts do not fit its VRAM budget ({_names(lost)}, the coldest "
+            "of the VRAM set); they rank first among the RAM pins")
+    if displaced:
+        text += (f" and displace the plan's {len(displaced)} coldest pins ({_names(displaced)}), which go to "
+                 "the LRU/disk")
+    return text + (f"; CUDA_EXPERT_GB is capped at the budget and PIN_GB grows by {extra} experts so they "
+                   "stay in RAM (solve with target colibri to count the overhead in the plan itself)")
+
+
+def _knob_notes(plan: Plan, knobs: dict, keep_host: bool) -> list[str]:
+    """Notes on the knobs the line sets: DIRECT, host copies, MTP widths, colibrì's queue depth."""
+    notes = []
+    if knobs.get("o_direct", True):
+        notes.append("DIRECT=1: the plan assumes O_DIRECT reads (the page cache is not counted as a tier)")
+    if keep_host:
+        notes.append(f"CUDA_RELEASE_HOST=0: the plan keeps a host copy of every VRAM expert "
+                     f"({knobs.get('host_copy_bytes', 0) / 1e9:.2f} GB of RAM, inside PIN_GB)")
+    model = plan.doc["model"]
+    if model.get("mtp_expert_bytes"):
+        notes.append(f"MTP-layer experts are counted at colibrì's int8 width "
+                     f"({model['mtp_expert_bytes'] / 1e6:.2f} MB, not {plan.expert_bytes / 1e6:.2f} MB) in "
+                     "PIN_GB and CUDA_EXPERT_GB")
+    res = plan.doc.get("resources") or {}
+    table = sorted((int(q), float(g)) for q, g in res.get("disk_depth_gbps") or ())
+    q = int(res.get("disk_queue_depth") or 0)
+    shallow = [r for r in table if r[0] <= COLIBRI_QUEUE_DEPTH] or table[:1]
+    if table and q > shallow[-1][0]:
+        here = dict(table).get(q)
+        notes.append(f"colibrì reads at queue depth 1-{COLIBRI_QUEUE_DEPTH}: this disk gives "
+                     f"{shallow[-1][1]:.2f} GB/s at depth {shallow[-1][0]} against "
+                     f"{here if here is not None else float('nan'):.2f} GB/s at the plan's depth {q}; solve "
+                     "with target colibri for colibrì's figure")
+    return notes
+
+
+def _mmap_notes(plan: Plan, probs: np.ndarray, cpu_rows: list[int]) -> list[str]:
+    """What mmap implies for the exported layout: the CPU layers' experts are page-cache pages, no pins
+    and no LRU; the page cache holds what llama.cpp and the OS leave (the plan's ``knobs.page_cache``
+    pool) and serves a share predicted by :mod:`colibri_plan.planner.page_cache`."""
+    text = ("CPU layers are read through mmap: the OS page cache, not the plan's pins or LRU, decides what "
+            "stays in RAM; cold experts are page faults (queue depth 1)")
+    pool = ((plan.doc.get("knobs") or {}).get("page_cache") or {}).get("pool_bytes")
+    if not cpu_rows or pool is None:
+        return [text]
+    b = plan.expert_bytes
+    q = probs[cpu_rows]
+    hit = page_cache_hit_rates(q, int(pool) // b)
+    share = float((q * hit).sum() / q.sum()) if q.sum() > 0 else 0.0
+    return [text + f"; memory pressure: the page cache can hold about {int(pool) / 1e9:.2f} GB of the model "
+            f"file (available memory - dense, KV, buffers and OS headroom), serving about {share:.0%} of the "
+            "CPU layers' selections from RAM: anything else that takes memory (--mlock, other programs, "
+            "a larger context) shrinks it and slows decoding"]
 
 
 def llama_device_name(key: str) -> str:
@@ -202,8 +287,7 @@ def export_llama_cpp(plan: Plan) -> dict:
              f"{moved} experts change tier (VRAM <-> CPU) against the plan; {moved_dev} more stay in VRAM "
              "on another GPU",
              f"selections served from GPU: export {share_export:.1%}, plan {share_plan:.1%}",
-             "CPU layers are read through mmap: the OS page cache, not the plan's pins, decides what stays "
-             "in RAM"]
+             *_mmap_notes(plan, probs, [i for i in rows if i not in assign])]
     budgets = plan.doc["budgets"]
     trunk = int(budgets.get("dense_bytes", 0)) + int(budgets.get("kv_bytes", 0))
     if trunk and n_gpu_layers:

@@ -14,7 +14,17 @@ from colibri_plan.formats.heat_align import align_heat, uniform_heat
 from colibri_plan.formats.plan import Plan, layers_from_tiers
 from colibri_plan.heatsynth import synth_heat
 from colibri_plan.planner.budgets import Budgets, parse_gb, ram_budget, resources_from_profile, vram_budgets
+from colibri_plan.planner.cache_model import TraceHits
 from colibri_plan.planner.costmodel import Coefficients, Resources, attention_seconds, dense_seconds
+from colibri_plan.planner.knobs import (
+    COLIBRI_VRAM_OVERHEAD_BYTES,
+    check_target,
+    choose_queue_depth,
+    knobs_section,
+    lru_slot_candidates,
+    search_lru_slots,
+)
+from colibri_plan.planner.page_cache import page_cache_pool
 from colibri_plan.planner.solve import Problem, Solution, evaluate, solve_placement
 
 #: share of the expert RAM budget the automatic LRU reserve may take when experts must stream
@@ -37,7 +47,9 @@ def heat_for(spec, heat: Heat | str | None, seed: int = 0) -> Heat:
         return h
     if heat == "uniform":
         return uniform_heat(spec)[0]
-    return align_heat(heat, spec)
+    out = align_heat(heat, spec)
+    out.trace = getattr(heat, "trace", None)   # keyed by layer id: alignment keeps the MoE layer ids
+    return out
 
 
 def dense_read_bytes(spec, dense_fmt: str) -> int:
@@ -122,15 +134,19 @@ class Setup:
     problem: Problem
     dense_fmt: str
     warnings: list
+    knobs: dict = dataclasses.field(default_factory=dict)
 
 
 def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto", headroom=None,
                 context_tokens: int = 4096, lru_slots: str | int = "auto", dense_fmt: str | None = None,
-                coef: Coefficients | None = None, vram_reserve_gb: float = 2.0, seed: int = 0) -> Setup:
+                coef: Coefficients | None = None, vram_reserve_gb: float = 2.0, seed: int = 0,
+                target: str = "colibri-plan", queue_depth="auto", keep_host_copies: bool = False) -> Setup:
     """Budgets, resources and the placement problem for ``spec`` on ``profile``.
 
     ``dense_fmt`` None: the format the model stores its dense trunk in when known (``spec.dense_format``,
-    e.g. f32 for an expert pack), else the expert format.
+    e.g. f32 for an expert pack), else the expert format. ``target``, ``queue_depth`` and
+    ``keep_host_copies`` are the engine knobs of :mod:`colibri_plan.planner.knobs` (``setup.knobs``
+    records them); a routing trace in the heat switches the LRU model to stack distances.
 
     Raises:
         BudgetError: negative or too-small budgets; InputError: missing profile figures;
@@ -140,14 +156,18 @@ def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto",
         raise BudgetError(f"--vram-reserve cannot be negative ({vram_reserve_gb} GB)")
     dense_fmt = dense_fmt or getattr(spec, "dense_format", None) or spec.expert_format
     coef = coef or Coefficients()
+    check_target(target)
     check_budget_options(ram, vram, headroom, lru_slots)
     notes = _option_notes(profile, ram, vram, headroom)
     h = heat_for(spec, heat, seed)
     warnings = list(h.warnings) + notes
     ram_bytes, ram_explain, parts = ram_budget(spec, profile.ram_available_bytes(), ram, headroom,
                                                context_tokens, dense_fmt)
+    ram_warnings = parts.pop("warnings", [])
+    warnings += ram_warnings
     vram_b, vram_explain = vram_budgets(profile.gpus(), vram, int(vram_reserve_gb * 1e9))
-    res = resources_from_profile(profile, spec, vram_b)
+    res, depth_source = choose_queue_depth(resources_from_profile(profile, spec, vram_b), spec.top_k,
+                                           queue_depth, target)
     budgets = Budgets(ram_budget_bytes=ram_bytes, vram_budget_bytes=vram_b,
                       explain=ram_explain + vram_explain, context_tokens=context_tokens,
                       ram_mode=str(ram), vram_mode=str(vram), **parts)
@@ -156,12 +176,25 @@ def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto",
     slots = auto_lru_slots(spec, res, ram_bytes, weights, probs, lru_slots)
     fixed = (dense_seconds(dense_read_bytes(spec, dense_fmt), res, coef)
              + attention_seconds(context_tokens, spec.kv_bytes_per_token, res, coef))
+    trace = getattr(h, "trace", None)
+    hits = TraceHits(trace, h.layers) if trace is not None and trace.steps else None
     problem = Problem(probs=probs, weights=weights, expert_bytes=spec.expert_bytes(), res=res,
                       ram_budget_bytes=ram_bytes, lru_slots=slots, coef=coef,
-                      activation_bytes=spec.hidden_size * 4, fixed_cost_s=fixed)
+                      activation_bytes=spec.hidden_size * 4, fixed_cost_s=fixed,
+                      trace_hits=hits if hits is not None and hits.rows_covered() else None,
+                      keep_host_copies=bool(keep_host_copies),
+                      vram_overhead_bytes=COLIBRI_VRAM_OVERHEAD_BYTES if target == "colibri" else 0)
     if res.disk_read_gbps is None:
         warnings.append("the profile has no disk figure: the plan may not stream experts from disk")
-    return Setup(spec, h, budgets, res, problem, dense_fmt, warnings)
+    if trace is not None and problem.trace_hits is None:
+        warnings.append("the heat's routing trace has no decode calls of this model's MoE layers: LRU hit "
+                        "rates use Che's independent-request approximation")
+    knobs = {"target": target, "queue_depth_source": depth_source, "o_direct": True,
+             "lru_slots_mode": "auto" if str(lru_slots) == "auto" else "fixed",
+             "page_cache_pool_bytes": page_cache_pool(profile.ram_available_bytes(), parts["dense_bytes"],
+                                                      parts["kv_bytes"], parts["working_bytes"]),
+             "ram_warnings": ram_warnings}
+    return Setup(spec, h, budgets, res, problem, dense_fmt, warnings, knobs)
 
 
 def cost_of(setup: Setup, tiers: np.ndarray, slots: np.ndarray) -> dict:
@@ -190,7 +223,8 @@ def plan_document(setup: Setup, profile, tiers: np.ndarray, slots: np.ndarray, s
         "created_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "model": {"name": spec.name, "fingerprint": spec.fingerprint(), "family": spec.family,
                   "n_experts": spec.n_experts, "top_k": spec.top_k, "moe_layers": list(spec.moe_layers),
-                  "n_layers": spec.n_layers, "expert_bytes": spec.expert_bytes(), "source": spec.source},
+                  "n_layers": spec.n_layers, "expert_bytes": spec.expert_bytes(), "source": spec.source,
+                  **_mtp_bytes(spec)},
         "profile": {"fingerprint": profile.fingerprint, "source": profile_source, **profile.summary()},
         "heat": {"fingerprint": setup.heat.fingerprint(), "source": setup.heat.source,
                  "warnings": list(setup.warnings)},
@@ -203,15 +237,42 @@ def plan_document(setup: Setup, profile, tiers: np.ndarray, slots: np.ndarray, s
         "solver": solver,
         "resources": dataclasses.asdict(res),
         "coefficients": setup.problem.coef.to_dict(),
+        "knobs": knobs_section(setup, tiers, slots, cost) if setup.knobs else None,
     }
+    if doc["knobs"] is None:
+        del doc["knobs"]
     return Plan(_jsonable(doc))
+
+
+def _mtp_bytes(spec) -> dict:
+    """``{"mtp_expert_bytes": n}`` when the model has an MTP head row (a MoE layer id >= n_layers):
+    colibrì stores those experts at int8 (its MTP shards; 37.79 MB against 21.23 MB int4-g64 on GLM-5.2),
+    which its export sizes them at; empty otherwise."""
+    if not any(lid >= spec.n_layers for lid in spec.moe_layers):
+        return {}
+    try:
+        return {"mtp_expert_bytes": int(spec.expert_bytes("int8"))}
+    except Exception:  # noqa: BLE001 - a spec without the int8 arithmetic simply has no MTP figure
+        return {}
 
 
 def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: float = 30.0,
               profile_source: str = "", **kw) -> tuple[Plan, Solution, Setup]:
     """Solve the placement and return (plan, solution, setup). Keyword args go to :func:`build_setup`."""
     setup = build_setup(profile, spec, heat, **kw)
-    sol = solve_placement(setup.problem, time_limit_s=time_limit_s, method=method)
+    pr = setup.problem
+    if pr.trace_hits is not None and setup.knobs["lru_slots_mode"] == "auto" and pr.lru_slots.any():
+        # locality: a bigger LRU with fewer pins can win; try a few slot counts, keep the fastest
+        decode = pr.weights > 0
+        fit = int(pr.ram_budget_bytes // (max(1, int(decode.sum())) * pr.expert_bytes))
+        cands = lru_slot_candidates(int(pr.lru_slots.max()), spec.top_k, spec.n_experts, fit)
+        sol, pr, tries = search_lru_slots(
+            pr, lambda p: solve_placement(p, time_limit_s=time_limit_s / len(cands), method=method), cands)
+        setup.problem = pr
+        setup.knobs["lru_slots_mode"] = "search (routing trace)"
+        setup.knobs["lru_search"] = tries
+    else:
+        sol = solve_placement(pr, time_limit_s=time_limit_s, method=method)
     solver = {"status": sol.status, "gap": sol.gap, "seconds": round(sol.seconds, 3), "method": sol.method,
               "iterations": sol.iterations}
     return plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source), sol, setup

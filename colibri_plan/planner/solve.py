@@ -18,8 +18,11 @@ linear program solved by HiGHS (``scipy.optimize.milp``):
 
 Because every term is linear in x once the per-expert miss factor m_e = c_disk · (1 − h_e) · t_miss is
 fixed, the MILP optimum is the exact optimum of the cost model whenever the LRU holds no slots (h = 0);
-with LRU slots the hit rates h_e (Che) depend on the disk set, so the solver iterates: solve with h = 0,
+with LRU slots the hit rates h_e (from the routing trace's stack distances, else Che;
+:mod:`colibri_plan.planner.cache_model`) depend on the disk set, so the solver iterates: solve with h = 0,
 recompute h for the chosen disk sets, solve again, and keep the better placement by the full cost model.
+A VRAM expert takes ``expert_bytes + vram_overhead_bytes`` of its device, and with ``keep_host_copies``
+also ``expert_bytes`` of RAM (the RAM row then counts the discrete GPUs' columns too).
 Experts a token never selects (p = 0) and rows of weight 0 cannot change the cost; they are excluded
 from the MILP and placed afterwards into whatever RAM (then VRAM) is left, hottest first.
 After solving, :func:`validate_placement` re-checks every budget without trusting the solver status.
@@ -36,12 +39,12 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from colibri_plan.errors import BudgetError, SolverError
 from colibri_plan.planner.baselines import hot_first
+from colibri_plan.planner.cache_model import lru_hit_rates
 from colibri_plan.planner.costmodel import (
     TIER_DISK,
     TIER_RAM,
     Coefficients,
     Resources,
-    che_hit_rates,
     cpu_path_rows,
     decode_cost,
     gpu_fixed_seconds,
@@ -63,6 +66,12 @@ class Problem:
         expert_bytes: bytes of one expert; activation_bytes: one token's hidden state in bytes.
         res: machine resources (GPU budgets inside); ram_budget_bytes: RAM for experts + LRU slots.
         lru_slots: int ``[rows]`` LRU slots reserved per row (only rows that keep disk experts use them).
+        trace_hits: LRU hit rates from a routing trace (:class:`~colibri_plan.planner.cache_model.
+            TraceHits`); None = Che's independent-request approximation.
+        keep_host_copies: VRAM experts keep a host copy in RAM (colibrì ``CUDA_RELEASE_HOST=0``): each
+            discrete-GPU expert also takes ``expert_bytes`` of the RAM budget.
+        vram_overhead_bytes: device bytes each VRAM expert takes beyond ``expert_bytes`` (colibrì's
+            measured 0.741 MiB allocation overhead; 0 for our engine).
     """
 
     probs: np.ndarray
@@ -74,6 +83,9 @@ class Problem:
     coef: Coefficients = field(default_factory=Coefficients)
     activation_bytes: int = 0
     fixed_cost_s: float = 0.0   # dense + attention seconds, added to the reported objective
+    trace_hits: object = None
+    keep_host_copies: bool = False
+    vram_overhead_bytes: int = 0
 
     def __post_init__(self):
         self.probs = np.asarray(self.probs, dtype=np.float64)
@@ -83,6 +95,18 @@ class Problem:
             raise BudgetError("memory budgets cannot be negative")
         if self.expert_bytes <= 0:
             raise BudgetError(f"expert bytes must be positive, got {self.expert_bytes}")
+        if self.vram_overhead_bytes < 0:
+            raise BudgetError(f"VRAM overhead per expert cannot be negative ({self.vram_overhead_bytes} B)")
+
+    def gpu_capacity(self, d: int) -> int:
+        """Experts discrete GPU ``d`` can hold: budget // (expert bytes + VRAM overhead per expert)."""
+        return int(self.res.gpus[d].budget_bytes // (self.expert_bytes + self.vram_overhead_bytes))
+
+    def host_copies(self, tiers: np.ndarray) -> int:
+        """Host copies the placement keeps in RAM: its discrete-GPU experts when ``keep_host_copies``."""
+        if not self.keep_host_copies:
+            return 0
+        return sum(int(np.sum(np.asarray(tiers) == d)) for d, g in enumerate(self.res.gpus) if not g.unified)
 
 
 @dataclass
@@ -104,7 +128,8 @@ def evaluate(problem: Problem, tiers: np.ndarray, lru_slots: np.ndarray | None =
     """The full cost model (:func:`decode_cost`) of a placement, fixed costs included."""
     slots = problem.lru_slots if lru_slots is None else lru_slots
     c = decode_cost(problem.probs, tiers, slots, problem.expert_bytes, problem.res, problem.coef,
-                    activation_bytes=problem.activation_bytes, layer_weights=problem.weights)
+                    activation_bytes=problem.activation_bytes, layer_weights=problem.weights,
+                    trace_hits=problem.trace_hits, resident_extra=problem.host_copies(tiers))
     c["decode_s_per_token"] += problem.fixed_cost_s
     c["tok_s"] = 1.0 / c["decode_s_per_token"] if c["decode_s_per_token"] > 0 else float("inf")
     return c
@@ -181,14 +206,15 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
     if slot_bytes > problem.ram_budget_bytes:
         raise BudgetError(f"the LRU slots alone ({slot_bytes} B) exceed the RAM budget "
                           f"({problem.ram_budget_bytes} B); lower --lru-slots or give more --ram")
-    ram_cols = [idx * n_t + t_ram] + [idx * n_t + d for d, g in enumerate(res.gpus) if g.unified]
+    ram_cols = [idx * n_t + t_ram] + [idx * n_t + d for d, g in enumerate(res.gpus)
+                                      if g.unified or problem.keep_host_copies]
     ram_cols = np.concatenate(ram_cols)
     add(np.zeros(len(ram_cols)), ram_cols, np.ones(len(ram_cols)), [-np.inf],
         [float((problem.ram_budget_bytes - slot_bytes) // b)], 1)
     for d, g in enumerate(res.gpus):
         if not g.unified:
             add(np.zeros(len(act)), idx * n_t + d, np.ones(len(act)), [-np.inf],
-                [float(g.budget_bytes // b)], 1)
+                [float(problem.gpu_capacity(d))], 1)
     mat = sparse.csr_matrix((np.concatenate([a[2] for a in A]),
                              (np.concatenate([a[0] for a in A]), np.concatenate([a[1] for a in A]))),
                             shape=(nrow, n_var))
@@ -228,7 +254,7 @@ def _fill(problem: Problem, tiers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     value = problem.probs * np.maximum(problem.weights, 1e-9)[:, None]
     order = np.argsort(-value, axis=None, kind="stable")
     ram_used = lambda: (np.sum(tiers == TIER_RAM) + sum(np.sum(tiers == d) for d in unified)  # noqa: E731
-                        + int(slots.sum())) * b
+                        + problem.host_copies(tiers) + int(slots.sum())) * b
     room = (problem.ram_budget_bytes - ram_used()) // b
     for flat in order:
         if room <= 0:
@@ -242,9 +268,9 @@ def _fill(problem: Problem, tiers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             room += int(slots[r])
             slots[r] = 0
     for d, g in enumerate(res.gpus):  # cost-free experts (weight-0 rows, p = 0 on a used device) to VRAM
-        if g.unified:
+        if g.unified or problem.keep_host_copies:    # (a host copy would take RAM the pins may need)
             continue
-        room = (g.budget_bytes - np.sum(tiers == d) * b) // b
+        room = problem.gpu_capacity(d) - int(np.sum(tiers == d))
         for r in range(tiers.shape[0]):
             free_row = problem.weights[r] == 0
             cand = np.flatnonzero((tiers[r] == TIER_DISK) & (free_row | ((problem.probs[r] == 0)
@@ -316,9 +342,9 @@ def solve_placement(problem: Problem, time_limit_s: float = 30.0, gap: float = 1
         history.append({"iteration": it, "decode_s_per_token": cost["decode_s_per_token"], "status": status})
         if best is None or cost["decode_s_per_token"] < best[2]["decode_s_per_token"]:
             best = (tiers, slots, cost, status, g)
-        for r in range(tiers.shape[0]):               # Che hit rates of this disk set for the next round
-            on_disk = tiers[r] == TIER_DISK
-            miss[r] = 1.0 - che_hit_rates(np.where(on_disk, problem.probs[r], 0.0), int(slots[r]))
+        for r in range(tiers.shape[0]):   # LRU hit rates of this disk set (trace or Che) for the next round
+            miss[r] = 1.0 - lru_hit_rates(problem.probs[r], tiers[r] == TIER_DISK, int(slots[r]), r,
+                                          problem.trace_hits)
     if problem.lru_slots.any():   # the Che fixed point is a heuristic: never worse than colibrì's fill
         hot = _fill(problem, hot_first(problem)[0])
         hot_cost = evaluate(problem, *hot)
@@ -348,15 +374,17 @@ def validate_placement(problem: Problem, tiers: np.ndarray, lru_slots: np.ndarra
         raise SolverError(f"placement has invalid tier codes {sorted(set(tiers[~ok].tolist()))}")
     if np.any(np.asarray(lru_slots) < 0):
         raise SolverError("negative LRU slot count")
-    ram = (int(np.sum(tiers == TIER_RAM)) + int(np.sum(lru_slots))) * b
+    ram = (int(np.sum(tiers == TIER_RAM)) + int(np.sum(lru_slots)) + problem.host_copies(tiers)) * b
     for d, g in enumerate(res.gpus):
-        used = int(np.sum(tiers == d)) * b
+        n = int(np.sum(tiers == d))
+        used = n * (b + (0 if g.unified else problem.vram_overhead_bytes))
         if g.unified:
             ram += used
         elif used > g.budget_bytes:
-            raise SolverError(f"{g.key}: placement uses {used} B of VRAM, budget {g.budget_bytes} B")
+            raise SolverError(f"{g.key}: placement uses {used} B of VRAM ({n} experts of {b} B + "
+                              f"{problem.vram_overhead_bytes} B overhead), budget {g.budget_bytes} B")
     if ram > problem.ram_budget_bytes:
-        raise SolverError(f"placement uses {ram} B of RAM (pinned + LRU + unified GPU), budget "
+        raise SolverError(f"placement uses {ram} B of RAM (pinned + LRU + unified GPU + host copies), budget "
                           f"{problem.ram_budget_bytes} B")
     streamed = (tiers == TIER_DISK) & (problem.probs > 0) & (problem.weights[:, None] > 0)
     if res.disk_read_gbps is None and streamed.any():

@@ -1,0 +1,141 @@
+"""``solve --compare``: our placement beside what other engines would do, each priced as that engine runs.
+
+Every row is a placement evaluated by the one cost model, under the knobs of the engine that would run
+it (:mod:`colibri_plan.planner.knobs`), and carries those knobs so they can be printed:
+
+* ``colibri-plan (optimised)`` — the solved plan on our engine (O_DIRECT, the plan's queue depth).
+* ``colibri hot-first`` — colibrì's PIN fill (:func:`~colibri_plan.planner.baselines.hot_first`) as
+  colibrì runs it with ``DIRECT=1`` (what our export sets): 0.741 MiB of VRAM overhead per expert (fewer
+  fit), reads at queue depth 1–2, no checksums, the LRU raised with leftover RAM.
+* ``colibri hot-first (DIRECT=0)`` — the same with colibrì's default buffered reads: the OS page cache is
+  a second-level cache, sized by the memory-pressure model of :mod:`colibri_plan.planner.page_cache`
+  (what the machine has beyond the process: it can beat an O_DIRECT plan when ``--ram`` leaves much
+  memory unused, and it is why more ``--ram`` can be slower for colibrì).
+* ``llama.cpp --fit layers`` — whole layers to the GPUs (:func:`~colibri_plan.planner.baselines.
+  fit_layers`); every CPU layer is read through ``mmap``: no pins, no LRU, the page cache is the only
+  expert cache, page faults at queue depth 1.
+* ``uniform`` — the heat-blind split on our engine.
+* ``colibri-plan (host copies kept)`` / ``(host copies released)`` — the plan re-solved with the other
+  ``--keep-host-copies`` setting, when a discrete GPU holds experts: what keeping them costs.
+
+``tok_s_our_engine`` is each placement on our engine's knobs (placement differences only);
+``vs_best_baseline`` compares as-run figures, ``vs_best_baseline_our_engine`` placements alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from colibri_plan.formats.plan import TIER_DISK, TIER_RAM
+from colibri_plan.planner.baselines import fit_layers, hot_first, uniform
+from colibri_plan.planner.knobs import COLIBRI_QUEUE_DEPTH, COLIBRI_VRAM_OVERHEAD_BYTES
+
+#: llama.cpp reads CPU-layer experts by page faults on its mmap: one read in flight per faulting thread
+LLAMA_QUEUE_DEPTH = 1
+
+
+def _engine_setup(setup, *, depth: int | None = None, page_cache: bool = False, overhead: int = 0,
+                  checksums: bool = True):
+    """A copy of ``setup`` whose problem prices placements as another engine runs them."""
+    res = setup.res if depth is None else setup.res.at_queue_depth(depth)
+    res = dataclasses.replace(res, page_cache_pool_bytes=int(setup.knobs.get("page_cache_pool_bytes", 0))
+                              if page_cache else 0, checksum_gbps=res.checksum_gbps if checksums else None)
+    pr = dataclasses.replace(setup.problem, res=res, vram_overhead_bytes=overhead)
+    return dataclasses.replace(setup, res=res, problem=pr)
+
+
+def row(name: str, setup, tiers: np.ndarray, slots: np.ndarray, engine: str, ours=None) -> dict:
+    """One compare row: the cost of (tiers, slots) under ``setup`` and the knobs it was priced with."""
+    from colibri_plan.planner.make import cost_of
+
+    cost = cost_of(setup, tiers, slots)
+    pr, res = setup.problem, setup.res
+    decode = pr.weights > 0
+    out = {"placement": name, "engine": engine,
+           **{k: cost[k] for k in ("tok_s", "decode_s_per_token", "hit_rate", "disk_bytes_per_token")},
+           "knobs": {"queue_depth": int(res.disk_queue_depth), "disk_read_gbps": res.disk_read_gbps,
+                     "o_direct": res.page_cache_pool_bytes == 0,
+                     "page_cache_hit_rate": cost["page_cache"]["hit_rate"],
+                     "page_cache_bytes": int(cost["page_cache"]["capacity_experts"]) * pr.expert_bytes,
+                     "pinned_experts": int(np.sum(tiers == TIER_RAM)),
+                     "lru_slots_max": int(slots[decode].max()) if decode.any() and slots.size else 0,
+                     "vram_overhead_bytes_per_expert": int(pr.vram_overhead_bytes),
+                     "keep_host_copies": bool(pr.keep_host_copies),
+                     "host_copy_bytes": int(pr.host_copies(tiers) * pr.expert_bytes),
+                     "cache_model": cost.get("cache_model", "che")}}
+    if ours is not None:
+        out["tok_s_our_engine"] = cost_of(ours, tiers, slots)["tok_s"]
+    return out
+
+
+def compare_placements(setup, sol, *, host_copy_toggle: bool = True, time_limit_s: float = 30.0) -> list:
+    """Rows for ``solve --compare`` (module docstring): ours first, then the baselines, then (with a
+    discrete GPU holding experts) ours with the other host-copy setting; each row has ``vs_best_baseline``
+    (tok/s over the fastest baseline's)."""
+    rows = [row("colibri-plan (optimised)", setup, sol.tiers, sol.lru_slots, "colibri-plan")]
+    for direct in (True, False):
+        colibri = _engine_setup(setup, depth=COLIBRI_QUEUE_DEPTH, page_cache=not direct,
+                                overhead=COLIBRI_VRAM_OVERHEAD_BYTES, checksums=False)
+        rows.append(row("colibri hot-first" + ("" if direct else " (DIRECT=0)"), colibri,
+                        *hot_first(colibri.problem), f"colibri (DIRECT={int(direct)})", setup))
+    llama = _engine_setup(setup, depth=LLAMA_QUEUE_DEPTH, page_cache=True, checksums=False)
+    t, _ = fit_layers(setup.problem)
+    t = np.where(t == TIER_RAM, TIER_DISK, t)       # mmap: CPU layers are page-cache pages, not pins
+    rows.append(row("llama.cpp --fit layers", llama, t, np.zeros(len(t), dtype=np.int64), "llama.cpp (mmap)",
+                    setup))
+    rows.append(row("uniform", setup, *uniform(setup.problem), "colibri-plan", setup))
+    discrete = [d for d, g in enumerate(setup.res.gpus) if not g.unified]
+    if host_copy_toggle and any(np.any(sol.tiers == d) for d in discrete):
+        from colibri_plan.planner.solve import solve_placement
+
+        keep = not setup.problem.keep_host_copies
+        other = dataclasses.replace(setup, problem=dataclasses.replace(setup.problem, keep_host_copies=keep))
+        alt = solve_placement(other.problem, time_limit_s=time_limit_s)
+        rows.append(row(f"colibri-plan (host copies {'kept' if keep else 'released'})", other, alt.tiers,
+                        alt.lru_slots, "colibri-plan"))
+    rows[0]["tok_s_our_engine"] = rows[0]["tok_s"]
+    for r in rows[5:]:
+        r["tok_s_our_engine"] = r["tok_s"]
+    best = max(r["tok_s"] for r in rows[1:5])
+    same = max(r["tok_s_our_engine"] for r in rows[1:5])
+    for r in rows:
+        r["vs_best_baseline"] = r["tok_s"] / best if best > 0 else None
+        r["vs_best_baseline_our_engine"] = r["tok_s_our_engine"] / same if same > 0 else None
+    return rows
+
+
+def colibri_ram_sweep(setup, ram_bytes: list[int], pin_bytes: int) -> list[dict]:
+    """colibrì with buffered reads (``DIRECT=0``) as ``RAM_GB`` grows with ``PIN_GB`` fixed: the pins stay,
+    the extra RAM goes to LRU slots (its cap auto-raise), and every slot takes page cache twice
+    (:mod:`colibri_plan.planner.page_cache`), so past some budget more RAM is slower.
+
+    Args:
+        ram_bytes: expert RAM budgets to try (the plan's ``ram_budget_bytes`` scale; the page-cache pool
+            is the machine's and stays). pin_bytes: colibrì's ``PIN_GB`` in bytes.
+
+    Returns:
+        rows {"ram_budget_bytes", "tok_s", "lru_slots", "pinned_experts", "page_cache_bytes",
+        "page_cache_hit_rate", "lru_hit_rate"}.
+    """
+    from colibri_plan.planner.baselines import _finish
+
+    colibri = _engine_setup(setup, depth=COLIBRI_QUEUE_DEPTH, page_cache=True,
+                            overhead=COLIBRI_VRAM_OVERHEAD_BYTES, checksums=False)
+    out = []
+    for ram in ram_bytes:
+        pr = dataclasses.replace(colibri.problem, ram_budget_bytes=int(ram))
+        capped = dataclasses.replace(pr, ram_budget_bytes=min(int(ram), int(pin_bytes)
+                                                              + int(pr.lru_slots.sum()) * pr.expert_bytes))
+        tiers, _ = hot_first(capped)                       # PIN_GB bounds the pins ...
+        tiers, slots = _finish(pr, tiers)                  # ... and CAP_RAISE fills the rest with slots
+        r = row("colibri hot-first (DIRECT=0)", dataclasses.replace(colibri, problem=pr), tiers, slots,
+                "colibri (DIRECT=0)")
+        h = r["hit_rate"]
+        out.append({"ram_budget_bytes": int(ram), "tok_s": r["tok_s"],
+                    "lru_slots": r["knobs"]["lru_slots_max"], "pinned_experts": r["knobs"]["pinned_experts"],
+                    "page_cache_bytes": r["knobs"]["page_cache_bytes"],
+                    "page_cache_hit_rate": r["knobs"]["page_cache_hit_rate"],
+                    "lru_hit_rate": h["lru"] / (h["lru"] + h["disk"]) if h["lru"] + h["disk"] else 0.0})
+    return out
