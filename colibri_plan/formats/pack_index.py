@@ -301,10 +301,11 @@ def check_entries(doc: dict, layout: BlockLayout, moe_layers, n_experts: int, fi
 def spec_from_arch(arch: ArchConfig, expert_format: str, dense_params: int, name: str, source: str,
                    kv_bytes_per_element: int = 4):
     """A :class:`colibri_plan.formats.model_spec.ModelSpec` of ``arch`` (KV cache counted at
-    ``kv_bytes_per_element`` bytes per element, float32 as this engine stores it)."""
+    ``kv_bytes_per_element`` bytes per element, float32 as this engine stores it; MLA layers cache
+    their latent and rope rows only, see :meth:`ArchConfig.kv_values_per_token`)."""
     from colibri_plan.formats.model_spec import ModelSpec
 
-    kv = arch.n_layers * 2 * arch.n_kv_heads * arch.head_dim * kv_bytes_per_element
+    kv = arch.n_layers * arch.kv_values_per_token * kv_bytes_per_element
     return ModelSpec(name=name, family=arch.family, n_layers=arch.n_layers, moe_layers=arch.moe_layers,
                      n_experts=arch.n_experts, top_k=arch.top_k, n_shared_experts=arch.n_shared_experts,
                      hidden_size=arch.hidden_size, moe_intermediate_size=arch.moe_intermediate_size,
