@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install colibri-plan into ./.venv with everything it needs.
 #   scripts/setup.sh          # runtime: OpenCL + Vulkan backends, demo
-#   scripts/setup.sh test     # + test dependencies (pytest, ruff, torch CPU, transformers)
+#   scripts/setup.sh test     # + test dependencies (pytest, ruff, torch CPU, transformers, chromium)
 # As root with apt it installs the Debian packages itself; otherwise it says what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +9,8 @@ mode=${1:-runtime}
 PY=${PYTHON:-python3}
 
 debs=(pocl-opencl-icd ocl-icd-libopencl1 mesa-vulkan-drivers libvulkan1 glslang-tools fio)
+# headless Chromium renders the `colibri-plan report` page in tests/test_report_page.py (tests only)
+if [ "$mode" = test ]; then debs+=(chromium); fi
 command -v "$PY" >/dev/null 2>&1 || debs+=(python3)
 "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1 || debs+=(python3-venv python3-pip)
 missing=()
@@ -24,7 +26,8 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "setup: missing Debian packages: ${missing[*]}" >&2
     echo "setup: without pocl-opencl-icd/ocl-icd-libopencl1 the OpenCL backend is unavailable;" \
          "without mesa-vulkan-drivers/libvulkan1 the Vulkan backend is; without glslang-tools the" \
-         "SPIR-V check is skipped; without fio bench/profile_vs_fio.py cannot run." >&2
+         "SPIR-V check is skipped; without fio bench/profile_vs_fio.py cannot run; without chromium" \
+         "the report page's browser check is skipped." >&2
   fi
 fi
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,18 +86,146 @@ def progress(message: str, verbose_only: bool = False) -> None:
     click.echo(message, err=True)
 
 
+#: how long steps report progress: "auto" (default: bars when stderr is a terminal and --json is not
+#: given, else lines), "bars", "lines" (one plain stderr line per step, as in a log) or "off"
+PROGRESS_ENV = "COLIBRI_PLAN_PROGRESS"
+_COUNT = re.compile(r"\((\d+)/(\d+)\)")
+
+
+def progress_mode() -> str:
+    """``"bars"``, ``"lines"`` or ``"off"``: see :data:`PROGRESS_ENV`. Bars never touch stdout."""
+    mode = os.environ.get(PROGRESS_ENV, "auto").strip().lower()
+    if mode in ("bars", "lines", "off"):
+        return mode
+    if get_ctx().json or not stderr_is_tty() or os.environ.get("TERM") == "dumb":
+        return "lines"
+    return "bars"
+
+
+class Steps:
+    """Progress of one long step on stderr: a rich bar with elapsed time and ETA on a terminal, the
+    plain progress lines otherwise (see :func:`progress_mode`). Library code reports through callbacks;
+    this turns them into either form::
+
+        with Steps("packed experts") as bar:
+            write_pack(..., progress=bar.count)      # fn(done, total)
+        with Steps("what-if ram", total=7) as bar:
+            what_if(..., progress=bar.say)           # fn(message): "... (3/7)" sets the count
+
+    ``counted=False``: a step with no count (a solve), a spinner with the elapsed time on a terminal.
+    Lines mode prints a counted step at most every ``every_s`` seconds (and at the end), a message
+    callback's every line (``verbose_only`` lines need --verbose), exactly as before bars existed.
+    """
+
+    def __init__(self, label: str, total: int | None = None, every_s: float = 2.0, counted: bool = True):
+        self.label, self.total, self.every_s, self.counted = label, total, every_s, counted
+        self.mode = progress_mode()
+        self._last = -math.inf  # the first count always prints
+        self._bar = self._task = None
+
+    def __enter__(self) -> Steps:
+        if self.mode == "bars":
+            import rich.progress as rp
+
+            cols = [rp.SpinnerColumn(), rp.TextColumn("{task.description}")]
+            if self.counted:
+                cols += [rp.BarColumn(), rp.MofNCompleteColumn(), rp.TimeElapsedColumn(),
+                         rp.TextColumn("ETA"), rp.TimeRemainingColumn()]
+            else:  # a step with no count: a spinner and the elapsed time, gone when it ends
+                cols.append(rp.TimeElapsedColumn())
+            self._bar = rp.Progress(*cols, console=_console(sys.stderr, True), redirect_stdout=False,
+                                    redirect_stderr=True, transient=not self.counted)
+            self._bar.start()
+            self._task = self._bar.add_task(self.label, total=self.total)
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if self._bar is not None:
+            if exc_type is None and self.total is not None:
+                self._bar.update(self._task, completed=self.total)
+            self._bar.stop()
+            self._bar = None
+
+    def count(self, done: int, total: int) -> None:
+        """A ``fn(done, total)`` callback (pack, fixture, pack verify)."""
+        self.total = total
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, total=total)
+        elif self.mode == "lines":
+            now = time.perf_counter()
+            if done == total or now - self._last >= self.every_s:
+                self._last = now
+                progress(f"{self.label} {done}/{total}")
+
+    def say(self, message: str, verbose_only: bool = False, advance: int = 0) -> None:
+        """A ``fn(message)`` callback: a line in lines mode; on a bar the message becomes its text, a
+        ``(i/n)`` in it (when ``advance`` is 0) sets the count to i - 1 of n, else ``advance`` adds."""
+        if self._bar is None:
+            if self.mode == "lines":
+                progress(message, verbose_only=verbose_only)
+            return
+        text = message.strip()
+        text = text if text.startswith(self.label) else f"{self.label}: {text}"
+        kw: dict[str, Any] = {"description": text[:100]}
+        m = _COUNT.search(message) if not advance else None
+        if m:
+            self.total = int(m.group(2))
+            kw.update(completed=int(m.group(1)) - 1, total=self.total)
+        elif advance:
+            kw["advance"] = advance
+        self._bar.update(self._task, **kw)
+
+    def set(self, completed: int) -> None:
+        """Set the bar's count (nothing in lines mode)."""
+        if self._bar is not None:
+            self._bar.update(self._task, completed=completed)
+
+
 def warn(message: str) -> None:
     """A warning on stderr."""
     click.echo(f"warning: {message}", err=True)
 
 
-def table(rows: list[list[Any]], header: list[str]) -> str:
-    """A plain aligned text table."""
-    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+def _console(file, terminal: bool):
+    """A rich console on ``file``: colours and the terminal's width only when ``terminal``."""
+    from rich.console import Console
+
+    if terminal:
+        return Console(file=file, force_terminal=True, highlight=False, soft_wrap=False)
+    return Console(file=file, force_terminal=False, color_system=None, width=TABLE_PIPE_WIDTH,
+                   highlight=False, soft_wrap=False)
+
+
+#: columns a table may use when stdout is not a terminal (rich would otherwise wrap at 80)
+TABLE_PIPE_WIDTH = 400
+#: the plain table frame: no edges, a dashed rule under the header (readable in a pipe, a log, a diff)
+_PLAIN_BOX = "    \n    \n -  \n    \n    \n    \n    \n    \n"
+
+
+def table(rows: list[list[Any]], header: list[str] | None, *, right: tuple[int, ...] = (),
+          indent: int = 0) -> str:
+    """An aligned text table rendered by rich: a header with a dashed rule under it, two spaces between
+    columns, no trailing blanks. Cells are plain text (never rich markup). Coloured (bold header) when
+    stdout is a terminal; plain and never wrapped in a pipe. ``header`` None: no header row; ``right``:
+    indices of right-aligned columns; ``indent``: spaces before every line."""
+    import io
+
+    from rich.box import Box
+    from rich.table import Table
+    from rich.text import Text
+
+    terminal = sys.stdout.isatty()
+    n = len(header) if header is not None else max((len(r) for r in rows), default=0)
+    t = Table(box=Box(_PLAIN_BOX, ascii=True), show_edge=False, pad_edge=False, padding=(0, 1, 0, 1),
+              collapse_padding=True, show_header=header is not None, header_style="bold" if terminal else "")
+    for i in range(n):
+        t.add_column(Text(str(header[i])) if header is not None else "", no_wrap=True,
+                     justify="right" if i in right else "left")
+    for r in rows:
+        t.add_row(*(Text(str(c)) for c in r))
+    buf = io.StringIO()
+    _console(buf, terminal).print(t)
+    return "\n".join(" " * indent + line.rstrip() for line in buf.getvalue().rstrip("\n").split("\n"))
 
 
 def stderr_is_tty() -> bool:

@@ -180,7 +180,9 @@ def list_models():
 from colibri_plan.cli.model_pack import fixture as _fixture  # noqa: E402
 from colibri_plan.cli.model_pack import pack as _pack  # noqa: E402
 from colibri_plan.cli.model_pack import verify as _verify  # noqa: E402
+from colibri_plan.cli.model_support import support as _support  # noqa: E402
 
 model.add_command(_pack)
 model.add_command(_verify)
 model.add_command(_fixture)
+model.add_command(_support)

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from colibri_plan.cli.common import emit, get_ctx, json_option, progress
+from colibri_plan.cli.common import Steps, emit, get_ctx, json_option, progress
 from colibri_plan.errors import IntegrityError
 from colibri_plan.quant import FORMATS
 
@@ -15,19 +15,6 @@ _POS = click.IntRange(1, None)
 
 #: expert formats `model pack` and `model fixture` accept (f16 packs work too but are not advertised)
 PACK_FORMATS = ("f32", "bf16", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int2")
-
-
-def _progress_every(label: str, every_s: float = 2.0):
-    """A progress callback printing ``label done/total`` to stderr at most every ``every_s`` seconds."""
-    last = [0.0]
-
-    def cb(done: int, total: int) -> None:
-        now = time.perf_counter()
-        if done == total or now - last[0] >= every_s:
-            last[0] = now
-            progress(f"{label} {done}/{total}")
-
-    return cb
 
 
 def _checkpoint_spec(checkpoint, weights, fmt):
@@ -64,8 +51,8 @@ def pack(checkpoint, out, fmt, force):
     t0 = time.perf_counter()
     weights = load_checkpoint(checkpoint, expert_format="f32")
     spec = _checkpoint_spec(checkpoint, weights, fmt)
-    path = write_pack(weights, out, fmt, overwrite=force, spec=spec,
-                      progress=_progress_every("packed experts"))
+    with Steps("packed experts") as bar:
+        path = write_pack(weights, out, fmt, overwrite=force, spec=spec, progress=bar.count)
     doc = pack_summary(path)
     doc["seconds"] = round(time.perf_counter() - t0, 3)
     doc.pop("arch")
@@ -83,7 +70,8 @@ def verify(pack_dir):
     from colibri_plan.formats.pack_verify import verify_pack
 
     t0 = time.perf_counter()
-    report = verify_pack(pack_dir, progress=_progress_every("checked experts"))
+    with Steps("checked experts") as bar:
+        report = verify_pack(pack_dir, progress=bar.count)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     if get_ctx().json:
         emit(report)
@@ -130,7 +118,8 @@ def fixture(out, layers, experts, top_k, hidden, width, vocab, fmt, seed, domain
     est = cfg.layers * cfg.experts
     check_pack_output(out, force)  # before minutes of generating
     progress(f"fixture: {est} experts of H {cfg.hidden} x I {cfg.width} in {cfg.quant} -> {out}")
-    doc = build_fixture(out, cfg, overwrite=force, progress=_progress_every("generated experts"))
+    with Steps("generated experts", total=est) as bar:
+        doc = build_fixture(out, cfg, overwrite=force, progress=bar.count)
     doc["seconds"] = round(doc["seconds"], 3)
     emit(doc, lambda: (f"wrote {doc['path']}: {doc['experts']} experts, "
                        f"{doc['expert_block_bytes']:,} B each, {doc['experts_file_bytes'] / 1e9:.2f} GB "

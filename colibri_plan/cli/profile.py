@@ -6,7 +6,7 @@ import re
 
 import click
 
-from colibri_plan.cli.common import emit, json_option, progress, table, warn
+from colibri_plan.cli.common import Steps, emit, json_option, progress, table, warn
 from colibri_plan.errors import InputError
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
@@ -107,6 +107,19 @@ def render(doc: dict) -> str:
     return "\n".join(out)
 
 
+def _stage_progress(bar: Steps, stages: list[str]):
+    """A ``fn(message)`` callback for :func:`run_profile`: every message is a line (or the bar's text);
+    the bar counts the probes done, read from the message's ``probe:`` prefix."""
+
+    def cb(message: str) -> None:
+        stage = message.split(":", 1)[0]
+        bar.say(message)
+        if stage in stages:
+            bar.set(stages.index(stage))
+
+    return cb
+
+
 @click.command("profile")
 @click.option("--path", type=click.Path(), default=None,
               help="Folder or file on the disk to probe (default: a temporary file in the current folder).")
@@ -150,7 +163,9 @@ def profile(path, model, quick, out, backends, probes, block_bytes, file_bytes, 
         file_bytes=parse_bytes(file_bytes), ram_bytes=parse_bytes(ram_bytes),
         queue_depths=_ints(queue_depths), hidden=hidden_size, width=width, disk_seconds=disk_seconds,
         formats=_names([formats]) if formats else ("int4", "int4-g64"))
-    prof = run_profile(opts, progress=progress)
+    stages = ["machine", *[p for p in PROBES if p in opts.probes]]
+    with Steps("profile", total=len(stages)) as bar:
+        prof = run_profile(opts, progress=_stage_progress(bar, stages))
     for w in prof.doc["warnings"]:
         warn(w)
     if out != "-":

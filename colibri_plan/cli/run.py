@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from colibri_plan.cli.common import emit, json_option, parse_prompt, progress, read_prompt, warn
+from colibri_plan.cli.common import Steps, emit, json_option, parse_prompt, progress, read_prompt, warn
 
 __all__ = ["parse_prompt", "run"]
 
@@ -99,9 +99,10 @@ def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, qu
         else:
             progress(f"loading {weights.arch.n_moe_layers * weights.arch.n_experts} experts to {backend}")
         recorder = RoutingRecorder(weights.arch)
-        rep = runner.generate(weights, prompt, n_tokens, plan=plan, backend=backend,
-                              device_index=device_index, read_threads=read_threads, recorder=recorder,
-                              progress=lambda m: progress(m, verbose_only=True))
+        with Steps("run", total=n_tokens) as bar:  # one step per generated token
+            rep = runner.generate(weights, prompt, n_tokens, plan=plan, backend=backend,
+                                  device_index=device_index, read_threads=read_threads, recorder=recorder,
+                                  progress=lambda m: bar.say(m, verbose_only=True, advance=1))
         if rep.io_warning:
             warn(rep.io_warning)
         written = runner.write_stats(recorder, weights, stats_out, usage_out)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from colibri_plan.cli.common import emit, json_option, progress, table, warn
+from colibri_plan.cli.common import Steps, emit, json_option, progress, table, warn
 
 GB = 1e9
 
@@ -110,10 +110,11 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
                  "verify reports measured on this machine")
     progress(f"solving {spec.name}: {spec.n_routed_experts} experts of {spec.expert_bytes() / 1e6:.2f} MB "
              f"on {source}")
-    plan, sol, setup = make_plan(profile, spec, heat_obj, method=method, time_limit_s=time_limit,
-                                 profile_source=source, ram=ram, vram=vram, headroom=headroom,
-                                 context_tokens=context, lru_slots=lru_slots, dense_fmt=dense_format,
-                                 vram_reserve_gb=vram_reserve, seed=seed, coef=coef)
+    with Steps("solving", counted=False):  # a spinner on a terminal; nothing more in a log
+        plan, sol, setup = make_plan(profile, spec, heat_obj, method=method, time_limit_s=time_limit,
+                                     profile_source=source, ram=ram, vram=vram, headroom=headroom,
+                                     context_tokens=context, lru_slots=lru_slots, dense_fmt=dense_format,
+                                     vram_reserve_gb=vram_reserve, seed=seed, coef=coef)
     for w in setup.warnings:
         warn(w)
     if out_path:
@@ -126,7 +127,8 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
     if what_if_kind:
         from colibri_plan.planner.whatif import plot, what_if
 
-        rows = what_if(setup, what_if_kind, time_limit_s=time_limit, progress=progress)
+        with Steps(f"what-if {what_if_kind}") as bar:
+            rows = what_if(setup, what_if_kind, time_limit_s=time_limit, progress=bar.say)
         result["what_if"] = {"kind": what_if_kind, "rows": rows, "png": png_path}
         if png_path:
             plot(rows, what_if_kind, png_path, title=f"{spec.name} on {source}")
@@ -156,7 +158,7 @@ def _brief(cost: dict) -> dict:
 def _human(result: dict, plan) -> str:
     b = result["budgets"]
     out = ["Budgets:"]
-    out += [f"  {e['what']:<78} {_gb(e['bytes']):>14}" for e in b["explain"]]
+    out.append(table([[e["what"], _gb(e["bytes"])] for e in b["explain"]], None, right=(1,), indent=2))
     c = result["counts"]
     out.append("Placement (experts): " + ", ".join(f"{k} {v}" for k, v in c.items()))
     p = result["predicted"]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
 
-from colibri_plan.cli.common import emit, json_option, progress, read_prompt, table, warn
+from colibri_plan.cli.common import Steps, emit, json_option, read_prompt, table, warn
 from colibri_plan.errors import InputError
+
+#: the engine's once-per-token progress message ("token 3/9: id 17 (12 ms)")
+_TOKEN = re.compile(r"\btoken \d+/\d+")
 
 
 def default_report_path(plan_path: str) -> Path:
@@ -64,10 +68,14 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
     else:
         prompt = read_prompt(prompt_ids, prompt_file)
     check_prompt(prompt, pack.arch.vocab_size)
-    try:
-        report = verify_plan(plan, pack, prompt, n_tokens, plan_path=plan_path, cpu_backend=cpu_backend,
-                             reference=reference, machine_fp=this_machine_fingerprint(),
-                             progress=lambda m: progress(m, verbose_only=m.startswith("  ")), warn=warn)
+    try:  # the bar counts generated tokens over both runs (plan, then reference)
+        with Steps("verify", total=(n_tokens + 1) * (2 if reference else 1)) as bar:
+            def on(m: str) -> None:
+                bar.say(m, verbose_only=m.startswith("  "), advance=1 if _TOKEN.search(m) else 0)
+
+            report = verify_plan(plan, pack, prompt, n_tokens, plan_path=plan_path, cpu_backend=cpu_backend,
+                                 reference=reference, machine_fp=this_machine_fingerprint(), progress=on,
+                                 warn=warn)
     finally:
         pack.close()
     out = save_report(report, report_path)

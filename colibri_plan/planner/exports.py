@@ -99,9 +99,8 @@ def export_colibri(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.nda
         if fit < n_vram:     # colibrì's allocation overhead does not fit the plan's VRAM budget
             lost = vram_rank[fit:]
             room = budgets["ram_budget_bytes"] - (counts["ram_pinned"] + counts["lru_slots"]) * b
-            if keep_host:
-                room -= n_vram * b
-            extra = int(max(0, min(len(lost), room // b)))
+            # with host copies kept, the pushed-out experts' RAM is in the plan already
+            extra = len(lost) if keep_host else int(max(0, min(len(lost), room // b)))
             displaced = pin_rank[len(pin_rank) - (len(lost) - extra):] if len(lost) > extra else []
             late_notes.append(_pushed_out_note(len(lost), extra, lost, displaced))
             pin_rank = lost + pin_rank[:len(pin_rank) - len(displaced)]

@@ -3,6 +3,10 @@
 Each point re-solves the placement with one figure changed and everything else as in the setup:
 ``ram`` scales the RAM budget for experts, ``vram`` every discrete GPU's expert budget, ``nvme`` the disk
 read GB/s. The plot is drawn with matplotlib's Agg backend (imported only here).
+
+:func:`setup_from_plan` rebuilds the placement problem from a plan file alone (its per-layer selection
+probabilities, ``resources``, budgets and coefficients), so `colibri-plan report` can draw the curves
+without the profile, model and heat the plan came from.
 """
 
 from __future__ import annotations
@@ -12,13 +16,73 @@ import io
 
 import numpy as np
 
-from colibri_plan.errors import InputError
+from colibri_plan.errors import ColibriError, InputError
 from colibri_plan.fileio import atomic_write_bytes
+from colibri_plan.formats.plan import Plan, layer_probabilities
 from colibri_plan.planner.baselines import hot_first
+from colibri_plan.planner.costmodel import Coefficients, GpuResource, Resources
 from colibri_plan.planner.make import Setup, auto_lru_slots
-from colibri_plan.planner.solve import evaluate, solve_placement
+from colibri_plan.planner.solve import Problem, evaluate, solve_placement
 
 KINDS = ("ram", "vram", "nvme")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanModel:
+    """What the what-if needs of a model, as a plan records it (name, top-k, bytes of one expert)."""
+
+    name: str
+    top_k: int
+    bytes_per_expert: int
+
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert (the ModelSpec method of the same name)."""
+        return self.bytes_per_expert
+
+
+def setup_from_plan(plan: Plan) -> tuple[Setup, list[str]]:
+    """The placement problem a plan was solved for, rebuilt from the plan document alone.
+
+    Returns:
+        (setup, notes): ``setup.spec`` is a :class:`PlanModel`, ``setup.heat`` and ``setup.budgets`` are
+        None; ``notes`` says what the rebuild cannot know (the activation size of GPU transfers).
+
+    Raises:
+        InputError: the plan lacks what the what-if needs (selection probabilities per layer, the
+            ``resources`` section): re-solve it with `colibri-plan solve`.
+    """
+    d = plan.doc
+    probs = layer_probabilities(plan)
+    missing = [what for what, ok in (("selection probabilities per layer (layers[].p)", probs is not None),
+                                     ("machine resources (resources)", isinstance(d.get("resources"), dict)))
+               if not ok]
+    if missing:
+        raise InputError(f"the plan has no {' and no '.join(missing)}; re-solve it with `colibri-plan "
+                         "solve` to get what-if curves")
+    try:
+        r = dict(d["resources"])
+        r["gpus"] = tuple(GpuResource(**g) for g in r.get("gpus") or ())
+        res = Resources(**r)
+        coef = Coefficients.from_dict(d.get("coefficients"), "plan: coefficients")
+    except (TypeError, ValueError, ColibriError) as exc:
+        raise InputError(f"the plan's resources or coefficients cannot be read back ({exc}); re-solve "
+                         "it with `colibri-plan solve`") from None
+    model = d["model"]
+    n_layers = int(model.get("n_layers") or max(plan.layer_ids) + 1)
+    weights = np.array([1.0 if lid < n_layers else 0.0 for lid in plan.layer_ids])
+    terms = d["predicted"]["terms"]
+    fixed = float(terms.get("dense_s") or 0.0) + float(terms.get("attention_s") or 0.0)
+    problem = Problem(probs=probs, weights=weights, expert_bytes=plan.expert_bytes, res=res,
+                      ram_budget_bytes=int(d["budgets"]["ram_budget_bytes"]), lru_slots=plan.lru_slots(),
+                      coef=coef, activation_bytes=0, fixed_cost_s=fixed)
+    spec = PlanModel(str(model.get("name", "")), int(model.get("top_k") or 1), plan.expert_bytes)
+    notes = []
+    if any(not g.unified for g in res.gpus):
+        notes.append("the plan does not record the model's hidden size, so these curves leave out the "
+                     "per-token activation transfers to and from the GPUs (small beside expert reads)")
+    setup = Setup(spec=spec, heat=None, budgets=None, res=res, problem=problem,
+                  dense_fmt=str(d.get("dense_format", "")), warnings=[])
+    return setup, notes
 
 
 def _variant(setup: Setup, kind: str, value: float):

@@ -1,0 +1,83 @@
+"""`colibri-plan model support`: which model families the engine runs and which it can only plan for.
+
+The matrix is read from the family registry (:data:`colibri_plan.families.FAMILIES`, a family runs when
+it is in ``ENGINE_FAMILIES``) and the backend names, never written by hand: the README's copy between the
+``support-matrix`` markers is ``colibri-plan model support --markdown``, and a test checks they agree.
+"""
+
+from __future__ import annotations
+
+import click
+
+from colibri_plan.cli.common import emit, json_option, table
+
+#: how far each backend has been checked for an engine family (docs/backends.md): "yes" = the oracle and
+#: engine tests pass on it here or on an H200 host; Metal has never run (no macOS machine)
+BACKEND_STATUS = {"numpy": "yes", "cpu": "yes", "opencl": "yes", "vulkan": "yes", "cuda": "yes",
+                  "metal": "unverified"}
+#: README markers around the generated matrix
+BEGIN, END = "<!-- support-matrix:begin (colibri-plan model support --markdown) -->", \
+    "<!-- support-matrix:end -->"
+
+
+def support_matrix() -> list[dict]:
+    """One row per ``model_type`` of the registry: family module, plan/pack/run/verify, the backends an
+    engine family runs on (None for a plan-only one) and why a plan-only family cannot run."""
+    from colibri_plan.backends import BACKEND_NAMES
+    from colibri_plan.families import ENGINE_FAMILIES, FAMILIES
+
+    rows = []
+    for mt, module in FAMILIES.items():
+        runs = mt in ENGINE_FAMILIES
+        why = module.REFUSE.get(mt) if isinstance(module.REFUSE, dict) else module.REFUSE  # per type or all
+        rows.append({"model_type": mt, "family": module.__name__.rsplit(".", 1)[-1], "plan": True,
+                     "pack": runs, "run": runs, "verify": runs,
+                     "backends": {b: BACKEND_STATUS.get(b, "yes") if runs else None for b in BACKEND_NAMES},
+                     "plan_only_reason": None if runs else str(why)})
+    return rows
+
+
+def _cells(r: dict) -> list[str]:
+    yes = {True: "yes", False: "-"}
+    return [r["model_type"], r["family"], *(yes[r[k]] for k in ("plan", "pack", "run", "verify")),
+            *(v or "-" for v in r["backends"].values())]
+
+
+def _header(rows: list[dict]) -> list[str]:
+    return ["model_type", "family", "plan", "pack", "run", "verify", *rows[0]["backends"]]
+
+
+def support_markdown(rows: list[dict] | None = None) -> str:
+    """The matrix as a Markdown table (the README's copy; the reasons stay out of it, in the registry)."""
+    rows = support_matrix() if rows is None else rows
+    head = _header(rows)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(f"`{c}`" if i < 2 else c for i, c in enumerate(_cells(r))) + " |"
+              for r in rows]
+    return "\n".join(lines)
+
+
+def _reasons(rows: list[dict]) -> list[str]:
+    """Why each plan-only model type cannot run, one line per reason."""
+    why: dict[str, list[str]] = {}  # reason -> the model types it holds back
+    for r in rows:
+        if r["plan_only_reason"]:
+            why.setdefault(r["plan_only_reason"], []).append(r["model_type"])
+    return [f"  {', '.join(mts)}: {reason}" for reason, mts in why.items()]
+
+
+@click.command("support")
+@click.option("--markdown", is_flag=True, help="Print the Markdown table (the README's copy).")
+@json_option
+def support(markdown):
+    """Which model families (config.json model_type) colibri-plan can plan for, and which the bundled
+    engine can also pack, run and verify, on which backends."""
+    rows = support_matrix()
+    if markdown:
+        emit({"models": rows}, support_markdown(rows))
+        return
+    emit({"models": rows}, lambda: "\n".join([
+        table([_cells(r) for r in rows], _header(rows)), "",
+        "plan: `solve` from config.json, safetensors headers or GGUF; pack/run/verify: the bundled engine; "
+        "backends: where `run`/`verify` compute the experts (the dense trunk runs on the CPU)",
+        *(["", "plan only, because:", *_reasons(rows)] if any(r["plan_only_reason"] for r in rows) else [])]))

@@ -1,0 +1,154 @@
+"""report_page / report_plots: the self-contained HTML plan report, checked as text and in headless
+Chromium (Debian's `chromium`, installed by `scripts/setup.sh test`; the browser test skips without it)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from _cli_fixtures import invoke, pack_and_profile
+from _reports import toy_report
+
+from colibri_plan.errors import FormatError, InputError
+from colibri_plan.formats.report import RunReport
+from colibri_plan.report_page import build_page, write_page
+from colibri_plan.report_plots import term_rows
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """A small fixture pack, a toy profile, a plan solved from them and a verify report of that plan."""
+    d = pack_and_profile(tmp_path_factory, "report", plan=True)
+    r = invoke("verify", "--plan", d / "plan.json", "--model", d / "fx", "--tokens", "2",
+               "--report", d / "plan.verify.json")
+    assert r.exit_code == 0, r.output
+    return d
+
+
+def _images(page: str) -> list[bytes]:
+    return [base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)]
+
+
+def test_page_is_self_contained_with_every_part(planned):
+    page = build_page(planned / "plan.json", [planned / "plan.verify.json"], time_limit_s=5)
+    # nothing to fetch at view time: no script, no stylesheet link, no URL anywhere in an attribute
+    assert "<script" not in page and "<link" not in page
+    assert not re.search(r'(src|href)\s*=\s*["\']?(https?:|//)', page)
+    for part in ("Machine", "Budgets and placement", "Placement", "Verify: predicted beside measured",
+                 "What-if", "Exports", "colibrì", "llama.cpp", "-ot "):
+        assert part in page, part
+    images = _images(page)
+    assert len(images) == 3  # heatmap, one verify chart, what-if curves
+    assert all(img.startswith(PNG_MAGIC) and len(img) > 1000 for img in images)
+    assert "PIN=" in page and "/tmp/tmp" not in page  # the env line names PLAN.coli_usage, not a temp file
+
+
+def test_page_without_verify_reports_or_what_if_says_so(planned):
+    page = build_page(planned / "plan.json", [], what_if=False)
+    assert "No verify report given" in page and "Not computed (--no-what-if)" in page
+    assert len(_images(page)) == 1
+
+
+def test_plan_without_probabilities_has_no_curves_and_says_why(planned, tmp_path):
+    doc = json.loads((planned / "plan.json").read_text())
+    for layer in doc["layers"]:
+        layer.pop("p", None)
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    page = build_page(tmp_path / "plan.json", [])
+    assert "No what-if curves" in page and "selection probabilities per layer" in page
+    assert len(_images(page)) == 1
+
+
+def test_report_of_another_plan_is_flagged(planned, tmp_path):
+    rep = toy_report()  # a minimal report: no comparison, no verdict, another plan and model
+    (tmp_path / "other.verify.json").write_text(json.dumps(rep))
+    page = build_page(planned / "plan.json", [tmp_path / "other.verify.json"], what_if=False)
+    assert "verified another plan" in page and "ran another model" in page and "FAIL" in page
+
+
+def test_bad_inputs_raise_typed_errors(planned, tmp_path):
+    with pytest.raises(InputError, match="does not exist"):
+        build_page(tmp_path / "missing.json", [])
+    with pytest.raises(FormatError):
+        build_page(planned / "plan.json", [planned / "plan.json"])  # a plan is not a verify report
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(FormatError):
+        build_page(tmp_path / "bad.json", [])
+
+
+def test_write_page_is_atomic_and_refuses_a_folder(planned, tmp_path):
+    out = write_page(planned / "plan.json", [], tmp_path / "r.html", what_if=False)
+    assert out.read_text().startswith("<!DOCTYPE html>")
+    assert not list(tmp_path.glob(".r.html.*"))  # no temporary file left
+    with pytest.raises(InputError):
+        write_page(planned / "plan.json", [], tmp_path, what_if=False)
+
+
+def test_progress_counts_every_part(planned):
+    seen = []
+    build_page(planned / "plan.json", [planned / "plan.verify.json"],
+               progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(i, 5) for i in range(1, 6)]
+
+
+def test_term_rows_add_attention_to_dense_and_keep_missing_sides():
+    pred = RunReport.from_dict({"decode_s_per_token": 0.1, "tok_s": 10.0,
+                                "terms": {"dense_s": 0.01, "attention_s": 0.002,
+                                          "expert_compute_s": {"cpu": 0.03, "cuda:0": 0.01}}})
+    meas = RunReport.from_dict({"decode_s_per_token": 0.2, "tok_s": 5.0,
+                                "terms": {"dense_s": 0.015, "expert_compute_s": {"cpu": 0.05},
+                                          "disk_wait_s": 0.1}})
+    rows = {name: (p, m) for name, p, m in term_rows(pred, meas)}
+    assert np.allclose(rows["dense + attention"], (12.0, 15.0))
+    assert rows["expert compute cuda:0"] == (pytest.approx(10.0), None)
+    assert rows["disk wait"] == (None, pytest.approx(100.0))
+
+
+# ---- in a real browser ----------------------------------------------------------------------------------
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="headless Chromium is not installed (Debian package "
+                    "`chromium`; `bash scripts/setup.sh test` installs it as root)")
+def test_page_renders_in_headless_chromium_without_console_errors(planned, tmp_path):
+    from PIL import Image
+
+    page = write_page(planned / "plan.json", [planned / "plan.verify.json"], tmp_path / "report.html",
+                      time_limit_s=5)
+    shot = tmp_path / "shot.png"
+    args = [_chromium(), "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars",
+            "--enable-logging=stderr", "--v=0", f"--user-data-dir={tmp_path / 'profile'}",
+            "--window-size=1280,2000"]
+    r = subprocess.run([*args, f"--screenshot={shot}", page.resolve().as_uri()], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    console = [ln for ln in r.stderr.splitlines() if ":CONSOLE" in ln]  # page errors, failed loads
+    assert not console, console
+    data = shot.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+    colours = Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 20)
+    assert colours is None or len(colours) > 1  # None: more colours than maxcolors
+    dom = subprocess.run([*args, "--dump-dom", page.resolve().as_uri()], capture_output=True, text=True,
+                         timeout=120)
+    assert "Plan report: fx" in dom.stdout
+    assert dom.stdout.count("<img") == 3 and "What-if" in dom.stdout
+
+
+@pytest.mark.skipif(_chromium() is None, reason="headless Chromium is not installed")
+def test_the_console_check_would_see_a_page_error(tmp_path):
+    """The check above is not vacuous: a page that throws shows up as a CONSOLE line."""
+    bad = tmp_path / "bad.html"
+    bad.write_text("<!DOCTYPE html><html><body><script>throw new Error('boom')</script></body></html>")
+    r = subprocess.run([_chromium(), "--headless", "--disable-gpu", "--no-sandbox", "--enable-logging=stderr",
+                        "--v=0", f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", bad.as_uri()],
+                       capture_output=True, text=True, timeout=120)
+    assert any(":CONSOLE" in ln and "boom" in ln for ln in r.stderr.splitlines()), r.stderr[-2000:]
