@@ -324,6 +324,14 @@ COMMON_LAYER_NAMES = {
     "mlp.gate.weight": "router",
     **{f"mlp.{p}_proj.weight": f"ffn.{p}" for p in ("gate", "up", "down")},
 }
+
+
+def shared_expert_names(prefix: str) -> dict[str, str]:
+    """HF names of a fused shared-expert MLP under ``prefix`` (e.g. "mlp.shared_experts") -> canonical
+    ``shared.{gate,up,down}``."""
+    return {f"{prefix}.{p}_proj.weight": f"shared.{p}" for p in ("gate", "up", "down")}
+
+
 #: role token of a per-expert tensor -> index in (gate, up, down)
 ROLES = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 

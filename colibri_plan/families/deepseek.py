@@ -40,6 +40,7 @@ from colibri_plan.families.base import (
     attention_fields,
     dense_prefix_moe_layers,
     full_attention_layers,
+    shared_expert_names,
 )
 from colibri_plan.formats.arch import ArchConfig
 
@@ -57,7 +58,7 @@ MLA_NAMES = {
 }
 TENSORS = TensorNames(layer={
     **COMMON_LAYER_NAMES, **MLA_NAMES, "mlp.gate.e_score_correction_bias": "router_bias",
-    **{f"mlp.shared_experts.{p}_proj.weight": f"shared.{p}" for p in ("gate", "up", "down")}})
+    **shared_expert_names("mlp.shared_experts")})
 #: topk_method values each router implements (None = the key is absent)
 _TOPK_METHODS = {"v2": (None, "greedy", "group_limited_greedy"), "v3": (None, "noaux_tc")}
 

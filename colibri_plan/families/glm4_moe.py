@@ -20,6 +20,7 @@ from colibri_plan.families.base import (
     TensorNames,
     attention_fields,
     dense_prefix_moe_layers,
+    shared_expert_names,
 )
 from colibri_plan.formats.arch import ArchConfig
 
@@ -27,7 +28,7 @@ MODEL_TYPES = ("glm4_moe",)
 REFUSE = None
 TENSORS = TensorNames(layer={
     **COMMON_LAYER_NAMES, "mlp.gate.e_score_correction_bias": "router_bias",
-    **{f"mlp.shared_experts.{p}_proj.weight": f"shared.{p}" for p in ("gate", "up", "down")}})
+    **shared_expert_names("mlp.shared_experts")})
 
 
 def read(c: ConfigReader) -> ArchConfig:

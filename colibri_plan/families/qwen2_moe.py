@@ -19,6 +19,7 @@ from colibri_plan.families.base import (
     TensorNames,
     attention_fields,
     qwen_moe_layers,
+    shared_expert_names,
     sliding_layers,
 )
 from colibri_plan.formats.arch import ArchConfig
@@ -27,7 +28,7 @@ MODEL_TYPES = ("qwen2_moe",)
 REFUSE = None
 TENSORS = TensorNames(layer={
     **COMMON_LAYER_NAMES, "mlp.shared_expert_gate.weight": "shared_gate",
-    **{f"mlp.shared_expert.{p}_proj.weight": f"shared.{p}" for p in ("gate", "up", "down")}})
+    **shared_expert_names("mlp.shared_expert")})
 
 
 def read(c: ConfigReader) -> ArchConfig:
