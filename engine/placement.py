@@ -41,17 +41,26 @@ class LayerPlacement:
 
 @dataclass
 class Placement:
-    """Per-layer tiers for a whole model: ``layers[layer_id] -> LayerPlacement``."""
+    """Per-layer tiers for a whole model: ``layers[layer_id] -> LayerPlacement``.
+
+    ``compute`` maps the host tiers ("ram_pinned", "lru", "disk") to the processor that computes them:
+    "cpu" (the default for a missing tier) or a unified-memory device key (docs/engine.md,
+    :mod:`colibri_plan.engine.unified`). ``repin`` is the live re-pinning policy (a
+    :class:`colibri_plan.engine.repin.RepinPolicy`, None = off).
+    """
 
     layers: dict[int, LayerPlacement]
+    compute: dict[str, str] = field(default_factory=dict)
+    repin: object = None
 
     def layer(self, layer_id: int) -> LayerPlacement:
         """The tiers of one MoE layer (an empty placement — everything streamed, no slots — if absent)."""
         return self.layers.get(int(layer_id), LayerPlacement())
 
     def device_keys(self) -> list[str]:
-        """Every device key with VRAM experts."""
-        return sorted({k for lp in self.layers.values() for k, ids in lp.vram.items() if ids})
+        """Every device key with VRAM experts or computing a host tier (the devices a run opens)."""
+        keys = {k for lp in self.layers.values() for k, ids in lp.vram.items() if ids}
+        return sorted(keys | {k for k in self.compute.values() if k != "cpu"})
 
     def validate(self, moe_layers: Iterable[int], n_experts: int) -> None:
         """Check that layers exist, ids are in range and no expert is in two tiers.
@@ -107,7 +116,9 @@ class Placement:
                    for lid, row, s in zip(plan.layer_ids, tiers, slots)}
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise FormatError(f"plan layer entry is malformed ({exc!r}); re-create the plan") from exc
-        return cls(out)
+        from colibri_plan.engine.repin import RepinPolicy
+
+        return cls(out, compute=dict(plan.doc.get("compute") or {}), repin=RepinPolicy.from_plan(plan))
 
     @classmethod
     def all_resident(cls, moe_layers: Iterable[int], n_experts: int, device: str | None = None) -> Placement:

@@ -12,82 +12,43 @@ the misses of one layer (up to top-k at decode) are read concurrently by a threa
 Within one MoE layer, device-resident experts run on their devices in their own threads while the CPU
 computes pinned and cached experts, then each streamed expert as its read completes (disk reads overlap
 CPU compute). Every byte is counted once: :meth:`ResidencyManager.resident_bytes`.
+
+A placement's ``compute`` map may hand the host tiers (pinned, LRU, disk) to a unified-memory device
+(:mod:`colibri_plan.engine.unified`): those experts are uploaded to it (pinned once at start-up, streamed
+once per slot fill) and computed there, beside the CPU path.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from colibri_plan.directio import aligned_buffer, drop_cache, open_for_read, read_full
-from colibri_plan.engine.placement import Placement
+from colibri_plan.engine.placement import LayerPlacement, Placement
+from colibri_plan.engine.repin import Repinner
+from colibri_plan.engine.tierstats import TierStats
+from colibri_plan.engine.unified import TierCompute
 from colibri_plan.errors import InputError, IntegrityError
-from colibri_plan.formats.report import HIT_TIERS
-
-
-@dataclass
-class TierStats:
-    """Counters and timers since the last :meth:`ResidencyManager.reset_stats` (seconds, bytes).
-
-    ``uses`` counts expert computations served by each tier, keyed as a plan's ``hit_rate`` (vram,
-    ram_pinned, lru, disk: a disk use is a miss, one read);
-    ``disk_busy_s`` sums, per wave of concurrent reads, the time from the first submit to the last read's
-    end (so ``disk_bytes / disk_busy_s`` is the disk throughput decode achieved);
-    ``disk_wait_s`` is the time the CPU path waited for reads it had nothing else to do during;
-    ``device_compute_s`` is per device key ("cuda:0"), wall time of its share of each layer
-    (activation transfers included); ``layer_wall_s`` is the wall time inside :meth:`run`.
-    """
-
-    uses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HIT_TIERS, 0))
-    disk_bytes: int = 0
-    disk_read_s: float = 0.0
-    disk_busy_s: float = 0.0
-    disk_wait_s: float = 0.0
-    cpu_compute_s: float = 0.0
-    device_compute_s: dict[str, float] = field(default_factory=dict)
-    layer_wall_s: float = 0.0
-
-    @property
-    def expert_uses(self) -> int:
-        return sum(self.uses.values())
-
-    @property
-    def misses(self) -> int:
-        return self.uses["disk"]
-
-    def hit_rates(self) -> dict[str, float]:
-        """Share of expert computations served by each tier, keyed as a plan's ``hit_rate``."""
-        n = max(1, self.expert_uses)
-        return {tier: count / n for tier, count in self.uses.items()}
-
-    def lru_hit_rate(self) -> float:
-        """Hits among experts that are neither in VRAM nor pinned (the LRU cache's own hit rate)."""
-        n = self.uses["lru"] + self.uses["disk"]
-        return self.uses["lru"] / n if n else 0.0
-
-    def to_dict(self) -> dict:
-        d = dict(self.__dict__, uses=dict(self.uses))
-        d["hit_rate"] = self.hit_rates()
-        d["lru_hit_rate"] = self.lru_hit_rate()
-        return d
 
 
 class _Slot:
     """A page-aligned buffer holding one expert block, and its parsed weights on the CPU backend."""
 
-    __slots__ = ("buf", "key", "weights", "t_submit", "t_read_end")
+    __slots__ = ("buf", "key", "weights", "qts", "dev", "t_submit", "t_read_end")
 
     def __init__(self, nbytes: int):
         self.buf = aligned_buffer(nbytes)
         self.key: tuple[int, int] | None = None
         self.weights = None  # ExpertWeights on the CPU backend (zero-copy views of buf)
+        self.qts = None      # the parsed QuantTensors (views of buf), what a device upload takes
+        self.dev: tuple[str, object] | None = None  # (device key, its upload) on a unified device
         self.t_submit = self.t_read_end = 0.0  # perf_counter stamps of the last streamed read
 
 
@@ -111,13 +72,22 @@ class ResidencyManager:
         IntegrityError: an expert read at start-up fails its checksum.
     """
 
+    slot_type = _Slot   # the buffer type (engine.repin reads newcomers into one)
+
     def __init__(self, pack, placement: Placement, cpu_backend, devices: dict | None = None,
                  read_threads: int = 8, working_buffers: int | None = None, verify_checksums: bool = True):
+        repin = getattr(placement, "repin", None)
+        if repin is not None and repin.enabled:   # re-pinning edits the tiers: work on an own copy
+            placement = copy.deepcopy(placement)
+            for layer in pack.arch.moe_layers:
+                placement.layers.setdefault(int(layer), LayerPlacement())
         self.pack, self.placement, self.cpu = pack, placement, cpu_backend
+        self.repinner = Repinner(self, repin) if repin is not None and repin.enabled else None
         self.devices = dict(devices or {})
         self.verify = verify_checksums
         arch = pack.arch
         placement.validate(arch.moe_layers, arch.n_experts)
+        self.tc = TierCompute(getattr(placement, "compute", None), self.devices)
         missing = sorted(set(placement.device_keys()) - set(self.devices))
         if missing:
             raise InputError(f"the placement puts experts on {', '.join(missing)}, "
@@ -139,6 +109,8 @@ class ResidencyManager:
         self.stats = TierStats()
         self._vram: dict[tuple[int, int], tuple[str, object]] = {}
         self._pinned: dict[tuple[int, int], _Slot] = {}
+        self._pinned_dev: dict[tuple[int, int], tuple[str, object]] = {}   # pinned, computed on a device
+        self._garbage: list[tuple[str, object]] = []   # device uploads of evicted slots, freed after run
         self._lru: dict[int, OrderedDict] = {l: OrderedDict() for l in arch.moe_layers}
         self._pool = ThreadPoolExecutor(max(1, int(read_threads)), thread_name_prefix="expert-read")
         self._dev_pool = ThreadPoolExecutor(max(1, len(self.devices)), thread_name_prefix="device")
@@ -174,6 +146,7 @@ class ResidencyManager:
         slot.t_read_end = time.perf_counter()
         seconds = slot.t_read_end - t0
         slot.weights = self.pack.expert_from_bytes(slot.buf, layer, e, check=self.verify)  # views of buf
+        slot.qts = slot.weights
         slot.key = (layer, e)
         return seconds
 
@@ -191,8 +164,17 @@ class ResidencyManager:
                     self._vram[(layer, e)] = (key, backend.upload_expert(*scratch.weights))
 
     def _load_pinned(self) -> None:
+        dev = self.tc.device("ram_pinned")
         for layer in self.pack.arch.moe_layers:
             for e in self.placement.layer(layer).ram_pinned:
+                if dev is not None:   # unified device: its upload is the only copy (as for VRAM)
+                    if self.in_memory:
+                        self._pinned_dev[(layer, e)] = (dev, self.tc.upload(dev, self.pack.expert(layer, e)))
+                        continue
+                    scratch = _Slot(self.block_bytes)
+                    self._read_block(scratch, layer, e)
+                    self._pinned_dev[(layer, e)] = (dev, self.tc.upload(dev, scratch.weights))
+                    continue
                 slot = _Slot(self.block_bytes)
                 if self.in_memory:   # the checkpoint's arrays are already in RAM: no read, no copy
                     slot.weights = self.cpu.upload_expert(*self.pack.expert(layer, e))
@@ -208,30 +190,38 @@ class ResidencyManager:
         """Weighted outputs of the chosen experts of ``layer`` (see ExpertProvider.run)."""
         if self._closed:
             raise InputError("residency manager is closed")
+        if self.repinner is not None:   # count the routing; between tokens, maybe re-pin (engine.repin)
+            self.repinner.observe(layer, expert_ids, xs)
         t_layer = time.perf_counter()
         st = self.stats
         out: list[np.ndarray | None] = [None] * len(expert_ids)
-        by_dev: dict[str, list[int]] = {}
+        by_dev: dict[str, list[tuple[int, object]]] = {}   # device key -> [(position, its weights)]
         cpu_hits: list[tuple[int, object]] = []
         misses: list[int] = []
-        lru = self._lru[layer]
+        lru, lru_dev = self._lru[layer], self.tc.device("lru")
         for i, e in enumerate(expert_ids):
             key = (layer, int(e))
             if key in self._vram:
-                by_dev.setdefault(self._vram[key][0], []).append(i)
+                by_dev.setdefault(self._vram[key][0], []).append((i, self._vram[key][1]))
+                st.uses["vram"] += 1
+            elif key in self._pinned_dev:
+                by_dev.setdefault(self._pinned_dev[key][0], []).append((i, self._pinned_dev[key][1]))
+                st.uses["ram_pinned"] += 1
             elif key in self._pinned:
                 cpu_hits.append((i, self._pinned[key].weights))
                 st.uses["ram_pinned"] += 1
             elif key in lru:
                 lru.move_to_end(key)
-                cpu_hits.append((i, lru[key].weights))
+                if lru_dev is None:
+                    cpu_hits.append((i, lru[key].weights))
+                else:
+                    by_dev.setdefault(lru_dev, []).append((i, self._on_device(lru[key], lru_dev)))
                 st.uses["lru"] += 1
             else:
                 misses.append(i)
         # devices first: they run in their own threads while the CPU works
-        dev_jobs = {k: self._dev_pool.submit(self._device_call, k, layer, [expert_ids[i] for i in idx],
-                                             [xs[i] for i in idx]) for k, idx in by_dev.items()}
-        st.uses["vram"] += sum(len(v) for v in by_dev.values())
+        dev_jobs = {k: self._dev_pool.submit(self._device_call, k, [xs[i] for i, _ in jobs],
+                                             [w for _, w in jobs]) for k, jobs in by_dev.items()}
         w = self.working_buffers
         first = self._submit_wave(layer, expert_ids, misses[:w])  # reads overlap the CPU hits below
         if cpu_hits:
@@ -245,19 +235,33 @@ class ResidencyManager:
             wave = self._submit_wave(layer, expert_ids, misses[w0:w0 + w])
             self._complete_wave(layer, expert_ids, xs, wave, out)
         for k, job in dev_jobs.items():
-            for i, y in zip(by_dev[k], job.result()):
+            for (i, _), y in zip(by_dev[k], job.result()):
                 out[i] = y
+        while self._garbage:   # uploads of slots evicted during this layer: no device job uses them now
+            self.tc.free(*self._garbage.pop())
         st.layer_wall_s += time.perf_counter() - t_layer
         return [y * g[:, None] for y, g in zip(out, gates)]  # [T_i, H] · gates [T_i, 1]
 
-    def _device_call(self, key: str, layer: int, ids: list[int], xs: list[np.ndarray]) -> list[np.ndarray]:
-        t0 = time.perf_counter()
-        backend = self.devices[key]
-        ys = backend.expert_ffn(xs, [self._vram[(layer, int(e))][1] for e in ids])
-        with self._lock:
-            d = self.stats.device_compute_s
-            d[key] = d.get(key, 0.0) + time.perf_counter() - t0
+    def _device_call(self, key: str, xs: list[np.ndarray], weights: list) -> list[np.ndarray]:
+        ys, seconds = self.tc.call(key, xs, weights)
+        self._add_device_s(key, seconds)
         return ys
+
+    def _add_device_s(self, key: str, seconds: float) -> None:
+        with self._lock:
+            self.stats.device_compute_s[key] = self.stats.device_compute_s.get(key, 0.0) + seconds
+
+    def _on_device(self, slot: _Slot, key: str):
+        """The upload of ``slot``'s expert on device ``key`` (made now if the slot has none there)."""
+        if slot.dev is None or slot.dev[0] != key:
+            self._drop_dev(slot)
+            slot.dev = (key, self.tc.upload(key, slot.qts))
+        return slot.dev[1]
+
+    def _drop_dev(self, slot: _Slot) -> None:
+        if slot.dev is not None:
+            self._garbage.append(slot.dev)
+            slot.dev = None
 
     def _take_slot(self) -> _Slot:
         slot = self._free.pop()
@@ -265,6 +269,7 @@ class ResidencyManager:
             for w in slot.weights:
                 self.cpu.free(w)
             slot.weights, slot.key = None, None
+        self._drop_dev(slot)
         return slot
 
     def _submit_wave(self, layer: int, expert_ids, wave: list[int]) -> list:
@@ -292,8 +297,13 @@ class ResidencyManager:
             st.disk_bytes += self.pack.expert_location(layer, int(expert_ids[i]))[1]
             t0 = time.perf_counter()
             slot.weights = self.cpu.upload_expert(*slot.weights)  # zero-copy on host backends
-            out[i] = self.cpu.expert_ffn([xs[i]], [slot.weights])[0]
-            st.cpu_compute_s += time.perf_counter() - t0
+            dev = self.tc.device("disk")
+            if dev is None:
+                out[i] = self.cpu.expert_ffn([xs[i]], [slot.weights])[0]
+                st.cpu_compute_s += time.perf_counter() - t0
+            else:   # unified device: one upload per slot fill (a memcpy on unified memory), then compute
+                out[i] = self.tc.call(dev, [xs[i]], [self._on_device(slot, dev)])[0][0]
+                self._add_device_s(dev, time.perf_counter() - t0)
             done.append(slot)
         if done:  # the wave's reads were in flight together: its wall time is what the disk delivered in
             st.disk_busy_s += max(s.t_read_end for s in done) - min(s.t_submit for s in done)
@@ -313,6 +323,7 @@ class ResidencyManager:
             for w in slot.weights:
                 self.cpu.free(w)
             slot.weights, slot.key = None, None
+            self._drop_dev(slot)
             self._free.append(slot)
 
     def _admit(self, layer: int, slot: _Slot) -> None:
@@ -332,7 +343,7 @@ class ResidencyManager:
     def resident_bytes(self) -> dict[str, int]:
         """Bytes held per tier: each device key, "ram_pinned", "ram_buffers" (LRU slots + working)."""
         d: dict[str, int] = {k: b.memory_used() for k, b in self.devices.items()}
-        d["ram_pinned"] = len(self._pinned) * self.block_bytes
+        d["ram_pinned"] = len(self._pinned) * self.block_bytes   # pinned on a unified device: its key
         d["ram_buffers"] = (len(self._free) + sum(len(v) for v in self._lru.values())) * self.block_bytes
         return d
 
@@ -349,10 +360,15 @@ class ResidencyManager:
         for pool in (getattr(self, "_pool", None), getattr(self, "_dev_pool", None)):
             if pool is not None:
                 pool.shutdown(wait=True)
-        for key, ew in getattr(self, "_vram", {}).values():
+        slots = getattr(self, "_free", []) + [s for v in getattr(self, "_lru", {}).values()
+                                              for s in v.values()]
+        for slot in slots:
+            self._drop_dev(slot)
+        for key, ew in [*getattr(self, "_vram", {}).values(), *getattr(self, "_pinned_dev", {}).values(),
+                        *getattr(self, "_garbage", [])]:
             for w in ew:
                 self.devices[key].free(w)
-        self._vram = {}
+        self._vram, self._pinned_dev, self._garbage = {}, {}, []
         if getattr(self, "fd", None) is not None:
             os.close(self.fd)
             self.fd = None

@@ -165,6 +165,8 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
             expert_uses_per_token=st.expert_uses / n,
             peak_rss_bytes=peak_rss_bytes(), resident_bytes=rm.resident_bytes(),
             o_direct=rm.o_direct, io_warning=rm.io_warning, placement=placement.summary())
+        if rm.repinner is not None:
+            report.repins, report.repin_bytes, report.repin_s = st.repins, st.repin_bytes, st.repin_s
         return report
     finally:
         if rm is not None:

@@ -23,6 +23,8 @@ KIND = "plan"
 SCHEMA_VERSION = 1
 TIER_RAM = -1
 TIER_DISK = -2
+#: the host tiers a plan's ``compute`` section assigns a processor ("cpu" or a unified device key)
+COMPUTE_TIERS = ("ram_pinned", "lru", "disk")
 _TOP_KEYS = ("model", "profile", "heat", "budgets", "expert_format", "devices", "layers", "predicted",
              "solver")
 
@@ -36,7 +38,6 @@ class Plan:
     @property
     def model_fingerprint(self) -> str:
         return self.doc["model"]["fingerprint"]
-
     @property
     def profile_fingerprint(self) -> str | None:
         return self.doc["profile"].get("fingerprint")
@@ -44,7 +45,6 @@ class Plan:
     @property
     def n_experts(self) -> int:
         return int(self.doc["model"]["n_experts"])
-
     @property
     def expert_bytes(self) -> int:
         return int(self.doc["model"]["expert_bytes"])
@@ -160,31 +160,29 @@ _FIELDS = (
     *((f"predicted.hit_rate.{k}", "num", (0, 1)) for k in ("vram", "ram_pinned", "lru", "disk")),
     ("solver", "object", None), ("solver.method?", "str", None), ("solver.status?", "str", None),
     ("solver.seconds?", "num", (0, None)), ("solver.gap?", "num", (0, None)),   # baselines have neither
-    ("resources?", "object", None),
-    # the engine reads with this many threads (run --read-threads accepts 1..64)
-    ("resources.disk_queue_depth?", "int", (1, 64)),
-    ("coefficients?", "object", None),
-    ("model.mtp_expert_bytes?", "int", (1, None)),
+    # the engine reads with this many threads (run --read-threads accepts 1..64); re-pinning reads rates
+    ("resources?", "object", None), ("resources.disk_queue_depth?", "int", (1, 64)),
+    ("resources.disk_read_gbps?", "num", (0, None)), ("resources.gpus?", "list", None),
+    ("coefficients?", "object", None), ("model.mtp_expert_bytes?", "int", (1, None)),
     # the engine knobs the plan was solved for (issue #16; docs/plan-format.md), all optional
     ("knobs?", "object", None), ("knobs.target?", "str", None), ("knobs.queue_depth?", "int", (1, 64)),
     ("knobs.o_direct?", "bool", None), ("knobs.keep_host_copies?", "bool", None),
     ("knobs.vram_overhead_bytes_per_expert?", "int", (0, None)), ("knobs.host_copy_bytes?", "num", (0, None)),
     ("knobs.cache_model?", "object", None), ("knobs.page_cache?", "object", None),
     ("knobs.page_cache.capacity_bytes?", "num", (0, None)), ("knobs.ram_warnings?", "list", None),
+    # which processor computes each host tier; live re-pinning policy (issue #16), both optional
+    ("compute?", "object", None), ("compute_explain?", "object", None), ("repin?", "object", None),
+    ("repin.enabled", "bool", None), ("repin.every_tokens", "int", (1, 1_000_000)),
+    ("repin.window_tokens", "int", (1, 1_000_000)), ("repin.max_swaps?", "int", (1, None)),
 )
+_PY_TYPES = {"object": dict, "list": list, "str": str, "bool": bool}
 _TYPE_NAMES = {"object": "an object", "list": "a list", "str": "a string", "bool": "true or false",
                "int": "a whole number", "num": "a finite number"}
 
 
 def _is(v, kind: str) -> bool:
-    if kind == "object":
-        return isinstance(v, dict)
-    if kind == "list":
-        return isinstance(v, list)
-    if kind == "str":
-        return isinstance(v, str)
-    if kind == "bool":
-        return isinstance(v, bool)
+    if kind in _PY_TYPES:
+        return isinstance(v, _PY_TYPES[kind])
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return False
     return kind == "num" or float(v).is_integer()
@@ -268,6 +266,7 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
             Coefficients.from_dict(doc["coefficients"], where="coefficients")
         except InputError as exc:  # the plan's own advice (re-solve) replaces the coefficients' advice
             _fail(where, str(exc).split("; re-create the coefficients")[0])
+    _check_compute(doc, where)
     model = doc["model"]
     for k in ("name", "fingerprint", "n_experts", "expert_bytes", "moe_layers"):
         if k not in model:
@@ -307,6 +306,20 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
         s = e["lru_slots"]
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
             _fail(where, f"layer {lid}: lru_slots must be an integer >= 0, got {s!r}")
+
+
+def _check_compute(doc: dict, where: str) -> None:
+    """``compute``: host tiers -> "cpu" or a unified device of the plan; ``repin``: the policy's keys."""
+    unified = {d.get("key") for d in doc["devices"] if isinstance(d, dict) and d.get("unified")}
+    for tier, who in (doc.get("compute") or {}).items():
+        if tier not in COMPUTE_TIERS:
+            _fail(where, f"compute has unknown tier {tier!r} (tiers: {', '.join(COMPUTE_TIERS)})")
+        if who != "cpu" and who not in unified:
+            _fail(where, f"compute.{tier} must be 'cpu' or a unified-memory device of the plan "
+                         f"({', '.join(sorted(unified)) or 'none'}), got {who!r}")
+    extra = set(doc.get("repin") or {}) - {"enabled", "every_tokens", "window_tokens", "max_swaps"}
+    if extra:
+        _fail(where, f"repin has unknown keys {sorted(extra)}")
 
 
 def validate_plan(plan: Plan, where: str = "budgets") -> None:

@@ -69,6 +69,8 @@ class RunReport:
         expert_uses_per_token, peak_rss_bytes, resident_bytes {tier: bytes}, o_direct, io_warning,
             placement {tier: experts} (measured).
         cpu_path_layers, per_layer_s: the plan's per-layer CPU-path parts and layer times (predicted).
+        repins, repin_bytes, repin_s: live re-pinning swaps over the decode, the bytes they read and the
+            seconds they took (totals, not per token; measured, only when re-pinning is on).
     """
 
     # speed and its terms (seconds per decoded token)
@@ -103,6 +105,10 @@ class RunReport:
     placement: dict = field(default_factory=dict)
     cpu_path_layers: dict | None = None
     per_layer_s: list[float] | None = None
+    # live re-pinning (measured, decode only; None when the plan's repin policy is off)
+    repins: int | None = None
+    repin_bytes: int | None = None
+    repin_s: float | None = None
 
     @property
     def memory_hit_rate(self) -> float:

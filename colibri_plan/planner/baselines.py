@@ -3,7 +3,9 @@
 * ``hot_first`` — colibrì's PIN fill: one global ranking of (layer, expert) by raw count; the ranked
   prefix goes to VRAM, each expert whole to the least-loaded device that can hold it, until the next one
   would cross the VRAM budget; the ranking continues into RAM pins until the RAM budget (less the LRU
-  reserve) is full; everything else streams through the LRU.
+  reserve) is full — each pin to the least-loaded (in seconds) of the CPU and the unified-memory GPUs,
+  which share the RAM pool; everything else streams through the LRU. Priced with the same ``compute``
+  choice as ours (a unified GPU may compute the host tiers), so it is not handicapped.
 * ``fit_layers`` — llama.cpp ``--fit`` style: a layer's experts move as one merged tensor, so whole
   layers go to the GPUs from the last layer backwards while they fit, then whole layers to RAM, the rest
   streams (the page cache plays the LRU).
@@ -66,13 +68,31 @@ def hot_first(problem, counts: np.ndarray | None = None) -> tuple[np.ndarray, np
         placed[d] += b
         used += b
     room = _ram_capacity(problem) - problem.host_copies(tiers)
+    targets = _pin_targets(problem)
+    load = dict.fromkeys(targets, 0.0)
     for flat in order[stop:]:
         if room <= 0:
             break
-        if tiers.flat[flat] == TIER_DISK:
-            tiers.flat[flat] = TIER_RAM
+        if tiers.flat[flat] == TIER_DISK:   # least-loaded in seconds among the CPU and unified GPUs
+            t = min(targets, key=lambda k: load[k] + rank_by.flat[flat] * targets[k])
+            tiers.flat[flat] = t
+            load[t] += rank_by.flat[flat] * targets[t]
             room -= 1
     return _finish(problem, tiers)
+
+
+def _pin_targets(problem) -> dict[int, float]:
+    """Where hot-first puts RAM pins, with seconds per expert computed: TIER_RAM (the pinned tier, on its
+    processor) and each unified GPU (its experts share the RAM pool) when the pinned tier runs on the
+    CPU; a unified GPU computing the pinned tier already gets them all as pins."""
+    from colibri_plan.planner.compute import host_seconds
+
+    res, b = problem.res, problem.expert_bytes
+    out = {TIER_RAM: host_seconds(res, b, problem.coef)[0]}
+    if dict(res.compute).get("ram_pinned", "cpu") == "cpu":
+        out.update({d: problem.coef.gpu_expert * b / (min(g.matmul_gbps, res.ram_read_gbps) * 1e9)
+                    for d, g in enumerate(res.gpus) if g.unified})
+    return out
 
 
 def fit_layers(problem) -> tuple[np.ndarray, np.ndarray]:

@@ -54,6 +54,7 @@ from colibri_plan.errors import InputError
 from colibri_plan.formats.coefficients import Coefficients
 from colibri_plan.formats.plan import TIER_DISK, TIER_RAM
 from colibri_plan.planner.cache_model import che_hit_rates, lru_hit_rates
+from colibri_plan.planner.compute import host_seconds
 from colibri_plan.planner.page_cache import page_cache_experts, page_cache_hit_rates
 
 __all__ = ["che_hit_rates"]   # re-exported: the independent-request LRU model lives in cache_model
@@ -100,6 +101,7 @@ class Resources:
         page_cache_pool_bytes: bytes the OS page cache may hold of the expert file before a placement's
             pins, LRU slots and host copies (:mod:`colibri_plan.planner.page_cache`); 0 = the engine reads
             with O_DIRECT and the page cache serves nothing (ours).
+        compute: ((host tier, "cpu" | unified GPU key), ...): who computes each host tier (planner.compute).
     """
 
     cpu_matmul_gbps: float
@@ -111,10 +113,12 @@ class Resources:
     checksum_gbps: float | None = None
     disk_depth_gbps: tuple = ()
     page_cache_pool_bytes: int = 0
+    compute: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "disk_depth_gbps",   # a plan's JSON gives lists: back to pairs
                            tuple((int(q), float(g)) for q, g in self.disk_depth_gbps))
+        object.__setattr__(self, "compute", tuple((str(t), str(k)) for t, k in self.compute))
         rates = [("CPU expert matmul", self.cpu_matmul_gbps), ("RAM read", self.ram_read_gbps)]
         rates += [(f"{g.key} GPU expert matmul", g.matmul_gbps) for g in self.gpus]
         if self.disk_read_gbps is not None:
@@ -199,19 +203,22 @@ def gpu_fixed_seconds(gpu: GpuResource, activation_bytes: int, coef: Coefficient
     return coef.transfer * transfer_seconds(gpu, activation_bytes) + coef.gpu_call_s
 
 
-def cpu_path_parts(ram_p, lru_p, miss_p, cpu_s: float, disk_s: float, verify_s: float) -> tuple:
+def cpu_path_parts(ram_p, lru_p, miss_p, cpu_s, disk_s: float, verify_s: float) -> tuple:
     """The CPU path's four parts from expected selections per token (floats or arrays alike).
 
     Args:
         ram_p: selections of pinned experts; lru_p: of disk-tier experts that hit the LRU; miss_p: of
-            disk-tier experts read from disk. cpu_s: seconds to compute one expert (c_cpu included);
+            disk-tier experts read from disk. cpu_s: seconds to compute one expert (c_cpu included), or
+            per host tier (pinned, LRU hit, miss) as :func:`host_seconds` gives when a unified GPU
+            computes some of them (the path is then the host tiers' path, on their processors);
             disk_s: disk seconds per miss (c_disk included); verify_s: checksum seconds per miss.
 
     Returns:
         (resident_s, stream_s, disk_s, verify_s): compute of the pinned experts and LRU hits, compute
         of the misses, their reads, their crc32 checks.
     """
-    return cpu_s * (ram_p + lru_p), cpu_s * miss_p, disk_s * miss_p, verify_s * miss_p
+    pin_s, lru_s, miss_s = cpu_s if isinstance(cpu_s, tuple) else (cpu_s, cpu_s, cpu_s)
+    return pin_s * ram_p + lru_s * lru_p, miss_s * miss_p, disk_s * miss_p, verify_s * miss_p
 
 
 def cpu_path_seconds(resident_s, stream_s, disk_s, verify_s, overlap: float = 1.0):
@@ -229,7 +236,7 @@ def cpu_path_bounds(resident_s, stream_s, disk_s, verify_s, overlap: float = 1.0
     return a + k * disk_s + stream_s, disk_s + k * a + stream_s
 
 
-def cpu_path_rows(miss_factor, cpu_s: float, disk_s: float, verify_s: float, overlap: float = 1.0) -> tuple:
+def cpu_path_rows(miss_factor, cpu_s, disk_s: float, verify_s: float, overlap: float = 1.0) -> tuple:
     """Coefficients of the solvers' two linear CPU-path rows, per unit of selection probability.
 
     The parts are linear in the selections, so each bound of :func:`cpu_path_bounds` is Σ p · coefficient:
@@ -275,7 +282,7 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
     misses = float(np.sum(p * (1 - h) * on_disk))
     lru_hits = float(np.sum(p * h * on_disk))
     cached = 0.0 if page_hits is None else float(np.sum(p * (1 - h) * on_disk * page_hits))
-    per_sel = coef.cpu_expert * expert_bytes / (res.cpu_gbps * 1e9)   # CPU seconds per expert computed
+    per_sel = host_seconds(res, expert_bytes, coef)   # seconds per expert computed, per host tier
     per_miss = 0.0
     if misses > 0:   # a read from disk, or (page cache) a copy at RAM GB/s
         copy_s = expert_bytes / (res.ram_read_gbps * 1e9)

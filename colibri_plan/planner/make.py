@@ -15,6 +15,7 @@ from colibri_plan.formats.plan import Plan, layers_from_tiers
 from colibri_plan.heatsynth import synth_heat
 from colibri_plan.planner.budgets import Budgets, parse_gb, ram_budget, resources_from_profile, vram_budgets
 from colibri_plan.planner.cache_model import TraceHits
+from colibri_plan.planner.compute import choose_compute
 from colibri_plan.planner.costmodel import Coefficients, Resources, attention_seconds, dense_seconds
 from colibri_plan.planner.knobs import (
     COLIBRI_VRAM_OVERHEAD_BYTES,
@@ -168,6 +169,8 @@ def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto",
     vram_b, vram_explain = vram_budgets(profile.gpus(), vram, int(vram_reserve_gb * 1e9))
     res, depth_source = choose_queue_depth(resources_from_profile(profile, spec, vram_b), spec.top_k,
                                            queue_depth, target)
+    if target == "colibri-plan" and any(g.unified for g in res.gpus):   # ours computes host tiers there
+        res = choose_compute(res, spec.expert_bytes(), coef)[0]
     budgets = Budgets(ram_budget_bytes=ram_bytes, vram_budget_bytes=vram_b,
                       explain=ram_explain + vram_explain, context_tokens=context_tokens,
                       ram_mode=str(ram), vram_mode=str(vram), **parts)
@@ -241,6 +244,9 @@ def plan_document(setup: Setup, profile, tiers: np.ndarray, slots: np.ndarray, s
     }
     if doc["knobs"] is None:
         del doc["knobs"]
+    if res.compute:   # a unified GPU could compute the host tiers: who does, and the comparison
+        doc["compute"] = dict(res.compute)
+        doc["compute_explain"] = choose_compute(res, spec.expert_bytes(), setup.problem.coef)[1]
     return Plan(_jsonable(doc))
 
 

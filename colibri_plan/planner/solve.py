@@ -40,6 +40,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from colibri_plan.errors import BudgetError, SolverError
 from colibri_plan.planner.baselines import hot_first
 from colibri_plan.planner.cache_model import lru_hit_rates
+from colibri_plan.planner.compute import host_seconds
 from colibri_plan.planner.costmodel import (
     TIER_DISK,
     TIER_RAM,
@@ -157,7 +158,7 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
     n_var = n_x + n_z + n_tau
     zcol = {(rpos[r], d): n_x + i * len(zdev) + j for i, r in enumerate(rows) for j, d in enumerate(zdev)}
     taucol = n_x + n_z
-    cpu_c = coef.cpu_expert * b / (res.cpu_gbps * 1e9)
+    cpu_c = host_seconds(res, b, coef)   # per host tier (pinned, LRU hit, miss): planner.compute
     gpu_c = [coef.gpu_expert * b / (g.matmul_gbps * 1e9) for g in res.gpus]
     t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
     t_verify = verify_seconds(b, res)
