@@ -1,4 +1,5 @@
-"""`colibri-plan plan show`: messages about a bad plan name the file and advise once."""
+"""`colibri-plan plan show`: messages about a bad plan name the file and advise once; the engine knobs,
+MTP experts, and plans from before the knobs."""
 
 from __future__ import annotations
 
@@ -22,3 +23,54 @@ def test_plan_messages_name_the_file_and_advise_once(files, tmp_path):
     big = json.loads(json.dumps(doc))
     big["layers"][0]["lru_slots"] = 10**12
     refused(invoke("plan", "show", write(tmp_path / "lru.json", big)), 1, "lru.json", "RAM tiers hold")
+
+
+def _show(path, *extra):
+    r = invoke("plan", "show", path, *extra)
+    assert r.exit_code == 0, r.output
+    return r
+
+
+def test_plan_show_prints_the_knobs(files):
+    out = _show(files / "plan.json").stdout
+    lines = out.splitlines()
+    knobs = next(line for line in lines if line.startswith("Knobs: "))
+    assert knobs.startswith("Knobs: target colibri-plan; O_DIRECT reads; VRAM overhead 0.000 MiB/expert; "
+                            "host copies released (0.00 GB); queue depth 4, disk 2.00 GB/s (")
+    assert "LRU model: Che (independent requests; no routing trace in the heat); slots auto" in out
+    assert any(line.startswith("Page cache: could hold ") and line.endswith("not used: O_DIRECT")
+               for line in lines)
+    assert "LRU slots tried" not in out and "MTP experts" not in out
+    doc = json.loads(_show(files / "plan.json", "--json").stdout)
+    saved = json.loads((files / "plan.json").read_text())
+    assert doc["knobs"] == saved["knobs"] and "mtp_expert_bytes" not in doc
+
+
+def test_plan_show_prints_a_trace_search_and_mtp_experts(files, tmp_path):
+    doc = json.loads((files / "plan.json").read_text())
+    doc["model"]["mtp_expert_bytes"] = 37_790_000
+    doc["knobs"]["cache_model"].update(kind="trace", trace_decode_calls=40, trace_layers=2,
+                                       lru_slots_mode="search (routing trace)",
+                                       lru_search=[{"slots": 2, "tok_s": 3.5, "lru_hit_rate": 0.25},
+                                                   {"slots": 4, "tok_s": 3.75, "lru_hit_rate": 0.5},
+                                                   {"slots": 8, "error": "does not fit"}])
+    path = write(tmp_path / "trace.json", doc)
+    out = _show(path).stdout
+    assert "MTP experts: 37.79 MB each (colibrì's int8)" in out
+    assert "LRU model: routing trace, 40 decode calls over 2 layers; slots search (routing trace): max" in out
+    assert ("LRU slots tried: 2 -> 3.500 tok/s (LRU hit 25.0%), 4 -> 3.750 tok/s (LRU hit 50.0%, kept), "
+            "8 -> does not fit") in out
+    assert json.loads(_show(path, "--json").stdout)["mtp_expert_bytes"] == 37_790_000
+
+
+def test_a_plan_without_knobs_still_shows(files, tmp_path):
+    doc = json.loads((files / "plan.json").read_text())
+    del doc["knobs"]
+    path = write(tmp_path / "old.json", doc)
+    out = _show(path).stdout
+    assert "predicted " in out and "solver: " in out
+    assert not any(w in out for w in ("Knobs:", "LRU model:", "Page cache:"))
+    assert json.loads(_show(path, "--json").stdout)["knobs"] is None
+    doc["knobs"] = {"target": "colibri"}                  # every key of knobs is optional
+    out = _show(write(tmp_path / "partial.json", doc)).stdout
+    assert "Knobs: target colibri\n" in out and "LRU model:" not in out

@@ -1,7 +1,9 @@
 """`colibri-plan solve`: budget options (ignored, out of range, not finite), coefficients from another
-machine, --out never one of the inputs."""
+machine, --out never one of the inputs, the engine knobs and --compare's tables."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from _cli_fixtures import (
@@ -18,8 +20,10 @@ from _cli_fixtures import (
     toy_plan,
     write_reports,
 )
+from _solver_fixtures import toy_spec
 
 from colibri_plan.model import load_model_spec
+from colibri_plan.planner.knobs import COLIBRI_VRAM_OVERHEAD_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +141,103 @@ def test_solve_refuses_non_finite_options(good, option, value):
     r = cli_run("solve", "--profile", d / "profile.json", "--model", d / "model.json", "--ram", "0.58",
                 option, value)
     assert_one_line(r, f"{option} must be a finite number")
+
+
+# ---- issue 16: the engine knobs (--target, --queue-depth, --keep-host-copies) and --compare's tables ----
+
+def _good_solve(good, *extra):
+    d, _, _ = good
+    return cli_run("solve", "--profile", d / "profile.json", "--model", d / "model.json", "--ram", "0.58",
+                   "--context", "100", *extra)
+
+
+def _good_json(good, *extra):
+    r = _good_solve(good, "--json", *extra)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)     # exactly one JSON document on stdout (json.loads refuses trailing text)
+
+
+def test_target_colibri_counts_its_vram_overhead(good):
+    ours, colibri = _good_json(good), _good_json(good, "--target", "colibri")
+    assert ours["knobs"]["target"] == "colibri-plan" and ours["knobs"]["vram_overhead_bytes_per_expert"] == 0
+    k = colibri["knobs"]
+    assert k["target"] == "colibri" and k["vram_overhead_bytes_per_expert"] == COLIBRI_VRAM_OVERHEAD_BYTES
+    b = colibri["counts"]
+    per = toy_spec(n_experts=16, hidden=2048, inter=1024).expert_bytes() + COLIBRI_VRAM_OVERHEAD_BYTES
+    assert b["cuda:0"] == colibri["budgets"]["vram_budget_bytes"]["cuda:0"] // per < ours["counts"]["cuda:0"]
+    refused(_good_solve(good, "--target", "llama"), 2, "--target")
+
+
+def test_keep_host_copies_keeps_them_and_charges_ram(good):
+    released, kept = _good_json(good), _good_json(good, "--keep-host-copies")
+    b = toy_spec(n_experts=16, hidden=2048, inter=1024).expert_bytes()
+    c, k = kept["counts"], kept["knobs"]
+    assert k["keep_host_copies"] is True and k["host_copy_bytes"] == c["cuda:0"] * b > 0
+    assert (c["ram_pinned"] + c["lru_slots"] + c["cuda:0"]) * b <= kept["budgets"]["ram_budget_bytes"]
+    assert c["ram_pinned"] < released["counts"]["ram_pinned"]          # the copies took pins' RAM
+    assert released["knobs"]["keep_host_copies"] is False and released["knobs"]["host_copy_bytes"] == 0
+
+
+def test_queue_depth_reaches_the_plan(files):
+    auto, _ = solve_json(files, "--heat", "synth")                       # top-4: the depth-4 figure
+    assert auto["knobs"]["queue_depth"] == 4 and auto["knobs"]["disk_read_gbps"] == 2.0
+    one, _ = solve_json(files, "--heat", "synth", "--queue-depth", "1")
+    assert one["knobs"]["queue_depth"] == 1 and one["knobs"]["disk_read_gbps"] == 1.0
+    assert "--queue-depth 1" in one["knobs"]["queue_depth_source"]
+    assert one["predicted"]["tok_s"] <= auto["predicted"]["tok_s"]
+    for bad in ("0", "65", "x", "1.5"):
+        refused(solve(files, "--queue-depth", bad), 2, "--queue-depth")
+
+
+def test_compare_tables_show_every_row_and_knob(good):
+    doc = _good_json(good, "--compare")
+    names = [r["placement"] for r in doc["compare"]]
+    assert names == ["colibri-plan (optimised)", "colibri hot-first", "colibri hot-first (DIRECT=0)",
+                     "llama.cpp --fit layers", "uniform", "colibri-plan (host copies kept)"]
+    r = _good_solve(good, "--compare")
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    tables = out[out.index("Predicted as each engine runs it"):]
+    for col in ("tok/s", "ms/token", "disk MB/tok", "vs best baseline", "vs best (our engine)", "VRAM %",
+                "pinned %", "LRU %", "disk %", "page cache %", "engine", "queue depth", "reads", "pins",
+                "LRU slots", "host copies"):
+        assert col in tables, col
+    for name in names:
+        assert tables.count(name + "  ") == 3, name           # a row in each of the three tables
+    for engine in ("colibri (DIRECT=1)", "colibri (DIRECT=0)", "llama.cpp (mmap)", "buffered", "O_DIRECT"):
+        assert engine in tables
+    assert max(len(line) for line in tables.splitlines()) <= 110
+    kept = next(line for line in tables.splitlines()[::-1] if line.startswith("colibri-plan (host copies"))
+    assert kept.split()[-2:] != ["0.00", "GB"]                            # the kept row shows its copies
+
+
+def test_solve_prints_the_knobs_lines(good):
+    r = _good_solve(good, "--target", "colibri", "--keep-host-copies")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith("Solver: "))
+    knobs, lru, page = lines[i + 1: i + 4]
+    assert knobs.startswith("Knobs: target colibri; O_DIRECT reads; VRAM overhead 0.741 MiB/expert; "
+                            "host copies kept (0.0")
+    assert "queue depth 1, disk 1.00 GB/s (colibrì reads at depth 1-2" in knobs
+    assert lru == ("LRU model: Che (independent requests; no routing trace in the heat); slots auto: max 1, "
+                   "mean 1.0")
+    assert page.startswith("Page cache: could hold ") and page.endswith("; not used: O_DIRECT")
+
+
+def test_compare_survives_a_failed_host_copy_resolve(good, monkeypatch):
+    from colibri_plan.errors import SolverError
+    from colibri_plan.planner import compare
+
+    real = compare.compare_placements
+
+    def failing(setup, sol, host_copy_toggle=True, **kw):
+        if host_copy_toggle:
+            raise SolverError("placement uses too much RAM")
+        return real(setup, sol, host_copy_toggle=False, **kw)
+
+    monkeypatch.setattr(compare, "compare_placements", failing)
+    r = _good_solve(good, "--compare", "--json")
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout)["compare"]) == 5
+    assert "no row with the other --keep-host-copies setting (placement uses too much RAM)" in r.stderr

@@ -271,3 +271,58 @@ def read_prompt(prompt_ids: str | None, prompt_file: str | None) -> list[int]:
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read prompt file {path}: {exc}") from exc
     return parse_prompt(text, f"prompt file {path}")
+
+
+def knob_lines(knobs: dict | None) -> list[str]:
+    """The engine knobs a plan was solved for (its ``knobs`` section, docs/plan-format.md) as up to four
+    lines, for `solve` and `plan show`: the engine's reads and memory, the LRU model, the slot counts the
+    trace-driven search tried, the page cache. Every key is optional in a plan (a hand-edited one may lack
+    some): a missing figure is left out; no ``knobs`` (a plan from before issue #16) gives no lines."""
+    if not knobs:
+        return []
+    k, cm, pc = knobs, knobs.get("cache_model") or {}, knobs.get("page_cache") or {}
+    parts = []
+    if "target" in k:
+        parts.append(f"target {k['target']}")
+    if "o_direct" in k:
+        parts.append("O_DIRECT reads" if k["o_direct"] else "buffered reads")
+    if "vram_overhead_bytes_per_expert" in k:
+        parts.append(f"VRAM overhead {k['vram_overhead_bytes_per_expert'] / 2**20:.3f} MiB/expert")
+    if "keep_host_copies" in k:
+        parts.append(f"host copies {'kept' if k['keep_host_copies'] else 'released'} "
+                     f"({k.get('host_copy_bytes', 0) / 1e9:.2f} GB)")
+    if "queue_depth" in k:   # last: its source is a sentence
+        disk = k.get("disk_read_gbps")
+        src = f" ({k['queue_depth_source']})" if k.get("queue_depth_source") else ""
+        parts.append(f"queue depth {k['queue_depth']}, "
+                     + (f"disk {disk:.2f} GB/s" if disk is not None else "no disk figure") + src)
+    lines = ["Knobs: " + "; ".join(parts)] if parts else []
+    if cm:
+        if cm.get("kind") == "trace":
+            model = (f"routing trace, {cm.get('trace_decode_calls', '?')} decode calls over "
+                     f"{cm.get('trace_layers', '?')} layers")
+        else:
+            model = "Che (independent requests; no routing trace in the heat)"
+        slots = f"; slots {cm.get('lru_slots_mode', '?')}"
+        if "lru_slots_max" in cm:
+            slots += f": max {cm['lru_slots_max']}"
+            if "lru_slots_mean" in cm:
+                slots += f", mean {cm['lru_slots_mean']:.1f}"
+        lines.append(f"LRU model: {model}{slots}")
+        tried = [t for t in cm.get("lru_search") or [] if isinstance(t, dict)]
+        if tried:
+            best = max((t["tok_s"] for t in tried if "tok_s" in t), default=None)
+
+            def one(t):
+                if "tok_s" not in t:
+                    return f"{t.get('slots')} -> does not fit"
+                kept = ", kept" if t["tok_s"] == best else ""
+                return (f"{t.get('slots')} -> {t['tok_s']:.3f} tok/s (LRU hit "
+                        f"{t.get('lru_hit_rate', 0.0):.1%}{kept})")
+
+            lines.append("LRU slots tried: " + ", ".join(one(t) for t in tried))
+    if "capacity_bytes" in pc:
+        pool = f" (pool {pc['pool_bytes'] / 1e9:.2f} GB)" if "pool_bytes" in pc else ""
+        lines.append(f"Page cache: could hold {pc['capacity_bytes'] / 1e9:.2f} GB beside this plan{pool}; "
+                     + ("read through" if pc.get("used") else "not used: O_DIRECT"))
+    return lines

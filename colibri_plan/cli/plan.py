@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from colibri_plan.cli.common import emit, json_option, table
+from colibri_plan.cli.common import emit, json_option, knob_lines, table
 
 
 @click.group("plan")
@@ -17,14 +17,19 @@ def plan():
 @click.option("--layers", "show_layers", is_flag=True, help="One line per MoE layer.")
 @json_option
 def show(path, show_layers):
-    """Print a plan: model, machine, budgets, tier sizes, predicted tok/s and its terms, solver facts."""
+    """Print a plan: model, machine, budgets, tier sizes, predicted tok/s and its terms, solver facts, the
+    engine knobs it was solved for."""
     from colibri_plan.formats.plan import load_plan
 
     p = load_plan(path)
     d = p.doc
     data = {"file": path, "model": d["model"]["name"], "model_fingerprint": p.model_fingerprint,
             "profile": d["profile"], "heat": d["heat"], "budgets": d["budgets"], "counts": p.counts(),
-            "predicted": d["predicted"], "solver": d["solver"], "expert_format": d["expert_format"]}
+            "predicted": d["predicted"], "solver": d["solver"], "expert_format": d["expert_format"],
+            "knobs": d.get("knobs")}
+    mtp = d["model"].get("mtp_expert_bytes")
+    if mtp:
+        data["mtp_expert_bytes"] = mtp
     if show_layers:
         data["layers"] = [{"layer": e["layer"], **{k: len(v) for k, v in e["vram"].items()},
                            "ram_pinned": len(e["ram_pinned"]), "lru_slots": e["lru_slots"],
@@ -52,6 +57,9 @@ def show(path, show_layers):
                  + (f"{sv['seconds']} s" if "seconds" in sv else "time not recorded"),
                  "cost coefficients: " + (", ".join(f"{k} {v:g}" for k, v in d["coefficients"].items())
                                           if d.get("coefficients") else "defaults (not calibrated)")]
+        if mtp:
+            lines.insert(5, f"MTP experts: {mtp / 1e6:.2f} MB each (colibrì's int8)")
+        lines += knob_lines(d.get("knobs"))
         if show_layers:
             keys = p.device_keys
             rows = [[e["layer"]] + [len(e["vram"].get(k, [])) for k in keys]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from colibri_plan.cli.common import Steps, emit, json_option, progress, table, warn
+from colibri_plan.cli.common import Steps, emit, json_option, knob_lines, progress, table, warn
 
 GB = 1e9
 
@@ -26,14 +26,11 @@ def _gb(x) -> str:
     return f"{x / GB:,.2f} GB"
 
 
-def summary_rows(label: str, cost: dict, counts: dict | None = None) -> list:
-    h = cost["hit_rate"]
-    return [label, f"{cost['tok_s']:.3f}", f"{cost['decode_s_per_token'] * 1e3:.1f}",
-            f"{h['vram'] * 100:.1f}", f"{h['ram_pinned'] * 100:.1f}", f"{h['lru'] * 100:.1f}",
-            f"{h['disk'] * 100:.1f}", f"{cost['disk_bytes_per_token'] / 1e6:.1f}"]
-
-
-COMPARE_HEADER = ["placement", "tok/s", "ms/token", "VRAM %", "pinned %", "LRU %", "disk %", "disk MB/tok"]
+def _queue_depth(_ctx, _param, value: str) -> str:
+    """Option callback: 'auto' or a whole number in 1..64 (a usage error otherwise, like --lru-slots)."""
+    if value != "auto" and not (value.isdigit() and 1 <= int(value) <= 64):
+        raise click.BadParameter(f"must be 'auto' or a whole number in 1..64, got {value!r}")
+    return value
 
 
 @click.command("solve")
@@ -53,7 +50,18 @@ COMPARE_HEADER = ["placement", "tok/s", "ms/token", "VRAM %", "pinned %", "LRU %
               help="Dense trunk format (default: as a pack stores it, else the expert format).")
 @click.option("--lru-slots", default="auto", show_default=True, help="'auto' or LRU slots per layer.")
 @click.option("--out", "out_path", default=None, help="Write the plan here.")
-@click.option("--compare", is_flag=True, help="Also evaluate colibrì hot-first, --fit layers and uniform.")
+@click.option("--target", type=click.Choice(["colibri-plan", "colibri"]), default="colibri-plan",
+              show_default=True,
+              help="Engine the plan is for: ours, or colibrì (reads at queue depth 1-2, 0.741 MiB of VRAM "
+                   "overhead per expert).")
+@click.option("--queue-depth", default="auto", show_default=True, callback=_queue_depth,
+              help="Expert reads the engine has in flight (1..64): the disk figure priced; 'auto': the "
+                   "target engine's.")
+@click.option("--keep-host-copies", is_flag=True,
+              help="VRAM experts keep a host copy in RAM (colibrì CUDA_RELEASE_HOST=0): charged to --ram.")
+@click.option("--compare", is_flag=True,
+              help="Also evaluate colibrì hot-first (DIRECT=1 and 0), llama.cpp --fit layers and uniform, "
+                   "each with its engine's knobs.")
 @click.option("--what-if", "what_if_kind", type=click.Choice(["ram", "vram", "nvme"]), default=None,
               help="Predicted tok/s as one resource varies.")
 @click.option("--png", "png_path", default=None, help="With --what-if: write the plot here.")
@@ -69,7 +77,8 @@ COMPARE_HEADER = ["placement", "tok/s", "ms/token", "VRAM %", "pinned %", "LRU %
                    "recorded in the plan.")
 @json_option
 def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, context, quant, dense_format,
-          lru_slots, out_path, compare, what_if_kind, png_path, method, time_limit, seed, coef_path):
+          lru_slots, target, queue_depth, keep_host_copies, out_path, compare, what_if_kind, png_path, method,
+          time_limit, seed, coef_path):
     """Solve where every expert lives (VRAM per GPU, pinned RAM, LRU cache, disk) to minimise predicted
     decode time per token within the memory budgets; write a plan file."""
     from colibri_plan.errors import InputError
@@ -114,16 +123,24 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
         plan, sol, setup = make_plan(profile, spec, heat_obj, method=method, time_limit_s=time_limit,
                                      profile_source=source, ram=ram, vram=vram, headroom=headroom,
                                      context_tokens=context, lru_slots=lru_slots, dense_fmt=dense_format,
-                                     vram_reserve_gb=vram_reserve, seed=seed, coef=coef)
+                                     vram_reserve_gb=vram_reserve, seed=seed, coef=coef, target=target,
+                                     queue_depth=queue_depth, keep_host_copies=keep_host_copies)
     for w in setup.warnings:
         warn(w)
     if out_path:
         save_plan(plan, out_path)
     result = {"plan_file": out_path, "model": spec.name, "profile": source,
               "budgets": plan.doc["budgets"], "counts": plan.counts(), "predicted": plan.doc["predicted"],
-              "solver": plan.doc["solver"], "warnings": setup.warnings}
+              "solver": plan.doc["solver"], "knobs": plan.doc.get("knobs"), "warnings": setup.warnings}
     if compare:
-        result["compare"] = _compare(setup, sol)
+        from colibri_plan.planner.compare import compare_placements
+
+        with Steps("comparing with other engines' placements", counted=False):
+            try:
+                result["compare"] = compare_placements(setup, sol, time_limit_s=time_limit)
+            except ColibriError as exc:   # the re-solve with the other host-copy setting failed
+                warn(f"--compare: no row with the other --keep-host-copies setting ({exc})")
+                result["compare"] = compare_placements(setup, sol, host_copy_toggle=False)
     if what_if_kind:
         from colibri_plan.planner.whatif import plot, what_if
 
@@ -133,26 +150,6 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
         if png_path:
             plot(rows, what_if_kind, png_path, title=f"{spec.name} on {source}")
     emit(result, lambda: _human(result, plan))
-
-
-def _compare(setup, sol) -> list[dict]:
-    from colibri_plan.planner.baselines import BASELINES
-    from colibri_plan.planner.make import cost_of
-    from colibri_plan.planner.solve import validate_placement
-
-    rows = [{"placement": "colibri-plan (optimised)", **_brief(sol.cost)}]
-    for name, fn in BASELINES.items():
-        tiers, slots = fn(setup.problem)
-        validate_placement(setup.problem, tiers, slots)
-        rows.append({"placement": name, **_brief(cost_of(setup, tiers, slots))})
-    best = max(r["tok_s"] for r in rows[1:])
-    for r in rows:
-        r["vs_best_baseline"] = r["tok_s"] / best if best > 0 else None
-    return rows
-
-
-def _brief(cost: dict) -> dict:
-    return {k: cost[k] for k in ("tok_s", "decode_s_per_token", "hit_rate", "disk_bytes_per_token")}
 
 
 def _human(result: dict, plan) -> str:
@@ -175,15 +172,11 @@ def _human(result: dict, plan) -> str:
     s = result["solver"]
     gap = "n/a" if s["gap"] is None else f"{s['gap'] * 100:.3f}%"
     out.append(f"Solver: {s['method']}; {s['status']}; gap {gap}; {s['seconds']:.2f} s")
+    out += knob_lines(result.get("knobs"))
     if result.get("plan_file"):
         out.append(f"Plan written to {result['plan_file']}")
     if "compare" in result:
-        rows = [[r["placement"], f"{r['tok_s']:.3f}", f"{r['decode_s_per_token'] * 1e3:.1f}",
-                 f"{r['hit_rate']['vram'] * 100:.1f}", f"{r['hit_rate']['ram_pinned'] * 100:.1f}",
-                 f"{r['hit_rate']['lru'] * 100:.1f}", f"{r['hit_rate']['disk'] * 100:.1f}",
-                 f"{r['disk_bytes_per_token'] / 1e6:.1f}", f"{r['vs_best_baseline']:.2f}x"]
-                for r in result["compare"]]
-        out += ["", table(rows, COMPARE_HEADER + ["vs best baseline"])]
+        out += ["", *compare_tables(result["compare"])]
     if "what_if" in result:
         w = result["what_if"]
         rows = [[f"{r['value']:.3g} {r['unit']}", f"{r['tok_s']:.3f}", f"{r['hot_first_tok_s']:.3f}",
@@ -194,3 +187,39 @@ def _human(result: dict, plan) -> str:
         if w.get("png"):
             out.append(f"Plot written to {w['png']}")
     return "\n".join(out)
+
+
+def _pct(x) -> str:
+    return f"{x * 100:.1f}"
+
+
+def _ratio(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def compare_tables(rows: list[dict]) -> list[str]:
+    """`solve --compare` as three tables keyed by placement (one would be ~150 columns wide): what each
+    placement predicts as its engine runs it, where its selections are served from, and the engine knobs
+    it was priced with."""
+    names = [r["placement"] for r in rows]
+    pred = [[n, f"{r['tok_s']:.3f}", f"{r['decode_s_per_token'] * 1e3:.1f}",
+             f"{r['disk_bytes_per_token'] / 1e6:.1f}", _ratio(r.get("vs_best_baseline")),
+             _ratio(r.get("vs_best_baseline_our_engine"))] for n, r in zip(names, rows)]
+    served = [[n, _pct(h["vram"]), _pct(h["ram_pinned"]), _pct(h["lru"]), _pct(h["disk"]),
+               _pct(r.get("knobs", {}).get("page_cache_hit_rate", 0.0))]
+              for n, r, h in zip(names, rows, (r["hit_rate"] for r in rows))]
+    knobs = []
+    for n, r in zip(names, rows):
+        k = r.get("knobs", {})
+        knobs.append([n, r.get("engine", "?"), k.get("queue_depth", "?"),
+                      "O_DIRECT" if k.get("o_direct", True) else "buffered", k.get("pinned_experts", "?"),
+                      k.get("lru_slots_max", "?"), f"{k.get('host_copy_bytes', 0) / 1e9:.2f} GB"])
+    return [
+        "Predicted as each engine runs it (vs best (our engine): the placements alone, all on our engine):",
+        table(pred, ["placement", "tok/s", "ms/token", "disk MB/tok", "vs best baseline",
+                     "vs best (our engine)"]),
+        "", "Selections served from (%; page cache: the part of disk reads the OS page cache serves):",
+        table(served, ["placement", "VRAM %", "pinned %", "LRU %", "disk %", "page cache %"]),
+        "", "Engine knobs each row is priced with:",
+        table(knobs, ["placement", "engine", "queue depth", "reads", "pins", "LRU slots", "host copies"]),
+    ]
