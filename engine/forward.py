@@ -2,7 +2,7 @@
 
 Reference CPU path: dense matmuls are plain numpy float32 (x · Wᵀ); routed experts go through an
 :class:`~colibri_plan.engine.moe.ExpertProvider` (default :class:`~colibri_plan.engine.moe.RamExperts`
-on a backend of :mod:`colibri_plan.backends`); MLA models (DeepSeek-V2/V3, Kimi-K2) use
+on a backend of :mod:`colibri_plan.backends`); MLA models (DeepSeek-V2/V3/V3.2, Kimi-K2, GLM-5) use
 :mod:`colibri_plan.engine.mla` with a paged latent cache, their decode attention on the host backend's
 ``attention_absorb`` kernel when it has one. Each decoder layer is pre-norm:
 ``h += attn(rmsnorm(h)); h += ffn(rmsnorm(h))``, then a final RMSNorm and the LM head, as in the
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from colibri_plan.engine.attention import KVCache, attention, rmsnorm, rope_inv_freq
-from colibri_plan.engine.mla import LatentCache, mla_attention, select_absorb
+from colibri_plan.engine.mla import LatentCache, check_dsa_context, mla_attention, select_absorb
 from colibri_plan.engine.moe import ExpertProvider, RamExperts, RoutingRecorder, moe_block, swiglu
 from colibri_plan.engine.weights import ModelWeights, check_dense
 from colibri_plan.errors import InputError
@@ -103,6 +103,7 @@ class Model:
         ids = self._ids(token_ids)
         cache = self.new_cache(len(ids)) if cache is None else cache
         a, d = self.arch, self.dense
+        check_dsa_context(a, cache.length, len(ids))  # DSA beyond index_topk: refused before any work
         h = d["embed"][ids]  # [T, H]
         for i in range(a.n_layers):
             p = f"layers.{i}."
@@ -127,6 +128,7 @@ class Model:
 
         Raises:
             InputError: empty input, or an id outside 0..V-1.
+            UnsupportedError: a DSA model's context would pass index_topk tokens (before any work).
         """
         h = self.hidden_states(token_ids, cache)
         return (h @ self._lm_head.T).astype(np.float32, copy=False)  # [T, H] · [V, H]ᵀ -> [T, V]
@@ -145,6 +147,8 @@ class Model:
 
         Raises:
             InputError: bad prompt ids or a negative ``n_tokens``.
+            UnsupportedError: a DSA model's context would pass index_topk tokens: at the step that would
+                feed the (index_topk + 1)-th token (before any work when the prompt alone does).
         """
         if int(n_tokens) < 0:
             raise InputError(f"n_tokens must be >= 0, got {n_tokens}")

@@ -19,6 +19,12 @@ Decode (one new token) uses the weight-absorbed form: q_abs[h] = W_uk[h]ᵀ q_no
 q_nope[h]·k_nope[h, t] = q_abs[h]·latent[t]; :func:`attention_absorb_ref` (or the host backend's
 ``attention_absorb`` kernel) scores the latent + rope rows and returns o_lat[h] = Σ_t p[h, t] latent[t]
 [R]; then o[h] = W_uv[h] o_lat[h]. Prefill uses the expanded form (k_nope and v per head).
+
+DeepSeek Sparse Attention (DeepSeek-V3.2 ``models/deepseek_v32/modeling_deepseek_v32.py``, GLM-5
+``models/glm_moe_dsa/modeling_glm_moe_dsa.py``): the indexer keeps ``min(index_topk, T)`` of the T visible
+keys per query and the mask becomes causal & selected; with T ≤ index_topk it keeps all T, so the layer is
+the MLA above, exactly. :func:`check_dsa_context` refuses a longer context before any work; the indexer's
+tensors (``attn.indexer.*``) are loaded and shape-checked but not used.
 """
 
 from __future__ import annotations
@@ -135,11 +141,46 @@ class LatentCache:
         return sum(p.nbytes for layer in self.pages for p in layer)
 
 
+def check_dsa_context(arch: ArchConfig, cached: int, new: int) -> None:
+    """Refuse a DSA context beyond ``arch.index_topk`` tokens (``cached`` + ``new``), where the indexer's
+    sparse selection would differ from plain MLA.
+
+    Raises:
+        UnsupportedError: one line naming index_topk (no-op for a model without the indexer).
+    """
+    if arch.index_topk and int(cached) + int(new) > arch.index_topk:
+        n = arch.index_topk
+        raise UnsupportedError(f"{arch.family}: a context of {int(cached) + int(new)} tokens: DSA sparse "
+                               f"selection beyond index_topk={n} tokens is not implemented; use contexts up "
+                               f"to {n}")
+
+
+def _indexer_shapes(arch: ArchConfig, layer: int, present: set[str]) -> dict[str, tuple[int, ...]]:
+    """The DSA indexer tensors of ``layer`` -> shapes: wq_b [nI·dI, Rq], wk [dI, H], k_norm (+ bias) [dI],
+    weights_proj [nI, H]; only on layers whose checkpoint has them (GLM-5 "shared" layers have none),
+    required on layer 0 (the first layer always runs its own indexer).
+
+    Raises:
+        UnsupportedError: layer 0 has no indexer tensors.
+    """
+    p = f"layers.{layer}.attn.indexer."
+    if not any(n.startswith(p) for n in present):
+        if layer == 0:
+            raise UnsupportedError(f"{arch.family}: the checkpoint has no DSA indexer tensors "
+                                   "(self_attn.indexer.*); they select the top index_topk="
+                                   f"{arch.index_topk} tokens of longer contexts and a DSA pack keeps them")
+        return {}
+    ni, di = arch.index_n_heads, arch.index_head_dim
+    return {p + "wq_b": (ni * di, arch.q_lora_rank), p + "wk": (di, arch.hidden_size), p + "k_norm": (di,),
+            p + "k_norm_bias": (di,), p + "weights_proj": (ni, arch.hidden_size)}
+
+
 def mla_dense_shapes(arch: ArchConfig, layer: int, present: set[str]) -> dict[str, tuple[int, ...]]:
     """Canonical attention tensors of one MLA layer -> shapes (biases only when ``attention_bias`` or
     present): attn.q [nh·(dn+dr), H] or attn.q_a [Rq, H] + attn.q_a_norm [Rq] + attn.q_b
     [nh·(dn+dr), Rq]; attn.kv_a [R+dr, H], attn.kv_a_norm [R], attn.kv_b [nh·(dn+dv), R], attn.o
-    [H, nh·dv]."""
+    [H, nh·dv]; with DSA the indexer's (:func:`_indexer_shapes`; UnsupportedError when layer 0 lacks
+    them)."""
     p = f"layers.{layer}.attn."
     h, nh, r, rq = arch.hidden_size, arch.n_heads, arch.kv_lora_rank, arch.q_lora_rank
     dqk, dv = arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.v_head_dim
@@ -153,6 +194,8 @@ def mla_dense_shapes(arch: ArchConfig, layer: int, present: set[str]) -> dict[st
     for name, shape in biases.items():  # attention_bias: q_a, kv_a and o carry one (transformers)
         if shape and (arch.attention_bias or p + name in present):
             out[p + name] = shape
+    if arch.index_topk:
+        out.update(_indexer_shapes(arch, layer, present))
     return out
 
 

@@ -79,6 +79,18 @@ def check_prompt(ids: Sequence[int], vocab_size: int) -> None:
                          + (f" ({len(bad)} ids out of range)" if len(bad) > 1 else ""))
 
 
+def check_context(arch, n_prompt: int, n_tokens: int) -> None:
+    """Refuse, before any work, a run whose context (``n_prompt`` + ``n_tokens`` new tokens) passes a DSA
+    model's ``index_topk`` (DeepSeek-V3.2, GLM-5 run as MLA up to it: colibri_plan/engine/mla.py).
+
+    Raises:
+        UnsupportedError: one line naming index_topk.
+    """
+    from colibri_plan.engine.mla import check_dsa_context
+
+    check_dsa_context(arch, 0, int(n_prompt) + int(n_tokens))
+
+
 def check_plan(plan, weights) -> None:
     """Refuse a plan made for another model or expert format than ``weights``, or for a checkpoint folder.
 
@@ -124,12 +136,15 @@ def generate(weights, prompt: Sequence[int], n_tokens: int, *, plan=None, backen
         A RunReport (tokens, prefill, load, decode terms, hit rates, disk bytes, peak RSS).
 
     Raises:
-        InputError: a bad prompt, a plan with a GPU ``backend`` or on a checkpoint folder. The engine's
-        errors: BudgetError (RAM), DeviceOutOfMemoryError, BackendUnavailableError, IntegrityError.
+        InputError: a bad prompt, a plan with a GPU ``backend`` or on a checkpoint folder.
+        UnsupportedError: prompt + n_tokens passes a DSA model's index_topk (:func:`check_context`).
+        The engine's errors: BudgetError (RAM), DeviceOutOfMemoryError, BackendUnavailableError,
+        IntegrityError.
     """
     from colibri_plan.engine.session import run_placement
 
     check_prompt(prompt, weights.arch.vocab_size)
+    check_context(weights.arch, len(prompt), n_tokens)
     if plan is not None and backend not in HOST_BACKENDS:
         raise InputError(f"--backend {backend}: with a plan, CPU-resident and streamed experts run on a "
                          "host backend (cpu or numpy); GPU experts use the devices the plan names")

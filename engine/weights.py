@@ -19,6 +19,8 @@ and its gate, GLM's ``shared_experts`` and router bias) are declared in its file
 | layers.{i}.shared.gate / up / down     | [Is, H], [H, Is] | mlp.shared_expert(s).{gate,up,down}_proj       |
 | layers.{i}.shared_gate                 | [1, H]           | mlp.shared_expert_gate.weight (Qwen2-MoE)      |
 | layers.{i}.ffn.gate / up / down        | [Id, H], [H, Id] | mlp.{gate,up,down}_proj (dense layers)         |
+| layers.{i}.attn.indexer.wq_b / wk /    | [nI·dI, Rq] ...  | self_attn.indexer.{wq_b,wk,k_norm,             |
+|   k_norm / k_norm_bias / weights_proj  |                  | weights_proj} (DSA; engine/mla.py)             |
 
 Routed experts (never in ``dense``): ``expert(layer, e) -> (gate [I, H], up [I, H], down [H, I])``
 QuantTensors; HF ``mlp.experts.{e}.{gate,up,down}_proj`` or Mixtral ``block_sparse_moe.experts.{e}.

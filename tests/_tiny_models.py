@@ -130,7 +130,7 @@ def load_hf(folder, family: str):
     return getattr(transformers, FAMILIES[family][1]).from_pretrained(str(folder)).eval()
 
 
-# ---- MLA families (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash) ------------------------------------------
+# ---- MLA families (DeepSeek-V2/V3/V3.2, Kimi-K2, GLM-4.7-Flash, GLM-5) -------------------------------
 
 MLA_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                   num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16,
@@ -154,13 +154,22 @@ MLA_FAMILIES = {
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM",  # GLM-4.7-Flash: V3 maths, GLM layout
                       dict(q_lora_rank=32, n_group=1, topk_group=1, routed_scaling_factor=1.8,
                            num_hidden_layers=2, rms_norm_eps=1e-5), None),
+    # DSA (index_topk >= 64: the tests' 48-token contexts stay within it, where DSA is plain MLA)
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",  # DeepSeek-V3.2: indexer every layer
+                     dict(q_lora_rank=32, n_group=4, topk_group=2, routed_scaling_factor=2.5, index_topk=64,
+                          index_n_heads=2, index_head_dim=16), None),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",  # GLM-5: layer 1 reuses layer 0's choice
+                    dict(q_lora_rank=32, n_group=1, topk_group=1, routed_scaling_factor=2.5, index_topk=64,
+                         index_n_heads=2, index_head_dim=16, indexer_types=["full", "shared", "full"],
+                         rms_norm_eps=1e-5), None),
 }
 
 
 #: name -> (first seed whose router gaps are >= 1e-3 on the tests' sequences, router weight std: softmax
 #: routers want smaller logits than sigmoid ones for their probabilities to spread)
 MLA_SEEDS = {"deepseek_v2": (4, 0.15), "deepseek_v2_lite": (2, 0.2), "deepseek_v3": (3, 0.6),
-             "kimi_k2": (0, 0.6), "glm4_moe_lite": (0, 0.6)}
+             "kimi_k2": (0, 0.6), "glm4_moe_lite": (0, 0.6), "deepseek_v32": (0, 0.6),
+             "glm_moe_dsa": (1, 0.6)}
 
 
 def build_mla(name: str, folder, seed: int | None = None, std: float = 0.2, router_std: float | None = None,

@@ -1,10 +1,12 @@
-"""MLA families (DeepSeek-V2/V2-Lite/V3, Kimi-K2) in the engine against transformers fp32.
+"""MLA families (DeepSeek-V2/V2-Lite/V3/V3.2, Kimi-K2, GLM-4.7-Flash, GLM-5) in the engine against
+transformers fp32 (the DSA ones, V3.2 and GLM-5, within index_topk context tokens, where DSA is MLA).
 
 Tiny seeded checkpoints (``_tiny_models.MLA_FAMILIES``; random weights, router gaps >= 1e-3 checked on
 every token of the sequences compared, re-seeded otherwise): 32 greedy tokens identical, logits within
 1e-4 on the prefill and on every cached decode step (the weight-absorbed path), identical top-k per MoE
 layer; int8 packs identical in routing to their dequantized reference; YaRN; FP8 block-scaled
-checkpoints against their dequantized reference; the paged latent cache; the absorbed core.
+checkpoints against their dequantized reference; the paged latent cache; the absorbed core; DSA contexts
+beyond index_topk refused before any work; the DSA indexer tensors packed as dense.
 """
 
 from __future__ import annotations
@@ -91,7 +93,50 @@ def test_mla_family_matches_transformers(tiny, name):
     family = json.loads((folder / "config.json").read_text())["model_type"]
     arch = load_checkpoint(folder).arch
     assert arch.q_lora_rank == (0 if name == "deepseek_v2_lite" else 32)
-    _check_parity(hf, folder, want, family)
+    assert arch.index_topk == (64 if family in ("deepseek_v32", "glm_moe_dsa") else 0)
+    diff = _check_parity(hf, folder, want, family)
+    print(f"{family}: max |logit diff| {diff:.2e}")
+
+
+DSA = ("deepseek_v32", "glm_moe_dsa")
+
+
+@pytest.mark.parametrize("name", DSA)
+def test_dsa_context_beyond_index_topk_is_refused_before_any_work(tmp_path, name):
+    from colibri_plan.engine.runner import generate
+
+    build_mla(name, tmp_path, index_topk=8)
+    w = load_checkpoint(tmp_path)
+    assert w.arch.index_topk == 8
+    with Model(w) as model:
+        cache = model.new_cache()
+        with pytest.raises(UnsupportedError) as info:
+            model.forward(PROMPT[:9], cache)  # the prompt alone passes index_topk
+        msg = str(info.value)
+        assert ("DSA sparse selection beyond index_topk=8 tokens is not implemented; use contexts up to 8"
+                in msg)
+        assert "\n" not in msg and cache.length == 0 and model.routing.counts.sum() == 0  # no work done
+        seen = []
+        with pytest.raises(UnsupportedError, match="index_topk=8"):  # at the step feeding token 9
+            model.generate(PROMPT[:5], 10, on_token=lambda step, tok, s: seen.append(tok))
+        assert len(seen) == 4  # contexts 5..8 ran: 5 prompt + 3 fed tokens, 4 new tokens
+        assert model.generate(PROMPT[:5], 4) == seen  # within index_topk: runs
+    with pytest.raises(UnsupportedError, match="use contexts up to 8"):  # run / verify: prompt + tokens
+        generate(w, PROMPT[:5], 4, backend="numpy")
+
+
+def test_dsa_indexer_is_packed_as_dense(tiny, tmp_path):
+    from colibri_plan.engine.pack import open_pack, write_pack
+
+    _, folder, _, _ = tiny("glm_moe_dsa")
+    w = load_checkpoint(folder)
+    index = {n for n in w.dense if ".attn.indexer." in n}
+    assert {n.split(".")[1] for n in index} == {"0", "2"}  # layer 1 is "shared": no indexer of its own
+    assert w.dense["layers.0.attn.indexer.wq_b"].shape == (2 * 16, 32)
+    pack = open_pack(write_pack(w, tmp_path / "pack", "f32"))
+    assert pack.arch == w.arch and index <= set(pack.dense)  # kept for contexts beyond index_topk
+    assert pack.spec().dense_params == sum(int(v.size) for v in w.dense.values())
+    pack.close()
 
 
 def test_yarn_mla_matches_transformers(tiny):
@@ -263,12 +308,13 @@ def test_decode_runs_on_the_cpu_backend_absorb_kernel(tiny):
         assert model.generate(PROMPT[:16], 32) == want
 
 
-def test_tiny_mla_attention_is_not_uniform(tiny):
+@pytest.mark.parametrize("name", ("deepseek_v3",) + DSA)
+def test_tiny_mla_attention_is_not_uniform(tiny, name):
     """The tiny models' init scale makes attention peaked: the last token's largest weight is several
     times uniform on every layer and head (else a wrong score would go unnoticed)."""
     import torch
 
-    hf, _, _, _ = tiny("deepseek_v3")
+    hf, _, _, _ = tiny(name)
     hf.config._attn_implementation = "eager"
     with torch.no_grad():
         att = hf(torch.as_tensor([PROMPT]), output_attentions=True).attentions

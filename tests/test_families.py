@@ -43,8 +43,9 @@ TABLE = {
                       first_k_dense_replace=1, intermediate_size=48, num_nextn_predict_layers=1),
                  (4, 8, (1, 2, 3, 4), 16, 5 * 64, False)),  # MTP head: row 4 and one more KV layer
     **{mt: (MLA, (8, 8, (1, 2, 3), 8, 4 * (16 + 4) * 2, False))
-       for mt in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe_lite")},
-    "glm_moe_dsa": (dict(MLA, mlp_layer_types=["dense", "sparse", "dense", "sparse"]),
+       for mt in ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite")},
+    "deepseek_v32": (dict(MLA, q_lora_rank=24), (8, 8, (1, 2, 3), 8, 4 * (16 + 4) * 2, False)),
+    "glm_moe_dsa": (dict(MLA, q_lora_rank=24, mlp_layer_types=["dense", "sparse", "dense", "sparse"]),
                     (8, 8, (1, 3), 8, 4 * 20 * 2, False)),
     "deepseek_v4": (dict(n_routed_experts=8, moe_intermediate_size=8, n_shared_experts=1, head_dim=16,
                          num_key_value_heads=1), (8, 8, (0, 1, 2, 3), 8, 4 * 2 * 16 * 2, False)),
@@ -65,7 +66,7 @@ def _config(model_type: str) -> dict:
 def test_the_table_covers_every_registered_family():
     assert set(TABLE) == set(FAMILIES)
     assert set(ENGINE_FAMILIES) == {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2",
-                                    "deepseek_v3", "kimi_k2", "glm4_moe_lite"}
+                                    "deepseek_v3", "kimi_k2", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"}
 
 
 @pytest.mark.parametrize("model_type", sorted(TABLE))
@@ -109,8 +110,8 @@ def test_mla_runs_and_its_geometry_is_read():
 
 
 @pytest.mark.parametrize("model_type,change,field", [
-    ("deepseek_v32", {}, "index_topk"),
-    ("glm_moe_dsa", {}, "index_topk"),
+    ("deepseek_v32", {"q_lora_rank": None}, "q_lora_rank"),
+    ("glm_moe_dsa", {"q_lora_rank": 0}, "q_lora_rank"),
     ("deepseek_v3", {"index_topk": 2048}, "index_topk"),
     ("deepseek_v3", {"topk_method": "greedy"}, "topk_method"),
     ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
@@ -133,6 +134,24 @@ def test_mla_variant_not_implemented_is_one_line_naming_the_field(model_type, ch
     assert field in msg and "\n" not in msg, msg
     if field != "qk_rope_head_dim":  # an odd rope width is no architecture at all
         assert plan_geometry(cfg).kv_values_per_layer == cfg.get("kv_lora_rank", 16) + cfg["qk_rope_head_dim"]
+
+
+def test_dsa_families_run_as_mla_with_their_indexer_fields():
+    """DeepSeek-V3.2 / GLM-5 read as MLA with index_topk (transformers' defaults when absent), always
+    interleaved RoPE (their configs have no rope_interleave), and the indexer tensors named."""
+    v32 = arch_from_config({**_config("deepseek_v32"), "rope_interleave": False})
+    assert (v32.attention, v32.rope_interleave, v32.q_lora_rank) == ("mla", True, 24)
+    assert (v32.index_topk, v32.index_n_heads, v32.index_head_dim) == (2048, 64, 128)
+    glm = arch_from_config({**_config("glm_moe_dsa"), "index_topk": 64, "index_n_heads": 2})
+    assert (glm.index_topk, glm.index_n_heads, glm.index_head_dim, glm.moe_layers) == (64, 2, 128, (1, 3))
+    assert ArchConfig.from_dict(glm.to_dict()) == glm
+    assert ArchConfig.from_dict({k: v for k, v in glm.to_dict().items() if not k.startswith("index_")}
+                                ).index_topk == 0  # packs written before the DSA fields still load
+    assert arch_from_config(_config("deepseek_v3")).index_topk == 0
+    for mt in ("deepseek_v32", "glm_moe_dsa"):
+        names = tensor_names(mt).layer
+        assert names["self_attn.indexer.wq_b.weight"] == "attn.indexer.wq_b"
+        assert names["self_attn.indexer.k_norm.bias"] == "attn.indexer.k_norm_bias"
 
 
 def test_mla_kv_bytes_count_the_latent_and_rope_rows():

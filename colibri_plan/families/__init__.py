@@ -20,12 +20,14 @@ A new family is one file here plus one line in :data:`_MODULES`.
 | olmoe        | olmoe                                                           | runs      |
 | glm4_moe     | glm4_moe                                                        | runs      |
 | deepseek     | deepseek_v2/v3, kimi_k2, glm4_moe_lite (MLA)                    | runs      |
-|              | deepseek_v32, glm_moe_dsa (GLM-5: MLA + DSA indexer)            | plan only |
+|              | deepseek_v32, glm_moe_dsa (GLM-5: MLA + DSA indexer)            | runs (1)  |
 | deepseek_v4  | deepseek_v4                                                     | plan only |
 | gpt_oss      | gpt_oss                                                         | plan only |
 | qwen3_next   | qwen3_next, qwen3_5_moe(_text)                                  | plan only |
 | phimoe       | phimoe                                                          | plan only |
 | jamba        | jamba                                                           | plan only |
+
+(1) as MLA for contexts up to ``index_topk`` tokens, where DSA selects every token (families/deepseek.py).
 
 Multimodal wrappers are read through their ``text_config`` (:func:`~colibri_plan.families.base.text_config`).
 """
@@ -114,13 +116,12 @@ def _read(c: ConfigReader, module: ModuleType) -> ArchConfig:
 def arch_from_config(config: dict, plan_only: bool = False, where: str = "config.json") -> ArchConfig:
     """The :class:`~colibri_plan.formats.arch.ArchConfig` of a Hugging Face ``config.json`` dict.
 
-    ``plan_only=True`` also returns the geometry of families the forward pass cannot run yet (DSA
-    sparse attention, gpt-oss, hybrid attention, RoPE scaling other than linear/YaRN) for planning; the
-    engine leaves it False.
+    ``plan_only=True`` also returns the geometry of families the forward pass cannot run yet (gpt-oss, hybrid
+    attention, RoPE scaling other than linear/YaRN) for planning; the engine leaves it False.
 
     Raises:
         UnsupportedError: unknown ``model_type`` (named); unless ``plan_only``, a plan-only family or
-            variant (the config field named, e.g. ``index_topk`` for DeepSeek-V3.2/GLM-5) or a RoPE type
+            variant (the config field named, e.g. ``index_topk`` on a DeepSeek-V3 config) or a RoPE type
             other than default/linear/yarn.
         FormatError: a required key is missing (named) or the values are inconsistent.
     """

@@ -1,5 +1,5 @@
-"""Multi-head latent attention (MLA) families: DeepSeek-V2/V3, Kimi-K2 and GLM-4.7-Flash run; the DSA
-variants (DeepSeek-V3.2, GLM-5) are planned only.
+"""Multi-head latent attention (MLA) families: DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash, and the DSA variants
+DeepSeek-V3.2 and GLM-5 (as MLA up to ``index_topk`` context tokens).
 
 | model_type      | model                                   | transformers config class | engine          |
 |-----------------|-----------------------------------------|---------------------------|-----------------|
@@ -7,8 +7,18 @@ variants (DeepSeek-V3.2, GLM-5) are planned only.
 | deepseek_v3     | DeepSeek-V3/R1 (Kimi K2 ships this too) | ``DeepseekV3Config``      | runs            |
 | kimi_k2         | Kimi K2 (DeepSeek-V3 architecture)      | (remote code)             | runs (as V3)    |
 | glm4_moe_lite   | GLM-4.7-Flash                           | ``Glm4MoeLiteConfig``     | runs (as V3)    |
-| deepseek_v32    | DeepSeek-V3.2 (+ DSA indexer)           | ``DeepseekV32Config``     | plan only       |
-| glm_moe_dsa     | GLM-5 / GLM-5.x (+ DSA indexer)         | ``GlmMoeDsaConfig``       | plan only       |
+| deepseek_v32    | DeepSeek-V3.2 (+ DSA indexer)           | ``DeepseekV32Config``     | runs ≤ topk     |
+| glm_moe_dsa     | GLM-5 / GLM-5.x (+ DSA indexer)         | ``GlmMoeDsaConfig``       | runs ≤ topk     |
+
+DeepSeek Sparse Attention (``modeling_deepseek_v32.py``, ``modeling_glm_moe_dsa.py``): each layer's
+indexer (GLM-5: the ``indexer_types`` "full" layers; "shared" ones reuse the previous choice) scores the
+T visible keys and keeps ``topk = min(index_topk, T)`` of them; the attention mask is then
+``causal & selected``. While T ≤ index_topk every key is selected (top-T of T, causally masked ones
+included since their score is -inf but still among the T), the mask is the causal mask, and the layer is
+exactly DeepSeek-V3 MLA (same projections, norms, interleaved RoPE on the rope part, softmax scale, router,
+MoE). So ``read`` gives an MLA ArchConfig with ``index_topk`` and the engine runs it for contexts up to
+index_topk tokens, refusing longer ones (``colibri_plan.engine.mla.check_dsa_context``). DSA always has a
+q LoRA (the indexer reads q_a_layernorm's output) and always interleaves RoPE (no ``rope_interleave``).
 
 config.json keys: ``n_routed_experts`` (E), ``num_experts_per_tok`` (k), ``moe_intermediate_size`` (I),
 ``n_shared_experts`` (n_shared · I wide), ``first_k_dense_replace`` (default 0) + ``moe_layer_freq``, or
@@ -25,6 +35,9 @@ Tensors (after ``model.layers.{i}.self_attn.``): ``q_proj`` [nh·(dn+dr), H] or 
 ``q_a_layernorm`` [Rq] + ``q_b_proj`` [nh·(dn+dr), Rq]; ``kv_a_proj_with_mqa`` [R+dr, H],
 ``kv_a_layernorm`` [R], ``kv_b_proj`` [nh·(dn+dv), R], ``o_proj`` [H, nh·dv] (canonical names in
 engine/mla.py); MoE as GLM-4.x (``mlp.gate``, ``mlp.gate.e_score_correction_bias``, ``mlp.shared_experts``).
+DSA indexer (``self_attn.indexer.``): ``wq_b`` [nI·dI, Rq], ``wk`` [dI, H], ``k_norm`` (LayerNorm weight and
+bias) [dI], ``weights_proj`` [nI, H] (nI = ``index_n_heads``, dI = ``index_head_dim``): unused up to
+index_topk tokens but needed beyond, so loaded, packed and counted as dense bytes.
 
 Planning: KV bytes per token = (kv_lora_rank + qk_rope_head_dim) values per layer (bf16 = 2 B), one more
 layer per MTP head; the DSA indexer's cache is not counted.
@@ -45,10 +58,10 @@ from colibri_plan.families.base import (
 from colibri_plan.formats.arch import ArchConfig
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa", "glm4_moe_lite")
-_DSA = ("DeepSeek Sparse Attention (the DSA indexer of config field 'index_topk') is not implemented by the "
-        "engine (transformers implements it); the model is planned only")
-#: model_type -> why the engine refuses it (absent = runs)
-REFUSE = {"deepseek_v32": _DSA, "glm_moe_dsa": _DSA}
+#: model_type -> why the engine refuses it (absent = runs); the DSA variants run up to index_topk tokens
+REFUSE: dict[str, str] = {}
+#: model types with the DSA indexer -> transformers' default index_n_heads (index_head_dim defaults to 128)
+DSA_TYPES = {"deepseek_v32": 64, "glm_moe_dsa": 32}
 #: HF name after ``model.layers.{i}.`` -> canonical name (shapes in engine/mla.py)
 MLA_NAMES = {
     "self_attn.q_a_proj.weight": "attn.q_a", "self_attn.q_a_proj.bias": "attn.q_a_bias",
@@ -58,17 +71,25 @@ MLA_NAMES = {
 }
 TENSORS = TensorNames(layer={
     **COMMON_LAYER_NAMES, **MLA_NAMES, "mlp.gate.e_score_correction_bias": "router_bias",
-    **shared_expert_names("mlp.shared_experts")})
+    **shared_expert_names("mlp.shared_experts"),
+    **{f"self_attn.indexer.{n}.weight": f"attn.indexer.{n}"
+       for n in ("wq_b", "wk", "k_norm", "weights_proj")},
+    "self_attn.indexer.k_norm.bias": "attn.indexer.k_norm_bias"})
 #: topk_method values each router implements (None = the key is absent)
 _TOPK_METHODS = {"v2": (None, "greedy", "group_limited_greedy"), "v3": (None, "noaux_tc")}
 
 
 def _refuse_variants(c: ConfigReader, v2: bool, n_heads: int) -> None:
     """Record (``c.refuse``) the MLA variants the engine does not implement, naming the config field."""
-    for key in ("index_topk", "index_n_heads", "index_head_dim"):
-        if c.has(key):
-            c.refuse(f"config field {key!r}: DeepSeek Sparse Attention (DSA indexer) is not implemented")
-            break
+    if c.model_type in DSA_TYPES:
+        if not c.opt_int("q_lora_rank", 0):
+            c.refuse("config field 'q_lora_rank' must be > 0 (the DSA indexer reads the query LoRA)")
+    else:
+        for key in ("index_topk", "index_n_heads", "index_head_dim"):
+            if c.has(key):
+                c.refuse(f"config field {key!r}: DeepSeek Sparse Attention (DSA indexer) is only implemented "
+                         f"for {' and '.join(DSA_TYPES)}, not {c.model_type}")
+                break
     method = c.cfg.get("topk_method")
     if method not in _TOPK_METHODS["v2" if v2 else "v3"]:
         c.refuse(f"config field 'topk_method' = {method!r} is not implemented for {c.model_type} (known: "
@@ -106,8 +127,12 @@ def read(c: ConfigReader) -> ArchConfig:
     moe_inter = c.need_int("moe_intermediate_size")
     grouped = not v2 or c.cfg.get("topk_method") == "group_limited_greedy"
     f.update(n_kv_heads=f["n_heads"], head_dim=head_dim, partial_rotary_factor=rope_d / max(head_dim, 1))
+    dsa = c.model_type in DSA_TYPES
+    if dsa:  # transformers' defaults (DeepseekV32Config / GlmMoeDsaConfig)
+        f.update(index_topk=c.opt_int("index_topk", 2048), index_head_dim=c.opt_int("index_head_dim", 128),
+                 index_n_heads=c.opt_int("index_n_heads", DSA_TYPES[c.model_type]))
     return ArchConfig(
-        **f, attention="mla", rope_interleave=True if v2 else c.opt_bool("rope_interleave", True),
+        **f, attention="mla", rope_interleave=True if v2 or dsa else c.opt_bool("rope_interleave", True),
         q_lora_rank=c.opt_int("q_lora_rank", 0), kv_lora_rank=c.need_int("kv_lora_rank"),
         qk_nope_head_dim=nope, qk_rope_head_dim=rope_d, v_head_dim=c.opt_int("v_head_dim", nope),
         attention_bias=c.opt_bool("attention_bias", False),

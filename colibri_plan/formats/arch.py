@@ -22,8 +22,9 @@ both the v5 ``rope_parameters`` dict and the older top-level ``rope_theta``/``pa
 | kimi_k2              | attention; optional q LoRA),    | group_limited_greedy); v3/kimi: as        |
 |                      | interleaved RoPE on the rope    | glm4_moe (sigmoid + bias, top-2-sum       |
 |                      | part, YaRN                      | groups); shared experts; dense prefix     |
-| deepseek_v32,        | MLA + DSA indexer: planned only | (described for planning)                 |
-| glm_moe_dsa          |                                 |                                          |
+| deepseek_v32,        | MLA + DSA indexer (index_topk): | as deepseek_v3                           |
+| glm_moe_dsa          | runs as MLA up to index_topk    |                                          |
+|                      | context tokens                  |                                          |
 | gpt_oss, qwen3_next, | not implemented: planned only   | (described for planning)                 |
 | phimoe, jamba, ...   |                                 |                                          |
 
@@ -97,6 +98,9 @@ class ArchConfig:
         qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA per-head widths of the key part without
             RoPE, the decoupled rotary part (shared by all heads in the cache) and the value; for MLA
             head_dim = qk_nope_head_dim + qk_rope_head_dim and n_kv_heads = n_heads.
+        index_topk, index_n_heads, index_head_dim: DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): the
+            indexer keeps the top ``index_topk`` context tokens per query, with ``index_n_heads`` heads of
+            ``index_head_dim`` channels; 0 = no indexer. Up to index_topk context tokens DSA is plain MLA.
         architecture: the HF architecture class name, when known.
     """
 
@@ -151,6 +155,9 @@ class ArchConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
 
     def __post_init__(self):
         _check_types(self)
@@ -279,7 +286,7 @@ _INT_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
                "top_k", "moe_intermediate_size", "dense_intermediate_size", "n_shared_experts",
                "shared_intermediate_size", "first_k_dense_replace", "n_group", "topk_group",
                "yarn_original_max_position", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-               "qk_rope_head_dim", "v_head_dim")
+               "qk_rope_head_dim", "v_head_dim", "index_topk", "index_n_heads", "index_head_dim")
 _FLOAT_FIELDS = ("rope_theta", "partial_rotary_factor", "rope_scaling_factor", "rms_norm_eps",
                  "routed_scaling_factor", "yarn_factor", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
                  "yarn_mscale_all_dim")
@@ -314,6 +321,10 @@ def _rope_mla_problems(a: ArchConfig) -> list[str]:
                             f"({a.qk_nope_head_dim} + {a.qk_rope_head_dim})")
         if a.n_kv_heads != a.n_heads:
             problems.append(f"MLA n_kv_heads {a.n_kv_heads} must equal n_heads {a.n_heads}")
+    dsa = (a.index_topk, a.index_n_heads, a.index_head_dim)
+    if any(v < 0 for v in dsa) or (any(dsa) and (a.attention != "mla" or min(dsa) < 1)):
+        problems.append("index_topk, index_n_heads and index_head_dim (the DSA indexer) must be all 0, or "
+                        "all > 0 on an MLA architecture")
     return problems
 
 
