@@ -74,3 +74,29 @@ def test_a_plan_without_knobs_still_shows(files, tmp_path):
     doc["knobs"] = {"target": "colibri"}                  # every key of knobs is optional
     out = _show(write(tmp_path / "partial.json", doc)).stdout
     assert "Knobs: target colibri\n" in out and "LRU model:" not in out
+
+
+def test_plan_show_prints_the_compute_choice_and_the_repin_policy(files, tmp_path):
+    doc = json.loads((files / "plan.json").read_text())
+    out = _show(files / "plan.json").stdout      # a CPU-only plan: both said, as their defaults
+    assert "Compute: host tiers (pinned, LRU hits, streamed) on the CPU" in out
+    assert "Re-pinning: off (solve --repin-every N turns it on)" in out
+    doc["devices"].append({"key": "vulkan:0", "name": "llvmpipe", "unified": True, "matmul_gbps": 0.1})
+    doc["budgets"]["vram_budget_bytes"]["vulkan:0"] = 0
+    doc["compute"] = {"ram_pinned": "cpu", "lru": "vulkan:0", "disk": "vulkan:0"}
+    doc["compute_explain"] = {"ram_pinned": {"cpu": 1e-4, "vulkan:0": 4e-4},
+                              "lru": {"cpu": 1e-4, "vulkan:0": 5e-5}, "disk": {"cpu": 1e-4, "vulkan:0": 6e-5}}
+    doc["repin"] = {"enabled": True, "every_tokens": 16, "window_tokens": 64, "max_swaps": 4}
+    path = write(tmp_path / "unified.json", doc)
+    out = _show(path).stdout
+    assert "Compute: pinned on cpu, LRU hits on vulkan:0, streamed on vulkan:0" in out
+    assert ("Compute per expert: pinned cpu 0.1 ms / vulkan:0 0.4 ms; LRU hits cpu 0.1 ms / vulkan:0 "
+            "0.05 ms") in out
+    assert "streamed cpu 0.1 ms / vulkan:0 0.06 ms" in out
+    assert "Re-pinning: every 16 tokens, window 64 tokens, at most 4 swaps per layer and round" in out
+    shown = json.loads(_show(path, "--json").stdout)
+    assert shown["compute"] == doc["compute"] and shown["compute_explain"] == doc["compute_explain"]
+    assert shown["repin"] == doc["repin"]
+    del doc["knobs"]                              # a plan without knobs still shows both sections
+    out = _show(write(tmp_path / "noknobs.json", doc)).stdout
+    assert "Compute: pinned on cpu" in out and "Re-pinning: every 16 tokens" in out and "Knobs:" not in out

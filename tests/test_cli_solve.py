@@ -241,3 +241,60 @@ def test_compare_survives_a_failed_host_copy_resolve(good, monkeypatch):
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.stdout)["compare"]) == 5
     assert "no row with the other --keep-host-copies setting (placement uses too much RAM)" in r.stderr
+
+
+# ---- issue 16 follow-up: --repin-every / --repin-window write the plan's repin section ------------------
+
+def test_repin_every_writes_the_section_and_verify_repins_token_exact(files, tmp_path):
+    """A plan solved with --repin-every re-pins on the engine: verify is token-exact against the all-RAM
+    reference and its report counts the swaps (pins from uniform heat, so the real routing moves them)."""
+    plan = tmp_path / "repin.json"
+    doc, r = solve_json(files, "--heat", "uniform", "--ram", "0.503", "--context", "100",
+                        "--repin-every", "2", "--out", plan)
+    assert doc["repin"] == {"enabled": True, "every_tokens": 2, "window_tokens": 8, "max_swaps": 4}
+    assert doc["counts"]["ram_pinned"] > 0 and doc["counts"]["disk"] > 0
+    assert json.loads(plan.read_text())["repin"] == doc["repin"]
+    human = solve(files, "--ram", "0.503", "--context", "100", "--repin-every", "2", "--repin-window", "5")
+    assert "Re-pinning: every 2 tokens, window 5 tokens, at most 4 swaps per layer and round" in human.stdout
+    v = invoke("verify", "--plan", plan, "--model", files / "fx", "--tokens", "12", "--json",
+               "--report", tmp_path / "v.json")
+    assert v.exit_code == 0, v.output
+    rep = json.loads(v.stdout)
+    assert rep["verdict"]["token_exact"] is True
+    assert rep["measured"]["repins"] > 0 and rep["measured"]["repin_bytes"] > 0
+
+
+def test_repin_options_are_checked(files):
+    off, _ = solve_json(files, "--ram", "0.503", "--context", "100", "--repin-every", "0")
+    assert off["repin"] is None
+    assert "Re-pinning: off" in solve(files, "--ram", "0.503", "--context", "100").stdout
+    refused(solve(files, "--repin-window", "8"), 2, "--repin-window needs --repin-every")
+    for opt, bad in (("--repin-every", "-1"), ("--repin-every", "x"), ("--repin-window", "0"),
+                     ("--repin-every", "1000001")):
+        refused(solve(files, opt, bad), 2, opt)
+
+
+def test_compare_and_solve_show_where_host_tiers_are_computed(tmp_path):
+    """A unified GPU (toy): solve --json carries compute/compute_explain, the human text prints them, and
+    every --compare row says where its host tiers are computed (hot-first priced with the same choice)."""
+    from _solver_fixtures import toy_profile
+
+    from colibri_plan.formats.profile import save_profile
+    from colibri_plan.model import save_model_spec
+
+    save_profile(toy_profile(gpus=[{"gbps": 80.0, "free_bytes": 4 * 10**9, "unified": True}],
+                             ram_available_bytes=3 * 10**9), tmp_path / "uni.json")
+    save_model_spec(toy_spec(n_experts=16, hidden=2048, inter=1024), tmp_path / "model.json")
+    args = ("solve", "--profile", tmp_path / "uni.json", "--model", tmp_path / "model.json", "--ram", "0.58",
+            "--context", "100", "--compare")
+    r = cli_run(*args, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["compute"]["ram_pinned"] == "cuda:0" and set(doc["compute_explain"]) == {"ram_pinned", "lru",
+                                                                                       "disk"}
+    for row in doc["compare"]:
+        assert row["knobs"]["compute"] == {"ram_pinned": "cuda:0", "lru": "cpu", "disk": "cpu"}
+        assert set(row["knobs"]["unified_experts"]) == {"cuda:0"}
+    out = cli_run(*args).stdout
+    assert "Compute: pinned on cuda:0, LRU hits on cpu, streamed on cpu" in out
+    assert "host tiers on" in out and out.count("pin cuda:0, LRU cpu, miss cpu") == len(doc["compare"])

@@ -273,13 +273,50 @@ def read_prompt(prompt_ids: str | None, prompt_file: str | None) -> list[int]:
     return parse_prompt(text, f"prompt file {path}")
 
 
-def knob_lines(knobs: dict | None) -> list[str]:
-    """The engine knobs a plan was solved for (its ``knobs`` section, docs/plan-format.md) as up to four
+#: how the compute line names the plan's host tiers
+_TIER_WORDS = {"ram_pinned": "pinned", "lru": "LRU hits", "disk": "streamed"}
+
+
+def compute_lines(compute: dict | None, explain: dict | None = None) -> list[str]:
+    """Which processor computes each host tier (the plan's ``compute`` section), and from
+    ``compute_explain`` the seconds per expert of every candidate, as up to two lines: ``Compute: pinned
+    on cpu, LRU hits on vulkan:0, streamed on vulkan:0`` and ``Compute per expert: pinned cpu 0.12 ms /
+    vulkan:0 0.5 ms; ...``. No section: every host tier on the CPU."""
+    if not compute:
+        return ["Compute: host tiers (pinned, LRU hits, streamed) on the CPU (no unified-memory GPU chosen)"]
+    out = ["Compute: " + ", ".join(f"{w} on {compute.get(t, 'cpu')}" for t, w in _TIER_WORDS.items())]
+    why = []
+    for tier, word in _TIER_WORDS.items():
+        cand = (explain or {}).get(tier) or {}
+        secs = " / ".join(f"{k} {v * 1e3:.3g} ms" for k, v in cand.items() if isinstance(v, (int, float)))
+        if secs:
+            note = " (follow streamed: a hit reuses the slot's upload)" if tier == "lru" else ""
+            why.append(f"{word} {secs}{note}")
+    if why:
+        out.append("Compute per expert: " + "; ".join(why))
+    return out
+
+
+def repin_line(repin: dict | None) -> str:
+    """The plan's live re-pinning policy (its ``repin`` section) as one line; absent or disabled: off."""
+    if not repin or not repin.get("enabled"):
+        return "Re-pinning: off (solve --repin-every N turns it on)"
+    every, window = repin.get("every_tokens", "?"), repin.get("window_tokens", "?")
+    return (f"Re-pinning: every {every} tokens, window {window} tokens, at most {repin.get('max_swaps', 4)} "
+            "swaps per layer and round")
+
+
+def knob_lines(knobs: dict | None, *, compute: dict | None = None, compute_explain: dict | None = None,
+               repin: dict | None = None) -> list[str]:
+    """The engine knobs a plan was solved for (its ``knobs`` section, docs/plan-format.md) as up to seven
     lines, for `solve` and `plan show`: the engine's reads and memory, the LRU model, the slot counts the
-    trace-driven search tried, the page cache. Every key is optional in a plan (a hand-edited one may lack
-    some): a missing figure is left out; no ``knobs`` (a plan from before issue #16) gives no lines."""
+    trace-driven search tried, the page cache, then which processor computes each host tier (``compute``,
+    ``compute_explain``) and the re-pinning policy (``repin``). Every key is optional in a plan (a
+    hand-edited one may lack some): a missing figure is left out; no ``knobs`` (a plan from before issue
+    #16) gives only the compute and re-pinning lines, and those only when the plan has the sections."""
     if not knobs:
-        return []
+        return (compute_lines(compute, compute_explain) if compute else []) + \
+            ([repin_line(repin)] if repin else [])
     k, cm, pc = knobs, knobs.get("cache_model") or {}, knobs.get("page_cache") or {}
     parts = []
     if "target" in k:
@@ -325,4 +362,4 @@ def knob_lines(knobs: dict | None) -> list[str]:
         pool = f" (pool {pc['pool_bytes'] / 1e9:.2f} GB)" if "pool_bytes" in pc else ""
         lines.append(f"Page cache: could hold {pc['capacity_bytes'] / 1e9:.2f} GB beside this plan{pool}; "
                      + ("read through" if pc.get("used") else "not used: O_DIRECT"))
-    return lines
+    return lines + compute_lines(compute, compute_explain) + [repin_line(repin)]

@@ -26,7 +26,8 @@ def show(path, show_layers):
     data = {"file": path, "model": d["model"]["name"], "model_fingerprint": p.model_fingerprint,
             "profile": d["profile"], "heat": d["heat"], "budgets": d["budgets"], "counts": p.counts(),
             "predicted": d["predicted"], "solver": d["solver"], "expert_format": d["expert_format"],
-            "knobs": d.get("knobs")}
+            "knobs": d.get("knobs"), "compute": d.get("compute"), "compute_explain": d.get("compute_explain"),
+            "repin": d.get("repin")}
     mtp = d["model"].get("mtp_expert_bytes")
     if mtp:
         data["mtp_expert_bytes"] = mtp
@@ -59,7 +60,8 @@ def show(path, show_layers):
                                           if d.get("coefficients") else "defaults (not calibrated)")]
         if mtp:
             lines.insert(5, f"MTP experts: {mtp / 1e6:.2f} MB each (colibrì's int8)")
-        lines += knob_lines(d.get("knobs"))
+        lines += knob_lines(d.get("knobs"), compute=d.get("compute"),
+                            compute_explain=d.get("compute_explain"), repin=d.get("repin"))
         if show_layers:
             keys = p.device_keys
             rows = [[e["layer"]] + [len(e["vram"].get(k, [])) for k in keys]

@@ -59,6 +59,12 @@ def _queue_depth(_ctx, _param, value: str) -> str:
                    "target engine's.")
 @click.option("--keep-host-copies", is_flag=True,
               help="VRAM experts keep a host copy in RAM (colibrì CUDA_RELEASE_HOST=0): charged to --ram.")
+@click.option("--repin-every", default=0, show_default=True, type=click.IntRange(0, 1_000_000),
+              help="Live re-pinning: every N decode tokens the engine swaps cold pins/VRAM experts for hot "
+                   "streamed ones when it pays (the plan's repin section); 0: off.")
+@click.option("--repin-window", default=None, type=click.IntRange(1, 1_000_000),
+              help="Tokens of routing the re-pinning estimate remembers and the horizon of its saving "
+                   "(default 4 x --repin-every).")
 @click.option("--compare", is_flag=True,
               help="Also evaluate colibrì hot-first (DIRECT=1 and 0), llama.cpp --fit layers and uniform, "
                    "each with its engine's knobs.")
@@ -77,8 +83,8 @@ def _queue_depth(_ctx, _param, value: str) -> str:
                    "recorded in the plan.")
 @json_option
 def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, context, quant, dense_format,
-          lru_slots, target, queue_depth, keep_host_copies, out_path, compare, what_if_kind, png_path, method,
-          time_limit, seed, coef_path):
+          lru_slots, target, queue_depth, keep_host_copies, repin_every, repin_window, out_path, compare,
+          what_if_kind, png_path, method, time_limit, seed, coef_path):
     """Solve where every expert lives (VRAM per GPU, pinned RAM, LRU cache, disk) to minimise predicted
     decode time per token within the memory budgets; write a plan file."""
     from colibri_plan.errors import InputError
@@ -94,10 +100,12 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
         if p is not None:
             check_output_path(p, inputs)
     from colibri_plan.errors import ColibriError
+    from colibri_plan.planner.knobs import repin_section
     from colibri_plan.planner.make import check_budget_options
 
     try:  # bad option values are usage errors (exit 2), like --time-limit 0
         check_budget_options(ram, vram, headroom, lru_slots)
+        repin_section(repin_every, repin_window)
     except ColibriError as exc:
         raise click.BadParameter(str(exc)) from None
     from colibri_plan.formats.profile import resolve_profile
@@ -124,14 +132,17 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
                                      profile_source=source, ram=ram, vram=vram, headroom=headroom,
                                      context_tokens=context, lru_slots=lru_slots, dense_fmt=dense_format,
                                      vram_reserve_gb=vram_reserve, seed=seed, coef=coef, target=target,
-                                     queue_depth=queue_depth, keep_host_copies=keep_host_copies)
+                                     queue_depth=queue_depth, keep_host_copies=keep_host_copies,
+                                     repin_every=repin_every, repin_window=repin_window)
     for w in setup.warnings:
         warn(w)
     if out_path:
         save_plan(plan, out_path)
     result = {"plan_file": out_path, "model": spec.name, "profile": source,
               "budgets": plan.doc["budgets"], "counts": plan.counts(), "predicted": plan.doc["predicted"],
-              "solver": plan.doc["solver"], "knobs": plan.doc.get("knobs"), "warnings": setup.warnings}
+              "solver": plan.doc["solver"], "knobs": plan.doc.get("knobs"),
+              "compute": plan.doc.get("compute"), "compute_explain": plan.doc.get("compute_explain"),
+              "repin": plan.doc.get("repin"), "warnings": setup.warnings}
     if compare:
         from colibri_plan.planner.compare import compare_placements
 
@@ -172,7 +183,8 @@ def _human(result: dict, plan) -> str:
     s = result["solver"]
     gap = "n/a" if s["gap"] is None else f"{s['gap'] * 100:.3f}%"
     out.append(f"Solver: {s['method']}; {s['status']}; gap {gap}; {s['seconds']:.2f} s")
-    out += knob_lines(result.get("knobs"))
+    out += knob_lines(result.get("knobs"), compute=result.get("compute"),
+                      compute_explain=result.get("compute_explain"), repin=result.get("repin"))
     if result.get("plan_file"):
         out.append(f"Plan written to {result['plan_file']}")
     if "compare" in result:
@@ -197,6 +209,14 @@ def _ratio(x) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
 
 
+def _host_compute(compute: dict | None) -> str:
+    """A compare row's host-tier processors, short: one name when they agree, else pinned/LRU/streamed."""
+    if not compute:
+        return "cpu"
+    who = [compute.get(t, "cpu") for t in ("ram_pinned", "lru", "disk")]
+    return who[0] if len(set(who)) == 1 else f"pin {who[0]}, LRU {who[1]}, miss {who[2]}"
+
+
 def compare_tables(rows: list[dict]) -> list[str]:
     """`solve --compare` as three tables keyed by placement (one would be ~150 columns wide): what each
     placement predicts as its engine runs it, where its selections are served from, and the engine knobs
@@ -211,9 +231,17 @@ def compare_tables(rows: list[dict]) -> list[str]:
     knobs = []
     for n, r in zip(names, rows):
         k = r.get("knobs", {})
+        uni = sum((k.get("unified_experts") or {}).values())
+        pins = f"{k.get('pinned_experts', '?')}" + (f" +{uni} unified" if uni else "")
         knobs.append([n, r.get("engine", "?"), k.get("queue_depth", "?"),
-                      "O_DIRECT" if k.get("o_direct", True) else "buffered", k.get("pinned_experts", "?"),
-                      k.get("lru_slots_max", "?"), f"{k.get('host_copy_bytes', 0) / 1e9:.2f} GB"])
+                      "O_DIRECT" if k.get("o_direct", True) else "buffered", pins,
+                      k.get("lru_slots_max", "?"), f"{k.get('host_copy_bytes', 0) / 1e9:.2f} GB",
+                      _host_compute(k.get("compute"))])
+    heads = ["placement", "engine", "queue depth", "reads", "pins", "LRU slots", "host copies",
+             "host tiers on"]
+    on_cpu = all(row[-1] == "cpu" for row in knobs)
+    if on_cpu:   # the usual case: one sentence instead of a column of "cpu"
+        knobs, heads = [row[:-1] for row in knobs], heads[:-1]
     return [
         "Predicted as each engine runs it (vs best (our engine): the placements alone, all on our engine):",
         table(pred, ["placement", "tok/s", "ms/token", "disk MB/tok", "vs best baseline",
@@ -221,5 +249,5 @@ def compare_tables(rows: list[dict]) -> list[str]:
         "", "Selections served from (%; page cache: the part of disk reads the OS page cache serves):",
         table(served, ["placement", "VRAM %", "pinned %", "LRU %", "disk %", "page cache %"]),
         "", "Engine knobs each row is priced with:",
-        table(knobs, ["placement", "engine", "queue depth", "reads", "pins", "LRU slots", "host copies"]),
-    ]
+        table(knobs, heads),
+    ] + (["Host tiers (pinned, LRU hits, streamed) are computed on the CPU in every row."] if on_cpu else [])

@@ -13,7 +13,9 @@
 
 All three use the same budgets and LRU reserve as the optimiser, so differences are placement only; a
 VRAM expert takes ``expert_bytes + problem.vram_overhead_bytes`` of its device and, with
-``problem.keep_host_copies``, its bytes of RAM as well (as in the solver).
+``problem.keep_host_copies``, its bytes of RAM as well (as in the solver): with host copies the GPU fill
+also stops where their RAM would eat into the LRU reserve, so every baseline stays within both budgets
+(``validate_placement`` passes; tests/test_planner_baselines.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ def _finish(problem, tiers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return tiers, slots
 
 
+def _copy_room(problem) -> float:
+    """VRAM experts the RAM budget can hold host copies of (after the LRU reserve): unbounded without
+    ``keep_host_copies``."""
+    return _ram_capacity(problem) if problem.keep_host_copies else float("inf")
+
+
 def hot_first(problem, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """colibrì-style hot-first fill. ``counts`` ``[rows, E]`` ranks the experts (default: the problem's
     probabilities, i.e. the heat). Returns (tiers, lru_slots)."""
@@ -56,17 +64,18 @@ def hot_first(problem, counts: np.ndarray | None = None) -> tuple[np.ndarray, np
     gpus = [(d, g) for d, g in enumerate(problem.res.gpus) if not g.unified]
     placed = {d: 0 for d, _ in gpus}
     vram_total = sum(g.budget_bytes for _, g in gpus)
-    used = 0
+    used, n_vram, copies = 0, 0, _copy_room(problem)
     stop = len(order)
     for i, flat in enumerate(order):
         fits = [d for d, g in gpus if placed[d] + b <= g.budget_bytes]
-        if used + b > vram_total or not fits:
+        if used + b > vram_total or not fits or n_vram + 1 > copies:   # a host copy must fit in RAM too
             stop = i
             break
         d = min(fits, key=lambda k: placed[k])         # least-loaded device that can hold it
         tiers.flat[flat] = d
         placed[d] += b
         used += b
+        n_vram += 1
     room = _ram_capacity(problem) - problem.host_copies(tiers)
     targets = _pin_targets(problem)
     load = dict.fromkeys(targets, 0.0)
@@ -104,14 +113,15 @@ def fit_layers(problem) -> tuple[np.ndarray, np.ndarray]:
     free = {d: g.budget_bytes for d, g in enumerate(problem.res.gpus) if not g.unified}
     order = [r for r in range(rows) if problem.weights[r] > 0][::-1] + \
             [r for r in range(rows) if problem.weights[r] <= 0]
-    rest = []
+    rest, copies = [], _copy_room(problem)
     for r in order:                                    # last decode layers first, onto the GPUs in order
         d = next((d for d in sorted(free) if free[d] >= layer_bytes), None)
-        if d is None:
+        if d is None or copies < n_exp:                # (with host copies, the layer's copies fit in RAM)
             rest.append(r)
             continue
         tiers[r] = d
         free[d] -= layer_bytes
+        copies -= n_exp
     room = _ram_capacity(problem) - problem.host_copies(tiers)
     for r in rest:                                     # then whole layers into RAM
         if room >= n_exp:
@@ -125,10 +135,15 @@ def uniform(problem) -> tuple[np.ndarray, np.ndarray]:
     rows, n_exp = problem.probs.shape
     tiers = np.full((rows, n_exp), TIER_DISK, dtype=np.int64)
     start = np.zeros(rows, dtype=np.int64)
-    shares = [(d, problem.gpu_capacity(d)) for d, g in enumerate(problem.res.gpus) if not g.unified]
-    ram = _ram_capacity(problem)
-    if problem.keep_host_copies:   # every VRAM expert also takes RAM: share what is left after them
-        ram -= sum(min(n_exp, c // rows) * rows for _, c in shares)
+    ram, shares = _ram_capacity(problem), []
+    for d, g in enumerate(problem.res.gpus):
+        if g.unified:
+            continue
+        cap = problem.gpu_capacity(d)
+        if problem.keep_host_copies:   # every VRAM expert also takes RAM: no more than it can hold
+            cap = min(cap, max(0, ram))
+            ram -= min(n_exp, cap // rows) * rows
+        shares.append((d, cap))
     shares.append((TIER_RAM, max(0, ram)))
     for code, cap in shares:
         per_row = int(min(n_exp, cap // rows))

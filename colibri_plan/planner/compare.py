@@ -18,6 +18,10 @@ it (:mod:`colibri_plan.planner.knobs`), and carries those knobs so they can be p
 * ``colibri-plan (host copies kept)`` / ``(host copies released)`` — the plan re-solved with the other
   ``--keep-host-copies`` setting, when a discrete GPU holds experts: what keeping them costs.
 
+Each row's ``knobs.compute`` says which processor computes its host tiers (pinned, LRU hits, streamed:
+the CPU or a unified GPU, as the plan's ``compute`` section) and ``knobs.unified_experts`` how many experts
+it pins on each unified GPU (hot-first deals RAM pins to them).
+
 ``tok_s_our_engine`` is each placement on our engine's knobs (placement differences only);
 ``vs_best_baseline`` compares as-run figures, ``vs_best_baseline_our_engine`` placements alone.
 """
@@ -30,6 +34,7 @@ import numpy as np
 
 from colibri_plan.formats.plan import TIER_DISK, TIER_RAM
 from colibri_plan.planner.baselines import fit_layers, hot_first, uniform
+from colibri_plan.planner.compute import HOST_TIERS
 from colibri_plan.planner.knobs import COLIBRI_QUEUE_DEPTH, COLIBRI_VRAM_OVERHEAD_BYTES
 
 #: llama.cpp reads CPU-layer experts by page faults on its mmap: one read in flight per faulting thread
@@ -64,7 +69,12 @@ def row(name: str, setup, tiers: np.ndarray, slots: np.ndarray, engine: str, our
                      "vram_overhead_bytes_per_expert": int(pr.vram_overhead_bytes),
                      "keep_host_copies": bool(pr.keep_host_copies),
                      "host_copy_bytes": int(pr.host_copies(tiers) * pr.expert_bytes),
-                     "cache_model": cost.get("cache_model", "che")}}
+                     "cache_model": cost.get("cache_model", "che"),
+                     # which processor computes each host tier (the plan's compute vocabulary; all on the
+                     # CPU when absent) and the experts pinned on unified-memory GPUs (hot-first deals them)
+                     "compute": {t: dict(res.compute).get(t, "cpu") for t in HOST_TIERS},
+                     "unified_experts": {g.key: int(np.sum(tiers == d)) for d, g in enumerate(res.gpus)
+                                         if g.unified}}}
     if ours is not None:
         out["tok_s_our_engine"] = cost_of(ours, tiers, slots)["tok_s"]
     return out

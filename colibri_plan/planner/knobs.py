@@ -18,6 +18,8 @@ option with a default, recorded in the plan (``knobs``, docs/plan-format.md) and
   VRAM expert.
 * **page cache** — what the OS page cache could hold beside the plan (:mod:`page_cache`), for engines
   that read through it.
+* **re-pinning** — ``--repin-every N`` / ``--repin-window W``: the plan's ``repin`` section
+  (:func:`repin_section`), the engine's live re-pinning policy (docs/engine.md, "Live re-pinning").
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ COLIBRI_QUEUE_DEPTH = 2
 TARGETS = ("colibri-plan", "colibri")
 #: at most this many LRU slot counts are tried by the trace-driven search
 MAX_SLOT_CANDIDATES = 7
+#: default re-pinning window, in multiples of ``--repin-every`` (bench/repin_domain_shift.py: 8 and 32)
+REPIN_WINDOW_FACTOR = 4
+#: swaps per layer and round the plan's ``repin`` section allows (the engine's default)
+REPIN_MAX_SWAPS = 4
+#: the range formats/plan.py accepts for ``repin.every_tokens`` and ``repin.window_tokens``
+REPIN_MAX_TOKENS = 1_000_000
 
 
 def check_target(target: str) -> str:
@@ -42,6 +50,30 @@ def check_target(target: str) -> str:
     if target not in TARGETS:
         raise InputError(f"--target must be one of {', '.join(TARGETS)}, got {target!r}")
     return target
+
+
+def repin_section(every: int | None, window: int | None = None) -> dict | None:
+    """The plan's ``repin`` section for ``--repin-every every`` / ``--repin-window window``: None when
+    ``every`` is 0 or None (off); ``window`` None: :data:`REPIN_WINDOW_FACTOR` x ``every`` (at most
+    :data:`REPIN_MAX_TOKENS`).
+
+    Raises:
+        InputError: a value outside 1..REPIN_MAX_TOKENS (``every`` may be 0), or a window without
+        ``every``.
+    """
+    def whole(v, name: str, lo: int) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= REPIN_MAX_TOKENS:
+            raise InputError(f"{name} must be a whole number in {lo}..{REPIN_MAX_TOKENS}, got {v!r}")
+        return v
+
+    every = whole(0 if every is None else every, "--repin-every", 0)
+    if every == 0:
+        if window is not None:
+            raise InputError("--repin-window needs --repin-every N (tokens between re-pinning rounds)")
+        return None
+    window = min(REPIN_MAX_TOKENS, REPIN_WINDOW_FACTOR * every) if window is None else \
+        whole(window, "--repin-window", 1)
+    return {"enabled": True, "every_tokens": every, "window_tokens": window, "max_swaps": REPIN_MAX_SWAPS}
 
 
 def choose_queue_depth(res, top_k: int, queue_depth="auto", target: str = "colibri-plan"):

@@ -23,6 +23,7 @@ from colibri_plan.planner.knobs import (
     choose_queue_depth,
     knobs_section,
     lru_slot_candidates,
+    repin_section,
     search_lru_slots,
 )
 from colibri_plan.planner.page_cache import page_cache_pool
@@ -263,8 +264,16 @@ def _mtp_bytes(spec) -> dict:
 
 
 def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: float = 30.0,
-              profile_source: str = "", **kw) -> tuple[Plan, Solution, Setup]:
-    """Solve the placement and return (plan, solution, setup). Keyword args go to :func:`build_setup`."""
+              profile_source: str = "", repin_every: int | None = None, repin_window: int | None = None,
+              **kw) -> tuple[Plan, Solution, Setup]:
+    """Solve the placement and return (plan, solution, setup). ``repin_every`` / ``repin_window`` (tokens)
+    write the plan's ``repin`` section (:func:`~colibri_plan.planner.knobs.repin_section`); other keyword
+    args go to :func:`build_setup`.
+
+    Raises:
+        InputError: a bad re-pinning value (before any solving), and as :func:`build_setup`.
+    """
+    repin = repin_section(repin_every, repin_window)
     setup = build_setup(profile, spec, heat, **kw)
     pr = setup.problem
     if pr.trace_hits is not None and setup.knobs["lru_slots_mode"] == "auto" and pr.lru_slots.any():
@@ -281,7 +290,10 @@ def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: f
         sol = solve_placement(pr, time_limit_s=time_limit_s, method=method)
     solver = {"status": sol.status, "gap": sol.gap, "seconds": round(sol.seconds, 3), "method": sol.method,
               "iterations": sol.iterations}
-    return plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source), sol, setup
+    plan = plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source)
+    if repin is not None:
+        plan.doc["repin"] = repin
+    return plan, sol, setup
 
 
 def _jsonable(x):

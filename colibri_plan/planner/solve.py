@@ -284,6 +284,16 @@ def _fill(problem: Problem, tiers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return tiers, slots
 
 
+def _hot_first_fill(problem: Problem):
+    """((tiers, slots), cost) of colibrì's hot-first fill; None if it breaks a budget (never returned)."""
+    hot = _fill(problem, hot_first(problem)[0])
+    try:
+        validate_placement(problem, *hot)
+    except SolverError:
+        return None
+    return hot, evaluate(problem, *hot)
+
+
 def _solve_large(problem: Problem, miss: np.ndarray, time_limit_s: float):
     """The count-and-mass method (:mod:`colibri_plan.planner.aggregate`), never worse than hot-first."""
     from colibri_plan.planner.aggregate import place_large
@@ -292,10 +302,9 @@ def _solve_large(problem: Problem, miss: np.ndarray, time_limit_s: float):
     tiers, slots = _fill(problem, tiers)
     cost = evaluate(problem, tiers, slots)
     # safeguard: the realisation is a heuristic; never return worse than colibrì's hot-first fill
-    hot = _fill(problem, hot_first(problem)[0])
-    hot_cost = evaluate(problem, *hot)
-    if hot_cost["decode_s_per_token"] < cost["decode_s_per_token"]:
-        (tiers, slots), cost = hot, hot_cost
+    hot = _hot_first_fill(problem)
+    if hot is not None and hot[1]["decode_s_per_token"] < cost["decode_s_per_token"]:
+        (tiers, slots), cost = hot
     total = cost["decode_s_per_token"]
     g = max(0.0, (total - (bound + problem.fixed_cost_s)) / total) if total > 0 else 0.0
     if problem.lru_slots.any():
@@ -347,10 +356,9 @@ def solve_placement(problem: Problem, time_limit_s: float = 30.0, gap: float = 1
             miss[r] = 1.0 - lru_hit_rates(problem.probs[r], tiers[r] == TIER_DISK, int(slots[r]), r,
                                           problem.trace_hits)
     if problem.lru_slots.any():   # the Che fixed point is a heuristic: never worse than colibrì's fill
-        hot = _fill(problem, hot_first(problem)[0])
-        hot_cost = evaluate(problem, *hot)
-        if hot_cost["decode_s_per_token"] < best[2]["decode_s_per_token"]:
-            best = (*hot, hot_cost, best[3], best[4])
+        hot = _hot_first_fill(problem)
+        if hot is not None and hot[1]["decode_s_per_token"] < best[2]["decode_s_per_token"]:
+            best = (*hot[0], hot[1], best[3], best[4])
     tiers, slots, cost, status, g = best
     validate_placement(problem, tiers, slots)
     name = ("HiGHS count-and-mass LP (cutting planes) + per-layer realisation"

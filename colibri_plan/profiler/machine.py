@@ -3,6 +3,11 @@
 Linux facts come from ``/proc/cpuinfo``, ``/proc/meminfo`` and ``/proc/mounts``; elsewhere the fields
 fall back to :mod:`platform` / :func:`os.cpu_count` and say ``unknown``. Nothing here raises on a
 missing file.
+
+A Vulkan or OpenCL device of CPU type (Mesa lavapipe, PoCL) computes in host memory: when the user names
+its backend with ``--backends``, :func:`list_host_memory_devices` lists it as a unified-memory device
+(kind ``igpu``, ``unified_memory`` true) so a plan can choose it for the host tiers from real figures;
+the default profile leaves it a CPU device (nobody wants experts computed there unasked).
 """
 
 from __future__ import annotations
@@ -112,3 +117,31 @@ def _numpy_version() -> str:
     import numpy
 
     return numpy.__version__
+
+
+#: backends whose CPU-type devices (lavapipe, PoCL) compute in host memory through a GPU API
+HOST_MEMORY_BACKENDS = ("vulkan", "opencl")
+
+
+def list_host_memory_devices(devices: list[dict], backends=None) -> list[dict]:
+    """``devices`` with each CPU-type device of a :data:`HOST_MEMORY_BACKENDS` backend the user named in
+    ``backends`` listed as a unified-memory device: kind ``igpu``, ``unified_memory`` true,
+    ``host_memory_device`` true and a ``note`` saying why (its memory is host memory, so its experts come
+    out of the RAM budget, never counted twice). ``backends`` None (the default profile): unchanged."""
+    asked = set(backends or ())
+    out = []
+    for d in devices:
+        if d.get("backend") in asked and d.get("backend") in HOST_MEMORY_BACKENDS and d.get("kind") == "cpu":
+            d = {**d, "kind": "igpu", "unified_memory": True, "host_memory_device": True,
+                 "note": f"a CPU-type {d['backend']} device whose memory is host memory, listed as a "
+                         f"unified-memory device because --backends named {d['backend']}"}
+        out.append(d)
+    return out
+
+
+def relabel_rows(rows: list[dict], devices: list[dict]) -> list[dict]:
+    """Matmul / expert_ffn rows of the devices :func:`list_host_memory_devices` relabelled, with their
+    ``device_kind`` as listed (``igpu``), so their figures are never taken for the CPU's."""
+    kinds = {(d["backend"], d["index"]): d["kind"] for d in devices if d.get("host_memory_device")}
+    return [{**r, "device_kind": kinds[(r.get("backend"), r.get("device_index"))]}
+            if (r.get("backend"), r.get("device_index")) in kinds else r for r in rows]

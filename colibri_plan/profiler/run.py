@@ -18,7 +18,12 @@ from colibri_plan.errors import InputError
 from colibri_plan.formats.profile import MachineProfile, machine_fingerprint
 from colibri_plan.profiler import disk as disk_mod
 from colibri_plan.profiler.links import HOST_BACKENDS, probe_links, probe_peer_links
-from colibri_plan.profiler.machine import list_all_devices, machine_info
+from colibri_plan.profiler.machine import (
+    list_all_devices,
+    list_host_memory_devices,
+    machine_info,
+    relabel_rows,
+)
 from colibri_plan.profiler.matmul_probe import probe_matmul
 from colibri_plan.profiler.ram import probe_ram
 
@@ -140,6 +145,7 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
     say("machine: cpu, memory, devices")
     machine = machine_info()
     devices, dev_skipped = list_all_devices(opts.backends)
+    devices = list_host_memory_devices(devices, opts.backends)   # lavapipe/PoCL, only when named
     skipped += [{**s, "what": "devices"} for s in dev_skipped]
     # the fingerprint names the machine, not the backends asked for: it counts every GPU found
     machine["fingerprint"] = machine_fingerprint(machine, list_all_devices()[0] if opts.backends else devices)
@@ -191,6 +197,7 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
                                         int(model["top_k"]), st["matmul_budget_s"], st["ffn_budget_s"],
                                         st["device_budget_s"], say)
             skipped += s
+            rows, ffn = relabel_rows(rows, devices), relabel_rows(ffn, devices)
             doc["matmul"] = rows if rows else {"unavailable": _reasons(s)}
             doc["expert_ffn"] = ffn if ffn else {"unavailable": _reasons(s)}
         else:
