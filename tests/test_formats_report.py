@@ -27,3 +27,34 @@ def test_a_report_file_with_a_huge_integer_is_refused(tmp_path, value):
     (tmp_path / "r.verify.json").write_text(json.dumps(rep))
     with pytest.raises(FormatError, match="disk_wait_s|larger than any field"):
         load_report(tmp_path / "r.verify.json")
+
+
+BAD_SECTIONS = [("comparison", "oops"), ("comparison", [1, 2]), ("comparison", {"a": 1}),
+                ("comparison", [{"term": "tok/s", "unit": "s", "predicted": "x", "measured": 1.0}]),
+                ("comparison", [{"term": "t", "unit": ["s"], "predicted": 1.0}]),
+                ("comparison", [{"term": "t", "predicted": float("inf")}]),
+                ("comparison", [{"term": "t", "diff_points": "x"}]),
+                ("verdict", {"tok_s_ratio": "x"}), ("verdict", {"token_exact": [1]}),
+                ("verdict", {"ok": "yes"}), ("verdict", {"hit_rate_diff_points": None}),
+                ("settings", "x"), ("machine", "x"), ("model", "x"), ("model", {"fingerprint": 3})]
+
+
+@pytest.mark.parametrize("section, value", BAD_SECTIONS)
+def test_wrongly_typed_sections_are_one_format_error(tmp_path, section, value):
+    rep = toy_report()
+    rep[section] = value
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    with pytest.raises(FormatError, match=f"{section}.*re-run `colibri-plan verify`"):
+        load_report(tmp_path / "r.json")
+
+
+def test_well_typed_sections_are_accepted(tmp_path):
+    rep = toy_report()
+    rep["comparison"] = [{"term": "tok/s", "unit": "tok/s", "predicted": 1.0, "measured": None,
+                          "ratio": None},
+                         {"term": "share disk", "unit": "share", "predicted": 0.5, "measured": 0.4,
+                          "diff_points": -10.0}]
+    rep["verdict"] = {"ok": False, "token_exact": None, "tok_s_ratio": None, "hit_rate_diff_points": -1.5}
+    rep["settings"] = {"tokens": 4}
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    assert load_report(tmp_path / "r.json")["verdict"]["ok"] is False

@@ -238,3 +238,23 @@ def test_heat_fixture_is_consistent(tmp_path):
     """The shared heat fixture obeys the tokens x top_k rule the reader now checks."""
     doc = heat_doc(tmp_path)
     assert all(sum(r) == doc["tokens"] * doc["top_k"] for r in doc["counts"])
+
+
+def test_report_page_survives_mutated_verify_reports(good, tmp_path):
+    """Whatever load_report accepts, the report page renders (or one typed error): no traceback."""
+    from colibri_plan.report_page import build_page
+    from colibri_plan.verify import compare, make_verdict
+
+    doc = _doc(good, "report")
+    doc.update({"settings": {"tokens": 4, "cpu_backend": "numpy"}, "created_utc": "2025-01-01T00:00:00Z",
+                "comparison": compare(doc["predicted"], doc["measured"]),
+                "verdict": make_verdict(doc["predicted"], doc["measured"], None)})
+    plan = good[1]["plan"][0]
+
+    @fuzz(N // 3)
+    @given(m=json_mutations())
+    def case(m):
+        _fuzz_file(tmp_path, mutate_json(doc, m), lambda p: build_page(plan, [p], what_if=False),
+                   "r.verify.json", f"report page {m!r:.200}")
+
+    case()

@@ -152,3 +152,24 @@ def test_the_console_check_would_see_a_page_error(tmp_path):
                         "--v=0", f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", bad.as_uri()],
                        capture_output=True, text=True, timeout=120)
     assert any(":CONSOLE" in ln and "boom" in ln for ln in r.stderr.splitlines()), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("section, value", [("comparison", "oops"), ("comparison", [1, 2]),
+                                            ("comparison", {"a": 1}), ("verdict", {"tok_s_ratio": "x"}),
+                                            ("settings", "x"), ("machine", "x"), ("model", "x"),
+                                            ("row", "x")])
+def test_badly_typed_verify_report_is_one_line_not_a_traceback(planned, tmp_path, section, value):
+    rep = json.loads((planned / "plan.verify.json").read_text())
+    if section == "row":
+        rep["comparison"][0]["predicted"] = value
+    elif section == "verdict":
+        rep["verdict"].update(value)
+    else:
+        rep[section] = value
+    (tmp_path / "x.json").write_text(json.dumps(rep))
+    r = invoke("report", planned / "plan.json", tmp_path / "x.json", "--out", tmp_path / "r.html")
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert "re-run colibri-plan verify" in r.output.replace("`", "")
+    assert not (tmp_path / "r.html").exists()
+    with pytest.raises(FormatError):
+        build_page(planned / "plan.json", [tmp_path / "x.json"], what_if=False)

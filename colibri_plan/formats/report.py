@@ -225,4 +225,68 @@ def load_report(path: str | os.PathLike) -> dict:
                               "re-run `colibri-plan verify`")
     for section in ("predicted", "measured"):
         check_figures(doc[section], f"verify report {path}", section)
+    check_sections(doc, f"verify report {path}")
     return doc
+
+
+def _finite(v, null: bool = True) -> bool:
+    """A finite JSON number (bool excluded; an integer beyond a float is not), or None when ``null``."""
+    if v is None:
+        return null
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def _bad(where: str, name: str, want: str, v) -> FormatError:
+    shown = repr(v)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return FormatError(f"{where}: {name} must be {want}, got {shown}; re-run `colibri-plan verify`")
+
+
+#: verdict field -> (check, what it must be)
+_VERDICT = {"ok": (lambda v: isinstance(v, bool), "true or false"),
+            "tok_s_ok": (lambda v: isinstance(v, bool), "true or false"),
+            "hit_rate_ok": (lambda v: isinstance(v, bool), "true or false"),
+            "token_exact": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
+            "tok_s_ratio": (_finite, "a finite number or null"),
+            "hit_rate_diff_points": (lambda v: _finite(v, null=False), "a finite number")}
+_ROW_NUMBERS = ("predicted", "measured", "ratio")
+
+
+def check_sections(doc: dict, where: str) -> None:
+    """Check the sections the report page and ``calibrate`` read besides predicted/measured: ``model``,
+    ``machine``, ``settings`` objects (when present), the ``verdict`` fields and the ``comparison`` rows
+    (a list of objects; ``term`` and ``unit`` strings, ``predicted``/``measured``/``ratio`` finite numbers
+    or null, ``diff_points`` a finite number).
+
+    Raises:
+        FormatError: naming ``where`` and the field.
+    """
+    for section in ("model", "machine", "settings", "reference"):
+        if doc.get(section) is not None and not isinstance(doc[section], dict):
+            raise _bad(where, section, "an object", doc[section])
+    for section, key in (("model", "fingerprint"), ("machine", "fingerprint"), ("plan", "fingerprint")):
+        v = (doc.get(section) or {}).get(key)
+        if v is not None and not isinstance(v, str):
+            raise _bad(where, f"{section}.{key}", "a string", v)
+    for key, (ok, want) in _VERDICT.items():
+        if key in doc["verdict"] and not ok(doc["verdict"][key]):
+            raise _bad(where, f"verdict.{key}", want, doc["verdict"][key])
+    rows = doc.get("comparison", [])
+    if not isinstance(rows, list):
+        raise _bad(where, "comparison", "a list of rows", rows)
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise _bad(where, f"comparison[{i}]", "an object", r)
+        for key in ("term", "unit"):
+            if key in r and not isinstance(r[key], str):
+                raise _bad(where, f"comparison[{i}].{key}", "a string", r[key])
+        for key in _ROW_NUMBERS:
+            if not _finite(r.get(key)):
+                raise _bad(where, f"comparison[{i}].{key}", "a finite number or null", r[key])
+        if "diff_points" in r and not _finite(r["diff_points"], null=False):
+            raise _bad(where, f"comparison[{i}].diff_points", "a finite number", r["diff_points"])
