@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 from _cli_fixtures import assert_one_line, cli_run, edited, good_plan
@@ -282,3 +283,30 @@ def test_bad_peer_links_rejected(tmp_path, peers, message):
     doc["peer_links"] = peers
     with pytest.raises(FormatError, match=message):
         load_profile(_write(tmp_path, doc))
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d["disk"]["random"][0].update(read_gbps=fig(1e30)), "disk.random[0].read_gbps"),
+    (lambda d: d["disk"]["random"][0].update(read_gbps=fig(1e-12)), "disk.random[0].read_gbps"),
+    (lambda d: d["disk"]["random"][0].update(read_gbps=fig(5e-5)), "disk.random[0].read_gbps"),
+    (lambda d: d["disk"]["random"][0].update(latency_ms={"p50": 1e12, "p99": 1e12}), "latency_ms"),
+    (lambda d: d["ram"].update(read_gbps=fig(2e5)), "ram.read_gbps"),
+    (lambda d: d["links"][0].update(h2d_pinned_gbps=fig(1e-9)), "links[0].h2d_pinned_gbps"),
+    (lambda d: d["matmul"][0].update(seconds=fig(1e7)), "matmul[0].seconds"),
+    (lambda d: d["matmul"][0].update(weight_gbps=fig(0.0)), "matmul[0].weight_gbps"),
+])
+def test_implausible_rates_and_times_are_refused_naming_the_field(edit, field):
+    doc = toy_doc()
+    edit(doc)
+    with pytest.raises(FormatError, match=re.escape(field) + ".*plausible|" + re.escape(field) + ".*too slow"
+                       "|" + re.escape(field) + ".*must be"):
+        MachineProfile(doc)
+
+
+def test_plan_show_never_prints_an_absurd_disk_rate(tmp_path):
+    doc = toy_doc()
+    for e in doc["disk"]["random"]:
+        e["read_gbps"] = fig(1e30)
+    (tmp_path / "p.json").write_text(json.dumps({"kind": "profile", "schema_version": 1, **doc}))
+    with pytest.raises(FormatError, match="disk.random"):
+        load_profile(tmp_path / "p.json")

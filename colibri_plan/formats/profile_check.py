@@ -19,7 +19,14 @@ def _fail(where: str, what: str):
     raise FormatError(f"profile {where}: {what}; re-measure with `colibri-plan profile`")
 
 
+#: physically plausible bounds: a rate in GB/s lies in (MIN_GBPS, MAX_GBPS], a time in seconds is at most
+#: MAX_SECONDS; a disk slower than MIN_DISK_GBPS (100 kB/s) is no disk to stream experts from
+MIN_GBPS, MAX_GBPS, MAX_SECONDS, MIN_DISK_GBPS = 1e-6, 1e5, 1e6, 1e-4
+
+
 def _check_stat(s, where: str, positive: bool = False) -> None:
+    """A figure {min, median, max, repetitions}; a ``*gbps`` figure must lie in (MIN_GBPS, MAX_GBPS] and
+    a ``seconds`` one be at most MAX_SECONDS (the name is ``where``'s last part)."""
     if not isinstance(s, dict):
         _fail(where, f"expected a figure {{min, median, max, repetitions}}, got {type(s).__name__}")
     for key in ("min", "median", "max"):
@@ -32,6 +39,13 @@ def _check_stat(s, where: str, positive: bool = False) -> None:
         _fail(where, f"expected min <= median <= max, got {s['min']}, {s['median']}, {s['max']}")
     if positive and not s["min"] > 0:
         _fail(where, f"figures must be > 0, got min {s['min']}")
+    if where.endswith("gbps"):
+        if s["max"] > MAX_GBPS:
+            _fail(where, f"max {s['max']:g} GB/s is not a plausible rate (at most {MAX_GBPS:g} GB/s)")
+        if not s["min"] > MIN_GBPS:
+            _fail(where, f"min {s['min']:g} GB/s is not a plausible rate (more than {MIN_GBPS:g} GB/s)")
+    elif where.endswith("seconds") and s["max"] > MAX_SECONDS:
+        _fail(where, f"max {s['max']:g} s is not a plausible time (at most {MAX_SECONDS:g} s)")
     r = s.get("repetitions")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         _fail(where, f"repetitions must be a positive integer, got {r!r}")
@@ -98,11 +112,17 @@ def validate_profile(doc: dict) -> dict:
             _check_keys(e, ("queue_depth", "read_gbps", "latency_ms"), w)
             _check_int(e, "queue_depth", w, 1)
             _check_stat(e["read_gbps"], w + ".read_gbps")
+            if e["read_gbps"]["median"] < MIN_DISK_GBPS:
+                _fail(w + ".read_gbps", f"median {e['read_gbps']['median']:g} GB/s is too slow to stream "
+                      f"experts from (under {MIN_DISK_GBPS:g} GB/s); re-profile on a real disk with "
+                      "`colibri-plan profile --path DIR`")
             _check_keys(e["latency_ms"], ("p50", "p99"), w + ".latency_ms")
             for k in ("p50", "p99"):
                 v = e["latency_ms"][k]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                    _fail(w + ".latency_ms", f"{k} must be a non-negative number, got {v!r}")
+                if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                        or v > 1e3 * MAX_SECONDS):
+                    _fail(w + ".latency_ms", f"{k} must be a number in [0, {1e3 * MAX_SECONDS:g}] ms, "
+                          f"got {v!r}")
         if not _unavailable(disk["sequential"]):
             _check_keys(disk["sequential"], ("read_gbps",), "disk.sequential")
             _check_stat(disk["sequential"]["read_gbps"], "disk.sequential.read_gbps")
