@@ -103,3 +103,16 @@ def test_a_faster_vulkan_figure_streams_experts_on_lavapipe_token_exact(lavapipe
                "--json", "--report", lavapipe / "v.json")
     assert v.exit_code == 0, v.output
     assert json.loads(v.stdout)["verdict"]["token_exact"] is True
+
+
+def test_profile_default_path_that_fails_warns_to_give_path(monkeypatch):
+    from colibri_plan.profiler import disk as disk_mod
+    from colibri_plan.profiler.run import ProfileOptions, run_profile
+
+    def broken(*_a, **_k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(disk_mod, "probe_disk", broken)
+    prof = run_profile(ProfileOptions(quick=True, backends=("numpy",), probes=("disk",)))
+    assert "Read-only file system" in prof.doc["disk"]["unavailable"]
+    assert any("--path DIR" in w and "Read-only" in w for w in prof.doc["warnings"])

@@ -41,6 +41,7 @@ from colibri_plan.planner.costmodel import (
     miss_seconds,
     verify_seconds,
 )
+from colibri_plan.planner.quiet import no_native_stdout
 
 N_BREAKPOINTS = 5
 CUT_ROUNDS = 6
@@ -64,8 +65,9 @@ def _lp(cost, mat, lo, hi, lb, ub):
     dn = np.isfinite(lo) & ~eq
     a_ub = sparse.vstack([mat[up], -mat[dn]]).tocsr()
     b_ub = np.concatenate([hi[up], -lo[dn]])
-    return linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=mat[eq], b_eq=lo[eq], bounds=np.c_[lb, ub],
-                   method="highs-ipm")
+    with no_native_stdout():   # HiGHS can print to fd 1
+        return linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=mat[eq], b_eq=lo[eq], bounds=np.c_[lb, ub],
+                       method="highs-ipm")
 
 
 def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | None = None,

@@ -8,7 +8,7 @@ import datetime as _dt
 import numpy as np
 
 from colibri_plan import quant
-from colibri_plan.errors import BudgetError, InputError
+from colibri_plan.errors import BudgetError, ColibriError, InputError
 from colibri_plan.formats.heat import Heat
 from colibri_plan.formats.heat_align import align_heat, uniform_heat
 from colibri_plan.formats.plan import Plan, layers_from_tiers
@@ -275,6 +275,30 @@ def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: f
     """
     repin = repin_section(repin_every, repin_window)
     setup = build_setup(profile, spec, heat, **kw)
+    try:
+        sol = _solve(setup, spec, method, time_limit_s)
+    except ColibriError as exc:
+        if setup.res.disk_read_gbps is None:   # without a disk, every expert must fit in memory
+            raise InputError(no_disk_message(profile)) from exc
+        raise
+    solver = {"status": sol.status, "gap": sol.gap, "seconds": round(sol.seconds, 3), "method": sol.method,
+              "iterations": sol.iterations}
+    plan = plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source)
+    if repin is not None:
+        plan.doc["repin"] = repin
+    return plan, sol, setup
+
+
+def no_disk_message(profile) -> str:
+    """Why a placement needs a disk figure the profile lacks, and how to get one."""
+    disk = profile.doc.get("disk")
+    why = disk.get("unavailable") if isinstance(disk, dict) else None
+    return (f"the profile has no disk measurement ({why or 'not measured'}) and the experts do not all fit "
+            "in RAM/VRAM; re-profile with `colibri-plan profile --path DIR` (DIR a writable folder on the "
+            "disk that holds the pack), or give more --ram/--vram")
+
+
+def _solve(setup: Setup, spec, method: str, time_limit_s: float) -> Solution:
     pr = setup.problem
     if pr.trace_hits is not None and setup.knobs["lru_slots_mode"] == "auto" and pr.lru_slots.any():
         # locality: a bigger LRU with fewer pins can win; try a few slot counts, keep the fastest
@@ -288,12 +312,7 @@ def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: f
         setup.knobs["lru_search"] = tries
     else:
         sol = solve_placement(pr, time_limit_s=time_limit_s, method=method)
-    solver = {"status": sol.status, "gap": sol.gap, "seconds": round(sol.seconds, 3), "method": sol.method,
-              "iterations": sol.iterations}
-    plan = plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source)
-    if repin is not None:
-        plan.doc["repin"] = repin
-    return plan, sol, setup
+    return sol
 
 
 def _jsonable(x):

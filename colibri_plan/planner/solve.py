@@ -24,8 +24,8 @@ recompute h for the chosen disk sets, solve again, and keep the better placement
 A VRAM expert takes ``expert_bytes + vram_overhead_bytes`` of its device, and with ``keep_host_copies``
 also ``expert_bytes`` of RAM (the RAM row then counts the discrete GPUs' columns too).
 Experts a token never selects (p = 0) and rows of weight 0 cannot change the cost; they are excluded
-from the MILP and placed afterwards into whatever RAM (then VRAM) is left, hottest first.
-After solving, :func:`validate_placement` re-checks every budget without trusting the solver status.
+from the MILP and placed afterwards into whatever RAM (then VRAM) is left, hottest first. After solving,
+:func:`validate_placement` re-checks every budget without trusting the solver status.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from colibri_plan.planner.costmodel import (
     miss_seconds,
     verify_seconds,
 )
+from colibri_plan.planner.quiet import no_native_stdout
 
 #: above this many expert-level binaries the count-and-mass method is used (method="auto")
 EXACT_MAX_BINARIES = 12_000
@@ -225,24 +226,23 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
         ub[idx * n_t + t_disk] = 0.0                   # no disk figure: nothing may stream
     cost = np.zeros(n_var)
     cost[taucol:] = [w[r] for r in rows]
-    integrality = np.ones(n_var)
-    integrality[taucol:] = 0
-    out = milp(cost, constraints=LinearConstraint(mat, np.array(lo), np.array(hi)), integrality=integrality,
-               bounds=Bounds(np.zeros(n_var), ub),
-               options={"time_limit": time_limit_s, "mip_rel_gap": gap, "presolve": True})
+    integrality = np.r_[np.ones(taucol), np.zeros(n_var - taucol)]
+    with no_native_stdout():   # HiGHS can print to fd 1 (a --json stdout holds one document)
+        out = milp(cost, constraints=LinearConstraint(mat, np.array(lo), np.array(hi)), bounds=Bounds(
+            np.zeros(n_var), ub), integrality=integrality, options={"time_limit": time_limit_s,
+                                                                   "mip_rel_gap": gap, "presolve": True})
     if out.x is None:
         if out.status == 2 or "infeasible" in str(out.message).lower():
-            raise BudgetError("no placement fits the budgets: the experts do not fit in VRAM + RAM and "
-                              "the profile has no disk figure (or the LRU reserve is too large); measure "
-                              "the disk with `colibri-plan profile` or give more memory")
+            raise BudgetError("no placement fits the budgets: the experts do not fit in VRAM + RAM and the "
+                              "profile has no disk figure (or the LRU reserve is too large); re-profile with "
+                              "`colibri-plan profile --path DIR` (DIR on the pack's disk) or more memory")
         raise SolverError(f"HiGHS found no placement: {out.message}")
     x = out.x[:n_x].reshape(len(act), n_t)
     choice = np.argmax(x, axis=1)
     for (r, e), t in zip(act, choice):
         tiers[r, e] = t if t < n_gpu else (TIER_RAM if t == t_ram else TIER_DISK)
     status = "optimal" if out.status == 0 else ("time_limit" if out.status == 1 else f"status {out.status}")
-    g = float(getattr(out, "mip_gap", 0.0) or 0.0)
-    return tiers, status, g, float(out.fun)
+    return tiers, status, float(getattr(out, "mip_gap", 0.0) or 0.0), float(out.fun)
 
 
 def _fill(problem: Problem, tiers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

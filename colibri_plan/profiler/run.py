@@ -167,7 +167,9 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
                 raise InputError(f"--path {opts.path}: the disk probe failed ({exc}); give a folder you can "
                                  "write to (a test file is created there) or an existing large file") from exc
             doc["disk"] = {"unavailable": f"disk probe failed: {exc}"}
-            warnings.append(doc["disk"]["unavailable"])
+            warnings.append(f"{doc['disk']['unavailable']}: the profile has no disk figure, so `solve` can "
+                            "only place models whose experts all fit in RAM/VRAM; re-run with `--path DIR`, "
+                            "DIR a writable folder on the disk that holds the model")
         durations["disk"] = time.perf_counter() - t0
     if "ram" in opts.probes:
         t0 = time.perf_counter()
