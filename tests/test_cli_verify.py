@@ -66,7 +66,7 @@ def test_two_unknowns_from_one_report_warn(tmp_path):
     paths = write_reports(tmp_path, report())
     r = cli_run("calibrate", *paths, "--out", tmp_path / "c.json")
     assert r.exit_code == 0, r.output
-    assert "fitted from 1 report(s)" in r.stderr
+    assert "from these 1 report(s)" in r.stderr and "keep their base values" in r.stderr
     # two reports with different disk shares determine both: c_cpu 2, c_disk 0.5, no warning
     paths = write_reports(tmp_path, report(disk=0.0), report())
     r = cli_run("calibrate", *paths, "--out", tmp_path / "c.json", "--json")

@@ -48,6 +48,9 @@ from colibri_plan.errors import FormatError, InputError
 #: largest figure a report may hold (seconds per token, layers or calls per token): beyond it the
 #: report is corrupt, and one such figure would swamp the least-squares fit
 MAX_REPORT_FIGURE = 1e6
+#: reports whose CPU/disk design rows are this close to proportional (smallest singular value of the
+#: column-scaled design over the largest) cannot tell c_cpu from c_disk: both keep their base values
+COLLINEAR_TOL = 1e-2
 
 
 def _num(d: dict, key: str, where: str, section: str = "") -> float:
@@ -168,10 +171,12 @@ def _fit_cpu_path(terms: list[dict], y: np.ndarray, base) -> tuple[dict, float, 
                for t in terms)
     x0 = np.array([base.cpu_expert, base.disk, base.overlap], dtype=np.float64)
     free = [j for j, ok in enumerate((has_cpu, has_disk)) if ok]
+    if len(free) == 2 and design_rank(terms) < 2:   # one report, or the same shares: not identified
+        return {"cpu_expert": x0[0], "disk": x0[1], "overlap": x0[2]}, 0.0, [], True
     if both and len(terms) > len(free):
         free.append(2)
     if not free:
-        return {"cpu_expert": x0[0], "disk": x0[1], "overlap": x0[2]}, 0.0, []
+        return {"cpu_expert": x0[0], "disk": x0[1], "overlap": x0[2]}, 0.0, [], False
 
     def model(v: np.ndarray) -> np.ndarray:
         x = x0.copy()
@@ -198,7 +203,20 @@ def _fit_cpu_path(terms: list[dict], y: np.ndarray, base) -> tuple[dict, float, 
     x = x0.copy()
     x[free] = best.x
     return ({"cpu_expert": float(x[0]), "disk": float(x[1]), "overlap": float(x[2])},
-            float(np.sqrt(2 * best.cost)), free)
+            float(np.sqrt(2 * best.cost)), free, False)
+
+
+def design_rank(terms: list[dict]) -> int:
+    """Numerical rank of the CPU path's design matrix over the reports: one row per report, columns its
+    raw CPU seconds (resident + stream) and raw disk seconds (weighted over layers), each column scaled to
+    unit length; singular values under :data:`COLLINEAR_TOL` of the largest do not count. Reports of one
+    placement (or of placements with the same CPU/disk shares) give proportional rows: rank 1."""
+    a = np.array([[np.sum(w * (res + stream)), np.sum(w * disk)]
+                  for w, res, stream, disk, _ in (t["layers"].T for t in terms)], dtype=np.float64)
+    norms = np.linalg.norm(a, axis=0)
+    a = a / np.where(norms > 0, norms, 1.0)
+    sv = np.linalg.svd(a, compute_uv=False)
+    return int(np.sum(sv > COLLINEAR_TOL * sv[0])) if sv.size and sv[0] > 0 else 0
 
 
 def _fingerprint_of(report: dict, section: str) -> str | None:
@@ -282,7 +300,7 @@ def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = N
     # CPU path: least squares of the piecewise-linear path on the columns that carry information
     # (the fixed per-layer overhead keeps its base value: take it out of the measured path time first)
     y = np.array([t["cpu_path_s"] - t["n_layers"] * base.layer_overhead_s for t in terms], dtype=np.float64)
-    fitted, resid, live = _fit_cpu_path(terms, y, base)
+    fitted, resid, live, undetermined = _fit_cpu_path(terms, y, base)
     values.update(fitted)
     if live:
         detail["cpu_path"] = {"method": "least squares: measured CPU-path s ~ sum_l w_l (max(a_l, d_l) + "
@@ -307,11 +325,12 @@ def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = N
             values[key] = max(0.0, m / r)
         detail[key] = {"method": "ratio of sums", "measured_sum_s": m, "raw_sum_s": r, "reports": len(used),
                        "value": values[key], "fitted": bool(used and r > 0) and "gpu_call_s" not in detail}
-    if 0 < len(terms) < len(live):
-        warnings.append(f"the CPU path's {len(live)} coefficients (cpu_expert, disk) were fitted from "
-                        f"{len(terms)} report(s): one report cannot tell them apart; verify plans with "
-                        "different disk shares (e.g. solve with a smaller --ram) and calibrate over all "
-                        "the reports")
+    if undetermined:
+        warnings.append(f"the CPU path's coefficients (cpu_expert, disk) cannot be fitted from these "
+                        f"{len(terms)} report(s): their placements have the same CPU and disk shares (one "
+                        "report cannot tell them apart, nor can runs of one plan); both keep their base "
+                        f"values ({base.cpu_expert:g}, {base.disk:g}); verify plans with different disk "
+                        "shares (e.g. solve with a smaller --ram) and calibrate over all the reports")
     zero = [k for k in ("cpu_expert", "disk", "dense", "gpu_expert", "gpu_call_s")
             if detail.get(k, {}).get("fitted") and values[k] == 0]
     if zero:
