@@ -28,6 +28,7 @@ import numpy as np
 from colibri_plan.errors import FormatError, InputError, IntegrityError
 from colibri_plan.fileio import read_document
 from colibri_plan.formats.arch import ArchConfig
+from colibri_plan.formats.pack_spec import check_pack_spec
 from colibri_plan.quant import check_format, data_shape, scales_shape
 
 PACK_KIND = "pack"
@@ -250,6 +251,7 @@ def check_index_fields(where, doc: dict) -> None:
         if block[key] != getattr(want, key):
             raise FormatError(f"{where}: block.{key} is {block[key]}, but {block['format']} experts of "
                               f"hidden {want.hidden_size} x width {want.width} take {getattr(want, key)}")
+    check_pack_spec(where, doc, arch)
     limit = fmt.get("experts_file_bytes")
     for i, row in enumerate(doc["experts"]):
         if not (isinstance(row, list) and len(row) == 5 and all(_whole(v) for v in row)):
