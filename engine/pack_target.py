@@ -41,7 +41,8 @@ def check_pack_output(out_dir, overwrite: bool = False, inputs=()) -> Path:
         ``out_dir`` as a Path.
 
     Raises:
-        InputError: empty name, ".", "..", "/", the current folder or one above it; an existing path
+        InputError: empty name, ".", "..", "/", the current folder or one above it; a folder inside an
+            existing pack; an existing path
             without ``overwrite``; with ``overwrite`` a file, a symbolic link, a mount point or a folder
             that is not a pack; one of ``inputs``; a parent folder that is missing or not writable.
     """
@@ -62,6 +63,10 @@ def check_pack_output(out_dir, overwrite: bool = False, inputs=()) -> Path:
             where = "is" if real == src else "is inside" if src in real.parents else "contains"
             raise InputError(f"cannot write pack {out_dir}: it {where} the input {inp}; "
                              "give another output folder")
+    for folder in full.parents:   # a pack inside a pack: the outer pack's folder is not for outputs
+        if _holds_pack_index(folder):
+            raise InputError(f"cannot write pack {out_dir}: folder {folder} is an expert pack; write outputs "
+                             "outside it")
     if out.is_symlink() or out.exists():
         if not overwrite:
             raise InputError(f"{out} already exists; remove it, choose another output folder, or pass "

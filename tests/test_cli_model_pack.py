@@ -97,3 +97,14 @@ def test_unwritable_folder_is_an_input_error(tmp_path):
     refused(res, "/proc/colibri-no-such", "does not exist")
     refused(invoke("model", "fixture", "--small", "--layers", 1, "--experts", 8, "/proc/self/x"),
             "/proc/self", "not writable")
+
+
+def test_fixture_inside_an_existing_pack_is_refused(files, tmp_path):
+    work = tmp_path / "small"
+    shutil.copytree(files / "fx", work)
+    before = sorted(p.name for p in work.iterdir())
+    refused(invoke("model", "fixture", "--small", work / "sub"), "is an expert pack", "write outputs outside")
+    assert sorted(p.name for p in work.iterdir()) == before
+    with pytest.raises(InputError, match="is an expert pack"):
+        check_pack_output(work / "sub", overwrite=True)
+    check_pack_output(tmp_path / "fresh")    # beside the pack is fine
