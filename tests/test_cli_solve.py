@@ -298,3 +298,18 @@ def test_compare_and_solve_show_where_host_tiers_are_computed(tmp_path):
     out = cli_run(*args).stdout
     assert "Compute: pinned on cuda:0, LRU hits on cpu, streamed on cpu" in out
     assert "host tiers on" in out and out.count("pin cuda:0, LRU cpu, miss cpu") == len(doc["compare"])
+
+
+def test_solve_echoes_coefficients_readably_and_warns_about_missing_keys(tmp_path, good):
+    from _cli_fixtures import coef_file
+
+    d, _, _ = good
+    f = coef_file(tmp_path, cpu_expert=1.33)
+    doc = json.loads(f.read_text())
+    del doc["coefficients"]["disk"]
+    f.write_text(json.dumps(doc))
+    r = cli_run("solve", "--profile", d / "profile.json", "--model", d / "model.json", "--ram", "0.58",
+                "--coefficients", f)
+    assert r.exit_code == 0, r.output
+    assert "cpu_expert 1.33" in r.stderr and "{" not in r.stderr
+    assert "lacks disk: it takes its default value" in r.stderr

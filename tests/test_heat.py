@@ -237,3 +237,12 @@ def test_heat_rows_without_tokens_and_unobserved_rows_pass(tmp_path):
     # an unobserved (MTP) row of zeros passes
     Heat(n_experts=4, layers=(1, 2), counts=np.array([[5, 0, 4, 5], [0, 0, 0, 0]]), top_k=2, tokens=7)
     Heat(n_experts=4, layers=(1,), counts=np.array([[50, 0, 4, 5]]), top_k=2)  # no tokens: nothing to check
+
+
+def test_heat_without_counts_says_so(tmp_path):
+    f = tmp_path / "h.json"
+    f.write_text(json.dumps({"kind": "heat", "schema_version": 1, "n_experts": 4, "layers": [0],
+                             "top_k": 1, "tokens": 1}))
+    with pytest.raises(FormatError, match="has no counts") as err:
+        load_heat(f)
+    assert "KeyError" not in str(err.value)

@@ -119,8 +119,14 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
     if coef_path:  # calibrated coefficients are only ever used when asked for (docs/calibration.md)
         from colibri_plan.formats.coefficients import read_coefficients
 
-        coef, coef_machines = read_coefficients(coef_path)
-        progress(f"cost-model coefficients from {coef_path}: {coef.to_dict()}")
+        missing: list[str] = []
+        coef, coef_machines = read_coefficients(coef_path, missing)
+        progress(f"cost-model coefficients from {coef_path}: "
+                 + ", ".join(f"{k} {v:.3g}" for k, v in coef.to_dict().items()))
+        if missing:
+            warn(f"{coef_path} lacks {', '.join(missing)}: "
+                 f"{'it takes its default value' if len(missing) == 1 else 'they take their default values'}"
+                 "; re-create the file with `colibri-plan calibrate`")
         if coef_machines and profile.fingerprint not in coef_machines:
             warn(f"{coef_path} was fitted on machine(s) {', '.join(coef_machines)}, but the profile is of "
                  f"machine {profile.fingerprint}: the coefficients may not hold here; calibrate from "

@@ -95,9 +95,12 @@ def save_coefficients(coef, path: str | os.PathLike, detail: dict | None = None,
     return write_document(path, KIND, SCHEMA_VERSION, body)
 
 
-def read_coefficients(path: str | os.PathLike) -> tuple:
+def read_coefficients(path: str | os.PathLike, missing: list | None = None) -> tuple:
     """Read a coefficients document -> (:class:`Coefficients`, the
     machine fingerprints it was fitted on (``[]`` when it does not record them)).
+
+    ``missing``: a list that gets the coefficient names the file lacks (they take their default value,
+    1.0 for a multiplier), for the caller to warn about.
 
     Raises:
         InputError: missing file. FormatError: bad document, or a coefficient that is not a finite number
@@ -111,6 +114,8 @@ def read_coefficients(path: str | os.PathLike) -> tuple:
         coef = Coefficients.from_dict(c, where=f"{path}: coefficients")
     except InputError as exc:
         raise FormatError(str(exc)) from None
+    if missing is not None:
+        missing += [f.name for f in dataclasses.fields(Coefficients) if f.name not in c]
     machines = doc.get("machine_fingerprints") or []
     if not isinstance(machines, list) or not all(isinstance(m, str) for m in machines):
         raise FormatError(f"{path}: machine_fingerprints must be a list of strings; re-create it with "

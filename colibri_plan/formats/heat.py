@@ -196,7 +196,9 @@ class Heat:
                        model_fingerprint=d.get("model_fingerprint"), n_model_layers=n_model,
                        engine_id=whole_field(d.get("engine_id"), "engine_id", where, 0, 2**32),
                        trace=None if d.get("trace") is None else RoutingTrace.from_dict(d["trace"], n, where))
-        except (KeyError, TypeError, ValueError) as exc:
+        except KeyError as exc:
+            raise FormatError(f"{where} has no {exc.args[0]}; re-create it") from exc
+        except (TypeError, ValueError) as exc:
             raise FormatError(f"{where} is malformed ({type(exc).__name__}: {exc}); re-create it") from exc
         except FormatError:
             raise
