@@ -279,7 +279,8 @@ def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: f
         sol = _solve(setup, spec, method, time_limit_s)
     except ColibriError as exc:
         if setup.res.disk_read_gbps is None:   # without a disk, every expert must fit in memory
-            raise InputError(no_disk_message(profile)) from exc
+            kind = BudgetError if isinstance(exc, BudgetError) else InputError
+            raise kind(no_disk_message(profile)) from exc
         raise
     solver = {"status": sol.status, "gap": sol.gap, "seconds": round(sol.seconds, 3), "method": sol.method,
               "iterations": sol.iterations}
