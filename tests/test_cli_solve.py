@@ -262,6 +262,10 @@ def test_repin_every_writes_the_section_and_verify_repins_token_exact(files, tmp
     rep = json.loads(v.stdout)
     assert rep["verdict"]["token_exact"] is True
     assert rep["measured"]["repins"] > 0 and rep["measured"]["repin_bytes"] > 0
+    text = invoke("verify", "--plan", plan, "--model", files / "fx", "--tokens", "12", "--no-reference",
+                  "--report", tmp_path / "v2.json")
+    assert text.exit_code == 0, text.output
+    assert "re-pins: " in text.stdout and " swaps, " in text.stdout
 
 
 def test_repin_options_are_checked(files):

@@ -33,6 +33,8 @@ def _human(rep, prompt_len: int, backend: str, pred: dict, written: dict) -> str
         f"devices: {dev})",
         f"hit rates: {hr}; LRU hit rate {(rep.lru_hit_rate or 0.0):.1%}",
         f"{disk}peak RSS {(rep.peak_rss_bytes or 0) / 2**30:.2f} GiB",
+        *([f"re-pins: {rep.repins} swaps, {(rep.repin_bytes or 0) / 1e6:.1f} MB read, "
+           f"{(rep.repin_s or 0.0) * 1e3:.1f} ms"] if rep.repins is not None else []),
         *(f"wrote {k.replace('_out', '')}: {v}" for k, v in written.items())])
 
 

@@ -88,6 +88,8 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
                  f"tokens: {' '.join(map(str, m['tokens']))}",
                  f"peak RSS {m['peak_rss_bytes'] / 1e9:.2f} GB; O_DIRECT {'yes' if m['o_direct'] else 'no'}; "
                  f"median decode {m['decode_s_median'] * 1e3:.0f} ms/token",
+                 *([f"re-pins: {m['repins']} swaps, {(m.get('repin_bytes') or 0) / 1e6:.1f} MB read, "
+                    f"{(m.get('repin_s') or 0.0) * 1e3:.1f} ms"] if m.get("repins") is not None else []),
                  verdict_line(report["verdict"]),
                  f"report: {out}"]
         return "\n".join(lines)
