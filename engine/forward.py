@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from colibri_plan.engine.attention import KVCache, attention, rmsnorm, rope_inv_freq
+from colibri_plan.engine.dense_quant import bind_dense
 from colibri_plan.engine.mla import LatentCache, check_dsa_context, mla_attention, select_absorb
 from colibri_plan.engine.moe import ExpertProvider, RamExperts, RoutingRecorder, moe_block, swiglu
 from colibri_plan.engine.weights import ModelWeights, check_dense
@@ -70,6 +71,7 @@ class Model:
         self._lm_head = self.dense["embed"] if self.arch.tie_word_embeddings else self.dense["lm_head"]
         self._mla = self.arch.attention == "mla"
         self._absorb = select_absorb(self._host_backend()) if self._mla else None
+        bind_dense(self.dense, self._host_backend())  # quantized trunk matmuls: the host backend
 
     def _host_backend(self):
         """The expert provider's host backend ("cpu"/"numpy"; RamExperts.backend or the residency

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri_plan import __version__
+from colibri_plan.engine.dense_quant import decode_dense, encode_dense
 from colibri_plan.engine.pack_target import check_pack_output  # noqa: F401 - re-exported
 from colibri_plan.engine.weights import ModelWeights
 from colibri_plan.errors import FormatError, InputError, IntegrityError
@@ -146,19 +147,21 @@ class PackWriter:
                 arrays.append(qt.scales.astype(np.float32, copy=False))
         self.add_expert_parts(layer, e, arrays)
 
-    def write_dense(self, dense: dict[str, np.ndarray]) -> None:
-        """Write the dense tensors as float32 safetensors (``dense.safetensors``)."""
+    def write_dense(self, dense: dict[str, np.ndarray], dense_format: str = "f32") -> None:
+        """Write ``dense.safetensors``: float32, trunk matrices in ``dense_format`` (dense_quant.py)."""
         from safetensors.numpy import save_file
 
-        tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in sorted(dense.items())}
+        tensors, formats = encode_dense(dense, dense_format)
         path = self.tmp / DENSE_NAME
         # one metadata key: safetensors orders several at random, and the file must be reproducible
-        save_file(tensors, str(path), metadata={"format": "colibri-plan pack dense float32"})
+        save_file(tensors, str(path), metadata={"format": f"colibri-plan pack dense {dense_format}"})
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-        self._dense_params = sum(int(v.size) for v in tensors.values())
-        self._dense_info = {"dense_file": DENSE_NAME, "dense_format": "f32",
+        self._dense_params = sum(int(np.prod(np.shape(v))) for v in dense.values())
+        self._dense_info = {"dense_file": DENSE_NAME, "dense_format": dense_format,
                             "dense_file_bytes": path.stat().st_size, "dense_crc32": file_crc32(path)}
+        if formats:
+            self._dense_info["dense_tensors"] = formats
 
     def commit(self, spec=None, extra: dict | None = None) -> Path:
         """Finish: write the index, fsync, rename the temp folder to ``out``. Returns ``out``.
@@ -217,7 +220,7 @@ class PackWriter:
 
 
 def write_pack(weights: ModelWeights, out_dir, fmt: str, overwrite: bool = False, spec=None,
-               progress=None) -> Path:
+               progress=None, dense_format: str = "f32") -> Path:
     """Pack ``weights`` (a checkpoint or any ModelWeights) into ``out_dir`` with experts in ``fmt``.
 
     Experts already in ``fmt`` are stored as they are; others are dequantized to float32 and quantized
@@ -243,7 +246,7 @@ def write_pack(weights: ModelWeights, out_dir, fmt: str, overwrite: bool = False
             w.add_expert(layer, e, *mats)
             if progress is not None:
                 progress(i + 1, len(keys))
-        w.write_dense(weights.dense)
+        w.write_dense(weights.dense, dense_format)
         return w.commit(spec=spec)
 
 
@@ -289,14 +292,15 @@ class PackedModel(ModelWeights):
             raise IntegrityError(f"pack {self.path}: {DENSE_NAME} is missing or has the wrong size")
         if check_dense and file_crc32(dense_path) != fmt.get("dense_crc32"):
             raise IntegrityError(f"pack {self.path}: {DENSE_NAME} fails its crc32 check (corrupt)")
-        problems = trunk_problems(dense_path, self.arch)  # header and trunk shapes, as `model verify`
+        problems = trunk_problems(dense_path, self.arch, fmt.get("dense_tensors"))  # as `model verify`
         if problems:
             raise FormatError(f"pack {self.path}: {problems[0]}; re-create the pack")
         try:
-            self.dense = load_file(str(dense_path))
+            raw = load_file(str(dense_path))
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError
             raise FormatError(f"pack {self.path}: cannot read {DENSE_NAME} ({type(exc).__name__}: {exc}); "
                               "re-create the pack") from None
+        self.dense = decode_dense(raw, fmt.get("dense_tensors") or {}, f"pack {self.path}")
         self._fd = os.open(self.experts_path, os.O_RDONLY)
 
     def spec(self):

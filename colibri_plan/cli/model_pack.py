@@ -10,6 +10,9 @@ from colibri_plan.cli.common import Steps, emit, get_ctx, json_option, progress
 from colibri_plan.errors import IntegrityError
 from colibri_plan.quant import FORMATS
 
+#: formats `model pack --dense-quant` accepts (colibri_plan.engine.dense_quant.DENSE_FORMATS)
+DENSE_FORMATS = ("f32", "f16", "bf16", "int8", "int4", "int4-g32", "int4-g64", "int4-g128")
+
 #: a count or size option of `model fixture`: a whole number >= 1 (else a usage error)
 _POS = click.IntRange(1, None)
 
@@ -39,9 +42,11 @@ def _checkpoint_spec(checkpoint, weights, fmt):
 @click.argument("out", type=click.Path())
 @click.option("--quant", "fmt", type=click.Choice(FORMATS), default="int4", show_default=True,
               help="Quant format of the routed experts.")
+@click.option("--dense-quant", "dense_fmt", type=click.Choice(DENSE_FORMATS), default=None,
+              help="Format of the dense trunk's matrices [int8 for bf16/fp16/fp8 checkpoints, f32 for f32].")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (atomically).")
 @json_option
-def pack(checkpoint, out, fmt, force):
+def pack(checkpoint, out, fmt, dense_fmt, force):
     """Convert a Hugging Face checkpoint folder into an expert pack OUT (atomic; see docs/pack-format.md)."""
     from colibri_plan.engine.pack import check_pack_output, write_pack
     from colibri_plan.engine.weights import load_checkpoint
@@ -51,12 +56,17 @@ def pack(checkpoint, out, fmt, force):
     t0 = time.perf_counter()
     weights = load_checkpoint(checkpoint, expert_format="f32")
     spec = _checkpoint_spec(checkpoint, weights, fmt)
+    if dense_fmt is None:  # f32 checkpoints stay token-exact; narrower ones get an int8 trunk
+        dtypes = {m[0] for m in weights._t.meta.values()}
+        dense_fmt = "f32" if dtypes <= {"F32", "F64"} else "int8"
     with Steps("packed experts") as bar:
-        path = write_pack(weights, out, fmt, overwrite=force, spec=spec, progress=bar.count)
+        path = write_pack(weights, out, fmt, overwrite=force, spec=spec, progress=bar.count,
+                          dense_format=dense_fmt)
     doc = pack_summary(path)
     doc["seconds"] = round(time.perf_counter() - t0, 3)
     doc.pop("arch")
-    emit(doc, lambda: (f"wrote {path}: {doc['experts']} experts in {fmt}, "
+    doc["dense_format"] = dense_fmt
+    emit(doc, lambda: (f"wrote {path}: {doc['experts']} experts in {fmt}, dense trunk {dense_fmt}, "
                        f"{doc['expert_block_bytes']:,} B per expert block, "
                        f"{doc['experts_file_bytes'] / 1e9:.3f} GB experts.bin, "
                        f"fingerprint {doc['fingerprint']} ({doc['seconds']:.1f} s)"))

@@ -232,6 +232,11 @@ def check_index_fields(where, doc: dict) -> None:
             if fmt.get(key) not in FORMATS:
                 raise FormatError(f"{where}: format.{key} {fmt.get(key)!r} is not a known format "
                                   f"({', '.join(FORMATS)})")
+    tensors = fmt.get("dense_tensors", {})
+    if not isinstance(tensors, dict) or any(not isinstance(n, str) or f not in FORMATS or f == "int2"
+                                            for n, f in tensors.items()):
+        raise FormatError(f"{where}: format.dense_tensors must map tensor names to dense formats, "
+                          f"got {str(tensors)[:80]}")
     for key in ("experts_file_bytes", "dense_file_bytes", "dense_crc32"):
         if key in fmt and not _whole(fmt[key]):
             raise FormatError(f"{where}: format.{key} must be a non-negative whole number, got {fmt[key]!r}")

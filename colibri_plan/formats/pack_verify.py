@@ -94,7 +94,7 @@ def verify_pack(path: str | os.PathLike, progress=None) -> dict:
     elif file_crc32(dense_path) != fmt.get("dense_crc32"):
         problems.append(f"{DENSE_NAME}: crc32 mismatch (corrupt dense tensors)")
     else:
-        problems += trunk_problems(dense_path, arch)
+        problems += trunk_problems(dense_path, arch, fmt.get("dense_tensors"))
     if not arch.moe_layers:
         problems.append("arch.moe_layers is empty: the pack has no routed experts to run; re-create it")
     return {"path": str(folder), "ok": not problems, "experts": len(doc["experts"]),
@@ -122,14 +122,24 @@ def trunk_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def trunk_problems(dense_path: Path, arch: ArchConfig) -> list[str]:
+def trunk_problems(dense_path: Path, arch: ArchConfig, formats: dict | None = None) -> list[str]:
     """What ``run`` would refuse in the dense file: a corrupt safetensors header, or a trunk tensor of
-    :func:`trunk_shapes` missing or of another shape than the index's architecture needs."""
+    :func:`trunk_shapes` missing or of another shape than the index's architecture needs. ``formats``
+    (``format.dense_tensors``): name -> stored format; quantized tensors have their data shape and a
+    ``<name>.scales`` tensor."""
+    from colibri_plan.quant import data_shape, scales_shape
+
     try:
         table, _ = read_header(dense_path)
     except (FormatError, InputError) as exc:
         return [f"{DENSE_NAME}: {exc}"]
     want = trunk_shapes(arch)
+    for n, f in (formats or {}).items():
+        if n in want and len(want[n]) == 2:
+            want[n] = data_shape(f, *want[n])
+            s_shape = scales_shape(f, *trunk_shapes(arch)[n])
+            if s_shape is not None:
+                want[n + ".scales"] = s_shape
     missing = [n for n in want if n not in table]
     wrong = [f"{n} {tuple(table[n]['shape'])} (the index's arch needs {want[n]})" for n in want
              if n in table and tuple(table[n]["shape"]) != want[n]]
