@@ -89,44 +89,50 @@ def select_absorb(backend) -> AbsorbFn:
 class LatentCache:
     """The MLA cache: per layer, the latent and rope rows of past tokens in pages of ``page_tokens``.
 
-    A page is one float32 array [page_tokens, R + Dr] (latent in the first R columns, the rotated k_rope
-    in the last Dr); a layer grows by whole pages and never copies earlier pages. Bytes per token and
-    layer: (R + Dr) · 4, the planner's MLA KV term (kv_lora_rank + qk_rope_head_dim values) at float32.
+    A page is a pair of float32 arrays, latent [page_tokens, R] and the rotated k_rope [page_tokens, Dr],
+    kept apart so a layer's rows are contiguous views (the absorbed kernel reads them without a copy while
+    they fit one page; past that one gather per step). A layer grows by whole pages and never copies
+    earlier pages. Bytes per token and layer: (R + Dr) · 4, the planner's MLA KV term (kv_lora_rank +
+    qk_rope_head_dim values) at float32.
 
     Attributes:
         length: tokens cached so far (the position of the next token).
-        pages[layer]: list of float32 [page_tokens, R + Dr]; rows < length are valid.
+        pages[layer]: list of float32 latent pages [page_tokens, R]; rows < length are valid.
+        rope_pages[layer]: the matching float32 k_rope pages [page_tokens, Dr].
     """
 
     def __init__(self, n_layers: int, kv_lora_rank: int, rope_dim: int, page_tokens: int = PAGE_TOKENS):
         self.length = 0
         self.rank, self.rope_dim, self.page_tokens = int(kv_lora_rank), int(rope_dim), int(page_tokens)
         self.pages: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
+        self.rope_pages: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
 
     def append(self, layer: int, latent: np.ndarray, k_rope: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store latent [T, R] and k_rope [T, Dr] after the ``length`` cached tokens; return every row so far
         (latent [S, R], k_rope [S, Dr], S = length + T). ``length`` advances in :meth:`advance`."""
-        rows = np.concatenate([latent, k_rope], axis=1).astype(np.float32, copy=False)  # [T, R + Dr]
-        pages, pt = self.pages[layer], self.page_tokens
-        pos, end = self.length, self.length + rows.shape[0]
+        pages, ropes, pt = self.pages[layer], self.rope_pages[layer], self.page_tokens
+        pos, end = self.length, self.length + latent.shape[0]
         while len(pages) * pt < end:  # grow by whole pages
-            pages.append(np.zeros((pt, self.rank + self.rope_dim), np.float32))
+            pages.append(np.zeros((pt, self.rank), np.float32))
+            ropes.append(np.zeros((pt, self.rope_dim), np.float32))
         done = 0
         while pos < end:
             page, off = divmod(pos, pt)
             n = min(pt - off, end - pos)
-            pages[page][off: off + n] = rows[done: done + n]
+            pages[page][off: off + n] = latent[done: done + n]
+            ropes[page][off: off + n] = k_rope[done: done + n]
             pos, done = pos + n, done + n
         return self.rows(layer, end)
 
     def rows(self, layer: int, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Latent [end, R] and k_rope [end, Dr] of the first ``end`` tokens (default ``length``): views of
-        the page when they fit in one, else one gathered copy."""
+        """Latent [end, R] and k_rope [end, Dr] of the first ``end`` tokens (default ``length``): contiguous
+        views of the page when they fit in one, else one gathered copy of each."""
         end = self.length if end is None else int(end)
         n_pages = -(-end // self.page_tokens)
-        pages = self.pages[layer][:n_pages]
-        whole = pages[0][:end] if n_pages == 1 else np.concatenate(pages)[:end]  # [end, R + Dr]
-        return whole[:, : self.rank], whole[:, self.rank:]
+        if n_pages == 1:
+            return self.pages[layer][0][:end], self.rope_pages[layer][0][:end]
+        return (np.concatenate(self.pages[layer][:n_pages])[:end],  # [end, R]
+                np.concatenate(self.rope_pages[layer][:n_pages])[:end])  # [end, Dr]
 
     def advance(self, n: int) -> None:
         """Mark ``n`` more tokens as cached (called by the model after all layers ran)."""
@@ -138,7 +144,7 @@ class LatentCache:
 
     def allocated_bytes(self) -> int:
         """Bytes of the allocated pages (the valid rows rounded up to whole pages)."""
-        return sum(p.nbytes for layer in self.pages for p in layer)
+        return sum(p.nbytes for layers in (self.pages, self.rope_pages) for layer in layers for p in layer)
 
 
 def check_dsa_context(arch: ArchConfig, cached: int, new: int) -> None:
@@ -238,7 +244,7 @@ def mla_attention(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, 
     if t == 1:  # absorbed decode: score the latent rows directly
         q_abs = np.matmul(q_nope[:, 0, None, :], w_uk)[:, 0]  # [nh, 1, dn] · [nh, dn, R] -> [nh, R]
         o_lat = absorb(np.ascontiguousarray(q_abs, np.float32), np.ascontiguousarray(q_rope[:, 0]),
-                       np.ascontiguousarray(lat_all), np.ascontiguousarray(kr_all), scale)  # [nh, R]
+                       lat_all, kr_all, scale)  # cache rows are contiguous float32 views: [nh, R]
         o = np.matmul(w_uv, o_lat[:, :, None])[..., 0]  # [nh, dv, R] · [nh, R, 1] -> [nh, dv]
         o = o.reshape(1, nh * dv)  # [1, nh·dv]
     else:  # expanded prefill: per-head keys and values from the latent rows
