@@ -11,15 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from _cli_fixtures import invoke, pack_and_profile, refused, toy_plan
+from _cli_fixtures import invoke, pack_and_profile, refused
 
 from colibri_plan.cli.common import to_json
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    """A profile, a model spec and a plan solved from them."""
-    return toy_plan(tmp_path_factory)
 
 
 def test_json_output_never_holds_nan(capsys):

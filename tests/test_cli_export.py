@@ -5,18 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from _cli_fixtures import invoke, pack_and_profile, refused, same_bytes, solve_json, toy_plan
+from _cli_fixtures import invoke, pack_and_profile, refused, same_bytes, solve_json
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     return pack_and_profile(tmp_path_factory, "exportfiles", plan=True)
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    """A profile, a model spec and a plan solved from them."""
-    return toy_plan(tmp_path_factory)
 
 
 def test_export_llama_cpp_out_writes_the_args(files, tmp_path):

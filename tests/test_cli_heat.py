@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-from _cli_fixtures import heat_doc, invoke, refused, same_bytes, toy_plan, write
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    """A profile, a model spec and a plan solved from them."""
-    return toy_plan(tmp_path_factory)
+from _cli_fixtures import heat_doc, invoke, refused, same_bytes, write
 
 
 def test_heat_convert_refuses_corrupt_and_empty(tmp_path):

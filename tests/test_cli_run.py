@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _cli_fixtures import invoke, pack_and_profile, refused, same_bytes, solve_json, tiny_pack_folder
+from _cli_fixtures import invoke, pack_and_profile, refused, same_bytes, solve_json
 
 from colibri_plan.errors import InputError
 
@@ -16,11 +16,6 @@ PROMPT = "5,80,200,7"
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     return pack_and_profile(tmp_path_factory, "runfiles", plan=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_pack(tmp_path_factory):
-    return tiny_pack_folder(tmp_path_factory)
 
 
 def test_run_generates_n_tokens_with_and_without_a_plan(files):

@@ -9,7 +9,6 @@ import pytest
 from _cli_fixtures import (
     assert_one_line,
     cli_run,
-    good_plan,
     invoke,
     pack_and_profile,
     refused,
@@ -17,7 +16,6 @@ from _cli_fixtures import (
     same_bytes,
     solve,
     solve_json,
-    toy_plan,
     write_reports,
 )
 from _solver_fixtures import toy_spec
@@ -29,18 +27,6 @@ from colibri_plan.planner.knobs import COLIBRI_VRAM_OVERHEAD_BYTES
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     return pack_and_profile(tmp_path_factory, "polish")
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    """A folder with a toy profile, model spec and a plan solved from them (and the plan's document)."""
-    return good_plan(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    """A profile, a model spec and a plan solved from them."""
-    return toy_plan(tmp_path_factory)
 
 
 def test_solve_on_a_pack_budgets_the_f32_trunk_without_dense_format(files):

@@ -11,33 +11,13 @@ from _cli_fixtures import (
     assert_one_line,
     cli_run,
     edited,
-    good_plan,
     invoke,
     refused,
     report,
     same_bytes,
-    tiny_pack_folder,
-    toy_plan,
     write_raw_report,
     write_reports,
 )
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    """A folder with a toy profile, model spec and a plan solved from them (and the plan's document)."""
-    return good_plan(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    """A profile, a model spec and a plan solved from them."""
-    return toy_plan(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def tiny_pack(tmp_path_factory):
-    return tiny_pack_folder(tmp_path_factory)
 
 
 def test_verify_report_is_not_the_plan(toy, tiny_pack):

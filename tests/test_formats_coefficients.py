@@ -5,16 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from _cli_fixtures import assert_one_line, cli_run, coef_file, good_plan
+from _cli_fixtures import assert_one_line, cli_run, coef_file
 
 from colibri_plan.errors import FormatError
 from colibri_plan.formats.coefficients import Coefficients, load_coefficients
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    """A folder with a toy profile, model spec and a plan solved from them (and the plan's document)."""
-    return good_plan(tmp_path_factory)
 
 
 @pytest.mark.parametrize("key, value, message", [

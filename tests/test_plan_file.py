@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 import pytest
-from _cli_fixtures import assert_one_line, cli_run, edited, good_plan
+from _cli_fixtures import assert_one_line, cli_run, edited
 from _solver_fixtures import toy_profile, toy_spec
 
 from colibri_plan.errors import FormatError, MismatchError
@@ -216,12 +216,6 @@ def test_check_model_refuses_another_expert_format():
     other = Plan({"model": {"name": "x", "fingerprint": "0" * 16}, "expert_format": "int4"})
     with pytest.raises(MismatchError, match="/packs/olmoe holds"):
         check_model(other, spec, where="/packs/olmoe")
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    """A folder with a toy profile, model spec and a plan solved from them (and the plan's document)."""
-    return good_plan(tmp_path_factory)
-
 
 
 PLAN_CASES = [

@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from _cli_fixtures import assert_one_line, cli_run, edited, good_plan
+from _cli_fixtures import assert_one_line, cli_run, edited
 
 from colibri_plan.errors import FormatError, InputError
 from colibri_plan.formats.profile import (
@@ -223,12 +223,6 @@ def test_gpus_counts_each_card_once_across_backends():
     got = MachineProfile.gpus(type("P", (), {"doc": doc})())
     assert [(d["backend"], d["index"], d["name"]) for d in got] == [
         ("cuda", 0, "NVIDIA H200"), ("cuda", 1, "NVIDIA H200"), ("vulkan", 0, "AMD Radeon 780M")]
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    """A folder with a toy profile, model spec and a plan solved from them (and the plan's document)."""
-    return good_plan(tmp_path_factory)
-
 
 
 @pytest.mark.parametrize("field, value", [("total_memory_bytes", "lots"), ("index", -1),
