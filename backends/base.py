@@ -28,6 +28,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
+from colibri_plan.backends.device_ops import DeviceOps
 from colibri_plan.errors import (
     BackendUnavailableError,
     ColibriError,
@@ -98,8 +99,9 @@ def silu_mul_ref(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return (g / (1.0 + np.exp(-g))) * u
 
 
-class Backend:
-    """Base class of every backend; see the module docstring for the contract."""
+class Backend(DeviceOps):
+    """Base class of every backend; see the module docstring for the contract (device activations:
+    :mod:`colibri_plan.backends.device_ops`)."""
 
     name: ClassVar[str] = "base"
     #: formats this backend's kernels implement

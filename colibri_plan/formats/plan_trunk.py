@@ -1,0 +1,129 @@
+"""The plan's ``trunk`` section: where the dense trunk, attention and the KV cache live.
+
+Optional (plans without it keep the trunk on the CPU, as before). Shape::
+
+    "trunk": {
+      "device": "cpu" | "cuda:0" | ...,        # runs norms, attention, shared experts, dense FFN, LM head
+      "dense_format": "int8",                  # the pack's dense format the bytes were priced at
+      "dense_bytes": 123456,                   # trunk bytes held on that device (the embedding stays in RAM)
+      "kv": {"device": "cuda:0", "context_tokens": 4096, "page_tokens": 64,
+             "bytes_per_token": 24576, "bytes": 100663296},
+      "split": [{"first_layer": 0, "last_layer": 39, "device": "cuda:0"}, ...]   # optional, see below
+    }
+
+``kv.bytes`` = ceil(context_tokens / page_tokens) · page_tokens · bytes_per_token (whole 64-token pages,
+as colibrì). Attention runs where the KV cache is; the engine keeps both with the trunk. ``split`` (a
+layer range per device, covering every layer once, in order) describes a trunk spread over several
+GPUs, as llama.cpp's layer split does; it is a planning result that exports carry, and the engine runs
+one trunk device (it refuses a split plan with one line).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from colibri_plan.errors import FormatError
+
+CPU = "cpu"
+PAGE_TOKENS = 64
+
+
+def kv_bytes(context_tokens: int, bytes_per_token: int, page_tokens: int = PAGE_TOKENS) -> int:
+    """Bytes of a paged KV cache holding ``context_tokens``: whole pages of ``page_tokens``."""
+    pages = math.ceil(max(0, int(context_tokens)) / int(page_tokens))
+    return pages * int(page_tokens) * int(bytes_per_token)
+
+
+@dataclass(frozen=True)
+class TrunkPlacement:
+    """A validated ``trunk`` section (see the module docstring). ``device`` "cpu" = the host."""
+
+    device: str = CPU
+    dense_format: str | None = None
+    dense_bytes: int = 0
+    kv_device: str = CPU
+    context_tokens: int = 0
+    page_tokens: int = PAGE_TOKENS
+    kv_bytes_per_token: int = 0
+    kv_bytes: int = 0
+    split: tuple[tuple[int, int, str], ...] = field(default_factory=tuple)
+
+    @property
+    def on_device(self) -> bool:
+        """True when the trunk runs on a GPU (not the host CPU)."""
+        return self.device != CPU
+
+    def to_dict(self) -> dict:
+        out = {"device": self.device, "dense_format": self.dense_format, "dense_bytes": self.dense_bytes,
+               "kv": {"device": self.kv_device, "context_tokens": self.context_tokens,
+                      "page_tokens": self.page_tokens, "bytes_per_token": self.kv_bytes_per_token,
+                      "bytes": self.kv_bytes}}
+        if self.split:
+            out["split"] = [{"first_layer": a, "last_layer": b, "device": d} for a, b, d in self.split]
+        return out
+
+
+def _int(sec: dict, key: str, where: str, minimum: int = 0) -> int:
+    v = sec.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise FormatError(f"{where}.{key} must be an integer ≥ {minimum}, got {v!r}")
+    return v
+
+
+def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) -> TrunkPlacement:
+    """The trunk placement of a plan document (a CPU trunk when the section is absent).
+
+    Args:
+        doc: the plan document. device_keys: the plan's device keys ("cuda:0", ...).
+        n_layers: the model's decoder layers, to check ``split`` covers them (None: not checked).
+
+    Raises:
+        FormatError: a malformed section, a device that is neither "cpu" nor one of the plan's devices,
+            KV bytes that do not match pages × bytes per token, or a split that is not a cover of the layers.
+    """
+    sec = doc.get("trunk")
+    if sec is None:
+        return TrunkPlacement()
+    if not isinstance(sec, dict):
+        raise FormatError("plan trunk section must be an object")
+    known = [CPU, *device_keys]
+
+    def dev(v, where):
+        if v not in known:
+            raise FormatError(f"{where} is {v!r}; the plan knows {', '.join(known)}")
+        return v
+
+    device = dev(sec.get("device"), "trunk.device")
+    fmt = sec.get("dense_format")
+    if fmt is not None and not isinstance(fmt, str):
+        raise FormatError(f"trunk.dense_format must be a format name, got {fmt!r}")
+    kv = sec.get("kv")
+    if not isinstance(kv, dict):
+        raise FormatError("trunk.kv must be an object with device, context_tokens, page_tokens, "
+                          "bytes_per_token, bytes")
+    kv_dev = dev(kv.get("device"), "trunk.kv.device")
+    page = _int(kv, "page_tokens", "trunk.kv", 1)
+    ctx, bpt = _int(kv, "context_tokens", "trunk.kv"), _int(kv, "bytes_per_token", "trunk.kv")
+    total = _int(kv, "bytes", "trunk.kv")
+    if total != kv_bytes(ctx, bpt, page):
+        raise FormatError(f"trunk.kv.bytes is {total}, but {ctx} tokens in {page}-token pages of "
+                          f"{bpt} B per token take {kv_bytes(ctx, bpt, page)}")
+    split = []
+    for i, part in enumerate(sec.get("split") or []):
+        if not isinstance(part, dict):
+            raise FormatError(f"trunk.split[{i}] must be an object")
+        split.append((_int(part, "first_layer", f"trunk.split[{i}]"),
+                      _int(part, "last_layer", f"trunk.split[{i}]"),
+                      dev(part.get("device"), f"trunk.split[{i}].device")))
+    if split:
+        want = 0
+        for a, b, _ in split:
+            if a != want or b < a:
+                raise FormatError(f"trunk.split must cover the layers in order from 0; a range starts "
+                                  f"at {a}, expected {want}")
+            want = b + 1
+        if n_layers is not None and want != n_layers:
+            raise FormatError(f"trunk.split covers layers 0..{want - 1}; the model has {n_layers}")
+    return TrunkPlacement(device, fmt, _int(sec, "dense_bytes", "trunk"), kv_dev, ctx, page, bpt, total,
+                          tuple(split))

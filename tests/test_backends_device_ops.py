@@ -1,0 +1,142 @@
+"""Cross-backend oracle of the device-activation ops (backends/device_ops.py): every op, every backend.
+
+Each row runs on every device of every available backend and is compared with the float64 numpy
+reference (``attention_ref``, ``rope_ref`` and plain numpy for the rest): normalised error
+max|y − ref| / max|ref| under the row's bound, exact output shape, no NaN/Inf, and the host inputs left
+untouched. A chain row runs a whole GQA decoder layer's worth of ops back to back without leaving the
+device. Unavailable backends are skipped with their reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_plan import quant
+from colibri_plan.backends.device_ops import attention_ref, rope_ref, rope_table
+from tests.test_backends_oracle import be  # noqa: F401 - the per-device fixture
+
+RNG = np.random.default_rng(7)
+
+
+def _r(*shape, scale=1.0):
+    return (RNG.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+
+
+def _err(y, ref):
+    y = np.asarray(y, np.float64)
+    assert np.isfinite(y).all(), "NaN/Inf in the output"
+    return float(np.max(np.abs(y - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def _silu(g):
+    return g / (1.0 + np.exp(-g))
+
+
+@pytest.mark.parametrize("fmt,out,in_,t", [("f32", 33, 67, 1), ("int8", 257, 131, 3), ("int4", 64, 256, 1),
+                                           ("int4-g32", 96, 128, 5), ("f16", 1, 5, 2), ("bf16", 67, 33, 1)])
+def test_d_matmul(be, fmt, out, in_, t):  # noqa: F811
+    w = quant.quantize(_r(out, in_, scale=in_ ** -0.5), fmt)
+    if fmt not in be.formats:
+        pytest.skip(f"{be.name} has no {fmt} kernel")
+    x = _r(t, in_)
+    ref = x.astype(np.float64) @ quant.dequantize(w).astype(np.float64).T
+    y = be.d_get(be.d_matmul(be.d_put(x), be.upload(w)))
+    assert y.shape == (t, out)
+    assert _err(y, ref) < 1e-4
+
+
+@pytest.mark.parametrize("n,d", [(1, 67), (3, 2048), (16, 128)])
+def test_d_rmsnorm_add_silu_scale(be, n, d):  # noqa: F811
+    x, w, b, bias = _r(n, d), _r(d), _r(n, d), _r(d)
+    x0 = x.copy()
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + 1e-6) * w
+    dx = be.d_put(x)
+    assert _err(be.d_get(be.d_rmsnorm(dx, be.d_put(w), 1e-6)), ref) < 1e-5
+    assert _err(be.d_get(be.d_add(dx, be.d_put(b))), x64 + b) < 1e-6
+    assert _err(be.d_get(be.d_add(dx, be.d_put(bias))), x64 + bias) < 1e-6
+    assert _err(be.d_get(be.d_silu_mul(dx, be.d_put(b))), _silu(x64) * b) < 1e-5
+    s = _r(n)
+    assert _err(be.d_get(be.d_scale_rows(dx, s)), x64 * s[:, None]) < 1e-6
+    assert np.array_equal(x, x0), "an op changed its input"
+
+
+@pytest.mark.parametrize("t,heads,d,rd,interleave,pos0", [(1, 4, 64, 64, False, 37), (3, 2, 67 + 1, 32, False, 0),
+                                                          (2, 3, 16, 16, True, 5), (5, 1, 128, 64, True, 100)])
+def test_d_rope(be, t, heads, d, rd, interleave, pos0):  # noqa: F811
+    inv = 1.0 / (10000.0 ** (np.arange(0, rd, 2, dtype=np.float32) / rd))
+    table = rope_table(inv, 128, attention_factor=1.1)
+    x = _r(t, heads, d)
+    ref = rope_ref(x.astype(np.float64), table.astype(np.float64), pos0, rd, interleave)
+    y = be.d_get(be.d_rope(be.d_put(x), be.d_put(table), pos0, rd, interleave))
+    assert y.shape == x.shape
+    assert _err(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,pos0,cap,window", [
+    (1, 4, 2, 64, 9, 64, 0),        # decode, GQA groups of 2
+    (5, 8, 1, 32, 0, 64, 0),        # prefill from an empty cache, MQA
+    (3, 2, 2, 67, 300, 320, 0),     # odd head dim, past one 256-row tile
+    (1, 16, 4, 128, 999, 1024, 0),  # a long decode
+    (4, 4, 4, 16, 60, 128, 8),      # sliding window
+])
+def test_d_attention(be, t, hq, hkv, d, pos0, cap, window):  # noqa: F811
+    n_keys = pos0 + t
+    q, k, v = _r(t, hq, d), _r(cap, hkv, d, scale=2.0), _r(cap, hkv, d)
+    scale = d ** -0.5
+    ref = attention_ref(q, k, v, n_keys, pos0, scale, window)
+    dk, dv = be.d_zeros((cap, hkv, d)), be.d_zeros((cap, hkv, d))
+    be.d_write_rows(dk, 0, be.d_put(k[:n_keys]))  # the cache, filled in two writes as decode does
+    be.d_write_rows(dv, 0, be.d_put(v[:n_keys - 1]))
+    be.d_write_rows(dv, n_keys - 1, be.d_put(v[n_keys - 1: n_keys]))
+    y = be.d_get(be.d_attention(be.d_put(q), dk, dv, n_keys, pos0, scale, window))
+    assert y.shape == (t, hq * d)
+    assert _err(y, ref.astype(np.float64)) < 1e-5
+
+
+def test_a_gqa_layer_chain_stays_on_the_device(be):  # noqa: F811
+    """norm -> q/k/v -> rope -> cache -> attention -> o -> residual -> SwiGLU, against numpy."""
+    H, hq, hkv, d, inter, t = 96, 4, 2, 24, 80, 3
+    ws = {n: quant.quantize(_r(o, i, scale=i ** -0.5), "int8")
+          for n, o, i in (("q", hq * d, H), ("k", hkv * d, H), ("v", hkv * d, H), ("o", H, hq * d),
+                          ("g", inter, H), ("u", inter, H), ("dn", H, inter))}
+    dq = {n: quant.dequantize(w).astype(np.float64) for n, w in ws.items()}
+    up = {n: be.upload(w) for n, w in ws.items()}
+    norm = _r(H)
+    inv = 1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    table = rope_table(inv, 64)
+    x = _r(t, H)
+    # numpy float64
+    xn = x.astype(np.float64)
+    xn = xn / np.sqrt((xn * xn).mean(axis=1, keepdims=True) + 1e-6) * norm
+    q = rope_ref((xn @ dq["q"].T).reshape(t, hq, d), table.astype(np.float64), 0, d, False)
+    k = rope_ref((xn @ dq["k"].T).reshape(t, hkv, d), table.astype(np.float64), 0, d, False)
+    v = (xn @ dq["v"].T).reshape(t, hkv, d)
+    h = x + attention_ref(q, k, v, t, 0, d ** -0.5).astype(np.float64) @ dq["o"].T
+    ref = h + (_silu(h @ dq["g"].T) * (h @ dq["u"].T)) @ dq["dn"].T
+    # device
+    dx = be.d_put(x)
+    xa = be.d_rmsnorm(dx, be.d_put(norm), 1e-6)
+    dt = be.d_put(table)
+    dq_ = be.d_rope(be.d_view(be.d_matmul(xa, up["q"]), (t, hq, d)), dt, 0, d, False)
+    dk_ = be.d_rope(be.d_view(be.d_matmul(xa, up["k"]), (t, hkv, d)), dt, 0, d, False)
+    dv_ = be.d_view(be.d_matmul(xa, up["v"]), (t, hkv, d))
+    kc, vc = be.d_zeros((64, hkv, d)), be.d_zeros((64, hkv, d))
+    be.d_write_rows(kc, 0, dk_)
+    be.d_write_rows(vc, 0, dv_)
+    dh = be.d_add(dx, be.d_matmul(be.d_attention(dq_, kc, vc, t, 0, d ** -0.5), up["o"]))
+    y = be.d_add(dh, be.d_matmul(be.d_silu_mul(be.d_matmul(dh, up["g"]), be.d_matmul(dh, up["u"])), up["dn"]))
+    assert _err(be.d_get(y), ref) < 1e-4
+
+
+def test_device_arrays_of_another_backend_are_refused(be):  # noqa: F811
+    from colibri_plan.backends import get_backend
+    from colibri_plan.errors import InputError
+
+    other = get_backend("numpy").open(0)
+    with pytest.raises(InputError, match="DArray of this backend"):
+        be.d_get(other.d_put(np.zeros(3, np.float32)))
+    with pytest.raises(InputError, match="positions"):
+        be.d_rope(be.d_put(np.zeros((2, 1, 4), np.float32)), be.d_put(np.zeros((1, 2, 2), np.float32)), 0, 4,
+                  False)
