@@ -11,7 +11,9 @@ row with a local-memory reduction.
 
 from __future__ import annotations
 
+import math
 import warnings
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -19,11 +21,15 @@ import numpy as np
 from colibri_plan.backends import _shared as sh
 from colibri_plan.backends._shared import GPUBackend, PaddedWeight, WorkBuffers
 from colibri_plan.backends.base import DeviceInfo
+from colibri_plan.backends.device_ops import DArray
+from colibri_plan.errors import UnsupportedError
 from colibri_plan.quant import QuantTensor, group_size
 
 _OOM_CODES = ("MEM_OBJECT_ALLOCATION_FAILURE", "OUT_OF_RESOURCES", "OUT_OF_HOST_MEMORY",
               "INVALID_BUFFER_SIZE")
-_SOURCES = {"rmsnorm": "norm.cl", "attention_absorb": "attention.cl"}  # kernels without a weight format
+# kernels without a weight format
+_SOURCES = {"rmsnorm": "norm.cl", "attention_absorb": "attention.cl", "attention_gqa": "attention.cl",
+            **dict.fromkeys(("add", "silu_mul", "scale_rows", "rope", "pad_rows"), "trunk.cl")}
 _MAGIC = b"CPCLPB01"  # cache files: magic, sha256 of the program binary, the binary
 
 
@@ -56,6 +62,10 @@ def _check(cl) -> str | None:
     return None if _cl_devices() else "OpenCL platforms have no devices"
 
 
+def _is_oom(cl, exc) -> bool:
+    return any(getattr(cl.status_code, c, None) == exc.code for c in _OOM_CODES)
+
+
 class OpenCLBackend(GPUBackend):
     """Quantized matmul, fused expert FFN, rmsnorm and absorbed MLA attention through pyopencl (see the
     module docstring)."""
@@ -79,6 +89,7 @@ class OpenCLBackend(GPUBackend):
     # ---- lifecycle -------------------------------------------------------------------------------
     def _open(self) -> None:
         import pyopencl as cl
+        import pyopencl.tools  # noqa: F401 - the memory pool of DArray buffers
 
         self.cl = cl
         self.platform, self.dev = _cl_devices()[self.device.index]
@@ -90,16 +101,25 @@ class OpenCLBackend(GPUBackend):
         self.rows_per_group = 1
         self.cache_hits = 0  # programs loaded from cached binaries (tests read it)
         self._kernels: dict[tuple, Any] = {}
+        self._programs: dict[tuple, Any] = {}  # (source, options): one build for all kernels of a file
+        self.ew = min(64, self.dev.max_work_group_size)  # work-group of the elementwise kernels
+        self.attn_tile = 64  # most K/V rows per tile of attention_gqa (fewer where local memory is short)
+        self._pool = cl.tools.MemoryPool(cl.tools.ImmediateAllocator(self.queue))  # DArray buffers
+        self._inflight: deque = deque()  # events of non-blocking uploads: they own the host copies
         # grow-only work buffers (activations, outputs) reused between calls
         self._scratch = WorkBuffers(self._scratch_alloc, grow=lambda n: max(n, 4096))
 
     def _close(self) -> None:
         self.queue.finish()
+        self._inflight.clear()
         self._kernels.clear()
+        self._programs.clear()
         self._scratch.clear()
+        self._pool.free_held()
 
     def _synchronize(self) -> None:
         self.queue.finish()
+        self._inflight.clear()
 
     def capacity_bytes(self) -> int | None:
         return int(self.dev.global_mem_size)
@@ -125,16 +145,20 @@ class OpenCLBackend(GPUBackend):
         sh.write_cache_file(path, _MAGIC, prg.get_info(cl.program_info.BINARIES)[0])  # unwritable: rebuilt
         return prg
 
-    def _kernel(self, name: str, fmt: str | None, tpi: int = 1):
-        key = (name, fmt, tpi, self.ls)
+    def _kernel(self, name: str, fmt: str | None, tpi: int = 1, extra: tuple[str, ...] = ()):
+        key = (name, fmt, tpi, self.ls, extra)
         if key not in self._kernels:
             if fmt is None:
-                prg = self._build(_SOURCES[name], [f"-DLS={self.ls}"])
+                src, opts = _SOURCES[name], [f"-DLS={self.ls}", *extra]
             else:
                 g = group_size(fmt)
+                src = "matmul.cl"
                 opts = [f"-DFMT={sh.kernel_format(fmt)}", f"-DLS={self.ls}", f"-DTPI={tpi}"]
-                prg = self._build("matmul.cl", opts + ([f"-DGROUP={g}"] if g else []))
-            self._kernels[key] = self.cl.Kernel(prg, name)
+                opts += [f"-DGROUP={g}"] if g else []
+            pkey = (src, tuple(opts))
+            if pkey not in self._programs:
+                self._programs[pkey] = self._build(src, opts)
+            self._kernels[key] = self.cl.Kernel(self._programs[pkey], name)
         return self._kernels[key]
 
     def _tpi(self, T: int) -> int:
@@ -161,7 +185,7 @@ class OpenCLBackend(GPUBackend):
         except cl.Error as exc:
             for buf in made:
                 buf.release()
-            if not any(getattr(cl.status_code, c, None) == exc.code for c in _OOM_CODES):
+            if not _is_oom(cl, exc):
                 raise
             raise self._oom(f"ran out of memory uploading {qt.nbytes} B: {exc}", qt.nbytes) from exc
         except BaseException:
@@ -249,6 +273,129 @@ class OpenCLBackend(GPUBackend):
         cl.enqueue_nd_range_kernel(self.queue, knl, (H * self.ls,), (self.ls,))  # a work-group per head
         out = np.empty_like(q_abs)  # [H, R]
         cl.enqueue_copy(self.queue, out, ob, is_blocking=True)  # in order: `host` was read before
+        return out
+
+    # ---- device activations (see the module docstring) ---------------------------------------------
+    def _alloc(self, nbytes: int):
+        cl = self.cl
+        try:
+            return self._pool.allocate(max(4, int(nbytes)))
+        except cl.Error as exc:
+            if not _is_oom(cl, exc):
+                raise
+            raise self._oom(f"cannot allocate {nbytes} B of activations: {exc}", nbytes) from exc
+
+    def _d_put(self, host: np.ndarray) -> Any:
+        """A buffer holding a copy of ``host``, filled without waiting: pyopencl's event owns the copy and
+        waits for the transfer when dropped, so events are kept until a blocking read drains the queue."""
+        buf = self._alloc(host.nbytes)
+        if host.nbytes:
+            self._inflight.append(self.cl.enqueue_copy(self.queue, buf, host.copy(), is_blocking=False))
+            if len(self._inflight) > 256:
+                self._inflight.popleft()  # the oldest transfer: long finished, dropping it does not wait
+        return buf
+
+    def _ew(self, name: str, n: int, *args):
+        """A ``trunk.cl`` kernel over n elements; the grid is rounded up to whole work-groups."""
+        if n:
+            knl = self._kernel(name, None)
+            knl.set_args(*args)
+            self.cl.enqueue_nd_range_kernel(self.queue, knl, (-(-n // self.ew) * self.ew,), (self.ew,))
+
+    def _flat(self, a: DArray):
+        """a's floats at offset 0 of a buffer (norm.cl takes no offsets): a.buf, or a device copy."""
+        if a.offset == 0:
+            return a.buf
+        buf = self._alloc(a.nbytes)
+        if a.size:
+            self.cl.enqueue_copy(self.queue, buf, a.buf, byte_count=a.nbytes, src_offset=4 * a.offset)
+        return buf
+
+    def _d_get(self, a: DArray) -> np.ndarray:
+        host = np.empty(a.shape, np.float32)
+        if host.nbytes:
+            self.cl.enqueue_copy(self.queue, host, a.buf, src_offset=4 * a.offset, is_blocking=True)
+        self._inflight.clear()  # the queue is in order: every earlier upload has finished
+        return host
+
+    def _d_zeros(self, shape: tuple[int, ...]) -> Any:
+        nbytes = 4 * math.prod(shape)
+        buf = self._alloc(nbytes)
+        if nbytes:
+            self.cl.enqueue_fill_buffer(self.queue, buf, np.float32(0), 0, nbytes)
+        return buf
+
+    def _d_matmul(self, x: DArray, w) -> Any:
+        u32, u64, p, (T, n_in) = np.uint32, np.uint64, w.payload, x.shape
+        y = self._alloc(4 * T * w.out_features)  # [T, out]
+        if T == 0:
+            return y
+        xb, xo = x.buf, x.offset
+        if n_in != p.in_pad:  # the kernel reads rows of in_pad floats: a zero-padded device copy
+            xb, xo = self._alloc(4 * T * p.in_pad), 0  # [T, in_pad]
+            self._ew("pad_rows", T * p.in_pad, x.buf, u64(x.offset), xb, u64(T * p.in_pad), u32(n_in),
+                     u32(p.in_pad))
+        tpi = self._tpi(T)
+        # y [T, out] = x [T, in_pad] . W [out, in_pad]^T
+        self._launch(self._kernel("matmul", w.fmt, tpi), w.out_features, T, tpi, p.data, p.scales, xb, xo,
+                     y, 0, p.in_pad, T, w.out_features, w.out_features)
+        return y
+
+    def _d_rmsnorm(self, x: DArray, weight: DArray, eps: float) -> Any:
+        (n, d), y = x.shape, self._alloc(x.nbytes)  # [N, d]
+        if n:
+            knl = self._kernel("rmsnorm", None)
+            knl.set_args(self._flat(x), self._flat(weight), y, np.uint32(d), np.float32(eps))
+            self.cl.enqueue_nd_range_kernel(self.queue, knl, (n * self.ls,), (self.ls,))
+        return y
+
+    def _d_add(self, a: DArray, b: DArray) -> Any:
+        y, u64 = self._alloc(a.nbytes), np.uint64
+        self._ew("add", a.size, a.buf, u64(a.offset), b.buf, u64(b.offset), y, u64(a.size),
+                 np.uint32(a.shape[1]), np.uint32(b.shape != a.shape))
+        return y
+
+    def _d_silu_mul(self, g: DArray, u: DArray) -> Any:
+        y, u64 = self._alloc(g.nbytes), np.uint64
+        self._ew("silu_mul", g.size, g.buf, u64(g.offset), u.buf, u64(u.offset), y, u64(g.size))
+        return y
+
+    def _d_scale_rows(self, a: DArray, s: np.ndarray) -> Any:
+        y, u64 = self._alloc(a.nbytes), np.uint64
+        self._ew("scale_rows", a.size, a.buf, u64(a.offset), self._d_put(s), y, u64(a.size),
+                 np.uint32(a.shape[1]))
+        return y
+
+    def _d_rope(self, x: DArray, table: DArray, pos0: int, rotary_dim: int, interleave: bool) -> Any:
+        y, u32, u64, (_, heads, d) = self._alloc(x.nbytes), np.uint32, np.uint64, x.shape
+        self._ew("rope", x.size, x.buf, u64(x.offset), table.buf, u64(table.offset), y, u64(x.size),
+                 u32(heads), u32(d), u32(rotary_dim), u32(pos0), u32(interleave))
+        return y
+
+    def _d_write_rows(self, dst: DArray, row0: int, src: DArray) -> None:
+        if src.size:  # a buffer-to-buffer copy on the queue
+            row = math.prod(dst.shape[1:])
+            self.cl.enqueue_copy(self.queue, dst.buf, src.buf, byte_count=src.nbytes,
+                                 src_offset=4 * src.offset, dst_offset=4 * (dst.offset + row0 * row))
+
+    def _d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
+                     window: int) -> Any:
+        cl, u32, u64, (T, hq, d), ls = self.cl, np.uint32, np.uint64, q.shape, self.ls
+        out = self._alloc(q.nbytes)  # [T, Hq * d]
+        ks = d | 1  # odd row stride of the local K tile: the items' rows fall in different banks
+        # local memory: the K tile [tile, ks], the query [d] and the tile's scores [tile], red[LS]
+        tile = min(self.attn_tile, ((self.dev.local_mem_size - 4 * ls - 256) // 4 - d) // (ks + 1))
+        if tile < 1:
+            raise UnsupportedError(f"opencl d_attention: head_dim {d} needs more than the "
+                                   f"{self.dev.local_mem_size} B of local memory of {self.device.name!r}; "
+                                   "keep attention on the CPU for this model")
+        if T:
+            knl = self._kernel("attention_gqa", None, extra=(f"-DNACC={-(-d // ls)}",))
+            knl.set_args(q.buf, u64(q.offset), k.buf, u64(k.offset), v.buf, u64(v.offset), out, u32(hq),
+                         u32(k.shape[1]), u32(d), u32(pos0), u32(window), np.float32(scale), u32(tile),
+                         u32(ks), cl.LocalMemory(4 * tile * ks), cl.LocalMemory(4 * (d + tile)))
+            # a work-group of LS items per (head, query row)
+            cl.enqueue_nd_range_kernel(self.queue, knl, (hq * ls, T), (ls, 1))
         return out
 
 

@@ -166,3 +166,150 @@ def test_gpu_work_shape_of_attention_on_this_device(cache):
             arrays = [rng.standard_normal(s, dtype=np.float32) for s in ((H, R), (H, Dr), (T, R), (T, Dr))]
             ref = attention_absorb_ref(*arrays, 0.3).astype(np.float64)
             assert _nerr(be.attention_absorb(*arrays, 0.3), ref) < 1e-5
+
+
+# ---- device activations (d_* ops): the numeric oracle is tests/test_backends_device_ops.py -----------
+def _attn_case(be, rng, t, hq, hkv, d, pos0, window, cap=None):
+    from colibri_plan.backends.device_ops import attention_ref
+
+    n_keys = pos0 + t
+    cap = cap or n_keys
+    q, k, v = (rng.standard_normal(s, dtype=np.float32) for s in ((t, hq, d), (cap, hkv, d), (cap, hkv, d)))
+    ref = attention_ref(q, k, v, n_keys, pos0, d ** -0.5, window).astype(np.float64)
+    y = be.d_get(be.d_attention(be.d_put(q), be.d_put(k), be.d_put(v), n_keys, pos0, d ** -0.5, window))
+    assert y.shape == (t, hq * d) and _nerr(y, ref) < 1e-5, (t, hq, hkv, d, pos0, window)
+
+
+def _layer_chain(be, rng):
+    """Every d_* op once on ``be`` (a GQA layer's worth); returns the DArrays made and the host result."""
+    from colibri_plan.backends.device_ops import rope_table
+
+    H, d, t = 200, 16, 2  # H not a multiple of 128: matmul pads x on the device
+    w = be.upload(_qt("int4-g32", 4 * d, H))
+    x = be.d_put(_x(t, H))
+    xn = be.d_rmsnorm(x, be.d_put(_x(1, H)[0]), 1e-6)
+    table = be.d_put(rope_table(np.ones(d // 2), 8))
+    q = be.d_rope(be.d_view(be.d_matmul(xn, w), (t, 4, d)), table, 0, d, True)
+    kc = be.d_zeros((8, 4, d))
+    be.d_write_rows(kc, 0, q)
+    a = be.d_attention(q, kc, kc, t, 0, 0.25, 0)
+    bias = be.d_put(rng.standard_normal(4 * d, dtype=np.float32))
+    s = be.d_scale_rows(be.d_add(be.d_silu_mul(a, a), bias), np.array([0.5, 2.0], np.float32))
+    return (x, xn, q, kc, a, s), be.d_get(s)
+
+
+@needs_cl
+def test_device_ops_run_the_opencl_kernels_not_the_numpy_reference(cache, monkeypatch):
+    """Every d_* result is a pyopencl buffer, and a layer's chain of every op gives the numpy backend's
+    result with the reference hooks disabled (each of them reads its inputs through DeviceOps._host)."""
+    import pyopencl as cl
+
+    from colibri_plan.backends.device_ops import DeviceOps
+
+    _, ref = _layer_chain(get_backend("numpy").open(0), np.random.default_rng(3))
+
+    def no_host(self, a):
+        raise AssertionError("a numpy reference hook ran on the opencl backend")
+
+    monkeypatch.setattr(DeviceOps, "_host", no_host)
+    with OpenCL.open(0) as be:
+        arrays, y = _layer_chain(be, np.random.default_rng(3))
+        for arr in arrays:
+            assert isinstance(arr.buf, cl.MemoryObjectHolder) and arr.owner == id(be)
+    assert y.shape == (2, 64) and _nerr(y, ref.astype(np.float64)) < 1e-5
+
+
+@needs_cl
+def test_d_put_copies_at_call_time_and_empty_arrays_work(cache):
+    with OpenCL.open(0) as be:
+        host = np.arange(12, dtype=np.float32).reshape(3, 4)
+        a = be.d_put(host)
+        s = np.array([2.0, 3.0, 4.0], np.float32)
+        b = be.d_scale_rows(a, s)
+        host[:] = -1.0  # the caller reuses its arrays at once: the uploads must not see this
+        s[:] = 0.0
+        want = np.arange(12, dtype=np.float32).reshape(3, 4)
+        np.testing.assert_array_equal(be.d_get(a), want)
+        np.testing.assert_array_equal(be.d_get(b), want * np.array([[2.0], [3.0], [4.0]], np.float32))
+        assert be.d_get(be.d_zeros((0, 4))).shape == (0, 4)
+        np.testing.assert_array_equal(be.d_get(be.d_zeros((2, 3))), np.zeros((2, 3), np.float32))
+        y = be.d_matmul(be.d_put(np.zeros((0, 40), np.float32)), be.upload(_qt("int8", 8, 40)))
+        assert be.d_get(y).shape == (0, 8)
+
+
+@needs_cl
+def test_device_ops_read_views_at_an_offset(cache):
+    """DArrays may be sub-views (offset > 0) of a larger buffer: every op reads from the offset."""
+    from colibri_plan.backends.device_ops import DArray, attention_ref, rope_ref, rope_table
+
+    rng = np.random.default_rng(5)
+    with OpenCL.open(0) as be:
+        big = rng.standard_normal((5, 128), dtype=np.float32)
+        whole = be.d_put(big)
+        view = DArray((2, 128), whole.buf, whole.owner, offset=2 * 128)  # rows 2..3
+        x = big[2:4].astype(np.float64)
+        qt = _qt("int8", 24, 128)
+        assert _nerr(be.d_get(be.d_matmul(view, be.upload(qt))), quant.matmul_ref(big[2:4], qt)) < 1e-5
+        v60 = DArray((2, 60), whole.buf, whole.owner, offset=7)  # unaligned, and padded for matmul
+        qt60 = _qt("int4", 9, 60)
+        x60 = big.reshape(-1)[7:127].reshape(2, 60)
+        assert _nerr(be.d_get(be.d_matmul(v60, be.upload(qt60))), quant.matmul_ref(x60, qt60)) < 1e-5
+        wn = rng.standard_normal(128, dtype=np.float32)
+        ref = x / np.sqrt((x * x).mean(1, keepdims=True) + 1e-6) * wn
+        assert _nerr(be.d_get(be.d_rmsnorm(view, be.d_put(wn), 1e-6)), ref) < 1e-5
+        bias = DArray((128,), whole.buf, whole.owner, offset=0)
+        assert _nerr(be.d_get(be.d_add(view, bias)), x + big[0]) < 1e-6
+        up = DArray((2, 128), whole.buf, whole.owner, offset=128)  # rows 1..2, overlapping the view
+        assert _nerr(be.d_get(be.d_silu_mul(view, up)), x / (1 + np.exp(-x)) * big[1:3]) < 1e-5
+        table = rope_table(1.0 / (100.0 ** (np.arange(0, 8, 2) / 8)), 16)
+        tv = be.d_put(np.concatenate([np.zeros(3, np.float32), table.reshape(-1)]))
+        tview = DArray(table.shape, tv.buf, tv.owner, offset=3)
+        r = be.d_rope(be.d_view(view, (2, 8, 16)), tview, 4, 8, False)
+        assert _nerr(be.d_get(r), rope_ref(big[2:4].reshape(2, 8, 16), table, 4, 8, False)) < 1e-5
+        q, kv = be.d_view(view, (2, 4, 32)), DArray((5, 2, 32), whole.buf, whole.owner, offset=0)
+        kv_host = big.reshape(-1)[:320].reshape(5, 2, 32)  # the first 320 floats of `whole`
+        ref = attention_ref(big[2:4].reshape(2, 4, 32), kv_host, kv_host, 5, 3, 0.2).astype(np.float64)
+        assert _nerr(be.d_get(be.d_attention(q, kv, kv, 5, 3, 0.2)), ref) < 1e-5
+        dst = be.d_zeros((6, 128))
+        be.d_write_rows(dst, 3, view)
+        got = be.d_get(dst)
+        np.testing.assert_array_equal(got[3:5], big[2:4])
+        assert not got[:3].any() and not got[5:].any()
+
+
+@needs_cl
+@pytest.mark.parametrize("ls,tile", [(1, 64), (16, 64), (16, 5), (64, 7)])
+def test_attention_work_shapes_on_this_device(cache, ls, tile):
+    """attention_gqa with one item per group (CPU shape) and groups of 16/64 (GPU shapes: NACC > 1 and
+    NACC = 1 channel per item, strided scores, local reductions), whole and short tiles (many tiles, a
+    partial last one), head_dim up to 256 and odd, GQA/MQA, sliding windows, prefill and decode."""
+    rng = np.random.default_rng(ls * 100 + tile)
+    with OpenCL.open(0) as be:
+        be.ls, be.attn_tile = ls, tile
+        for case in ((1, 8, 2, 256, 130, 0), (3, 6, 3, 255, 70, 0), (4, 2, 1, 67, 0, 0), (2, 4, 4, 1, 20, 0),
+                     (5, 4, 2, 40, 90, 9), (1, 2, 2, 128, 300, 1), (6, 3, 1, 24, 2, 100)):
+            _attn_case(be, rng, *case)
+
+
+@needs_cl
+def test_trunk_gpu_work_shape_on_this_device(cache):
+    """d_matmul (x padded on the device) and d_rmsnorm with a work-group of 16 per row."""
+    with OpenCL.open(0) as be:
+        be.ls = 16
+        for fmt, out, in_, T in (("int4", 33, 200, 1), ("int8", 40, 256, 5), ("bf16", 7, 131, 3)):
+            qt, x = _qt(fmt, out, in_), _x(T, in_)
+            assert _nerr(be.d_get(be.d_matmul(be.d_put(x), be.upload(qt))), quant.matmul_ref(x, qt)) < 1e-5
+        xn, wn = _x(3, 300) * 3, _x(1, 300)[0]
+        ref = xn / np.sqrt((xn.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-6) * wn
+        assert _nerr(be.d_get(be.d_rmsnorm(be.d_put(xn), be.d_put(wn), 1e-6)), ref) < 1e-5
+
+
+@needs_cl
+def test_attention_head_dim_beyond_local_memory_is_refused(cache):
+    from colibri_plan.errors import UnsupportedError
+
+    with OpenCL.open(0) as be:
+        d = be.dev.local_mem_size // 8  # one K row plus the query already fill local memory
+        q = be.d_zeros((1, 1, d))
+        with pytest.raises(UnsupportedError, match="local memory"):
+            be.d_attention(q, q, q, 1, 0, 1.0)

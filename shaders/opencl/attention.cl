@@ -64,3 +64,73 @@ kernel void attention_absorb(global const float *in, global float *out, uint R, 
     const float inv = 1.0f / l;
     for (uint c = lane; c < R; c += LS) o[c] *= inv;
 }
+
+// Causal GQA attention (d_attention of backends/device_ops.py), one work-group of LS items per query row
+// t (get_group_id(1)) and head h (get_group_id(0)); query head h reads kv head h / (Hq / Hkv).
+// q [T, Hq, D] at qo, k and v [C, Hkv, D] at ko and vo (offsets in floats), out [T, Hq * D].
+// Query row t sits at position pos0 + t and sees keys lo .. pos0 + t (lo = pos0 + t - window + 1 on a
+// sliding-window layer, window > 0; else 0). Keys are taken in tiles of `tile` rows: the K tile is
+// copied to local memory (loads coalesced over the channels; row stride ks odd, so the items' dot
+// products, one cache row each, fall in different banks), then the online softmax of
+// attention_absorb (running max m and sum l, partial sums rescaled by exp(m_old - m_new)). V is read
+// straight from global memory: items own channels, so those reads are coalesced already and a local
+// copy would only add a pass. Accumulation in float32, NACC = ceil(D / LS) channels per item.
+// Local memory (dynamic): kt [tile * ks], qp [D + tile] (the query row, then the tile's scores).
+// Build options: -DLS=<items per work-group> (a power of two) -DNACC=<ceil(D / LS)>.
+#ifdef NACC
+kernel void attention_gqa(global const float *q, ulong qo, global const float *k, ulong ko,
+                          global const float *v, ulong vo, global float *out, uint Hq, uint Hkv, uint D,
+                          uint pos0, uint window, float scale, uint tile, uint ks, local float *kt,
+                          local float *qp) {
+    local float red[LS];
+    const uint h = get_group_id(0), t = get_group_id(1), lane = get_local_id(0);
+    const uint pos = pos0 + t, lo = window > 0 && pos >= window ? pos + 1 - window : 0;
+    const ulong rs = (ulong)Hkv * D;  // floats from one cache row to the next
+    global const float *kh = k + ko + (ulong)(h / (Hq / Hkv)) * D, *vh = v + vo + (ulong)(h / (Hq / Hkv)) * D;
+    local float *qs = qp, *p = qp + D;
+    for (uint c = lane; c < D; c += LS) qs[c] = q[qo + ((ulong)t * Hq + h) * D + c];
+    float acc[NACC];
+    for (int a = 0; a < NACC; a++) acc[a] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+    for (uint j0 = lo; j0 <= pos; j0 += tile) {
+        const uint n = min(tile, pos + 1 - j0);
+        for (uint i = 0; i < n; i++) {
+            global const float *kr = kh + (ulong)(j0 + i) * rs;
+            for (uint c = lane; c < D; c += LS) kt[i * ks + c] = kr[c];
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);  // publishes the tile (and qs on the first pass)
+        float mx = -INFINITY;
+        for (uint i = lane; i < n; i += LS) {
+            float s = 0.0f;
+            for (uint c = 0; c < D; c++) s = fma(qs[c], kt[i * ks + c], s);
+            p[i] = s * scale;
+            mx = fmax(mx, p[i]);
+        }
+        const float mn = fmax(m, group_reduce(red, mx, 1));
+        float sum = 0.0f;
+        for (uint i = lane; i < n; i += LS) {
+            const float e = exp(p[i] - mn);
+            p[i] = e;
+            sum += e;
+        }
+        const float alpha = exp(m - mn);  // 0 on the first tile (m = -inf)
+        l = l * alpha + group_reduce(red, sum, 0);  // its barriers also publish p
+        m = mn;
+        for (int a = 0; a < NACC; a++) {
+            const uint c = lane + a * LS;
+            if (c < D) {
+                global const float *col = vh + (ulong)j0 * rs + c;
+                float s = 0.0f;
+                for (uint i = 0; i < n; i++) s = fma(p[i], col[(ulong)i * rs], s);
+                acc[a] = fma(acc[a], alpha, s);
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);  // kt and p are rewritten by the next tile
+    }
+    const float inv = 1.0f / l;
+    for (int a = 0; a < NACC; a++) {
+        const uint c = lane + a * LS;
+        if (c < D) out[((ulong)t * Hq + h) * D + c] = acc[a] * inv;
+    }
+}
+#endif
