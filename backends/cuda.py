@@ -6,7 +6,8 @@ host-to-device copy (a pointer table plus the padded activations), its launches 
 copy: :meth:`CUDABackend.expert_ffn` runs a whole batch of experts in two launches (gate/up fused with
 SiLU·up, then down). Repeated work shapes replay a captured CUDA graph. With ``timing = True``,
 ``last_device_seconds`` holds the GPU time of the last op (CUDA events). Staging, batching, replays and
-timing live in ``_shared`` and ``base``; this file is driver calls.
+timing live in ``_shared`` and ``base``; this file is driver calls. The device-activation ops (``d_*``,
+activations kept on the GPU between ops) are :mod:`colibri_plan.backends.cuda_device`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from colibri_plan.backends import _shared as sh
 from colibri_plan.backends._shared import GPUBackend, PaddedWeight, Replays, WorkBuffers
 from colibri_plan.backends.base import DeviceInfo
+from colibri_plan.backends.cuda_device import CUDADeviceOps
 from colibri_plan.errors import UnsupportedError
 from colibri_plan.quant import QuantTensor, group_size
 
@@ -32,8 +34,9 @@ _TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their acti
 _RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the module and work buffers
 
 
-class CUDABackend(GPUBackend):
-    """Quantized matmul, batched fused expert FFN, rmsnorm and absorbed MLA attention on NVIDIA GPUs."""
+class CUDABackend(CUDADeviceOps, GPUBackend):
+    """Quantized matmul, batched fused expert FFN, rmsnorm, absorbed MLA attention and the device-activation
+    ops (``d_*``, :mod:`~colibri_plan.backends.cuda_device`) on NVIDIA GPUs."""
 
     name = "cuda"
 
@@ -89,6 +92,7 @@ class CUDABackend(GPUBackend):
         self._synchronize()
         for cache in (self._work, self._pinned, self._fns, self._launchers, self._graphs):
             cache.clear()
+        self.__dict__.pop("_dstate", None)  # the device ops' events and work buffers
 
     def _synchronize(self) -> None:
         with self.dev:
@@ -272,28 +276,27 @@ class CUDABackend(GPUBackend):
                     (self._launcher("mm", e0.down.fmt, n, H, H, Ip, H, Tm), 64 * n)]  # y_i = h_i . down^T
         return self._run(nbytes, launches, y, tok[-1] * H * 4).reshape(tok[-1], H)
 
-    def _plain(self, name: str, source: str, grid: int, inputs, out_shape, *scalars) -> np.ndarray:
-        """Run kernel ``name`` of ``shaders/cuda/<source>`` on ``grid`` blocks of 256 threads with arguments
-        (device copies of the host ``inputs``, a float32 output of ``out_shape``, ``scalars``); untimed."""
+    def _plain(self, name: str, grid: int, inputs, out_shape, *scalars) -> np.ndarray:
+        """Run kernel ``name`` (matmul.cu's rmsnorm, attention.cu's attention_absorb) on ``grid`` blocks of
+        256 threads with arguments (device copies of the host ``inputs``, a float32 output of
+        ``out_shape``, ``scalars``); untimed."""
         cp, self._timed_run = self.cp, False
+        fn = self._d_fn(name)  # NVRTC, on first use
         with self.dev, self.stream:
-            if name not in self._fns:  # NVRTC, on first use
-                mod = cp.RawModule(code=sh.kernel_source("cuda", source), options=_NVRTC_OPTIONS)
-                self._fns[name] = mod.get_function(name)
             args = [cp.asarray(a) for a in inputs] + [cp.empty(out_shape, cp.float32)]
-            self._fns[name]((grid,), (256,), (*args, *scalars))
+            fn((grid,), (256,), (*args, *scalars))
             y = cp.asnumpy(args[-1], stream=self.stream)
             self.stream.synchronize()
         return y
 
     def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:  # a block per token
-        return self._plain("rmsnorm", "matmul.cu", x.shape[0], (x, weight), x.shape, np.int32(x.shape[1]),
+        return self._plain("rmsnorm", x.shape[0], (x, weight), x.shape, np.int32(x.shape[1]),
                            np.float32(eps))
 
     def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
         (H, R), (T, Dr) = q_abs.shape, k_rope.shape
         host, (_, qr, lat, kr) = sh.pack((q_abs, q_rope, latent, k_rope))  # one copy up, four offsets
-        return self._plain("attention_absorb", "attention.cu", H, (host,), (H, R),  # a block per head
+        return self._plain("attention_absorb", H, (host,), (H, R),  # a block per head
                            *(np.int32(v) for v in (R, Dr, T, qr, lat, kr)), np.float32(scale))
 
 

@@ -199,6 +199,10 @@ static float __shfl_xor_sync(unsigned, float v, int m) {
   const unsigned t = threadIdx.x; std::barrier<> &b = *warp_bar[t >> 5];
   exch[t] = v; b.arrive_and_wait(); const float r = exch[t ^ m]; b.arrive_and_wait(); return r; }
 template <class T> T __ldg(const T *p) { return *p; }
+using std::max;
+static void __syncwarp() { warp_bar[threadIdx.x >> 5]->arrive_and_wait(); }
+static float smem_host[1 << 16];
+#define GQA_SMEM float *sm = smem_host
 #include "SOURCE"
 // reads: H R Dr T qr lat kr threads n scale, then n packed floats; prints out [H, R]
 int main() {
@@ -320,3 +324,83 @@ def test_repeated_batches_replay_a_graph_with_identical_results():
             for xx, yy in ((x, y), (x2, y2)):
                 ref = quant.matmul_ref(silu_mul_ref(quant.matmul_ref(xx, g), quant.matmul_ref(xx, u)), d)
                 assert np.abs(yy - ref).max() <= 5e-4 * np.abs(ref).max()
+
+
+# attention_gqa + attention_combine of attention.cu run on the host, a thread per CUDA thread (the prelude
+# of ATT_HARNESS: barriers for __syncthreads, shuffles through memory), shared memory one static array
+GQA_HARNESS = ATT_HARNESS.split('#include "SOURCE"')[0] + r"""
+#include "SOURCE"
+// reads: T Hq Hkv d C pos0 window splits threads scale, then q, k, v; prints out [T, Hq * d]
+int main() {
+  int T, Hq, Hkv, d, C, pos0, window, splits, threads; float scale;
+  if (scanf("%d %d %d %d %d %d %d %d %d %f", &T, &Hq, &Hkv, &d, &C, &pos0, &window, &splits, &threads, &scale)
+      != 10) return 2;
+  std::vector<float> q((size_t)T * Hq * d), k((size_t)C * Hkv * d), v(k.size()), out(q.size(), NAN);
+  std::vector<float> part((size_t)T * Hq * splits * (d + 2), NAN);
+  for (auto *a : {&q, &k, &v}) for (auto &x : *a) if (scanf("%f", &x) != 1) return 3;
+  const int chunks = (Hq / Hkv + GQA_HEADS - 1) / GQA_HEADS;
+  blockDim.x = threads;
+  for (unsigned z = 0; z < (unsigned)splits; z++) for (unsigned y = 0; y < (unsigned)(Hkv * chunks); y++)
+    for (unsigned x = 0; x < (unsigned)T; x++) {
+      blockIdx = {x, y, z};
+      std::barrier<> bb(threads); block_bar = &bb;
+      warp_bar.clear();
+      for (int w = 0; w < threads / 32; w++) warp_bar.push_back(new std::barrier<>(32));
+      std::vector<std::thread> ts;
+      for (int t = 0; t < threads; t++) ts.emplace_back([&, t] {
+        threadIdx.x = t;
+        attention_gqa(q.data(), k.data(), v.data(), out.data(), part.data(), Hq, Hkv, d, pos0, window, scale,
+                      splits); });
+      for (auto &t : ts) t.join();
+      for (auto *b : warp_bar) delete b;
+    }
+  if (splits > 1) {
+    blockDim.x = 32;
+    for (unsigned b = 0; b < (unsigned)(T * Hq); b++) {
+      blockIdx = {b, 0, 0};
+      for (unsigned t = 0; t < 32; t++) {
+        threadIdx.x = t;
+        attention_combine(part.data(), out.data(), d, splits); }
+    }
+  }
+  for (float x : out) printf("%.9g\n", x);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def gqa_harness(tmp_path_factory):
+    exe, build = _host_build(tmp_path_factory, GQA_HARNESS.replace("SOURCE", str(ATT_SOURCE)), "-std=c++20",
+                             "-pthread", "-DATT_TILE=8", "-DGQA_HEADS=3")  # small tiles and head chunks
+    if build.returncode != 0 and "barrier" in build.stderr:
+        pytest.skip(f"this g++ has no C++20 <barrier>: {build.stderr[:200]}")
+    assert build.returncode == 0, build.stderr
+    return exe
+
+
+@pytest.mark.parametrize("T, hq, hkv, d, pos0, window, splits, threads", [
+    (1, 4, 2, 16, 20, 0, 1, 32),     # decode, one slice over three tiles of 8 keys (the last partial)
+    (1, 8, 2, 67, 30, 0, 4, 96),     # odd head dim (96 threads: one row group, 29 idle), 4 slices merged
+    (3, 7, 1, 12, 5, 0, 3, 64),      # MQA, 7 heads in chunks of 3 (3, 3, 1), 5 row groups, empty slices
+    (4, 2, 2, 20, 17, 6, 2, 64),     # sliding window of 6 keys, prefill rows at 17..20
+])
+def test_gqa_attention_kernel_on_the_host(gqa_harness, T, hq, hkv, d, pos0, window, splits, threads):
+    """attention_gqa with tiles of 8 keys and blocks of at most 3 query heads: the key range per query row
+    (causal, sliding window), its split into slices and their merge (attention_combine), the per-head
+    online softmax across tiles, row groups of the P.V sums, odd sizes; against the float64 reference."""
+    from colibri_plan.backends.device_ops import attention_ref
+
+    rng = np.random.default_rng([T, hq, d, splits])
+    C = pos0 + T + 3
+    q = rng.standard_normal((T, hq, d), dtype=np.float32)
+    k = rng.standard_normal((C, hkv, d), dtype=np.float32) * np.float32(2.0)
+    v = rng.standard_normal((C, hkv, d), dtype=np.float32)
+    scale = d ** -0.5
+    text = " ".join([f"{T} {hq} {hkv} {d} {C} {pos0} {window} {splits} {threads} {scale!r}",
+                     " ".join(repr(float(x)) for a in (q, k, v) for x in a.reshape(-1))])
+    run = subprocess.run([str(gqa_harness)], input=text, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    got = np.array(run.stdout.split(), np.float64).reshape(T, hq * d)
+    ref = attention_ref(q, k, v, pos0 + T, pos0, scale, window).astype(np.float64)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()

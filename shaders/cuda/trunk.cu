@@ -1,0 +1,82 @@
+// Device-activation ops of the trunk (backends/cuda_device.py, contract in backends/device_ops.py): float32,
+// C-contiguous, row-major; every pointer is a device address. Elementwise kernels take one thread per
+// output element (grid-stride, so any grid covers any size); outputs never alias inputs.
+// Compiled by NVRTC with the options of matmul.cu; no headers.
+
+typedef unsigned long long tr_u64;
+
+// y = a + b, b [n] or broadcast over rows of d columns (bcast != 0: b [d])
+extern "C" __global__ void tr_add(const float *__restrict__ a, const float *__restrict__ b, float *__restrict__ y,
+                                  tr_u64 n, int d, int bcast) {
+    for (tr_u64 i = blockIdx.x * (tr_u64)blockDim.x + threadIdx.x; i < n; i += (tr_u64)gridDim.x * blockDim.x)
+        y[i] = a[i] + b[bcast ? i % (tr_u64)d : i];
+}
+
+// y = SiLU(g) * u
+extern "C" __global__ void tr_silu_mul(const float *__restrict__ g, const float *__restrict__ u,
+                                       float *__restrict__ y, tr_u64 n) {
+    for (tr_u64 i = blockIdx.x * (tr_u64)blockDim.x + threadIdx.x; i < n; i += (tr_u64)gridDim.x * blockDim.x) {
+        const float v = g[i];
+        y[i] = v / (1.0f + expf(-v)) * u[i];
+    }
+}
+
+// y[r, c] = a[r, c] * s[r] (s a device array of the row scales), or * s0 for every row when s is null
+extern "C" __global__ void tr_scale_rows(const float *__restrict__ a, const float *__restrict__ s, float s0,
+                                         float *__restrict__ y, tr_u64 n, int d) {
+    for (tr_u64 i = blockIdx.x * (tr_u64)blockDim.x + threadIdx.x; i < n; i += (tr_u64)gridDim.x * blockDim.x)
+        y[i] = a[i] * (s ? s[i / (tr_u64)d] : s0);
+}
+
+// RoPE of x [T, heads, d] at positions pos0 + t from table [P, rd/2, 2] of (cos, sin); channels >= rd copied.
+// rotate_half pairs c with c + rd/2; interleave pairs (2i, 2i+1).
+extern "C" __global__ void tr_rope(const float *__restrict__ x, const float *__restrict__ table,
+                                   float *__restrict__ y, tr_u64 n, int heads, int d, int rd, int pos0,
+                                   int interleave) {
+    const int half = rd >> 1;
+    for (tr_u64 i = blockIdx.x * (tr_u64)blockDim.x + threadIdx.x; i < n; i += (tr_u64)gridDim.x * blockDim.x) {
+        const int c = (int)(i % (tr_u64)d);
+        if (c >= rd) {
+            y[i] = x[i];
+            continue;
+        }
+        const tr_u64 t = i / ((tr_u64)d * heads);
+        // pair index k, partner offset (partner = x[i + off]) and whether this is the first of the pair
+        int k, off;
+        bool first;
+        if (interleave) {
+            k = c >> 1;
+            first = (c & 1) == 0;
+            off = first ? 1 : -1;
+        } else {
+            first = c < half;
+            k = first ? c : c - half;
+            off = first ? half : -half;
+        }
+        const float *cs = table + ((tr_u64)(pos0 + t) * half + k) * 2;
+        const float cos_v = cs[0], sin_v = cs[1], v = x[i], w = x[(long long)i + off];
+        y[i] = first ? v * cos_v - w * sin_v : v * cos_v + w * sin_v;
+    }
+}
+
+// Before one launch of matmul.cu's mm on device activations: write its table entry (W, S, x, y, T) and,
+// when xp != x, copy x [T, in] into xp [T, in_pad] with zeros in columns in .. in_pad-1 (the weights'
+// padding holds the zero code, so the padded sums are exact). Launched on the stream before mm, so the
+// one table slot is never rewritten while an earlier mm still reads it.
+extern "C" __global__ void tr_mm_prep(tr_u64 *__restrict__ table, tr_u64 W, tr_u64 S, const float *__restrict__ x,
+                                      float *__restrict__ xp, tr_u64 y, int T, int in, int in_pad) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        table[0] = W;
+        table[1] = S;
+        table[2] = (tr_u64)xp;
+        table[3] = y;
+        table[4] = (tr_u64)T;
+        table[5] = table[6] = table[7] = 0;
+    }
+    if (xp == x) return;
+    const tr_u64 n = (tr_u64)T * in_pad;
+    for (tr_u64 i = blockIdx.x * (tr_u64)blockDim.x + threadIdx.x; i < n; i += (tr_u64)gridDim.x * blockDim.x) {
+        const int c = (int)(i % (tr_u64)in_pad);
+        xp[i] = c < in ? x[(i / in_pad) * in + c] : 0.0f;
+    }
+}
