@@ -21,17 +21,19 @@ from colibri_plan.backends import _shared as sh
 from colibri_plan.backends import vulkan_util as vu
 from colibri_plan.backends._shared import GPUBackend, Replays, WorkBuffers
 from colibri_plan.backends.base import DeviceInfo
+from colibri_plan.backends.vulkan_device import VulkanDeviceOps
+from colibri_plan.backends.vulkan_util import MAXE, ROWS, WG
 from colibri_plan.errors import UnsupportedError
 from colibri_plan.quant import group_size
 
-MAXE, WG, ROWS = 8, 64, 4  # experts per dispatch (the shader's MAXE), invocations and rows per workgroup
 ATT_TILE = 256  # attention.comp: cache rows scored in shared memory at once (online softmax over tiles)
 _CMD_KEEP = 256  # recorded command buffers kept (least recently used dropped)
 _USAGE = 0x20 | 0x1 | 0x2  # VK_BUFFER_USAGE_: STORAGE_BUFFER | TRANSFER_SRC | TRANSFER_DST
 
 
-class VulkanBackend(GPUBackend):
-    """Quantized matmul, fused expert FFN, RMSNorm and absorbed MLA attention on any Vulkan 1.1 device."""
+class VulkanBackend(VulkanDeviceOps, GPUBackend):
+    """Quantized matmul, fused expert FFN, RMSNorm and absorbed MLA attention on any Vulkan 1.1 device;
+    device activations (``d_*``) from :class:`~colibri_plan.backends.vulkan_device.VulkanDeviceOps`."""
 
     name = "vulkan"
 
@@ -49,6 +51,7 @@ class VulkanBackend(GPUBackend):
         import vulkan as vk
 
         self.vk, self._d, self._inst, self._live = vk, None, None, {}
+        self._d_init()
         self._cmds = Replays(_CMD_KEEP, lambda e: self._d.free_cmd(e))
         # activations in (x), FFN intermediate (h), results (y): grown by 2x, within one buffer's limit
         self._io = WorkBuffers(lambda role, n: self._buffer(n, role), lambda b: self._release(b),
@@ -79,11 +82,12 @@ class VulkanBackend(GPUBackend):
     def _release(self, b: NS) -> None:
         vu.release_buffer(self.vk, self._d.dev, b)
 
-    def _write(self, b: NS, data: np.ndarray, offset: int = 0) -> None:
-        """Copy bytes into a weight buffer: through a mapping (direct) or a staging buffer and copies."""
+    def _write(self, b: NS, data: np.ndarray, offset: int = 0, direct: bool | None = None) -> None:
+        """Copy bytes into a buffer: through a mapping (direct; default: weights' ``weight_memory``) or a
+        staging buffer and copies."""
         vk, ffi, lib = self.vk, self.vk.ffi, self.vk.lib
         src = data.reshape(-1).view(np.uint8)
-        if self.weight_memory == "direct":
+        if (self.weight_memory == "direct") if direct is None else direct:
             p = ffi.new("void**")
             vu.check(vk, lib.vkMapMemory(self._d.dev, b.mem, offset, src.nbytes, 0, p))
             np.frombuffer(ffi.buffer(p[0], src.nbytes), np.uint8)[:] = src
@@ -139,6 +143,7 @@ class VulkanBackend(GPUBackend):
         return w
 
     def _free_parts(self, w: NS) -> None:
+        self._d_flush()  # a recorded batch may still read the weight
         self._cmds.drop(lambda e: id(w) in e.owners)
         for part in w.parts:
             self._release(part.b)
@@ -281,11 +286,13 @@ class VulkanBackend(GPUBackend):
         return self._d.gpu_seconds()  # timestamps around every call's commands
 
     def _synchronize(self) -> None:
+        self._d_flush()
         self.vk.lib.vkQueueWaitIdle(self._d.queue)
 
     def _close(self) -> None:
         if self._d is not None and self._d.dev is not None:
             self.vk.lib.vkDeviceWaitIdle(self._d.dev)
+            self._d_close()
             self._cmds.drop()
             for w in list(self._live.values()):
                 self._free_parts(w)

@@ -1,9 +1,9 @@
 """Driver plumbing of the Vulkan backend: struct boilerplate, instance and device discovery, memory
 types per role, buffers, the device's fixed objects (:class:`Device`) and the pipeline-cache header.
 
-Only :mod:`colibri_plan.backends.vulkan` uses this module. Functions take the imported ``vulkan``
-module as ``vk`` so that nothing here imports it at load time. Generic logic (cache folders and files,
-staging, batching, replays) is in ``_shared``.
+Only :mod:`colibri_plan.backends.vulkan` and its ``vulkan_device`` mixin use this module. Functions take
+the imported ``vulkan`` module as ``vk`` so that nothing here imports it at load time. Generic logic
+(cache folders and files, staging, batching, replays) is in ``_shared``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from types import SimpleNamespace as NS
 from colibri_plan.backends import _shared as sh
 from colibri_plan.errors import ColibriError
 
+MAXE, WG, ROWS = 8, 64, 4  # matmul.comp: experts per dispatch (its MAXE), invocations, rows per workgroup
 COMPUTE, STORAGE = 0x20, 7  # VK_SHADER_STAGE_COMPUTE_BIT, VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
 FENCE_TIMEOUT_NS = 600 * 10**9
 DL, HV, HC, HCACHED = 1, 2, 4, 8  # VkMemoryPropertyFlagBits: DEVICE_LOCAL, HOST_VISIBLE, _COHERENT, _CACHED
@@ -273,7 +274,7 @@ class Device:
             self.dpool = self.make(lib.vkCreateDescriptorPool, "VkDescriptorPool", new(
                 vk, "VkDescriptorPoolCreateInfo", flags=1, maxSets=1024, poolSizeCount=1, pPoolSizes=sizes))
             self.mods = {}
-            for shader in ("matmul", "rmsnorm", "attention"):
+            for shader in ("matmul", "rmsnorm", "attention", "attention_gqa", "elementwise"):
                 code = sh.kernel_source("vulkan", f"{shader}.spv", binary=True)
                 words = ffi.cast("uint32_t*", ffi.from_buffer(code))
                 self.mods[shader] = self.make(lib.vkCreateShaderModule, "VkShaderModule", new(
