@@ -1,0 +1,191 @@
+"""Vulkan device activations (backends/vulkan_device.py): what is particular to Vulkan.
+
+The numbers of every op on every backend are checked by the cross-backend oracle
+(test_backends_device_ops.py); here: that a Vulkan DArray is a Vulkan buffer, that a chain of ops is
+one submission, the device-only memory path (update, staging and read-back, as on a discrete GPU)
+exercised on whatever device is present, buffer reuse, batches past their op limit, freeing a weight a
+recorded op reads, and the attention shader's edges (head_dim 256, tile boundaries, windows, long
+prefill). Skipped with the reason when no Vulkan device is usable (lavapipe counts).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_plan import quant
+from colibri_plan.backends import get_backend
+from colibri_plan.backends import vulkan_device as vd
+from colibri_plan.backends.device_ops import attention_ref, rope_ref, rope_table
+from colibri_plan.errors import InputError, UnsupportedError
+
+RNG = np.random.default_rng(11)
+
+
+def _r(*shape, scale=1.0):
+    return (RNG.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+
+
+def _err(y, ref):
+    y = np.asarray(y, np.float64)
+    assert np.isfinite(y).all()
+    return float(np.max(np.abs(y - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+@pytest.fixture(params=[True, False], ids=["mapped", "device-only"])
+def be(request, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cls = get_backend("vulkan")
+    reason = cls.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"vulkan unavailable: {reason}")
+    b = cls.open(0)
+    b.d_map_host_visible = request.param
+    yield b
+    b.close()
+
+
+def _count_submits(be, monkeypatch) -> list:
+    calls, real = [], be._d.submit
+    monkeypatch.setattr(be._d, "submit", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    return calls
+
+
+def test_a_device_array_is_a_vulkan_buffer(be):
+    x = _r(3, 8)
+    a = be.d_put(x)
+    assert isinstance(a.buf, vd.VkArray) and not isinstance(a.buf, np.ndarray)
+    assert be.vk.ffi.typeof(a.buf.b.buf) is be.vk.ffi.typeof("VkBuffer")
+    assert a.offset == 0 and a.buf.b.size >= x.nbytes
+    assert (a.buf.b.map is not None) == (be.d_map_host_visible and be.device.kind != "gpu")
+    v = be.d_view(a, (24,))
+    assert v.buf is a.buf
+    np.testing.assert_array_equal(be.d_get(v), x.reshape(-1))
+
+
+def test_a_layer_chain_is_one_submission(be, monkeypatch):
+    H, hq, hkv, d = 128, 4, 2, 32
+    wq = quant.quantize(_r(hq * d, H, scale=H ** -0.5), "int8")
+    wk = quant.quantize(_r(hkv * d, H, scale=H ** -0.5), "int4")
+    uq, uk = be.upload(wq), be.upload(wk)
+    table = rope_table(1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float32) / d)), 16)
+    x, norm, s = _r(1, H), _r(H), _r(1)
+    dt, dn = be.d_put(table), be.d_put(norm)
+    kc, vc = be.d_zeros((16, hkv, d)), be.d_zeros((16, hkv, d))
+    be.synchronize()
+    calls = _count_submits(be, monkeypatch)
+    dx = be.d_put(x)  # decode: the hidden state goes up inside the batch
+    xn = be.d_scale_rows(be.d_rmsnorm(dx, dn, 1e-6), s)
+    q = be.d_rope(be.d_view(be.d_matmul(xn, uq), (1, hq, d)), dt, 5, d, False)
+    k = be.d_rope(be.d_view(be.d_matmul(xn, uk), (1, hkv, d)), dt, 5, d, False)
+    be.d_write_rows(kc, 5, k)
+    be.d_write_rows(vc, 5, k)
+    bias = _r(hq * d)
+    o = be.d_add(be.d_attention(q, kc, vc, 6, 5, d ** -0.5), be.d_put(bias))
+    assert calls == []  # nothing submitted before the host asks
+    y = be.d_get(o)
+    assert len(calls) == 1
+    # numpy, float64: cache rows 0..4 are zeros, row 5 is this token's k (also written as v)
+    xx = x.astype(np.float64)
+    xx = xx / np.sqrt((xx * xx).mean() + 1e-6) * norm * s[0]
+    t64 = table.astype(np.float64)
+    qq = rope_ref((xx @ quant.dequantize(wq).T).reshape(1, hq, d), t64, 5, d, False)
+    kk = rope_ref((xx @ quant.dequantize(wk).T).reshape(1, hkv, d), t64, 5, d, False)
+    cache = np.zeros((16, hkv, d))
+    cache[5] = kk[0]
+    ref = attention_ref(qq, cache, cache, 6, 5, d ** -0.5).astype(np.float64) + bias
+    assert _err(y, ref) < 1e-4
+
+
+def test_the_chain_matches_numpy_op_by_op(be):
+    """The same ops as above checked value by value (the chain test counts submissions only)."""
+    x, b = _r(4, 200), _r(200)
+    dx = be.d_put(x)
+    np.testing.assert_allclose(be.d_get(be.d_add(dx, be.d_put(b))), x + b, rtol=1e-6)
+    np.testing.assert_allclose(be.d_get(be.d_scale_rows(dx, np.arange(4, dtype=np.float32))),
+                               x * np.arange(4, dtype=np.float32)[:, None], rtol=1e-6)
+    z = be.d_zeros((5, 3, 7))
+    be.d_write_rows(z, 2, be.d_put(np.ones((2, 3, 7), np.float32)))
+    ref = np.zeros((5, 3, 7), np.float32)
+    ref[2:4] = 1.0
+    np.testing.assert_array_equal(be.d_get(z), ref)
+
+
+def test_large_uploads_are_staged_and_read_back_exactly(be):
+    big = _r(2 * vd.INLINE_BYTES // 4 + 3)  # over the inline limit: staged on device-only memory
+    small = _r(vd.UPDATE_BYTES // 4 + 5)  # two vkCmdUpdateBuffer chunks there
+    a, s = be.d_put(big), be.d_put(small)
+    np.testing.assert_array_equal(be.d_get(a), big)
+    np.testing.assert_array_equal(be.d_get(s), small)
+    np.testing.assert_array_equal(be.d_get(be.d_put(np.zeros((0, 4), np.float32))), np.zeros((0, 4)))
+
+
+def test_freed_buffers_are_reused(be):
+    a = be.d_put(_r(64, 64))
+    handle = a.buf.b.buf
+    be.synchronize()  # a device-only upload is recorded: its batch holds the buffer until it runs
+    del a
+    b = be.d_put(_r(60, 64))  # the same size class
+    assert b.buf.b.buf == handle
+    assert be._pool.free_bytes == 0
+
+
+def test_batches_past_the_op_limit_and_freed_weights(be, monkeypatch):
+    monkeypatch.setattr(vd, "MAX_OPS", 3)
+    calls = _count_submits(be, monkeypatch)
+    x = _r(2, 40)
+    acc, dx = be.d_put(x), be.d_put(x)
+    for _ in range(10):
+        acc = be.d_add(acc, dx)
+    np.testing.assert_allclose(be.d_get(acc), 11 * x, rtol=1e-5)
+    mapped = dx.buf.b.map is not None  # else the two uploads are recorded ops too
+    assert len(calls) == (4 if mapped else 5)  # batches of 3 ops, then the read
+    qt = quant.quantize(_r(33, 40), "f32")
+    w = be.upload(qt)
+    y = be.d_matmul(be.d_put(x), w)
+    be.free(w)  # the recorded matmul runs before the weight's buffer goes
+    np.testing.assert_allclose(be.d_get(y), x @ quant.dequantize(qt).T, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("out,in_,t", [(40, 256, 1), (40, 256, 9), (17, 100, 9)])
+def test_d_matmul_with_and_without_the_padded_copy(be, out, in_, t):
+    qt = quant.quantize(_r(out, in_, scale=in_ ** -0.5), "int4-g32")
+    x = _r(t, in_)
+    y = be.d_get(be.d_matmul(be.d_put(x), be.upload(qt)))
+    assert _err(y, x.astype(np.float64) @ quant.dequantize(qt).T.astype(np.float64)) < 1e-4
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,pos0,window", [
+    (1, 2, 1, 256, 200, 0),    # the largest head_dim, one query over 4 tiles of 64 keys
+    (70, 4, 1, 40, 0, 0),      # a prefill longer than a tile from an empty cache, groups of 4
+    (2, 3, 3, 1, 63, 0),       # head_dim 1; the second query starts a new tile
+    (3, 2, 1, 48, 129, 1),     # window 1: each query sees itself only
+    (2, 2, 2, 24, 5, 500),     # a window wider than the history
+])
+def test_d_attention_edges(be, t, hq, hkv, d, pos0, window):
+    n_keys = pos0 + t
+    q, k, v = _r(t, hq, d), _r(n_keys + 3, hkv, d, scale=3.0), _r(n_keys + 3, hkv, d)
+    ref = attention_ref(q, k, v, n_keys, pos0, 0.3, window).astype(np.float64)
+    y = be.d_get(be.d_attention(be.d_put(q), be.d_put(k), be.d_put(v), n_keys, pos0, 0.3, window))
+    assert y.shape == (t, hq * d)
+    assert _err(y, ref) < 1e-5
+    if window == 1:
+        np.testing.assert_allclose(y.reshape(t, hq, d), v[pos0:pos0 + t][:, [0, 0]], rtol=1e-6)
+
+
+def test_unsupported_head_dim_and_a_closed_backend_are_refused(be):
+    q = be.d_put(np.zeros((1, 1, 257), np.float32))
+    with pytest.raises(UnsupportedError, match="head_dim 257"):
+        be.d_attention(q, q, q, 1, 0, 1.0)
+    be.close()
+    with pytest.raises(InputError, match="closed"):
+        be.d_put(np.zeros(3, np.float32))
+
+
+def test_device_time_of_a_batch(be):
+    a = be.d_put(_r(8, 256))
+    be.d_get(be.d_silu_mul(a, a))
+    gpu = be.last_gpu_seconds()
+    if gpu is None:
+        pytest.skip(f"{be.device.name}: its compute queue has no timestamps")
+    assert gpu > 0
