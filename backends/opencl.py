@@ -30,6 +30,12 @@ _OOM_CODES = ("MEM_OBJECT_ALLOCATION_FAILURE", "OUT_OF_RESOURCES", "OUT_OF_HOST_
 # kernels without a weight format
 _SOURCES = {"rmsnorm": "norm.cl", "attention_absorb": "attention.cl", "attention_gqa": "attention.cl",
             **dict.fromkeys(("add", "silu_mul", "scale_rows", "rope", "pad_rows"), "trunk.cl")}
+# argument types per kernel (b: buffer or local memory, I: uint, Q: ulong, f: float): typed scalar
+# arguments take plain Python numbers and cost ~0.5 us per launch where untyped numpy scalars cost ~60 us
+_ARGS = {"matmul": "bbbIbIIIII", "gate_up": "bbbbbIbIIIII", "rmsnorm": "bbbIf",
+         "attention_absorb": "bbIIIIIIf", "add": "bQbQbQII", "silu_mul": "bQbQbQ", "scale_rows": "bQbbQI",
+         "rope": "bQbQbQIIIII", "pad_rows": "bQbQII", "attention_gqa": "bQbQbQbIIIIIfIIbb"}
+_DTYPES = {"I": np.uint32, "Q": np.uint64, "f": np.float32}
 _MAGIC = b"CPCLPB01"  # cache files: magic, sha256 of the program binary, the binary
 
 
@@ -158,7 +164,9 @@ class OpenCLBackend(GPUBackend):
             pkey = (src, tuple(opts))
             if pkey not in self._programs:
                 self._programs[pkey] = self._build(src, opts)
-            self._kernels[key] = self.cl.Kernel(self._programs[pkey], name)
+            knl = self.cl.Kernel(self._programs[pkey], name)
+            knl.set_scalar_arg_dtypes([_DTYPES.get(c) for c in _ARGS[name]])
+            self._kernels[key] = knl
         return self._kernels[key]
 
     def _tpi(self, T: int) -> int:
@@ -214,11 +222,8 @@ class OpenCLBackend(GPUBackend):
 
     # ---- ops -------------------------------------------------------------------------------------
     def _launch(self, knl, rows: int, T: int, tpi: int, *args) -> None:
-        u32 = np.uint32
-        knl.set_args(*[u32(a) if isinstance(a, (int, np.integer)) else a for a in args])
         group = self.ls if self.ls > 1 else self.rows_per_group
-        gsize = (-(-rows * self.ls // group) * group, -(-T // tpi))
-        self.cl.enqueue_nd_range_kernel(self.queue, knl, gsize, (group, 1))
+        knl(self.queue, (-(-rows * self.ls // group) * group, -(-T // tpi)), (group, 1), *args)
 
     def _matmul(self, x: np.ndarray, w) -> np.ndarray:
         p, T = w.payload, x.shape[0]
@@ -298,9 +303,7 @@ class OpenCLBackend(GPUBackend):
     def _ew(self, name: str, n: int, *args):
         """A ``trunk.cl`` kernel over n elements; the grid is rounded up to whole work-groups."""
         if n:
-            knl = self._kernel(name, None)
-            knl.set_args(*args)
-            self.cl.enqueue_nd_range_kernel(self.queue, knl, (-(-n // self.ew) * self.ew,), (self.ew,))
+            self._kernel(name, None)(self.queue, (-(-n // self.ew) * self.ew,), (self.ew,), *args)
 
     def _flat(self, a: DArray):
         """a's floats at offset 0 of a buffer (norm.cl takes no offsets): a.buf, or a device copy."""
@@ -326,15 +329,14 @@ class OpenCLBackend(GPUBackend):
         return buf
 
     def _d_matmul(self, x: DArray, w) -> Any:
-        u32, u64, p, (T, n_in) = np.uint32, np.uint64, w.payload, x.shape
+        p, (T, n_in) = w.payload, x.shape
         y = self._alloc(4 * T * w.out_features)  # [T, out]
         if T == 0:
             return y
         xb, xo = x.buf, x.offset
         if n_in != p.in_pad:  # the kernel reads rows of in_pad floats: a zero-padded device copy
             xb, xo = self._alloc(4 * T * p.in_pad), 0  # [T, in_pad]
-            self._ew("pad_rows", T * p.in_pad, x.buf, u64(x.offset), xb, u64(T * p.in_pad), u32(n_in),
-                     u32(p.in_pad))
+            self._ew("pad_rows", T * p.in_pad, x.buf, x.offset, xb, T * p.in_pad, n_in, p.in_pad)
         tpi = self._tpi(T)
         # y [T, out] = x [T, in_pad] . W [out, in_pad]^T
         self._launch(self._kernel("matmul", w.fmt, tpi), w.out_features, T, tpi, p.data, p.scales, xb, xo,
@@ -344,32 +346,30 @@ class OpenCLBackend(GPUBackend):
     def _d_rmsnorm(self, x: DArray, weight: DArray, eps: float) -> Any:
         (n, d), y = x.shape, self._alloc(x.nbytes)  # [N, d]
         if n:
-            knl = self._kernel("rmsnorm", None)
-            knl.set_args(self._flat(x), self._flat(weight), y, np.uint32(d), np.float32(eps))
-            self.cl.enqueue_nd_range_kernel(self.queue, knl, (n * self.ls,), (self.ls,))
+            self._kernel("rmsnorm", None)(self.queue, (n * self.ls,), (self.ls,), self._flat(x),
+                                          self._flat(weight), y, d, eps)
         return y
 
     def _d_add(self, a: DArray, b: DArray) -> Any:
-        y, u64 = self._alloc(a.nbytes), np.uint64
-        self._ew("add", a.size, a.buf, u64(a.offset), b.buf, u64(b.offset), y, u64(a.size),
-                 np.uint32(a.shape[1]), np.uint32(b.shape != a.shape))
+        y = self._alloc(a.nbytes)
+        bcast = int(b.shape != a.shape)  # b [d] over the rows of a
+        self._ew("add", a.size, a.buf, a.offset, b.buf, b.offset, y, a.size, a.shape[1], bcast)
         return y
 
     def _d_silu_mul(self, g: DArray, u: DArray) -> Any:
-        y, u64 = self._alloc(g.nbytes), np.uint64
-        self._ew("silu_mul", g.size, g.buf, u64(g.offset), u.buf, u64(u.offset), y, u64(g.size))
+        y = self._alloc(g.nbytes)
+        self._ew("silu_mul", g.size, g.buf, g.offset, u.buf, u.offset, y, g.size)
         return y
 
     def _d_scale_rows(self, a: DArray, s: np.ndarray) -> Any:
-        y, u64 = self._alloc(a.nbytes), np.uint64
-        self._ew("scale_rows", a.size, a.buf, u64(a.offset), self._d_put(s), y, u64(a.size),
-                 np.uint32(a.shape[1]))
+        y = self._alloc(a.nbytes)
+        self._ew("scale_rows", a.size, a.buf, a.offset, self._d_put(s), y, a.size, a.shape[1])
         return y
 
     def _d_rope(self, x: DArray, table: DArray, pos0: int, rotary_dim: int, interleave: bool) -> Any:
-        y, u32, u64, (_, heads, d) = self._alloc(x.nbytes), np.uint32, np.uint64, x.shape
-        self._ew("rope", x.size, x.buf, u64(x.offset), table.buf, u64(table.offset), y, u64(x.size),
-                 u32(heads), u32(d), u32(rotary_dim), u32(pos0), u32(interleave))
+        y, (_, heads, d) = self._alloc(x.nbytes), x.shape
+        self._ew("rope", x.size, x.buf, x.offset, table.buf, table.offset, y, x.size, heads, d, rotary_dim,
+                 pos0, int(interleave))
         return y
 
     def _d_write_rows(self, dst: DArray, row0: int, src: DArray) -> None:
@@ -380,7 +380,7 @@ class OpenCLBackend(GPUBackend):
 
     def _d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
                      window: int) -> Any:
-        cl, u32, u64, (T, hq, d), ls = self.cl, np.uint32, np.uint64, q.shape, self.ls
+        cl, (T, hq, d), ls = self.cl, q.shape, self.ls
         out = self._alloc(q.nbytes)  # [T, Hq * d]
         ks = d | 1  # odd row stride of the local K tile: the items' rows fall in different banks
         # local memory: the K tile [tile, ks], the query [d] and the tile's scores [tile], red[LS]
@@ -391,11 +391,10 @@ class OpenCLBackend(GPUBackend):
                                    "keep attention on the CPU for this model")
         if T:
             knl = self._kernel("attention_gqa", None, extra=(f"-DNACC={-(-d // ls)}",))
-            knl.set_args(q.buf, u64(q.offset), k.buf, u64(k.offset), v.buf, u64(v.offset), out, u32(hq),
-                         u32(k.shape[1]), u32(d), u32(pos0), u32(window), np.float32(scale), u32(tile),
-                         u32(ks), cl.LocalMemory(4 * tile * ks), cl.LocalMemory(4 * (d + tile)))
             # a work-group of LS items per (head, query row)
-            cl.enqueue_nd_range_kernel(self.queue, knl, (hq * ls, T), (ls, 1))
+            knl(self.queue, (hq * ls, T), (ls, 1), q.buf, q.offset, k.buf, k.offset, v.buf, v.offset, out, hq,
+                k.shape[1], d, pos0, window, scale, tile, ks, cl.LocalMemory(4 * tile * ks),
+                cl.LocalMemory(4 * (d + tile)))
         return out
 
 
