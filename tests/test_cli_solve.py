@@ -176,11 +176,11 @@ def test_queue_depth_reaches_the_plan(files):
 
 
 def test_compare_tables_show_every_row_and_knob(good):
-    doc = _good_json(good, "--compare")
+    doc = _good_json(good, "--compare", "--trunk", "cpu")   # the GPU-trunk row: test_planner_trunk_cli.py
     names = [r["placement"] for r in doc["compare"]]
     assert names == ["colibri-plan (optimised)", "colibri hot-first", "colibri hot-first (DIRECT=0)",
                      "llama.cpp --fit layers", "uniform", "colibri-plan (host copies kept)"]
-    r = _good_solve(good, "--compare")
+    r = _good_solve(good, "--compare", "--trunk", "cpu")
     assert r.exit_code == 0, r.output
     out = r.stdout
     tables = out[out.index("Predicted as each engine runs it"):]
@@ -223,7 +223,7 @@ def test_compare_survives_a_failed_host_copy_resolve(good, monkeypatch):
         return real(setup, sol, host_copy_toggle=False, **kw)
 
     monkeypatch.setattr(compare, "compare_placements", failing)
-    r = _good_solve(good, "--compare", "--json")
+    r = _good_solve(good, "--compare", "--json", "--trunk", "cpu")
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.stdout)["compare"]) == 5
     assert "no row with the other --keep-host-copies setting (placement uses too much RAM)" in r.stderr

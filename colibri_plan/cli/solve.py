@@ -48,6 +48,10 @@ def _queue_depth(_ctx, _param, value: str) -> str:
 @click.option("--quant", default=None, help="Expert quant format (default: the model's).")
 @click.option("--dense-format", default=None,
               help="Dense trunk format (default: as a pack stores it, else the expert format).")
+@click.option("--trunk", default="auto", show_default=True,
+              help="Where the dense trunk, attention and KV cache run: 'auto' (the solver picks by predicted "
+                   "decode time; their VRAM comes out of the experts'), 'cpu', a device key (cuda:0), or "
+                   "'split' (layers over the GPUs when none holds them alone).")
 @click.option("--lru-slots", default="auto", show_default=True, help="'auto' or LRU slots per layer.")
 @click.option("--out", "out_path", default=None, help="Write the plan here.")
 @click.option("--target", type=click.Choice(["colibri-plan", "colibri"]), default="colibri-plan",
@@ -83,8 +87,8 @@ def _queue_depth(_ctx, _param, value: str) -> str:
                    "recorded in the plan.")
 @json_option
 def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, context, quant, dense_format,
-          lru_slots, target, queue_depth, keep_host_copies, repin_every, repin_window, out_path, compare,
-          what_if_kind, png_path, method, time_limit, seed, coef_path):
+          trunk, lru_slots, target, queue_depth, keep_host_copies, repin_every, repin_window, out_path,
+          compare, what_if_kind, png_path, method, time_limit, seed, coef_path):
     """Solve where every expert lives (VRAM per GPU, pinned RAM, LRU cache, disk) to minimise predicted
     decode time per token within the memory budgets; write a plan file."""
     from colibri_plan.errors import InputError
@@ -139,7 +143,7 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
                                      context_tokens=context, lru_slots=lru_slots, dense_fmt=dense_format,
                                      vram_reserve_gb=vram_reserve, seed=seed, coef=coef, target=target,
                                      queue_depth=queue_depth, keep_host_copies=keep_host_copies,
-                                     repin_every=repin_every, repin_window=repin_window)
+                                     repin_every=repin_every, repin_window=repin_window, trunk=trunk)
     for w in setup.warnings:
         warn(w)
     if out_path:
@@ -148,7 +152,8 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
               "budgets": plan.doc["budgets"], "counts": plan.counts(), "predicted": plan.doc["predicted"],
               "solver": plan.doc["solver"], "knobs": plan.doc.get("knobs"),
               "compute": plan.doc.get("compute"), "compute_explain": plan.doc.get("compute_explain"),
-              "repin": plan.doc.get("repin"), "warnings": setup.warnings}
+              "repin": plan.doc.get("repin"), "trunk": {**plan.doc["trunk"], **plan.doc["solver"]["trunk"]},
+              "warnings": setup.warnings}
     if compare:
         from colibri_plan.planner.compare import compare_placements
 
@@ -173,6 +178,7 @@ def _human(result: dict, plan) -> str:
     b = result["budgets"]
     out = ["Budgets:"]
     out.append(table([[e["what"], _gb(e["bytes"])] for e in b["explain"]], None, right=(1,), indent=2))
+    out += trunk_lines(result["trunk"])
     c = result["counts"]
     out.append("Placement (experts): " + ", ".join(f"{k} {v}" for k, v in c.items()))
     p = result["predicted"]
@@ -205,6 +211,37 @@ def _human(result: dict, plan) -> str:
         if w.get("png"):
             out.append(f"Plot written to {w['png']}")
     return "\n".join(out)
+
+
+def trunk_lines(tr: dict) -> list[str]:
+    """The VRAM trade of the trunk: each option's seconds, VRAM taken, VRAM left for experts, RAM for
+    experts and predicted tok/s (options identical to another up to the device's name are folded)."""
+    chosen = next(r for r in tr["options"] if r["chosen"])
+    how = "the least predicted decode time" if tr["mode"] == "auto" else f"--trunk {tr['mode']}"
+    out = [f"Trunk (dense, attention, KV cache): on {tr['chosen']} ({how})"]
+    rows, same = [], {}
+    for r in tr["options"]:
+        if r["same_as"]:
+            same.setdefault(r["same_as"], []).append(r["option"])
+            continue
+        taken = ", ".join(f"{k} {_gb(v)}" for k, v in r["vram_trunk_bytes"].items()) or "none"
+        left = ", ".join(f"{k} {_gb(r['vram_expert_budget_bytes'][k])}"   # the CPU row: the chosen's devices
+                         for k in r["vram_trunk_bytes"] or chosen["vram_trunk_bytes"]) or "all"
+        tok = f"{r['tok_s']:.3f}" if r["tok_s"] is not None else ("not solved" if r["feasible"] else "no fit")
+        rows.append([r["option"] + (" *" if r["chosen"] else ""), f"{r['dense_s'] * 1e3:.1f}",
+                     f"{r['attention_s'] * 1e3:.1f}", f"{r['roundtrip_s'] * 1e3:.1f}", taken, left,
+                     _gb(r["ram_budget_bytes"]), tok])
+    out.append(table(rows, ["option", "dense ms", "attention ms", "(round trip ms)", "VRAM for trunk+KV",
+                            "VRAM left for experts", "RAM for experts", "tok/s"], indent=2))
+    out += [f"  {', '.join(v)}: as {k} (same figures and budget)" for k, v in same.items()]
+    out += [f"  {r['option']} does not fit: {r['why']}" for r in tr["options"] if not r["feasible"]]
+    cpu = next((r for r in tr["options"] if r["option"] == "cpu"), None)
+    if chosen["option"] != "cpu" and cpu is not None and cpu["tok_s"] is not None:
+        n = sum(chosen["vram_trunk_bytes"].values())
+        out.append(f"  The trunk on {chosen['option']} takes {_gb(n)} of VRAM from experts (dense "
+                   f"{_gb(chosen['dense_bytes'])} + KV {_gb(chosen['kv_bytes'])}); predicted "
+                   f"{chosen['tok_s']:.3f} tok/s against {cpu['tok_s']:.3f} with it on the CPU")
+    return out
 
 
 def _pct(x) -> str:

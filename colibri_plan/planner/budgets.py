@@ -43,7 +43,10 @@ class Budgets:
         ram_budget_bytes: RAM for pinned experts + LRU slots (+ unified-GPU experts).
         vram_budget_bytes: per GPU key ("cuda:0") expert bytes (0 for unified devices).
         explain: list of {"what", "bytes"} lines, start value first, each subtraction negative.
-        headroom_bytes, context_tokens, dense_bytes, kv_bytes, working_bytes: the parts.
+        headroom_bytes, context_tokens, dense_bytes, kv_bytes, working_bytes: the parts (dense and KV
+            as RAM holds them: with the trunk on a GPU, the embedding only and no KV).
+        trunk_device, trunk_vram_bytes: where the trunk lives and the bytes it took from each device's
+            expert budget (empty on the CPU).
     """
 
     ram_budget_bytes: int
@@ -56,6 +59,8 @@ class Budgets:
     working_bytes: int = 0
     ram_mode: str = "auto"
     vram_mode: str = "auto"
+    trunk_device: str = "cpu"     # where the dense trunk + KV cache live (planner.trunk_solve)
+    trunk_vram_bytes: dict[str, int] = field(default_factory=dict)   # their bytes per device
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

@@ -11,6 +11,11 @@ it (:mod:`colibri_plan.planner.knobs`), and carries those knobs so they can be p
   a second-level cache, sized by the memory-pressure model of :mod:`colibri_plan.planner.page_cache`
   (what the machine has beyond the process: it can beat an O_DIRECT plan when ``--ram`` leaves much
   memory unused, and it is why more ``--ram`` can be slower for colibrì).
+* ``colibri hot-first (CUDA_DENSE=1 COLI_CUDA_ATTN=1)`` — the same fill (``DIRECT=1``) with the dense
+  trunk and attention on the GPU, priced with the GPU trunk option the solve priced (its VRAM out of the
+  experts' budget, :mod:`colibri_plan.planner.trunk`); present when such an option fitted. colibrì spreads
+  the dense tensors round-robin over its GPUs; the row prices them on the option's device. The two rows
+  above always have the trunk on the CPU (colibrì's default ``CUDA_DENSE=0``).
 * ``llama.cpp --fit layers`` — whole layers to the GPUs (:func:`~colibri_plan.planner.baselines.
   fit_layers`); every CPU layer is read through ``mmap``: no pins, no LRU, the page cache is the only
   expert cache, page faults at queue depth 1.
@@ -21,6 +26,9 @@ it (:mod:`colibri_plan.planner.knobs`), and carries those knobs so they can be p
 Each row's ``knobs.compute`` says which processor computes its host tiers (pinned, LRU hits, streamed:
 the CPU or a unified GPU, as the plan's ``compute`` section) and ``knobs.unified_experts`` how many experts
 it pins on each unified GPU (hot-first deals RAM pins to them).
+
+Every row says where its trunk is priced (``trunk``: "cpu" or the option's name); llama.cpp, uniform
+and the host-copy rows share the plan's trunk.
 
 ``tok_s_our_engine`` is each placement on our engine's knobs (placement differences only);
 ``vs_best_baseline`` compares as-run figures, ``vs_best_baseline_our_engine`` placements alone.
@@ -37,6 +45,8 @@ from colibri_plan.planner.baselines import fit_layers, hot_first, uniform
 from colibri_plan.planner.compute import HOST_TIERS
 from colibri_plan.planner.knobs import COLIBRI_QUEUE_DEPTH, COLIBRI_VRAM_OVERHEAD_BYTES
 
+#: colibrì's knobs that put the dense trunk (round-robin over its GPUs) and attention on the GPU
+GPU_TRUNK_KNOBS = "CUDA_DENSE=1 COLI_CUDA_ATTN=1"
 #: llama.cpp reads CPU-layer experts by page faults on its mmap: one read in flight per faulting thread
 LLAMA_QUEUE_DEPTH = 1
 
@@ -58,7 +68,7 @@ def row(name: str, setup, tiers: np.ndarray, slots: np.ndarray, engine: str, our
     cost = cost_of(setup, tiers, slots)
     pr, res = setup.problem, setup.res
     decode = pr.weights > 0
-    out = {"placement": name, "engine": engine,
+    out = {"placement": name, "engine": engine, "_trunk": setup.trunk.name if setup.trunk else "cpu",
            **{k: cost[k] for k in ("tok_s", "decode_s_per_token", "hit_rate", "disk_bytes_per_token")},
            "knobs": {"queue_depth": int(res.disk_queue_depth), "disk_read_gbps": res.disk_read_gbps,
                      "o_direct": res.page_cache_pool_bytes == 0,
@@ -80,22 +90,40 @@ def row(name: str, setup, tiers: np.ndarray, slots: np.ndarray, engine: str, our
     return out
 
 
+def trunk_setups(setup):
+    """(setup with the trunk on the CPU, setup with it on a GPU or None) among ``setup`` and the trunk
+    options the solve priced (``setup.trunk_alternatives``): the fastest GPU one."""
+    alts = dict(getattr(setup, "trunk_alternatives", None) or {})
+    name = setup.trunk.name if setup.trunk is not None else "cpu"
+    alts[name] = setup
+    gpu = [s for k, s in alts.items() if k != "cpu"]
+    best = min(gpu, key=lambda s: s.trunk.seconds) if gpu else None
+    return alts.get("cpu", setup), best
+
+
 def compare_placements(setup, sol, *, host_copy_toggle: bool = True, time_limit_s: float = 30.0) -> list:
     """Rows for ``solve --compare`` (module docstring): ours first, then the baselines, then (with a
     discrete GPU holding experts) ours with the other host-copy setting; each row has ``vs_best_baseline``
     (tok/s over the fastest baseline's)."""
     rows = [row("colibri-plan (optimised)", setup, sol.tiers, sol.lru_slots, "colibri-plan")]
+    cpu_trunk, gpu_trunk = trunk_setups(setup)
     for direct in (True, False):
-        colibri = _engine_setup(setup, depth=COLIBRI_QUEUE_DEPTH, page_cache=not direct,
+        colibri = _engine_setup(cpu_trunk, depth=COLIBRI_QUEUE_DEPTH, page_cache=not direct,
                                 overhead=COLIBRI_VRAM_OVERHEAD_BYTES, checksums=False)
         rows.append(row("colibri hot-first" + ("" if direct else " (DIRECT=0)"), colibri,
-                        *hot_first(colibri.problem), f"colibri (DIRECT={int(direct)})", setup))
+                        *hot_first(colibri.problem), f"colibri (DIRECT={int(direct)})", cpu_trunk))
+    if gpu_trunk is not None:     # the same with the trunk and attention on the GPU (colibrì's knobs)
+        colibri = _engine_setup(gpu_trunk, depth=COLIBRI_QUEUE_DEPTH, overhead=COLIBRI_VRAM_OVERHEAD_BYTES,
+                                checksums=False)
+        rows.append(row(f"colibri hot-first ({GPU_TRUNK_KNOBS})", colibri, *hot_first(colibri.problem),
+                        f"colibri (DIRECT=1 {GPU_TRUNK_KNOBS})", gpu_trunk))
     llama = _engine_setup(setup, depth=LLAMA_QUEUE_DEPTH, page_cache=True, checksums=False)
     t, _ = fit_layers(setup.problem)
     t = np.where(t == TIER_RAM, TIER_DISK, t)       # mmap: CPU layers are page-cache pages, not pins
     rows.append(row("llama.cpp --fit layers", llama, t, np.zeros(len(t), dtype=np.int64), "llama.cpp (mmap)",
                     setup))
     rows.append(row("uniform", setup, *uniform(setup.problem), "colibri-plan", setup))
+    n_base = len(rows)
     discrete = [d for d, g in enumerate(setup.res.gpus) if not g.unified]
     if host_copy_toggle and any(np.any(sol.tiers == d) for d in discrete):
         from colibri_plan.planner.solve import solve_placement
@@ -106,10 +134,12 @@ def compare_placements(setup, sol, *, host_copy_toggle: bool = True, time_limit_
         rows.append(row(f"colibri-plan (host copies {'kept' if keep else 'released'})", other, alt.tiers,
                         alt.lru_slots, "colibri-plan"))
     rows[0]["tok_s_our_engine"] = rows[0]["tok_s"]
-    for r in rows[5:]:
+    for r in rows[n_base:]:
         r["tok_s_our_engine"] = r["tok_s"]
-    best = max(r["tok_s"] for r in rows[1:5])
-    same = max(r["tok_s_our_engine"] for r in rows[1:5])
+    for r in rows:
+        r["trunk"] = r.pop("_trunk")
+    best = max(r["tok_s"] for r in rows[1:n_base])
+    same = max(r["tok_s_our_engine"] for r in rows[1:n_base])
     for r in rows:
         r["vs_best_baseline"] = r["tok_s"] / best if best > 0 else None
         r["vs_best_baseline_our_engine"] = r["tok_s_our_engine"] / same if same > 0 else None

@@ -11,7 +11,7 @@ from colibri_plan import quant
 from colibri_plan.errors import BudgetError, ColibriError, InputError
 from colibri_plan.formats.heat import Heat
 from colibri_plan.formats.heat_align import align_heat, uniform_heat
-from colibri_plan.formats.plan import Plan, layers_from_tiers
+from colibri_plan.formats.plan import Plan, layers_from_tiers, validate_plan
 from colibri_plan.heatsynth import synth_heat
 from colibri_plan.planner.budgets import Budgets, parse_gb, ram_budget, resources_from_profile, vram_budgets
 from colibri_plan.planner.cache_model import TraceHits
@@ -137,6 +137,8 @@ class Setup:
     dense_fmt: str
     warnings: list
     knobs: dict = dataclasses.field(default_factory=dict)
+    trunk: object = None   # the chosen planner.trunk.TrunkOption (None: priced as a CPU trunk)
+    trunk_alternatives: dict = dataclasses.field(default_factory=dict)   # option name -> its solved Setup
 
 
 def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto", headroom=None,
@@ -204,6 +206,9 @@ def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto",
 def cost_of(setup: Setup, tiers: np.ndarray, slots: np.ndarray) -> dict:
     """Full predicted cost of a placement under ``setup`` (fixed dense/attention terms filled in)."""
     c = evaluate(setup.problem, tiers, slots)
+    if setup.trunk is not None:   # the trunk option's own terms (planner.trunk): they are the fixed cost
+        c["terms"]["dense_s"], c["terms"]["attention_s"] = setup.trunk.dense_s, setup.trunk.attention_s
+        return c
     c["terms"]["dense_s"] = dense_seconds(dense_read_bytes(setup.spec, setup.dense_fmt), setup.res,
                                           setup.problem.coef)
     c["terms"]["attention_s"] = attention_seconds(setup.budgets.context_tokens, setup.spec.kv_bytes_per_token,
@@ -245,6 +250,10 @@ def plan_document(setup: Setup, profile, tiers: np.ndarray, slots: np.ndarray, s
     }
     if doc["knobs"] is None:
         del doc["knobs"]
+    if setup.trunk is not None:
+        from colibri_plan.planner.trunk_solve import predicted_trunk, trunk_section
+
+        doc["trunk"], doc["predicted"]["trunk"] = trunk_section(setup), predicted_trunk(setup)
     if res.compute:   # a unified GPU could compute the host tiers: who does, and the comparison
         doc["compute"] = dict(res.compute)
         doc["compute_explain"] = choose_compute(res, spec.expert_bytes(), setup.problem.coef)[1]
@@ -265,28 +274,41 @@ def _mtp_bytes(spec) -> dict:
 
 def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: float = 30.0,
               profile_source: str = "", repin_every: int | None = None, repin_window: int | None = None,
-              **kw) -> tuple[Plan, Solution, Setup]:
+              trunk: str = "cpu", **kw) -> tuple[Plan, Solution, Setup]:
     """Solve the placement and return (plan, solution, setup). ``repin_every`` / ``repin_window`` (tokens)
-    write the plan's ``repin`` section (:func:`~colibri_plan.planner.knobs.repin_section`); other keyword
-    args go to :func:`build_setup`.
+    write the plan's ``repin`` section (:func:`~colibri_plan.planner.knobs.repin_section`); ``trunk``
+    ("cpu", "auto", "split" or a device key) places the dense trunk and KV cache
+    (:func:`~colibri_plan.planner.trunk_solve.choose_trunk`: the report is ``plan.doc["solver"]["trunk"]``);
+    other keyword args go to :func:`build_setup`.
 
     Raises:
-        InputError: a bad re-pinning value (before any solving), and as :func:`build_setup`.
+        InputError: a bad re-pinning value or an unknown --trunk device (before any solving), and as
+        :func:`build_setup`; BudgetError: a forced trunk that does not fit.
     """
+    from colibri_plan.planner.trunk_solve import check_trunk_choice, choose_trunk, validate_trunk
+
     repin = repin_section(repin_every, repin_window)
+    if trunk not in ("auto", "cpu", "split"):   # an unknown device before the budgets are worked out
+        check_trunk_choice(trunk, [f"{g['backend']}:{g['index']}" for g in profile.gpus()])
     setup = build_setup(profile, spec, heat, **kw)
-    try:
-        sol = _solve(setup, spec, method, time_limit_s)
-    except ColibriError as exc:
-        if setup.res.disk_read_gbps is None:   # without a disk, every expert must fit in memory
-            kind = BudgetError if isinstance(exc, BudgetError) else InputError
-            raise kind(no_disk_message(profile)) from exc
-        raise
+
+    def solve(s):
+        try:
+            return _solve(s, spec, method, time_limit_s)
+        except ColibriError as exc:
+            if s.res.disk_read_gbps is None:   # without a disk, every expert must fit in memory
+                kind = BudgetError if isinstance(exc, BudgetError) else InputError
+                raise kind(no_disk_message(profile)) from exc
+            raise
+
+    setup, sol, report = choose_trunk(profile, setup, spec, trunk, solve, auto_lru_slots)
     solver = {"status": sol.status, "gap": sol.gap, "seconds": round(sol.seconds, 3), "method": sol.method,
-              "iterations": sol.iterations}
+              "iterations": sol.iterations, "trunk": report}
     plan = plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source)
     if repin is not None:
         plan.doc["repin"] = repin
+    validate_plan(plan, "solved plan: budgets")   # the chosen plan, re-checked without the solver
+    validate_trunk(plan.doc)
     return plan, sol, setup
 
 

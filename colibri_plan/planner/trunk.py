@@ -1,0 +1,301 @@
+"""Where the dense trunk, attention and the KV cache run: the options and their cost (pure, hand-checkable).
+
+The trunk is everything outside the routed experts a decode token computes: norms, attention, shared
+experts, dense FFN layers, routers and the LM head. Its weights (``dense_read_bytes``: the dense trunk
+less the embedding table, which stays in RAM: a token looks up one row) and the KV cache live with it,
+and attention runs where the KV cache is. Per decode token, with the trunk on device d (or the CPU)::
+
+    dense_s     = c_dense · dense_bytes / dense_gbps(d)  +  n_layers · ops_per_layer · op_s(d)
+                  [+ n_moe_layers · roundtrip_s(d) when d is a discrete GPU]
+    attention_s = c_attention · context · kv_bytes_per_token / kv_gbps(d, context)
+
+(``kv_bytes_per_token`` is all layers' together, so this is n_layers · context · per-layer bytes /
+kv_gbps.) The round trip is the normed hidden state down to the host for the routed experts and their
+sum back up, once per MoE layer; ``dense_s`` includes it (``roundtrip_s`` reports the share). On a
+discrete GPU the trunk's bytes and the KV cache's (whole 64-token pages,
+:func:`~colibri_plan.formats.plan_trunk.kv_bytes`) come out of that device's expert budget, and the RAM
+budget gets back what it charged for them; that is the trade the solver weighs (:mod:`.trunk_solve`).
+
+Figures, from the profile's optional sections (``dense_gemv``, ``device_ops``, ``attention``) with
+fallbacks for older and published profiles that lack them:
+
+* ``dense_gbps``: ``dense_gemv`` of the device at the dense format, nearest measured shape to
+  [hidden, hidden]; else the device's ``matmul`` figure at that format and shape; else the device's
+  routed-expert GB/s (``GpuResource.matmul_gbps``). The CPU: ``dense_gemv`` of backend cpu/numpy, else
+  the CPU path as before (``Resources.dense_gbps``, else min(CPU matmul, RAM read)).
+* ``op_s``: ``device_ops.op_seconds`` (median); else :data:`DEFAULT_GPU_OP_S` on a GPU (a kernel
+  launch in a chain) and 0 on the CPU (as before: the CPU trunk had no per-op term).
+* ``roundtrip_s``: ``device_ops.roundtrip_seconds`` (median); else c_transfer · (hidden-state H2D +
+  D2H at the ``links`` GB/s + 2 link latencies) (:func:`~colibri_plan.planner.costmodel.
+  transfer_seconds`); 0 on the CPU and on unified memory.
+* ``kv_gbps``: ``attention.kv_gbps`` of the device at the nearest measured context (log distance); else
+  RAM read GB/s on the CPU (as before) and the device's ``dense_gbps`` on a GPU (a memory-bound read).
+
+``ops_per_layer`` (:data:`DEFAULT_OPS_PER_LAYER`) counts the small device ops a decoder layer launches
+beside its matmuls (norms, rope, residual adds, cache writes, the attention call, activation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from colibri_plan import quant
+from colibri_plan.errors import InputError
+from colibri_plan.formats.plan_trunk import CPU, kv_bytes
+from colibri_plan.planner.costmodel import transfer_seconds
+
+#: seconds of one small device op in a chain (launch-bound) when the profile has no ``device_ops`` figure
+DEFAULT_GPU_OP_S = 8e-6
+#: small device ops per decoder layer beside the matmuls: 2 norms, rope ×2, 2 residual adds, cache
+#: write ×2, attention, softmax/scale, SiLU·mul, router, 2 copies
+DEFAULT_OPS_PER_LAYER = 14
+#: CPU backends the profile names the host by in its trunk sections
+CPU_BACKENDS = ("cpu", "numpy", "numba")
+
+
+@dataclass(frozen=True)
+class TrunkFigures:
+    """One device's trunk figures (see the module docstring).
+
+    Attributes:
+        key: "cpu" or a device key ("cuda:0"). dense_gbps: trunk weight GB/s (1e9 B/s) at 1 token.
+        op_s: seconds per small device op. roundtrip_s: seconds of one host round trip of the hidden state
+            (0 on the CPU and unified memory). kv_gbps: ((context tokens, KV GB/s), ...), ascending
+            context; one pair (0, g) when the figure does not depend on context.
+        discrete: a discrete GPU (its memory is VRAM, apart from RAM). sources: figure -> where it came from.
+    """
+
+    key: str
+    dense_gbps: float
+    op_s: float
+    roundtrip_s: float
+    kv_gbps: tuple[tuple[int, float], ...]
+    discrete: bool = False
+    sources: dict = field(default_factory=dict)
+
+    def kv_gbps_at(self, context_tokens: int) -> float:
+        """KV GB/s at the measured context nearest ``context_tokens`` (log distance)."""
+        c = max(1, int(context_tokens))
+        return min(self.kv_gbps, key=lambda p: (abs(math.log(c / max(1, p[0]))), p[0]))[1]
+
+
+def trunk_seconds(fig: TrunkFigures, dense_bytes: int, n_layers: int, n_moe_layers: int,
+                  context_tokens: int, kv_bytes_per_token: int, ops_per_layer: int = DEFAULT_OPS_PER_LAYER,
+                  c_dense: float = 1.0, c_attention: float = 1.0) -> tuple[float, float, float]:
+    """(dense_s, attention_s, roundtrip_s) per decode token of the trunk on ``fig``'s device.
+
+    ``dense_s`` includes ``roundtrip_s`` = n_moe_layers · fig.roundtrip_s. Bytes are bytes; seconds are
+    seconds per token. Pure: e.g. 1 GB at 100 GB/s + 10 layers · 10 ops · 1 µs + 5 MoE layers · 20 µs =
+    0.01 + 0.0001 + 0.0001 s.
+    """
+    roundtrip = n_moe_layers * fig.roundtrip_s
+    dense = c_dense * dense_bytes / (fig.dense_gbps * 1e9) + n_layers * ops_per_layer * fig.op_s + roundtrip
+    attention = c_attention * context_tokens * kv_bytes_per_token / (fig.kv_gbps_at(context_tokens) * 1e9)
+    return dense, attention, roundtrip
+
+
+def split_layers(n_layers: int, free_bytes: dict[str, int]) -> tuple[tuple[int, int, str], ...]:
+    """llama.cpp-style layer split: consecutive layer ranges per device, in the order given, sized in
+    proportion to ``free_bytes`` (largest remainders get the rounding); devices that get no layer are left
+    out. Returns ((first_layer, last_layer, key), ...) covering 0..n_layers-1."""
+    total = sum(max(0, v) for v in free_bytes.values())
+    if total <= 0 or n_layers <= 0:
+        return ()
+    share = {k: n_layers * max(0, v) / total for k, v in free_bytes.items()}
+    count = {k: int(s) for k, s in share.items()}
+    for k in sorted(share, key=lambda k: -(share[k] - count[k]))[:n_layers - sum(count.values())]:
+        count[k] += 1
+    out, first = [], 0
+    for k, n in count.items():
+        if n:
+            out.append((first, first + n - 1, k))
+            first += n
+    return tuple(out)
+
+
+# -- the profile's trunk sections, read with fallbacks (the profile module is another engineer's) --------
+
+def _rows(profile, section: str, backend: str | None, index: int) -> list[dict]:
+    rows = profile.doc.get(section)
+    if not isinstance(rows, list):
+        return []
+    want = CPU_BACKENDS if backend is None else (backend,)
+    return [r for r in rows if isinstance(r, dict) and r.get("backend") in want
+            and r.get("device_index") == index]
+
+
+def _median(stat) -> float | None:
+    v = stat.get("median") if isinstance(stat, dict) else None
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else None
+
+
+def _nearest_shape(rows: list[dict], fmt: str, hidden: int) -> float | None:
+    rows = [r for r in rows if r.get("fmt") == fmt and _median(r.get("weight_gbps"))
+            and r.get("out_features") and r.get("in_features")]
+    if not rows:
+        return None
+    best = min(rows, key=lambda r: abs(math.log(r["out_features"] / hidden))
+               + abs(math.log(r["in_features"] / hidden)))
+    return _median(best["weight_gbps"])
+
+
+def _kv_table(rows: list[dict]) -> tuple[tuple[int, float], ...]:
+    pairs = {}
+    for r in rows:
+        g = _median(r.get("kv_gbps"))
+        if g and isinstance(r.get("context_tokens"), int):
+            pairs[int(r["context_tokens"])] = g
+    return tuple(sorted(pairs.items()))
+
+
+def device_figures(profile, res, spec, dense_fmt: str, coef) -> dict[str, TrunkFigures]:
+    """"cpu" and every GPU of ``res`` -> its :class:`TrunkFigures` (module docstring for the fallbacks).
+
+    Raises:
+        InputError: a figure that is not a positive finite number.
+    """
+    h = spec.hidden_size
+    act = h * 4                                 # the hidden state crosses the link as f32 [1, H]
+    out = {}
+    rows = _rows(profile, "dense_gemv", None, 0)
+    g = _nearest_shape(rows, dense_fmt, h)
+    src = {"dense_gbps": "profile dense_gemv" if g else "CPU path (matmul, RAM read)"}
+    g = g or (res.dense_gbps if res.dense_gbps is not None else res.cpu_gbps)
+    ops = [_median(r.get("op_seconds")) for r in _rows(profile, "device_ops", None, 0)]
+    op = next((o for o in ops if o), None)
+    src["op_s"] = "profile device_ops" if op else "none (0: as before)"
+    kv = _kv_table(_rows(profile, "attention", None, 0))
+    src["kv_gbps"] = "profile attention" if kv else "RAM read"
+    out[CPU] = TrunkFigures(CPU, g, op or 0.0, 0.0, kv or ((0, res.ram_read_gbps),), False, src)
+    for gpu in res.gpus:
+        backend, _, idx = gpu.key.partition(":")
+        i = int(idx)
+        g = _nearest_shape(_rows(profile, "dense_gemv", backend, i), dense_fmt, h)
+        src = {"dense_gbps": "profile dense_gemv"}
+        if not g:
+            try:
+                g = profile.matmul_weight_gbps(backend, i, dense_fmt, 1, h, h)
+                src["dense_gbps"] = f"profile matmul at {dense_fmt}"
+            except (InputError, KeyError, ValueError):
+                g = gpu.matmul_gbps
+                src["dense_gbps"] = "routed-expert GB/s of the device"
+        d_ops = _rows(profile, "device_ops", backend, i)
+        op = next((v for v in (_median(r.get("op_seconds")) for r in d_ops) if v), None)
+        rt = next((v for v in (_median(r.get("roundtrip_seconds")) for r in d_ops) if v), None)
+        src["op_s"] = "profile device_ops" if op else f"default {DEFAULT_GPU_OP_S * 1e6:g} µs"
+        if gpu.unified:
+            rt, src["roundtrip_s"] = 0.0, "unified memory (no transfer)"
+        elif rt is None:
+            rt = coef.transfer * transfer_seconds(gpu, act)
+            src["roundtrip_s"] = "links (2 latencies + H2D/D2H of the hidden state)"
+        else:
+            src["roundtrip_s"] = "profile device_ops"
+        kv = _kv_table(_rows(profile, "attention", backend, i))
+        src["kv_gbps"] = "profile attention" if kv else "dense GB/s of the device"
+        out[gpu.key] = TrunkFigures(gpu.key, g, op or DEFAULT_GPU_OP_S, rt, kv or ((0, g),),
+                                    not gpu.unified, src)
+    for f in out.values():
+        bad = [n for n, v in (("dense_gbps", f.dense_gbps), *((f"kv_gbps@{c}", v) for c, v in f.kv_gbps))
+               if not (math.isfinite(v) and v > 0)]
+        if bad or not (math.isfinite(f.op_s) and f.op_s >= 0 and math.isfinite(f.roundtrip_s)):
+            raise InputError(f"trunk figures of {f.key} are not positive finite numbers ({', '.join(bad)}); "
+                             "re-measure them with `colibri-plan profile`")
+    return out
+
+
+@dataclass(frozen=True)
+class TrunkOption:
+    """One place for the trunk, priced.
+
+    Attributes:
+        name: "cpu", a device key, or "split". device: where the trunk section says it runs (a split: its
+            first device). split: ((first_layer, last_layer, key), ...) or (). dense_s, attention_s,
+            roundtrip_s: seconds per decode token (dense_s includes roundtrip_s). dense_bytes: trunk bytes
+            (less the embedding). kv_bytes: the paged KV cache. vram_bytes: key -> trunk + KV bytes taken
+            out of that device's expert budget. ram_freed_bytes: bytes the RAM budget gets back.
+        sources: device key -> figure sources.
+    """
+
+    name: str
+    device: str
+    split: tuple = ()
+    dense_s: float = 0.0
+    attention_s: float = 0.0
+    roundtrip_s: float = 0.0
+    dense_bytes: int = 0
+    kv_bytes: int = 0
+    vram_bytes: dict = field(default_factory=dict)
+    ram_freed_bytes: int = 0
+    sources: dict = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        """dense_s + attention_s: the fixed seconds per token this option adds to the expert layers."""
+        return self.dense_s + self.attention_s
+
+
+def dense_read_bytes(spec, dense_fmt: str) -> int:
+    """Dense bytes a decode token reads (and a device holds): the trunk less the embedding table."""
+    embed = spec.vocab_size * spec.hidden_size * quant.bits(dense_fmt) // 8
+    return max(0, spec.dense_bytes(dense_fmt) - embed)
+
+
+def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_tokens: int,
+                  vram_budget: dict[str, int], coef, ops_per_layer: int = DEFAULT_OPS_PER_LAYER) -> list:
+    """The CPU, every GPU, and (when no single discrete GPU's budget holds trunk + KV but their budgets
+    together do) a layer split over the discrete GPUs in proportion to their budgets.
+
+    Args:
+        figs: :func:`device_figures`. vram_budget: key -> the device's expert budget with the trunk on the
+            CPU (free - reserve). context_tokens: the KV cache's context.
+
+    Returns:
+        [:class:`TrunkOption`], the CPU first. Budget fit is checked by the caller (:mod:`.trunk_solve`).
+    """
+    dense = dense_read_bytes(spec, dense_fmt)
+    kv_paged = kv_bytes(context_tokens, spec.kv_bytes_per_token)
+    ram_charged = dense + spec.kv_bytes(context_tokens)      # what budgets.ram_budget charged for them
+    n_moe = sum(1 for lid in spec.moe_layers if lid < spec.n_layers)
+
+    def price(f):
+        return trunk_seconds(f, dense, spec.n_layers, n_moe, context_tokens, spec.kv_bytes_per_token,
+                             ops_per_layer, coef.dense, coef.attention)
+
+    out = [TrunkOption(CPU, CPU, (), *price(figs[CPU]), dense, spec.kv_bytes(context_tokens), {}, 0,
+                       {CPU: figs[CPU].sources})]
+    for key, f in figs.items():
+        if key == CPU:
+            continue
+        moved = {key: dense + kv_paged} if f.discrete else {}
+        out.append(TrunkOption(key, key, (), *price(f), dense, kv_paged, moved,
+                               ram_charged if f.discrete else 0, {key: f.sources}))
+    discrete = {k: int(v) for k, v in vram_budget.items() if k in figs and figs[k].discrete}
+    need = dense + kv_paged
+    if len(discrete) > 1 and all(v < need for v in discrete.values()) and sum(discrete.values()) >= need:
+        out.append(split_option(figs, spec, dense, kv_paged, ram_charged, discrete, context_tokens,
+                                n_moe, coef, ops_per_layer))
+    return out
+
+
+def split_option(figs, spec, dense: int, kv_paged: int, ram_charged: int, free: dict[str, int],
+                 context_tokens: int, n_moe: int, coef, ops_per_layer: int) -> TrunkOption:
+    """A trunk split over ``free``'s devices by layers (:func:`split_layers`). Each device holds its
+    layers' share of the trunk and KV bytes and reads them at its own GB/s; the devices work one after
+    the other, so the seconds add, plus one hidden-state hop (a round trip) per boundary."""
+    parts = split_layers(spec.n_layers, free)
+    n = spec.n_layers
+    dense_s = attention_s = roundtrip_s = 0.0
+    vram = {}
+    for a, b, key in parts:
+        share = (b - a + 1) / n
+        f = figs[key]
+        d, at, _ = trunk_seconds(f, int(dense * share), b - a + 1, 0, context_tokens,
+                                 int(spec.kv_bytes_per_token * share), ops_per_layer, coef.dense,
+                                 coef.attention)
+        dense_s, attention_s = dense_s + d, attention_s + at
+        vram[key] = int(math.ceil((dense + kv_paged) * share))
+    first = figs[parts[0][2]]
+    roundtrip_s = n_moe * first.roundtrip_s + (len(parts) - 1) * first.roundtrip_s
+    return TrunkOption("split", parts[0][2], parts, dense_s + roundtrip_s, attention_s, roundtrip_s, dense,
+                       kv_paged, vram, ram_charged, {k: figs[k].sources for _, _, k in parts})

@@ -1,0 +1,214 @@
+"""The trunk as a decision of the solver: for each trunk option, the budgets it leaves, the expert
+placement solved under them, and the fastest (``--trunk auto``) or the forced one.
+
+For an option on a discrete GPU d, d's expert budget loses the trunk's bytes and the KV cache's
+(:class:`~colibri_plan.planner.trunk.TrunkOption`: ``vram_bytes``) and the RAM budget gets back what it
+charged for them (``ram_freed_bytes``); the expert placement is then solved as before and the option's
+trunk seconds added. GPU options that are the same problem up to a renaming of identical devices (same
+figures, same budget) are solved once (``same_as``). Options that cannot fit are not solved; their
+reason is reported. The report (``solve`` prints it as the VRAM trade) lists every option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from colibri_plan.errors import BudgetError, ColibriError, FormatError, InputError
+from colibri_plan.formats.plan_trunk import CPU, PAGE_TOKENS, TrunkPlacement, parse_trunk
+from colibri_plan.planner.budgets import fmt_gb
+from colibri_plan.planner.trunk import device_figures, trunk_options
+
+AUTO = "auto"
+
+
+def check_trunk_choice(choice: str, keys: list[str]) -> None:
+    """InputError when ``choice`` is not "auto", "cpu", "split" or one of ``keys`` (the profile's GPUs)."""
+    if choice in (AUTO, CPU, "split") or choice in keys:
+        return
+    raise InputError(f"--trunk {choice}: the profile has no device {choice}; choose auto, cpu"
+                     + "".join(f", {k}" for k in keys) + (", split" if len(keys) > 1 else ""))
+
+
+def option_fit(setup, opt) -> None:
+    """Raise BudgetError when ``opt`` does not fit the devices' budgets (bytes asked and available)."""
+    ctx = setup.budgets.context_tokens
+    for key, need in opt.vram_bytes.items():
+        have = int(setup.budgets.vram_budget_bytes.get(key, 0))
+        share = need / max(1, opt.dense_bytes + opt.kv_bytes)
+        kv = int(opt.kv_bytes * share)
+        if kv > have:
+            raise BudgetError(f"trunk on {key}: the KV cache of --context {ctx} tokens needs {kv} B "
+                              f"({fmt_gb(kv)} GB) there and {key} has {have} B ({fmt_gb(have)} GB) after its "
+                              "reserve; give a smaller --context, --trunk cpu, or a smaller --vram-reserve")
+        if need > have:
+            raise BudgetError(f"trunk on {key}: the dense trunk and KV cache need {need} B ({fmt_gb(need)} "
+                              f"GB) there and {key} has {have} B ({fmt_gb(have)} GB), which would leave "
+                              f"{fmt_gb(have - need)} GB for experts; use --trunk cpu or auto, a smaller "
+                              "--context, or a smaller --dense-format")
+
+
+def option_setup(setup, opt, spec, lru_slots_fn):
+    """A copy of ``setup`` with ``opt``'s trunk: budgets, resources, LRU reserve (``lru_slots_fn``:
+    planner.make.auto_lru_slots, passed in as make imports this module) and fixed seconds."""
+    b = setup.budgets
+    vram = {k: int(v) - int(opt.vram_bytes.get(k, 0)) for k, v in b.vram_budget_bytes.items()}
+    ram = int(b.ram_budget_bytes) + int(opt.ram_freed_bytes)
+    explain = list(b.explain)
+    for key, n in opt.vram_bytes.items():
+        explain.append({"what": f"{key}: dense trunk + KV cache on it (--trunk {opt.name})", "bytes": -n})
+        explain.append({"what": f"{key}: left for experts", "bytes": vram[key]})
+    if opt.ram_freed_bytes:
+        explain.append({"what": f"RAM given back (dense trunk and KV cache on {opt.device})",
+                        "bytes": int(opt.ram_freed_bytes)})
+        explain.append({"what": "RAM for experts with the trunk on the GPU", "bytes": ram})
+    moved = bool(opt.ram_freed_bytes)
+    budgets = dataclasses.replace(
+        b, ram_budget_bytes=ram, vram_budget_bytes=vram, explain=explain, trunk_device=opt.device,
+        trunk_vram_bytes=dict(opt.vram_bytes), dense_bytes=b.dense_bytes - opt.dense_bytes if moved
+        else b.dense_bytes, kv_bytes=0 if moved else b.kv_bytes)
+    res = dataclasses.replace(setup.res, gpus=tuple(dataclasses.replace(g, budget_bytes=vram[g.key])
+                                                    for g in setup.res.gpus))
+    pr = setup.problem
+    knobs = dict(setup.knobs)
+    req = "auto" if knobs.get("lru_slots_mode") == "auto" else int(pr.lru_slots.max(initial=0))
+    slots = lru_slots_fn(spec, res, ram, pr.weights, pr.probs, req)
+    problem = dataclasses.replace(pr, res=res, ram_budget_bytes=ram, lru_slots=slots,
+                                  fixed_cost_s=opt.seconds)
+    return dataclasses.replace(setup, budgets=budgets, res=res, problem=problem, knobs=knobs, trunk=opt)
+
+
+def _signature(setup, opt, figs):
+    """Options equal up to renaming identical GPUs: the device's figures, resource and budget."""
+    if opt.name in (CPU, "split"):
+        return None
+    f = figs[opt.name]
+    g = next(g for g in setup.res.gpus if g.key == opt.name)
+    return (f.dense_gbps, f.op_s, f.roundtrip_s, f.kv_gbps, f.discrete, g.matmul_gbps, g.h2d_gbps,
+            g.d2h_gbps, g.unified, g.budget_bytes, g.link_latency_s)
+
+
+def _row(opt, setup, chosen=False) -> dict:
+    vram = setup.budgets.vram_budget_bytes
+    return {"option": opt.name, "device": opt.device,
+            "split": [{"first_layer": a, "last_layer": b, "device": k} for a, b, k in opt.split],
+            "dense_s": opt.dense_s, "attention_s": opt.attention_s, "roundtrip_s": opt.roundtrip_s,
+            "dense_bytes": opt.dense_bytes, "kv_bytes": opt.kv_bytes,
+            "vram_trunk_bytes": dict(opt.vram_bytes),
+            "vram_expert_budget_bytes": {k: int(vram.get(k, 0)) - int(opt.vram_bytes.get(k, 0))
+                                         for k in vram},
+            "ram_budget_bytes": int(setup.budgets.ram_budget_bytes) + int(opt.ram_freed_bytes),
+            "feasible": True, "why": None, "solved": False, "same_as": None, "tok_s": None,
+            "decode_s_per_token": None, "chosen": chosen, "figures": opt.sources}
+
+
+def choose_trunk(profile, setup, spec, choice: str, solve, lru_slots_fn):
+    """Solve the expert placement for each trunk option and keep the fastest, or the forced one.
+
+    Args:
+        setup: :class:`~colibri_plan.planner.make.Setup` with the trunk on the CPU (build_setup's).
+        choice: "auto", "cpu", "split" or a device key. solve: ``fn(setup) -> Solution``.
+        lru_slots_fn: planner.make.auto_lru_slots.
+
+    Returns:
+        (setup, solution, report): the chosen option's setup (``setup.trunk`` set) and placement, and
+        ``{"mode", "chosen", "options": [...]}`` (one row per option, see :func:`_row`).
+
+    Raises:
+        InputError: an unknown device; BudgetError: a forced option that does not fit (KV cache or the
+        trunk over the device's budget); and as ``solve`` when no option can be solved.
+    """
+    keys = [g.key for g in setup.res.gpus]
+    check_trunk_choice(choice, keys)
+    figs = device_figures(profile, setup.res, spec, setup.dense_fmt, setup.problem.coef)
+    opts = trunk_options(figs, spec, setup.dense_fmt, setup.budgets.context_tokens,
+                         setup.budgets.vram_budget_bytes, setup.problem.coef)
+    names = [o.name for o in opts]
+    if choice not in (AUTO, *names):
+        raise InputError(f"--trunk split: one GPU holds the trunk and KV cache, so there is no layer split "
+                         f"to choose; choose {', '.join([AUTO, *names])}")
+    if choice != AUTO:                          # refuse a forced option that cannot fit before solving
+        option_fit(setup, opts[names.index(choice)])
+    rows = [_row(o, setup, o.name == choice) for o in opts]
+    wanted = [i for i, o in enumerate(opts) if choice == AUTO or o.name in (choice, CPU)]
+    solved, seen, best, last_exc = {}, {}, None, None
+    for i in wanted:
+        opt, r = opts[i], rows[i]
+        try:
+            option_fit(setup, opt)
+        except BudgetError as exc:
+            r.update(feasible=False, why=str(exc))
+            continue
+        sig = _signature(setup, opt, figs)
+        if sig is not None and sig in seen and choice == AUTO:
+            r.update(same_as=seen[sig], **{k: rows[names.index(seen[sig])][k]
+                                           for k in ("tok_s", "decode_s_per_token")})
+            continue
+        s = option_setup(setup, opt, spec, lru_slots_fn)
+        try:
+            sol = solve(s)
+        except ColibriError as exc:
+            if choice != AUTO and opt.name == choice:
+                raise
+            r.update(feasible=False, why=str(exc))
+            last_exc = exc
+            continue
+        if sig is not None:
+            seen[sig] = opt.name
+        d = sol.cost["decode_s_per_token"]
+        r.update(solved=True, decode_s_per_token=d, tok_s=sol.cost["tok_s"])
+        solved[opt.name] = (s, sol)
+        if (choice == AUTO and (best is None or d < solved[best][1].cost["decode_s_per_token"])) \
+                or opt.name == choice:
+            best = opt.name
+    if best is None:
+        raise last_exc if last_exc is not None else BudgetError(
+            "no trunk option fits the budgets: " + "; ".join(r["why"] for r in rows if r["why"]))
+    for r in rows:
+        r["chosen"] = r["option"] == best
+    s, sol = solved[best]
+    s.trunk_alternatives = {k: v[0] for k, v in solved.items()}   # solve --compare prices both trunks
+    return s, sol, {"mode": choice, "chosen": best, "options": rows}
+
+
+def trunk_section(setup) -> dict:
+    """The plan's ``trunk`` section for ``setup.trunk`` (formats/plan_trunk.py)."""
+    opt, b = setup.trunk, setup.budgets
+    return TrunkPlacement(
+        device=opt.device, dense_format=setup.dense_fmt, dense_bytes=int(opt.dense_bytes),
+        kv_device=opt.device, context_tokens=int(b.context_tokens), page_tokens=PAGE_TOKENS,
+        kv_bytes_per_token=int(setup.spec.kv_bytes_per_token),
+        kv_bytes=int(setup.spec.kv_bytes_per_token) * -(-int(b.context_tokens) // PAGE_TOKENS) * PAGE_TOKENS,
+        split=tuple(opt.split)).to_dict()
+
+
+def predicted_trunk(setup) -> dict:
+    """``predicted.trunk`` (seconds per decode token; dense_s_per_token includes the round trip)."""
+    opt = setup.trunk
+    return {"device": opt.device, "dense_s_per_token": opt.dense_s,
+            "attention_s_per_token": opt.attention_s, "host_roundtrip_s_per_token": opt.roundtrip_s,
+            "kv_bytes": int(trunk_section(setup)["kv"]["bytes"])}
+
+
+def validate_trunk(doc: dict) -> None:
+    """Re-check a plan's trunk against its budgets, independently of the solver: the section parses,
+    its device bytes are the ones the budgets took out, and on every discrete device experts + trunk fit
+    the device's budget before the trunk (expert budget + trunk bytes).
+
+    Raises:
+        FormatError: naming the device and the bytes.
+    """
+    keys = [d["key"] for d in doc["devices"]]
+    t = parse_trunk(doc, keys, doc["model"].get("n_layers"))
+    b = doc["budgets"]
+    took = {k: int(v) for k, v in (b.get("trunk_vram_bytes") or {}).items()}
+    if t.on_device and any(not d.get("unified") for d in doc["devices"] if d["key"] == t.device) \
+            and not took:
+        raise FormatError(f"plan trunk is on {t.device} but budgets.trunk_vram_bytes is empty: the trunk's "
+                          "VRAM was not taken out of the expert budget; re-create the plan")
+    if sum(took.values()) < t.dense_bytes + t.kv_bytes and took:
+        raise FormatError(f"plan budgets take {sum(took.values())} B of VRAM for the trunk, less than its "
+                          f"{t.dense_bytes} B dense + {t.kv_bytes} B KV")
+    for k in took:
+        if k not in keys or int(b["vram_budget_bytes"].get(k, -1)) < 0:
+            raise FormatError(f"plan budgets.trunk_vram_bytes names {k}, whose expert budget is missing or "
+                              "negative")
