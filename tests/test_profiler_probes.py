@@ -19,7 +19,7 @@ from colibri_plan.profiler import disk, matmul_probe
 from colibri_plan.profiler.links import probe_links
 from colibri_plan.profiler.machine import filesystem_of, machine_info, meminfo
 from colibri_plan.profiler.ram import probe_ram
-from colibri_plan.profiler.run import PROBES
+from colibri_plan.profiler.run import PROBES, TRUNK_SECTIONS
 from colibri_plan.quant import matmul_ref, tensor_bytes
 
 SMALL = {"block_bytes": 64 << 10, "file_bytes": 2 << 20, "queue_depths": (1, 2), "repetitions": 2,
@@ -331,13 +331,14 @@ def test_cli_quick_every_section(tmp_path):
     out = tmp_path / "p.json"
     args = ["profile", "--quick", "--path", str(tmp_path), "--out", str(out), "--block-bytes", "256KiB",
             "--file-bytes", "4MiB", "--ram-bytes", "16MiB", "--disk-seconds", "0.05", "--hidden", "256",
-            "--width", "128", "--json"]
+            "--width", "128", "--trunk-shapes", "256x256", "--contexts", "64", "--json"]
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
     prof = load_profile(out)
     doc = prof.doc
     assert json.loads(res.stdout) == doc
-    for section in (*PROBES, "machine", "devices", "expert_ffn"):
+    sections = [p for p in PROBES if p != "trunk"] + [*TRUNK_SECTIONS, "machine", "devices", "expert_ffn"]
+    for section in sections:
         assert section in doc
         if isinstance(doc[section], dict) and "unavailable" in doc[section]:
             assert doc[section]["unavailable"]
@@ -365,6 +366,8 @@ def test_cli_quick_every_section(tmp_path):
         assert linkable <= keys
     for b in measured:
         assert prof.matmul_weight_gbps(b, 0, "int4", 1) > 0
+    for section in TRUNK_SECTIONS:  # the trunk probe measures the matmul probe's devices
+        assert {e["backend"] for e in doc[section]} == measured
     assert list(tmp_path.iterdir()) == [out]  # only the profile; the test file is gone
 
 

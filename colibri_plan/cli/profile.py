@@ -44,6 +44,59 @@ def _names(values) -> list[str] | None:
     return out or None
 
 
+def _shapes(text: str | None) -> list[tuple[int, int]] | None:
+    """'4096x4096,1024x4096' -> [(4096, 4096), (1024, 4096)] ([out, in] GEMV shapes)."""
+    if text is None:
+        return None
+    out = []
+    for item in (v.strip() for v in text.split(",") if v.strip()):
+        m = re.fullmatch(r"([0-9]+)\s*[xX]\s*([0-9]+)", item)
+        if not m or min(int(m.group(1)), int(m.group(2))) < 1:
+            raise InputError(f"{item!r} is not a GEMV shape; write OUTxIN, e.g. 4096x4096,1024x4096")
+        out.append((int(m.group(1)), int(m.group(2))))
+    if not out:
+        raise InputError(f"{text!r}: give at least one OUTxIN shape, e.g. 4096x4096")
+    return out
+
+
+def model_arch(model: str | None):
+    """The ArchConfig of ``--model`` whose trunk shapes the trunk probe adds: from an expert pack's index,
+    a checkpoint folder's config.json or a catalogue entry's config (plan-only families included).
+
+    Returns:
+        (ArchConfig or None, why None: a warning line, or None).
+    """
+    if model is None:
+        return None, None
+    import json
+    from pathlib import Path
+
+    from colibri_plan.errors import ColibriError
+    from colibri_plan.families import arch_from_config
+    from colibri_plan.formats.arch import ArchConfig
+
+    path = Path(model).expanduser()
+    try:
+        if path.is_dir() and (path / "pack.json").is_file():
+            from colibri_plan.formats.pack_index import read_index
+
+            return ArchConfig.from_dict(read_index(path)["arch"]), None
+        if path.is_dir() and (path / "config.json").is_file():
+            cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+            return arch_from_config(cfg, plan_only=True, where=str(path / "config.json")), None
+        if not path.exists():
+            from colibri_plan.model.catalogue import find_entry
+
+            entry = find_entry(model)
+            if entry is not None:
+                return arch_from_config(entry["config"], plan_only=True, where=f"catalogue {model}"), None
+            return None, None  # not a model at all: run_profile says so
+    except (ColibriError, ValueError, OSError) as exc:
+        return None, f"the trunk probe measures generic shapes only: {model}'s architecture: {exc}"
+    return None, (f"the trunk probe measures generic shapes only: {model} holds no architecture (GGUF "
+                  "headers and spec files give sizes, not projection shapes)")
+
+
 def _fig(s: dict, digits: int = 2) -> str:
     if not isinstance(s, dict) or "unavailable" in s:
         return "-"
@@ -99,12 +152,44 @@ def render(doc: dict) -> str:
                  f"{e['seconds']['median'] * 1e3:.3f}"] for e in ffn]
         out.append("\nexpert_ffn (k experts, 1 token each)")
         out.append(table(rows, ["device", "fmt", "k", "weight GB/s", "ms"]))
+    out += render_trunk(doc)
     if doc.get("skipped"):
         out.append("\nskipped")
         for s in doc["skipped"]:
             where = s["backend"] + (f":{s['device_index']}" if "device_index" in s else "")
             out.append(f"  {s.get('what', '')} {where}{' ' + s['fmt'] if 'fmt' in s else ''}: {s['reason']}")
     return "\n".join(out)
+
+
+def render_trunk(doc: dict) -> list[str]:
+    """Tables of the optional trunk sections (none when the profile lacks them)."""
+    out = []
+    for name in ("dense_gemv", "device_ops", "attention"):
+        sec = doc.get(name)
+        if isinstance(sec, dict):
+            out.append(f"\n{name}  unavailable: {sec.get('unavailable')}")
+    gemv = doc.get("dense_gemv")
+    if isinstance(gemv, list):
+        rows = [[f"{e['backend']}:{e['device_index']}", e["fmt"], f"{e['out_features']}x{e['in_features']}",
+                 e.get("shape_source", "-"), _fig(e["weight_gbps"]), f"{e['seconds']['median'] * 1e6:.1f}"]
+                for e in gemv]
+        out.append("\ndense_gemv (d_matmul, x on the device, 1 token; weight GB/s median (min-max))")
+        out.append(table(rows, ["device", "fmt", "out x in", "shape", "weight GB/s", "us"]))
+    ops = doc.get("device_ops")
+    if isinstance(ops, list):
+        rows = [[f"{e['backend']}:{e['device_index']}", e["device_name"][:32],
+                 _fig({k: v * 1e6 for k, v in e["op_seconds"].items() if k != "repetitions"}),
+                 _fig({k: v * 1e6 for k, v in e["roundtrip_seconds"].items() if k != "repetitions"})]
+                for e in ops]
+        out.append("\ndevice_ops (us, median (min-max))")
+        out.append(table(rows, ["device", "name", "op (d_add [1, 4096])", "round trip (get + put [1, H])"]))
+    att = doc.get("attention")
+    if isinstance(att, list):
+        rows = [[f"{e['backend']}:{e['device_index']}", f"{e['n_heads']}/{e['n_kv_heads']}x{e['head_dim']}",
+                 e["context_tokens"], f"{e['seconds']['median'] * 1e3:.3f}", _fig(e["kv_gbps"])] for e in att]
+        out.append("\nattention (one decode d_attention of one layer)")
+        out.append(table(rows, ["device", "heads/kv x d", "context", "ms", "KV GB/s"]))
+    return out
 
 
 def _stage_progress(bar: Steps, stages: list[str]):
@@ -128,7 +213,9 @@ def _stage_progress(bar: Steps, stages: list[str]):
 @click.option("--out", "out", type=click.Path(), default="profile.json", show_default=True,
               help="Where to write the profile ('-' to write nothing).")
 @click.option("--backends", multiple=True, help="Backends to use (comma-separated or repeated; default all).")
-@click.option("--probes", default=None, hidden=True, help="Subset of disk,ram,links,matmul.")
+@click.option("--probes", default=None,
+              help="Probes to run, comma-separated: disk,ram,links,matmul,trunk (default all; leave out "
+                   "trunk to skip the dense-trunk, device-op and attention figures).")
 @click.option("--block-bytes", default=None, hidden=True)
 @click.option("--file-bytes", default=None, hidden=True)
 @click.option("--ram-bytes", default=None, hidden=True)
@@ -138,11 +225,17 @@ def _stage_progress(bar: Steps, stages: list[str]):
 @click.option("--width", type=int, default=None, hidden=True)
 @click.option("--formats", default=None,
               help="Quant formats to time matmul at (comma-separated; default int4,int4-g64 + the model's).")
+@click.option("--dense-formats", default=None,
+              help="Formats to time the trunk's GEMV at (comma-separated; default int8,int4,bf16,f32).")
+@click.option("--trunk-shapes", default=None, hidden=True, help="OUTxIN GEMV shapes, comma-separated.")
+@click.option("--contexts", default=None, hidden=True, help="Attention context lengths, comma-separated.")
+@click.option("--trunk-seconds", type=float, default=None, hidden=True, help="Trunk probe budget per device.")
 @json_option
 def profile(path, model, quick, out, backends, probes, block_bytes, file_bytes, ram_bytes, queue_depths,
-            disk_seconds, hidden_size, width, formats):
+            disk_seconds, hidden_size, width, formats, dense_formats, trunk_shapes, contexts, trunk_seconds):
     """Measure NVMe reads (O_DIRECT, expert-sized blocks, queue depth 1..N), RAM bandwidth, host<->GPU
-    links and the matmul throughput of every backend; write the profile file."""
+    links, the matmul throughput of every backend and the dense trunk (GEMV at trunk shapes, small
+    device ops, decode attention) of every device and the host CPU; write the profile file."""
     from colibri_plan.formats.profile import save_profile
     from colibri_plan.profiler.run import PROBES, ProfileOptions, run_profile
 
@@ -154,7 +247,8 @@ def profile(path, model, quick, out, backends, probes, block_bytes, file_bytes, 
         # before minutes of measuring; a --path folder may take the output, a --path file may not
         check_output_path(out, [p for p in (model, path) if p and Path(p).exists()
                                 and not (p == path and Path(p).is_dir())])
-    for name, v in (("--hidden", hidden_size), ("--width", width), ("--disk-seconds", disk_seconds)):
+    for name, v in (("--hidden", hidden_size), ("--width", width), ("--disk-seconds", disk_seconds),
+                    ("--trunk-seconds", trunk_seconds)):
         if v is not None and v <= 0:
             raise click.BadParameter(f"must be positive, got {v}", param_hint=name)  # a usage error: exit 2
     opts = ProfileOptions(
@@ -162,7 +256,14 @@ def profile(path, model, quick, out, backends, probes, block_bytes, file_bytes, 
         probes=_names([probes]) if probes else PROBES, block_bytes=parse_bytes(block_bytes),
         file_bytes=parse_bytes(file_bytes), ram_bytes=parse_bytes(ram_bytes),
         queue_depths=_ints(queue_depths), hidden=hidden_size, width=width, disk_seconds=disk_seconds,
-        formats=_names([formats]) if formats else ("int4", "int4-g64"))
+        formats=_names([formats]) if formats else ("int4", "int4-g64"),
+        trunk_shapes=_shapes(trunk_shapes), contexts=_ints(contexts), trunk_seconds=trunk_seconds)
+    if dense_formats:
+        opts.dense_formats = _names([dense_formats])
+    if "trunk" in opts.probes:
+        opts.model_arch, why = model_arch(model)
+        if why:
+            warn(why)
     stages = ["machine", *[p for p in PROBES if p in opts.probes]]
     with Steps("profile", total=len(stages)) as bar:
         prof = run_profile(opts, progress=_stage_progress(bar, stages))

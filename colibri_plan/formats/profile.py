@@ -17,6 +17,16 @@ A profile is a JSON document (kind ``"profile"``, schema_version 1, written atom
 - ``peer_links`` (optional; older profiles lack it): per ordered pair of CUDA devices: src, dst ("cuda:0"),
   src_name, dst_name, block_bytes, can_access_peer, peer_access_enabled, copy_gbps (GB/s of
   ``cudaMemcpyPeer`` at the expert block), or ``{"unavailable": reason}`` with fewer than two GPUs
+- ``dense_gemv`` (optional; written by the trunk probe, :mod:`colibri_plan.profiler.trunk_probe`): backend,
+  device_index, device_name, fmt, out_features, in_features, tokens (1), seconds, weight_gbps (stored
+  bytes / s / 1e9 of ``d_matmul`` with x already on the device); the host CPU is backend "cpu" (or
+  "numpy" without numba), device_index 0
+- ``device_ops`` (optional): backend, device_index, device_name, op_seconds (one small device op, a
+  ``d_add`` on [1, 4096] in a chain, per op), roundtrip_seconds (``d_get`` + ``d_put`` of [1, H]),
+  roundtrip_bytes (both directions)
+- ``attention`` (optional): backend, device_index, device_name, n_heads, n_kv_heads, head_dim,
+  context_tokens, seconds (one decode ``d_attention`` of one layer), kv_gbps (K+V float32 bytes / s / 1e9)
+  Accessors: :mod:`colibri_plan.formats.profile_trunk`.
 
 Every measured figure is a *stat*: ``{"min", "median", "max", "repetitions"}`` (non-negative, finite,
 min <= median <= max). A section the machine lacks is ``{"unavailable": reason}``. Validation runs on

@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterable
 
 from colibri_plan.errors import FormatError
+from colibri_plan.quant import FORMATS
 
 #: sections every profile has (a section the machine lacks is ``{"unavailable": reason}``)
 SECTIONS = ("machine", "disk", "ram", "devices", "links", "matmul")
@@ -187,6 +188,7 @@ def validate_profile(doc: dict) -> dict:
                 _check_stat(e["weight_gbps"], w + ".weight_gbps", positive=True)
     if "peer_links" in doc:
         _check_peer_links(doc)
+    _check_trunk(doc)
     return doc
 
 
@@ -213,3 +215,44 @@ def _check_peer_links(doc: dict) -> None:
                 _fail(w, f"{k} must be true or false, got {e[k]!r}")
         if not _unavailable(e["copy_gbps"]):
             _check_stat(e["copy_gbps"], w + ".copy_gbps", positive=True)
+
+
+#: the optional trunk sections: their keys beyond backend, device_index, device_name (see profile.py)
+TRUNK_INTS = {"dense_gemv": (("out_features", 1), ("in_features", 1), ("tokens", 1)),
+              "device_ops": (("roundtrip_bytes", 1),),
+              "attention": (("n_heads", 1), ("n_kv_heads", 1), ("head_dim", 1), ("context_tokens", 1))}
+TRUNK_STATS = {"dense_gemv": ("seconds", "weight_gbps"), "device_ops": ("op_seconds", "roundtrip_seconds"),
+               "attention": ("seconds", "kv_gbps")}
+
+
+def _check_trunk(doc: dict) -> None:
+    """The optional ``dense_gemv``, ``device_ops`` and ``attention`` sections (profiles written before the
+    trunk probe lack them): a non-empty list of typed entries, or ``{"unavailable": reason}``."""
+    for name, ints in TRUNK_INTS.items():
+        if name not in doc:
+            continue
+        entries = _check_list(doc, name)
+        if entries is not None and not entries:  # the profiler writes {"unavailable": reason} instead
+            _fail(name, "empty list; expected entries or {'unavailable': reason}")
+        seen = set()
+        for i, e in enumerate(entries or []):
+            w = f"{name}[{i}]"
+            _check_keys(e, ("backend", "device_index", "device_name", *(k for k, _ in ints),
+                            *TRUNK_STATS[name]) + (("fmt",) if name == "dense_gemv" else ()), w)
+            for k in ("backend", "device_name") + (("fmt",) if name == "dense_gemv" else ()):
+                if not isinstance(e[k], str) or not e[k]:
+                    _fail(w, f"{k} must be a non-empty string, got {e[k]!r}")
+            if name == "dense_gemv" and e["fmt"] not in FORMATS:
+                _fail(w, f"fmt {e['fmt']!r} is not a quant format (one of {', '.join(FORMATS)})")
+            _check_int(e, "device_index", w)
+            for k, minimum in ints:
+                _check_int(e, k, w, minimum)
+            for k in TRUNK_STATS[name]:
+                _check_stat(e[k], f"{w}.{k}", positive=True)
+            if name == "attention" and e["n_heads"] % e["n_kv_heads"]:
+                _fail(w, f"n_heads {e['n_heads']} is not a multiple of n_kv_heads {e['n_kv_heads']}")
+            key = (e["backend"], e["device_index"], e.get("fmt"), e.get("out_features"), e.get("in_features"),
+                   e.get("context_tokens"))
+            if key in seen:
+                _fail(w, "the same device and shape is listed twice")
+            seen.add(key)

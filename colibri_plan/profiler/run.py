@@ -2,7 +2,9 @@
 
 Two modes: ``quick`` (CI; under ~30 s on a 2-core machine: smaller test file, queue depths {1, 4},
 fewer repetitions) and ``default`` (under ~120 s there). Every size can be overridden (tests use tiny
-blocks and files). Sections the machine lacks, or that were not asked for, are ``{"unavailable": why}``.
+blocks and files). Sections the machine lacks, or that were not asked for, are ``{"unavailable": why}``;
+the optional trunk sections (``dense_gemv``, ``device_ops``, ``attention``) are left out when the
+``trunk`` probe is not asked for, as in profiles written before it existed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from datetime import datetime, timezone
 
 from colibri_plan import __version__
 from colibri_plan.errors import InputError
+from colibri_plan.formats.arch import ArchConfig
 from colibri_plan.formats.profile import MachineProfile, machine_fingerprint
 from colibri_plan.profiler import disk as disk_mod
 from colibri_plan.profiler.links import HOST_BACKENDS, probe_links, probe_peer_links
@@ -26,8 +29,18 @@ from colibri_plan.profiler.machine import (
 )
 from colibri_plan.profiler.matmul_probe import probe_matmul
 from colibri_plan.profiler.ram import probe_ram
+from colibri_plan.profiler.trunk_probe import TrunkSettings, probe_trunk
+from colibri_plan.profiler.trunk_shapes import (
+    CONTEXTS,
+    DENSE_FORMATS,
+    TRUNK_SHAPES,
+    host_device,
+    model_dense_shapes,
+)
 
-PROBES = ("disk", "ram", "links", "matmul")
+PROBES = ("disk", "ram", "links", "matmul", "trunk")
+#: the profile sections the trunk probe writes (optional sections)
+TRUNK_SECTIONS = ("dense_gemv", "device_ops", "attention")
 #: GLM-5.2 routed expert geometry, used when no model is named (colibri_plan/data/models.json)
 DEFAULT_MODEL = {"name": "glm-5.2 (built-in default)", "hidden": 6144, "width": 2048, "expert_format": "int4",
                  "top_k": 8, "expert_bytes": disk_mod.DEFAULT_BLOCK_BYTES}
@@ -50,6 +63,12 @@ class ProfileOptions:
     width: int | None = None
     formats: Sequence[str] = ("int4", "int4-g64")
     disk_seconds: float | None = None
+    #: the model's ArchConfig (``profile --model`` reads it): its trunk shapes join ``dense_gemv``
+    model_arch: ArchConfig | None = None
+    trunk_shapes: Sequence[tuple[int, int]] | None = None
+    dense_formats: Sequence[str] = DENSE_FORMATS
+    contexts: Sequence[int] | None = None
+    trunk_seconds: float | None = None
 
 
 def mode_settings(quick: bool) -> dict:
@@ -58,11 +77,13 @@ def mode_settings(quick: bool) -> dict:
         return {"mode": "quick", "file_bytes": 256 << 20, "queue_depths": [1, 4], "disk_repetitions": 3,
                 "disk_seconds": 0.3, "ram_bytes": 256 << 20, "ram_repetitions": 5, "link_repetitions": 3,
                 "matmul_repetitions": 3, "matmul_budget_s": 0.15, "ffn_budget_s": 0.6,
-                "device_budget_s": 5.0}
+                "device_budget_s": 5.0, "trunk_repetitions": 3, "trunk_budget_s": 3.0,
+                "trunk_chain_s": 0.005, "trunk_max_bytes": 128 << 20}
     return {"mode": "default", "file_bytes": 1 << 30, "queue_depths": [1, 4, 8, 16], "disk_repetitions": 3,
             "disk_seconds": 1.0, "ram_bytes": 1 << 30, "ram_repetitions": 7, "link_repetitions": 5,
             "matmul_repetitions": 7, "matmul_budget_s": 1.0, "ffn_budget_s": 3.0,
-            "device_budget_s": 30.0}
+            "device_budget_s": 30.0, "trunk_repetitions": 5, "trunk_budget_s": 8.0,
+            "trunk_chain_s": 0.01, "trunk_max_bytes": 512 << 20}
 
 
 def resolve_model(name: str | None) -> dict:
@@ -116,7 +137,7 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
     unknown = [b for b in opts.backends or () if b not in BACKEND_NAMES]
     if unknown:
         raise InputError(f"unknown backend(s) {', '.join(unknown)}; use {', '.join(BACKEND_NAMES)}")
-    for f in opts.formats:
+    for f in (*opts.formats, *opts.dense_formats):
         check_format(f)
     if "disk" in opts.probes and opts.path is not None and not os.path.exists(opts.path):
         raise InputError(f"--path {opts.path} does not exist; give a folder or a file on the disk to probe")
@@ -138,7 +159,7 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
                 "ram_bytes": opts.ram_bytes or st["ram_bytes"],
                 "disk_seconds": opts.disk_seconds or st["disk_seconds"]}
     not_asked = {p: {"unavailable": f"not measured (probe {p} not selected)"}
-                 for p in PROBES if p not in opts.probes}
+                 for p in PROBES if p not in opts.probes and p != "trunk"}
     skipped: list[dict] = []
     warnings: list[str] = []
 
@@ -187,11 +208,12 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
             doc["links"] = {"unavailable": "no GPU or accelerator device found: " + _reasons(dev_skipped)}
         doc["peer_links"] = probe_peer_links(devices, block, st["link_repetitions"], progress=say)
         durations["links"] = time.perf_counter() - t0
+    compute = list(devices)
+    if not opts.backends and {"numpy", "cpu"} <= {d["backend"] for d in devices}:
+        compute = [d for d in devices if d["backend"] != "numpy"]
     if "matmul" in opts.probes:
         t0 = time.perf_counter()
-        compute = list(devices)
-        if not opts.backends and {"numpy", "cpu"} <= {d["backend"] for d in devices}:
-            compute = [d for d in devices if d["backend"] != "numpy"]
+        if len(compute) < len(devices):
             skipped.append({"backend": "numpy", "what": "matmul", "reason": "the reference backend; the cpu "
                             "backend is the host's compute path (measure it with --backends numpy)"})
         if compute:
@@ -208,6 +230,10 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
         durations["matmul"] = time.perf_counter() - t0
     else:
         doc["expert_ffn"] = not_asked["matmul"]
+    if "trunk" in opts.probes:
+        t0 = time.perf_counter()
+        skipped += _run_trunk(doc, opts, st, compute, model, machine, say)
+        durations["trunk"] = time.perf_counter() - t0
     for p, v in not_asked.items():
         doc.setdefault(p, v)
     doc["skipped"] = skipped
@@ -218,3 +244,28 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
     doc["probe_seconds"] = {k: round(v, 2) for k, v in durations.items()}
     return MachineProfile(doc)
 
+
+
+def _run_trunk(doc: dict, opts: ProfileOptions, st: dict, compute: list[dict], model: dict, machine: dict,
+               say: Callable[[str], None]) -> list[dict]:
+    """The trunk probe on the matmul probe's devices plus the host CPU; fills ``doc``'s trunk sections
+    and ``settings["trunk"]``; returns the skipped entries."""
+    devices = list(compute)
+    if not any(d["backend"] in HOST_BACKENDS for d in devices):  # the trunk may stay on the host
+        host = host_device()
+        if host is not None:
+            devices.insert(0, host)
+    cfg = TrunkSettings(shapes=[tuple(s) for s in (opts.trunk_shapes or TRUNK_SHAPES)],
+                        formats=list(opts.dense_formats), contexts=list(opts.contexts or CONTEXTS),
+                        repetitions=st["trunk_repetitions"], chain_s=st["trunk_chain_s"],
+                        budget_s=opts.trunk_seconds or st["trunk_budget_s"], max_bytes=st["trunk_max_bytes"])
+    extra = model_dense_shapes(opts.model_arch, model["name"]) if opts.model_arch is not None else []
+    doc["settings"]["trunk"] = {
+        "shapes": [list(s) for s in cfg.shapes], "model_shapes": [list(s) for s in extra],
+        "formats": list(cfg.formats), "contexts": list(cfg.contexts), "n_heads": cfg.n_heads,
+        "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden": cfg.hidden,
+        "budget_s_per_device": cfg.budget_s}
+    got, skipped = probe_trunk(devices, cfg, extra, machine.get("ram_available_bytes"), say)
+    for name in TRUNK_SECTIONS:
+        doc[name] = got[name] if got[name] else {"unavailable": _reasons(skipped)}
+    return skipped

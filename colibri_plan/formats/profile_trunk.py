@@ -1,0 +1,87 @@
+"""Readers of a profile's optional trunk sections: ``dense_gemv``, ``device_ops`` and ``attention``.
+
+The sections are described in :mod:`colibri_plan.formats.profile` and written by
+:mod:`colibri_plan.profiler.trunk_probe`. Profiles written before the trunk probe (and the shipped
+``profiles/*.json``) lack them, and a section may be ``{"unavailable": reason}``; every reader then
+returns None, so a caller falls back to the ``matmul`` / ``links`` / ``ram`` figures.
+
+Each reader takes the profile document (``MachineProfile.doc``) or the MachineProfile itself, and a
+device named by its backend and index (the host CPU is backend "cpu", or "numpy" without numba,
+index 0). Figures are the medians of the stats.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def _entries(profile, section: str, backend: str, device_index: int) -> list[dict]:
+    doc = getattr(profile, "doc", profile)
+    rows = doc.get(section) if isinstance(doc, dict) else None
+    if not isinstance(rows, list):  # absent, or {"unavailable": reason}
+        return []
+    return [e for e in rows if e.get("backend") == backend and e.get("device_index") == device_index]
+
+
+def has_trunk_figures(profile, backend: str, device_index: int) -> bool:
+    """True when the profile holds dense_gemv, device_ops and attention figures of this device."""
+    return all(_entries(profile, s, backend, device_index) for s in ("dense_gemv", "device_ops", "attention"))
+
+
+def dense_gemv_gbps(profile, backend: str, device_index: int, fmt: str, out_features: int | None = None,
+                    in_features: int | None = None) -> float | None:
+    """Weight GB/s (stored bytes / s / 1e9) of a decode GEMV [1, in] · W[out, in]ᵀ in ``fmt`` on the
+    device: the entry nearest the shape (in log out + log in) when one is given, else the median over
+    the measured shapes; None when the device was not measured in ``fmt``."""
+    rows = [e for e in _entries(profile, "dense_gemv", backend, device_index) if e.get("fmt") == fmt]
+    if not rows:
+        return None
+    if out_features and in_features:
+        best = min(rows, key=lambda e: abs(math.log(e["out_features"] / out_features))
+                   + abs(math.log(e["in_features"] / in_features)))
+        return float(best["weight_gbps"]["median"])
+    vals = sorted(float(e["weight_gbps"]["median"]) for e in rows)
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
+
+def dense_gemv_formats(profile, backend: str, device_index: int) -> list[str]:
+    """The dense formats the device was measured in, in the order they first appear."""
+    return list(dict.fromkeys(e["fmt"] for e in _entries(profile, "dense_gemv", backend, device_index)))
+
+
+def device_op_s(profile, backend: str, device_index: int) -> float | None:
+    """Seconds of one small device op (a d_add on [1, 4096] in a chain); None when not measured."""
+    rows = _entries(profile, "device_ops", backend, device_index)
+    return float(rows[0]["op_seconds"]["median"]) if rows else None
+
+
+def roundtrip_s(profile, backend: str, device_index: int) -> float | None:
+    """Seconds of d_get + d_put of one [1, H] float32 activation (H = 4096); None when not measured."""
+    rows = _entries(profile, "device_ops", backend, device_index)
+    return float(rows[0]["roundtrip_seconds"]["median"]) if rows else None
+
+
+def _attention_entry(profile, backend: str, device_index: int, context_tokens: int) -> dict | None:
+    rows = _entries(profile, "attention", backend, device_index)
+    if not rows:
+        return None
+    c = max(int(context_tokens), 1)
+    return min(rows, key=lambda e: (abs(math.log(e["context_tokens"] / c)), e["context_tokens"]))
+
+
+def attention_kv_gbps(profile, backend: str, device_index: int, context_tokens: int) -> float | None:
+    """K+V GB/s of one decode attention call at the measured context nearest ``context_tokens`` (in log);
+    None when not measured."""
+    e = _attention_entry(profile, backend, device_index, context_tokens)
+    return float(e["kv_gbps"]["median"]) if e else None
+
+
+def attention_s(profile, backend: str, device_index: int, context_tokens: int) -> float | None:
+    """Seconds of one decode attention call of one layer at ``context_tokens``: the nearest measured
+    context's time scaled linearly by the context (the probe's geometry: 32 query heads, 8 KV heads,
+    head_dim 128 unless the entry says otherwise); None when not measured."""
+    e = _attention_entry(profile, backend, device_index, context_tokens)
+    if e is None:
+        return None
+    return float(e["seconds"]["median"]) * max(int(context_tokens), 1) / e["context_tokens"]
