@@ -170,7 +170,22 @@ def test_attention_kernel_compiles_to_ptx(tmp_path):
     run = subprocess.run(["nvcc", "--ptx", "-std=c++14", "-arch=sm_90", "-o", str(tmp_path / "a.ptx"),
                           str(ATT_SOURCE)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert (tmp_path / "a.ptx").read_text().count(".entry attention_absorb(") == 1
+    ptx = (tmp_path / "a.ptx").read_text()
+    kernels = ("attention_absorb", "attention_gqa", "attention_combine")
+    assert [ptx.count(f".entry {k}(") for k in kernels] == [1, 1, 1]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_trunk_kernels_compile_to_ptx(tmp_path):
+    from colibri_plan.backends.cuda_device import _TRUNK_KERNELS
+
+    run = subprocess.run(["nvcc", "--ptx", "-std=c++14", "-arch=sm_90", "-o", str(tmp_path / "t.ptx"),
+                          str(SOURCE.parent.joinpath("trunk.cu"))], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    ptx = (tmp_path / "t.ptx").read_text()
+    assert ptx.count(".entry ") == len(_TRUNK_KERNELS)
+    assert all(f".entry {k}(" in ptx for k in _TRUNK_KERNELS)
 
 
 # attention.cu run on the host as it runs on a GPU: one OS thread per CUDA thread, __syncthreads a barrier

@@ -1,0 +1,222 @@
+"""The CUDA backend's device-activation ops (backends/cuda_device.py) on the simulated GPU of
+``test_backend_cuda_sim.py``, through the cross-backend oracle of ``test_backends_device_ops.py``.
+
+The stand-in ``cupy`` gains pool arrays in its device heap (``cp.empty``/``cp.zeros``), device-to-device
+copies, events, and simulations of the trunk.cu and attention.cu kernels that read their arguments as the
+GPU would: device addresses and scalars in the order ``cuda_device.py`` passes them. What runs for real
+is the host side: DArray buffers and offsets, staging of ``d_put``/``d_get``, the matmul table entry and
+padding feeding matmul.cu's ``mm``, launch grids and the split of attention's keys into slices. The
+kernels' arithmetic is checked by ``test_backend_cuda.py`` (attention on the host) and, on a GPU, by
+the oracle itself.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from colibri_plan.backends.device_ops import attention_ref, rope_ref
+from tests.test_backend_cuda_sim import Sim, fake_cupy
+from tests.test_backends_device_ops import (  # noqa: F401 - collected here with the simulated `be`
+    test_a_gqa_layer_chain_stays_on_the_device,
+    test_d_attention,
+    test_d_matmul,
+    test_d_rmsnorm_add_silu_scale,
+    test_d_rope,
+    test_device_arrays_of_another_backend_are_refused,
+)
+
+LOWEST = np.float32(-3.402823466e38)
+
+
+def _f32(sim, ptr, n):
+    return sim.mem(int(ptr), 4 * int(n)).view(np.float32)
+
+
+def _attention_sim(sim, grid, block, smem, args):
+    """attention_gqa: each (row t, head h, slice) as the kernel's contract says, float64."""
+    q, k, v, out, part, hq, hkv, d, pos0, window, scale, splits = args
+    hq, hkv, d, pos0, window, splits = (int(a) for a in (hq, hkv, d, pos0, window, splits))
+    T, g = grid[0], hq // hkv
+    sim.attention_grid = grid
+    assert grid == (T, hkv * -(-g // 8), splits) and block == (256,) and d <= 256
+    assert smem == 4 * (8 * (d + 256 + 256) + 24) <= 48 * 1024
+    n = pos0 + T  # rows the kernel may read
+    qq = _f32(sim, q, T * hq * d).reshape(T, hq, d).astype(np.float64)
+    kk = _f32(sim, k, n * hkv * d).reshape(n, hkv, d).astype(np.float64)
+    vv = _f32(sim, v, n * hkv * d).reshape(n, hkv, d).astype(np.float64)
+    y = _f32(sim, out, T * hq * d).reshape(T, hq, d) if splits == 1 else None
+    pp = _f32(sim, part, T * hq * splits * (d + 2)).reshape(T, hq, splits, d + 2) if splits > 1 else None
+    for t in range(T):
+        qpos = pos0 + t
+        lo0 = max(0, qpos - window + 1) if window > 0 else 0
+        per = -(-(qpos + 1 - lo0) // splits)
+        for h in range(hq):
+            for s in range(splits):
+                lo, hi = lo0 + s * per, min(qpos + 1, lo0 + (s + 1) * per)
+                sc = float(scale) * (kk[lo:hi, h // g] @ qq[t, h])
+                m = sc.max() if hi > lo else float(LOWEST)
+                e = np.exp(sc - m)
+                acc, ll = e @ vv[lo:hi, h // g], e.sum()
+                if splits == 1:
+                    y[t, h] = acc / ll
+                else:
+                    pp[t, h, s, :d], pp[t, h, s, d], pp[t, h, s, d + 1] = acc, m, ll
+
+
+def _combine_sim(sim, grid, args):
+    part, out, d, splits = args
+    d, splits, rows = int(d), int(splits), grid[0]
+    pp = _f32(sim, part, rows * splits * (d + 2)).reshape(rows, splits, d + 2).astype(np.float64)
+    w = np.exp(pp[:, :, d] - pp[:, :, d].max(axis=1, keepdims=True))  # [rows, splits]
+    y = np.einsum("rs,rsc->rc", w, pp[:, :, :d]) / (w * pp[:, :, d + 1]).sum(axis=1, keepdims=True)
+    _f32(sim, out, rows * d)[:] = y.reshape(-1)
+
+
+def _trunk_sim(sim, name, grid, block, args):
+    """trunk.cu kernels and matmul.cu's rmsnorm on device addresses."""
+    assert block == (256,)
+    if name == "tr_add":
+        a, b, y, n, d, bcast = args
+        n, d = int(n), int(d)
+        bb = np.tile(_f32(sim, b, d), n // d) if int(bcast) else _f32(sim, b, n)
+        _f32(sim, y, n)[:] = _f32(sim, a, n) + bb
+    elif name == "tr_silu_mul":
+        g, u, y, n = args
+        gg = _f32(sim, g, int(n)).astype(np.float64)
+        _f32(sim, y, int(n))[:] = gg / (1 + np.exp(-gg)) * _f32(sim, u, int(n))
+    elif name == "tr_scale_rows":
+        a, s, s0, y, n, d = args
+        rows = int(n) // int(d)
+        scales = _f32(sim, s, rows) if int(s) else np.full(rows, np.float32(s0))
+        _f32(sim, y, int(n))[:] = (_f32(sim, a, int(n)).reshape(rows, -1) * scales[:, None]).reshape(-1)
+    elif name == "tr_rope":
+        x, table, y, n, heads, d, rd, pos0, inter = (int(a) if i > 2 else a for i, a in enumerate(args))
+        T = n // (heads * d)
+        tab = _f32(sim, table, (pos0 + T) * rd).reshape(pos0 + T, rd // 2, 2)
+        xx = _f32(sim, x, n).reshape(T, heads, d)
+        _f32(sim, y, n)[:] = rope_ref(xx, tab, pos0, rd, bool(inter)).reshape(-1)
+    elif name == "tr_mm_prep":
+        table, W, S, x, xp, y, T, n_in, in_pad = (int(a) for a in args)
+        sim.mem(table, 64).view(np.uint64)[:] = [W, S, xp, y, T, 0, 0, 0]
+        if xp != x:
+            assert grid[0] * 256 >= min(T * in_pad, 65535 * 256)
+            dst = _f32(sim, xp, T * in_pad).reshape(T, in_pad)
+            dst[:, :n_in], dst[:, n_in:] = _f32(sim, x, T * n_in).reshape(T, n_in), 0.0
+    elif name == "rmsnorm":
+        x, w, y, H, eps = args
+        rows, H = grid[0], int(H)
+        xx = _f32(sim, x, rows * H).reshape(rows, H).astype(np.float64)
+        ref = xx / np.sqrt((xx ** 2).mean(axis=1, keepdims=True) + float(eps)) * _f32(sim, w, H)
+        _f32(sim, y, rows * H)[:] = ref.reshape(-1)
+    else:
+        raise AssertionError(f"unexpected kernel {name}")
+
+
+def device_cupy(sim: Sim):
+    cp = fake_cupy(sim)
+    cuda, rt = cp.cuda, cp.cuda.runtime
+    base_module, base_memcpy = cp.RawModule, rt.memcpyAsync
+
+    class Kernel:
+        def __init__(self, name, fallback):
+            self.__name__, self.fallback = name, fallback
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            name = self.__name__
+            if name in ("rmsnorm", "attention_absorb") and not isinstance(args[0], np.uint64):
+                return self.fallback(grid, block, args, shared_mem=shared_mem)  # the host-staged path
+            if name == "attention_gqa":
+                op = lambda: _attention_sim(sim, grid, block, shared_mem, args)  # noqa: E731
+            elif name == "attention_combine":
+                op = lambda: _combine_sim(sim, grid, args)  # noqa: E731
+            else:
+                op = lambda: _trunk_sim(sim, name, grid, block, args)  # noqa: E731
+            sim.launches += 1
+            sim.run(op)
+
+    class RawModule(base_module):
+        def get_function(self, name):
+            fn = super().get_function(name)
+            return fn if "<" in name else Kernel(name, fn)
+
+    def memcpy(dst, src, n, kind, stream):
+        if kind == 3:
+            sim.run(lambda: sim.mem(dst, n).__setitem__(slice(None), sim.mem(src, n).copy()))
+        else:
+            base_memcpy(dst, src, n, kind, stream)
+
+    class Event:
+        def __init__(self, block=False, disable_timing=False, interprocess=False):
+            self.recorded = False
+
+        def record(self, stream=None):
+            self.recorded = True
+
+        def synchronize(self):
+            assert self.recorded
+
+    def empty(shape, dtype):
+        dt, shape = np.dtype(dtype), tuple(np.atleast_1d(shape))
+        nbytes = int(np.prod(shape)) * dt.itemsize
+        ptr = sim.alloc(max(nbytes, 1))
+        a = sim.mem(ptr, nbytes).view(dt).reshape(shape)  # fresh heap bytes: NaN garbage
+        return types.SimpleNamespace(a=a, data=types.SimpleNamespace(ptr=ptr), size=a.size)
+
+    def zeros(shape, dtype):
+        out = empty(shape, dtype)
+        sim.run(lambda: out.a.fill(0))
+        return out
+
+    cp.RawModule, cuda.Event, rt.memcpyAsync, rt.memcpyDeviceToDevice = RawModule, Event, memcpy, 3
+    cp.empty, cp.zeros, cp.uint8 = empty, zeros, np.uint8
+    return cp
+
+
+@pytest.fixture
+def be(monkeypatch):
+    sim = Sim()
+    monkeypatch.setitem(sys.modules, "cupy", device_cupy(sim))
+    from colibri_plan.backends import get_backend
+
+    b = get_backend("cuda").open(0)
+    b.sim = sim
+    yield b
+    b.close()
+
+
+def test_a_matmul_reads_x_in_place_when_already_padded(be):
+    """in = 256 (a multiple of 128): no padding copy, the table entry points at x itself; in = 200: x is
+    padded into the work buffer, which then is what the table names."""
+    from colibri_plan import quant
+
+    for n_in in (256, 200):
+        qt = quant.quantize(np.random.default_rng(n_in).standard_normal((40, n_in), dtype=np.float32), "int8")
+        x = be.d_put(np.ones((2, n_in), np.float32))
+        y = be.d_get(be.d_matmul(x, be.upload(qt)))
+        np.testing.assert_allclose(y, quant.matmul_ref(np.ones((2, n_in), np.float32), qt), rtol=1e-5,
+                                   atol=1e-5)
+        table = be.sim.mem(be._d_work("mm_table", 64), 64).view(np.uint64)
+        assert (int(table[2]) == x.buf.data.ptr) == (n_in == 256)
+        assert int(table[4]) == 2
+
+
+@pytest.mark.parametrize("T, pos0, window, splits", [(1, 999, 0, 8), (1, 200, 0, 4), (64, 0, 0, 1),
+                                                      (1, 300, 32, 1)])
+def test_attention_splits_the_keys_when_blocks_are_few(be, T, pos0, window, splits):
+    """4 SMs (simulated), 2 kv heads: one decode row makes 2 (row, kv head) blocks, so its keys go in
+    slices of at least 64 keys, up to 4 blocks per SM: 1000 keys -> 8 slices, 201 keys -> 4; 64 prefill
+    rows fill the SMs unsplit; a window of 32 keys is one slice. Split results are merged (a second
+    launch) and equal the reference."""
+    rng = np.random.default_rng(T + pos0)
+    hq, hkv, d = 4, 2, 16
+    n = pos0 + T
+    q, k, v = (rng.standard_normal(s, dtype=np.float32) for s in ((T, hq, d), (n, hkv, d), (n, hkv, d)))
+    before = be.sim.launches
+    y = be.d_get(be.d_attention(be.d_put(q), be.d_put(k), be.d_put(v), n, pos0, 0.25, window))
+    assert be.sim.attention_grid == (T, hkv, splits)
+    assert be.sim.launches - before == (1 if splits == 1 else 2)
+    np.testing.assert_allclose(y, attention_ref(q, k, v, n, pos0, 0.25, window), rtol=1e-5, atol=1e-6)
