@@ -6,7 +6,8 @@ on a backend of :mod:`colibri_plan.backends`); MLA models (DeepSeek-V2/V3/V3.2, 
 :mod:`colibri_plan.engine.mla` with a paged latent cache, their decode attention on the host backend's
 ``attention_absorb`` kernel when it has one. Each decoder layer is pre-norm:
 ``h += attn(rmsnorm(h)); h += ffn(rmsnorm(h))``, then a final RMSNorm and the LM head, as in the
-transformers modeling code of every supported family.
+transformers modeling code of every supported family. With ``trunk_backend`` the same pass runs on that
+backend's device, the residual stream staying there across layers (:mod:`colibri_plan.engine.trunk`).
 
 Usage::
 
@@ -46,9 +47,13 @@ class Model:
             :class:`RamExperts`, every expert uploaded once to ``backend_name``.
         recorder: a RoutingRecorder; None = a new one (``model.routing``).
         device_index: device of ``backend_name`` for the default provider.
+        trunk_backend: an open backend to run the dense trunk, attention and the KV cache on
+            (:class:`~colibri_plan.engine.trunk.DeviceTrunk`); None = the host path below. The caller
+            owns and closes it.
+        context_tokens: tokens the device trunk's KV cache reserves at open (the plan's context).
 
     Attributes:
-        arch, weights, experts, routing (the RoutingRecorder).
+        arch, weights, experts, routing (the RoutingRecorder), trunk (the DeviceTrunk or None).
 
     Raises:
         UnsupportedError: the architecture cannot run (non-SiLU activation, MLA without its widths).
@@ -58,7 +63,7 @@ class Model:
 
     def __init__(self, weights: ModelWeights, backend_name: str = "numpy",
                  experts: ExpertProvider | None = None, recorder: RoutingRecorder | None = None,
-                 device_index: int = 0):
+                 device_index: int = 0, trunk_backend=None, context_tokens: int = 0):
         self.arch = weights.arch
         self.arch.check_supported()
         check_dense(self.arch, weights.dense, weights.source)
@@ -72,6 +77,15 @@ class Model:
         self._mla = self.arch.attention == "mla"
         self._absorb = select_absorb(self._host_backend()) if self._mla else None
         bind_dense(self.dense, self._host_backend())  # quantized trunk matmuls: the host backend
+        self.trunk = None
+        if trunk_backend is not None:
+            from colibri_plan.engine.trunk import DeviceTrunk
+
+            try:
+                self.trunk = DeviceTrunk(self, trunk_backend, context_tokens)
+            except BaseException:
+                self.close()
+                raise
 
     def _host_backend(self):
         """The expert provider's host backend ("cpu"/"numpy"; RamExperts.backend or the residency
@@ -81,7 +95,10 @@ class Model:
 
     def new_cache(self, capacity: int = 256) -> KVCache | LatentCache:
         """An empty cache for this model: a KVCache (GQA; grows beyond ``capacity`` as needed) or a paged
-        LatentCache (MLA; grows by 64-token pages, ``capacity`` unused)."""
+        LatentCache (MLA; grows by 64-token pages, ``capacity`` unused); with a device trunk, its
+        :class:`~colibri_plan.engine.kv_device.DeviceKVCache` (whole 64-token pages on the device)."""
+        if self.trunk is not None:
+            return self.trunk.new_cache(capacity)
         a = self.arch
         if self._mla:
             return LatentCache(a.n_layers, a.kv_lora_rank, a.qk_rope_head_dim)
@@ -104,6 +121,8 @@ class Model:
         """Final-norm hidden states float32 [T, H] (what the LM head reads); see :meth:`forward`."""
         ids = self._ids(token_ids)
         cache = self.new_cache(len(ids)) if cache is None else cache
+        if self.trunk is not None:
+            return self.trunk.hidden_states(ids, cache)
         a, d = self.arch, self.dense
         check_dsa_context(a, cache.length, len(ids))  # DSA beyond index_topk: refused before any work
         h = d["embed"][ids]  # [T, H]
@@ -132,8 +151,17 @@ class Model:
             InputError: empty input, or an id outside 0..V-1.
             UnsupportedError: a DSA model's context would pass index_topk tokens (before any work).
         """
+        if self.trunk is not None:
+            ids = self._ids(token_ids)
+            return self.trunk.forward(ids, self.new_cache(len(ids)) if cache is None else cache)
         h = self.hidden_states(token_ids, cache)
         return (h @ self._lm_head.T).astype(np.float32, copy=False)  # [T, H] · [V, H]ᵀ -> [T, V]
+
+    def _last_logits(self, ids, cache) -> np.ndarray:
+        """Logits [1, V] of the last position (greedy decoding reads only these)."""
+        if self.trunk is not None:
+            return self.trunk.last_logits(self._ids(ids), cache)
+        return self.hidden_states(ids, cache)[-1:] @ self._lm_head.T  # [1, H] · [V, H]ᵀ
 
     def generate(self, prompt_ids: Sequence[int], n_tokens: int, cache: KVCache | LatentCache | None = None,
                  on_token: Callable[[int, int, float], None] | None = None) -> list[int]:
@@ -160,20 +188,24 @@ class Model:
         t0 = time.perf_counter()
         if n_tokens == 0:
             return out
-        h = self.hidden_states(ids, cache)[-1:]  # only the last position's logits are needed
+        logits = self._last_logits(ids, cache)  # only the last position's logits are needed
         for step in range(int(n_tokens)):
-            tok = int(np.argmax(h @ self._lm_head.T))
+            tok = int(np.argmax(logits))
             out.append(tok)
             if on_token is not None:
                 now = time.perf_counter()
                 on_token(step, tok, now - t0)
                 t0 = now
             if step + 1 < n_tokens:
-                h = self.hidden_states([tok], cache)
+                logits = self._last_logits([tok], cache)
         return out
 
     def close(self) -> None:
-        """Release the default expert provider's device memory (no-op for a caller's provider)."""
+        """Release the device trunk's uploads and the default expert provider's device memory (a caller's
+        provider and trunk backend stay open)."""
+        if getattr(self, "trunk", None) is not None:
+            self.trunk.close()
+            self.trunk = None
         if self._owns_experts and self.experts is not None:
             self.experts.close()
             self.experts = None

@@ -228,9 +228,10 @@ class RamExperts:
         self.backend = None
 
 
-def moe_block(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.ndarray],
-              experts: ExpertProvider, recorder: RoutingRecorder | None = None) -> np.ndarray:
-    """Routed experts + shared experts of one MoE layer; x float32 [T, H] (post-norm) -> [T, H].
+def routed_experts(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.ndarray],
+                   experts: ExpertProvider, recorder: RoutingRecorder | None = None) -> np.ndarray:
+    """The routed experts' weighted sum of one MoE layer (router, top-k, provider): x float32 [T, H]
+    (post-norm) -> [T, H]. The one routing path of the CPU trunk and the device trunk.
 
     Raises:
         InputError: the provider returned outputs of the wrong number or shape.
@@ -255,6 +256,18 @@ def moe_block(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.n
         if y.shape != (len(t), x.shape[1]):
             raise InputError(f"expert provider returned shape {y.shape}, want {(len(t), x.shape[1])}")
         out[t] += y  # a token appears at most once per expert: a plain scatter-add
+    return out
+
+
+def moe_block(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.ndarray],
+              experts: ExpertProvider, recorder: RoutingRecorder | None = None) -> np.ndarray:
+    """Routed experts + shared experts of one MoE layer; x float32 [T, H] (post-norm) -> [T, H].
+
+    Raises:
+        InputError: the provider returned outputs of the wrong number or shape.
+    """
+    p = f"layers.{layer}."
+    out = routed_experts(x, layer, arch, dense, experts, recorder)
     if arch.shared_intermediate_size:
         shared = swiglu(x, dense[p + "shared.gate"], dense[p + "shared.up"], dense[p + "shared.down"])
         if arch.shared_expert_gate:  # Qwen2-MoE: sigmoid(x · w) scales the shared expert per token

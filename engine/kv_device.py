@@ -1,0 +1,115 @@
+"""The KV cache on the device that runs attention: per layer K and V as device arrays, in whole pages.
+
+Layout (what ``d_attention`` reads): per layer ``k[layer]`` and ``v[layer]`` are float32 DArrays
+[capacity, n_kv_heads, head_dim], token-major (row t holds token t's keys of every kv head, after RoPE).
+``capacity`` is a whole number of ``page_tokens`` pages (64, as colibrì and the plan's
+``trunk.kv.page_tokens``). The cache reserves the planned context at open — the bytes the plan's
+``trunk.kv.bytes`` charged: ``ceil(context / 64) · 64 · 2 · n_layers · n_kv_heads · head_dim · 4`` — and
+grows by whole pages when a run passes it (new arrays, the old rows copied with ``d_write_rows``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from colibri_plan.backends.device_ops import DArray
+from colibri_plan.errors import InputError
+from colibri_plan.formats.plan_trunk import PAGE_TOKENS
+
+__all__ = ["DeviceKVCache", "device_kv_bytes"]
+
+
+def device_kv_bytes(n_layers: int, n_kv_heads: int, head_dim: int, context_tokens: int,
+                    page_tokens: int = PAGE_TOKENS) -> int:
+    """Bytes a :class:`DeviceKVCache` reserves for ``context_tokens`` (whole pages, float32 K and V)."""
+    pages = max(1, math.ceil(max(0, int(context_tokens)) / int(page_tokens)))
+    return pages * int(page_tokens) * 2 * int(n_layers) * int(n_kv_heads) * int(head_dim) * 4
+
+
+class DeviceKVCache:
+    """Keys and values of past tokens on one backend's device (see the module docstring).
+
+    Args:
+        backend: an open backend (its ``d_*`` ops hold the arrays).
+        n_layers, n_kv_heads, head_dim: the model's attention geometry.
+        context_tokens: tokens to reserve at open (rounded up to whole pages; at least one page).
+        page_tokens: tokens per page (64).
+
+    Attributes:
+        length: tokens cached so far (the position of the next token).
+        capacity: rows reserved per layer (a multiple of ``page_tokens``).
+        k, v: per layer DArray [capacity, n_kv_heads, head_dim]; rows < length are valid.
+        grown_pages: pages added after open (0 while the run stays within the reserved context).
+
+    Raises:
+        InputError: a non-positive page size or geometry.
+        DeviceOutOfMemoryError / the backend's allocation error: the pages do not fit the device.
+    """
+
+    def __init__(self, backend, n_layers: int, n_kv_heads: int, head_dim: int, context_tokens: int,
+                 page_tokens: int = PAGE_TOKENS):
+        if min(int(n_layers), int(n_kv_heads), int(head_dim), int(page_tokens)) < 1:
+            raise InputError(f"device KV cache: layers {n_layers}, kv heads {n_kv_heads}, head_dim "
+                             f"{head_dim} and page_tokens {page_tokens} must all be >= 1")
+        self.backend = backend
+        self.n_layers, self.n_kv_heads, self.head_dim = int(n_layers), int(n_kv_heads), int(head_dim)
+        self.page_tokens = int(page_tokens)
+        self.length = 0
+        self.grown_pages = 0
+        self.capacity = self._pages_for(context_tokens) * self.page_tokens
+        shape = (self.capacity, self.n_kv_heads, self.head_dim)
+        self.k: list[DArray] = [backend.d_zeros(shape) for _ in range(self.n_layers)]
+        self.v: list[DArray] = [backend.d_zeros(shape) for _ in range(self.n_layers)]
+
+    def _pages_for(self, tokens: int) -> int:
+        return max(1, math.ceil(max(0, int(tokens)) / self.page_tokens))
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Device bytes held by K and V of every layer (all reserved rows, valid or not)."""
+        return 2 * self.n_layers * self.capacity * self.n_kv_heads * self.head_dim * 4
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for ``tokens`` rows per layer: grow every layer by whole pages when it passes the
+        capacity (new zeroed arrays; the old rows copied on the device). No-op when they fit."""
+        if tokens <= self.capacity:
+            return
+        pages = self._pages_for(tokens)
+        new_cap = pages * self.page_tokens
+        be = self.backend
+        shape = (new_cap, self.n_kv_heads, self.head_dim)
+        for store in (self.k, self.v):
+            for layer, old in enumerate(store):
+                grown = be.d_zeros(shape)
+                be.d_write_rows(grown, 0, old)  # the whole old array: rows past length are zeros anyway
+                store[layer] = grown
+        self.grown_pages += pages - self.capacity // self.page_tokens
+        self.capacity = new_cap
+
+    def append(self, layer: int, k: DArray, v: DArray) -> tuple[DArray, DArray]:
+        """Store k, v [T, n_kv_heads, head_dim] at rows length..length+T-1 of ``layer``; return the
+        layer's whole K and V arrays (the first length + T rows valid). ``length`` advances in
+        :meth:`advance` once every layer has appended.
+
+        Raises:
+            InputError: the rows pass the capacity (call :meth:`reserve` first) or shapes differ.
+        """
+        end = self.length + k.shape[0]
+        if end > self.capacity:
+            raise InputError(f"device KV cache: rows {self.length}..{end - 1} pass its {self.capacity} "
+                             "reserved rows; reserve() first")
+        self.backend.d_write_rows(self.k[layer], self.length, k)
+        self.backend.d_write_rows(self.v[layer], self.length, v)
+        return self.k[layer], self.v[layer]
+
+    def advance(self, n: int) -> None:
+        """Mark ``n`` more tokens as cached (called by the trunk after all layers ran)."""
+        self.length += int(n)
+
+    def nbytes(self) -> int:
+        """Bytes held by the valid rows of every layer (as :meth:`KVCache.nbytes` counts them)."""
+        return 2 * self.n_layers * self.length * self.n_kv_heads * self.head_dim * 4
+
+    def close(self) -> None:
+        """Drop the device arrays (their memory returns to the backend's allocator)."""
+        self.k, self.v = [], []

@@ -1,0 +1,158 @@
+"""The device trunk (engine/trunk.py, engine/kv_device.py) against the CPU path, per GQA family and backend.
+
+Same greedy tokens as the CPU path, and logits within ``|Δ| ≤ 1e-4 · max(1, max |logit|)`` of it (the
+trunk's matmuls, norms and attention on the device differ from the host's float32 numpy only by summation
+order; attention's reference accumulates in float64). Backends: numpy and cpu always; OpenCL and Vulkan
+where they run (CI: PoCL, lavapipe). The MLA path (attention kept on the host) and a pack with an int8
+trunk (QuantLinear uploads) too; the KV cache reserves whole 64-token pages and grows past them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+from _tiny_models import MLA_SEEDS, build, build_mla  # noqa: E402
+
+from colibri_plan.backends import get_backend  # noqa: E402
+from colibri_plan.backends.device_ops import DArray  # noqa: E402
+from colibri_plan.engine.forward import Model  # noqa: E402
+from colibri_plan.engine.kv_device import DeviceKVCache, device_kv_bytes  # noqa: E402
+from colibri_plan.engine.trunk import trunk_dense_bytes, trunk_kv_bytes  # noqa: E402
+from colibri_plan.engine.weights import load_checkpoint  # noqa: E402
+from colibri_plan.errors import InputError  # noqa: E402
+from colibri_plan.formats.plan_trunk import kv_bytes  # noqa: E402
+
+PROMPT = [3, 17, 5, 99, 42, 8]
+N_TOKENS = 12
+REL_TOL = 1e-4
+#: variants: the five GQA families of _tiny_models, and Mixtral with a sliding window shorter than the run
+VARIANTS = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe": ("qwen3_moe", {}),
+            "olmoe": ("olmoe", {}), "glm4_moe": ("glm4_moe", {}),
+            "mixtral_sliding": ("mixtral", {"sliding_window": 5})}
+
+
+def _backends() -> list:
+    out = []
+    for name in ("numpy", "cpu", "opencl", "vulkan"):
+        reason = get_backend(name).unavailable_reason()
+        out.append(pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=str(reason))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """variant -> (weights, CPU-path greedy tokens, CPU-path prefill logits [T, V])."""
+    out = {}
+    for key, (family, over) in VARIANTS.items():
+        folder = tmp_path_factory.mktemp(key)
+        build(family, folder, seed=1, **over)
+        w = load_checkpoint(folder)
+        with Model(w) as ref:
+            out[key] = (w, ref.generate(PROMPT, N_TOKENS), ref.forward(PROMPT))
+    return out
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> None:
+    bound = REL_TOL * max(1.0, float(np.abs(want).max()))
+    assert got.shape == want.shape
+    assert float(np.abs(got - want).max()) <= bound
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_device_trunk_matches_the_cpu_path(models, variant, backend):
+    w, want_ids, want_logits = models[variant]
+    be = get_backend(backend).open(0)
+    try:
+        with Model(w, trunk_backend=be, context_tokens=8) as model:
+            assert model.trunk is not None and model.trunk.dense_bytes == trunk_dense_bytes(w.arch, w.dense, 8)
+            assert model.generate(PROMPT, N_TOKENS) == want_ids
+            _close(model.forward(PROMPT), want_logits)
+            cache = model.new_cache()
+            assert isinstance(cache, DeviceKVCache) and isinstance(cache.k[0], DArray)
+            model.forward(PROMPT[:4], cache)  # prefill, then decode one token at a time
+            steps = [model.forward([t], cache) for t in PROMPT[4:]]
+            _close(np.concatenate(steps), want_logits[4:])
+            assert cache.length == len(PROMPT)
+        assert be.memory_used() == 0   # closing the model freed the trunk's uploads
+    finally:
+        be.close()
+
+
+def test_sliding_window_is_shorter_than_the_run(models):
+    w = models["mixtral_sliding"][0]
+    assert w.arch.sliding_window == 5 and set(w.arch.sliding_layers) == set(range(w.arch.n_layers))
+    assert len(PROMPT) + N_TOKENS > 5
+
+
+def test_kv_cache_grows_by_whole_pages_past_the_reserved_context(models):
+    w, _, _ = models["qwen3_moe"]
+    with Model(w) as ref:
+        want = ref.generate(PROMPT, 70)
+    be = get_backend("numpy").open(0)
+    with Model(w, trunk_backend=be, context_tokens=8) as model:
+        cache = model.new_cache(8)
+        assert cache.capacity == 64 and cache.reserved_bytes == trunk_kv_bytes(w.arch, 8)
+        assert model.generate(PROMPT, 70, cache=cache) == want   # 6 + 69 tokens cached: two pages
+        assert cache.length == len(PROMPT) + 69 and cache.capacity == 128 and cache.grown_pages == 1
+        assert model.trunk._rope_rows == 128   # the RoPE table followed the cache
+
+
+def test_kv_reserve_copies_the_rows_and_matches_the_plan_bytes():
+    be = get_backend("numpy").open(0)
+    cache = DeviceKVCache(be, n_layers=2, n_kv_heads=2, head_dim=4, context_tokens=100)
+    assert cache.capacity == 128
+    bpt = 2 * 2 * 2 * 4 * 4   # K and V, 2 layers, 2 kv heads, head_dim 4, float32
+    assert cache.reserved_bytes == kv_bytes(100, bpt) == device_kv_bytes(2, 2, 4, 100)
+    rows = np.arange(3 * 2 * 4, dtype=np.float32).reshape(3, 2, 4)
+    k, v = cache.append(1, be.d_put(rows), be.d_put(-rows))
+    assert k.shape == (128, 2, 4)
+    cache.advance(3)
+    cache.reserve(129)
+    assert cache.capacity == 192 and cache.grown_pages == 1
+    assert np.array_equal(be.d_get(cache.k[1])[:3], rows) and np.array_equal(be.d_get(cache.v[1])[:3], -rows)
+    assert not be.d_get(cache.k[1])[3:].any()
+    with pytest.raises(InputError, match="reserve"):
+        cache.append(0, be.d_put(np.zeros((190, 2, 4), np.float32)), be.d_put(np.zeros((190, 2, 4), np.float32)))
+
+
+def test_a_host_cache_is_refused_by_the_device_trunk(models):
+    w, _, _ = models["mixtral"]
+    be = get_backend("numpy").open(0)
+    with Model(w, trunk_backend=be) as model, Model(w) as host:
+        with pytest.raises(InputError, match="DeviceKVCache"):
+            model.forward(PROMPT, host.new_cache())
+
+
+def test_mla_runs_with_attention_on_the_host(tmp_path):
+    seed, router_std = MLA_SEEDS["deepseek_v3"]
+    build_mla("deepseek_v3", tmp_path, seed=seed, router_std=router_std)
+    w = load_checkpoint(tmp_path)
+    with Model(w) as ref:
+        want_ids, want_logits = ref.generate(PROMPT, N_TOKENS), ref.forward(PROMPT)
+    be = get_backend("numpy").open(0)
+    with Model(w, trunk_backend=be) as model:
+        assert trunk_kv_bytes(w.arch, 4096) == 0   # the latent cache stays on the host
+        assert not any(k.endswith(("attn.kv_a", "attn.q_a")) for k in model.trunk.w)
+        assert model.generate(PROMPT, N_TOKENS) == want_ids
+        _close(model.forward(PROMPT), want_logits)
+
+
+def test_int8_trunk_of_a_pack_runs_its_quantized_matrices(models, tmp_path):
+    from colibri_plan.engine.dense_quant import QuantLinear
+    from colibri_plan.engine.pack import open_pack, write_pack
+
+    w, _, _ = models["qwen2_moe"]
+    write_pack(w, tmp_path / "p", "int8", dense_format="int8")
+    with open_pack(tmp_path / "p") as pack:
+        assert isinstance(pack.dense["layers.0.attn.q"], QuantLinear)
+        with Model(pack) as ref:
+            want_ids, want_logits = ref.generate(PROMPT, N_TOKENS), ref.forward(PROMPT)
+        be = get_backend("numpy").open(0)
+        with Model(pack, trunk_backend=be) as model:
+            uploaded = model.trunk.w["layers.0.attn.q"]
+            assert uploaded.fmt == "int8" and uploaded.nbytes == pack.dense["layers.0.attn.q"].nbytes
+            assert model.generate(PROMPT, N_TOKENS) == want_ids
+            _close(model.forward(PROMPT), want_logits)
