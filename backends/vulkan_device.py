@@ -40,6 +40,7 @@ UPDATE_BYTES = 65536  # vkCmdUpdateBuffer's limit per command
 INLINE_BYTES = 1 << 18  # host data up to this size is recorded into the batch instead of staged
 POOL_KEEP_BYTES = 1 << 30  # freed activation buffers kept for reuse, at most
 ATT_WG, ATT_TILE, MAX_HEAD_DIM = 128, 64, 256  # attention_gqa.comp: invocations, keys per tile, MAXD
+ATT_MIN_KEYS = 64  # fewest keys per slice of a query row's keys (below that, merging costs more)
 EW_ADD, EW_ADD_ROW, EW_SILU_MUL, EW_SCALE_ROWS, EW_ROPE, EW_PAD = range(6)  # elementwise.comp's op codes
 
 
@@ -112,6 +113,9 @@ class VulkanDeviceOps:
     ``_d_init`` when it opens, ``_d_flush`` before it synchronizes or frees a weight, ``_d_close`` when it
     closes."""
 
+    #: attention workgroups wanted in flight, by device kind: fewer (row, head) pairs than this cut each
+    #: row's keys into slices (decode at long contexts), merged by a second dispatch
+    d_att_workgroups = {"gpu": 512, "igpu": 64, "cpu": 8}
     #: map host-visible activation memory (False: treat it as device-only, as on a discrete GPU without
     #: resizable BAR, so that tests on a CPU device cover the update, staging and read-back paths)
     d_map_host_visible = True
@@ -193,7 +197,7 @@ class VulkanDeviceOps:
         if getattr(self, "_pool", None) is not None:
             self._pool.close()
 
-    def _dispatch(self, pipe, ins: list, out: VkArray, pc: list[int], gx: int, gy: int = 1,
+    def _dispatch(self, pipe, ins: list, out: VkArray, pc: list[int], gx: int, gy: int = 1, gz: int = 1,
                   x: VkArray | None = None) -> None:
         """Record a barrier and one dispatch: ``ins`` (VkArrays or weight buffer records) bound as A[0..]
         (and B[0..]), ``x`` (default ins[0]) at binding 2, ``out`` at binding 3."""
@@ -209,7 +213,7 @@ class VulkanDeviceOps:
         lib.vkCmdBindDescriptorSets(cb, 1, d.layout, 0, 1, self._batch.sets[-1], 0, ffi.NULL)
         words = ffi.new("uint32_t[]", [int(w) for w in pc])  # push constants: an ffi array
         lib.vkCmdPushConstants(cb, d.layout, vu.COMPUTE, 0, 4 * len(pc), words)
-        lib.vkCmdDispatch(cb, gx, gy, 1)
+        lib.vkCmdDispatch(cb, gx, gy, gz)
         self._op_done()
 
     def _upload_into(self, h: VkArray, data: np.ndarray) -> None:
@@ -312,8 +316,19 @@ class VulkanDeviceOps:
         if d > MAX_HEAD_DIM:
             raise UnsupportedError(f"vulkan d_attention: head_dim {d} is over the shader's {MAX_HEAD_DIM}; "
                                    "run this model's attention on another backend")
+        if max(t, hq) > 65535:
+            raise UnsupportedError(f"vulkan d_attention: {t} query rows x {hq} heads; at most 65535 of each "
+                                   "per call (pass fewer tokens)")
+        keys = min(n_keys, window) if window else n_keys  # the most keys a query row sees
+        want = self.d_att_workgroups.get(self.device.kind, 512)
+        splits = max(1, min(-(-keys // ATT_MIN_KEYS), -(-want // (t * hq)), 1024))
         out = self._take(4 * t * hq * d)
-        pc = [hq, k.shape[1], d, pos0, window, int(np.float32(scale).view(np.uint32))]
-        self._dispatch(self._d.pipeline("attention_gqa", (ATT_WG, ATT_TILE)), [q.buf, k.buf, v.buf], out, pc,
-                       hq, t)
+        pc = [hq, k.shape[1], d, pos0, window, int(np.float32(scale).view(np.uint32)), splits]
+        pipe = self._d.pipeline("attention_gqa", (ATT_WG, ATT_TILE, 0))
+        if splits == 1:
+            self._dispatch(pipe, [q.buf, k.buf, v.buf], out, pc, hq, t)
+            return out
+        part = self._take(4 * t * hq * splits * (d + 2))  # [T * Hq, splits, d + 2]: sums, max, sum
+        self._dispatch(pipe, [q.buf, k.buf, v.buf], part, pc, hq, t, splits)
+        self._dispatch(self._d.pipeline("attention_gqa", (ATT_WG, ATT_TILE, 1)), [part], out, pc, t * hq)
         return out

@@ -189,3 +189,22 @@ def test_device_time_of_a_batch(be):
     if gpu is None:
         pytest.skip(f"{be.device.name}: its compute queue has no timestamps")
     assert gpu > 0
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,pos0,window,min_keys", [
+    (1, 4, 2, 64, 300, 0, 64),    # decode: 5 slices of 61 keys
+    (20, 2, 1, 16, 0, 0, 1),      # prefill of 20 rows in 20 slices: row 0's slices 1..19 are empty
+    (3, 2, 2, 33, 90, 40, 8),     # slices of a sliding window
+])
+def test_d_attention_key_slices_are_merged(be, monkeypatch, t, hq, hkv, d, pos0, window, min_keys):
+    monkeypatch.setattr(vd, "ATT_MIN_KEYS", min_keys)
+    be.d_att_workgroups = {be.device.kind: 10 ** 6}  # as many slices as ATT_MIN_KEYS allows
+    grids, real = [], be._dispatch
+    monkeypatch.setattr(be, "_dispatch", lambda *a, **k: (grids.append(a[4:]), real(*a, **k)))
+    n_keys = pos0 + t
+    q, k, v = _r(t, hq, d), _r(n_keys, hkv, d, scale=3.0), _r(n_keys, hkv, d)
+    ref = attention_ref(q, k, v, n_keys, pos0, 0.25, window).astype(np.float64)
+    y = be.d_get(be.d_attention(be.d_put(q), be.d_put(k), be.d_put(v), n_keys, pos0, 0.25, window))
+    keys = min(n_keys, window) if window else n_keys
+    assert grids == [(hq, t, -(-keys // min_keys)), (t * hq,)]  # slices, then the merge
+    assert _err(y, ref) < 1e-5

@@ -5,6 +5,10 @@
 // over the keys j = lo .. pos, pos = pos0 + t (causal), lo = pos - window + 1 for a sliding-window layer
 // (window > 0), else 0. Bindings (matmul.comp's layout): A[0] q [T, HQ, D], A[1] k and A[2] v
 // [C, HKV, D] (rows past pos never read), y [T, HQ*D] at binding 3.
+// Decode has too few (row, head) workgroups to fill a GPU, so a row's keys may be cut into pc.splits
+// equal slices (gl_WorkGroupID.z): each slice then writes its unnormalised sums, max m and sum l to
+// y = part [T*HQ, splits, D + 2], and a second dispatch with COMBINE = 1 (one workgroup per row and
+// head, A[0] = part) merges them into [T, HQ*D]: an empty slice has m = LOWEST and l = 0, weight 0.
 // Keys are taken in tiles of TILE. Scores: one subgroup per key (lanes over D, subgroupAdd), the query
 // row staged in shared memory, the tile's scores kept in shared memory. Across tiles an online softmax
 // keeps the running max m and sum l and rescales the accumulators by exp(m_old - m_new). Values:
@@ -16,14 +20,15 @@
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint TILE = 64u;
+layout(constant_id = 2) const uint COMBINE = 0u;
 const uint MIN_SUBGROUP = 4u;
 const uint MAXD = 256u;
 const uint NC = (MAXD + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x;
 const float LOWEST = -3.402823466e38;
 
-layout(std430, binding = 0) readonly restrict buffer AB { float v[]; } A[8];  // inputs may alias: all read-only
+layout(std430, binding = 0) readonly restrict buffer AB { float v[]; } A[8];  // inputs may alias: read-only
 layout(std430, binding = 3) writeonly restrict buffer YB { float y[]; };  // always a fresh buffer
-layout(push_constant) uniform PC { uint hq, hkv, d, pos0, window, scale_bits; } pc;
+layout(push_constant) uniform PC { uint hq, hkv, d, pos0, window, scale_bits, splits; } pc;
 
 shared float qs[MAXD];
 shared float p[TILE];
@@ -40,20 +45,41 @@ float group_reduce(float v, bool is_max) {
     return r;
 }
 
-void main() {
+void combine() {
+    const uint r = gl_WorkGroupID.x, D = pc.d, S = pc.splits, rs = D + 2u;  // r = t * HQ + h
+    float mx = LOWEST;
+    for (uint s = 0u; s < S; s++) mx = max(mx, A[0].v[(r * S + s) * rs + D]);
+    float den = 0.0;
+    for (uint s = 0u; s < S; s++) {
+        const uint b = (r * S + s) * rs;
+        den = fma(A[0].v[b + D + 1u], exp(A[0].v[b + D] - mx), den);
+    }
+    for (uint c = gl_LocalInvocationID.x; c < D; c += gl_WorkGroupSize.x) {
+        float num = 0.0;
+        for (uint s = 0u; s < S; s++) {
+            const uint b = (r * S + s) * rs;
+            num = fma(A[0].v[b + c], exp(A[0].v[b + D] - mx), num);
+        }
+        y[r * D + c] = num / den;
+    }
+}
+
+void attend() {
     const uint h = gl_WorkGroupID.x, t = gl_WorkGroupID.y, lid = gl_LocalInvocationID.x;
     const uint WG = gl_WorkGroupSize.x, lane = gl_SubgroupInvocationID, SG = gl_SubgroupSize, D = pc.d;
     const uint kb = h / (pc.hq / pc.hkv) * D, kstride = pc.hkv * D;  // kv head's first float, row stride
     const uint pos = pc.pos0 + t, qb = (t * pc.hq + h) * D;
     const uint lo = pc.window > 0u && pos + 1u > pc.window ? pos + 1u - pc.window : 0u;
     const float scale = uintBitsToFloat(pc.scale_bits);
+    const uint len = pos + 1u - lo, chunk = (len + pc.splits - 1u) / pc.splits, sl = gl_WorkGroupID.z;
+    const uint jb = lo + min(sl * chunk, len), je = lo + min((sl + 1u) * chunk, len);  // this slice's keys
     for (uint c = lid; c < D; c += WG) qs[c] = A[0].v[qb + c];
     barrier();
     float acc[NC];
     for (uint k = 0u; k < NC; k++) acc[k] = 0.0;
     float m = LOWEST, l = 0.0;
-    for (uint j0 = lo; j0 <= pos; j0 += TILE) {  // uniform over the workgroup: barriers are safe
-        const uint n = min(TILE, pos + 1u - j0);
+    for (uint j0 = jb; j0 < je; j0 += TILE) {  // uniform over the workgroup: barriers are safe
+        const uint n = min(TILE, je - j0);
         for (uint i = gl_SubgroupID; i < n; i += gl_NumSubgroups) {
             const uint kr = (j0 + i) * kstride + kb;
             float s = 0.0;
@@ -84,9 +110,26 @@ void main() {
         }
         barrier();  // p is rewritten by the next tile
     }
-    const float inv = 1.0 / l;  // l >= 1: the key at pos itself is always seen
+    if (pc.splits == 1u) {
+        const float inv = 1.0 / l;  // l >= 1: the key at pos itself is always seen
+        for (uint k = 0u; k < NC; k++) {
+            const uint c = lid + k * WG;
+            if (c < D) y[qb + c] = acc[k] * inv;
+        }
+        return;
+    }
+    const uint pb = ((t * pc.hq + h) * pc.splits + sl) * (D + 2u);
     for (uint k = 0u; k < NC; k++) {
         const uint c = lid + k * WG;
-        if (c < D) y[qb + c] = acc[k] * inv;
+        if (c < D) y[pb + c] = acc[k];
     }
+    if (lid == 0u) {
+        y[pb + D] = m;
+        y[pb + D + 1u] = l;
+    }
+}
+
+void main() {
+    if (COMBINE == 1u) combine();
+    else attend();
 }

@@ -11,7 +11,7 @@
 // Bindings follow matmul.comp's layout: inputs a = A[0], b = A[1] (binding 0), y at binding 3.
 layout(local_size_x_id = 0) in;
 
-layout(std430, binding = 0) readonly restrict buffer AB { float v[]; } A[8];  // inputs may alias: all read-only
+layout(std430, binding = 0) readonly restrict buffer AB { float v[]; } A[8];  // inputs may alias: read-only
 layout(std430, binding = 3) writeonly restrict buffer YB { float y[]; };  // always a fresh buffer
 layout(push_constant) uniform PC { uint op, n, d, e0, e1, e2, e3; } pc;
 
