@@ -250,6 +250,9 @@ def test_device_ops_read_views_at_an_offset(cache):
         x = big[2:4].astype(np.float64)
         qt = _qt("int8", 24, 128)
         assert _nerr(be.d_get(be.d_matmul(view, be.upload(qt))), quant.matmul_ref(big[2:4], qt)) < 1e-5
+        v7 = DArray((2, 128), whole.buf, whole.owner, offset=7)  # not 32-byte aligned, read in place
+        x7 = big.reshape(-1)[7:263].reshape(2, 128)
+        assert _nerr(be.d_get(be.d_matmul(v7, be.upload(qt))), quant.matmul_ref(x7, qt)) < 1e-5
         v60 = DArray((2, 60), whole.buf, whole.owner, offset=7)  # unaligned, and padded for matmul
         qt60 = _qt("int4", 9, 60)
         x60 = big.reshape(-1)[7:127].reshape(2, 60)

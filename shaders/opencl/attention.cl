@@ -78,6 +78,13 @@ kernel void attention_absorb(global const float *in, global float *out, uint R, 
 // Local memory (dynamic): kt [tile * ks], qp [D + tile] (the query row, then the tile's scores).
 // Build options: -DLS=<items per work-group> (a power of two) -DNACC=<ceil(D / LS)>.
 #ifdef NACC
+// GPU shapes (a few channels per item): unrolled, so acc stays in registers; one item per group
+// (CPUs, NACC = D) keeps the loops
+#if NACC <= 8
+#define ACC_UNROLL _Pragma("unroll")
+#else
+#define ACC_UNROLL
+#endif
 kernel void attention_gqa(global const float *q, ulong qo, global const float *k, ulong ko,
                           global const float *v, ulong vo, global float *out, uint Hq, uint Hkv, uint D,
                           uint pos0, uint window, float scale, uint tile, uint ks, local float *kt,
@@ -90,6 +97,7 @@ kernel void attention_gqa(global const float *q, ulong qo, global const float *k
     local float *qs = qp, *p = qp + D;
     for (uint c = lane; c < D; c += LS) qs[c] = q[qo + ((ulong)t * Hq + h) * D + c];
     float acc[NACC];
+    ACC_UNROLL
     for (int a = 0; a < NACC; a++) acc[a] = 0.0f;
     float m = -INFINITY, l = 0.0f;
     for (uint j0 = lo; j0 <= pos; j0 += tile) {
@@ -116,6 +124,7 @@ kernel void attention_gqa(global const float *q, ulong qo, global const float *k
         const float alpha = exp(m - mn);  // 0 on the first tile (m = -inf)
         l = l * alpha + group_reduce(red, sum, 0);  // its barriers also publish p
         m = mn;
+        ACC_UNROLL
         for (int a = 0; a < NACC; a++) {
             const uint c = lane + a * LS;
             if (c < D) {
@@ -128,6 +137,7 @@ kernel void attention_gqa(global const float *q, ulong qo, global const float *k
         barrier(CLK_LOCAL_MEM_FENCE);  // kt and p are rewritten by the next tile
     }
     const float inv = 1.0f / l;
+    ACC_UNROLL
     for (int a = 0; a < NACC; a++) {
         const uint c = lane + a * LS;
         if (c < D) out[((ulong)t * Hq + h) * D + c] = acc[a] * inv;
