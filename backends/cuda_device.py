@@ -161,11 +161,14 @@ class CUDADeviceOps:
         return self._d_elementwise("tr_silu_mul", g, _u64(self._ptr(u)), None, _u64(g.size))
 
     def _d_scale_rows(self, a: DArray, s: np.ndarray) -> Any:
-        sp, s0 = 0, _f32(s[0])  # decode (one row): the scale goes as a kernel argument, no copy
-        if s.shape[0] > 1:
-            # [N] on the device; freed to the pool when this returns, reused only after the kernel ran
-            sp = self._d_put(s).data.ptr
-        return self._d_elementwise("tr_scale_rows", a, _u64(sp), s0, None, _u64(a.size), _i32(a.shape[1]))
+        # decode (one row): the scale goes as a kernel argument; else s [N] is put on the device, held
+        # until the launch is queued (freed earlier, y could be allocated on top of it)
+        held = self._d_put(s) if s.shape[0] > 1 else None
+        sp = 0 if held is None else held.data.ptr
+        y = self._d_elementwise("tr_scale_rows", a, _u64(sp), _f32(s[0]), None, _u64(a.size),
+                                _i32(a.shape[1]))
+        del held  # back to the pool of the stream: reused only by work queued after this kernel
+        return y
 
     def _d_rope(self, x: DArray, table: DArray, pos0: int, rotary_dim: int, interleave: bool) -> Any:
         t, heads, d = x.shape

@@ -137,7 +137,8 @@ extern "C" __global__ void attention_gqa(const float *__restrict__ q, const floa
             float s[GQA_HEADS];
 #pragma unroll
             for (int h = 0; h < GQA_HEADS; h++) s[h] = 0.0f;
-            for (int cc = lane; cc < d; cc += 32) {
+#pragma unroll 4
+            for (int cc = lane; cc < d; cc += 32) {  // unrolled: several loads of the row in flight
                 const float kv = __ldg(kr + cc);
 #pragma unroll
                 for (int h = 0; h < GQA_HEADS; h++)
@@ -176,6 +177,7 @@ extern "C" __global__ void attention_gqa(const float *__restrict__ q, const floa
 #pragma unroll
             for (int h = 0; h < GQA_HEADS; h++)
                 if (h < gb) acc[h] *= al[h];
+#pragma unroll 4
             for (int i = grp; i < n; i += ngrp) {
                 const float vv = __ldg(vb + (att_u64)(j0 + i) * rs);
 #pragma unroll
