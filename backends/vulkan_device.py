@@ -38,7 +38,8 @@ from colibri_plan.errors import UnsupportedError
 MAX_OPS = 256  # ops per batch: 1 descriptor set each, within the pool's 1024 beside the replays
 UPDATE_BYTES = 65536  # vkCmdUpdateBuffer's limit per command
 INLINE_BYTES = 1 << 18  # host data up to this size is recorded into the batch instead of staged
-POOL_KEEP_BYTES = 1 << 30  # freed activation buffers kept for reuse, at most
+POOL_KEEP_BYTES = 256 << 20  # freed activation buffers kept for reuse, at most
+POOL_MAX_BUFFER = 16 << 20  # larger freed buffers (KV cache pages) are released, not kept
 ATT_WG, ATT_TILE, MAX_HEAD_DIM = 128, 64, 256  # attention_gqa.comp: invocations, keys per tile, MAXD
 ATT_MIN_KEYS = 64  # fewest keys per slice of a query row's keys (below that, merging costs more)
 EW_ADD, EW_ADD_ROW, EW_SILU_MUL, EW_SCALE_ROWS, EW_ROPE, EW_PAD = range(6)  # elementwise.comp's op codes
@@ -63,7 +64,8 @@ def size_class(nbytes: int) -> int:
 
 class BufferPool:
     """Activation buffers by size class: ``take`` reuses a freed one or makes one; a buffer comes back when
-    its :class:`VkArray` is garbage-collected (at most ``keep_bytes`` are kept, the rest released)."""
+    its :class:`VkArray` is garbage-collected (at most ``keep_bytes`` are kept, and none over
+    POOL_MAX_BUFFER: those are released)."""
 
     def __init__(self, make, release, keep_bytes: int = POOL_KEEP_BYTES):
         self._make, self._release, self.keep_bytes = make, release, keep_bytes
@@ -87,7 +89,7 @@ class BufferPool:
     def _give(self, b: NS) -> None:
         if self.closed:
             return
-        if self.free_bytes + b.size > self.keep_bytes:
+        if b.size > POOL_MAX_BUFFER or self.free_bytes + b.size > self.keep_bytes:
             self._release(self._made.pop(id(b)))
             return
         self._free.setdefault(b.size, []).append(b)
@@ -239,7 +241,8 @@ class VulkanDeviceOps:
         out = self._take(4 * n)
         groups = min(-(-n // vu.WG), 65535)  # the shader loops over the rest
         pipe = self._d.pipeline("elementwise", (vu.WG,))
-        self._dispatch(pipe, ins, out, [op, n, max(d, 1), *extra], groups)
+        pc = [op, n, max(d, 1), *extra, 0, 0, 0, 0][:7]  # every member the shader uses is set
+        self._dispatch(pipe, ins, out, pc, groups)
         return out
 
     # ---- hooks -------------------------------------------------------------------------------------
