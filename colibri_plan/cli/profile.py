@@ -226,7 +226,7 @@ def _stage_progress(bar: Steps, stages: list[str]):
 @click.option("--formats", default=None,
               help="Quant formats to time matmul at (comma-separated; default int4,int4-g64 + the model's).")
 @click.option("--dense-formats", default=None,
-              help="Formats to time the trunk's GEMV at (comma-separated; default int8,int4,bf16,f32).")
+              help="Formats to time the trunk's GEMV at (comma-separated; default int8,int4,bf16,f16,f32).")
 @click.option("--trunk-shapes", default=None, hidden=True, help="OUTxIN GEMV shapes, comma-separated.")
 @click.option("--contexts", default=None, hidden=True, help="Attention context lengths, comma-separated.")
 @click.option("--trunk-seconds", type=float, default=None, hidden=True, help="Trunk probe budget per device.")

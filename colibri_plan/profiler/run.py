@@ -245,7 +245,6 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
     return MachineProfile(doc)
 
 
-
 def _run_trunk(doc: dict, opts: ProfileOptions, st: dict, compute: list[dict], model: dict, machine: dict,
                say: Callable[[str], None]) -> list[dict]:
     """The trunk probe on the matmul probe's devices plus the host CPU; fills ``doc``'s trunk sections
@@ -264,7 +263,7 @@ def _run_trunk(doc: dict, opts: ProfileOptions, st: dict, compute: list[dict], m
         "shapes": [list(s) for s in cfg.shapes], "model_shapes": [list(s) for s in extra],
         "formats": list(cfg.formats), "contexts": list(cfg.contexts), "n_heads": cfg.n_heads,
         "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden": cfg.hidden,
-        "budget_s_per_device": cfg.budget_s}
+        "budget_s_per_device": cfg.budget_s, "max_bytes": cfg.max_bytes}
     got, skipped = probe_trunk(devices, cfg, extra, machine.get("ram_available_bytes"), say)
     for name in TRUNK_SECTIONS:
         doc[name] = got[name] if got[name] else {"unavailable": _reasons(skipped)}
