@@ -419,3 +419,28 @@ def test_gqa_attention_kernel_on_the_host(gqa_harness, T, hq, hkv, d, pos0, wind
     got = np.array(run.stdout.split(), np.float64).reshape(T, hq * d)
     ref = attention_ref(q, k, v, pos0 + T, pos0, scale, window).astype(np.float64)
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+@needs_gpu
+def test_device_ops_queue_without_waiting_and_reuse_pool_memory_in_order():
+    """More d_put calls than staging slots before any wait, a 200-op chain whose intermediates go back to
+    CuPy's pool while later ops are queued, row scales put on the device per call, and a matmul whose x
+    needs padding (131 columns) fed by the previous one: every result equals numpy."""
+    rng = np.random.default_rng(3)
+    with CUDA.open(0) as be:
+        hosts = [rng.standard_normal((3, 50), dtype=np.float32) for _ in range(20)]
+        puts = [be.d_put(h) for h in hosts]  # 20 > the 8 staging slots
+        for h, d in zip(hosts, puts):
+            np.testing.assert_array_equal(be.d_get(d), h)
+        x, b = be.d_put(hosts[0]), be.d_put(hosts[1][0])
+        ref = hosts[0].astype(np.float64)
+        for i in range(100):
+            s = np.float32([1.0, -1.0, 0.5]) if i % 2 else np.float32([1.0, 1.0, 2.0])
+            x = be.d_scale_rows(be.d_add(x, b), s)  # the old x is dropped at once
+            ref = (ref + hosts[1][0]) * s[:, None]
+        np.testing.assert_allclose(be.d_get(x), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+        w1 = quant.quantize(rng.standard_normal((131, 50), dtype=np.float32) / 8, "int8")
+        w2 = quant.quantize(rng.standard_normal((70, 131), dtype=np.float32) / 12, "int4-g32")
+        y = be.d_get(be.d_matmul(be.d_matmul(be.d_put(hosts[2]), be.upload(w1)), be.upload(w2)))
+        ref = quant.matmul_ref(quant.matmul_ref(hosts[2], w1), w2)
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
