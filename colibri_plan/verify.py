@@ -13,9 +13,11 @@ row per term, and the verdict:
   1 − disk share) predicted against measured.
 
 Predicted and measured use the plan's keys (``docs/plan-format.md``), so every row pairs one key with
-itself; only ``dense_s + attention_s`` is compared with the measured ``dense_s`` (a run does not time
-attention apart from the rest outside the expert provider). Measured ``expert_compute_s[<device>]``
-includes the device's activation transfers. ``calibrate`` (:mod:`colibri_plan.planner.calibrate`) refits the
+itself. ``dense + attention`` compares everything outside the routed experts; where the run timed
+attention apart (a device trunk: measured ``attention_s``, ``dense_s`` then without it) and where the plan
+predicts the trunk (``predicted.trunk``: dense, attention and host round trip per token on its device),
+rows for dense and attention alone follow. Measured ``expert_compute_s[<device>]`` includes the
+device's activation transfers. ``calibrate`` (:mod:`colibri_plan.planner.calibrate`) refits the
 cost model's coefficients from these reports.
 """
 
@@ -79,6 +81,31 @@ def _report(d) -> RunReport:
     return d if isinstance(d, RunReport) else RunReport.from_dict(d)
 
 
+def predicted_trunk(predicted) -> dict | None:
+    """The plan's ``predicted.trunk`` ({device, dense_s_per_token, attention_s_per_token,
+    host_roundtrip_s_per_token, kv_bytes}) when it has one (older plans do not)."""
+    t = predicted.get("trunk") if isinstance(predicted, dict) else None
+    return t if isinstance(t, dict) else None
+
+
+def _num(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _trunk_rows(predicted, p: RunReport, m: RunReport) -> list[tuple]:
+    """Dense and attention apart, when the plan predicts the trunk or the run timed attention."""
+    pt = predicted_trunk(predicted)
+    if pt is None and m.attention_s_per_token is None:
+        return []
+    p_dense = _num(pt.get("dense_s_per_token")) if pt else p.dense_s_per_token
+    p_attn = _num(pt.get("attention_s_per_token")) if pt else p.attention_s_per_token
+    m_dense = m.dense_s_per_token if m.attention_s_per_token is not None else None
+    rows = [("dense (trunk)", "s", p_dense, m_dense), ("attention", "s", p_attn, m.attention_s_per_token)]
+    if pt and _num(pt.get("host_roundtrip_s_per_token")) is not None:
+        rows.append(("host round trip (in dense)", "s", _num(pt["host_roundtrip_s_per_token"]), None))
+    return rows
+
+
 def compare(predicted, measured) -> list[dict]:
     """Comparison rows ``{"term", "unit", "predicted", "measured", "ratio"|"diff_points"}``.
 
@@ -92,6 +119,7 @@ def compare(predicted, measured) -> list[dict]:
             ("dense + attention", "s", (p.dense_s_per_token or 0.0) + (p.attention_s_per_token or 0.0),
              None if m.dense_s_per_token is None
              else m.dense_s_per_token + (m.attention_s_per_token or 0.0)),
+            *_trunk_rows(predicted, p, m),
             ("expert layers (wall)", "s", p.expert_layers_s_per_token, m.expert_layers_s_per_token),
             ("expert compute cpu", "s", pc.get("cpu"), mc.get("cpu"))]
     for key in sorted((set(pc) | set(mc)) - {"cpu"}):
@@ -164,7 +192,7 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
     ref = None
     if reference:
         say("running the all-RAM CPU reference")
-        ref_run = generate(pack, prompt_ids, n_tokens + 1, backend=cpu_backend,
+        ref_run = generate(pack, prompt_ids, n_tokens + 1, backend=cpu_backend, trunk="cpu",
                            progress=lambda m: say(f"  reference {m}"))
         ref = {"tokens": ref_run.tokens, "tok_s": ref_run.tok_s,
                "decode_s_per_token": ref_run.decode_s_per_token}
@@ -183,7 +211,9 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
         "machine": {"fingerprint": machine_fp, "plan_profile_fingerprint": plan.profile_fingerprint,
                     "warning": w},
         "settings": {"tokens": int(n_tokens), "prompt_ids": list(map(int, prompt_ids)),
-                     "cpu_backend": cpu_backend, "read_threads": plan.read_threads},
+                     "cpu_backend": cpu_backend, "read_threads": plan.read_threads,
+                     "trunk_device": run.trunk_device,
+                     "predicted_trunk_device": (predicted_trunk(plan.doc["predicted"]) or {}).get("device")},
         "predicted": predicted, "measured": run.to_dict(), "reference": ref,
         "comparison": compare(predicted, run),
         "verdict": make_verdict(predicted, run, token_exact)}

@@ -6,7 +6,10 @@ One run path for `colibri-plan run` (with or without ``--plan``), `verify` and t
 2. :func:`placement_for` — the plan's placement (:meth:`Placement.from_plan`), or without a plan every
    expert resident: pinned in RAM for a host backend ("cpu", "numpy"), in VRAM on ``<backend>:<device>``
    otherwise;
-3. :func:`generate` — :func:`colibri_plan.engine.session.run_placement` with that placement: a
+3. :func:`trunk_placement` — where the dense trunk, attention and the KV cache run: the plan's ``trunk``
+   section, or without a plan the ``--backend`` device (``--trunk device``, the default for a GPU
+   backend) or the host (``--trunk cpu``, the default for cpu/numpy);
+4. :func:`generate` — :func:`colibri_plan.engine.session.run_placement` with that placement: a
    :class:`~colibri_plan.engine.residency.ResidencyManager` serves the experts, greedy decoding, and a
    :class:`~colibri_plan.formats.report.RunReport` in the plan's vocabulary.
 
@@ -115,9 +118,42 @@ def placement_for(weights, plan=None, backend: str = "cpu", device_index: int = 
     return Placement.all_resident(arch.moe_layers, arch.n_experts, device)
 
 
+#: ``--trunk`` choices of `run`
+TRUNK_CHOICES = ("cpu", "device")
+
+
+def trunk_placement(weights, plan=None, trunk: str | None = None, backend: str = "cpu",
+                    device_index: int = 0):
+    """Where the trunk runs, as a :class:`~colibri_plan.formats.plan_trunk.TrunkPlacement`.
+
+    With a plan: its ``trunk`` section (``trunk`` None), or the host (``trunk`` "cpu", to compare).
+    Without: ``trunk`` "device" runs it on ``<backend>:<device_index>`` (the default for a GPU backend),
+    "cpu" on the host (the default for cpu/numpy); the KV cache then reserves the run's context.
+
+    Raises:
+        InputError: ``trunk`` "device" with a plan (the plan's section decides), or an unknown choice.
+        FormatError: a malformed trunk section.
+    """
+    from colibri_plan.formats.plan_trunk import TrunkPlacement, parse_trunk
+
+    if trunk not in (None, *TRUNK_CHOICES):
+        raise InputError(f"--trunk {trunk}: use one of {', '.join(TRUNK_CHOICES)}")
+    if plan is not None:
+        if trunk == "device":
+            raise InputError("--trunk device: with a plan, the trunk runs where the plan's trunk section "
+                             "says; solve with --trunk <device> (or give --trunk cpu to run it on the host)")
+        if trunk == "cpu":
+            return TrunkPlacement()
+        return parse_trunk(plan.doc, plan.device_keys, weights.arch.n_layers)
+    if (trunk or ("cpu" if backend in HOST_BACKENDS else "device")) == "cpu":
+        return TrunkPlacement()
+    key = f"{backend}:{int(device_index)}"
+    return TrunkPlacement(device=key, kv_device=key)
+
+
 def generate(weights, prompt: Sequence[int], n_tokens: int, *, plan=None, backend: str = "cpu",
              device_index: int = 0, read_threads: int | None = None, recorder=None,
-             progress: Callable[[str], None] | None = None) -> RunReport:
+             progress: Callable[[str], None] | None = None, trunk: str | None = None) -> RunReport:
     """Generate ``n_tokens`` new ids greedily from ``prompt`` and measure the run (module docstring).
 
     Args:
@@ -131,13 +167,15 @@ def generate(weights, prompt: Sequence[int], n_tokens: int, *, plan=None, backen
         read_threads: concurrent O_DIRECT reads (default: the plan's, else 8).
         recorder: a RoutingRecorder that records routing (e.g. for routing statistics).
         progress: optional ``fn(message)`` once per token.
+        trunk: None, "cpu" or "device" (:func:`trunk_placement`).
 
     Returns:
         A RunReport (tokens, prefill, load, decode terms, hit rates, disk bytes, peak RSS).
 
     Raises:
         InputError: a bad prompt, a plan with a GPU ``backend`` or on a checkpoint folder.
-        UnsupportedError: prompt + n_tokens passes a DSA model's index_topk (:func:`check_context`).
+        UnsupportedError: prompt + n_tokens passes a DSA model's index_topk (:func:`check_context`); a
+            split trunk.
         The engine's errors: BudgetError (RAM), DeviceOutOfMemoryError, BackendUnavailableError,
         IntegrityError.
     """
@@ -149,10 +187,11 @@ def generate(weights, prompt: Sequence[int], n_tokens: int, *, plan=None, backen
         raise InputError(f"--backend {backend}: with a plan, CPU-resident and streamed experts run on a "
                          "host backend (cpu or numpy); GPU experts use the devices the plan names")
     placement = placement_for(weights, plan, backend, device_index)
+    where = trunk_placement(weights, plan, trunk, backend, device_index)
     threads = read_threads or (plan.read_threads if plan is not None else 8)
     cpu = backend if backend in HOST_BACKENDS else "cpu"
     return run_placement(weights, placement, list(prompt), n_tokens, cpu_backend=cpu, read_threads=threads,
-                         recorder=recorder, progress=progress)
+                         recorder=recorder, progress=progress, trunk=where)
 
 
 def write_stats(recorder, weights, stats_out: str | None, usage_out: str | None) -> dict:

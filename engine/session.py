@@ -1,7 +1,10 @@
 """Run a pack with a placement and measure it: the engine side of `run --plan` and `verify`.
 
-:func:`run_placement` opens the devices a placement names, builds the
-:class:`~colibri_plan.engine.residency.ResidencyManager`, decodes greedily and returns a
+:func:`run_placement` opens the devices a placement names (and the trunk's device, when the plan's
+``trunk`` section puts the dense trunk, attention and the KV cache on one: checked to exist and to hold
+trunk + KV + the VRAM experts before anything is uploaded), builds the
+:class:`~colibri_plan.engine.residency.ResidencyManager` and the model (with a
+:class:`~colibri_plan.engine.trunk.DeviceTrunk` on that device), decodes greedily and returns a
 :class:`~colibri_plan.formats.report.RunReport` (the plan's ``predicted`` vocabulary): the tokens,
 prefill and per-token decode time split into the terms the cost model predicts (dense/attention outside
 the experts, expert compute per device, disk wait), hit rates per tier, disk bytes per token and peak
@@ -20,12 +23,14 @@ from colibri_plan import meminfo
 from colibri_plan.engine.forward import Model
 from colibri_plan.engine.placement import Placement
 from colibri_plan.engine.residency import ResidencyManager
-from colibri_plan.errors import InputError
+from colibri_plan.errors import BackendUnavailableError, DeviceOutOfMemoryError, InputError, UnsupportedError
+from colibri_plan.formats.plan_trunk import TrunkPlacement
 from colibri_plan.formats.report import RunReport
 
 
-def open_devices(placement: Placement) -> dict:
-    """Open every backend device a placement names ("cuda:0" -> get_backend("cuda").open(0)).
+def open_devices(placement: Placement, extra: Sequence[str] = ()) -> dict:
+    """Open every backend device a placement names ("cuda:0" -> get_backend("cuda").open(0)), and the
+    ``extra`` keys (the trunk's device), each once.
 
     Raises:
         InputError: a malformed device key. BackendUnavailableError: the backend cannot run here.
@@ -34,7 +39,7 @@ def open_devices(placement: Placement) -> dict:
 
     devices = {}
     try:
-        for key in placement.device_keys():
+        for key in sorted(set(placement.device_keys()) | set(extra)):
             name, _, idx = key.partition(":")
             if not idx.isdigit():
                 raise InputError(f"device key {key!r} must look like '<backend>:<index>', e.g. 'cuda:0'")
@@ -44,6 +49,87 @@ def open_devices(placement: Placement) -> dict:
             b.close()
         raise
     return devices
+
+
+def _device_list() -> str:
+    """Every device of every backend usable here, as "key (name)" (only on the refusal path: it may
+    import GPU stacks)."""
+    from colibri_plan.backends import BACKEND_NAMES, get_backend
+
+    out = []
+    for name in BACKEND_NAMES:
+        cls = get_backend(name)
+        if cls.is_available():
+            out += [f"{name}:{d.index} ({d.name})" for d in cls.list_devices()]
+    return ", ".join(out) or "none"
+
+
+def check_trunk_device(key: str, asked_bytes: int) -> None:
+    """Refuse, before opening anything, a trunk device this machine lacks.
+
+    Raises:
+        BackendUnavailableError: naming the device, the bytes the trunk asks and the devices that exist.
+        UnsupportedError: an unknown backend name.
+    """
+    from colibri_plan.backends import get_backend
+
+    name, _, idx = key.partition(":")
+    if not idx.isdigit():
+        raise InputError(f"trunk device {key!r} must look like '<backend>:<index>', e.g. 'cuda:0'")
+    cls = get_backend(name)
+    reason = cls.unavailable_reason() if not cls.is_available() else None
+    n = 0 if reason else len(cls.list_devices())
+    if int(idx) < n:
+        return
+    why = f"{name} is unavailable here: {reason}" if reason else f"{name} has {n} device(s) here"
+    raise BackendUnavailableError(
+        f"the dense trunk and KV cache are planned on {key} ({asked_bytes:,} B asked), but this machine "
+        f"has no {key} ({why}); devices here: {_device_list()}; solve a plan with --trunk cpu or from "
+        "this machine's profile")
+
+
+def expert_bytes_on(pack, placement: Placement, key: str) -> int:
+    """Bytes of the experts ``placement`` puts in VRAM on ``key`` (gate + up + down as uploaded)."""
+    from colibri_plan.quant import tensor_bytes
+
+    a = pack.arch
+    one = 2 * tensor_bytes(pack.expert_format, a.moe_intermediate_size, a.hidden_size) \
+        + tensor_bytes(pack.expert_format, a.hidden_size, a.moe_intermediate_size)
+    return one * sum(len(placement.layer(layer).vram.get(key, [])) for layer in a.moe_layers)
+
+
+def check_trunk_fits(backend, key: str, dense_bytes: int, kv_bytes: int, experts_bytes: int,
+                     context_tokens: int) -> None:
+    """Refuse a trunk whose dense + KV bytes, with the VRAM experts on its device, pass the device's
+    ``capacity_bytes()`` (no-op when the device does not bound it), before any upload.
+
+    Raises:
+        DeviceOutOfMemoryError: the bytes asked (each part) and the bytes available.
+    """
+    cap = backend.capacity_bytes()
+    need = int(dense_bytes) + int(kv_bytes) + int(experts_bytes)
+    if cap is not None and need > cap:
+        raise DeviceOutOfMemoryError(
+            f"{key}: the dense trunk ({dense_bytes:,} B) + its KV cache for {context_tokens} tokens "
+            f"({kv_bytes:,} B) + the plan's VRAM experts there ({experts_bytes:,} B) ask {need:,} B, but "
+            f"the device has {cap:,} B available; solve with a smaller --vram or --context, or --trunk cpu",
+            requested_bytes=need, held_bytes=backend.held_bytes, capacity_bytes=cap)
+
+
+def check_trunk_plan(trunk: TrunkPlacement) -> None:
+    """Refuse a trunk placement the engine cannot run: a split over several devices, or a KV cache away
+    from the trunk (attention runs where the KV cache is, with the trunk).
+
+    Raises:
+        UnsupportedError: one line.
+    """
+    if trunk.split:
+        devs = sorted({d for _, _, d in trunk.split})
+        raise UnsupportedError(f"the plan splits the trunk over {', '.join(devs)}; the engine runs one trunk "
+                               "device: solve with --trunk <device> (or --trunk cpu)")
+    if trunk.kv_device != trunk.device:
+        raise UnsupportedError(f"the plan puts the KV cache on {trunk.kv_device} and the trunk on "
+                               f"{trunk.device}; the engine keeps them together: solve the plan again")
 
 
 #: set to 1 to skip the check that a placement's RAM fits this machine's available memory
@@ -97,7 +183,8 @@ def peak_rss_bytes() -> int:
 
 def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_tokens: int,
                   cpu_backend: str = "cpu", read_threads: int = 8, verify_checksums: bool = True,
-                  progress: Callable[[str], None] | None = None, recorder=None) -> RunReport:
+                  progress: Callable[[str], None] | None = None, recorder=None,
+                  trunk: TrunkPlacement | None = None) -> RunReport:
     """Generate ``n_tokens`` new ids greedily from ``prompt_ids`` with experts placed as ``placement`` says.
 
     The first new id comes from the prefill, so ``n_tokens - 1`` decode steps are timed (none for one
@@ -109,28 +196,49 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
         cpu_backend: backend for CPU-resident and streamed experts ("cpu", else "numpy").
         progress: optional ``fn(message)`` called once per token.
         recorder: a RoutingRecorder to record routing into (prefill and decode), e.g. for --stats-out.
+        trunk: where the dense trunk, attention and the KV cache run (the plan's ``trunk`` section,
+            :func:`colibri_plan.formats.plan_trunk.parse_trunk`); None or device "cpu" = the host path.
+            On a device its KV cache reserves ``context_tokens`` (at least the run's prompt + tokens are
+            checked to fit) and grows by whole pages past it.
 
     Raises:
         InputError: ``n_tokens`` < 1 or bad prompt ids. BudgetError: the placement's RAM exceeds
-        MemAvailable (:func:`check_ram_fits`). The ResidencyManager's errors (capacity, integrity).
+        MemAvailable (:func:`check_ram_fits`). UnsupportedError: a split trunk, or a KV cache away from the
+        trunk. BackendUnavailableError: the trunk's device does not exist here (the devices that do are
+        named). DeviceOutOfMemoryError: trunk + KV + VRAM experts pass the device's capacity. All before
+        any upload. The ResidencyManager's errors (capacity, integrity).
     """
     from colibri_plan.backends import get_backend
+    from colibri_plan.engine.trunk import trunk_dense_bytes, trunk_kv_bytes
 
     if int(n_tokens) < 1:
         raise InputError(f"--tokens must be >= 1, got {n_tokens}")
+    trunk = trunk or TrunkPlacement()
+    key = trunk.device if trunk.on_device else None
+    if key is not None:
+        check_trunk_plan(trunk)
+        reserve = trunk.context_tokens or min(len(prompt_ids) + int(n_tokens), 4096)   # as the host cache
+        ctx = max(reserve, len(prompt_ids) + int(n_tokens))   # a run past the plan's context grows the cache
+        dense_b, kv_b = trunk_dense_bytes(pack.arch, pack.dense, ctx), trunk_kv_bytes(pack.arch, ctx)
+        check_trunk_device(key, dense_b + kv_b)
     if hasattr(pack, "expert_location"):   # in-memory weights hold their experts already
         check_ram_fits(pack, placement)  # before any device is opened or any expert allocated
-    devices = open_devices(placement)
+    devices = open_devices(placement, () if key is None else (key,))
     cpu = None
     rm = None
+    model = None
     try:
+        if key is not None:
+            check_trunk_fits(devices[key], key, dense_b, kv_b, expert_bytes_on(pack, placement, key), ctx)
         cpu_cls = get_backend(cpu_backend)
         cpu = cpu_cls.open(0) if cpu_cls.is_available() else get_backend("numpy").open(0)
         t_load = time.perf_counter()
         rm = ResidencyManager(pack, placement, cpu, devices=devices, read_threads=read_threads,
                               verify_checksums=verify_checksums)
         load_s = time.perf_counter() - t_load
-        model = Model(pack, experts=rm, recorder=recorder)
+        model = Model(pack, experts=rm, recorder=recorder, trunk_backend=devices.get(key),
+                      context_tokens=reserve if key is not None else 0)
+        dev_trunk = model.trunk
         step_s: list[float] = []
         marks = {"prefill": 0.0}
 
@@ -138,22 +246,31 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
             if step == 0:
                 marks["prefill"] = seconds
                 rm.reset_stats()  # decode statistics start after the prefill
+                if dev_trunk is not None:
+                    dev_trunk.reset_stats()
             else:
                 step_s.append(seconds)
             if progress:
                 progress(f"token {step + 1}/{n_tokens}: id {tok} ({seconds * 1e3:.0f} ms)")
 
         # step 0 is the prefill's token; steps 1..n_tokens-1 are the timed decode steps
-        tokens = model.generate(list(prompt_ids), int(n_tokens), on_token=on_token)
+        cache = model.new_cache(min(len(prompt_ids) + int(n_tokens), 4096))   # grows as it fills
+        tokens = model.generate(list(prompt_ids), int(n_tokens), cache=cache, on_token=on_token)
         st = rm.stats
         n = max(1, len(step_s))
         decode_s = sum(step_s) / n
+        attn = None   # timed by the device trunk (every step on a host backend, sampled on a GPU)
+        if dev_trunk is not None and dev_trunk.attention_steps:
+            attn = dev_trunk.attention_s / dev_trunk.attention_steps
         report = RunReport(
             tokens=tokens, prompt_tokens=len(prompt_ids), decode_steps=len(step_s), load_s=load_s,
             prefill_s=marks["prefill"], decode_s_per_token=decode_s,
             decode_s_median=statistics.median(step_s) if step_s else 0.0,
             tok_s=1.0 / decode_s if decode_s > 0 else 0.0,
-            dense_s_per_token=max(0.0, decode_s - st.layer_wall_s / n),
+            dense_s_per_token=max(0.0, decode_s - st.layer_wall_s / n - (attn or 0.0)),
+            attention_s_per_token=attn, trunk_device=key or "cpu",
+            trunk_bytes=None if dev_trunk is None else {
+                "dense": dev_trunk.dense_bytes, "kv": int(getattr(cache, "reserved_bytes", 0))},
             expert_layers_s_per_token=st.layer_wall_s / n,
             expert_compute_s_per_token={"cpu": st.cpu_compute_s / n,
                                         **{k: v / n for k, v in st.device_compute_s.items()}},
@@ -169,6 +286,8 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
             report.repins, report.repin_bytes, report.repin_s = st.repins, st.repin_bytes, st.repin_s
         return report
     finally:
+        if model is not None:
+            model.close()   # the device trunk's uploads; the backends close below
         if rm is not None:
             rm.close()
         for b in devices.values():

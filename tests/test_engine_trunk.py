@@ -67,7 +67,7 @@ def test_device_trunk_matches_the_cpu_path(models, variant, backend):
     be = get_backend(backend).open(0)
     try:
         with Model(w, trunk_backend=be, context_tokens=8) as model:
-            assert model.trunk is not None and model.trunk.dense_bytes == trunk_dense_bytes(w.arch, w.dense, 8)
+            assert model.trunk.dense_bytes == trunk_dense_bytes(w.arch, w.dense, 8)
             assert model.generate(PROMPT, N_TOKENS) == want_ids
             _close(model.forward(PROMPT), want_logits)
             cache = model.new_cache()
@@ -115,7 +115,8 @@ def test_kv_reserve_copies_the_rows_and_matches_the_plan_bytes():
     assert np.array_equal(be.d_get(cache.k[1])[:3], rows) and np.array_equal(be.d_get(cache.v[1])[:3], -rows)
     assert not be.d_get(cache.k[1])[3:].any()
     with pytest.raises(InputError, match="reserve"):
-        cache.append(0, be.d_put(np.zeros((190, 2, 4), np.float32)), be.d_put(np.zeros((190, 2, 4), np.float32)))
+        big = be.d_put(np.zeros((190, 2, 4), np.float32))
+        cache.append(0, big, big)
 
 
 def test_a_host_cache_is_refused_by_the_device_trunk(models):

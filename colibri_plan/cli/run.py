@@ -31,6 +31,8 @@ def _human(rep, prompt_len: int, backend: str, pred: dict, written: dict) -> str
         f"per token: dense {ms(rep.dense_s_per_token)}, experts {ms(rep.expert_layers_s_per_token)} "
         f"(cpu {ms(rep.expert_compute_s_per_token.get('cpu'))}, disk wait {ms(rep.disk_wait_s_per_token)}, "
         f"devices: {dev})",
+        f"trunk on {rep.trunk_device}" + (f": attention {ms(rep.attention_s_per_token)}/token"
+                                          if rep.attention_s_per_token is not None else ""),
         f"hit rates: {hr}; LRU hit rate {(rep.lru_hit_rate or 0.0):.1%}",
         f"{disk}peak RSS {(rep.peak_rss_bytes or 0) / 2**30:.2f} GiB",
         *([f"re-pins: {rep.repins} swaps, {(rep.repin_bytes or 0) / 1e6:.1f} MB read, "
@@ -53,6 +55,10 @@ def _human(rep, prompt_len: int, backend: str, pred: dict, written: dict) -> str
               help="Expert format when --model is a checkpoint [default: f32]; a pack keeps its own.")
 @click.option("--plan", "plan_path", type=click.Path(), default=None,
               help="Place experts as this plan says (VRAM / pinned RAM / LRU / O_DIRECT disk); needs a pack.")
+@click.option("--trunk", type=click.Choice(["cpu", "device"]), default=None,
+              help="Where the dense trunk, attention and KV cache run without --plan: device (the "
+                   "--backend device; default for a GPU backend) or cpu (default for cpu/numpy). With --plan "
+                   "the plan's trunk section decides; --trunk cpu runs it on the host instead.")
 @click.option("--read-threads", type=click.IntRange(1, 64), default=None,
               help="Concurrent O_DIRECT expert reads with --plan (queue depth) [default: the plan's "
                    "resources.disk_queue_depth, else 8].")
@@ -60,7 +66,7 @@ def _human(rep, prompt_len: int, backend: str, pred: dict, written: dict) -> str
 @click.option("--usage-out", type=click.Path(), default=None,
               help="Write routing counts (colibrì usage text).")
 @json_option
-def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, quant, plan_path,
+def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, quant, plan_path, trunk,
         read_threads, stats_out, usage_out):
     """Greedy generation: prints the new token ids, tok/s, prefill and decode time.
 
@@ -104,6 +110,7 @@ def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, qu
         with Steps("run", total=n_tokens) as bar:  # one step per generated token
             rep = runner.generate(weights, prompt, n_tokens, plan=plan, backend=backend,
                                   device_index=device_index, read_threads=read_threads, recorder=recorder,
+                                  trunk=trunk,
                                   progress=lambda m: bar.say(m, verbose_only=True, advance=1))
         if rep.io_warning:
             warn(rep.io_warning)

@@ -81,11 +81,15 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
     out = save_report(report, report_path)
     report["report_path"] = str(out)
     m = report["measured"]
+    tb = m.get("trunk_bytes")
 
     def human() -> str:
         lines = [table(report_table(report), ["term", "predicted", "measured", "measured/predicted"]),
                  "",
                  f"tokens: {' '.join(map(str, m['tokens']))}",
+                 f"trunk (dense, attention, KV cache) on {m.get('trunk_device') or 'cpu'}"
+                 + (f"; KV cache {tb['kv'] / 1e6:.1f} MB, dense {tb['dense'] / 1e6:.1f} MB on the device"
+                    if tb else ""),
                  f"peak RSS {m['peak_rss_bytes'] / 1e9:.2f} GB; O_DIRECT {'yes' if m['o_direct'] else 'no'}; "
                  f"median decode {m['decode_s_median'] * 1e3:.0f} ms/token",
                  *([f"re-pins: {m['repins']} swaps, {(m.get('repin_bytes') or 0) / 1e6:.1f} MB read, "

@@ -10,7 +10,9 @@ keys (:meth:`RunReport.to_dict`), so predicted and measured read alike and no ke
      "hit_rate": {"vram", "ram_pinned", "lru", "disk"}, "lru_hit_rate", ...measured-only figures}
 
 Every figure is per decode token unless its name says otherwise; a figure one side does not have
-(a run does not time attention apart from the dense trunk; a plan has no peak RSS) is None and left out.
+(a run on the CPU trunk does not time attention apart from the dense trunk; a plan has no peak RSS) is
+None and left out. Measured ``dense_s + attention_s`` is always everything outside the routed experts:
+where the run times attention (a device trunk), ``dense_s`` is the rest without it.
 
 The verify report (JSON kind ``"verify-report"``, schema_version 2) holds a plan's ``predicted``
 section, the run's ``measured`` one (this layout), the comparison and the verdict. Version 1 reports
@@ -51,8 +53,9 @@ class RunReport:
     Attributes (seconds and bytes per decode token unless the name says otherwise; None = not known):
         tok_s: decode tokens per second (1 / decode_s_per_token; 0.0 when no decode step was timed).
         decode_s_per_token: mean wall time of a decode step; decode_s_median: its median (measured).
-        dense_s_per_token: everything outside the routed experts (measured: attention included);
-            attention_s_per_token: KV-cache read (predicted only).
+        dense_s_per_token: everything outside the routed experts (measured: attention included unless
+            attention_s_per_token is measured too, then without it); attention_s_per_token: KV-cache read
+            (predicted; measured by a device trunk: KV append + attention of every layer).
         expert_layers_s_per_token: wall time inside the MoE layers' expert calls.
         expert_compute_s_per_token: {"cpu": s, "<backend>:<index>": s} expert compute per device
             (measured device time includes its activation transfers).
@@ -71,6 +74,9 @@ class RunReport:
         cpu_path_layers, per_layer_s: the plan's per-layer CPU-path parts and layer times (predicted).
         repins, repin_bytes, repin_s: live re-pinning swaps over the decode, the bytes they read and the
             seconds they took (totals, not per token; measured, only when re-pinning is on).
+        trunk_device: where the dense trunk, attention and KV cache ran ("cpu" or a device key like
+            "cuda:0"; measured). trunk_bytes: {"dense": B, "kv": B} the device trunk held (measured,
+            None on the CPU trunk).
     """
 
     # speed and its terms (seconds per decoded token)
@@ -109,6 +115,9 @@ class RunReport:
     repins: int | None = None
     repin_bytes: int | None = None
     repin_s: float | None = None
+    # the trunk (measured)
+    trunk_device: str | None = None
+    trunk_bytes: dict | None = None
 
     @property
     def memory_hit_rate(self) -> float:
