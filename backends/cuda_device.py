@@ -54,7 +54,7 @@ class CUDADeviceOps:
                 events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(_PUT_SLOTS)]
             st = self._dstate = {"slot": 0, "events": events, "pending": [False] * _PUT_SLOTS,
                                  "names": tuple(f"dput{i}" for i in range(_PUT_SLOTS)),
-                                 "work": sh.WorkBuffers(lambda name, n: cp.empty(n, cp.uint8)), "fns": {}}
+                                 "work": sh.WorkBuffers(lambda name, n: cp.empty(n, cp.uint8))}
         return st
 
     def _d_fn(self, name: str):
