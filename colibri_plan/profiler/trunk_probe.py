@@ -21,11 +21,11 @@ chain of N calls (N such that a chain lasts about ``chain_s``) synchronised by o
 output and divided by N. Every figure is a stat (:func:`colibri_plan.formats.profile.stat`) over the
 repetitions.
 
-Budget: each device gets ``budget_s`` seconds (weights built and uploaded included); measurements run
-smallest first and one whose estimate (from what was measured already) does not fit the time left, or
-whose weight / KV cache exceeds ``memory_fraction`` of the device's free memory, is left out, named in
-one ``skipped`` entry per device and section. Weights repeat a small random block (cheap to build;
-throughput does not depend on the values).
+Budget: each opened device gets ``budget_s`` seconds (weights built and uploaded included); measurements
+run cheapest first and one whose estimate (from what was measured already) does not fit the time left, or
+whose weight / KV cache exceeds ``memory_fraction`` of the device's free memory or ``max_bytes``, is left
+out, named in one ``skipped`` entry per device and section. Weights repeat a small random block (cheap
+to build; throughput does not depend on the values).
 """
 
 from __future__ import annotations
@@ -162,6 +162,20 @@ def probe_device_ops(be, base: dict, hidden: int, repetitions: int, budget_s: fl
                       "d_get + d_put of [1, H] float32"}
 
 
+class _Rate:
+    """Bytes/s of building and uploading test data: the best of what was seen, and none from one
+    observation alone (the first upload may compile a kernel or grow a pool)."""
+
+    def __init__(self):
+        self.rates: list[float] = []
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.rates.append(nbytes / max(seconds, 1e-6))
+
+    def seconds(self, nbytes: int) -> float:
+        return nbytes / max(self.rates) if len(self.rates) >= 2 else 0.0
+
+
 class _LeftOut:
     """What a section left out, by reason, summarised in one ``skipped`` line."""
 
@@ -190,30 +204,40 @@ def _fits(need_s: float, left_s: float) -> bool:
 def _dense(be, base: dict, cfg: TrunkSettings, shapes: list[tuple[int, int, str]], formats: list[str],
            limit: int | None, budget: _Budget, reserve_s: float,
            say: Progress) -> tuple[list[dict], _LeftOut]:
-    """dense_gemv entries of one device (smallest weights first), and what was left out. ``reserve_s``
-    of the budget stays for the attention figures."""
+    """dense_gemv entries of one device, and what was left out. Each format is first measured at its
+    smallest shape; then the cheapest figure left (estimated from its format's measured GB/s) goes next,
+    so a slow path (bf16 through numpy on the host) gives up its large shapes before a fast format does.
+    ``reserve_s`` of the budget stays for the attention figures."""
     rows, left_out = [], _LeftOut()
     gbps: dict[str, float] = {}
-    prep_bps = None  # bytes/s of building + uploading a weight, from the last one
+    prep = _Rate()  # bytes/s of building + uploading a weight
     x_cache: dict[int, object] = {}
-    work = sorted(((o, i, src, f) for o, i, src in shapes for f in formats),
-                  key=lambda s: (tensor_bytes(s[3], s[0], s[1]), formats.index(s[3])))
-    for out_f, in_f, src, fmt in work:
-        label = f"{fmt} [{out_f}x{in_f}]"
-        nbytes = tensor_bytes(fmt, out_f, in_f)
-        if limit is not None and nbytes > limit:
-            left_out.memory.append(label)
-            continue
-        known = gbps.get(fmt) or (min(gbps.values()) if gbps else None)
+    pending = []
+    for out_f, in_f, src, fmt in ((o, i, src, f) for o, i, src in shapes for f in formats):
+        if limit is not None and tensor_bytes(fmt, out_f, in_f) > limit:
+            left_out.memory.append(f"{fmt} [{out_f}x{in_f}]")
+        else:
+            pending.append((out_f, in_f, src, fmt))
+
+    def cost(item: tuple[int, int, str, str]) -> tuple[bool, float, int]:
+        nbytes = tensor_bytes(item[3], item[0], item[1])
+        known = gbps.get(item[3]) or (min(gbps.values()) if gbps else None)
         call_s = nbytes / (known * 1e9) if known else 0.0
-        need = (nbytes / prep_bps if prep_bps else 0.0) + 2 * call_s + max(call_s, cfg.chain_s)
-        if not _fits(need, budget.left() - reserve_s):
+        need = prep.seconds(nbytes) + 2 * call_s + max(call_s, cfg.chain_s)
+        return item[3] in gbps, need, nbytes
+
+    while pending:
+        pending.sort(key=cost)
+        out_f, in_f, src, fmt = item = pending.pop(0)
+        label = f"{fmt} [{out_f}x{in_f}]"
+        if not _fits(cost(item)[1], budget.left() - reserve_s):
             left_out.budget.append(label)
             continue
+        nbytes = tensor_bytes(fmt, out_f, in_f)
         say(f"trunk: {base['backend']}:{base['device_index']} dense_gemv {label}")
         t0 = time.perf_counter()
         w = be.upload(tiled_weight(fmt, out_f, in_f))
-        prep_bps = nbytes / max(time.perf_counter() - t0, 1e-6)
+        prep.add(nbytes, time.perf_counter() - t0)
         try:
             if in_f not in x_cache:  # x stays on the device, as the trunk's activations do
                 x_cache[in_f] = be.d_put(np.random.default_rng(in_f).standard_normal((1, in_f), np.float32))
@@ -227,6 +251,7 @@ def _dense(be, base: dict, cfg: TrunkSettings, shapes: list[tuple[int, int, str]
         rows.append({**base, "fmt": fmt, "out_features": int(out_f), "in_features": int(in_f), "tokens": 1,
                      "weight_bytes": int(nbytes), "shape_source": src, "chain_calls": int(n),
                      "seconds": stat(secs), "weight_gbps": stat(g)})
+    rows.sort(key=lambda e: (formats.index(e["fmt"]), e["weight_bytes"], e["out_features"]))
     return rows, left_out
 
 
@@ -239,14 +264,14 @@ def _attention(be, base: dict, cfg: TrunkSettings, limit: int | None, budget: _B
     q = be.d_put(rng.standard_normal((1, hq, d), np.float32))  # [T=1, Hq, d]
     block = rng.standard_normal((min(256, max(cfg.contexts)), hkv, d), np.float32) * 0.1  # [rows, Hkv, d]
     scale = 1.0 / math.sqrt(d)
-    per_token_s, prep_bps = None, None  # from the last context measured
+    per_token_s, prep = None, _Rate()  # seconds per context token from the last context measured
     for ctx in sorted(set(int(c) for c in cfg.contexts)):
         kv_bytes = 2 * ctx * hkv * d * 4
         if limit is not None and kv_bytes > limit:
             left_out.memory.append(f"context {ctx}")
             continue
         call_s = per_token_s * ctx if per_token_s else 0.0
-        need = (kv_bytes / prep_bps if prep_bps else 0.0) + 2 * call_s + max(call_s, cfg.chain_s)
+        need = prep.seconds(kv_bytes) + 2 * call_s + max(call_s, cfg.chain_s)
         if not _fits(need, budget.left()):
             left_out.budget.append(f"context {ctx}")
             continue
@@ -258,7 +283,7 @@ def _attention(be, base: dict, cfg: TrunkSettings, limit: int | None, budget: _B
             part = src if r0 + block.shape[0] <= ctx else be.d_put(block[: ctx - r0])
             be.d_write_rows(k, r0, part)
             be.d_write_rows(v, r0, part)
-        prep_bps = kv_bytes / max(time.perf_counter() - t0, 1e-6)
+        prep.add(kv_bytes, time.perf_counter() - t0)
         secs, n = time_chain(lambda k=k, v=v, ctx=ctx: be.d_attention(q, k, v, ctx, ctx - 1, scale),
                              be.d_get, cfg.repetitions, max(budget.left(), 0.0), cfg.chain_s)
         del k, v, src
@@ -288,9 +313,9 @@ def probe_trunk_device(device: dict, cfg: TrunkSettings, model_shapes: Sequence[
     from colibri_plan.backends import get_backend
 
     say = progress or (lambda _m: None)
-    budget = _Budget(cfg.budget_s)
     cls = get_backend(device["backend"])
     be = cls.open(device["index"])
+    budget = _Budget(cfg.budget_s)  # from here: opening a device (driver, kernel cache) is not the probe's
     out: dict[str, list[dict]] = {s: [] for s in SECTIONS}
     skipped: list[dict] = []
     base = {"backend": device["backend"], "device_index": int(device["index"]), "device_name": be.device.name}
