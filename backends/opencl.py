@@ -7,6 +7,13 @@ program binaries per device and driver under ``<cache>/opencl/<sha256>.bin`` (``
 Weights use the padded layout of :func:`colibri_plan.backends._shared.padded_layout`. Work shape: on CPU
 devices one work-item per row (measured fastest for int4 GEMV on PoCL), on GPUs one work-group of 64 per
 row with a local-memory reduction.
+
+Device activations (``d_*``): a DArray's ``buf`` is a pyopencl buffer (a ``PooledBuffer`` of the
+backend's memory pool, back in the pool when dropped), ``offset`` counts floats. Every op is enqueued
+on the one in-order queue (so a recycled buffer is rewritten only after the work reading it), and only
+``d_get`` waits. Uploads copy the host array and keep pyopencl's transfer event (which owns the copy)
+until a blocking read. Kernels: matmul.cl (x read in place, or zero-padded by a device pass), norm.cl,
+trunk.cl (elementwise, RoPE), attention.cl (attention_gqa, split over the keys on GPUs for decode).
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ _OOM_CODES = ("MEM_OBJECT_ALLOCATION_FAILURE", "OUT_OF_RESOURCES", "OUT_OF_HOST_
               "INVALID_BUFFER_SIZE")
 # kernels without a weight format
 _SOURCES = {"rmsnorm": "norm.cl", "attention_absorb": "attention.cl", "attention_gqa": "attention.cl",
+            "attention_combine": "attention.cl",
             **dict.fromkeys(("add", "silu_mul", "scale_rows", "rope", "pad_rows"), "trunk.cl")}
 # argument types per kernel (b: buffer or local memory, I: uint, Q: ulong, f: float): typed scalar
 # arguments take plain Python numbers and cost ~0.5 us per launch where untyped numpy scalars cost ~60 us
 _ARGS = {"matmul": "bbbIbIIIII", "gate_up": "bbbbbIbIIIII", "rmsnorm": "bbbIf",
          "attention_absorb": "bbIIIIIIf", "add": "bQbQbQII", "silu_mul": "bQbQbQ", "scale_rows": "bQbbQI",
-         "rope": "bQbQbQIIIII", "pad_rows": "bQbQII", "attention_gqa": "bQbQbQbIIIIIfIIbb"}
+         "rope": "bQbQbQIIIII", "pad_rows": "bQbQII", "attention_gqa": "bQbQbQbIIIIIfIIIbbb",
+         "attention_combine": "bbIII"}
 _DTYPES = {"I": np.uint32, "Q": np.uint64, "f": np.float32}
 _MAGIC = b"CPCLPB01"  # cache files: magic, sha256 of the program binary, the binary
 
@@ -110,6 +119,7 @@ class OpenCLBackend(GPUBackend):
         self._programs: dict[tuple, Any] = {}  # (source, options): one build for all kernels of a file
         self.ew = min(64, self.dev.max_work_group_size)  # work-group of the elementwise kernels
         self.attn_tile = 64  # most K/V rows per tile of attention_gqa (fewer where local memory is short)
+        self.attn_splits: int | None = None  # key splits of attention_gqa; None: by the device's size
         self._pool = cl.tools.MemoryPool(cl.tools.ImmediateAllocator(self.queue))  # DArray buffers
         self._inflight: deque = deque()  # events of non-blocking uploads: they own the host copies
         # grow-only work buffers (activations, outputs) reused between calls
@@ -261,32 +271,28 @@ class OpenCLBackend(GPUBackend):
         yb = self._scratch.get("ny", x.nbytes)
         cl.enqueue_copy(self.queue, xb, x, is_blocking=False)
         cl.enqueue_copy(self.queue, wb, weight, is_blocking=False)
-        knl = self._kernel("rmsnorm", None)
-        knl.set_args(xb, wb, yb, np.uint32(H), np.float32(eps))
-        cl.enqueue_nd_range_kernel(self.queue, knl, (T * self.ls,), (self.ls,))
+        self._kernel("rmsnorm", None)(self.queue, (T * self.ls,), (self.ls,), xb, wb, yb, H, eps)
         y = np.empty_like(x)
         cl.enqueue_copy(self.queue, y, yb, is_blocking=True)
         return y
 
     def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
-        cl, u32, (H, R), (T, Dr) = self.cl, np.uint32, q_abs.shape, k_rope.shape
+        cl, (H, R), (T, Dr) = self.cl, q_abs.shape, k_rope.shape
         host, (_, qr, lat, kr) = sh.pack((q_abs, q_rope, latent, k_rope))  # one buffer, four offsets
         ib, ob = self._scratch.get("ax", host.nbytes), self._scratch.get("ay", q_abs.nbytes)
         cl.enqueue_copy(self.queue, ib, host, is_blocking=False)
-        knl = self._kernel("attention_absorb", None)
-        knl.set_args(ib, ob, u32(R), u32(Dr), u32(T), u32(qr), u32(lat), u32(kr), np.float32(scale))
-        cl.enqueue_nd_range_kernel(self.queue, knl, (H * self.ls,), (self.ls,))  # a work-group per head
+        knl = self._kernel("attention_absorb", None)  # a work-group per head
+        knl(self.queue, (H * self.ls,), (self.ls,), ib, ob, R, Dr, T, qr, lat, kr, scale)
         out = np.empty_like(q_abs)  # [H, R]
         cl.enqueue_copy(self.queue, out, ob, is_blocking=True)  # in order: `host` was read before
         return out
 
     # ---- device activations (see the module docstring) ---------------------------------------------
     def _alloc(self, nbytes: int):
-        cl = self.cl
         try:
             return self._pool.allocate(max(4, int(nbytes)))
-        except cl.Error as exc:
-            if not _is_oom(cl, exc):
+        except self.cl.Error as exc:
+            if not _is_oom(self.cl, exc):
                 raise
             raise self._oom(f"cannot allocate {nbytes} B of activations: {exc}", nbytes) from exc
 
@@ -386,15 +392,23 @@ class OpenCLBackend(GPUBackend):
         # local memory: the K tile [tile, ks], the query [d] and the tile's scores [tile], red[LS]
         tile = min(self.attn_tile, ((self.dev.local_mem_size - 4 * ls - 256) // 4 - d) // (ks + 1))
         if tile < 1:
-            raise UnsupportedError(f"opencl d_attention: head_dim {d} needs more than the "
-                                   f"{self.dev.local_mem_size} B of local memory of {self.device.name!r}; "
-                                   "keep attention on the CPU for this model")
+            lm = self.dev.local_mem_size
+            raise UnsupportedError(f"opencl d_attention: head_dim {d} does not fit the {lm} B of local memory"
+                                   f" of {self.device.name!r}; run attention on the CPU")
         if T:
+            span = min(n_keys, window) if window else n_keys  # most keys one query row sees
+            # decode on a GPU: split the keys until there are ~4 work-groups per compute unit
+            splits = self.attn_splits or (1 if self.device.kind == "cpu" else max(1, min(
+                64, -(-4 * self.dev.max_compute_units // (T * hq)), span // (4 * tile))))
+            part = self._alloc(4 * T * hq * splits * (d + 2)) if splits > 1 else out  # [T, Hq, S, 2 + d]
             knl = self._kernel("attention_gqa", None, extra=(f"-DNACC={-(-d // ls)}",))
-            # a work-group of LS items per (head, query row)
-            knl(self.queue, (hq * ls, T), (ls, 1), q.buf, q.offset, k.buf, k.offset, v.buf, v.offset, out, hq,
-                k.shape[1], d, pos0, window, scale, tile, ks, cl.LocalMemory(4 * tile * ks),
-                cl.LocalMemory(4 * (d + tile)))
+            # a work-group of LS items per (head, query row, split)
+            knl(self.queue, (hq * ls, T, splits), (ls, 1, 1), q.buf, q.offset, k.buf, k.offset, v.buf,
+                v.offset, out, hq, k.shape[1], d, pos0, window, scale, tile, ks, splits, part,
+                cl.LocalMemory(4 * tile * ks), cl.LocalMemory(4 * (d + tile)))
+            if splits > 1:
+                self._kernel("attention_combine", None, extra=(f"-DNACC={-(-d // ls)}",))(
+                    self.queue, (hq * ls, T), (ls, 1), part, out, hq, d, splits)
         return out
 
 

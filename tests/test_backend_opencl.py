@@ -281,14 +281,16 @@ def test_device_ops_read_views_at_an_offset(cache):
 
 
 @needs_cl
-@pytest.mark.parametrize("ls,tile", [(1, 64), (16, 64), (16, 5), (64, 7)])
-def test_attention_work_shapes_on_this_device(cache, ls, tile):
+@pytest.mark.parametrize("ls,tile,splits", [(1, 64, None), (16, 64, None), (16, 5, 3), (64, 7, None),
+                                           (1, 64, 7), (16, 16, 40)])
+def test_attention_work_shapes_on_this_device(cache, ls, tile, splits):
     """attention_gqa with one item per group (CPU shape) and groups of 16/64 (GPU shapes: NACC > 1 and
     NACC = 1 channel per item, strided scores, local reductions), whole and short tiles (many tiles, a
-    partial last one), head_dim up to 256 and odd, GQA/MQA, sliding windows, prefill and decode."""
+    partial last one), keys split over work-groups and merged by attention_combine (some splits empty),
+    head_dim up to 256 and odd, GQA/MQA, sliding windows, prefill and decode."""
     rng = np.random.default_rng(ls * 100 + tile)
     with OpenCL.open(0) as be:
-        be.ls, be.attn_tile = ls, tile
+        be.ls, be.attn_tile, be.attn_splits = ls, tile, splits
         for case in ((1, 8, 2, 256, 130, 0), (3, 6, 3, 255, 70, 0), (4, 2, 1, 67, 0, 0), (2, 4, 4, 1, 20, 0),
                      (5, 4, 2, 40, 90, 9), (1, 2, 2, 128, 300, 1), (6, 3, 1, 24, 2, 100)):
             _attn_case(be, rng, *case)

@@ -75,6 +75,9 @@ kernel void attention_absorb(global const float *in, global float *out, uint R, 
 // attention_absorb (running max m and sum l, partial sums rescaled by exp(m_old - m_new)). V is read
 // straight from global memory: items own channels, so those reads are coalesced already and a local
 // copy would only add a pass. Accumulation in float32, NACC = ceil(D / LS) channels per item.
+// Split keys (decode on GPUs: too few (row, head) groups to fill the device): get_group_id(2) = sp
+// takes the sp-th of nsplit equal spans of the row's keys and writes its unnormalised partial sums
+// with its m and l to part [T, Hq, nsplit, 2 + D] (m, l, acc); attention_combine merges them.
 // Local memory (dynamic): kt [tile * ks], qp [D + tile] (the query row, then the tile's scores).
 // Build options: -DLS=<items per work-group> (a power of two) -DNACC=<ceil(D / LS)>.
 #ifdef NACC
@@ -87,11 +90,13 @@ kernel void attention_absorb(global const float *in, global float *out, uint R, 
 #endif
 kernel void attention_gqa(global const float *q, ulong qo, global const float *k, ulong ko,
                           global const float *v, ulong vo, global float *out, uint Hq, uint Hkv, uint D,
-                          uint pos0, uint window, float scale, uint tile, uint ks, local float *kt,
-                          local float *qp) {
+                          uint pos0, uint window, float scale, uint tile, uint ks, uint nsplit,
+                          global float *part, local float *kt, local float *qp) {
     local float red[LS];
     const uint h = get_group_id(0), t = get_group_id(1), lane = get_local_id(0);
     const uint pos = pos0 + t, lo = window > 0 && pos >= window ? pos + 1 - window : 0;
+    const uint chunk = (pos - lo + nsplit) / nsplit, jb = lo + get_group_id(2) * chunk;
+    const uint je = min(pos + 1, jb + chunk);  // this split's keys jb .. je-1 (none when jb >= je)
     const ulong rs = (ulong)Hkv * D;  // floats from one cache row to the next
     global const float *kh = k + ko + (ulong)(h / (Hq / Hkv)) * D, *vh = v + vo + (ulong)(h / (Hq / Hkv)) * D;
     local float *qs = qp, *p = qp + D;
@@ -100,8 +105,8 @@ kernel void attention_gqa(global const float *q, ulong qo, global const float *k
     ACC_UNROLL
     for (int a = 0; a < NACC; a++) acc[a] = 0.0f;
     float m = -INFINITY, l = 0.0f;
-    for (uint j0 = lo; j0 <= pos; j0 += tile) {
-        const uint n = min(tile, pos + 1 - j0);
+    for (uint j0 = jb; j0 < je; j0 += tile) {
+        const uint n = min(tile, je - j0);
         for (uint i = 0; i < n; i++) {
             global const float *kr = kh + (ulong)(j0 + i) * rs;
             for (uint c = lane; c < D; c += LS) kt[i * ks + c] = kr[c];
@@ -136,11 +141,34 @@ kernel void attention_gqa(global const float *q, ulong qo, global const float *k
         }
         barrier(CLK_LOCAL_MEM_FENCE);  // kt and p are rewritten by the next tile
     }
-    const float inv = 1.0f / l;
+    global float *pp = part + (((ulong)t * Hq + h) * nsplit + get_group_id(2)) * (D + 2);
+    const float inv = nsplit == 1 ? 1.0f / l : 1.0f;
     ACC_UNROLL
     for (int a = 0; a < NACC; a++) {
         const uint c = lane + a * LS;
-        if (c < D) out[((ulong)t * Hq + h) * D + c] = acc[a] * inv;
+        if (c < D) {
+            if (nsplit == 1) out[((ulong)t * Hq + h) * D + c] = acc[a] * inv;
+            else pp[2 + c] = acc[a];
+        }
+    }
+    if (nsplit > 1 && lane == 0) {
+        pp[0] = m;  // -inf for a split without keys: its weight below is 0
+        pp[1] = l;
+    }
+}
+
+// out[t, h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the nsplit partials of part
+// (attention_gqa), M = max_s m_s; a work-group of LS items per (head, row) as in attention_gqa.
+kernel void attention_combine(global const float *part, global float *out, uint Hq, uint D, uint nsplit) {
+    const uint h = get_group_id(0), t = get_group_id(1), lane = get_local_id(0);
+    global const float *pp = part + ((ulong)t * Hq + h) * nsplit * (D + 2);
+    float mx = -INFINITY, l = 0.0f;
+    for (uint s = 0; s < nsplit; s++) mx = fmax(mx, pp[s * (D + 2)]);
+    for (uint s = 0; s < nsplit; s++) l = fma(exp(pp[s * (D + 2)] - mx), pp[s * (D + 2) + 1], l);
+    for (uint c = lane; c < D; c += LS) {
+        float a = 0.0f;
+        for (uint s = 0; s < nsplit; s++) a = fma(exp(pp[s * (D + 2)] - mx), pp[s * (D + 2) + 2 + c], a);
+        out[((ulong)t * Hq + h) * D + c] = a / l;
     }
 }
 #endif
