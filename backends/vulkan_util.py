@@ -330,7 +330,7 @@ class Device:
     def barrier(self, cb) -> None:
         # shader/transfer writes -> shader reads/writes, transfers and host reads
         mb = new(self.vk, "VkMemoryBarrier", srcAccessMask=0x40 | 0x1000,
-                 dstAccessMask=0x20 | 0x40 | 0x1000 | 0x2000)
+                 dstAccessMask=0x20 | 0x40 | 0x800 | 0x1000 | 0x2000)
         null = self.vk.ffi.NULL  # stages: compute|transfer -> compute|transfer|host
         self.vk.lib.vkCmdPipelineBarrier(cb, 0x800 | 0x1000, 0x800 | 0x1000 | 0x4000, 0, 1, mb, 0, null, 0,
                                          null)
