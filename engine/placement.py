@@ -2,7 +2,8 @@
 
 A :class:`Placement` is the engine's view of a plan's tiers: per MoE layer the experts resident in VRAM
 on each device ("cuda:0"), the experts pinned in RAM, and the number of LRU slots; every other expert
-of the layer is streamed from disk through that layer's LRU cache. It is built from a loaded plan
+of the layer is streamed from disk through that layer's LRU cache; ``trunk`` says where the dense trunk,
+attention and the KV cache run (the plan's ``trunk`` section). It is built from a loaded plan
 (:meth:`Placement.from_plan`, the only place a plan becomes a Placement) or directly (tests, the all-RAM
 reference, `run` without a plan).
 """
@@ -46,12 +47,15 @@ class Placement:
     ``compute`` maps the host tiers ("ram_pinned", "lru", "disk") to the processor that computes them:
     "cpu" (the default for a missing tier) or a unified-memory device key (docs/engine.md,
     :mod:`colibri_plan.engine.unified`). ``repin`` is the live re-pinning policy (a
-    :class:`colibri_plan.engine.repin.RepinPolicy`, None = off).
+    :class:`colibri_plan.engine.repin.RepinPolicy`, None = off). ``trunk`` is a
+    :class:`colibri_plan.formats.plan_trunk.TrunkPlacement` (None = the host CPU); its device is opened
+    beside :meth:`device_keys` by the session.
     """
 
     layers: dict[int, LayerPlacement]
     compute: dict[str, str] = field(default_factory=dict)
     repin: object = None
+    trunk: object = None
 
     def layer(self, layer_id: int) -> LayerPlacement:
         """The tiers of one MoE layer (an empty placement — everything streamed, no slots — if absent)."""
@@ -99,13 +103,15 @@ class Placement:
     def from_plan(cls, plan) -> Placement:
         """The engine's placement of a loaded plan (:class:`colibri_plan.formats.plan.Plan`): the one place
         a plan becomes a Placement. Tier codes come from :meth:`Plan.tiers` (device position in
-        ``plan.device_keys``, ``TIER_RAM`` pinned, ``TIER_DISK`` streamed) and slots from
-        :meth:`Plan.lru_slots`.
+        ``plan.device_keys``, ``TIER_RAM`` pinned, ``TIER_DISK`` streamed), slots from
+        :meth:`Plan.lru_slots`, the trunk from :func:`~colibri_plan.formats.plan_trunk.parse_trunk`.
 
         Raises:
-            FormatError: a malformed plan (load plans with ``load_plan``, which checks them first).
+            FormatError: a malformed plan or trunk section (load plans with ``load_plan``, which checks
+                them first).
         """
         from colibri_plan.formats.plan import TIER_RAM
+        from colibri_plan.formats.plan_trunk import parse_trunk
 
         try:
             tiers, slots, keys = plan.tiers(), plan.lru_slots(), plan.device_keys
@@ -118,7 +124,10 @@ class Placement:
             raise FormatError(f"plan layer entry is malformed ({exc!r}); re-create the plan") from exc
         from colibri_plan.engine.repin import RepinPolicy
 
-        return cls(out, compute=dict(plan.doc.get("compute") or {}), repin=RepinPolicy.from_plan(plan))
+        n_layers = plan.doc["model"].get("n_layers")
+        trunk = parse_trunk(plan.doc, plan.device_keys, n_layers if isinstance(n_layers, int) else None)
+        return cls(out, compute=dict(plan.doc.get("compute") or {}), repin=RepinPolicy.from_plan(plan),
+                   trunk=trunk)
 
     @classmethod
     def all_resident(cls, moe_layers: Iterable[int], n_experts: int, device: str | None = None) -> Placement:

@@ -126,7 +126,8 @@ def trunk_placement(weights, plan=None, trunk: str | None = None, backend: str =
                     device_index: int = 0):
     """Where the trunk runs, as a :class:`~colibri_plan.formats.plan_trunk.TrunkPlacement`.
 
-    With a plan: its ``trunk`` section (``trunk`` None), or the host (``trunk`` "cpu", to compare).
+    With a plan: its ``trunk`` section (``trunk`` None; as :meth:`Placement.from_plan` reads it), or the
+    host (``trunk`` "cpu", to compare).
     Without: ``trunk`` "device" runs it on ``<backend>:<device_index>`` (the default for a GPU backend),
     "cpu" on the host (the default for cpu/numpy); the KV cache then reserves the run's context.
 

@@ -197,7 +197,8 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
         progress: optional ``fn(message)`` called once per token.
         recorder: a RoutingRecorder to record routing into (prefill and decode), e.g. for --stats-out.
         trunk: where the dense trunk, attention and the KV cache run (the plan's ``trunk`` section,
-            :func:`colibri_plan.formats.plan_trunk.parse_trunk`); None or device "cpu" = the host path.
+            :func:`colibri_plan.formats.plan_trunk.parse_trunk`); None = ``placement.trunk``; None there
+            or device "cpu" = the host path.
             On a device its KV cache reserves ``context_tokens`` (at least the run's prompt + tokens are
             checked to fit) and grows by whole pages past it.
 
@@ -213,7 +214,7 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
 
     if int(n_tokens) < 1:
         raise InputError(f"--tokens must be >= 1, got {n_tokens}")
-    trunk = trunk or TrunkPlacement()
+    trunk = trunk or getattr(placement, "trunk", None) or TrunkPlacement()
     key = trunk.device if trunk.on_device else None
     if key is not None:
         check_trunk_plan(trunk)
