@@ -444,3 +444,93 @@ def test_device_ops_queue_without_waiting_and_reuse_pool_memory_in_order():
         y = be.d_get(be.d_matmul(be.d_matmul(be.d_put(hosts[2]), be.upload(w1)), be.upload(w2)))
         ref = quant.matmul_ref(quant.matmul_ref(hosts[2], w1), w2)
         np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+# trunk.cu's kernels on the host: one thread of one block (their grid-stride loops then cover everything)
+TRUNK_HARNESS = r"""
+#include <cstdio>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#define __global__
+#define __restrict__
+struct D3 { unsigned x, y, z; };
+static D3 threadIdx{0, 0, 0}, blockIdx{0, 0, 0}, blockDim{1, 1, 1}, gridDim{1, 1, 1};
+#include "SOURCE"
+static std::vector<float> rd(size_t n) {
+  std::vector<float> v(n); for (auto &x : v) scanf("%f", &x); return v; }
+static void put(const std::vector<float> &v) { for (float x : v) printf("%.9g\n", x); }
+int main() {
+  char op[16]; int a, b, c, d, e, f, g;
+  if (scanf("%15s %d %d %d %d %d %d %d", op, &a, &b, &c, &d, &e, &f, &g) != 8) return 2;
+  if (!strcmp(op, "rope")) {  // T heads d rd P pos0 interleave
+    const size_t n = (size_t)a * b * c;
+    auto x = rd(n), table = rd((size_t)e * d); std::vector<float> y(n, NAN);
+    tr_rope(x.data(), table.data(), y.data(), n, b, c, d, f, g); put(y);
+  } else if (!strcmp(op, "prep")) {  // T in in_pad
+    auto x = rd((size_t)a * b); std::vector<float> xp((size_t)a * c, NAN); tr_u64 table[8];
+    tr_mm_prep(table, 11, 12, x.data(), xp.data(), 13, a, b, c); put(xp);
+    printf("%d\n", (int)(table[0] == 11 && table[1] == 12 && table[2] == (tr_u64)xp.data() &&
+                         table[3] == 13 && table[4] == (tr_u64)a));
+  } else if (!strcmp(op, "add")) {  // rows d bcast
+    const size_t n = (size_t)a * b;
+    auto x = rd(n), y0 = rd(c ? b : n); std::vector<float> y(n, NAN);
+    tr_add(x.data(), y0.data(), y.data(), n, b, c); put(y);
+  } else {  // scale: rows d; silu: rows d
+    const size_t n = (size_t)a * b;
+    auto x = rd(n), s = rd(a); std::vector<float> y(n, NAN), z(n, NAN);
+    tr_scale_rows(x.data(), a > 1 ? s.data() : nullptr, s[0], y.data(), n, b); put(y);
+    tr_silu_mul(x.data(), y.data(), z.data(), n); put(z);
+  }
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def trunk_harness(tmp_path_factory):
+    src = SOURCE.parent.joinpath("trunk.cu")
+    exe, build = _host_build(tmp_path_factory, TRUNK_HARNESS.replace("SOURCE", str(src)), "-std=c++17")
+    assert build.returncode == 0, build.stderr
+    return exe
+
+
+def _run_harness(exe, head: str, *arrays) -> np.ndarray:
+    text = " ".join([head] + [repr(float(v)) for a in arrays for v in np.asarray(a).reshape(-1)])
+    run = subprocess.run([str(exe)], input=text, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return np.array(run.stdout.split(), np.float64).astype(np.float32)  # %.9g: float32 exactly
+
+
+@pytest.mark.parametrize("T, heads, d, rd, pos0, interleave", [
+    (2, 3, 10, 8, 5, False), (3, 2, 12, 12, 0, True), (1, 1, 6, 0, 2, False)])
+def test_trunk_rope_on_the_host(trunk_harness, T, heads, d, rd, pos0, interleave):
+    """tr_rope against rope_ref: both layouts, channels past rotary_dim copied, rotary_dim 0."""
+    from colibri_plan.backends.device_ops import rope_ref, rope_table
+
+    rng = np.random.default_rng([T, d, rd])
+    x = rng.standard_normal((T, heads, d), dtype=np.float32)
+    table = rope_table(1.0 / (100.0 ** (np.arange(0, rd, 2) / max(rd, 1))), 16, attention_factor=1.2)
+    y = _run_harness(trunk_harness, f"rope {T} {heads} {d} {rd} 16 {pos0} {int(interleave)}", x, table)
+    np.testing.assert_allclose(y.reshape(x.shape), rope_ref(x, table, pos0, rd, interleave), rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_trunk_elementwise_and_matmul_prep_on_the_host(trunk_harness):
+    """tr_mm_prep pads x [T, in] to [T, in_pad] with zeros and writes the table entry mm reads; tr_add
+    with and without the 1-D broadcast; tr_scale_rows with device scales and with the one scalar;
+    tr_silu_mul."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 5), dtype=np.float32)
+    out = _run_harness(trunk_harness, "prep 3 5 8 0 0 0 0", x)
+    assert out[-1] == 1  # the table entry
+    np.testing.assert_array_equal(out[:-1].reshape(3, 8), np.pad(x, ((0, 0), (0, 3))))
+    b, bias = rng.standard_normal((3, 5), dtype=np.float32), rng.standard_normal(5, dtype=np.float32)
+    for bcast, other in ((0, b), (1, bias)):
+        y = _run_harness(trunk_harness, f"add 3 5 {bcast} 0 0 0 0", x, other).reshape(3, 5)
+        np.testing.assert_array_equal(y, x + other)
+    for rows in (3, 1):
+        s = rng.standard_normal(rows, dtype=np.float32)
+        y, z = _run_harness(trunk_harness, f"scale {rows} 5 0 0 0 0 0", x[:rows], s).reshape(2, rows, 5)
+        np.testing.assert_allclose(y, x[:rows] * s[:, None], rtol=1e-6)
+        np.testing.assert_allclose(z, x[:rows] / (1 + np.exp(-x[:rows])) * y, rtol=1e-5, atol=1e-6)
