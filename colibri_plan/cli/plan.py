@@ -27,7 +27,7 @@ def show(path, show_layers):
             "profile": d["profile"], "heat": d["heat"], "budgets": d["budgets"], "counts": p.counts(),
             "predicted": d["predicted"], "solver": d["solver"], "expert_format": d["expert_format"],
             "knobs": d.get("knobs"), "compute": d.get("compute"), "compute_explain": d.get("compute_explain"),
-            "repin": d.get("repin")}
+            "repin": d.get("repin"), "trunk": d.get("trunk"), "predicted_trunk": d["predicted"].get("trunk")}
     mtp = d["model"].get("mtp_expert_bytes")
     if mtp:
         data["mtp_expert_bytes"] = mtp
@@ -58,6 +58,7 @@ def show(path, show_layers):
                  + (f"{sv['seconds']} s" if "seconds" in sv else "time not recorded"),
                  "cost coefficients: " + (", ".join(f"{k} {v:g}" for k, v in d["coefficients"].items())
                                           if d.get("coefficients") else "defaults (not calibrated)")]
+        lines.insert(5, trunk_line(d))
         if mtp:
             lines.insert(5, f"MTP experts: {mtp / 1e6:.2f} MB each (colibrì's int8)")
         lines += knob_lines(d.get("knobs"), compute=d.get("compute"),
@@ -70,3 +71,20 @@ def show(path, show_layers):
         return "\n".join(lines)
 
     emit(data, human)
+
+
+def trunk_line(d: dict) -> str:
+    """Where the plan runs the dense trunk, attention and KV cache, their bytes and predicted seconds."""
+    t, pt = d.get("trunk"), d["predicted"].get("trunk")
+    if t is None:
+        return "trunk: on the CPU (the plan has no trunk section: it predates trunk placement)"
+    kv = t["kv"]
+    where = t["device"] if not t.get("split") else "split " + ", ".join(
+        f"{s['device']} layers {s['first_layer']}-{s['last_layer']}" for s in t["split"])
+    line = (f"trunk: on {where} ({t.get('dense_format') or '?'}, dense {t['dense_bytes'] / 1e9:.2f} GB + KV "
+            f"{kv['bytes'] / 1e9:.2f} GB for {kv['context_tokens']} tokens)")
+    if pt:
+        line += (f": dense {pt['dense_s_per_token'] * 1e3:.1f} ms (host round trips "
+                 f"{pt['host_roundtrip_s_per_token'] * 1e3:.1f}), attention "
+                 f"{pt['attention_s_per_token'] * 1e3:.1f} ms per token")
+    return line

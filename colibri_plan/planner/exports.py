@@ -16,6 +16,12 @@ llama.cpp stores a layer's experts as merged 3-D tensors ``blk.N.ffn_{gate,up,do
 place single experts: each GPU takes whole layers, those the plan serves most from VRAM first, as many as
 fit its VRAM budget; the other layers stay on the CPU. The export states how many experts moved tier and
 the share of selections served from GPU, exported versus planned.
+
+The plan's trunk (its ``trunk`` section): on a GPU, colibrì gets ``CUDA_DENSE=1 COLI_CUDA_ATTN=1`` (the
+trunk's devices joined to ``COLI_GPUS``) and llama.cpp ``-ngl <all layers>`` with ``--tensor-split``
+putting the trunk's layers where the plan does (one device, or the plan's layer split), the ``-ot`` rules
+still keeping the CPU/disk experts on the CPU. A CPU trunk (or a plan without the section) exports as
+before.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from colibri_plan.errors import UnsupportedError
 from colibri_plan.fileio import atomic_write_text
 from colibri_plan.formats.heat import fnv1a32  # noqa: F401 - re-exported for callers
 from colibri_plan.formats.plan import TIER_DISK, TIER_RAM, Plan, layer_probabilities
+from colibri_plan.formats.plan_trunk import parse_trunk
 from colibri_plan.planner.knobs import COLIBRI_QUEUE_DEPTH
 from colibri_plan.planner.knobs import COLIBRI_VRAM_OVERHEAD_BYTES as VRAM_OVERHEAD_BYTES
 from colibri_plan.planner.page_cache import page_cache_hit_rates
@@ -109,6 +116,7 @@ def export_colibri(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.nda
         need = min(need, have) if have else need      # capped at the plan's VRAM budget
         env["CUDA_EXPERT_GB"] = f"{need / 1e9:.3f}"
         env["CUDA_RELEASE_HOST"] = "0" if keep_host else "1"
+    late_notes += _colibri_trunk(plan, env)
     pinned = sum(size(x) for x in pin_rank) + (sum(size(x) for x in vram_rank) if keep_host else 0)
     env["PIN"] = str(usage_path)
     env["PIN_GB"] = f"{(pinned + b // 2) / 1e9:.3f}"
@@ -131,6 +139,38 @@ def export_colibri(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.nda
     notes += late_notes
     return {"env": " ".join(f"{k}={v}" for k, v in env.items()), "vars": env, "usage_file": str(usage_path),
             "notes": notes}
+
+
+def plan_trunk(plan: Plan):
+    """The plan's trunk placement (a CPU trunk for plans without the section)."""
+    return parse_trunk(plan.doc, plan.device_keys, plan.doc["model"].get("n_layers"))
+
+
+def trunk_devices(trunk) -> list[str]:
+    """Device keys the trunk occupies: its split's devices, else its device (none on the CPU)."""
+    if trunk.split:
+        return list(dict.fromkeys(k for _, _, k in trunk.split))
+    return [trunk.device] if trunk.on_device else []
+
+
+def _colibri_trunk(plan: Plan, env: dict) -> list[str]:
+    """With the plan's trunk on a GPU: ``CUDA_DENSE=1`` (dense tensors on the GPU) and ``COLI_CUDA_ATTN=1``
+    (attention there, next to its KV cache), the trunk's devices in ``COLI_GPUS``; the notes."""
+    devs = trunk_devices(plan_trunk(plan))
+    if not devs:
+        return []
+    bad = [k for k in devs if not k.startswith("cuda:")]
+    if bad:
+        raise UnsupportedError(f"colibrì runs a dense trunk on CUDA devices only (CUDA_DENSE); the plan puts "
+                               f"it on {', '.join(bad)}; solve with --trunk cpu or for a CUDA device")
+    gpus = [g for g in env.get("COLI_GPUS", "").split(",") if g]
+    env["COLI_CUDA"] = "1"
+    env["COLI_GPUS"] = ",".join(sorted(set(gpus) | {k.split(":")[1] for k in devs}, key=int))
+    env["CUDA_DENSE"] = "1"
+    env["COLI_CUDA_ATTN"] = "1"
+    return ["CUDA_DENSE=1 COLI_CUDA_ATTN=1: the plan runs the dense trunk and attention on "
+            f"{', '.join(devs)}; colibrì spreads the dense tensors round-robin over COLI_GPUS (the plan's "
+            "device split is not reproduced) and counts them against each device's expert room"]
 
 
 def _sizer(plan: Plan):
@@ -289,11 +329,31 @@ def export_llama_cpp(plan: Plan) -> dict:
              *_mmap_notes(plan, probs, [i for i in rows if i not in assign])]
     budgets = plan.doc["budgets"]
     trunk = int(budgets.get("dense_bytes", 0)) + int(budgets.get("kv_bytes", 0))
-    if trunk and n_gpu_layers:
+    head, ngl, split = _llama_trunk(plan, n_layers)
+    if ngl:
+        notes.append(f"-ngl {ngl} puts every layer's dense tensors and KV cache on the GPUs, --tensor-split "
+                     f"{split} as the plan's trunk (its VRAM is in the plan's budgets); the -ot rules keep "
+                     "the experts the plan leaves in RAM or on disk on the CPU")
+    elif trunk and n_gpu_layers:
         notes.append(f"with -ngl 99 llama.cpp also puts the dense trunk and KV cache ({trunk / 1e9:.2f} GB, "
                      "split over the GPUs) in VRAM, which the plan's expert budgets do not count: if a GPU "
-                     "runs out of memory, move its coldest layer to CPU")
-    args = " ".join(f'-ot "{p}"' for p in patterns)
-    return {"args": args, "patterns": patterns, "layers": by_dev, "moved_experts": moved,
+                     "runs out of memory, move its coldest layer to CPU (or solve with --trunk auto)")
+    args = " ".join([*head, *(f'-ot "{p}"' for p in patterns)])
+    return {"args": args, "patterns": patterns, "layers": by_dev, "moved_experts": moved, "ngl": ngl,
+            "tensor_split": split,
             "moved_device_experts": moved_dev, "gpu_share": {"plan": share_plan, "export": share_export},
             "notes": notes}
+
+
+def _llama_trunk(plan: Plan, n_layers: int) -> tuple[list[str], int | None, str | None]:
+    """(leading args, -ngl, --tensor-split) for the plan's trunk: with it on the GPUs, every layer
+    (``n_layers`` + the output layer) offloaded and the split in the plan's device order: the layers each
+    device runs (a layer split), or all on the trunk's device. (no args, None, None) for a CPU trunk."""
+    t = plan_trunk(plan)
+    if not t.on_device:
+        return [], None, None
+    layers = {k: 0 for k in plan.device_keys}
+    for a, b, k in t.split or ((0, n_layers - 1, t.device),):
+        layers[k] += b - a + 1
+    split = ",".join(str(layers[k]) for k in plan.device_keys)
+    return [f"-ngl {n_layers + 1}", f"--tensor-split {split}"], n_layers + 1, split

@@ -55,7 +55,7 @@ def option_setup(setup, opt, spec, lru_slots_fn):
     ram = int(b.ram_budget_bytes) + int(opt.ram_freed_bytes)
     explain = list(b.explain)
     for key, n in opt.vram_bytes.items():
-        explain.append({"what": f"{key}: dense trunk + KV cache on it (--trunk {opt.name})", "bytes": -n})
+        explain.append({"what": f"{key}: dense trunk + KV cache placed on it", "bytes": -n})
         explain.append({"what": f"{key}: left for experts", "bytes": vram[key]})
     if opt.ram_freed_bytes:
         explain.append({"what": f"RAM given back (dense trunk and KV cache on {opt.device})",
