@@ -4,8 +4,9 @@ The numbers of every op on every backend are checked by the cross-backend oracle
 (test_backends_device_ops.py); here: that a Vulkan DArray is a Vulkan buffer, that a chain of ops is
 one submission, the device-only memory path (update, staging and read-back, as on a discrete GPU)
 exercised on whatever device is present, buffer reuse, batches past their op limit, freeing a weight a
-recorded op reads, and the attention shader's edges (head_dim 256, tile boundaries, windows, long
-prefill). Skipped with the reason when no Vulkan device is usable (lavapipe counts).
+recorded op reads, the attention shader's edges (head_dim 256, tile boundaries, windows, long prefill,
+key slices), and a chain of every op under the Khronos validation layer with synchronization validation.
+Skipped with the reason when no Vulkan device (lavapipe counts) or no validation layer is there.
 """
 
 from __future__ import annotations
@@ -208,3 +209,54 @@ def test_d_attention_key_slices_are_merged(be, monkeypatch, t, hq, hkv, d, pos0,
     keys = min(n_keys, window) if window else n_keys
     assert grids == [(hq, t, -(-keys // min_keys)), (t * hq,)]  # slices, then the merge
     assert _err(y, ref) < 1e-5
+
+
+_VALIDATED_CHAIN = """
+import numpy as np
+from colibri_plan import quant
+from colibri_plan.backends import get_backend
+from colibri_plan.backends.device_ops import rope_table
+be = get_backend("vulkan").open(0)
+be.d_att_workgroups = {be.device.kind: 10 ** 6}  # attention in key slices, then the merge
+rng = np.random.default_rng(0)
+for mapped in (True, False):
+    be.d_map_host_visible = mapped
+    be._pool.trim()
+    ones = be.d_put(np.ones(100, np.float32))
+    x = be.d_put(rng.standard_normal((3, 100), np.float32))
+    w = be.upload(quant.quantize(rng.standard_normal((64, 100), np.float32), "int4"))
+    h = be.d_rmsnorm(be.d_add(x, ones), ones, 1e-6)
+    g = be.d_scale_rows(be.d_silu_mul(be.d_matmul(h, w), be.d_matmul(h, w)), np.ones(3, np.float32))
+    q = be.d_rope(be.d_view(g, (3, 4, 16)), be.d_put(rope_table(np.ones(8, np.float32), 8)), 2, 16, True)
+    kc = be.d_zeros((8, 2, 16))
+    be.d_write_rows(kc, 2, be.d_put(rng.standard_normal((3, 2, 16), np.float32)))
+    be.d_get(be.d_attention(q, kc, kc, 5, 2, 0.25))
+    be.d_get(be.d_put(rng.standard_normal(300000).astype(np.float32)))  # staged when device-only
+    be.free(w)
+be.close()
+print("done")
+"""
+
+
+def test_a_chain_is_clean_under_the_khronos_validation_layer(tmp_path):
+    """Every op, in both memory modes, under VK_LAYER_KHRONOS_validation with synchronization validation:
+    barriers that lavapipe forgives (it runs commands in order) would be races on a GPU."""
+    import os
+    import subprocess
+    import sys
+
+    cls = get_backend("vulkan")
+    if cls.unavailable_reason() is not None:
+        pytest.skip(f"vulkan unavailable: {cls.unavailable_reason()}")
+    import vulkan as vk
+
+    layers = vk.vkEnumerateInstanceLayerProperties()
+    if not any(p.layerName == "VK_LAYER_KHRONOS_validation" for p in layers):
+        pytest.skip("VK_LAYER_KHRONOS_validation not installed (apt-get install vulkan-validationlayers)")
+    env = dict(os.environ, VK_INSTANCE_LAYERS="VK_LAYER_KHRONOS_validation", XDG_CACHE_HOME=str(tmp_path),
+               VK_LAYER_ENABLES="VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT")
+    run = subprocess.run([sys.executable, "-c", _VALIDATED_CHAIN], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("done")
+    assert "Validation" not in run.stdout + run.stderr, (run.stdout + run.stderr)[:3000]
