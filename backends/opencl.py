@@ -41,7 +41,7 @@ _SOURCES = {"rmsnorm": "norm.cl", "attention_absorb": "attention.cl", "attention
 # argument types per kernel (b: buffer or local memory, I: uint, Q: ulong, f: float): typed scalar
 # arguments take plain Python numbers and cost ~0.5 us per launch where untyped numpy scalars cost ~60 us
 _ARGS = {"matmul": "bbbIbIIIII", "gate_up": "bbbbbIbIIIII", "rmsnorm": "bbbIf",
-         "attention_absorb": "bbIIIIIIf", "add": "bQbQbQII", "silu_mul": "bQbQbQ", "scale_rows": "bQbbQI",
+         "attention_absorb": "bbIIIIIIf", "add": "bQbQbQII", "silu_mul": "bQbQbQ", "scale_rows": "bQbQbI",
          "rope": "bQbQbQIIIII", "pad_rows": "bQbQII", "attention_gqa": "bQbQbQbIIIIIfIIIbbb",
          "attention_combine": "bbIII"}
 _DTYPES = {"I": np.uint32, "Q": np.uint64, "f": np.float32}
@@ -307,9 +307,11 @@ class OpenCLBackend(GPUBackend):
         return buf
 
     def _ew(self, name: str, n: int, *args):
-        """A ``trunk.cl`` kernel over n elements; the grid is rounded up to whole work-groups."""
+        """A ``trunk.cl`` kernel making n floats (a new buffer, returned); grid rounded up to whole groups."""
+        y = self._alloc(4 * n)
         if n:
-            self._kernel(name, None)(self.queue, (-(-n // self.ew) * self.ew,), (self.ew,), *args)
+            self._kernel(name, None)(self.queue, (-(-n // self.ew) * self.ew,), (self.ew,), y, n, *args)
+        return y
 
     def _flat(self, a: DArray):
         """a's floats at offset 0 of a buffer (norm.cl takes no offsets): a.buf, or a device copy."""
@@ -340,9 +342,8 @@ class OpenCLBackend(GPUBackend):
         if T == 0:
             return y
         xb, xo = x.buf, x.offset
-        if n_in != p.in_pad:  # the kernel reads rows of in_pad floats: a zero-padded device copy
-            xb, xo = self._alloc(4 * T * p.in_pad), 0  # [T, in_pad]
-            self._ew("pad_rows", T * p.in_pad, x.buf, x.offset, xb, T * p.in_pad, n_in, p.in_pad)
+        if n_in != p.in_pad:  # the kernel reads rows of in_pad floats: a zero-padded device copy [T, in_pad]
+            xb, xo = self._ew("pad_rows", T * p.in_pad, x.buf, x.offset, n_in, p.in_pad), 0
         tpi = self._tpi(T)
         # y [T, out] = x [T, in_pad] . W [out, in_pad]^T
         self._launch(self._kernel("matmul", w.fmt, tpi), w.out_features, T, tpi, p.data, p.scales, xb, xo,
@@ -357,26 +358,18 @@ class OpenCLBackend(GPUBackend):
         return y
 
     def _d_add(self, a: DArray, b: DArray) -> Any:
-        y = self._alloc(a.nbytes)
         bcast = int(b.shape != a.shape)  # b [d] over the rows of a
-        self._ew("add", a.size, a.buf, a.offset, b.buf, b.offset, y, a.size, a.shape[1], bcast)
-        return y
+        return self._ew("add", a.size, a.buf, a.offset, b.buf, b.offset, a.shape[1], bcast)
 
     def _d_silu_mul(self, g: DArray, u: DArray) -> Any:
-        y = self._alloc(g.nbytes)
-        self._ew("silu_mul", g.size, g.buf, g.offset, u.buf, u.offset, y, g.size)
-        return y
+        return self._ew("silu_mul", g.size, g.buf, g.offset, u.buf, u.offset)
 
     def _d_scale_rows(self, a: DArray, s: np.ndarray) -> Any:
-        y = self._alloc(a.nbytes)
-        self._ew("scale_rows", a.size, a.buf, a.offset, self._d_put(s), y, a.size, a.shape[1])
-        return y
+        return self._ew("scale_rows", a.size, a.buf, a.offset, self._d_put(s), a.shape[1])
 
     def _d_rope(self, x: DArray, table: DArray, pos0: int, rotary_dim: int, interleave: bool) -> Any:
-        y, (_, heads, d) = self._alloc(x.nbytes), x.shape
-        self._ew("rope", x.size, x.buf, x.offset, table.buf, table.offset, y, x.size, heads, d, rotary_dim,
-                 pos0, int(interleave))
-        return y
+        return self._ew("rope", x.size, x.buf, x.offset, table.buf, table.offset, x.shape[1], x.shape[2],
+                        rotary_dim, pos0, int(interleave))
 
     def _d_write_rows(self, dst: DArray, row0: int, src: DArray) -> None:
         if src.size:  # a buffer-to-buffer copy on the queue

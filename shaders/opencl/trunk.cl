@@ -1,19 +1,19 @@
 // Elementwise ops of the device trunk (backends/device_ops.py: d_add, d_silu_mul, d_scale_rows, d_rope)
 // and the zero-padding of activations for matmul.cl. One work-item per output element; the grid is
-// rounded up to whole work-groups, so items past n leave at once. Offsets (`*o`) are in floats: a
-// DArray's offset into its buffer. Outputs are fresh buffers (offset 0).
+// rounded up to whole work-groups, so items past n leave at once. Every kernel starts with its output y
+// (a fresh buffer) and its element count n; offsets (`*o`) are in floats: a DArray's offset into its buffer.
 
 // y = a + b; b is [d] broadcast over the rows of a (bcast = 1) or a's shape (bcast = 0)
-kernel void add(global const float *a, ulong ao, global const float *b, ulong bo, global float *y,
-                ulong n, uint d, uint bcast) {
+kernel void add(global float *y, ulong n, global const float *a, ulong ao, global const float *b, ulong bo,
+                uint d, uint bcast) {
     const ulong i = get_global_id(0);
     if (i >= n) return;
     y[i] = a[ao + i] + b[bo + (bcast ? i % d : i)];
 }
 
 // y = SiLU(g) * u
-kernel void silu_mul(global const float *g, ulong go, global const float *u, ulong uo, global float *y,
-                     ulong n) {
+kernel void silu_mul(global float *y, ulong n, global const float *g, ulong go, global const float *u,
+                     ulong uo) {
     const ulong i = get_global_id(0);
     if (i >= n) return;
     const float x = g[go + i];
@@ -21,7 +21,7 @@ kernel void silu_mul(global const float *g, ulong go, global const float *u, ulo
 }
 
 // y[r, c] = a[r, c] * s[r], rows of d floats
-kernel void scale_rows(global const float *a, ulong ao, global const float *s, global float *y, ulong n,
+kernel void scale_rows(global float *y, ulong n, global const float *a, ulong ao, global const float *s,
                        uint d) {
     const ulong i = get_global_id(0);
     if (i >= n) return;
@@ -30,8 +30,8 @@ kernel void scale_rows(global const float *a, ulong ao, global const float *s, g
 
 // RoPE of x [T, heads, d] at positions pos0 + t from tab [P, rd/2, 2] of (cos, sin); channels >= rd
 // are copied. rotate_half pairs channel j with j + rd/2, interleaved pairs (2j, 2j+1).
-kernel void rope(global const float *x, ulong xo, global const float *tab, ulong to, global float *y,
-                 ulong n, uint heads, uint d, uint rd, uint pos0, uint interleave) {
+kernel void rope(global float *y, ulong n, global const float *x, ulong xo, global const float *tab, ulong to,
+                 uint heads, uint d, uint rd, uint pos0, uint interleave) {
     const ulong i = get_global_id(0);
     if (i >= n) return;
     global const float *xr = x + xo + (i / d) * d;  // this (t, head) row
@@ -50,7 +50,7 @@ kernel void rope(global const float *x, ulong xo, global const float *tab, ulong
 
 // y [T, in_pad] = x [T, n_in] with zeros in columns n_in .. in_pad-1 (matmul.cl reads padded rows and
 // the weights' padding holds the zero code, so the sums stay exact)
-kernel void pad_rows(global const float *x, ulong xo, global float *y, ulong n, uint n_in, uint in_pad) {
+kernel void pad_rows(global float *y, ulong n, global const float *x, ulong xo, uint n_in, uint in_pad) {
     const ulong i = get_global_id(0);
     if (i >= n) return;
     const uint c = i % in_pad;
