@@ -196,3 +196,23 @@ def test_plan_file_round_trip_and_old_plans(tmp_path):
     del old["trunk"], old["predicted"]["trunk"]
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert "trunk" not in load_plan(tmp_path / "old.json").doc
+
+
+def test_a_trunk_no_single_gpu_holds_is_split_over_two(tmp_path):
+    from colibri_plan.planner.exports import export_llama_cpp
+
+    spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
+    need = dense_read_bytes(spec, "int4") + kv_bytes(100, spec.kv_bytes_per_token)   # ~0.11 GB
+    free = 2 * 10**9 + need * 3 // 4                           # each GPU: 3/4 of it after the 2 GB reserve
+    prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": free}] * 2, ram_available_bytes=3 * 10**9)
+    plan, _, _ = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="auto")
+    rows = {r["option"]: r for r in plan.doc["solver"]["trunk"]["options"]}
+    assert not rows["cuda:0"]["feasible"] and "need" in rows["cuda:0"]["why"]
+    assert plan.doc["trunk"]["split"] == [{"first_layer": 0, "last_layer": 1, "device": "cuda:0"},
+                                          {"first_layer": 2, "last_layer": 3, "device": "cuda:1"}]
+    took = plan.doc["budgets"]["trunk_vram_bytes"]
+    assert set(took) == {"cuda:0", "cuda:1"} and sum(took.values()) >= need
+    assert rows["split"]["tok_s"] > rows["cpu"]["tok_s"]
+    back = load_plan(save_plan(plan, tmp_path / "split.json"))
+    ll = export_llama_cpp(back)
+    assert ll["ngl"] == 5 and ll["tensor_split"] == "2,2"
