@@ -16,7 +16,7 @@ from colibri_plan.quant import dequantize, quantize, tensor_bytes
 
 TINY = tp.TrunkSettings(shapes=((64, 128), (128, 64)), formats=("int8", "int4", "bf16", "f32"),
                         contexts=(16, 64), n_heads=4, n_kv_heads=2, head_dim=16, hidden=256, repetitions=3,
-                        budget_s=20.0, chain_s=0.002)
+                        budget_s=300.0, chain_s=0.002)  # tiny: the budget never binds (a JIT may)
 
 
 def _device(backend: str) -> dict:
@@ -42,21 +42,21 @@ def test_probe_returns_well_formed_plausible_sections(backend):
         assert e["device_name"] == dev["name"]
         assert e["weight_bytes"] == tensor_bytes(e["fmt"], e["out_features"], e["in_features"])
         s, g = e["seconds"], e["weight_gbps"]
-        assert 0 < s["min"] <= s["median"] <= s["max"] < 1.0  # a [128, 64] GEMV takes well under 1 s
+        assert 0 < s["min"] <= s["median"] <= s["max"] and s["median"] < 0.5  # [128, 64]: well under 1 s
         assert s["repetitions"] == g["repetitions"] == 3
         # rates are bytes / seconds of the same repetitions: the fastest repetition is the top rate
         assert g["max"] == pytest.approx(e["weight_bytes"] / s["min"] / 1e9)
         assert g["median"] == pytest.approx(e["weight_bytes"] / s["median"] / 1e9)
     (ops,) = got["device_ops"]
     assert ops["roundtrip_bytes"] == 2 * 4 * 256 and ops["hidden"] == 256
-    assert 0 < ops["op_seconds"]["median"] < 0.05 and 0 < ops["roundtrip_seconds"]["median"] < 0.05
+    assert 0 < ops["op_seconds"]["median"] < 0.1 and 0 < ops["roundtrip_seconds"]["median"] < 0.1
     att = got["attention"]
     assert [e["context_tokens"] for e in att] == [16, 64]
     for e in att:
         assert (e["n_heads"], e["n_kv_heads"], e["head_dim"]) == (4, 2, 16)
         assert e["kv_bytes"] == 2 * e["context_tokens"] * 2 * 16 * 4
         assert e["kv_gbps"]["median"] == pytest.approx(e["kv_bytes"] / e["seconds"]["median"] / 1e9)
-        assert 0 < e["seconds"]["median"] < 1.0
+        assert 0 < e["seconds"]["median"] < 0.5
     # the entries are what a profile holds: validation accepts them
     from test_profiler_schema import toy_doc
 
