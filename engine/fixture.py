@@ -41,7 +41,9 @@ class FixtureConfig:
     Attributes:
         layers, experts, top_k, hidden, width: MoE layers, routed experts per layer, top-k, H, expert I.
         vocab, heads, kv_heads, head_dim: the small trunk.
-        quant: expert quant format. seed: master seed. domain: OLMoE text domain for the routing skew.
+        quant: expert quant format. dense_format: format of the trunk's matrices in the pack
+            (engine/dense_quant.py; f32 by default). seed: master seed. domain: OLMoE text domain for the
+            routing skew.
         router_std: standard deviation of the router logits x · Wᵀ for unit-RMS x.
     """
 
@@ -57,6 +59,7 @@ class FixtureConfig:
     kv_heads: int = 2
     head_dim: int = 64
     quant: str = "int4"
+    dense_format: str = "f32"
     seed: int = 0
     domain: str = "tulu"
     router_std: float = 1.0
@@ -244,7 +247,7 @@ def build_fixture(out_dir, cfg: FixtureConfig | None = None, overwrite: bool = F
                 w.add_expert_parts(layer, e, parts)
                 if progress is not None:
                     progress(layer * cfg.experts + e + 1, total)
-        w.write_dense(_dense(cfg, arch, biases, routers))
+        w.write_dense(_dense(cfg, arch, biases, routers), cfg.dense_format)
         top8 = [float(np.sort(t)[::-1][:8].sum() / t.sum()) for t in target]
         extra = {"fixture": {**cfg.__dict__,
                              "routing": f"OLMoE top-k counts on {cfg.domain}; each layer uses the recorded "

@@ -5,6 +5,9 @@ past the device's capacity, a split trunk), each with the bytes asked and availa
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from _cli_fixtures import invoke, pack_and_profile
@@ -16,7 +19,10 @@ from colibri_plan.engine.placement import LayerPlacement, Placement
 from colibri_plan.engine.session import expert_bytes_on, run_placement
 from colibri_plan.engine.trunk import trunk_dense_bytes, trunk_kv_bytes
 from colibri_plan.errors import BackendUnavailableError, DeviceOutOfMemoryError, UnsupportedError
+from colibri_plan.formats.plan import load_plan
 from colibri_plan.formats.plan_trunk import TrunkPlacement, kv_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPT = [5, 80, 200, 7]
 N_TOKENS = 6
@@ -174,6 +180,16 @@ def test_run_and_verify_a_plan_with_a_trunk_section(files, tmp_path):
     human = invoke("verify", "--plan", plan, "--model", files / "fx", "--tokens", 2, "--backend", "numpy",
                    "--no-reference", "--report", tmp_path / "v2.json")
     assert human.exit_code == 0 and "trunk (dense, attention, KV cache) on numpy:0" in human.output
+    assert Placement.from_plan(load_plan(plan)).trunk.device == "numpy:0"
+    # the H200 bench's summary of a CPU-trunk and a device-trunk report
+    r = invoke("verify", "--plan", files / "plan.json", "--model", files / "fx", "--tokens", 3, "--backend",
+               "numpy", "--report", tmp_path / "v-cpu.json")
+    assert r.exit_code == 0, r.output
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "h200_trunk.py"), "summary",
+                          str(tmp_path / "v-cpu.json"), str(report)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "token-exact (both): yes" in out.stdout and "ratio gpu/cpu" in out.stdout
+    assert "trunk gpu: device numpy:0 (plan: numpy:0)" in out.stdout
 
 
 def test_a_plan_trunk_on_a_missing_gpu_is_refused_naming_the_devices_here(files, tmp_path):
@@ -183,3 +199,20 @@ def test_a_plan_trunk_on_a_missing_gpu_is_refused_naming_the_devices_here(files,
     line = [ln for ln in r.output.splitlines() if ln.startswith("Error: ")]
     assert len(line) == 1 and "BackendUnavailableError" in line[0]
     assert "no cuda:7" in line[0] and "B asked" in line[0] and "numpy:0 (" in line[0]
+
+
+def test_the_benchs_int8_trunk_fixture_runs_token_exact_on_a_device_trunk(tmp_path):
+    from colibri_plan.engine.dense_quant import QuantLinear
+    from colibri_plan.engine.fixture import FixtureConfig, build_fixture
+
+    cfg = FixtureConfig.small(layers=2, experts=8, top_k=2, heads=4, kv_heads=2, quant="int8",
+                              dense_format="int8")
+    build_fixture(tmp_path / "fx", cfg)
+    with open_pack(tmp_path / "fx") as pack:
+        assert isinstance(pack.dense["layers.1.attn.o"], QuantLinear)
+        assert pack.index["format"]["dense_format"] == "int8"
+        want = _cpu_tokens(pack)
+        a = pack.arch
+        rep = run_placement(pack, Placement.all_ram(a.moe_layers, a.n_experts), PROMPT, N_TOKENS,
+                            cpu_backend="numpy", trunk=_trunk("numpy:0"))
+    assert rep.tokens == want and rep.trunk_bytes["dense"] == trunk_dense_bytes(a, pack.dense, 64)
