@@ -214,7 +214,7 @@ class VulkanBackend(VulkanDeviceOps, GPUBackend):
     def _rmsnorm(self, x, weight, eps):
         (T, H), (_, offs) = x.shape, sh.pack((x, weight), self._x_view)  # x [T, H], then weight [H]
         xb, yb = self._io["x"], self._io.get("y", 4 * T * H)
-        pc = [H, offs[1], int(np.float32(eps).view(np.uint32))]
+        pc = [H, offs[1], int(np.float32(eps).view(np.uint32)), T]
         self._run(("rms", T, H, pc[2]), set(), lambda: [
             (self._d.pipeline("rmsnorm", (WG,)), [xb], [xb], xb, yb, pc, T, 1)])
         return self._get_y(T, H)

@@ -42,6 +42,7 @@ POOL_KEEP_BYTES = 256 << 20  # freed activation buffers kept for reuse, at most
 POOL_MAX_BUFFER = 16 << 20  # larger freed buffers (KV cache pages) are released, not kept
 ATT_WG, ATT_TILE, MAX_HEAD_DIM = 128, 64, 256  # attention_gqa.comp: invocations, keys per tile, MAXD
 ATT_MIN_KEYS = 64  # fewest keys per slice of a query row's keys (below that, merging costs more)
+MAX_GROUPS = 65535  # workgroups per grid dimension every device offers (maxComputeWorkGroupCount)
 EW_ADD, EW_ADD_ROW, EW_SILU_MUL, EW_SCALE_ROWS, EW_ROPE, EW_PAD = range(6)  # elementwise.comp's op codes
 
 
@@ -73,8 +74,11 @@ class BufferPool:
         self._made: dict[int, NS] = {}
         self.free_bytes, self.closed = 0, False
 
-    def take(self, nbytes: int) -> VkArray:
+    def take(self, nbytes: int, cap: int) -> VkArray:
+        """An array of at least ``nbytes``; its size class, or the bytes asked when that is over ``cap``."""
         size = size_class(nbytes)
+        if size > cap:
+            size = max(256, -(-int(nbytes) // 4) * 4)
         spare = self._free.get(size)
         if spare:
             b = spare.pop()
@@ -147,7 +151,7 @@ class VulkanDeviceOps:
 
     def _take(self, nbytes: int) -> VkArray:
         self._check_open()
-        return self._pool.take(nbytes)
+        return self._pool.take(nbytes, self.max_buffer_bytes)
 
     # ---- the batch ---------------------------------------------------------------------------------
     def _cb(self, *keep: VkArray):
@@ -239,7 +243,7 @@ class VulkanDeviceOps:
     def _ew(self, op: int, ins: list[VkArray], n: int, d: int, *extra: int) -> VkArray:
         """One elementwise.comp op writing n floats (rows of d) into a new array."""
         out = self._take(4 * n)
-        groups = min(-(-n // vu.WG), 65535)  # the shader loops over the rest
+        groups = min(-(-n // vu.WG), MAX_GROUPS)  # the shader loops over the rest
         pipe = self._d.pipeline("elementwise", (vu.WG,))
         pc = [op, n, max(d, 1), *extra, 0, 0, 0, 0][:7]  # every member the shader uses is set
         self._dispatch(pipe, ins, out, pc, groups)
@@ -286,8 +290,10 @@ class VulkanDeviceOps:
 
     def _d_rmsnorm(self, x: DArray, weight: DArray, eps: float) -> VkArray:
         (T, H), y = x.shape, self._take(x.nbytes)
-        pc = [H, 0, int(np.float32(eps).view(np.uint32))]
-        self._dispatch(self._d.pipeline("rmsnorm", (vu.WG, 1)), [weight.buf], y, pc, T, x=x.buf)
+        pc = [H, 0, int(np.float32(eps).view(np.uint32)), T]
+        gx = min(T, MAX_GROUPS)  # more rows (per-head norms of a long prefill): a 2-D grid
+        self._dispatch(self._d.pipeline("rmsnorm", (vu.WG, 1)), [weight.buf], y, pc, gx, -(-T // max(gx, 1)),
+                       x=x.buf)
         return y
 
     def _d_add(self, a: DArray, b: DArray) -> VkArray:
@@ -319,7 +325,7 @@ class VulkanDeviceOps:
         if d > MAX_HEAD_DIM:
             raise UnsupportedError(f"vulkan d_attention: head_dim {d} is over the shader's {MAX_HEAD_DIM}; "
                                    "run this model's attention on another backend")
-        if max(t, hq) > 65535:
+        if max(t, hq) > MAX_GROUPS:
             raise UnsupportedError(f"vulkan d_attention: {t} query rows x {hq} heads; at most 65535 of each "
                                    "per call (pass fewer tokens)")
         keys = min(n_keys, window) if window else n_keys  # the most keys a query row sees

@@ -148,6 +148,16 @@ def test_batches_past_the_op_limit_and_freed_weights(be, monkeypatch):
     np.testing.assert_allclose(be.d_get(y), x @ quant.dequantize(qt).T, rtol=1e-4, atol=1e-5)
 
 
+def test_more_rows_than_one_grid_dimension(be, monkeypatch):
+    monkeypatch.setattr(vd, "MAX_GROUPS", 7)  # as 65535 is on every device, without 65536 rows
+    x, w = _r(30, 67), _r(67)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + 1e-6) * w
+    assert _err(be.d_get(be.d_rmsnorm(be.d_put(x), be.d_put(w), 1e-6)), ref) < 1e-5  # a 7 x 5 grid
+    np.testing.assert_allclose(be.d_get(be.d_silu_mul(be.d_put(x), be.d_put(x))), x / (1 + np.exp(-x)) * x,
+                               rtol=1e-5, atol=1e-6)  # 7 workgroups loop over 2010 floats
+
+
 @pytest.mark.parametrize("out,in_,t", [(40, 256, 1), (40, 256, 9), (17, 100, 9)])
 def test_d_matmul_with_and_without_the_padded_copy(be, out, in_, t):
     qt = quant.quantize(_r(out, in_, scale=in_ ** -0.5), "int4-g32")
