@@ -163,10 +163,11 @@ def test_refusals_before_solving(monkeypatch):
     with pytest.raises(InputError, match=r"--trunk cuda:3: the profile has no device cuda:3; choose "
                                          r"auto, cpu, cuda:0"):
         make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="cuda:3")
-    with pytest.raises(BudgetError, match=r"KV cache of --context 3000000 tokens needs 3072000000 B "
-                                          r"\(3\.07 GB\) there and cuda:0 has 60000000 B"):
-        make_plan(toy_profile(gpus=[GPU], ram_available_bytes=8 * 10**9), spec, None, ram="6",
-                  context_tokens=3_000_000, trunk="cuda:0")
+    for ram in ("6", "2"):    # checked before the RAM budget, which would refuse the context otherwise
+        with pytest.raises(BudgetError, match=r"KV cache of --context 3000000 tokens needs 3072000000 B "
+                                              r"\(3\.07 GB\) there and cuda:0 has 60000000 B"):
+            make_plan(toy_profile(gpus=[GPU], ram_available_bytes=8 * 10**9), spec, None, ram=ram,
+                      context_tokens=3_000_000, trunk="cuda:0")
     big = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=2_000_000_000)   # ~1 GB of int4 trunk
     with pytest.raises(BudgetError, match=r"trunk on cuda:0: the dense trunk and KV cache need \d+ B .* has "
                                           r"60000000 B .*leave -\d\.\d+ GB for experts"):

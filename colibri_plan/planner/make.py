@@ -285,11 +285,18 @@ def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: f
         InputError: a bad re-pinning value or an unknown --trunk device (before any solving), and as
         :func:`build_setup`; BudgetError: a forced trunk that does not fit.
     """
-    from colibri_plan.planner.trunk_solve import check_trunk_choice, choose_trunk, validate_trunk
+    from colibri_plan.planner.trunk_solve import (
+        check_forced_kv,
+        check_trunk_choice,
+        choose_trunk,
+        validate_trunk,
+    )
 
     repin = repin_section(repin_every, repin_window)
     if trunk not in ("auto", "cpu", "split"):   # an unknown device before the budgets are worked out
         check_trunk_choice(trunk, [f"{g['backend']}:{g['index']}" for g in profile.gpus()])
+        check_forced_kv(profile, spec, trunk, kw.get("context_tokens", 4096), kw.get("vram", "auto"),
+                        int(kw.get("vram_reserve_gb", 2.0) * 1e9))
     setup = build_setup(profile, spec, heat, **kw)
 
     def solve(s):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from colibri_plan.errors import BudgetError, ColibriError, FormatError, InputError
-from colibri_plan.formats.plan_trunk import CPU, PAGE_TOKENS, TrunkPlacement, parse_trunk
+from colibri_plan.formats.plan_trunk import CPU, PAGE_TOKENS, TrunkPlacement, kv_bytes, parse_trunk
 from colibri_plan.planner.budgets import fmt_gb
 from colibri_plan.planner.trunk import device_figures, trunk_options
 
@@ -29,6 +29,12 @@ def check_trunk_choice(choice: str, keys: list[str]) -> None:
                      + "".join(f", {k}" for k in keys) + (", split" if len(keys) > 1 else ""))
 
 
+def _kv_message(key: str, ctx: int, kv: int, have: int) -> str:
+    return (f"trunk on {key}: the KV cache of --context {ctx} tokens needs {kv} B ({fmt_gb(kv)} GB) there "
+            f"and {key} has {have} B ({fmt_gb(have)} GB) after its reserve; give a smaller --context, "
+            "--trunk cpu, or a smaller --vram-reserve")
+
+
 def option_fit(setup, opt) -> None:
     """Raise BudgetError when ``opt`` does not fit the devices' budgets (bytes asked and available)."""
     ctx = setup.budgets.context_tokens
@@ -37,9 +43,7 @@ def option_fit(setup, opt) -> None:
         share = need / max(1, opt.dense_bytes + opt.kv_bytes)
         kv = int(opt.kv_bytes * share)
         if kv > have:
-            raise BudgetError(f"trunk on {key}: the KV cache of --context {ctx} tokens needs {kv} B "
-                              f"({fmt_gb(kv)} GB) there and {key} has {have} B ({fmt_gb(have)} GB) after its "
-                              "reserve; give a smaller --context, --trunk cpu, or a smaller --vram-reserve")
+            raise BudgetError(_kv_message(key, ctx, kv, have))
         if need > have:
             raise BudgetError(f"trunk on {key}: the dense trunk and KV cache need {need} B ({fmt_gb(need)} "
                               f"GB) there and {key} has {have} B ({fmt_gb(have)} GB), which would leave "
@@ -189,10 +193,31 @@ def predicted_trunk(setup) -> dict:
             "kv_bytes": int(trunk_section(setup)["kv"]["bytes"])}
 
 
+def check_forced_kv(profile, spec, choice: str, context_tokens: int, vram: str = "auto",
+                    reserve_bytes: int = 2 * 10**9) -> None:
+    """Before any budget is worked out: refuse a trunk forced onto a discrete GPU whose budget (free -
+    reserve, or ``--vram``) cannot hold the KV cache of ``context_tokens`` (the RAM budget would otherwise
+    refuse the context first, though the cache would not live there).
+
+    Raises:
+        BudgetError: with the bytes asked and available.
+    """
+    from colibri_plan.planner.budgets import vram_budgets
+
+    gpus = {f"{g['backend']}:{g['index']}": g for g in profile.gpus()}
+    if choice not in gpus or gpus[choice].get("unified_memory"):
+        return
+    have = vram_budgets(profile.gpus(), vram, reserve_bytes)[0][choice]
+    kv = kv_bytes(context_tokens, spec.kv_bytes_per_token)
+    if kv > have:
+        raise BudgetError(_kv_message(choice, context_tokens, kv, have))
+
+
 def validate_trunk(doc: dict) -> None:
-    """Re-check a plan's trunk against its budgets, independently of the solver: the section parses,
-    its device bytes are the ones the budgets took out, and on every discrete device experts + trunk fit
-    the device's budget before the trunk (expert budget + trunk bytes).
+    """Re-check a plan's trunk against its budgets, independently of the solver: the section parses (a
+    known device, KV bytes = whole pages, a split covering the layers), a GPU trunk's bytes were taken
+    out of the expert budgets (at least dense + KV bytes), and no device's expert budget went negative.
+    ``validate_plan`` then checks the experts against those budgets.
 
     Raises:
         FormatError: naming the device and the bytes.
