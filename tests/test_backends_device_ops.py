@@ -14,7 +14,7 @@ import pytest
 
 from colibri_plan import quant
 from colibri_plan.backends.device_ops import attention_ref, rope_ref, rope_table
-from tests.test_backends_oracle import be  # noqa: F401 - the per-device fixture
+from test_backends_oracle import be  # noqa: F401 - the per-device fixture
 
 RNG = np.random.default_rng(7)
 
