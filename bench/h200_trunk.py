@@ -1,10 +1,11 @@
 """Helper of bench/h200_trunk.sh: make the trunk-heavy fixture, and summarise the two verify reports.
 
-    python bench/h200_trunk.py fixture OUT_DIR [--layers 16 --experts 32 --width 768 --vocab 32000]
+    python bench/h200_trunk.py fixture OUT_DIR [--layers 16 --experts 32 --width 768 --vocab 32000 --heads 32]
     python bench/h200_trunk.py summary CPU_REPORT GPU_REPORT
 
-``fixture``: a synthetic pack (engine/fixture.py) whose dense trunk matters: hidden 2048, 16 heads of 128
-with 4 kv heads (q/o 2048x2048, k/v 512x2048 per layer), int8 dense matrices and int8 experts.
+``fixture``: a synthetic pack (engine/fixture.py) whose dense trunk matters, at Qwen3-30B-A3B's widths:
+hidden 2048, 32 heads of 128 with 4 kv heads (q 4096x2048, o 2048x4096, k/v 512x2048 per layer), expert
+width 768, int8 dense matrices and int8 experts (the trunk is about 19 MB per layer + a 65 MB LM head).
 ``summary``: token-exact (both plans against the all-RAM CPU reference), measured tok/s of both, their
 ratio (GPU trunk / CPU trunk), and predicted vs measured (uncalibrated) for tok/s, dense and attention.
 """
@@ -20,7 +21,8 @@ def make_fixture(args) -> None:
     from colibri_plan.engine.fixture import FixtureConfig, build_fixture
 
     cfg = FixtureConfig(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                        width=args.width, vocab=args.vocab, heads=16, kv_heads=4, head_dim=128,
+                        width=args.width, vocab=args.vocab, heads=args.heads, kv_heads=args.kv_heads,
+                        head_dim=128,
                         quant="int8", dense_format="int8")
     s = build_fixture(args.out, cfg)
     print(f"fixture {s['path']}: {args.layers} layers, {s['experts']} int8 experts of "
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     f = sub.add_parser("fixture")
     f.add_argument("out")
     for name, default in (("layers", 16), ("experts", 32), ("top-k", 8), ("hidden", 2048), ("width", 768),
-                          ("vocab", 32000)):
+                          ("vocab", 32000), ("heads", 32), ("kv-heads", 4)):
         f.add_argument(f"--{name}", type=int, default=default)
     s = sub.add_parser("summary")
     s.add_argument("cpu_report")

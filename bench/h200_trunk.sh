@@ -5,12 +5,14 @@
 #   OUT=/tmp/h200-trunk bash bench/h200_trunk.sh
 #   LAYERS=24 VRAM_GB=2.5 TOKENS=32 OUT=/tmp/x bash bench/h200_trunk.sh
 #
-# Makes a fixture whose trunk matters (bench/h200_trunk.py fixture: hidden 2048, LAYERS layers, 16 heads of
-# 128 with 4 kv heads, int8 trunk, int8 experts, vocab 32000) in WORK (large, kept out of OUT), profiles
-# the machine (cpu and cuda, trunk probes included), solves twice with the same budgets (--trunk cpu and
-# --trunk cuda:0; VRAM_GB for the GPU is smaller than the experts, so experts are split VRAM/RAM and on the
-# GPU-trunk plan the trunk and KV come out of it), verifies both with the all-RAM CPU reference, and prints:
-# token-exact yes/no, measured tok/s of both, the ratio, predicted vs measured (uncalibrated).
+# Makes a fixture whose trunk matters (bench/h200_trunk.py fixture: Qwen3-30B-A3B widths - hidden 2048, 32
+# heads of 128, 4 kv heads, expert width 768 -, LAYERS layers, EXPERTS experts top-8, int8 trunk and
+# experts, vocab 32000; about 2.4 GB) in WORK (kept out of OUT), profiles the machine (cpu and the trunk
+# GPU's backend, trunk probes included), solves twice with the same budgets (--trunk cpu and
+# --trunk $DEV, default cuda:0; VRAM_GB for the GPU is smaller than the experts, so experts are split
+# VRAM/RAM, and on the GPU-trunk plan the trunk and KV come out of it), verifies both with the all-RAM CPU
+# reference, and prints: token-exact yes/no, measured tok/s of both, the ratio, predicted vs measured
+# (uncalibrated). Without a GPU, DEV=opencl:0 VRAM_GB= (empty) and small sizes run the same flow.
 # Files under OUT (7, small): profile.json, plan-cpu.json, plan-gpu.json, verify-cpu.json,
 # verify-gpu.json, log.txt, summary.txt. Needs: this checkout installed, CuPy with a visible GPU.
 set -euo pipefail
@@ -37,7 +39,7 @@ run() { "$@" >> "$LOG" 2>&1; }
 say "fixture: $LAYERS layers, $EXPERTS experts, width $WIDTH, int8 trunk and experts"
 [ -f "$WORK/fixture/pack.json" ] || run $PY bench/h200_trunk.py fixture "$WORK/fixture" --layers "$LAYERS" \
   --experts "$EXPERTS" --width "$WIDTH" --hidden "$HIDDEN" --vocab "$VOCAB"
-say "profile --quick (cpu and cuda: disk, RAM, links, matmul, dense trunk)"
+say "profile --quick (cpu and ${DEV%%:*}: disk, RAM, links, matmul, dense trunk)"
 run $CP profile --quick --backends "cpu,${DEV%%:*}" --formats int8 --dense-formats int8,f32 --model "$WORK/fixture" \
   --path "$WORK" --out "$OUT/profile.json"
 say "statistics run"
