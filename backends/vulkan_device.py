@@ -20,7 +20,9 @@ the timestamps that ``last_gpu_seconds`` reads.
 **Shaders.** ``matmul.comp`` reads x straight from its buffer when its rows are already the weight's
 padded length (a multiple of 128 floats), else from a zero-padded copy (op 5 of ``elementwise.comp``);
 ``rmsnorm.comp`` with ``WBIND = 1`` (the weight in its own buffer); ``elementwise.comp`` for add (also
-1-D broadcast), SiLU·mul, row scales and RoPE; ``attention_gqa.comp`` for attention (head_dim ≤ 256).
+1-D broadcast), SiLU·mul, row scales and RoPE; ``attention_gqa.comp`` for attention (head_dim ≤ 256; a
+workgroup per query row and group of up to 8 query heads of one kv head, which share its K/V reads;
+a row's keys cut into slices merged by a second dispatch when that leaves the device short of work).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ POOL_KEEP_BYTES = 256 << 20  # freed activation buffers kept for reuse, at most
 POOL_MAX_BUFFER = 16 << 20  # larger freed buffers (KV cache pages) are released, not kept
 ATT_WG, ATT_TILE, MAX_HEAD_DIM = 128, 64, 256  # attention_gqa.comp: invocations, keys per tile, MAXD
 ATT_MIN_KEYS = 64  # fewest keys per slice of a query row's keys (below that, merging costs more)
+ATT_MAX_HG = 8  # query heads of one kv head per workgroup, at most (registers: HG x 256 / ATT_WG)
 MAX_GROUPS = 65535  # workgroups per grid dimension every device offers (maxComputeWorkGroupCount)
 EW_ADD, EW_ADD_ROW, EW_SILU_MUL, EW_SCALE_ROWS, EW_ROPE, EW_PAD = range(6)  # elementwise.comp's op codes
 
@@ -328,16 +331,18 @@ class VulkanDeviceOps:
         if max(t, hq) > MAX_GROUPS:
             raise UnsupportedError(f"vulkan d_attention: {t} query rows x {hq} heads; at most 65535 of each "
                                    "per call (pass fewer tokens)")
+        g = hq // k.shape[1]
+        hg = max(n for n in range(1, min(g, ATT_MAX_HG) + 1) if g % n == 0)  # heads sharing K/V reads
         keys = min(n_keys, window) if window else n_keys  # the most keys a query row sees
         want = self.d_att_workgroups.get(self.device.kind, 512)
-        splits = max(1, min(-(-keys // ATT_MIN_KEYS), -(-want // (t * hq)), 1024))
+        splits = max(1, min(-(-keys // ATT_MIN_KEYS), -(-want // (t * hq // hg)), 1024))
         out = self._take(4 * t * hq * d)
         pc = [hq, k.shape[1], d, pos0, window, int(np.float32(scale).view(np.uint32)), splits]
-        pipe = self._d.pipeline("attention_gqa", (ATT_WG, ATT_TILE, 0))
+        pipe = self._d.pipeline("attention_gqa", (ATT_WG, ATT_TILE, 0, hg))
         if splits == 1:
-            self._dispatch(pipe, [q.buf, k.buf, v.buf], out, pc, hq, t)
+            self._dispatch(pipe, [q.buf, k.buf, v.buf], out, pc, hq // hg, t)
             return out
         part = self._take(4 * t * hq * splits * (d + 2))  # [T * Hq, splits, d + 2]: sums, max, sum
-        self._dispatch(pipe, [q.buf, k.buf, v.buf], part, pc, hq, t, splits)
-        self._dispatch(self._d.pipeline("attention_gqa", (ATT_WG, ATT_TILE, 1)), [part], out, pc, t * hq)
+        self._dispatch(pipe, [q.buf, k.buf, v.buf], part, pc, hq // hg, t, splits)
+        self._dispatch(self._d.pipeline("attention_gqa", (ATT_WG, ATT_TILE, 1, 1)), [part], out, pc, t * hq)
         return out

@@ -172,6 +172,9 @@ def test_d_matmul_with_and_without_the_padded_copy(be, out, in_, t):
     (2, 3, 3, 1, 63, 0),       # head_dim 1; the second query starts a new tile
     (3, 2, 1, 48, 129, 1),     # window 1: each query sees itself only
     (2, 2, 2, 24, 5, 500),     # a window wider than the history
+    (1, 12, 1, 64, 100, 0),    # 12 query heads per kv head: 2 workgroups of 6
+    (2, 32, 2, 128, 70, 0),    # 16 per kv head: 2 workgroups of 8 (the most) per kv head
+    (3, 6, 2, 67, 40, 16),     # groups of 3, odd head_dim, a window
 ])
 def test_d_attention_edges(be, t, hq, hkv, d, pos0, window):
     n_keys = pos0 + t
@@ -217,7 +220,8 @@ def test_d_attention_key_slices_are_merged(be, monkeypatch, t, hq, hkv, d, pos0,
     ref = attention_ref(q, k, v, n_keys, pos0, 0.25, window).astype(np.float64)
     y = be.d_get(be.d_attention(be.d_put(q), be.d_put(k), be.d_put(v), n_keys, pos0, 0.25, window))
     keys = min(n_keys, window) if window else n_keys
-    assert grids == [(hq, t, -(-keys // min_keys)), (t * hq,)]  # slices, then the merge
+    hg = max(n for n in range(1, min(hq // hkv, vd.ATT_MAX_HG) + 1) if (hq // hkv) % n == 0)
+    assert grids == [(hq // hg, t, -(-keys // min_keys)), (t * hq,)]  # slices, then the merge
     assert _err(y, ref) < 1e-5
 
 
