@@ -3,7 +3,7 @@
 Same greedy tokens as the CPU path, and logits within ``|Δ| ≤ 1e-4 · max(1, max |logit|)`` of it (the
 trunk's matmuls, norms and attention on the device differ from the host's float32 numpy only by summation
 order; attention's reference accumulates in float64). Backends: numpy and cpu always; OpenCL and Vulkan
-where they run (CI: PoCL, lavapipe). The MLA path (attention kept on the host) and a pack with an int8
+where they run (CI: PoCL, lavapipe); CUDA's host side on the simulated GPU. The MLA path (attention kept on the host) and a pack with an int8
 trunk (QuantLinear uploads) too; the KV cache reserves whole 64-token pages and grows past them.
 """
 
@@ -157,3 +157,30 @@ def test_int8_trunk_of_a_pack_runs_its_quantized_matrices(models, tmp_path):
             assert uploaded.fmt == "int8" and uploaded.nbytes == pack.dense["layers.0.attn.q"].nbytes
             assert model.generate(PROMPT, N_TOKENS) == want_ids
             _close(model.forward(PROMPT), want_logits)
+
+
+@pytest.mark.parametrize("variant", ["qwen2_moe", "olmoe", "glm4_moe", "mixtral_sliding"])
+def test_device_trunk_on_the_simulated_cuda_backend(models, variant, monkeypatch):
+    """backends/cuda_device.py's host side (buffers, offsets of views, staging, launch arguments) under the
+    trunk, on the stand-in cupy of test_backend_cuda_device_sim.py: the CUDA path without a GPU."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from tests.test_backend_cuda_device_sim import device_cupy
+    from tests.test_backend_cuda_sim import Sim
+
+    monkeypatch.setitem(sys.modules, "cupy", device_cupy(Sim()))
+    w, want_ids, want_logits = models[variant]
+    be = get_backend("cuda").open(0)
+    try:
+        with Model(w, trunk_backend=be, context_tokens=8) as model:
+            assert model.generate(PROMPT, N_TOKENS) == want_ids
+            _close(model.forward(PROMPT), want_logits)
+            if variant == "glm4_moe":   # past the reserved page: the cache grows with device copies
+                with Model(w) as ref:
+                    want = ref.generate(PROMPT, 70)
+                cache = model.new_cache(8)
+                assert model.generate(PROMPT, 70, cache=cache) == want and cache.grown_pages == 1
+    finally:
+        be.close()
