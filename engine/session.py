@@ -215,9 +215,9 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
     if int(n_tokens) < 1:
         raise InputError(f"--tokens must be >= 1, got {n_tokens}")
     trunk = trunk or getattr(placement, "trunk", None) or TrunkPlacement()
+    check_trunk_plan(trunk)
     key = trunk.device if trunk.on_device else None
     if key is not None:
-        check_trunk_plan(trunk)
         reserve = trunk.context_tokens or min(len(prompt_ids) + int(n_tokens), 4096)   # as the host cache
         ctx = max(reserve, len(prompt_ids) + int(n_tokens))   # a run past the plan's context grows the cache
         dense_b, kv_b = trunk_dense_bytes(pack.arch, pack.dense, ctx), trunk_kv_bytes(pack.arch, ctx)
