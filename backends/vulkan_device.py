@@ -78,9 +78,10 @@ class BufferPool:
         self.free_bytes, self.closed = 0, False
 
     def take(self, nbytes: int, cap: int) -> VkArray:
-        """An array of at least ``nbytes``; its size class, or the bytes asked when that is over ``cap``."""
+        """An array of at least ``nbytes``: its size class, or the bytes asked when that class is over
+        ``cap`` (the largest buffer) or POOL_MAX_BUFFER (KV pages: never pooled, so never rounded up)."""
         size = size_class(nbytes)
-        if size > cap:
+        if size > min(cap, POOL_MAX_BUFFER):
             size = max(256, -(-int(nbytes) // 4) * 4)
         spare = self._free.get(size)
         if spare:

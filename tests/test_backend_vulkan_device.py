@@ -129,6 +129,11 @@ def test_freed_buffers_are_reused(be):
     b = be.d_put(_r(60, 64))  # the same size class
     assert b.buf.b.buf == handle
     assert be._pool.free_bytes == 0
+    big = be.d_zeros((vd.POOL_MAX_BUFFER // 4 + 1,))  # a KV page: the bytes asked, not a size class
+    assert big.buf.b.size == vd.POOL_MAX_BUFFER + 4
+    del big
+    be.synchronize()  # the recorded fill holds it until then
+    assert be._pool.free_bytes == 0  # released, not kept
 
 
 def test_batches_past_the_op_limit_and_freed_weights(be, monkeypatch):
