@@ -3,9 +3,9 @@
 Same greedy tokens as the CPU path, and logits within ``|Δ| ≤ 1e-4 · max(1, max |logit|)`` of it (the
 trunk's matmuls, norms and attention on the device differ from the host's float32 numpy only by summation
 order; attention's reference accumulates in float64). Backends: numpy and cpu always; OpenCL and Vulkan
-where they run (CI: PoCL, lavapipe); CUDA's host side on the simulated GPU. The MLA path (attention kept
-on the host) and a pack with an int8 trunk (QuantLinear uploads) too; the KV cache reserves whole 64-token
-pages and grows past them.
+where they run (CI: PoCL, lavapipe), CUDA on a GPU host; its host side on the simulated GPU. The MLA
+path (attention kept on the host) and a pack with an int8 trunk (QuantLinear uploads) too; the KV cache
+reserves whole 64-token pages and grows past them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ VARIANTS = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_m
 
 def _backends() -> list:
     out = []
-    for name in ("numpy", "cpu", "opencl", "vulkan"):
+    for name in ("numpy", "cpu", "opencl", "vulkan", "cuda"):
         reason = get_backend(name).unavailable_reason()
         out.append(pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=str(reason))))
     return out
