@@ -13,6 +13,7 @@ shape's command buffer is recorded once, then replayed (``_shared.Replays``); pi
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -50,21 +51,22 @@ class VulkanBackend(VulkanDeviceOps, GPUBackend):
     def _open(self) -> None:
         import vulkan as vk
 
-        self.vk, self._d, self._inst, self._live = vk, None, None, {}
+        self.vk, self._d, self._live, self._gc = vk, None, {}, None
         self._d_init()
         self._cmds = Replays(_CMD_KEEP, lambda e: self._d.free_cmd(e))
         # activations in (x), FFN intermediate (h), results (y): grown by 2x, within one buffer's limit
         self._io = WorkBuffers(lambda role, n: self._buffer(n, role), lambda b: self._release(b),
                                lambda n: min(self.max_buffer_bytes, max(1 << 16, 2 * n)), self._io_grow)
-        self._inst = vu.create_instance(vk)
         try:
-            phys_index = vu.probe()[1][self.device.index][0]
-            pd = vu.enum(vk, "VkPhysicalDevice", vk.lib.vkEnumeratePhysicalDevices, self._inst)[phys_index]
+            pd = vu.instance(vk)[1][vu.probe()[1][self.device.index][0]]  # the process's one instance
             f = self.facts = vu.device_facts(vk, pd)
             self.max_buffer_bytes = min(f.max_range, f.max_alloc or f.max_range)
             self.pipeline_cache_path = vu.cache_path(f)
             self._cache_blob, self.pipeline_cache_state = vu.read_cache(self.pipeline_cache_path, f)
             self._d = vu.Device(vk, pd, f, MAXE, self._cache_blob)
+            # collected unclosed: the VkDevice and its buffers go too (no driver calls at exit)
+            self._gc = weakref.finalize(self, self._d.close)
+            self._gc.atexit = False
             self._roles, direct, self._capacity = vu.memory_roles(f)
             self.weight_memory = "direct" if direct else "staged"
         except BaseException:
@@ -77,10 +79,10 @@ class VulkanBackend(VulkanDeviceOps, GPUBackend):
     # ---- memory --------------------------------------------------------------------------------------
     def _buffer(self, size: int, role: str) -> NS:
         """A buffer bound to fresh memory of the role's best type; mapped for host-visible io roles."""
-        return vu.make_buffer(self.vk, self._d.dev, size, _USAGE, self._roles[role], self.facts, role != "w")
+        return self._d.buffer(size, _USAGE, self._roles[role], role != "w")
 
     def _release(self, b: NS) -> None:
-        vu.release_buffer(self.vk, self._d.dev, b)
+        self._d.release(b)  # nothing once the device is closed (a DArray collected after close)
 
     def _write(self, b: NS, data: np.ndarray, offset: int = 0, direct: bool | None = None) -> None:
         """Copy bytes into a buffer: through a mapping (direct; default: weights' ``weight_memory``) or a
@@ -298,10 +300,10 @@ class VulkanBackend(VulkanDeviceOps, GPUBackend):
                 self._free_parts(w)
             self._io.clear()
             self._d.save_cache(self.pipeline_cache_path, self._cache_blob)
+        if self._gc is not None:
+            self._gc()  # Device.close, once: the buffers left, the objects, the VkDevice
+        elif self._d is not None:
             self._d.close()
-        if self._inst is not None:
-            self.vk.lib.vkDestroyInstance(self._inst, self.vk.ffi.NULL)
-            self._inst = None
 
 
 BACKEND = VulkanBackend

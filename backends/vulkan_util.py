@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -24,6 +25,9 @@ DL, HV, HC, HCACHED = 1, 2, 4, 8  # VkMemoryPropertyFlagBits: DEVICE_LOCAL, HOST
 CACHE_MAGIC = b"CPVKPC01"  # our file: magic, sha256 of the driver's blob, then the blob
 _V11, _V12 = (1 << 22) | (1 << 12), (1 << 22) | (2 << 12)  # VK_MAKE_API_VERSION(0, 1, 1|2, 0)
 _PROBE: list = []  # [reason, [(physical index, facts)]], computed once per process
+_INSTANCE: list = []  # [VkInstance, VkPhysicalDevice array] of this process, made on first use
+_LOCK = threading.Lock()
+_LIVE = [0]  # VkDevices created and not yet destroyed, in this process
 
 
 def check(vk, res: int) -> None:
@@ -55,11 +59,34 @@ def enum(vk, ctype: str, fn, *args):
 
 
 def create_instance(vk):
-    """A Vulkan 1.1 instance (the caller destroys it)."""
+    """A new Vulkan 1.1 instance (the caller destroys it); backends use :func:`instance`."""
     app = new(vk, "VkApplicationInfo", apiVersion=_V11)
     h = vk.ffi.new("VkInstance*")
     check(vk, vk.lib.vkCreateInstance(new(vk, "VkInstanceCreateInfo", pApplicationInfo=app), vk.ffi.NULL, h))
     return h[0]
+
+
+def instance(vk) -> tuple:
+    """(the process's VkInstance, its VkPhysicalDevice array): created on first use, shared by the probe
+    and every backend, kept until the process ends (the driver reclaims it then).
+
+    One per process because drivers do not promise any number of them: an NVIDIA driver refuses new
+    instances with VK_ERROR_INCOMPATIBLE_DRIVER after a few dozen have been created in one process, even
+    destroyed ones. Each backend's VkDevice is its own (:class:`Device`).
+
+    Raises:
+        vk.VkError: vkCreateInstance failed (e.g. VkErrorIncompatibleDriver: no driver).
+    """
+    with _LOCK:
+        if not _INSTANCE:
+            inst = create_instance(vk)
+            _INSTANCE[:] = [inst, enum(vk, "VkPhysicalDevice", vk.lib.vkEnumeratePhysicalDevices, inst)]
+        return _INSTANCE[0], _INSTANCE[1]
+
+
+def live_devices() -> int:
+    """VkDevices of this process created by :class:`Device` and not yet destroyed."""
+    return _LIVE[0]
 
 
 def device_facts(vk, pd) -> NS:
@@ -130,12 +157,7 @@ def probe() -> tuple[str | None, list]:
             reason = "the `vulkan` package is not installed: pip install 'colibri-plan[vulkan]'"
         else:
             try:
-                inst = create_instance(vk)
-                try:
-                    pds = enum(vk, "VkPhysicalDevice", vk.lib.vkEnumeratePhysicalDevices, inst)
-                    facts = [device_facts(vk, pd) for pd in pds]
-                finally:
-                    vk.lib.vkDestroyInstance(inst, vk.ffi.NULL)
+                facts = [device_facts(vk, pd) for pd in instance(vk)[1]]
                 found = [(i, f) for i, f in enumerate(facts) if f.problem is None]
                 if not found:
                     reason = "no usable Vulkan device" + "".join(f"; {f.name}: {f.problem}" for f in facts)
@@ -236,10 +258,13 @@ class Device:
     """A logical device with the objects every call uses: one compute queue, a command pool, a fence, a
     timestamp query pool (start and end of a call), the descriptor-set layout of matmul.comp (A[maxe],
     B[maxe], x, y) with 64 bytes of push constants, a descriptor pool, the shader modules and the
-    pipeline cache (created from ``cache_blob``). :meth:`close` destroys them in reverse order."""
+    pipeline cache (created from ``cache_blob``), and every buffer made by :meth:`buffer`. :meth:`close`
+    destroys the buffers left, then the rest in reverse order (also when the backend is collected
+    unclosed: it holds no reference to its backend, so a ``weakref.finalize`` can call it)."""
 
     def __init__(self, vk, pd, f: NS, maxe: int, cache_blob: bytes):
         self.vk, self.f, self.maxe, self.dev, self._undo, self._pipes = vk, f, maxe, None, [], {}
+        self.buffers: dict[int, NS] = {}  # id -> buffer record of make_buffer, until released
         ffi, lib = vk.ffi, vk.lib
         try:
             prio = ffi.new("float[1]", [1.0])
@@ -249,7 +274,8 @@ class Device:
             info = new(vk, "VkDeviceCreateInfo", queueCreateInfoCount=1, pQueueCreateInfos=qinfo,
                        pEnabledFeatures=feats)
             self.dev = self.make(lib.vkCreateDevice, "VkDevice", pd, info,
-                                 undo=lambda h: lib.vkDestroyDevice(h, ffi.NULL), device=False)
+                                 undo=self._destroy_device, device=False)
+            _LIVE[0] += 1
             q = ffi.new("VkQueue*")
             lib.vkGetDeviceQueue(self.dev, f.queue, 0, q)
             self.queue = q[0]
@@ -285,6 +311,22 @@ class Device:
         except BaseException:
             self.close()
             raise
+
+    def _destroy_device(self, h) -> None:
+        self.vk.lib.vkDestroyDevice(h, self.vk.ffi.NULL)
+        _LIVE[0] -= 1
+
+    def buffer(self, size: int, usage: int, types: list[int], map_it: bool) -> NS:
+        """:func:`make_buffer` on this device, kept in :attr:`buffers` until :meth:`release` or close."""
+        b = make_buffer(self.vk, self.dev, size, usage, types, self.f, map_it)
+        self.buffers[id(b)] = b
+        return b
+
+    def release(self, b: NS) -> None:
+        """:func:`release_buffer` of a :meth:`buffer` buffer; nothing once the device is closed (its
+        buffers went with it) or when ``b`` was already released."""
+        if self.dev is not None and self.buffers.pop(id(b), None) is not None:
+            release_buffer(self.vk, self.dev, b)
 
     def make(self, fn, ctype, *args, undo=None, device=True):
         """Create a handle with ``fn(dev?, *args, NULL, &h)``; its destroy call is queued for close."""
@@ -376,6 +418,12 @@ class Device:
                 sh.write_cache_file(path, CACHE_MAGIC, blob)
 
     def close(self) -> None:
+        """Wait for the device, destroy the buffers left and every object; closing twice does nothing."""
+        if self.dev is not None:
+            self.vk.lib.vkDeviceWaitIdle(self.dev)
+            for b in list(self.buffers.values()):
+                release_buffer(self.vk, self.dev, b)
+            self.buffers = {}
         for undo in reversed(self._undo):
             undo()
         self._undo, self.dev = [], None
