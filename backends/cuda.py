@@ -28,7 +28,7 @@ _GSHIFT = {32: 0, 64: 1, 128: 2}  # log2(G / 32): 16-byte words of int4 per grou
 _WARPS = 8  # warps per block
 # (rows per warp tile R, 16-byte words per lane per step U): R·U (mm) or 2·R·U (gate_up) loads per lane in
 # flight, twice over (bench/cuda_expert_ffn.py --tune; cp.async shared-memory staging: ~20% slower, H200)
-_SHAPE = {"mm": (4, 1), "gate_up": (2, 1)}
+_SHAPE = {"mm": (4, 1), "mm_args": (4, 1), "gate_up": (2, 1)}  # mm_args: mm, its table an argument
 _NVRTC_OPTIONS = ("--std=c++14",)  # benchmarks add -DCOLIBRI_READ_ONLY (loads without arithmetic)
 _TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their activations in shared memory)
 _RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the module and work buffers

@@ -8,20 +8,28 @@ returns at once: the host waits only in ``d_get`` (and in a ``d_put`` that reuse
 copy has not run yet, or one of more than ``_PUT_RING_BYTES``). Pool memory freed on the stream is reused
 in stream order, so dropping a DArray while kernels still read it is safe.
 
-Kernels: ``shaders/cuda/trunk.cu`` (add, SiLU·mul, row scales, RoPE, the matmul table/padding prep),
-``matmul.cu`` (``mm``: the quantized weight kernels of the host path; ``rmsnorm``) and ``attention.cu``
-(``attention_gqa``, ``attention_combine``). Matmul: ``mm`` reads its pointers from a table in device memory
-and x as [T, in_pad] rows. One small kernel writes the table entry (kernel arguments are copied at
-launch, so the single table slot needs no host synchronisation: the next prep runs after this mm on the
-stream) and, only when ``in`` is not already a multiple of 128 (every common hidden size is), pads x into
-a grow-only work buffer: a copy of T·in_pad floats is ~0.1% of the weight bytes mm reads, cheaper than a
-second, unpadded variant of every mm instance. Not thread-safe (one stream, one table slot), like the
-host-staged ops.
+Kernels: ``shaders/cuda/trunk.cu`` (add, SiLU·mul, row scales, RoPE, row padding), ``matmul.cu``
+(``mm_args``: the quantized weight kernels of the host path with their table entries as a kernel argument;
+``rmsnorm``) and ``attention.cu`` (``attention_gqa``, ``attention_combine``).
+
+Host cost per op is what bounds decode (a layer is ~15 ops of a few µs of GPU time each), so an op is
+a pool allocation and a direct ``cuLaunchKernel`` with a parameter block made once per kernel and
+overwritten per call (:class:`_Launch`; ``RawKernel.__call__`` spends ~20 µs converting arguments), and
+the backend's device and stream are made current on the calling thread once (:meth:`_d_go`), not
+entered per op. Matmul: one launch of ``mm_args`` whose table entries (weights, scales, x, y, T, rows)
+travel as kernel arguments; :meth:`_d_matmul_many` puts up to ``_MM_ARGS_MAX`` matrices that read the
+same x (q/k/v, gate/up) in one launch. x is read in place when it already is [T, in_pad] rows at a
+16-byte aligned address (every common hidden size is a multiple of 128); otherwise ``tr_pad_rows``
+first copies it into a grow-only work buffer (T·in_pad floats, ~0.1% of the weight bytes mm reads,
+cheaper than an unpadded variant of every mm instance). Not thread-safe (one stream, one parameter
+block per kernel), like the host-staged ops.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import struct
 from typing import Any
 
 import numpy as np
@@ -36,8 +44,43 @@ _GQA_HEADS = 8  # attention.cu GQA_HEADS: query heads per block
 _ATT_MIN_KEYS = 64  # fewest keys per split of a query row's key range (below that, merging costs more)
 _PUT_SLOTS = 8  # pinned staging slots of d_put, reused round-robin (an event says when a slot is free)
 _PUT_RING_BYTES = 1 << 20  # larger uploads (weights, tables) go through the chunked, synchronous staging
-_TRUNK_KERNELS = ("tr_add", "tr_silu_mul", "tr_scale_rows", "tr_rope", "tr_mm_prep")
-_u64, _i32, _f32 = np.uint64, np.int32, np.float32
+_MM_ARGS_MAX = 4  # matmul.cu MM_ARGS_MAX: matrices per mm_args launch
+_TRUNK_KERNELS = ("tr_add", "tr_silu_mul", "tr_scale_rows", "tr_rope", "tr_pad_rows")
+# parameter kinds of each kernel, in the order of its CUDA signature: p pointer / u64, i int, f float,
+# t matmul.cu's MMArgs (8 · _MM_ARGS_MAX u64 by value)
+_SIGNATURES = {"tr_add": "pppqii", "tr_silu_mul": "pppq", "tr_scale_rows": "ppfpqi", "tr_rope": "pppqiiiii",
+               "tr_pad_rows": "ppiii", "rmsnorm": "pppif", "attention_gqa": "pppppiiiiifi",
+               "attention_combine": "ppii", "mm_args": "tiiii"}
+_PACK = {"p": "Q", "q": "Q", "i": "i4x", "f": "f4x", "t": f"{8 * _MM_ARGS_MAX}Q"}  # one 8-byte slot each
+
+
+class _Launch:
+    """A kernel with its own parameter block: each call packs the arguments over the last call's (the
+    driver copies them at launch, so nothing waits) and calls ``cuLaunchKernel`` directly.
+
+    Args:
+        fn: a CuPy RawKernel (its ``kernel.ptr`` is the CUfunction of the current device).
+        signature: parameter kinds (``_SIGNATURES``).
+        launch_kernel: ``cupy.cuda.driver.launchKernel``.
+    """
+
+    __slots__ = ("fn", "fptr", "_pack", "_buf", "_params", "_pptr", "_launch")
+
+    def __init__(self, fn, signature: str, launch_kernel):
+        layout = struct.Struct("<" + "".join(_PACK[c] for c in signature))
+        offsets, off = [], 0
+        for c in signature:  # each parameter starts at its slot; MMArgs takes 8 · _MM_ARGS_MAX bytes
+            offsets.append(off)
+            off += struct.calcsize("<" + _PACK[c])
+        self.fn, self.fptr, self._pack, self._launch = fn, fn.kernel.ptr, layout.pack_into, launch_kernel
+        self._buf = ctypes.create_string_buffer(layout.size)
+        base = ctypes.addressof(self._buf)
+        self._params = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))  # void *args[]
+        self._pptr = ctypes.addressof(self._params)
+
+    def __call__(self, gx: int, gy: int, gz: int, block: int, smem: int, stream: int, *args) -> None:
+        self._pack(self._buf, 0, *args)
+        self._launch(self.fptr, gx, gy, gz, block, 1, 1, smem, stream, self._pptr, 0)
 
 
 class CUDADeviceOps:
@@ -52,14 +95,26 @@ class CUDADeviceOps:
             cp = self.cp
             with self.dev:
                 events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(_PUT_SLOTS)]
+            cur = getattr(getattr(cp.cuda, "stream", None), "get_current_stream_ptr", None)  # CuPy >= 9
             st = self._dstate = {"slot": 0, "events": events, "pending": [False] * _PUT_SLOTS,
                                  "names": tuple(f"dput{i}" for i in range(_PUT_SLOTS)),
-                                 "work": sh.WorkBuffers(lambda name, n: cp.empty(n, cp.uint8))}
+                                 "work": sh.WorkBuffers(lambda name, n: cp.empty(n, cp.uint8)),
+                                 "launches": {}, "index": int(self.device.index), "sptr": self.stream.ptr,
+                                 "cur": cur or (lambda: cp.cuda.get_current_stream().ptr)}
         return st
 
+    def _d_go(self) -> None:
+        """Make this backend's device and stream the calling thread's current ones, if they are not yet:
+        CuPy's pool then hands out memory of the stream (freed blocks are reused in stream order) and
+        its memsets run there. A check per op (two cheap calls); the switch happens once per thread."""
+        st = self.__dict__.get("_dstate") or self._d_state()
+        if self.rt.getDevice() != st["index"] or st["cur"]() != st["sptr"]:
+            self.dev.use()
+            self.stream.use()
+
     def _d_fn(self, name: str):
-        """Kernel ``name`` of trunk.cu / attention.cu / matmul.cu (rmsnorm), compiled by NVRTC once per
-        source file on first use (CuPy caches the binaries on disk)."""
+        """Kernel ``name`` of trunk.cu / attention.cu / matmul.cu (rmsnorm), a CuPy RawKernel, compiled by
+        NVRTC once per source file on first use (CuPy caches the binaries on disk)."""
         fn = self._fns.get(name)
         if fn is None:
             source = ("trunk.cu" if name in _TRUNK_KERNELS else "matmul.cu" if name == "rmsnorm"
@@ -72,14 +127,25 @@ class CUDADeviceOps:
                 fn = self._fns[name] = mod.get_function(name)
         return fn
 
+    def _d_kernel(self, name: str, fn=None) -> _Launch:
+        """The :class:`_Launch` of kernel ``name`` (:meth:`_d_fn`), or of ``fn``, a matmul.cu instance of
+        kernel ``name`` from the backend's launcher."""
+        launches = self._d_state()["launches"]
+        key = name if fn is None else id(fn)
+        k = launches.get(key)
+        if k is None:
+            fn = self._d_fn(name) if fn is None else fn
+            with self.dev:  # kernel.ptr: the CUfunction of this device
+                k = launches[key] = _Launch(fn, _SIGNATURES[name], self.cp.cuda.driver.launchKernel)
+        return k
+
     def _d_empty(self, n: int):
-        """float32 [n] from CuPy's pool, on the stream (call inside ``with self.dev, self.stream``)."""
+        """float32 [n] from CuPy's pool, on the stream (after :meth:`_d_go`)."""
         return self.cp.empty(n, self.cp.float32)
 
     def _d_work(self, name: str, nbytes: int) -> int:
-        """Address of a grow-only device work buffer (pool memory of the stream: call inside ``with
-        self.dev, self.stream``; a replaced one is reused in stream order, never while a queued kernel
-        still reads it)."""
+        """Address of a grow-only device work buffer (pool memory of the stream, after :meth:`_d_go`; a
+        replaced one is reused in stream order, never while a queued kernel still reads it)."""
         return self._d_state()["work"].get(name, nbytes).data.ptr
 
     @staticmethod
@@ -93,24 +159,24 @@ class CUDADeviceOps:
     # ---- transfers -------------------------------------------------------------------------------
     def _d_put(self, a: np.ndarray) -> Any:
         n = a.nbytes
-        with self.dev, self.stream:
-            out = self._d_empty(a.size)
-            if n == 0:
-                return out
-            dst = out.data.ptr
-            if n > _PUT_RING_BYTES:
-                self._h2d(dst, a)  # chunked through pinned staging; waits (setup-time uploads)
-                return out
-            st = self._d_state()
-            i = st["slot"] = (st["slot"] + 1) % _PUT_SLOTS
-            ev = st["events"][i]
-            if st["pending"][i]:
-                ev.synchronize()  # that slot's earlier copy has read its pinned bytes (normally long done)
-            stage = self._pinned.get(st["names"][i], n)
-            stage.a[:n] = a.reshape(-1).view(np.uint8)
-            self.rt.memcpyAsync(dst, stage.ptr, n, self.rt.memcpyHostToDevice, self.stream.ptr)
-            ev.record(self.stream)
-            st["pending"][i] = True
+        self._d_go()
+        out = self._d_empty(a.size)
+        if n == 0:
+            return out
+        dst = out.data.ptr
+        if n > _PUT_RING_BYTES:
+            self._h2d(dst, a)  # chunked through pinned staging; waits (setup-time uploads)
+            return out
+        st = self._dstate
+        i = st["slot"] = (st["slot"] + 1) % _PUT_SLOTS
+        ev = st["events"][i]
+        if st["pending"][i]:
+            ev.synchronize()  # that slot's earlier copy has read its pinned bytes (normally long done)
+        stage = self._pinned.get(st["names"][i], n)
+        stage.a[:n] = a.reshape(-1).view(np.uint8)
+        self.rt.memcpyAsync(dst, stage.ptr, n, self.rt.memcpyHostToDevice, st["sptr"])
+        ev.record(self.stream)
+        st["pending"][i] = True
         return out
 
     def _d_get(self, a: DArray) -> np.ndarray:
@@ -118,94 +184,111 @@ class CUDADeviceOps:
         if n == 0:
             return np.zeros(a.shape, np.float32)
         host = self._pinned.get("dget", n)
-        with self.dev:
-            self.rt.memcpyAsync(host.ptr, self._ptr(a), n, self.rt.memcpyDeviceToHost, self.stream.ptr)
-            self.stream.synchronize()  # the one host synchronisation of the device ops
+        self._d_go()
+        self.rt.memcpyAsync(host.ptr, self._ptr(a), n, self.rt.memcpyDeviceToHost, self.stream.ptr)
+        self.stream.synchronize()  # the one host synchronisation of the device ops
         return host.a[:n].view(np.float32).reshape(a.shape).copy()
 
     def _d_zeros(self, shape: tuple[int, ...]) -> Any:
-        with self.dev, self.stream:
-            return self.cp.zeros(math.prod(shape), self.cp.float32)  # a memset on the stream
+        self._d_go()
+        return self.cp.zeros(math.prod(shape), self.cp.float32)  # a memset on the stream
 
     def _d_write_rows(self, dst: DArray, row0: int, src: DArray) -> None:
         n = src.nbytes
         if n:
             row_bytes = 4 * math.prod(dst.shape[1:])
-            with self.dev:
-                self.rt.memcpyAsync(self._ptr(dst) + row0 * row_bytes, self._ptr(src), n,
-                                    self.rt.memcpyDeviceToDevice, self.stream.ptr)
+            self._d_go()
+            self.rt.memcpyAsync(self._ptr(dst) + row0 * row_bytes, self._ptr(src), n,
+                                self.rt.memcpyDeviceToDevice, self.stream.ptr)
 
     # ---- kernels ---------------------------------------------------------------------------------
-    def _d_launch(self, name: str, n_out: int, grid: int, args: tuple):
-        """A new float32 [n_out] y and one launch of ``name`` with ``args`` where "y" stands for y's
+    def _d_launch(self, name: str, n_out: int, grid: int, *args):
+        """A new float32 [n_out] y and one launch of ``name`` with ``args`` where None stands for y's
         address (skipped when there is no work)."""
-        fn = self._d_fn(name)
-        with self.dev, self.stream:
-            y = self._d_empty(n_out)
-            if n_out:
-                yp = _u64(y.data.ptr)
-                fn((grid,), (_THREADS,), tuple(yp if a is None else a for a in args))
+        k = self._d_kernel(name)
+        self._d_go()
+        y = self._d_empty(n_out)
+        if n_out:
+            yp = y.data.ptr
+            k(grid, 1, 1, _THREADS, 0, self._dstate["sptr"], *(yp if a is None else a for a in args))
         return y
 
     def _d_elementwise(self, name: str, a: DArray, *args) -> Any:
         n = a.size
-        return self._d_launch(name, n, self._blocks(n), (_u64(self._ptr(a)),) + args)
+        return self._d_launch(name, n, self._blocks(n), self._ptr(a), *args)
 
     def _d_add(self, a: DArray, b: DArray) -> Any:
         n, d = a.size, a.shape[1]
         # y = a + b; b [d] broadcast over the rows
-        return self._d_elementwise("tr_add", a, _u64(self._ptr(b)), None, _u64(n), _i32(d),
-                                   _i32(b.shape != a.shape))
+        return self._d_elementwise("tr_add", a, self._ptr(b), None, n, d, int(b.shape != a.shape))
 
     def _d_silu_mul(self, g: DArray, u: DArray) -> Any:
-        return self._d_elementwise("tr_silu_mul", g, _u64(self._ptr(u)), None, _u64(g.size))
+        return self._d_elementwise("tr_silu_mul", g, self._ptr(u), None, g.size)
 
     def _d_scale_rows(self, a: DArray, s: np.ndarray) -> Any:
         # decode (one row): the scale goes as a kernel argument; else s [N] is put on the device, held
         # until the launch is queued (freed earlier, y could be allocated on top of it)
         held = self._d_put(s) if s.shape[0] > 1 else None
         sp = 0 if held is None else held.data.ptr
-        y = self._d_elementwise("tr_scale_rows", a, _u64(sp), _f32(s[0]), None, _u64(a.size),
-                                _i32(a.shape[1]))
+        y = self._d_elementwise("tr_scale_rows", a, sp, float(s[0]), None, a.size, a.shape[1])
         del held  # back to the pool of the stream: reused only by work queued after this kernel
         return y
 
     def _d_rope(self, x: DArray, table: DArray, pos0: int, rotary_dim: int, interleave: bool) -> Any:
         t, heads, d = x.shape
-        return self._d_elementwise("tr_rope", x, _u64(self._ptr(table)), None, _u64(x.size), _i32(heads),
-                                   _i32(d), _i32(rotary_dim), _i32(pos0), _i32(interleave))
+        return self._d_elementwise("tr_rope", x, self._ptr(table), None, x.size, heads, d, rotary_dim, pos0,
+                                   int(interleave))
 
     def _d_rmsnorm(self, x: DArray, weight: DArray, eps: float) -> Any:
         rows, d = x.shape  # a block per row
-        return self._d_launch("rmsnorm", x.size, rows, (_u64(self._ptr(x)), _u64(self._ptr(weight)), None,
-                                                        _i32(d), _f32(eps)))
+        return self._d_launch("rmsnorm", x.size, rows, self._ptr(x), self._ptr(weight), None, d, eps)
 
     def _d_matmul(self, x: DArray, w) -> Any:
-        p, (T, n_in), out = w.payload, x.shape, w.out_features
-        xp = self._ptr(x)
-        fn, mgrid, mblock, smem, scalars = self._launcher("mm", w.fmt, 1, out, out, p.in_pad, out, max(T, 1))
-        prep = self._d_fn("tr_mm_prep")
-        with self.dev, self.stream:
-            if T == 0:
-                return self._d_empty(0)
-            table = self._d_work("mm_table", 64)
-            if n_in != p.in_pad or xp % 16:  # mm stages x as 16-byte aligned rows of in_pad floats
-                xpad, grid = self._d_work("mm_x", T * p.in_pad * 4), self._blocks(T * p.in_pad)
-            else:
-                xpad, grid = xp, 1  # x already is [T, in_pad]: only the table entry is written
-            y = self._d_empty(T * out)  # y [T, out] = x [T, in_pad] . W [out, in_pad]^T
-            prep((grid,), (_THREADS,), (_u64(table), _u64(p.data), _u64(p.scales), _u64(xp), _u64(xpad),
-                                        _u64(y.data.ptr), _i32(T), _i32(n_in), _i32(p.in_pad)))
-            fn(mgrid, mblock, (_u64(table),) + scalars, shared_mem=smem)
-        return y
+        return self._d_matmul_many(x, [w])[0]
+
+    def _d_matmul_many(self, x: DArray, ws) -> list:
+        """y_i [T, out_i] = x [T, in_pad] · W_i [out_i, in_pad]ᵀ: one mm_args launch per run of up to
+        _MM_ARGS_MAX consecutive weights of one format and row length (q/k/v, gate/up)."""
+        T, n_in = x.shape
+        self._d_go()
+        ys = [self._d_empty(T * w.out_features) for w in ws]
+        if T == 0:
+            return ys
+        xp, i = self._ptr(x), 0
+        while i < len(ws):
+            fmt, in_pad = ws[i].fmt, ws[i].payload.in_pad
+            j = i + 1
+            while (j < len(ws) and j - i < _MM_ARGS_MAX and ws[j].fmt == fmt
+                   and ws[j].payload.in_pad == in_pad):
+                j += 1
+            self._d_mm_launch(xp, T, n_in, ws[i:j], ys[i:j])
+            i = j
+        return ys
+
+    def _d_mm_launch(self, xp: int, T: int, n_in: int, ws, ys) -> None:
+        p0, n = ws[0].payload, len(ws)
+        in_pad, rows = p0.in_pad, max(w.out_features for w in ws)
+        sptr = self._dstate["sptr"]
+        if n_in != in_pad or xp % 16:  # mm stages x as 16-byte aligned rows of in_pad floats
+            pad = self._d_work("mm_x", T * in_pad * 4)
+            self._d_kernel("tr_pad_rows")(self._blocks(T * in_pad), 1, 1, _THREADS, 0, sptr, xp, pad, T, n_in,
+                                          in_pad)
+            xp = pad
+        fn, (blocks, _), (block,), smem, scalars = self._launcher("mm_args", ws[0].fmt, n, rows, rows, in_pad,
+                                                                  rows, T)
+        table = [0] * (8 * _MM_ARGS_MAX)
+        for m, (w, y) in enumerate(zip(ws, ys)):  # entry m: W, S, x, y, T, rows, y_stride (y [T, out])
+            p, out = w.payload, w.out_features
+            table[8 * m: 8 * m + 7] = (p.data, p.scales, xp, y.data.ptr, T, out, out)
+        self._d_kernel("mm_args", fn)(blocks, n, 1, block, smem, sptr, *table, *scalars)
 
     def _d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
                      window: int) -> Any:
         T, hq, d = q.shape
         hkv = k.shape[1]
         if T == 0:
-            with self.dev, self.stream:
-                return self._d_empty(0)
+            self._d_go()
+            return self._d_empty(0)
         if d > _THREADS:
             raise UnsupportedError(f"cuda d_attention: head_dim {d} > {_THREADS} is not supported")
         chunks = -(-(hq // hkv) // _GQA_HEADS)
@@ -214,17 +297,16 @@ class CUDADeviceOps:
         # split the keys when (row, kv head) blocks alone would leave SMs idle (decode at long contexts)
         splits = max(1, min(-(-keys // _ATT_MIN_KEYS), -(-4 * self._sms // base), 1024))
         smem = 4 * (_GQA_HEADS * (d + _ATT_TILE + _THREADS) + 3 * _GQA_HEADS)  # < 48 KiB: no opt-in
-        fn = self._d_fn("attention_gqa")
-        combine = self._d_fn("attention_combine") if splits > 1 else None
-        with self.dev, self.stream:
-            y = self._d_empty(T * hq * d)  # [T, Hq * d]
-            yp = _u64(y.data.ptr)
-            # splits > 1: slices into part [T * Hq, splits, d + 2], merged into y by attention_combine
-            part = _u64(self._d_work("att_part", 4 * T * hq * splits * (d + 2)) if combine else 0)
-            fn((T, hkv * chunks, splits), (_THREADS,),
-               (_u64(self._ptr(q)), _u64(self._ptr(k)), _u64(self._ptr(v)), _u64(0) if combine else yp, part,
-                _i32(hq), _i32(hkv), _i32(d), _i32(pos0), _i32(window), _f32(scale), _i32(splits)),
-               shared_mem=smem)
-            if combine is not None:
-                combine((T * hq,), (128,), (part, yp, _i32(d), _i32(splits)))
+        gqa = self._d_kernel("attention_gqa")
+        combine = self._d_kernel("attention_combine") if splits > 1 else None
+        self._d_go()
+        sptr = self._dstate["sptr"]
+        y = self._d_empty(T * hq * d)  # [T, Hq * d]
+        yp = y.data.ptr
+        # splits > 1: slices into part [T * Hq, splits, d + 2], merged into y by attention_combine
+        part = self._d_work("att_part", 4 * T * hq * splits * (d + 2)) if combine else 0
+        gqa(T, hkv * chunks, splits, _THREADS, smem, sptr, self._ptr(q), self._ptr(k), self._ptr(v),
+            0 if combine else yp, part, hq, hkv, d, pos0, window, scale, splits)
+        if combine is not None:
+            combine(T * hq, 1, 1, 128, 0, sptr, part, yp, d, splits)
         return y

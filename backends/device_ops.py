@@ -22,6 +22,7 @@ Ops (``x``, ``a``, ``b``, ... are DArrays unless said otherwise):
 | ``d_zeros(shape)`` | any | zeros |
 | ``d_view(a, shape)`` | same size | the same buffer, another shape |
 | ``d_matmul(x, w)`` | x [T, in], w DeviceWeight [out, in] | x · Wᵀ [T, out] |
+| ``d_matmul_many(x, [w1, ...])`` | x [T, in], w_i [out_i, in] | [x · W_iᵀ [T, out_i], ...] |
 | ``d_rmsnorm(x, weight, eps)`` | x [N, d], weight [d] | x / sqrt(mean(x²) + eps) · weight |
 | ``d_add(a, b)`` | a [N, d], b [N, d] or [d] | a + b (b broadcast over rows when 1-D) |
 | ``d_silu_mul(g, u)`` | [N, d] each | SiLU(g) · u |
@@ -175,6 +176,18 @@ class DeviceOps:
             raise InputError(f"d_matmul: x is {x.shape}, the weight wants [T, {w.in_features}]")
         return DArray((x.shape[0], w.out_features), self._d_matmul(x, w), id(self))
 
+    def d_matmul_many(self, x: DArray, ws) -> list[DArray]:
+        """[x [T, in] · W_iᵀ -> [T, out_i] for each DeviceWeight in ``ws``]: matrices that read the same
+        x (q/k/v, gate/up), which a GPU backend runs in one launch; by default a loop of ``d_matmul``."""
+        self._d_check(x, ndim=2)
+        ws = list(ws)
+        for w in ws:
+            self._check_weight(w)
+            if x.shape[1] != w.in_features:
+                raise InputError(f"d_matmul_many: x is {x.shape}, a weight wants [T, {w.in_features}]")
+        me = id(self)
+        return [DArray((x.shape[0], w.out_features), y, me) for w, y in zip(ws, self._d_matmul_many(x, ws))]
+
     def d_rmsnorm(self, x: DArray, weight: DArray, eps: float) -> DArray:
         """Row-wise RMSNorm of x [N, d] with weight [d]."""
         self._d_check(x, ndim=2)
@@ -266,6 +279,9 @@ class DeviceOps:
 
     def _d_matmul(self, x: DArray, w) -> Any:
         return self._matmul(np.ascontiguousarray(self._host(x)), w)
+
+    def _d_matmul_many(self, x: DArray, ws: list) -> list:
+        return [self._d_matmul(x, w) for w in ws]
 
     def _d_rmsnorm(self, x: DArray, weight: DArray, eps: float) -> Any:
         xx = self._host(x)

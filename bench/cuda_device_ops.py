@@ -9,13 +9,13 @@ them (~15 ops per layer per token). Per op:
 - ``gpu_us``: GPU time per call (CUDA events around the chain, divided by the calls);
 - ``wall_us``: wall time per call of the chain including the final synchronisation.
 
-``d_matmul`` cycles through a pool of weights larger than the L2 cache, so its ``weight_gbps`` (weight
-bytes / gpu time) is a DRAM figure; ``copy_fraction`` divides it by the device-to-device copy rate
-(read + write bytes / s) of the same GPU in the same run. ``d_attention`` is one decode query row
-(32 query heads, 8 kv heads, head_dim 128) at several contexts; ``kv_gbps`` = K + V bytes read / gpu
-time. ``roundtrip`` is a ``d_get`` of [1, 4096] plus a ``d_put`` of [1, 4096] (what a MoE layer of a GPU
-trunk pays for the host experts). Each op's result is also checked once against numpy (``max_err``:
-max |y - ref| / max |ref|). Prints a table; ``--out`` writes JSON.
+``d_matmul`` (and ``d_matmul_many``, q/k/v in one call) cycles through a pool of weights larger than the
+L2 cache, so its ``weight_gbps`` (weight bytes / gpu time) is a DRAM figure; ``copy_fraction`` divides it
+by the device-to-device copy rate (read + write bytes / s) of the same GPU in the same run.
+``d_attention`` is one decode query row (32 query heads, 8 kv heads, head_dim 128) at several contexts;
+``kv_gbps`` = K + V bytes read / gpu time. ``roundtrip`` is a ``d_get`` of [1, 4096] plus a ``d_put`` of
+[1, 4096] (what a MoE layer of a GPU trunk pays for the host experts). Each op's result is also checked
+once against numpy (``max_err``: max |y - ref| / max |ref|). Prints a table; ``--out`` writes JSON.
 
     python bench/cuda_device_ops.py --out /tmp/cuda_device_ops.json
 """
@@ -138,6 +138,24 @@ def matmul_rows(be, rng, args, gbps: float) -> list[dict]:
         row["copy_fraction"] = row["weight_gbps"] / gbps
         row["max_err"] = err(be.d_get(be.d_matmul(dx, ws[0])), quant.matmul_ref(x, qt))
         rows.append(row)
+        for w in ws:
+            be.free(w)
+    # q/k/v of a GQA layer (32 heads, 8 kv heads of 128) as one d_matmul_many: one launch, three matrices
+    qts = [quant.quantize(rng.standard_normal((o, H), dtype=np.float32) / 64, "int8")
+           for o in (H, 1024, 1024)]
+    nbytes = sum(q.nbytes for q in qts)
+    pool = max(2, -(-args.pool_bytes // nbytes))
+    sets = [[be.upload(q) for q in qts] for _ in range(pool)]
+    x = rng.standard_normal((1, H), dtype=np.float32)
+    dx = be.d_put(x)
+    row = {"op": "d_matmul_many q/k/v [1,4096] int8", "fmt": "int8", "weight_bytes": nbytes, "pool": pool,
+           **chain(be, lambda i: be.d_matmul_many(dx, sets[i % pool]), args.calls, args.repeats)}
+    row["weight_gbps"] = nbytes / (row["gpu_us"] * 1e-6) / 1e9
+    row["copy_fraction"] = row["weight_gbps"] / gbps
+    row["max_err"] = max(err(be.d_get(y), quant.matmul_ref(x, q))
+                         for y, q in zip(be.d_matmul_many(dx, sets[0]), qts))
+    rows.append(row)
+    for ws in sets:
         for w in ws:
             be.free(w)
     return rows

@@ -177,8 +177,7 @@ class DeviceTrunk:
     # ---- the forward pass ------------------------------------------------------------------------
     def _swiglu(self, x: DArray, prefix: str) -> DArray:
         be, w = self.be, self.w
-        g = be.d_matmul(x, w[prefix + "gate"])  # [T, I]
-        u = be.d_matmul(x, w[prefix + "up"])  # [T, I]
+        g, u = be.d_matmul_many(x, [w[prefix + "gate"], w[prefix + "up"]])  # [T, I] each, one launch on GPUs
         return be.d_matmul(be.d_silu_mul(g, u), w[prefix + "down"])  # [T, H]
 
     def _attention(self, x: DArray, i: int, cache: DeviceKVCache, timed: bool) -> DArray:
@@ -186,7 +185,7 @@ class DeviceTrunk:
         be, a, w = self.be, self.arch, self.w
         p = f"layers.{i}.attn."
         t, nh, nkv, d, eps = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim, a.rms_norm_eps
-        q, k, v = (be.d_matmul(x, w[p + n]) for n in "qkv")  # [T, nh·d], [T, nkv·d], [T, nkv·d]
+        q, k, v = be.d_matmul_many(x, [w[p + n] for n in "qkv"])  # [T, nh·d], [T, nkv·d], [T, nkv·d]
         q, k, v = (be.d_add(m, w[p + n + "_bias"]) if p + n + "_bias" in w else m
                    for m, n in zip((q, k, v), "qkv"))
         if a.qk_norm == "full":  # OLMoE: one RMSNorm over the whole projection
@@ -237,12 +236,13 @@ class DeviceTrunk:
             x = be.d_rmsnorm(h, w[p + "ffn_norm"], eps)  # [T, H]
             if a.is_moe_layer(i):
                 xh = be.d_get(x)  # [T, H] down once: router, top-k and the routed experts on the host
+                # the shared expert is queued first: the device runs it while the host runs the routed ones
+                shared = self._swiglu(x, p + "shared.") if a.shared_intermediate_size else None
+                if shared is not None and a.shared_expert_gate:  # Qwen2-MoE: sigmoid(x · w) per token
+                    z = (xh @ m.dense[p + "shared_gate"].T)[:, 0]  # [T], from the host's x
+                    shared = be.d_scale_rows(shared, 1.0 / (1.0 + np.exp(-z)))
                 out = be.d_put(routed_experts(xh, i, a, m.dense, m.experts, m.routing))
-                if a.shared_intermediate_size:
-                    shared = self._swiglu(x, p + "shared.")
-                    if a.shared_expert_gate:  # Qwen2-MoE: sigmoid(x · w) per token, from the host's x
-                        z = (xh @ m.dense[p + "shared_gate"].T)[:, 0]  # [T]
-                        shared = be.d_scale_rows(shared, 1.0 / (1.0 + np.exp(-z)))
+                if shared is not None:
                     out = be.d_add(out, shared)
                 h = be.d_add(h, out)
             else:

@@ -30,8 +30,10 @@ ATT_SOURCE = SOURCE.parent.joinpath("attention.cu")
 
 
 def _instances() -> str:
-    body = "".join(f"template __global__ void {k}<{f}, {r}, {u}, {tc}>(const u64 *, int, int, int, int);\n"
-                   for f in range(7) for k, r, u in (("mm", 4, 1), ("gate_up", 2, 1)) for tc in (1, 4))
+    kernels = (("mm", 4, 1, "const u64 *"), ("mm_args", 4, 1, "const MMArgs"),
+               ("gate_up", 2, 1, "const u64 *"))
+    body = "".join(f"template __global__ void {k}<{f}, {r}, {u}, {tc}>({t}, int, int, int, int);\n"
+                   for f in range(7) for k, r, u, t in kernels for tc in (1, 4))
     return f'#include "{SOURCE}"\n{body}'
 
 
@@ -52,7 +54,7 @@ def test_kernels_compile_to_ptx(tmp_path):
                           str(src)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     ptx = (tmp_path / "k.ptx").read_text()
-    assert ptx.count(".entry") == 29  # 7 formats x (mm, gate_up) x (1, 4 tokens per pass) + rmsnorm
+    assert ptx.count(".entry") == 43  # 7 formats x (mm, mm_args, gate_up) x (1, 4 tokens per pass) + rmsnorm
 
 
 HARNESS = r"""

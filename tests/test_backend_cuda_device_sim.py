@@ -24,6 +24,7 @@ from tests.test_backends_device_ops import (  # noqa: F401 - collected here with
     test_a_gqa_layer_chain_stays_on_the_device,
     test_d_attention,
     test_d_matmul,
+    test_d_matmul_many,
     test_d_rmsnorm_add_silu_scale,
     test_d_rope,
     test_device_arrays_of_another_backend_are_refused,
@@ -99,13 +100,11 @@ def _trunk_sim(sim, name, grid, block, args):
         tab = _f32(sim, table, (pos0 + T) * rd).reshape(pos0 + T, rd // 2, 2)
         xx = _f32(sim, x, n).reshape(T, heads, d)
         _f32(sim, y, n)[:] = rope_ref(xx, tab, pos0, rd, bool(inter)).reshape(-1)
-    elif name == "tr_mm_prep":
-        table, W, S, x, xp, y, T, n_in, in_pad = (int(a) for a in args)
-        sim.mem(table, 64).view(np.uint64)[:] = [W, S, xp, y, T, 0, 0, 0]
-        if xp != x:
-            assert grid[0] * 256 >= min(T * in_pad, 65535 * 256)
-            dst = _f32(sim, xp, T * in_pad).reshape(T, in_pad)
-            dst[:, :n_in], dst[:, n_in:] = _f32(sim, x, T * n_in).reshape(T, n_in), 0.0
+    elif name == "tr_pad_rows":
+        x, xp, T, n_in, in_pad = (int(a) for a in args)
+        assert grid[0] * 256 >= min(T * in_pad, 65535 * 256)
+        dst = _f32(sim, xp, T * in_pad).reshape(T, in_pad)
+        dst[:, :n_in], dst[:, n_in:] = _f32(sim, x, T * n_in).reshape(T, n_in), 0.0
     elif name == "rmsnorm":
         x, w, y, H, eps = args
         rows, H = grid[0], int(H)
@@ -124,6 +123,8 @@ def device_cupy(sim: Sim):
     class Kernel:
         def __init__(self, name, fallback):
             self.__name__, self.fallback = name, fallback
+            self.kinds, self.kernel = fallback.kinds, fallback.kernel
+            sim.functions[self.kernel.ptr] = self  # driver launches reach the simulation
 
         def __call__(self, grid, block, args, shared_mem=0):
             name = self.__name__
@@ -160,6 +161,7 @@ def device_cupy(sim: Sim):
             assert self.recorded
 
     def empty(shape, dtype):
+        assert sim.current_stream == sim.stream_ptr, "pool memory of another stream: not stream-ordered"
         dt, shape = np.dtype(dtype), tuple(np.atleast_1d(shape))
         nbytes = int(np.prod(shape)) * dt.itemsize
         ptr = sim.alloc(max(nbytes, 1))
@@ -189,19 +191,41 @@ def be(monkeypatch):
 
 
 def test_a_matmul_reads_x_in_place_when_already_padded(be):
-    """in = 256 (a multiple of 128): no padding copy, the table entry points at x itself; in = 200: x is
-    padded into the work buffer, which then is what the table names."""
+    """in = 256 (a multiple of 128): one launch, its table entry (a kernel argument) points at x itself;
+    in = 200: x is first padded into the work buffer (a second launch), which the entry then names."""
     from colibri_plan import quant
 
     for n_in in (256, 200):
         qt = quant.quantize(np.random.default_rng(n_in).standard_normal((40, n_in), dtype=np.float32), "int8")
-        x = be.d_put(np.ones((2, n_in), np.float32))
-        y = be.d_get(be.d_matmul(x, be.upload(qt)))
-        np.testing.assert_allclose(y, quant.matmul_ref(np.ones((2, n_in), np.float32), qt), rtol=1e-5,
-                                   atol=1e-5)
-        table = be.sim.mem(be._d_work("mm_table", 64), 64).view(np.uint64)
-        assert (int(table[2]) == x.buf.data.ptr) == (n_in == 256)
-        assert int(table[4]) == 2
+        x, w = be.d_put(np.ones((2, n_in), np.float32)), be.upload(qt)
+        before = be.sim.launches
+        y = be.d_matmul(x, w)
+        assert be.sim.launches - before == (1 if n_in == 256 else 2)
+        np.testing.assert_allclose(be.d_get(y), quant.matmul_ref(np.ones((2, n_in), np.float32), qt),
+                                   rtol=1e-5, atol=1e-5)
+        entry = be.sim.last_table[0]
+        assert (int(entry[2]) == x.buf.data.ptr) == (n_in == 256)
+        assert [int(v) for v in entry[3:7]] == [y.buf.data.ptr, 2, 40, 40]  # y, T, rows, y stride
+
+
+def test_matmul_many_is_one_launch_per_format(be):
+    """q/k/v-like weights of 48, 8 and 8 rows (T = 3, so each y's own row stride matters) run as one
+    launch of three table entries; a fifth weight past the four an mm_args launch carries, and one of
+    another format, take launches of their own. Every result equals its own d_matmul reference."""
+    from colibri_plan import quant
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 128), dtype=np.float32)
+    dx = be.d_put(x)
+    for fmts, launches in ((("int8", "int8", "int8"), 1), (("int4",) * 5, 2), (("int8", "int4", "int4"), 2)):
+        qts = [quant.quantize(rng.standard_normal((48 if i == 0 else 8, 128), dtype=np.float32), f)
+               for i, f in enumerate(fmts)]
+        before = be.sim.launches
+        ys = be.d_matmul_many(dx, [be.upload(q) for q in qts])
+        assert be.sim.launches - before == launches
+        for q, y in zip(qts, ys):
+            assert y.shape == (3, q.out_features)
+            np.testing.assert_allclose(be.d_get(y), quant.matmul_ref(x, q), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("T, pos0, window, splits", [(1, 999, 0, 8), (1, 200, 0, 4), (64, 0, 0, 1),

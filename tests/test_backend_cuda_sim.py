@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import re
 import sys
 import types
 
@@ -24,6 +25,7 @@ from colibri_plan.backends.numpy_ref import attention_absorb_ref
 from colibri_plan.errors import DeviceOutOfMemoryError
 
 BASE, HEAP = 1 << 20, 1 << 26  # fake device addresses start at BASE; 64 MiB of device memory
+MM_ARGS_MAX = 4  # matmul.cu: table entries an mm_args launch carries as its argument
 FMTS = {0: "f32", 1: "f16", 2: "bf16", 3: "int8", 4: "int4", 5: "int2"}
 
 
@@ -33,6 +35,8 @@ class Sim:
         self.top = 0
         self.capturing: list | None = None
         self.launches = 0
+        self.functions: dict = {}  # CUfunction "address" -> kernel (driver launches)
+        self.stream_ptr, self.current_stream = 7, 0  # the backend's stream; the thread's current one
 
     def alloc(self, n: int) -> int:
         n = -(-n // 256) * 256
@@ -59,17 +63,21 @@ class CUDARuntimeError(RuntimeError):
 
 
 def _kernel_op(sim, name, grid, args):
-    """What mm / gate_up compute, read from the device tables."""
-    table_ptr, rows, in_pad, stride, gshift = (int(a) for a in args)
+    """What mm / mm_args / gate_up compute, read from their tables (device memory; mm_args: its argument)."""
+    n_mats = grid[1]
+    if name.startswith("mm_args"):
+        table = sim.last_table = np.asarray(args[0]).reshape(-1, 8)[:n_mats]
+        rows, in_pad, stride, gshift = (int(a) for a in args[1:])
+    else:
+        table_ptr, rows, in_pad, stride, gshift = (int(a) for a in args)
+        table = sim.mem(table_ptr, 64 * n_mats).view(np.uint64).reshape(n_mats, 8)
     fid = int(name.split("<")[1].split(",")[0])
     fmt = FMTS.get(fid) or f"int4-g{32 << gshift}"
-    n_mats = grid[1]
-    table = sim.mem(table_ptr, 64 * n_mats).view(np.uint64).reshape(n_mats, 8)
     row_bytes = in_pad * quant.bits(fmt) // 8
-    scale_n = None if fmt in quant.FLOAT_FORMATS else (rows * in_pad // quant.group_size(fmt)
-                                                      if quant.group_size(fmt) else rows)
 
-    def weight(wp, sp):
+    def weight(wp, sp, rows):
+        scale_n = None if fmt in quant.FLOAT_FORMATS else (rows * in_pad // quant.group_size(fmt)
+                                                          if quant.group_size(fmt) else rows)
         dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "int8": np.int8}.get(fmt, np.uint8)
         data = sim.mem(int(wp), rows * row_bytes).view(dtype).reshape(rows, -1)
         s = None
@@ -80,18 +88,48 @@ def _kernel_op(sim, name, grid, args):
 
     for e in table:
         if name.startswith("mm"):
-            W, xp, yp, T = weight(e[0], e[1]), int(e[2]), int(e[3]), int(e[4])
+            r, st = int(e[5]) or rows, int(e[6]) or stride  # an entry's own height and y stride, when set
+            W, xp, yp, T = weight(e[0], e[1], r), int(e[2]), int(e[3]), int(e[4])
             x = sim.mem(xp, 4 * T * in_pad).view(np.float32).reshape(T, in_pad).astype(np.float64)
-            y = sim.mem(yp, 4 * ((T - 1) * stride + rows)).view(np.float32)
+            y = sim.mem(yp, 4 * ((T - 1) * st + r)).view(np.float32)
             for t in range(T):
-                y[t * stride:t * stride + rows] = x[t] @ W.T
+                y[t * st:t * st + r] = x[t] @ W.T
         else:
-            G, U, xp, hp, T = weight(e[0], e[1]), weight(e[2], e[3]), int(e[4]), int(e[5]), int(e[6])
+            G, U = weight(e[0], e[1], rows), weight(e[2], e[3], rows)
+            xp, hp, T = int(e[4]), int(e[5]), int(e[6])
             x = sim.mem(xp, 4 * T * in_pad).view(np.float32).reshape(T, in_pad).astype(np.float64)
             h = sim.mem(hp, 4 * T * stride).view(np.float32).reshape(T, stride)
             h[:] = np.nan  # padding must be written (0) by the kernel: the down matmul reads it
             h[:, :rows] = silu_mul_ref(x @ G.T, x @ U.T)
             h[:, rows:] = 0.0
+
+
+def param_kinds(code: str, name: str) -> str:
+    """Parameter kinds of kernel ``name`` (a template instance ``mm_args<3,4,1,1>`` too) read from its CUDA
+    signature: p pointer, q 64-bit integer, i int, f float, t matmul.cu's MMArgs."""
+    m = re.search(r"__global__\s+void\s+" + re.escape(name.split("<")[0]) + r"\s*\(([^)]*)\)", code)
+    assert m, f"no kernel {name} in the source"
+    kinds = ""
+    for par in m.group(1).split(","):
+        words = par.replace("*", " * ").split()
+        kinds += ("p" if "*" in words else "t" if "MMArgs" in words else "q" if "u64" in words
+                  or "tr_u64" in words else "i" if "int" in words else "f" if "float" in words else "?")
+    assert "?" not in kinds, m.group(1)
+    return kinds
+
+
+def launch_kernel(sim, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    """cuLaunchKernel: the arguments read back from ``void *params[]`` by the kernel's declared types."""
+    kernel = sim.functions[f]
+    assert (by, bz, extra) == (1, 1, 0) and stream == sim.stream_ptr
+    args = []
+    for i, kind in enumerate(kernel.kinds):
+        at = ctypes.c_void_p.from_address(params + 8 * i).value
+        args.append(np.uint64(ctypes.c_uint64.from_address(at).value) if kind in "pq" else
+                    np.int32(ctypes.c_int32.from_address(at).value) if kind == "i" else
+                    np.float32(ctypes.c_float.from_address(at).value) if kind == "f" else
+                    np.frombuffer(ctypes.string_at(at, 8 * MM_ARGS_MAX * 8), np.uint64).copy())
+    kernel((gx, gy, gz), (bx,), tuple(args), shared_mem=smem)
 
 
 def fake_cupy(sim: Sim):
@@ -115,6 +153,9 @@ def fake_cupy(sim: Sim):
         def __exit__(self, *a):
             return False
 
+        def use(self):
+            pass
+
     class Stream:
         ptr = 7
 
@@ -123,6 +164,9 @@ def fake_cupy(sim: Sim):
 
         __enter__ = Device.__enter__
         __exit__ = Device.__exit__
+
+        def use(self):
+            sim.current_stream = self.ptr
 
         def synchronize(self):
             assert sim.capturing is None, "synchronize inside a capture"
@@ -147,9 +191,10 @@ def fake_cupy(sim: Sim):
         sim.run(op)
 
     class Kernel:
-        def __init__(self, name):
-            self.__name__, self.max_dynamic_shared_size_bytes = name, 48 * 1024
-            self.kernel = types.SimpleNamespace(ptr=1)
+        def __init__(self, name, kinds):
+            self.__name__, self.max_dynamic_shared_size_bytes, self.kinds = name, 48 * 1024, kinds
+            self.kernel = types.SimpleNamespace(ptr=id(self))
+            sim.functions[id(self)] = self
 
         def __call__(self, grid, block, args, shared_mem=0):
             assert shared_mem <= self.max_dynamic_shared_size_bytes
@@ -175,7 +220,7 @@ def fake_cupy(sim: Sim):
 
         def get_function(self, name):
             assert name in self.names or f"void {name}(" in self.code, name
-            return Kernel(name)
+            return Kernel(name, param_kinds(self.code, name))
 
     class Arr:
         def __init__(self, a):
@@ -183,12 +228,15 @@ def fake_cupy(sim: Sim):
 
     rt = types.SimpleNamespace(
         memGetInfo=lambda: (HEAP, HEAP), getDeviceCount=lambda: 1, driverGetVersion=lambda: 12040,
-        runtimeGetVersion=lambda: 12040, memcpyAsync=memcpy, memcpyHostToDevice=1, memcpyDeviceToHost=2,
-        errorMemoryAllocation=2, CUDARuntimeError=CUDARuntimeError,
+        runtimeGetVersion=lambda: 12040, getDevice=lambda: 0, memcpyAsync=memcpy,
+        memcpyHostToDevice=1, memcpyDeviceToHost=2, errorMemoryAllocation=2,
+        CUDARuntimeError=CUDARuntimeError,
         getDeviceProperties=lambda i: {"name": b"Simulated GPU", "major": 9, "minor": 0, "integrated": 0})
     cuda.runtime = rt
     cuda.memory = types.SimpleNamespace(Memory=Memory, OutOfMemoryError=MemoryError)
-    cuda.driver = types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda f, b, s: 2)
+    cuda.driver = types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda f, b, s: 2,
+                                        launchKernel=lambda *a: launch_kernel(sim, *a))
+    cuda.stream = types.SimpleNamespace(get_current_stream_ptr=lambda: sim.current_stream)
     cuda.Device, cuda.Stream, cuda.Event = Device, Stream, Event
     cuda.alloc_pinned_memory = lambda n: bytearray(b"\xff" * n)  # NaN garbage, like fresh memory
     cuda.get_elapsed_time = lambda a, b: 0.05

@@ -115,11 +115,9 @@ int main() {
     const size_t n = (size_t)a * b * c;
     auto x = rd(n), table = rd((size_t)e * d); std::vector<float> y(n, NAN);
     tr_rope(x.data(), table.data(), y.data(), n, b, c, d, f, g); put(y);
-  } else if (!strcmp(op, "prep")) {  // T in in_pad
-    auto x = rd((size_t)a * b); std::vector<float> xp((size_t)a * c, NAN); tr_u64 table[8];
-    tr_mm_prep(table, 11, 12, x.data(), xp.data(), 13, a, b, c); put(xp);
-    printf("%d\n", (int)(table[0] == 11 && table[1] == 12 && table[2] == (tr_u64)xp.data() &&
-                         table[3] == 13 && table[4] == (tr_u64)a));
+  } else if (!strcmp(op, "pad")) {  // T in in_pad
+    auto x = rd((size_t)a * b); std::vector<float> xp((size_t)a * c, NAN);
+    tr_pad_rows(x.data(), xp.data(), a, b, c); put(xp);
   } else if (!strcmp(op, "add")) {  // rows d bcast
     const size_t n = (size_t)a * b;
     auto x = rd(n), y0 = rd(c ? b : n); std::vector<float> y(n, NAN);
@@ -165,14 +163,13 @@ def test_trunk_rope_on_the_host(trunk_harness, T, heads, d, rd, pos0, interleave
 
 
 def test_trunk_elementwise_and_matmul_prep_on_the_host(trunk_harness):
-    """tr_mm_prep pads x [T, in] to [T, in_pad] with zeros and writes the table entry mm reads; tr_add
+    """tr_pad_rows pads x [T, in] to [T, in_pad] with zeros (what mm_args reads); tr_add
     with and without the 1-D broadcast; tr_scale_rows with device scales and with the one scalar;
     tr_silu_mul."""
     rng = np.random.default_rng(4)
     x = rng.standard_normal((3, 5), dtype=np.float32)
-    out = _run_harness(trunk_harness, "prep 3 5 8 0 0 0 0", x)
-    assert out[-1] == 1  # the table entry
-    np.testing.assert_array_equal(out[:-1].reshape(3, 8), np.pad(x, ((0, 0), (0, 3))))
+    out = _run_harness(trunk_harness, "pad 3 5 8 0 0 0 0", x)
+    np.testing.assert_array_equal(out.reshape(3, 8), np.pad(x, ((0, 0), (0, 3))))
     b, bias = rng.standard_normal((3, 5), dtype=np.float32), rng.standard_normal(5, dtype=np.float32)
     for bcast, other in ((0, b), (1, bias)):
         y = _run_harness(trunk_harness, f"add 3 5 {bcast} 0 0 0 0", x, other).reshape(3, 5)

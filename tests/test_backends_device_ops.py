@@ -46,6 +46,24 @@ def test_d_matmul(be, fmt, out, in_, t):  # noqa: F811
     assert _err(y, ref) < 1e-4
 
 
+@pytest.mark.parametrize("fmts,outs,in_,t", [(("int8",) * 3, (64, 16, 16), 256, 1),
+                                              (("int4", "int4", "int8"), (40, 40, 24), 200, 3)])
+def test_d_matmul_many(be, fmts, outs, in_, t):  # noqa: F811
+    """q/k/v-like weights of different heights read one x: each result is d_matmul's, bit for bit (one
+    launch on GPU backends must not change a sum), and within the reference's bound."""
+    if any(f not in be.formats for f in fmts):
+        pytest.skip(f"{be.name} lacks one of {fmts}")
+    qts = [quant.quantize(_r(o, in_, scale=in_ ** -0.5), f) for f, o in zip(fmts, outs)]
+    x = _r(t, in_)
+    dx, ws = be.d_put(x), [be.upload(q) for q in qts]
+    ys = be.d_matmul_many(dx, ws)
+    assert [y.shape for y in ys] == [(t, o) for o in outs]
+    for q, w, y in zip(qts, ws, ys):
+        got = be.d_get(y)
+        np.testing.assert_array_equal(got, be.d_get(be.d_matmul(dx, w)))
+        assert _err(got, x.astype(np.float64) @ quant.dequantize(q).astype(np.float64).T) < 1e-4
+
+
 @pytest.mark.parametrize("n,d", [(1, 67), (3, 2048), (16, 128)])
 def test_d_rmsnorm_add_silu_scale(be, n, d):  # noqa: F811
     x, w, b, bias = _r(n, d), _r(d), _r(n, d), _r(d)

@@ -260,17 +260,20 @@ __device__ __forceinline__ void stage_tokens(float *xs, const float *x, int in_p
 // Tokens go in passes of TC (weights are read once per pass); blocks cover the row tiles of their
 // matrix, a few resident per SM (the host sizes gridDim.x), each warp streaming its tiles.
 
-// Table entry per matrix (8 x u64): W, S, x, y, T. y[t * y_stride + r] = x[t] . W[r] for r < rows.
+// Table entry per matrix (8 x u64): W, S, x, y, T, rows, y_stride, 0. y[t * y_stride + r] = x[t] . W[r] for
+// r < rows; an entry's rows / y_stride of 0 mean the launch's (the host path's entries leave them 0;
+// d_matmul_many batches matrices of different heights, q/k/v, in one launch).
 // Grid (blocks, n_matrices), block (32 * warps), shared memory TC * in_pad * 4 bytes.
 template <int FMT, int R, int U, int TC>
-__global__ void mm(const u64 *__restrict__ table, int rows, int in_pad, int y_stride, int gshift) {
+__device__ __forceinline__ void mm_entry(const u64 *e, int rows, int in_pad, int y_stride, int gshift) {
     extern __shared__ float4 smem4[];
     float *xs = reinterpret_cast<float *>(smem4);
-    const u64 *e = table + 8 * blockIdx.y;
     const uint4 *W[1] = {reinterpret_cast<const uint4 *>(e[0])};
     const float *S[1] = {reinterpret_cast<const float *>(e[1])};
     const float *x = reinterpret_cast<const float *>(e[2]);
     float *y = reinterpret_cast<float *>(e[3]);
+    if (e[5]) rows = (int)e[5];
+    if (e[6]) y_stride = (int)e[6];
     const int T = (int)e[4], words = in_pad / Cols<FMT>::n, ntiles = (rows + R - 1) / R;
     const int lane = threadIdx.x & 31;
     for (int t0 = 0; t0 < T; t0 += TC) {
@@ -287,6 +290,23 @@ __global__ void mm(const u64 *__restrict__ table, int rows, int in_pad, int y_st
         });
         __syncthreads();  // xs is overwritten by the next pass
     }
+}
+
+// The table in device memory (the host path stages it with the activations).
+template <int FMT, int R, int U, int TC>
+__global__ void mm(const u64 *__restrict__ table, int rows, int in_pad, int y_stride, int gshift) {
+    mm_entry<FMT, R, U, TC>(table + 8 * blockIdx.y, rows, in_pad, y_stride, gshift);
+}
+
+// The table as a kernel argument (device activations: d_matmul, d_matmul_many): kernel arguments are
+// copied at launch, so one launch is the whole op, with no table to upload or to keep until it has run.
+#define MM_ARGS_MAX 4  // matrices per launch (backends/cuda_device.py _MM_ARGS_MAX)
+struct MMArgs {
+    u64 e[8 * MM_ARGS_MAX];
+};
+template <int FMT, int R, int U, int TC>
+__global__ void mm_args(const MMArgs t, int rows, int in_pad, int y_stride, int gshift) {
+    mm_entry<FMT, R, U, TC>(t.e + 8 * blockIdx.y, rows, in_pad, y_stride, gshift);
 }
 
 // Table entry per expert (8 x u64): gate W, gate S, up W, up S, x, h, T.

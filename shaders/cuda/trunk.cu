@@ -59,21 +59,11 @@ extern "C" __global__ void tr_rope(const float *__restrict__ x, const float *__r
     }
 }
 
-// Before one launch of matmul.cu's mm on device activations: write its table entry (W, S, x, y, T) and,
-// when xp != x, copy x [T, in] into xp [T, in_pad] with zeros in columns in .. in_pad-1 (the weights'
-// padding holds the zero code, so the padded sums are exact). Launched on the stream before mm, so the
-// one table slot is never rewritten while an earlier mm still reads it.
-extern "C" __global__ void tr_mm_prep(tr_u64 *__restrict__ table, tr_u64 W, tr_u64 S, const float *__restrict__ x,
-                                      float *__restrict__ xp, tr_u64 y, int T, int in, int in_pad) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        table[0] = W;
-        table[1] = S;
-        table[2] = (tr_u64)xp;
-        table[3] = y;
-        table[4] = (tr_u64)T;
-        table[5] = table[6] = table[7] = 0;
-    }
-    if (xp == x) return;
+// Before matmul.cu's mm_args when x's rows are not [T, in_pad] floats at a 16-byte aligned address: copy
+// x [T, in] into xp [T, in_pad] with zeros in columns in .. in_pad-1 (the weights' padding holds the zero
+// code, so the padded sums are exact).
+extern "C" __global__ void tr_pad_rows(const float *__restrict__ x, float *__restrict__ xp, int T, int in,
+                                       int in_pad) {
     const tr_u64 n = (tr_u64)T * in_pad;
     for (tr_u64 i = blockIdx.x * (tr_u64)blockDim.x + threadIdx.x; i < n; i += (tr_u64)gridDim.x * blockDim.x) {
         const int c = (int)(i % (tr_u64)in_pad);
