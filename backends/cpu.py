@@ -1,15 +1,17 @@
 """The ``cpu`` backend: the engine's fast host path, numba kernels on all cores.
 
-Quantized formats (int8, int4, int4-gG, int2) run the numba kernels of
-:mod:`colibri_plan.backends.cpu_kernels`: a parallel loop over output rows, the packed bytes unpacked in
-the inner loop (never dequantized to memory), so a GEMV reads each weight byte once from RAM.
-``attention_absorb`` (MLA decode) runs one head per core step. Float formats (f32/f16/bf16, the dense
-trunk) use the numpy reference path (float32 BLAS, f16/bf16
-converted a block of rows at a time). Weights stay in host memory, referenced, not copied.
+int8, int4 and int4-gG weights run the integer kernels of :mod:`colibri_plan.backends.cpu_qkernels`:
+activations quantized to int16 once per call (one scale per token), int8/int4 × int16 products summed
+in int32 (``vpdpwssd`` on AVX-512 VNNI), the packed bytes unpacked in registers, never dequantized to
+memory. Tiles of rows run in parallel, every token of a batch per tile, so a GEMV streams each weight
+byte from RAM once and a prefill batch of T tokens reads it once too (from L2 for tokens 2..T).
+int2 and ``attention_absorb`` (MLA decode) run the float kernels of :mod:`~colibri_plan.backends.cpu_kernels`;
+``d_attention`` (GQA over a KV cache) runs :mod:`~colibri_plan.backends.cpu_attention`. Float formats
+(f32/f16/bf16) use the numpy reference path (float32 BLAS, f16/bf16 converted a block of rows at a
+time). Weights stay in host memory, referenced, not copied (rows of odd length excepted: padded).
 
-Why numba (figures in ``docs/backends.md``): on a 2-core AVX-512 host the int4 GEMV at GLM-5.2 expert
-shapes reads weights at about half the RAM read bandwidth, several times the numpy blocked path and
-the OpenCL (PoCL) kernels on the same CPU.
+Figures (``bench/cpu_gemv.py``, ``bench/results/README.md``): on a 2-core AVX-512 host the int8 and
+int4 GEMVs read weights at about 0.8-0.9 of the RAM read bandwidth.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from colibri_plan.backends.numpy_ref import NumpyBackend, host_device, package_v
 from colibri_plan.errors import BackendUnavailableError
 from colibri_plan.quant import FORMATS, GROUP_FORMATS, QuantTensor, group_size
 
-#: formats the numba kernels handle; the rest go through the numpy path
+#: formats of the integer kernels; int2 has a float kernel, the rest go through the numpy path
 INT4_FORMATS = ("int4",) + GROUP_FORMATS
+INT_FORMATS = ("int8",) + INT4_FORMATS
 
 # numba's "workqueue" threading layer (used when OpenMP and TBB are missing) must not be entered from
 # two threads at once; one lock per process costs ~100 ns per call, and two concurrent GEMVs on the
@@ -38,12 +41,19 @@ _kernels = None
 
 
 def _load_kernels():
-    """Import (and on first use, compile or load from cache) the numba kernels."""
+    """Import (and on first use, compile or load from cache) the numba kernels: a namespace holding
+    ``cpu_kernels`` (float) and ``cpu_qkernels`` (integer) and ``cpu_attention`` functions."""
     global _kernels
     if _kernels is None:
-        from colibri_plan.backends import cpu_kernels  # heavy: imports numba/llvmlite
+        import types
 
-        _kernels = cpu_kernels
+        from colibri_plan.backends import cpu_attention, cpu_experts, cpu_kernels, cpu_qkernels  # numba
+
+        ns = types.SimpleNamespace()
+        for mod in (cpu_kernels, cpu_qkernels, cpu_attention, cpu_experts):
+            ns.__dict__.update({k: v for k, v in vars(mod).items() if not k.startswith("__")})
+        ns.ROW_TILE = cpu_qkernels.ROW_TILE
+        _kernels = ns
     return _kernels
 
 
@@ -67,54 +77,75 @@ class _Parallel:
 
 
 class HostWeight(NamedTuple):
-    """Payload of an uploaded weight: the packed QuantTensor plus the views the int4 kernels take."""
+    """Payload of an uploaded weight: the packed QuantTensor plus the blocked views the integer kernels
+    take (``cpu_qkernels``)."""
 
     qt: QuantTensor
-    data3: np.ndarray | None = None  # int4 family: uint8 [out, blocks, block bytes] (see q4_matmul)
-    scales2: np.ndarray | None = None  # int4 family: float32 [out, groups] (1 group for per-row int4)
-    group: int = 0  # int4 family: columns per scale group (per-row int4: the padded row width)
-    pairs: bool = False  # int4-g32: two groups per 32-byte block
+    data3: np.ndarray | None = None  # int8 / int4 [out, blocks, bb]; int4-g32/g64 [out, C, J, L]
+    scales2: np.ndarray | None = None  # float32 [out, groups] (int8 and per-row int4: 1 group)
+    cols: int = 0  # padded input columns the activations are quantized to
+    group: int = 0  # int4: columns per zero-code group (per-row: ``cols``)
+    fold: int = 0  # int4-g32/g64: parts each group is split in (transposed layout); 0: blocked layout
 
 
-def int4_layout(qt: QuantTensor) -> HostWeight:
-    """The blocked views of an int4 / int4-gG weight for ``q4_matmul`` (no copy unless a row does not
-    end on a whole block: then data is padded with the zero code and scales with 0.0)."""
+def _block(nbytes: int, sizes: tuple[int, ...]) -> tuple[int, int]:
+    """(block bytes, padded row bytes): the largest size dividing the row, else the smallest, padded."""
+    for bb in sizes:
+        if nbytes % bb == 0:
+            return bb, nbytes
+    return sizes[-1], -(-nbytes // sizes[-1]) * sizes[-1]
+
+
+def _padded(data: np.ndarray, nbytes: int, fill: int) -> np.ndarray:
+    if data.shape[1] == nbytes:
+        return data
+    p = np.full((data.shape[0], nbytes), fill, data.dtype)  # a copy, only for rows of odd length
+    p[:, : data.shape[1]] = data
+    return p
+
+
+def int_layout(qt: QuantTensor, k) -> HostWeight:
+    """The blocked views of an int8 / int4 / int4-gG weight for the kernels of ``k`` (cpu_qkernels'
+    ``BLOCKS8``/``BLOCKS4``): no copy unless a row does not end on a whole block (then padded with the
+    zero code; group scales of padding groups are 0.0 already)."""
     out, nb = qt.data.shape
+    if qt.fmt == "int8":
+        bb, pb = _block(nb, k.BLOCKS8)
+        return HostWeight(qt, _padded(qt.data, pb, 0).reshape(out, -1, bb), qt.scales.reshape(out, 1), pb, pb)
     g = group_size(qt.fmt)
-    if g is None:  # per-row: one block per row
-        return HostWeight(qt, qt.data.reshape(out, 1, nb), qt.scales.reshape(out, 1), 2 * nb)
-    pairs = g == 32  # a 16-byte loop stays scalar in LLVM; two groups per block vectorise
-    groups = qt.scales.shape[1] + (qt.scales.shape[1] % 2 if pairs else 0)
-    data, scales = qt.data, qt.scales
-    if groups * g // 2 != nb or groups != scales.shape[1]:
-        data = np.full((out, groups * g // 2), 0x88, np.uint8)
-        data[:, :nb] = qt.data
-        scales = np.zeros((out, groups), np.float32)
-        scales[:, : qt.scales.shape[1]] = qt.scales
-    bb = 32 if pairs else g // 2
-    return HostWeight(qt, data.reshape(out, -1, bb), scales, g, pairs)
+    if g is None:  # per-row int4: blocks of any size, one scale
+        bb, pb = _block(nb, k.BLOCKS4)
+        return HostWeight(qt, _padded(qt.data, pb, 0x88).reshape(out, -1, bb), qt.scales.reshape(out, 1),
+                          2 * pb, 2 * pb)
+    groups, bg = qt.scales.shape[1], g // 2
+    data = _padded(qt.data, groups * bg, 0x88)
+    if g == 128:  # 64-byte groups vectorise as blocks
+        return HostWeight(qt, data.reshape(out, groups, bg), qt.scales, groups * g, g)
+    # g32/g64 transposed: wt[r, j, g·fold + s] = byte s·(bg/fold) + j of group g
+    fold = _fold(groups, k.FOLDS[bg])
+    return HostWeight(qt, _lanes(data, groups, fold, bg // fold), qt.scales, groups * g, g, fold)
 
 
-def int4_activations(x: np.ndarray, nbytes: int, group: int):
-    """Activations prepared for the int4 kernels (see ``cpu_kernels``).
+def _fold(groups: int, folds: tuple[int, ...]) -> int:
+    """Parts to split each group in: the fewest of ``folds`` making groups · parts a multiple of 64
+    lanes (cpu_qkernels), else the most."""
+    return next((f for f in folds if (groups * f) % 64 == 0), folds[-1])
 
-    Args:
-        x: float32 [T, in] with in <= 2·nbytes.
-        nbytes: packed bytes per weight row.
-        group: columns per scale group (even; 2·nbytes for per-row int4).
 
-    Returns:
-        (xe, xd, xsum): xe = x[:, 0::2], xd = x[:, 1::2] − 16·x[:, 0::2], both float32 [T, nbytes];
-        xsum float32 [T, groups] = Σ x per group. Padding columns are zero.
-    """
-    T, n = x.shape
-    groups = -(-2 * nbytes // group)
-    xp = np.zeros((T, groups * group), np.float32)
-    xp[:, :n] = x
-    xe = np.ascontiguousarray(xp[:, 0:2 * nbytes:2])  # [T, nb]
-    xd = np.ascontiguousarray(xp[:, 1:2 * nbytes:2] - np.float32(16.0) * xe)  # [T, nb]
-    xsum = xp.reshape(T, groups, group).sum(axis=2, dtype=np.float64).astype(np.float32)  # [T, groups]
-    return xe, xd, xsum
+def _lanes(a: np.ndarray, groups: int, fold: int, J: int) -> np.ndarray:
+    """[N, groups·fold·J] (each group's bytes or activations in order) -> the transposed layout
+    [N, C, J, L]: element j of part s of group g at lane g·fold + s, lanes in chunks of L = 64 (one
+    chunk of every lane when their count is not a multiple of 64)."""
+    n, K = a.shape[0], groups * fold
+    L = 64 if K % 64 == 0 else K
+    t = a.reshape(n, groups, fold, J).transpose(0, 3, 1, 2).reshape(n, J, K // L, L)  # [N, J, C, L]
+    return np.ascontiguousarray(t.transpose(0, 2, 1, 3))
+
+
+def _transposed(a: np.ndarray, hw: HostWeight) -> np.ndarray:
+    """Activation halves int16 [T, cols/2] in the transposed layout of ``hw`` ([T, C, J, L])."""
+    J = hw.data3.shape[2]
+    return _lanes(a, hw.cols // hw.group, hw.fold, J)
 
 
 def int2_activations(x: np.ndarray, nbytes: int):
@@ -171,41 +202,53 @@ class CpuBackend(NumpyBackend):
 
     def _upload(self, qt: QuantTensor) -> HostWeight:
         qt = super()._upload(qt)
-        return int4_layout(qt) if qt.fmt in INT4_FORMATS else HostWeight(qt)
+        return int_layout(qt, self._k) if qt.fmt in INT_FORMATS else HostWeight(qt)
+
+    def _xq(self, x: np.ndarray, hw: HostWeight):
+        """Activations of x float32 [T, in] for ``hw``'s kernel: int8 (xq3 [T, blocks, bb], sx [T]);
+        int4 (xe3, xo3 [T, blocks, bb] or, transposed, [T, C, J, L], sx [T], xsum [T, groups])."""
+        T = x.shape[0]
+        blocks, bb = hw.data3.shape[1], hw.data3.shape[-1]
+        sx = np.empty(T, np.float32)
+        if hw.qt.fmt == "int8":
+            xq = np.empty((T, hw.cols), np.int16)
+            self._k.quant_x8(x, xq, sx)
+            return xq.reshape(T, blocks, bb), sx
+        xe = np.empty((T, hw.cols // 2), np.int16)
+        xo = np.empty((T, hw.cols // 2), np.int16)
+        xsum = np.empty((T, hw.cols // hw.group), np.int32)
+        self._k.quant_x4(x, hw.group, xe, xo, sx, xsum)
+        if hw.fold:
+            return _transposed(xe, hw), _transposed(xo, hw), sx, xsum
+        return xe.reshape(T, blocks, bb), xo.reshape(T, blocks, bb), sx, xsum
 
     def _matmul(self, x: np.ndarray, w: DeviceWeight) -> np.ndarray:
         hw: HostWeight = w.payload
         qt = hw.qt
-        if qt.fmt not in INT4_FORMATS + ("int8", "int2"):
+        if qt.fmt not in INT_FORMATS + ("int2",):
             return NumpyBackend._matmul(self, x, DeviceWeight(qt.fmt, qt.out_features, qt.in_features,
                                                               qt.nbytes, qt))
         y = np.empty((x.shape[0], qt.out_features), np.float32)  # [T, out]
-        if qt.fmt in INT4_FORMATS:
-            xe, xd, xsum = self._int4_x(x, hw)
-            with self._parallel(self._tiles(qt.out_features)):
-                self._k.q4_matmul(hw.data3, hw.scales2, xe, xd, xsum, hw.pairs, y)
-        elif qt.fmt == "int2":
+        if qt.fmt == "int2":
             x0, d1, d2, d3, xsum = int2_activations(x, qt.data.shape[1])
             with self._parallel(qt.out_features):
                 self._k.q2_matmul(qt.data, qt.scales, x0, d1, d2, d3, xsum, y)
-        else:
-            with self._parallel(qt.out_features):
-                self._k.q8_matmul(qt.data, qt.scales, x, y)
+            return y
+        xa = self._xq(x, hw)
+        with self._parallel(self._tiles(qt.out_features)):
+            if qt.fmt == "int8":
+                self._k.i8_matmul(hw.data3, hw.scales2, *xa, y)
+            elif hw.fold:
+                self._k.i4t_matmul(hw.data3, hw.scales2, *xa, y)
+            else:
+                self._k.i4_matmul(hw.data3, hw.scales2, *xa, y)
         return y
-
-    @staticmethod
-    def _int4_x(x: np.ndarray, hw: HostWeight):
-        # activations in the weight's block shape: xe, xd [T, blocks, bb]; xsum [T, groups]
-        _, blocks, bb = hw.data3.shape
-        xe, xd, xsum = int4_activations(x, blocks * bb, hw.group)
-        T = x.shape[0]
-        return xe.reshape(T, blocks, bb), xd.reshape(T, blocks, bb), xsum
 
     def _parallel(self, iterations: int):
         """Context for a kernel call: the process lock and dynamic scheduling of the kernel's prange
-        steps in chunks of ~1/64 of the matrix (one 32-row tile for a 2048-row int4 weight): a core
-        that is descheduled on a shared machine then stalls one chunk, not half the rows (measured 34
-        vs 29 GB/s with static halves on an idle 2-core host)."""
+        steps in chunks of ~1/64 of the matrix (one 32-row tile for a 2048-row weight): a core that is
+        descheduled on a shared machine then stalls one chunk, not half the rows (measured 34 vs 29
+        GB/s with static halves on an idle 2-core host)."""
         return _Parallel(self._numba, max(1, iterations // 64))
 
     def _tiles(self, rows: int) -> int:
@@ -217,20 +260,66 @@ class CpuBackend(NumpyBackend):
             self._k.attention_absorb(q_abs, q_rope, latent, k_rope, np.float32(scale), out)
         return out
 
-    def _expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
-        out = []
-        for x, e in zip(xs, experts):
-            g: HostWeight = e.gate.payload
-            u: HostWeight = e.up.payload
-            if g.qt.fmt not in INT4_FORMATS or u.qt.fmt != g.qt.fmt:
-                out.extend(super()._expert_ffn([x], [e]))
-                continue
-            h = np.empty((x.shape[0], g.qt.out_features), np.float32)  # [T, I]
-            xe, xd, xsum = self._int4_x(x, g)
-            with self._parallel(self._tiles(g.qt.out_features)):  # gate+up in one pass, SiLU·mul fused
-                self._k.q4_gate_up(g.data3, g.scales2, u.data3, u.scales2, xe, xd, xsum, g.pairs, h)
-            out.append(self._matmul(h, e.down))  # [T, I] -> [T, H]
+    def _d_attention(self, q, k, v, n_keys: int, pos0: int, scale: float, window: int):
+        qq, kk, vv = self._host(q), self._host(k), self._host(v)  # [T, Hq, d], [C, Hkv, d] x2
+        out = np.empty((qq.shape[0], qq.shape[1] * qq.shape[2]), np.float32)  # [T, Hq·d]
+        with self._parallel(qq.shape[0] * qq.shape[1]):
+            self._k.gqa_attention(qq, kk, vv, n_keys, pos0, np.float32(scale), window, out)
         return out
+
+    def _expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
+        if not all(_batchable(e, experts[0]) for e in experts):  # mixed formats: one expert at a time
+            return [NumpyBackend._expert_ffn(self, [x], [e])[0] for x, e in zip(xs, experts)]
+        n = self._k.EXPERTS
+        out: list[np.ndarray] = []
+        for c in range(0, len(xs), n):  # all experts of a layer in one call per projection (cpu_experts)
+            out.extend(self._experts_batch(xs[c:c + n], experts[c:c + n]))
+        return out
+
+    def _experts_batch(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
+        """Up to EXPERTS experts of one layout: gate+up (SiLU·mul fused) then down, one call each."""
+        n, k = len(xs), self._k
+        offs = np.zeros(k.EXPERTS + 1, np.int64)
+        offs[1: n + 1] = np.cumsum([x.shape[0] for x in xs])
+        offs[n + 1:] = offs[n]  # padding experts own no tokens
+        x = np.concatenate(xs) if n > 1 else xs[0]  # [ΣT, H]
+        g0, d0 = experts[0].gate.payload, experts[0].down.payload
+        h = np.empty((x.shape[0], g0.qt.out_features), np.float32)  # [ΣT, I]
+        gw, gs, uw, us, dw, ds = ([getattr(getattr(e, m).payload, a) for e in experts]
+                                  for m in ("gate", "up", "down") for a in ("data3", "scales2"))
+        pad = k.EXPERTS - n
+        with self._parallel(k.EXPERTS * self._tiles(h.shape[1])):
+            gate_up = k.experts_gate_up_t if g0.fold else k.experts_gate_up
+            gate_up(_kind(g0), *(tuple(v + v[:1] * pad) for v in (gw, gs, uw, us)), *self._xq_any(x, g0),
+                    offs, h)
+        y = np.empty((x.shape[0], d0.qt.out_features), np.float32)  # [ΣT, H]
+        with self._parallel(k.EXPERTS * self._tiles(y.shape[1])):
+            down = k.experts_matmul_t if d0.fold else k.experts_matmul
+            down(_kind(d0), tuple(dw + dw[:1] * pad), tuple(ds + ds[:1] * pad), *self._xq_any(h, d0), offs, y)
+        return [y[offs[i]: offs[i + 1]] for i in range(n)]
+
+    def _xq_any(self, x: np.ndarray, hw: HostWeight):
+        """(xa3, xb3, sx, xsum) for the batched kernels; int8 fills the unused slots."""
+        a = self._xq(x, hw)
+        return a if len(a) == 4 else (a[0], a[0], a[1], _NO_SUMS)
+
+
+_NO_SUMS = np.zeros((1, 1), np.int32)
+
+
+def _kind(hw: HostWeight) -> int:
+    """Row kernel of a weight in cpu_experts: 0 int8, 1 int4 blocks, 2 int4 transposed."""
+    return 0 if hw.qt.fmt == "int8" else (2 if hw.fold else 1)
+
+
+def _batchable(e: ExpertWeights, first: ExpertWeights) -> bool:
+    """True when expert ``e`` runs in the same batched call as ``first``: integer formats, the same
+    layout for each projection, gate and up alike."""
+    g, u, d = (w.payload for w in e)
+    g0, d0 = first.gate.payload, first.down.payload
+    return (g.qt.fmt in INT_FORMATS and g.qt.fmt == u.qt.fmt == g0.qt.fmt and d.qt.fmt == d0.qt.fmt
+            and d.qt.fmt in INT_FORMATS and g.data3.shape == u.data3.shape == g0.data3.shape
+            and g.fold == u.fold == g0.fold and d.data3.shape == d0.data3.shape and d.fold == d0.fold)
 
 
 BACKEND = CpuBackend

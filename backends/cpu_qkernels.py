@@ -1,0 +1,289 @@
+"""Integer GEMM kernels of the ``cpu`` backend: int8 and int4 (per-row and grouped) weights times
+activations quantized to int16, accumulated in int32 (imported only when that backend is opened).
+
+Why integers: written as ``acc = int32(acc + int32(w[j]) * int32(x[j]))`` over int8/uint8 weights and
+int16 activations, LLVM turns the reduction into ``vpmaddwd`` / ``vpdpwssd`` (AVX-512 VNNI): 32
+multiply-adds per instruction, about three times the float32 convert-and-FMA path per byte. That is
+what lets a GEMV keep up with RAM and a prefill batch of 16 tokens cost a few GEMVs, not 16. (Without
+the explicit ``int32(...)`` truncation numba types the sum as int64 and the lanes fall to 64 bits.)
+
+Activations (``quant_x16``): each token row t is scaled once per call, ``xq[t] = round(x[t] / sx[t])``
+with ``sx[t] = max|x[t]| / 32767``, so the only numeric change against float32 is that rounding:
+|Σ w·x − sx·Σ w·xq| ≤ 0.5 · sx · Σ|w| per output (float64 bound; the oracle's ``matmul`` bound covers it).
+int4 rows use the deinterleaved halves ``xe = xq[0::2]``, ``xo = xq[1::2]`` (byte j holds columns 2j in
+its low and 2j+1 in its high nibble) and the per-group sums ``Σ xq`` remove the zero code 8 once per
+group. int32 stays exact: a block of ``K8`` int8 columns sums at most 256·127·32767 < 2³¹, an int4
+block of ``K4`` bytes at most 1024·2·15·32767 < 2³¹; blocks are summed in float32.
+
+Weights are cut in blocks of fixed size (``data3`` [out, blocks, bb]), with constant trip counts so the
+inner loop vectorises without a tail; a row whose length is not a whole number of blocks is padded with
+zeros (int8) or the zero code (int4) at upload, by ``cpu.py``. All kernels run tiles of ``ROW_TILE``
+rows in parallel (``prange``) and, inside a tile, every token of the batch: the tile stays in L2 while
+it is reused, so a prefill batch reads each weight from RAM once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from numba import njit, prange
+
+# see cpu_kernels: sleeping OpenMP workers on a shared host (set before numba starts its pool)
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+#: rows per parallel work item (a tile of a 6144-column int8 weight is 192 KiB: it stays in L2)
+ROW_TILE = 32
+#: int8 columns per int32 block (256·127·32767 < 2³¹)
+K8 = 256
+#: bytes per int32 block of per-row int4 (1024 bytes = 2048 columns: 2048·15·32767 < 2³¹)
+K4 = 1024
+_QMAX = np.float32(32767.0)
+
+
+def _dot8(n: int):
+    """Σ int32(w[j])·int32(x[j]) over ``n`` int8 weights and int16 activations; ``n`` a closure constant
+    (numba's cache keys closures by cell contents)."""
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def dot(w3, r, b, x3, t):
+        acc = np.int32(0)
+        for j in range(n):
+            acc = np.int32(acc + np.int32(w3[r, b, j]) * np.int32(x3[t, b, j]))
+        return acc
+
+    return dot
+
+
+def _dot4(n: int):
+    """Σ code·x over ``n`` int4 bytes: low nibble times xe[j], high nibble times xo[j] (int32)."""
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def dot(w3, r, b, xe3, xo3, t):
+        acc = np.int32(0)
+        for j in range(n):
+            v = w3[r, b, j]  # nibbles split as uint8: 16-bit lanes (an int32 shift costs 20%)
+            lo = np.uint8(v & np.uint8(15))
+            hi = np.uint8(v >> np.uint8(4))
+            acc = np.int32(acc + np.int32(lo) * np.int32(xe3[t, b, j])
+                           + np.int32(hi) * np.int32(xo3[t, b, j]))
+        return acc
+
+    return dot
+
+
+#: block sizes (bytes) the kernels have a fixed-size dot for, largest first: ``cpu.py`` cuts a row in
+#: the largest that divides it (padding to the smallest otherwise); int4 groups are 16/32/64 bytes
+BLOCKS8 = (K8, 64, 16)
+BLOCKS4 = (K4, 256, 64, 32, 16)
+_d8_256, _d8_64, _d8_16 = (_dot8(n) for n in BLOCKS8)
+_d4_1024, _d4_256, _d4_64, _d4_32, _d4_16 = (_dot4(n) for n in BLOCKS4)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _d8(w3, r, b, x3, t):
+    # fixed-size dot of block b of row r with token t; whole-array indexing, no slices: a slice is a
+    # new array whose reference counting costs more than a 16-byte block's arithmetic
+    n = w3.shape[2]
+    if n == K8:
+        return _d8_256(w3, r, b, x3, t)
+    if n == 64:
+        return _d8_64(w3, r, b, x3, t)
+    return _d8_16(w3, r, b, x3, t)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _d4(w3, r, b, xe3, xo3, t):
+    n = w3.shape[2]
+    if n == 16:
+        return _d4_16(w3, r, b, xe3, xo3, t)
+    if n == 32:
+        return _d4_32(w3, r, b, xe3, xo3, t)
+    if n == 64:
+        return _d4_64(w3, r, b, xe3, xo3, t)
+    if n == 256:
+        return _d4_256(w3, r, b, xe3, xo3, t)
+    return _d4_1024(w3, r, b, xe3, xo3, t)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _quant_row(x, t, cols, xq):
+    # xq[:] = round(x[t] / s) (zeros past the row), returns s = max|x[t]| / 32767 (1 for a zero row)
+    n = x.shape[1]
+    m = np.float32(0.0)
+    for j in range(n):
+        m = max(m, abs(x[t, j]))
+    s = m / _QMAX if m > 0 else np.float32(1.0)
+    inv = np.float32(1.0) / s
+    for j in range(n):
+        xq[j] = np.int16(np.rint(x[t, j] * inv))
+    for j in range(n, cols):
+        xq[j] = 0
+    return s
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def quant_x8(x, xq, sx):
+    """Activations for the int8 kernels: x float32 [T, n] -> xq int16 [T, cols] (cols ≥ n, zeros past n)
+    and sx float32 [T], x ≈ xq · sx (module docstring)."""
+    for t in range(x.shape[0]):
+        sx[t] = _quant_row(x, t, xq.shape[1], xq[t])
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def quant_x4(x, group, xe, xo, sx, xsum):
+    """Activations for the int4 kernels: x float32 [T, n] -> xe, xo int16 [T, cols/2] (the even and odd
+    columns, zeros past n), sx float32 [T], xsum int32 [T, cols/group] (Σ xq per group of ``group``
+    columns)."""
+    half = xe.shape[1]
+    row = np.empty(2 * half, np.int16)
+    for t in range(x.shape[0]):
+        sx[t] = _quant_row(x, t, 2 * half, row)
+        for j in range(half):
+            xe[t, j] = row[2 * j]
+            xo[t, j] = row[2 * j + 1]
+        for g in range(xsum.shape[1]):
+            acc = np.int32(0)
+            for j in range(g * group, (g + 1) * group):
+                acc += np.int32(row[j])
+            xsum[t, g] = acc
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _row8(d3, r, x3, t):
+    # row r of an int8 weight cut in blocks (d3 int8 [out, blocks, bb]) times token t (x3 int16 [T, blocks,
+    # bb]): int32 per block, float32 over blocks
+    acc = np.float32(0.0)
+    for b in range(d3.shape[1]):
+        acc += np.float32(_d8(d3, r, b, x3, t))
+    return acc
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def i8_matmul(data3, scales, xq3, sx, y):
+    """int8 GEMM: y [T, out] = x · Wᵀ with data3 int8 [out, blocks, bb], scales float32 [out, 1],
+    xq3 int16 [T, blocks, K8], sx float32 [T]; y float32 [T, out] written in place."""
+    out = data3.shape[0]
+    T = xq3.shape[0]
+    for b in prange((out + ROW_TILE - 1) // ROW_TILE):
+        r1 = min(b * ROW_TILE + ROW_TILE, out)
+        for t in range(T):  # prefill: the tile stays in L2 across tokens
+            for r in range(b * ROW_TILE, r1):
+                y[t, r] = _row8(data3, r, xq3, t) * scales[r, 0] * sx[t]
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _row4(d3, r, s2, xe3, xo3, t, xsum):
+    # row r of an int4 weight d3 uint8 [out, blocks, bb] (a block = one int4-g128 group of 64 bytes, or a
+    # block of a per-row weight) times token t; s2 float32 [out, groups], xe3/xo3 int16 [T, blocks, bb],
+    # xsum int32 [T, groups]; per-row weights have one scale and one group sum for all blocks
+    acc = np.float32(0.0)
+    if s2.shape[1] == 1:
+        for g in range(d3.shape[1]):
+            acc += np.float32(_d4(d3, r, g, xe3, xo3, t))
+        return s2[r, 0] * (acc - np.float32(8.0) * np.float32(xsum[t, 0]))
+    for g in range(d3.shape[1]):
+        acc += s2[r, g] * np.float32(_d4(d3, r, g, xe3, xo3, t) - 8 * xsum[t, g])
+    return acc
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def i4_matmul(data3, scales2, xe3, xo3, sx, xsum, y):
+    """int4 / int4-gG GEMM: y [T, out] = x · Wᵀ.
+
+    data3 uint8 [out, blocks, bb]; scales2 float32 [out, groups] (1 group per-row); xe3, xo3 int16
+    [T, blocks, bb]; sx float32 [T]; xsum int32 [T, groups]; y float32 [T, out] written in place.
+    """
+    out = data3.shape[0]
+    T = xe3.shape[0]
+    for b in prange((out + ROW_TILE - 1) // ROW_TILE):
+        r1 = min(b * ROW_TILE + ROW_TILE, out)
+        for t in range(T):
+            for r in range(b * ROW_TILE, r1):
+                y[t, r] = _row4(data3, r, scales2, xe3, xo3, t, xsum) * sx[t]
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _silu_mul(g, u):
+    return g / (np.float32(1.0) + np.exp(-g)) * u
+
+
+# ---- int4-g32 / int4-g64: groups side by side ------------------------------------------------------
+# A 16- or 32-byte group is too short for a vectorised reduction (LLVM unrolls it and leaves it scalar:
+# 30x slower than per-row int4). So these formats are stored transposed at upload (cpu.py): row r holds
+# byte j of every group side by side, wt[r, c, j, k] (lane c·L + k, in chunks of L = 64 lanes so a row
+# is read front to back: a stride of a whole row per byte defeats the prefetcher, measured 3x slower
+# from RAM at 6144 columns). The kernel's loop over k (the groups) is the
+# vectorised one; inside it the J bytes of a group are a constant-length loop that LLVM unrolls, so
+# each lane sums its own group in a register (no reduction, no scratch) and the group scale is applied
+# in the same loop. That loop needs >= 64 lanes to run vectorised (16 lanes x 4 interleaved), so a row
+# of fewer groups is folded: each group split into ``fold`` parts of J bytes side by side
+# (k = g*fold + s, scale index k // fold). int4-g64 always folds by >= 2 (J <= 16: a 32-long loop is
+# not unrolled and runs as a slow reduction). The zero code is removed once per row:
+# sum_g s[g]*(sum code*xq - 8 sum xq) = sum_k s[k // fold]*(sum code*xq)_k - 8 sum_g s[g]*xsum[g].
+
+
+def _row4t_fixed(J: int, F: int):
+    """One output value on the transposed layout for J bytes per part and F parts per group (closure
+    constants: numba's cache keys closures by their cell contents)."""
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def row(wt, r, s2, xe3, xo3, t, xsum):
+        # wt uint8 [out, C, J, L]; s2 float32 [out, groups]; xe3/xo3 int16 [T, C, J, L]; xsum int32
+        # [T, groups]
+        acc = np.float32(0.0)
+        L = wt.shape[3]
+        for c in range(wt.shape[1]):  # chunks of L lanes: J·L contiguous bytes, read front to back
+            for k in range(L):  # vectorised over groups (parts)
+                a = np.int32(0)
+                for j in range(J):  # unrolled: a stays in a register lane
+                    v = wt[r, c, j, k]
+                    lo = np.uint8(v & np.uint8(15))
+                    hi = np.uint8(v >> np.uint8(4))
+                    a = np.int32(a + np.int32(lo) * np.int32(xe3[t, c, j, k])
+                                 + np.int32(hi) * np.int32(xo3[t, c, j, k]))
+                acc += s2[r, (c * L + k) // F] * np.float32(a)
+        z = np.float32(0.0)
+        for g in range(s2.shape[1]):
+            z += s2[r, g] * np.float32(xsum[t, g])
+        return acc - np.float32(8.0) * z
+
+    return row
+
+
+#: (bytes per part J, parts per group F) of the transposed layouts cpu.py makes: int4-g32 folds 1, 2
+#: or 4; int4-g64 folds 2 or 4
+FOLDS = {16: (1, 2, 4), 32: (2, 4)}
+_r16_1, _r8_2, _r4_4, _r16_2, _r8_4 = (_row4t_fixed(J, F) for J, F in
+                                       ((16, 1), (8, 2), (4, 4), (16, 2), (8, 4)))
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _row4t(wt, r, s2, xe3, xo3, t, xsum):
+    J = wt.shape[2]
+    F = wt.shape[1] * wt.shape[3] // s2.shape[1]
+    if J == 16:
+        if F == 1:
+            return _r16_1(wt, r, s2, xe3, xo3, t, xsum)
+        return _r16_2(wt, r, s2, xe3, xo3, t, xsum)
+    if J == 8:
+        if F == 2:
+            return _r8_2(wt, r, s2, xe3, xo3, t, xsum)
+        return _r8_4(wt, r, s2, xe3, xo3, t, xsum)
+    return _r4_4(wt, r, s2, xe3, xo3, t, xsum)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def i4t_matmul(wt, scales2, xe3, xo3, sx, xsum, y):
+    """int4-g32/g64 GEMM on the transposed layout: wt uint8 [out, C, J, L] (C·L = groups · fold lanes in
+    chunks of L); scales2 float32 [out, groups]; xe3, xo3 int16 [T, C, J, L] (the activations in the
+    same layout); sx float32 [T]; xsum int32 [T, groups]; y float32 [T, out] written in place."""
+    out = wt.shape[0]
+    T = xe3.shape[0]
+    for b in prange((out + ROW_TILE - 1) // ROW_TILE):
+        r1 = min(b * ROW_TILE + ROW_TILE, out)
+        for t in range(T):
+            for r in range(b * ROW_TILE, r1):
+                y[t, r] = _row4t(wt, r, scales2, xe3, xo3, t, xsum) * sx[t]
+
+

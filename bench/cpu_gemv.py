@@ -1,0 +1,132 @@
+"""CPU GEMV (T = 1) and prefill GEMM throughput of the ``cpu`` backend per format, against RAM bandwidth.
+
+For each format (int8, int4 per-row, int4-g32/g64/g128) and shape (out, in) it times ``matmul`` of one
+token (GEMV) and of ``--prefill`` tokens, cycling through a pool of weights larger than the last-level
+cache (``--pool-bytes``) so each call streams its weight from RAM. Weight GB/s = packed bytes (data +
+scales) read per second. RAM read bandwidth is measured in the same run, interleaved with the formats
+(the profiler's probe, ``colibri_plan/profiler/ram.py``: numpy sums in one thread per core), and each
+GEMV figure is divided by the median RAM figure: the "fraction of RAM bandwidth" of issue 14 (≥ 0.8).
+The machine may be shared: the load average before and after is recorded; compare figures of one run.
+
+    .venv/bin/python bench/cpu_gemv.py [--repeats 7] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {"trunk 4096x4096": (4096, 4096), "expert up 2048x6144": (2048, 6144),
+          "expert down 6144x2048": (6144, 2048)}
+FORMATS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128")
+
+
+def ram_gbps(array_bytes: int) -> float:
+    """One all-core RAM read figure (GB/s), the profiler's probe with 3 repetitions (median)."""
+    from colibri_plan.profiler.ram import probe_ram
+
+    return float(probe_ram(array_bytes, repetitions=3)["read_gbps"]["median"])
+
+
+def pool(fmt: str, shape: tuple[int, int], pool_bytes: int, be, rng) -> list:
+    """Uploaded weights of ``shape`` in ``fmt`` totalling >= pool_bytes (one random matrix quantized
+    once, its arrays copied so every pool entry has its own memory)."""
+    from colibri_plan import quant
+
+    out, n = shape
+    qt = quant.quantize(rng.standard_normal((out, n), dtype=np.float32), fmt)
+    count = max(2, -(-pool_bytes // qt.nbytes))
+    ws = []
+    for _ in range(count):
+        s = None if qt.scales is None else qt.scales.copy()
+        ws.append(be.upload(quant.QuantTensor(fmt, out, n, qt.data.copy(), s)))
+    return ws
+
+
+def time_pool(be, ws, x, repeats: int) -> list[float]:
+    """Seconds per matmul call: per repeat, one pass over the pool (median per pass)."""
+    for w in ws[:2]:
+        be.matmul(x, w)  # compile / warm
+    passes = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for w in ws:
+            be.matmul(x, w)
+        passes.append((time.perf_counter() - t0) / len(ws))
+    return passes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of keys of SHAPES")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--prefill", type=int, default=16, help="tokens of the batched (prefill) figure; 0: none")
+    ap.add_argument("--pool-bytes", type=int, default=256 << 20)
+    ap.add_argument("--ram-bytes", type=int, default=512 << 20)
+    ap.add_argument("--out", default=None, help="JSON output file")
+    a = ap.parse_args()
+    from colibri_plan.backends import get_backend
+    from colibri_plan.fileio import atomic_write_text
+
+    rng = np.random.default_rng(0)
+    be = get_backend("cpu").open(0)
+    load0 = os.getloadavg()
+    ram = [ram_gbps(a.ram_bytes)]
+    rows = []
+    for sname in a.shapes.split(","):
+        shape = SHAPES[sname]
+        for fmt in a.formats.split(","):
+            ws = pool(fmt, shape, a.pool_bytes, be, rng)
+            nbytes = ws[0].nbytes
+            x1 = rng.standard_normal((1, shape[1]), dtype=np.float32)
+            s1 = time_pool(be, ws, x1, a.repeats)
+            row = {"shape": sname, "out": shape[0], "in": shape[1], "fmt": fmt, "weight_bytes": nbytes,
+                   "gemv_s": statistics.median(s1), "gemv_gbps": nbytes / statistics.median(s1) / 1e9,
+                   "gemv_gbps_runs": [nbytes / s / 1e9 for s in s1]}
+            if a.prefill > 1:
+                xt = rng.standard_normal((a.prefill, shape[1]), dtype=np.float32)
+                st = time_pool(be, ws, xt, max(3, a.repeats // 2))
+                row.update(prefill_tokens=a.prefill, prefill_s=statistics.median(st),
+                           prefill_over_gemv=statistics.median(st) / row["gemv_s"])
+            for w in ws:
+                be.free(w)
+            ram.append(ram_gbps(a.ram_bytes))
+            rows.append(row)
+            print(f"  {sname:22} {fmt:9} {row['gemv_gbps']:6.1f} GB/s  (RAM {ram[-1]:.1f})", flush=True)
+    ram_med = statistics.median(ram)
+    for r in rows:
+        r["fraction_of_ram"] = r["gemv_gbps"] / ram_med
+    load1 = os.getloadavg()
+    print(f"\nRAM read (profiler probe, median of {len(ram)}): {ram_med:.1f} GB/s "
+          f"[{min(ram):.1f}..{max(ram):.1f}]; load average {load0[0]:.2f} -> {load1[0]:.2f}")
+    hdr = f"{'shape':22} {'format':9} {'MB':>6} {'GEMV ms':>8} {'GB/s':>6} {'of RAM':>7}"
+    if a.prefill > 1:
+        hdr += f" {f'T={a.prefill} / T=1':>11}"
+    print(hdr)
+    for r in rows:
+        line = (f"{r['shape']:22} {r['fmt']:9} {r['weight_bytes'] / 1e6:6.1f} {r['gemv_s'] * 1e3:8.3f} "
+                f"{r['gemv_gbps']:6.1f} {r['fraction_of_ram']:7.2f}")
+        if a.prefill > 1:
+            line += f" {r['prefill_over_gemv']:11.2f}"
+        print(line)
+    if a.out:
+        doc = {"kind": "cpu-gemv", "device": be.device.name, "driver": be.device.driver,
+               "threads": os.environ.get("NUMBA_NUM_THREADS") or os.cpu_count(),
+               "load_average_before_after": [load0[0], load1[0]],
+               "ram": {"method": "colibri_plan.profiler.ram.probe_ram (numpy sum per core), 3 reps each",
+                       "samples_gbps": ram, "median_gbps": ram_med},
+               "args": vars(a), "rows": rows}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(a.out), json.dumps(doc, indent=1) + "\n")
+    be.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The ``cpu`` backend's integer kernels (backends/cpu_qkernels.py) and their weight layouts.
+
+Every layout variant the upload can choose (int8 and per-row int4 blocks of each size and the padded
+case; int4-g32/g64 transposed with each fold; int4-g128 blocks) is compared with the float64 reference
+of the same quantized weights, under the error bound of int16 activation rounding. A prefill batch
+must give bit for bit what its tokens give one at a time (the batch only changes the loop order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_plan import quant
+from colibri_plan.backends import get_backend
+
+cpu_cls = get_backend("cpu")
+pytestmark = pytest.mark.skipif(cpu_cls.unavailable_reason() is not None,
+                                reason=str(cpu_cls.unavailable_reason()))
+
+
+@pytest.fixture(scope="module")
+def be():
+    b = cpu_cls.open(0)
+    yield b
+    b.close()
+
+
+def _bound(x: np.ndarray, qt: quant.QuantTensor) -> np.ndarray:
+    """Per-output bound [T, out] of int16 activation rounding: 0.5 · (max|x_t| / 32767) · Σ|w|, plus
+    float32 accumulation slack."""
+    w = np.abs(quant.dequantize(qt).astype(np.float64))  # [out, in]
+    sx = np.abs(x).max(axis=1, keepdims=True) / 32767.0  # [T, 1]
+    ref_mag = np.abs(x).astype(np.float64) @ w.T
+    return 0.5 * sx * w.sum(axis=1)[None, :] + 1e-6 * ref_mag + 1e-30
+
+
+# (format, in_features, what the upload must choose): block bytes (int8/int4/g128) or (J, fold)
+LAYOUTS = [
+    ("int8", 512, 256), ("int8", 192, 64), ("int8", 48, 16), ("int8", 37, 16),
+    ("int4", 4096, 1024), ("int4", 1536, 256), ("int4", 384, 64), ("int4", 96, 16), ("int4", 67, 16),
+    ("int4-g32", 2048, (16, 1)), ("int4-g32", 6144, (16, 1)), ("int4-g32", 1024, (8, 2)),
+    ("int4-g32", 512, (4, 4)),
+    ("int4-g32", 67, (4, 4)),
+    ("int4-g64", 4096, (16, 2)), ("int4-g64", 1024, (8, 4)), ("int4-g64", 131, (8, 4)),
+    ("int4-g128", 1024, 64), ("int4-g128", 300, 64),
+]
+
+
+@pytest.mark.parametrize("fmt,in_,layout", LAYOUTS, ids=lambda v: str(v))
+def test_layout_and_result(be, fmt, in_, layout):
+    rng = np.random.default_rng([in_, len(fmt)])
+    out = 40  # not a multiple of the 32-row tile
+    qt = quant.quantize(rng.standard_normal((out, in_), dtype=np.float32), fmt)
+    w = be.upload(qt)
+    hw = w.payload
+    if isinstance(layout, tuple):
+        J, fold = layout
+        assert (hw.fold, hw.data3.shape[2]) == (fold, J)
+        lanes = qt.scales.shape[1] * fold
+        assert hw.data3.shape[1] * hw.data3.shape[3] == lanes
+        assert hw.data3.shape[3] == (64 if lanes % 64 == 0 else lanes)  # chunks of 64 lanes
+    else:
+        assert hw.fold == 0 and hw.data3.shape[2] == layout
+    x = rng.standard_normal((3, in_), dtype=np.float32) * np.float32(3.0)
+    x[1, 5] = 40.0  # one large activation: the int16 scale follows it
+    y = be.matmul(x, w)
+    ref = x.astype(np.float64) @ quant.dequantize(qt).astype(np.float64).T
+    err = np.abs(y - ref)
+    assert (err <= _bound(x, qt)).all(), f"max error {err.max():.3g}"
+    be.free(w)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-g32", "int4-g64", "int4-g128"])
+def test_prefill_batch_equals_single_tokens(be, fmt):
+    rng = np.random.default_rng(3)
+    qt = quant.quantize(rng.standard_normal((70, 1024), dtype=np.float32), fmt)
+    w = be.upload(qt)
+    x = rng.standard_normal((16, 1024), dtype=np.float32)
+    batch = be.matmul(x, w)
+    single = np.concatenate([be.matmul(x[t:t + 1], w) for t in range(16)])
+    np.testing.assert_array_equal(batch, single)
+    be.free(w)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-g32", "int4-g64"])
+def test_fused_gate_up_matches_three_matmuls(be, fmt):
+    rng = np.random.default_rng(4)
+    H, inter = 512, 96
+    qts = [quant.quantize(rng.standard_normal(s, dtype=np.float32) * np.float32(s[1] ** -0.5), fmt)
+           for s in ((inter, H), (inter, H), (H, inter))]
+    e = be.upload_expert(*qts)
+    x = rng.standard_normal((5, H), dtype=np.float32)
+    (y,) = be.expert_ffn([x], [e])
+    g, u = (x @ quant.dequantize(q).T.astype(np.float64) for q in qts[:2])
+    h = g / (1 + np.exp(-g)) * u
+    ref = h @ quant.dequantize(qts[2]).T.astype(np.float64)
+    assert np.abs(y - ref).max() / np.abs(ref).max() < 5e-4
+
+
+def test_zero_and_extreme_activations(be):
+    rng = np.random.default_rng(5)
+    qt = quant.quantize(rng.standard_normal((33, 256), dtype=np.float32), "int8")
+    w = be.upload(qt)
+    x = np.zeros((2, 256), np.float32)
+    x[1, 7] = -1e30  # one huge value: scale 1e30/32767, still finite
+    y = be.matmul(x, w)
+    assert (y[0] == 0).all()
+    ref = -1e30 * quant.dequantize(qt)[:, 7].astype(np.float64)
+    np.testing.assert_allclose(y[1], ref, rtol=1e-6)
