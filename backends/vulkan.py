@@ -7,7 +7,7 @@ call), nested structs live only as long as the outer one (pointees are kept in l
 are an ffi array, ``VK_TIMEOUT`` is a result code, ``import vulkan`` raises OSError without the loader.
 
 One storage buffer per weight (per row block over ``maxStorageBufferRange``): padded rows, then scales;
-memory types per role: ``vulkan_util.memory_roles``; fixed objects: ``vulkan_util.Device``. Each call
+memory types per role: ``vulkan_util.memory_roles``; fixed objects: ``vulkan_objects.Device``. Each call
 shape's command buffer is recorded once, then replayed (``_shared.Replays``); pipelines are cached on disk.
 """
 
@@ -23,6 +23,7 @@ from colibri_plan.backends import vulkan_util as vu
 from colibri_plan.backends._shared import GPUBackend, Replays, WorkBuffers
 from colibri_plan.backends.base import DeviceInfo
 from colibri_plan.backends.vulkan_device import VulkanDeviceOps
+from colibri_plan.backends.vulkan_objects import Device
 from colibri_plan.backends.vulkan_util import MAXE, ROWS, WG
 from colibri_plan.errors import UnsupportedError
 from colibri_plan.quant import group_size
@@ -37,6 +38,9 @@ class VulkanBackend(VulkanDeviceOps, GPUBackend):
     device activations (``d_*``) from :class:`~colibri_plan.backends.vulkan_device.VulkanDeviceOps`."""
 
     name = "vulkan"
+    #: push descriptors where the device has VK_KHR_push_descriptor (False: a descriptor set per
+    #: dispatch, as on devices without it; read when a backend opens)
+    push_descriptors = True
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -63,7 +67,7 @@ class VulkanBackend(VulkanDeviceOps, GPUBackend):
             self.max_buffer_bytes = min(f.max_range, f.max_alloc or f.max_range)
             self.pipeline_cache_path = vu.cache_path(f)
             self._cache_blob, self.pipeline_cache_state = vu.read_cache(self.pipeline_cache_path, f)
-            self._d = vu.Device(vk, pd, f, MAXE, self._cache_blob)
+            self._d = Device(vk, pd, f, MAXE, self._cache_blob, self.push_descriptors)
             # collected unclosed: the VkDevice and its buffers go too (no driver calls at exit)
             self._gc = weakref.finalize(self, self._d.close)
             self._gc.atexit = False
@@ -259,13 +263,8 @@ class VulkanBackend(VulkanDeviceOps, GPUBackend):
                     lib.vkCmdFillBuffer(cb, st[1].buf, 0, st[2], 0)
                 else:
                     pipe, a, b, xb, yb, pc, gx, gy = st  # spare slots of a[MAXE], b[MAXE] repeat the first
-                    bufs = [*a, *[a[0]] * (MAXE - len(a)), *b, *[b[0]] * (MAXE - len(b)), xb, yb]
-                    e.sets.append(d.new_set(bufs, when_full=self._cmds.drop))
-                    lib.vkCmdBindPipeline(cb, 1, pipe)  # VK_PIPELINE_BIND_POINT_COMPUTE
-                    lib.vkCmdBindDescriptorSets(cb, 1, d.layout, 0, 1, e.sets[-1], 0, ffi.NULL)
-                    words = ffi.new("uint32_t[]", pc)  # push constants: an ffi array
-                    lib.vkCmdPushConstants(cb, d.layout, vu.COMPUTE, 0, 4 * len(pc), words)
-                    lib.vkCmdDispatch(cb, gx, gy, 1)
+                    a, b = [*a, *[a[0]] * (MAXE - len(a))], [*b, *[b[0]] * (MAXE - len(b))]
+                    d.dispatch(cb, pipe, a, b, xb, yb, pc, (gx, gy, 1), e.sets, self._cmds.drop)
             d.barrier(cb)  # shader writes -> host reads
             lib.vkCmdWriteTimestamp(cb, 0x2000, d.queries, 1)  # BOTTOM_OF_PIPE
             vu.check(vk, lib.vkEndCommandBuffer(cb))

@@ -27,7 +27,7 @@ a row's keys cut into slices merged by a second dispatch when that leaves the de
 
 from __future__ import annotations
 
-import weakref
+import atexit
 from types import SimpleNamespace as NS
 from typing import Any
 
@@ -46,16 +46,22 @@ ATT_WG, ATT_TILE, MAX_HEAD_DIM = 128, 64, 256  # attention_gqa.comp: invocations
 ATT_MIN_KEYS = 64  # fewest keys per slice of a query row's keys (below that, merging costs more)
 ATT_MAX_HG = 8  # query heads of one kv head per workgroup, at most (registers: HG x 256 / ATT_WG)
 MAX_GROUPS = 65535  # workgroups per grid dimension every device offers (maxComputeWorkGroupCount)
+_AT_EXIT = [False]  # set when the interpreter exits: arrays collected then do nothing
+atexit.register(_AT_EXIT.__setitem__, 0, True)
 EW_ADD, EW_ADD_ROW, EW_SILU_MUL, EW_SCALE_ROWS, EW_ROPE, EW_PAD = range(6)  # elementwise.comp's op codes
 
 
 class VkArray:
     """``DArray.buf`` of the Vulkan backend: ``b``, a buffer record of ``vulkan_util.make_buffer``."""
 
-    __slots__ = ("b", "__weakref__")
+    __slots__ = ("b", "_give", "__weakref__")
 
-    def __init__(self, b: NS):
-        self.b = b
+    def __init__(self, b: NS, give=None):
+        self.b, self._give = b, give
+
+    def __del__(self):  # cheaper than a weakref.finalize per op: the buffer goes back to its pool
+        if self._give is not None:
+            self._give(self.b)
 
 
 def size_class(nbytes: int) -> int:
@@ -75,14 +81,21 @@ class BufferPool:
         self._make, self._release, self.keep_bytes = make, release, keep_bytes
         self._free: dict[int, list[NS]] = {}
         self._made: dict[int, NS] = {}
+        self._sizes: dict[tuple[int, int], int] = {}  # (nbytes, cap) -> bytes allocated
+        self._exit = _AT_EXIT  # held here: module globals may be gone when the last arrays are collected
         self.free_bytes, self.closed = 0, False
 
     def take(self, nbytes: int, cap: int) -> VkArray:
         """An array of at least ``nbytes``: its size class, or the bytes asked when that class is over
         ``cap`` (the largest buffer) or POOL_MAX_BUFFER (KV pages: never pooled, so never rounded up)."""
-        size = size_class(nbytes)
-        if size > min(cap, POOL_MAX_BUFFER):
-            size = max(256, -(-int(nbytes) // 4) * 4)
+        size = self._sizes.get((nbytes, cap))
+        if size is None:
+            size = size_class(nbytes)
+            if size > min(cap, POOL_MAX_BUFFER):
+                size = max(256, -(-int(nbytes) // 4) * 4)
+            if len(self._sizes) > 4096:  # many shapes (prefills of every length): start over
+                self._sizes.clear()
+            self._sizes[nbytes, cap] = size
         spare = self._free.get(size)
         if spare:
             b = spare.pop()
@@ -90,12 +103,10 @@ class BufferPool:
         else:
             b = self._make(size)
             self._made[id(b)] = b
-        h = VkArray(b)
-        weakref.finalize(h, self._give, b).atexit = False  # never driver calls at interpreter exit
-        return h
+        return VkArray(b, self._give)
 
     def _give(self, b: NS) -> None:
-        if self.closed:
+        if self.closed or self._exit[0]:  # never driver calls at interpreter exit
             return
         if b.size > POOL_MAX_BUFFER or self.free_bytes + b.size > self.keep_bytes:
             self._release(self._made.pop(id(b)))
@@ -132,6 +143,7 @@ class VulkanDeviceOps:
 
     def _d_init(self) -> None:
         self._batch: NS | None = None
+        self._spare: NS | None = None  # a command buffer whose batch has run, for the next batch
         self._pool = BufferPool(self._d_make, lambda b: self._release(b))
 
     def _d_make(self, size: int) -> NS:
@@ -164,11 +176,15 @@ class VulkanDeviceOps:
         self._check_open()
         if self._batch is None:
             vk, ffi, lib, d = self.vk, self.vk.ffi, self.vk.lib, self._d
-            e = NS(cbp=ffi.new("VkCommandBuffer[1]"), sets=[], keep=[], ops=0)
-            info = vu.new(vk, "VkCommandBufferAllocateInfo", commandPool=d.pool, commandBufferCount=1)
-            vu.check(vk, lib.vkAllocateCommandBuffers(d.dev, info, e.cbp))
+            e, self._spare = self._spare, None  # the last batch's command buffer, reset by its begin
+            if e is None:
+                e = NS(cbp=ffi.new("VkCommandBuffer[1]"), sets=[], keep=[], ops=0)
+                info = vu.new(vk, "VkCommandBufferAllocateInfo", commandPool=d.pool, commandBufferCount=1)
+                vu.check(vk, lib.vkAllocateCommandBuffers(d.dev, info, e.cbp))
+                e.submit = vu.new(vk, "VkSubmitInfo", commandBufferCount=1, pCommandBuffers=e.cbp)
+                e.begin = vu.new(vk, "VkCommandBufferBeginInfo", flags=1)  # ONE_TIME_SUBMIT
             try:
-                vu.check(vk, lib.vkBeginCommandBuffer(e.cbp[0], vu.new(vk, "VkCommandBufferBeginInfo")))
+                vu.check(vk, lib.vkBeginCommandBuffer(e.cbp[0], e.begin))
             except BaseException:
                 d.free_cmd(e)
                 raise
@@ -194,16 +210,19 @@ class VulkanDeviceOps:
             d.barrier(cb)  # shader and transfer writes -> host reads
             lib.vkCmdWriteTimestamp(cb, 0x2000, d.queries, 1)  # BOTTOM_OF_PIPE
             vu.check(vk, lib.vkEndCommandBuffer(cb))
-            submit = vu.new(vk, "VkSubmitInfo", commandBufferCount=1, pCommandBuffers=e.cbp)
-            d.submit(submit, poll=self.device.kind != "cpu")
-        finally:
-            d.free_cmd(e)  # its descriptor sets too; e.keep's arrays may go back to the pool now
+            d.submit(e.submit, poll=self.device.kind != "cpu")
+        except BaseException:
+            d.free_cmd(e)  # its descriptor sets too
+            raise
+        d.free_sets(e)  # the command buffer is kept for the next batch
+        e.keep, e.ops, self._spare = [], 0, e  # e.keep's arrays may go back to the pool now
 
     def _d_close(self) -> None:
         """Drop an unsubmitted batch and destroy every activation buffer (the device is idle)."""
-        e, self._batch = getattr(self, "_batch", None), None
-        if e is not None:
-            self._d.free_cmd(e)
+        for e in (getattr(self, "_batch", None), getattr(self, "_spare", None)):
+            if e is not None:
+                self._d.free_cmd(e)
+        self._batch = self._spare = None
         if getattr(self, "_pool", None) is not None:
             self._pool.close()
 
@@ -211,19 +230,12 @@ class VulkanDeviceOps:
                   x: VkArray | None = None) -> None:
         """Record a barrier and one dispatch: ``ins`` (VkArrays or weight buffer records) bound as A[0..]
         (and B[0..]), ``x`` (default ins[0]) at binding 2, ``out`` at binding 3."""
-        arrays = [a for a in (*ins, x, out) if isinstance(a, VkArray)]
-        cb = self._cb(*arrays)
-        ffi, lib, d = self.vk.ffi, self.vk.lib, self._d
-        a = [getattr(i, "b", i) for i in ins]
+        cb, d = self._cb(*[a for a in (*ins, x, out) if type(a) is VkArray]), self._d
+        a = [i.b if type(i) is VkArray else i for i in ins]
         a += [a[0]] * (d.maxe - len(a))  # spare slots repeat the first
-        xb = a[0] if x is None else x.b
-        self._batch.sets.append(d.new_set([*a, *a, xb, out.b], when_full=self._cmds.drop))
         d.barrier(cb)  # earlier ops' writes -> this dispatch's reads
-        lib.vkCmdBindPipeline(cb, 1, pipe)  # VK_PIPELINE_BIND_POINT_COMPUTE
-        lib.vkCmdBindDescriptorSets(cb, 1, d.layout, 0, 1, self._batch.sets[-1], 0, ffi.NULL)
-        words = ffi.new("uint32_t[]", [int(w) for w in pc])  # push constants: an ffi array
-        lib.vkCmdPushConstants(cb, d.layout, vu.COMPUTE, 0, 4 * len(pc), words)
-        lib.vkCmdDispatch(cb, gx, gy, gz)
+        d.dispatch(cb, pipe, a, a, a[0] if x is None else x.b, out.b, pc, (gx, gy, gz), self._batch.sets,
+                   self._cmds.drop)
         self._op_done()
 
     def _upload_into(self, h: VkArray, data: np.ndarray) -> None:

@@ -1,5 +1,5 @@
 """Driver plumbing of the Vulkan backend: struct boilerplate, instance and device discovery, memory
-types per role, buffers, the device's fixed objects (:class:`Device`) and the pipeline-cache header.
+types per role, buffers, the pipeline-cache header; the device's fixed objects are ``vulkan_objects.Device``.
 
 Only :mod:`colibri_plan.backends.vulkan` and its ``vulkan_device`` mixin use this module. Functions take
 the imported ``vulkan`` module as ``vk`` so that nothing here imports it at load time. Generic logic
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import functools
 import re
+import struct
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace as NS
 
 from colibri_plan.backends import _shared as sh
-from colibri_plan.errors import ColibriError
 
 MAXE, WG, ROWS = 8, 64, 4  # matmul.comp: experts per dispatch (its MAXE), invocations, rows per workgroup
 COMPUTE, STORAGE = 0x20, 7  # VK_SHADER_STAGE_COMPUTE_BIT, VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
@@ -27,7 +26,7 @@ _V11, _V12 = (1 << 22) | (1 << 12), (1 << 22) | (2 << 12)  # VK_MAKE_API_VERSION
 _PROBE: list = []  # [reason, [(physical index, facts)]], computed once per process
 _INSTANCE: list = []  # [VkInstance, VkPhysicalDevice array] of this process, made on first use
 _LOCK = threading.Lock()
-_LIVE = [0]  # VkDevices created and not yet destroyed, in this process
+_LIVE = [0]  # VkDevices created and not yet destroyed, in this process (vulkan_objects.Device)
 
 
 def check(vk, res: int) -> None:
@@ -72,7 +71,7 @@ def instance(vk) -> tuple:
 
     One per process because drivers do not promise any number of them: an NVIDIA driver refuses new
     instances with VK_ERROR_INCOMPATIBLE_DRIVER after a few dozen have been created in one process, even
-    destroyed ones. Each backend's VkDevice is its own (:class:`Device`).
+    destroyed ones. Each backend's VkDevice is its own (``vulkan_objects.Device``).
 
     Raises:
         vk.VkError: vkCreateInstance failed (e.g. VkErrorIncompatibleDriver: no driver).
@@ -104,7 +103,8 @@ def device_facts(vk, pd) -> NS:
                                                "PHYSICAL_DEVICE_PROPERTIES_2", pNext=sub))
     exts = {ffi.string(e.extensionName).decode() for e in
             enum(vk, "VkExtensionProperties", lib.vkEnumerateDeviceExtensionProperties, pd, ffi.NULL)}
-    has_budget = "VK_EXT_memory_budget" in exts
+    has_budget = "VK_EXT_memory_budget" in exts  # push descriptors: 2 * MAXE + 2 <= 32, the least allowed
+    push = "VK_KHR_push_descriptor" in exts
     budget = new(vk, "VkPhysicalDeviceMemoryBudgetPropertiesEXT",
                  "PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT")
     mp2 = new(vk, "VkPhysicalDeviceMemoryProperties2", "PHYSICAL_DEVICE_MEMORY_PROPERTIES_2",
@@ -129,7 +129,7 @@ def device_facts(vk, pd) -> NS:
            budget=([int(budget.heapBudget[i]) - int(budget.heapUsage[i]) for i in range(n_heaps)]
                    if has_budget else None),
            queue=next((i for i, q in enumerate(queues) if q.queueFlags & 2), None),  # QUEUE_COMPUTE_BIT
-           timestamp_ns=float(p.limits.timestampPeriod))
+           timestamp_ns=float(p.limits.timestampPeriod), push_descriptor=push)
     f.timestamp_bits = 0 if f.queue is None else queues[f.queue].timestampValidBits
     f.problem = ("Vulkan 1.1 is required" if f.api < _V11 else
                  "no compute queue" if f.queue is None else
@@ -216,7 +216,8 @@ def memory_roles(f: NS) -> tuple[dict[str, list[int]], bool, int]:
 
 def make_buffer(vk, dev, size: int, usage: int, types: list[int], f: NS, map_it: bool) -> NS:
     """A VkBuffer of ``size`` bytes bound to its own memory of the first of ``types`` it allows, mapped
-    persistently when ``map_it`` and host-visible (``.map``: an ffi buffer, unmapped by release_buffer).
+    persistently when ``map_it`` and host-visible (``.map``: an ffi buffer, unmapped by release_buffer);
+    ``.info``: the 24 bytes of its VkDescriptorBufferInfo.
 
     Raises:
         vk.VkErrorOutOfDeviceMemory: no allowed type, or the driver's allocation failed (the buffer is
@@ -237,7 +238,9 @@ def make_buffer(vk, dev, size: int, usage: int, types: list[int], f: NS, map_it:
         lib.vkDestroyBuffer(dev, h[0], ffi.NULL)
         check(vk, res)
     lib.vkBindBufferMemory(dev, h[0], mem[0], 0)
-    b = NS(buf=h[0], mem=mem[0], size=size, map=None)
+    # info: its VkDescriptorBufferInfo (buffer, offset 0, range: the real size) packed once, copied per op
+    info = struct.pack("<QQQ", int(ffi.cast("uintptr_t", h[0])), 0, size)
+    b = NS(buf=h[0], mem=mem[0], size=size, map=None, info=info)
     if map_it and f.types[ok[0]][0] & HV:
         p = ffi.new("void**")
         check(vk, lib.vkMapMemory(dev, mem[0], 0, size, 0, p))  # the real size, never VK_WHOLE_SIZE
@@ -252,178 +255,3 @@ def release_buffer(vk, dev, b: NS) -> None:
         b.map = None
     vk.lib.vkDestroyBuffer(dev, b.buf, vk.ffi.NULL)
     vk.lib.vkFreeMemory(dev, b.mem, vk.ffi.NULL)
-
-
-class Device:
-    """A logical device with the objects every call uses: one compute queue, a command pool, a fence, a
-    timestamp query pool (start and end of a call), the descriptor-set layout of matmul.comp (A[maxe],
-    B[maxe], x, y) with 64 bytes of push constants, a descriptor pool, the shader modules and the
-    pipeline cache (created from ``cache_blob``), and every buffer made by :meth:`buffer`. :meth:`close`
-    destroys the buffers left, then the rest in reverse order (also when the backend is collected
-    unclosed: it holds no reference to its backend, so a ``weakref.finalize`` can call it)."""
-
-    def __init__(self, vk, pd, f: NS, maxe: int, cache_blob: bytes):
-        self.vk, self.f, self.maxe, self.dev, self._undo, self._pipes = vk, f, maxe, None, [], {}
-        self.buffers: dict[int, NS] = {}  # id -> buffer record of make_buffer, until released
-        ffi, lib = vk.ffi, vk.lib
-        try:
-            prio = ffi.new("float[1]", [1.0])
-            qinfo = new(vk, "VkDeviceQueueCreateInfo", queueFamilyIndex=f.queue, queueCount=1,
-                        pQueuePriorities=prio)
-            feats = ffi.new("VkPhysicalDeviceFeatures*", {"shaderStorageBufferArrayDynamicIndexing": 1})
-            info = new(vk, "VkDeviceCreateInfo", queueCreateInfoCount=1, pQueueCreateInfos=qinfo,
-                       pEnabledFeatures=feats)
-            self.dev = self.make(lib.vkCreateDevice, "VkDevice", pd, info,
-                                 undo=self._destroy_device, device=False)
-            _LIVE[0] += 1
-            q = ffi.new("VkQueue*")
-            lib.vkGetDeviceQueue(self.dev, f.queue, 0, q)
-            self.queue = q[0]
-            self.pool = self.make(lib.vkCreateCommandPool, "VkCommandPool", new(
-                vk, "VkCommandPoolCreateInfo", flags=2, queueFamilyIndex=f.queue))  # RESET_COMMAND_BUFFER
-            self.fence = ffi.new("VkFence[1]", [self.make(lib.vkCreateFence, "VkFence",
-                                                          new(vk, "VkFenceCreateInfo"))])
-            self.queries = self.make(lib.vkCreateQueryPool, "VkQueryPool", new(
-                vk, "VkQueryPoolCreateInfo", queryType=2, queryCount=2))  # TIMESTAMP: start and end of a call
-            binds = ffi.new("VkDescriptorSetLayoutBinding[4]", [
-                {"binding": b, "descriptorType": STORAGE, "descriptorCount": n, "stageFlags": COMPUTE}
-                for b, n in enumerate((maxe, maxe, 1, 1))])  # A[MAXE], B[MAXE], x, y as in matmul.comp
-            self.dsl = ffi.new("VkDescriptorSetLayout[1]", [self.make(
-                lib.vkCreateDescriptorSetLayout, "VkDescriptorSetLayout",
-                new(vk, "VkDescriptorSetLayoutCreateInfo", bindingCount=4, pBindings=binds))])
-            pcr = ffi.new("VkPushConstantRange*", {"stageFlags": COMPUTE, "offset": 0, "size": 64})
-            self.layout = self.make(lib.vkCreatePipelineLayout, "VkPipelineLayout", new(
-                vk, "VkPipelineLayoutCreateInfo", setLayoutCount=1, pSetLayouts=self.dsl,
-                pushConstantRangeCount=1, pPushConstantRanges=pcr))
-            sizes = ffi.new("VkDescriptorPoolSize*", {"type": STORAGE,
-                                                      "descriptorCount": 1024 * (2 * maxe + 2)})
-            self.dpool = self.make(lib.vkCreateDescriptorPool, "VkDescriptorPool", new(
-                vk, "VkDescriptorPoolCreateInfo", flags=1, maxSets=1024, poolSizeCount=1, pPoolSizes=sizes))
-            self.mods = {}
-            for shader in ("matmul", "rmsnorm", "attention", "attention_gqa", "elementwise"):
-                code = sh.kernel_source("vulkan", f"{shader}.spv", binary=True)
-                words = ffi.cast("uint32_t*", ffi.from_buffer(code))
-                self.mods[shader] = self.make(lib.vkCreateShaderModule, "VkShaderModule", new(
-                    vk, "VkShaderModuleCreateInfo", codeSize=len(code), pCode=words))
-            cdata = ffi.from_buffer(cache_blob)
-            self.pcache = self.make(lib.vkCreatePipelineCache, "VkPipelineCache", new(
-                vk, "VkPipelineCacheCreateInfo", initialDataSize=len(cache_blob), pInitialData=cdata))
-        except BaseException:
-            self.close()
-            raise
-
-    def _destroy_device(self, h) -> None:
-        self.vk.lib.vkDestroyDevice(h, self.vk.ffi.NULL)
-        _LIVE[0] -= 1
-
-    def buffer(self, size: int, usage: int, types: list[int], map_it: bool) -> NS:
-        """:func:`make_buffer` on this device, kept in :attr:`buffers` until :meth:`release` or close."""
-        b = make_buffer(self.vk, self.dev, size, usage, types, self.f, map_it)
-        self.buffers[id(b)] = b
-        return b
-
-    def release(self, b: NS) -> None:
-        """:func:`release_buffer` of a :meth:`buffer` buffer; nothing once the device is closed (its
-        buffers went with it) or when ``b`` was already released."""
-        if self.dev is not None and self.buffers.pop(id(b), None) is not None:
-            release_buffer(self.vk, self.dev, b)
-
-    def make(self, fn, ctype, *args, undo=None, device=True):
-        """Create a handle with ``fn(dev?, *args, NULL, &h)``; its destroy call is queued for close."""
-        ffi, h = self.vk.ffi, self.vk.ffi.new(ctype + "*")
-        check(self.vk, fn(*((self.dev,) if device else ()), *args, ffi.NULL, h))
-        destroy = getattr(self.vk.lib, "vkDestroy" + ctype[2:], None)
-        self._undo.append((lambda: undo(h[0])) if undo else (lambda: destroy(self.dev, h[0], ffi.NULL)))
-        return h[0]
-
-    def pipeline(self, shader: str, spec: tuple[int, ...]):
-        """The compute pipeline of ``shader`` with specialisation constants ``spec`` (made once)."""
-        key = (shader, spec)
-        if key not in self._pipes:
-            vk, ffi = self.vk, self.vk.ffi
-            data = ffi.new("uint32_t[]", list(spec))
-            entries = ffi.new("VkSpecializationMapEntry[]", [(i, 4 * i, 4) for i in range(len(spec))])
-            spec_info = ffi.new("VkSpecializationInfo*", (len(spec), entries, 4 * len(spec), data))
-            name = ffi.new("char[]", b"main")
-            stage = {"sType": vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO, "stage": COMPUTE,
-                     "module": self.mods[shader], "pName": name, "pSpecializationInfo": spec_info}
-            info = new(vk, "VkComputePipelineCreateInfo", stage=stage, layout=self.layout)
-            self._pipes[key] = self.make(vk.lib.vkCreateComputePipelines, "VkPipeline", self.pcache, 1, info)
-        return self._pipes[key]
-
-    def new_set(self, bufs: list[NS], when_full):
-        """A descriptor set over ``bufs`` (binding 0: maxe buffers, 1: maxe, 2: x, 3: y); when the pool
-        is full, ``when_full()`` frees sets (recorded commands) and it tries once more."""
-        vk, ffi, lib, m = self.vk, self.vk.ffi, self.vk.lib, self.maxe
-        ds = ffi.new("VkDescriptorSet[1]")
-        info = new(vk, "VkDescriptorSetAllocateInfo", descriptorPool=self.dpool, descriptorSetCount=1,
-                   pSetLayouts=self.dsl)
-        if lib.vkAllocateDescriptorSets(self.dev, info, ds) != 0:
-            when_full()
-            check(vk, lib.vkAllocateDescriptorSets(self.dev, info, ds))
-        infos = ffi.new("VkDescriptorBufferInfo[]", [(q.buf, 0, q.size) for q in bufs])  # real sizes
-        writes = ffi.new("VkWriteDescriptorSet[4]", [
-            {"sType": vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, "dstSet": ds[0], "dstBinding": i,
-             "descriptorCount": n, "descriptorType": STORAGE, "pBufferInfo": infos + start}
-            for i, (start, n) in enumerate(((0, m), (m, m), (2 * m, 1), (2 * m + 1, 1)))])
-        lib.vkUpdateDescriptorSets(self.dev, 4, writes, 0, ffi.NULL)
-        return ds
-
-    def barrier(self, cb) -> None:
-        # shader/transfer writes -> shader reads/writes, transfers and host reads
-        mb = new(self.vk, "VkMemoryBarrier", srcAccessMask=0x40 | 0x1000,
-                 dstAccessMask=0x20 | 0x40 | 0x800 | 0x1000 | 0x2000)
-        null = self.vk.ffi.NULL  # stages: compute|transfer -> compute|transfer|host
-        self.vk.lib.vkCmdPipelineBarrier(cb, 0x800 | 0x1000, 0x800 | 0x1000 | 0x4000, 0, 1, mb, 0, null, 0,
-                                         null)
-
-    def submit(self, submit, poll: bool) -> None:
-        """Submit and wait; ``poll``: spin briefly first (a sleeping wait adds wake-up latency to short
-        ops; never on CPU devices, where it would steal their cores)."""
-        vk, lib = self.vk, self.vk.lib
-        check(vk, lib.vkQueueSubmit(self.queue, 1, submit, self.fence[0]))
-        until = time.perf_counter() + 0.002 if poll else 0.0
-        while lib.vkGetFenceStatus(self.dev, self.fence[0]) == 1 and time.perf_counter() < until:
-            pass  # 1 = VK_NOT_READY
-        res = lib.vkWaitForFences(self.dev, 1, self.fence, 1, FENCE_TIMEOUT_NS)
-        if res == vk.VK_TIMEOUT:  # not a VkError: check it by value
-            raise ColibriError(f"vulkan device {self.f.name!r} did not finish within "
-                               f"{FENCE_TIMEOUT_NS // 10**9} s; it may be hung")
-        check(vk, res)
-        check(vk, lib.vkResetFences(self.dev, 1, self.fence))
-
-    def free_cmd(self, e: NS) -> None:
-        """Free a recorded command buffer and its descriptor sets."""
-        for ds in e.sets:
-            self.vk.lib.vkFreeDescriptorSets(self.dev, self.dpool, 1, ds)
-        self.vk.lib.vkFreeCommandBuffers(self.dev, self.pool, 1, e.cbp)
-
-    def gpu_seconds(self) -> float | None:
-        """Time between the last call's two timestamps; None when the queue has no timestamps."""
-        f, t = self.f, self.vk.ffi.new("uint64_t[2]")
-        if not f.timestamp_bits or self.vk.lib.vkGetQueryPoolResults(
-                self.dev, self.queries, 0, 2, 16, t, 8, 1) != 0:  # VK_QUERY_RESULT_64_BIT
-            return None
-        return ((t[1] - t[0]) & ((1 << f.timestamp_bits) - 1)) * f.timestamp_ns * 1e-9
-
-    def save_cache(self, path: Path, old_blob: bytes) -> None:
-        """Write the pipeline cache's data (vkGetPipelineCacheData) when it differs from what was loaded."""
-        ffi, lib, n = self.vk.ffi, self.vk.lib, self.vk.ffi.new("size_t*")
-        if lib.vkGetPipelineCacheData(self.dev, self.pcache, n, ffi.NULL) != 0 or not n[0]:
-            return
-        buf = ffi.new("char[]", n[0])
-        if lib.vkGetPipelineCacheData(self.dev, self.pcache, n, buf) == 0:
-            blob = ffi.buffer(buf, n[0])[:]
-            if blob != old_blob:
-                sh.write_cache_file(path, CACHE_MAGIC, blob)
-
-    def close(self) -> None:
-        """Wait for the device, destroy the buffers left and every object; closing twice does nothing."""
-        if self.dev is not None:
-            self.vk.lib.vkDeviceWaitIdle(self.dev)
-            for b in list(self.buffers.values()):
-                release_buffer(self.vk, self.dev, b)
-            self.buffers = {}
-        for undo in reversed(self._undo):
-            undo()
-        self._undo, self.dev = [], None

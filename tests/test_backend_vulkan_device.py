@@ -33,17 +33,23 @@ def _err(y, ref):
     return float(np.max(np.abs(y - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
-@pytest.fixture(params=[True, False], ids=["mapped", "device-only"])
+@pytest.fixture(params=[(True, True), (False, True), (False, False)], ids=["mapped", "device-only", "sets"])
 def be(request, tmp_path, monkeypatch):
+    """An open backend (closed after the test): host-visible memory mapped or treated as device-only;
+    push descriptors where the device has them, or ("sets") a descriptor set per dispatch."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cls = get_backend("vulkan")
     reason = cls.unavailable_reason()
     if reason is not None:
         pytest.skip(f"vulkan unavailable: {reason}")
+    monkeypatch.setattr(cls, "push_descriptors", request.param[1])
     b = cls.open(0)
-    b.d_map_host_visible = request.param
-    yield b
-    b.close()
+    try:
+        assert b._d.push == (request.param[1] and b.facts.push_descriptor)
+        b.d_map_host_visible = request.param[0]
+        yield b
+    finally:
+        b.close()
 
 
 def _count_submits(be, monkeypatch) -> list:
