@@ -12,10 +12,15 @@ close destroys them. They are not counted in ``memory_used`` (weights only).
 **One submission per batch.** Ops are recorded into one open command buffer (a barrier, then the
 dispatch, fill or copy) and submitted only when the host needs a result: ``d_get`` (the only fence
 wait of a decode step's chain), ``synchronize``, freeing a weight (a recorded op may read it), a staged
-upload over ``INLINE_BYTES``, or every ``MAX_OPS`` ops (descriptor sets are allocated per op and freed
-with their batch). Small host data (``d_put`` of a hidden state, the scales of ``d_scale_rows``) rides
-inside the command buffer (vkCmdUpdateBuffer), so it does not end the batch either. The batch writes
-the timestamps that ``last_gpu_seconds`` reads.
+upload over ``INLINE_BYTES``, or every ``MAX_OPS`` ops (where the device cannot push descriptors, a
+descriptor set is allocated per op and freed with its batch). Small host data (``d_put`` of a hidden
+state, the scales of ``d_scale_rows``) rides inside the command buffer (vkCmdUpdateBuffer), so it does
+not end the batch either. The batch writes the timestamps that ``last_gpu_seconds`` reads; its command
+buffer is re-begun for the next batch rather than freed.
+
+**Host cost per op** (the decode chain is host-bound on a GPU): descriptors pushed
+(``vulkan_objects.Device.dispatch``) from each buffer's pre-packed VkDescriptorBufferInfo, structs made
+once, arrays back to the pool by ``VkArray.__del__`` (a ``weakref.finalize`` per op cost more).
 
 **Shaders.** ``matmul.comp`` reads x straight from its buffer when its rows are already the weight's
 padded length (a multiple of 128 floats), else from a zero-padded copy (op 5 of ``elementwise.comp``);
@@ -37,7 +42,7 @@ from colibri_plan.backends import vulkan_util as vu
 from colibri_plan.backends.device_ops import DArray
 from colibri_plan.errors import UnsupportedError
 
-MAX_OPS = 256  # ops per batch: 1 descriptor set each, within the pool's 1024 beside the replays
+MAX_OPS = 256  # ops per batch: (without push descriptors) 1 set each, within the pool's 1024
 UPDATE_BYTES = 65536  # vkCmdUpdateBuffer's limit per command
 INLINE_BYTES = 1 << 18  # host data up to this size is recorded into the batch instead of staged
 POOL_KEEP_BYTES = 256 << 20  # freed activation buffers kept for reuse, at most

@@ -104,6 +104,16 @@ def test_a_layer_chain_is_one_submission(be, monkeypatch):
     assert _err(y, ref) < 1e-4
 
 
+def test_descriptors_are_pushed_where_the_device_can(be):
+    """With VK_KHR_push_descriptor a dispatch allocates no descriptor set; without it, one per dispatch."""
+    x = be.d_put(_r(2, 64))
+    y = be.d_silu_mul(be.d_add(x, x), be.d_scale_rows(x, np.ones(2, np.float32)))
+    assert len(be._batch.sets) == (0 if be._d.push else 3)
+    x64 = be.d_get(x).astype(np.float64)
+    np.testing.assert_allclose(be.d_get(y), 2 * x64 / (1 + np.exp(-2 * x64)) * x64, rtol=1e-5, atol=1e-6)
+    assert be._batch is None and be._spare is not None and be._spare.sets == []  # kept for the next batch
+
+
 def test_the_chain_matches_numpy_op_by_op(be):
     """The same ops as above checked value by value (the chain test counts submissions only)."""
     x, b = _r(4, 200), _r(200)
