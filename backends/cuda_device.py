@@ -28,8 +28,10 @@ block per kernel), like the host-staged ops.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import struct
+import threading
 from typing import Any
 
 import numpy as np
@@ -51,6 +53,8 @@ _TRUNK_KERNELS = ("tr_add", "tr_silu_mul", "tr_scale_rows", "tr_rope", "tr_pad_r
 _SIGNATURES = {"tr_add": "pppqii", "tr_silu_mul": "pppq", "tr_scale_rows": "ppfpqi", "tr_rope": "pppqiiiii",
                "tr_pad_rows": "ppiii", "rmsnorm": "pppif", "attention_gqa": "pppppiiiiifi",
                "attention_combine": "ppii", "mm_args": "tiiii"}
+_CURRENT = threading.local()  # .token: the backend whose device and stream this thread has made current
+_TOKENS = itertools.count(1)  # one per backend state (an id() could be reused by a later backend)
 _PACK = {"p": "Q", "q": "Q", "i": "i4x", "f": "f4x", "t": f"{8 * _MM_ARGS_MAX}Q"}  # one 8-byte slot each
 
 
@@ -95,22 +99,25 @@ class CUDADeviceOps:
             cp = self.cp
             with self.dev:
                 events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(_PUT_SLOTS)]
-            cur = getattr(getattr(cp.cuda, "stream", None), "get_current_stream_ptr", None)  # CuPy >= 9
             st = self._dstate = {"slot": 0, "events": events, "pending": [False] * _PUT_SLOTS,
                                  "names": tuple(f"dput{i}" for i in range(_PUT_SLOTS)),
                                  "work": sh.WorkBuffers(lambda name, n: cp.empty(n, cp.uint8)),
                                  "launches": {}, "index": int(self.device.index), "sptr": self.stream.ptr,
-                                 "cur": cur or (lambda: cp.cuda.get_current_stream().ptr)}
+                                 "token": next(_TOKENS), "ndarray": cp.ndarray, "f32": cp.float32}
         return st
 
     def _d_go(self) -> None:
-        """Make this backend's device and stream the calling thread's current ones, if they are not yet:
-        CuPy's pool then hands out memory of the stream (freed blocks are reused in stream order) and
-        its memsets run there. A check per op (two cheap calls); the switch happens once per thread."""
+        """Make this backend's device and stream the calling thread's current ones unless this backend
+        did so last on this thread: CuPy's pool then hands out memory of the stream (freed blocks are
+        reused in stream order) and its memsets run there. Per op, a thread-local read and
+        cudaGetDevice (which catches another device made current behind our back); the switch happens
+        once per thread, and again after another CUDA backend's device op on it. (``with`` blocks of
+        the host-staged ops restore this state on exit.)"""
         st = self.__dict__.get("_dstate") or self._d_state()
-        if self.rt.getDevice() != st["index"] or st["cur"]() != st["sptr"]:
+        if getattr(_CURRENT, "token", 0) != st["token"] or self.rt.getDevice() != st["index"]:
             self.dev.use()
             self.stream.use()
+            _CURRENT.token = st["token"]
 
     def _d_fn(self, name: str):
         """Kernel ``name`` of trunk.cu / attention.cu / matmul.cu (rmsnorm), a CuPy RawKernel, compiled by
@@ -140,8 +147,10 @@ class CUDADeviceOps:
         return k
 
     def _d_empty(self, n: int):
-        """float32 [n] from CuPy's pool, on the stream (after :meth:`_d_go`)."""
-        return self.cp.empty(n, self.cp.float32)
+        """float32 [n] from CuPy's pool, on the stream (after :meth:`_d_go`); ``cupy.ndarray`` itself,
+        not ``cupy.empty``'s wrapper."""
+        st = self._dstate
+        return st["ndarray"]((n,), st["f32"])
 
     def _d_work(self, name: str, nbytes: int) -> int:
         """Address of a grow-only device work buffer (pool memory of the stream, after :meth:`_d_go`; a

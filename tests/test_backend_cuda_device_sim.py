@@ -175,6 +175,7 @@ def device_cupy(sim: Sim):
 
     cp.RawModule, cuda.Event, rt.memcpyAsync, rt.memcpyDeviceToDevice = RawModule, Event, memcpy, 3
     cp.empty, cp.zeros, cp.uint8 = empty, zeros, np.uint8
+    cp.ndarray = empty  # cuda_device.py allocates with cupy.ndarray(shape, dtype) itself
     return cp
 
 
