@@ -9,6 +9,7 @@ the imported ``vulkan`` module as ``vk`` so that nothing here imports it at load
 from __future__ import annotations
 
 import functools
+import os
 import re
 import struct
 import threading
@@ -24,7 +25,7 @@ DL, HV, HC, HCACHED = 1, 2, 4, 8  # VkMemoryPropertyFlagBits: DEVICE_LOCAL, HOST
 CACHE_MAGIC = b"CPVKPC01"  # our file: magic, sha256 of the driver's blob, then the blob
 _V11, _V12 = (1 << 22) | (1 << 12), (1 << 22) | (2 << 12)  # VK_MAKE_API_VERSION(0, 1, 1|2, 0)
 _PROBE: list = []  # [reason, [(physical index, facts)]], computed once per process
-_INSTANCE: list = []  # [VkInstance, VkPhysicalDevice array] of this process, made on first use
+_INSTANCE: list = []  # [VkInstance, VkPhysicalDevice array, pid] of this process, made on first use
 _LOCK = threading.Lock()
 _LIVE = [0]  # VkDevices created and not yet destroyed, in this process (vulkan_objects.Device)
 
@@ -77,9 +78,10 @@ def instance(vk) -> tuple:
         vk.VkError: vkCreateInstance failed (e.g. VkErrorIncompatibleDriver: no driver).
     """
     with _LOCK:
-        if not _INSTANCE:
+        if not _INSTANCE or _INSTANCE[2] != os.getpid():  # a forked child cannot use its parent's
             inst = create_instance(vk)
-            _INSTANCE[:] = [inst, enum(vk, "VkPhysicalDevice", vk.lib.vkEnumeratePhysicalDevices, inst)]
+            _INSTANCE[:] = [inst, enum(vk, "VkPhysicalDevice", vk.lib.vkEnumeratePhysicalDevices, inst),
+                            os.getpid()]
         return _INSTANCE[0], _INSTANCE[1]
 
 
