@@ -47,6 +47,7 @@ _ATT_MIN_KEYS = 64  # fewest keys per split of a query row's key range (below th
 _PUT_SLOTS = 8  # pinned staging slots of d_put, reused round-robin (an event says when a slot is free)
 _PUT_RING_BYTES = 1 << 20  # larger uploads (weights, tables) go through the chunked, synchronous staging
 _MM_ARGS_MAX = 4  # matmul.cu MM_ARGS_MAX: matrices per mm_args launch
+_ZEROS = (0,) * (8 * _MM_ARGS_MAX)  # the table entries an mm_args launch leaves unused
 _TRUNK_KERNELS = ("tr_add", "tr_silu_mul", "tr_scale_rows", "tr_rope", "tr_pad_rows")
 # parameter kinds of each kernel, in the order of its CUDA signature: p pointer / u64, i int, f float,
 # t matmul.cu's MMArgs (8 · _MM_ARGS_MAX u64 by value)
@@ -211,49 +212,54 @@ class CUDADeviceOps:
                                 self.rt.memcpyDeviceToDevice, self.stream.ptr)
 
     # ---- kernels ---------------------------------------------------------------------------------
-    def _d_launch(self, name: str, n_out: int, grid: int, *args):
-        """A new float32 [n_out] y and one launch of ``name`` with ``args`` where None stands for y's
-        address (skipped when there is no work)."""
-        k = self._d_kernel(name)
+    # (the hot path: a decode layer is ~15 of these, each a few µs of Python around one driver call)
+    def _d_launch(self, name: str, n_out: int, grid: int, yi: int, *args):
+        """A new float32 [n_out] y and one launch of ``name`` with y's address inserted at parameter
+        ``yi`` of ``args`` (skipped when there is no work)."""
         self._d_go()
-        y = self._d_empty(n_out)
+        st = self._dstate
+        k = st["launches"].get(name) or self._d_kernel(name)
+        y = st["ndarray"]((n_out,), st["f32"])  # _d_empty
         if n_out:
-            yp = y.data.ptr
-            k(grid, 1, 1, _THREADS, 0, self._dstate["sptr"], *(yp if a is None else a for a in args))
+            k(grid, 1, 1, _THREADS, 0, st["sptr"], *args[:yi], y.data.ptr, *args[yi:])
         return y
 
-    def _d_elementwise(self, name: str, a: DArray, *args) -> Any:
-        n = a.size
-        return self._d_launch(name, n, self._blocks(n), self._ptr(a), *args)
+    def _d_elementwise(self, name: str, a: DArray, yi: int, *args) -> Any:
+        n = a.size  # grid-stride kernels: any grid covers n (_blocks)
+        return self._d_launch(name, n, min(-(-n // _THREADS), 65535) or 1, yi, self._ptr(a), *args)
 
     def _d_add(self, a: DArray, b: DArray) -> Any:
-        n, d = a.size, a.shape[1]
         # y = a + b; b [d] broadcast over the rows
-        return self._d_elementwise("tr_add", a, self._ptr(b), None, n, d, int(b.shape != a.shape))
+        return self._d_elementwise("tr_add", a, 2, self._ptr(b), a.size, a.shape[1], int(b.shape != a.shape))
 
     def _d_silu_mul(self, g: DArray, u: DArray) -> Any:
-        return self._d_elementwise("tr_silu_mul", g, self._ptr(u), None, g.size)
+        return self._d_elementwise("tr_silu_mul", g, 2, self._ptr(u), g.size)
 
     def _d_scale_rows(self, a: DArray, s: np.ndarray) -> Any:
         # decode (one row): the scale goes as a kernel argument; else s [N] is put on the device, held
         # until the launch is queued (freed earlier, y could be allocated on top of it)
         held = self._d_put(s) if s.shape[0] > 1 else None
         sp = 0 if held is None else held.data.ptr
-        y = self._d_elementwise("tr_scale_rows", a, sp, float(s[0]), None, a.size, a.shape[1])
+        y = self._d_elementwise("tr_scale_rows", a, 3, sp, float(s[0]), a.size, a.shape[1])
         del held  # back to the pool of the stream: reused only by work queued after this kernel
         return y
 
     def _d_rope(self, x: DArray, table: DArray, pos0: int, rotary_dim: int, interleave: bool) -> Any:
         t, heads, d = x.shape
-        return self._d_elementwise("tr_rope", x, self._ptr(table), None, x.size, heads, d, rotary_dim, pos0,
+        return self._d_elementwise("tr_rope", x, 2, self._ptr(table), x.size, heads, d, rotary_dim, pos0,
                                    int(interleave))
 
     def _d_rmsnorm(self, x: DArray, weight: DArray, eps: float) -> Any:
         rows, d = x.shape  # a block per row
-        return self._d_launch("rmsnorm", x.size, rows, self._ptr(x), self._ptr(weight), None, d, eps)
+        return self._d_launch("rmsnorm", x.size, rows, 2, self._ptr(x), self._ptr(weight), d, eps)
 
     def _d_matmul(self, x: DArray, w) -> Any:
-        return self._d_matmul_many(x, [w])[0]
+        T, n_in = x.shape
+        self._d_go()
+        y = self._d_empty(T * w.out_features)
+        if T:
+            self._d_mm_launch(self._ptr(x), T, n_in, (w,), (y,))
+        return y
 
     def _d_matmul_many(self, x: DArray, ws) -> list:
         """y_i [T, out_i] = x [T, in_pad] · W_i [out_i, in_pad]ᵀ: one mm_args launch per run of up to
@@ -275,8 +281,10 @@ class CUDADeviceOps:
         return ys
 
     def _d_mm_launch(self, xp: int, T: int, n_in: int, ws, ys) -> None:
-        p0, n = ws[0].payload, len(ws)
-        in_pad, rows = p0.in_pad, max(w.out_features for w in ws)
+        """One mm_args launch: y_m = x · W_mᵀ for the (at most _MM_ARGS_MAX) weights ``ws`` of one
+        format and in_pad, x at device address ``xp`` [T, n_in] (padded first when it must be)."""
+        n, in_pad = len(ws), ws[0].payload.in_pad
+        rows = ws[0].out_features if n == 1 else max(w.out_features for w in ws)
         sptr = self._dstate["sptr"]
         if n_in != in_pad or xp % 16:  # mm stages x as 16-byte aligned rows of in_pad floats
             pad = self._d_work("mm_x", T * in_pad * 4)
@@ -285,11 +293,12 @@ class CUDADeviceOps:
             xp = pad
         fn, (blocks, _), (block,), smem, scalars = self._launcher("mm_args", ws[0].fmt, n, rows, rows, in_pad,
                                                                   rows, T)
-        table = [0] * (8 * _MM_ARGS_MAX)
-        for m, (w, y) in enumerate(zip(ws, ys)):  # entry m: W, S, x, y, T, rows, y_stride (y [T, out])
+        table = []  # entry m: W, S, x, y, T, rows, y_stride (y [T, out]), 0; unused entries 0
+        for w, y in zip(ws, ys):
             p, out = w.payload, w.out_features
-            table[8 * m: 8 * m + 7] = (p.data, p.scales, xp, y.data.ptr, T, out, out)
-        self._d_kernel("mm_args", fn)(blocks, n, 1, block, smem, sptr, *table, *scalars)
+            table += (p.data, p.scales, xp, y.data.ptr, T, out, out, 0)
+        k = self._dstate["launches"].get(id(fn)) or self._d_kernel("mm_args", fn)
+        k(blocks, n, 1, block, smem, sptr, *table, *_ZEROS[:8 * (_MM_ARGS_MAX - n)], *scalars)
 
     def _d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
                      window: int) -> Any:
