@@ -41,16 +41,17 @@ _kernels = None
 
 
 def _load_kernels():
-    """Import (and on first use, compile or load from cache) the numba kernels: a namespace holding
-    ``cpu_kernels`` (float) and ``cpu_qkernels`` (integer) and ``cpu_attention`` functions."""
+    """Import (and on first use, compile or load from cache) the numba kernels: a namespace holding the
+    functions of ``cpu_kernels`` (float), ``cpu_qkernels`` (integer, batched experts) and
+    ``cpu_attention``."""
     global _kernels
     if _kernels is None:
         import types
 
-        from colibri_plan.backends import cpu_attention, cpu_experts, cpu_kernels, cpu_qkernels  # numba
+        from colibri_plan.backends import cpu_attention, cpu_kernels, cpu_qkernels  # heavy: numba
 
         ns = types.SimpleNamespace()
-        for mod in (cpu_kernels, cpu_qkernels, cpu_attention, cpu_experts):
+        for mod in (cpu_kernels, cpu_qkernels, cpu_attention):
             ns.__dict__.update({k: v for k, v in vars(mod).items() if not k.startswith("__")})
         ns.ROW_TILE = cpu_qkernels.ROW_TILE
         _kernels = ns
@@ -82,7 +83,7 @@ class HostWeight(NamedTuple):
 
     qt: QuantTensor
     data3: np.ndarray | None = None  # int8 / int4 [out, blocks, bb]; int4-g32/g64 [out, C, J, L]
-    scales2: np.ndarray | None = None  # float32 [out, groups] (int8 and per-row int4: 1 group)
+    scales2: np.ndarray | None = None  # float32 [out, groups] (int8/per-row int4: 1; transposed: per lane)
     cols: int = 0  # padded input columns the activations are quantized to
     group: int = 0  # int4: columns per zero-code group (per-row: ``cols``)
     fold: int = 0  # int4-g32/g64: parts each group is split in (transposed layout); 0: blocked layout
@@ -123,7 +124,8 @@ def int_layout(qt: QuantTensor, k) -> HostWeight:
         return HostWeight(qt, data.reshape(out, groups, bg), qt.scales, groups * g, g)
     # g32/g64 transposed: wt[r, j, g·fold + s] = byte s·(bg/fold) + j of group g
     fold = _fold(groups, k.FOLDS[bg])
-    return HostWeight(qt, _lanes(data, groups, fold, bg // fold), qt.scales, groups * g, g, fold)
+    lane_scales = np.repeat(qt.scales, fold, axis=1) if fold > 1 else qt.scales  # [out, groups·fold]
+    return HostWeight(qt, _lanes(data, groups, fold, bg // fold), lane_scales, groups * g, g, fold)
 
 
 def _fold(groups: int, folds: tuple[int, ...]) -> int:
@@ -218,8 +220,10 @@ class CpuBackend(NumpyBackend):
         xo = np.empty((T, hw.cols // 2), np.int16)
         xsum = np.empty((T, hw.cols // hw.group), np.int32)
         self._k.quant_x4(x, hw.group, xe, xo, sx, xsum)
-        if hw.fold:
-            return _transposed(xe, hw), _transposed(xo, hw), sx, xsum
+        if hw.fold:  # activations in the weight's lanes, with Σ xq per lane
+            xe4, xo4 = _transposed(xe, hw), _transposed(xo, hw)  # [T, C, J, L]
+            xsl = (xe4.sum(axis=2, dtype=np.int32) + xo4.sum(axis=2, dtype=np.int32)).reshape(T, -1)
+            return xe4, xo4, sx, xsl
         return xe.reshape(T, blocks, bb), xo.reshape(T, blocks, bb), sx, xsum
 
     def _matmul(self, x: np.ndarray, w: DeviceWeight) -> np.ndarray:
@@ -272,7 +276,7 @@ class CpuBackend(NumpyBackend):
             return [NumpyBackend._expert_ffn(self, [x], [e])[0] for x, e in zip(xs, experts)]
         n = self._k.EXPERTS
         out: list[np.ndarray] = []
-        for c in range(0, len(xs), n):  # all experts of a layer in one call per projection (cpu_experts)
+        for c in range(0, len(xs), n):  # all experts of a layer in one call per projection (cpu_qkernels)
             out.extend(self._experts_batch(xs[c:c + n], experts[c:c + n]))
         return out
 
@@ -308,7 +312,7 @@ _NO_SUMS = np.zeros((1, 1), np.int32)
 
 
 def _kind(hw: HostWeight) -> int:
-    """Row kernel of a weight in cpu_experts: 0 int8, 1 int4 blocks, 2 int4 transposed."""
+    """Row kernel of a weight in the batched expert kernels: 0 int8, 1 int4 blocks, 2 transposed."""
     return 0 if hw.qt.fmt == "int8" else (2 if hw.fold else 1)
 
 

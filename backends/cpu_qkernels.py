@@ -218,23 +218,23 @@ def _silu_mul(g, u):
 # each lane sums its own group in a register (no reduction, no scratch) and the group scale is applied
 # in the same loop. That loop needs >= 64 lanes to run vectorised (16 lanes x 4 interleaved), so a row
 # of fewer groups is folded: each group split into ``fold`` parts of J bytes side by side
-# (k = g*fold + s, scale index k // fold). int4-g64 always folds by >= 2 (J <= 16: a 32-long loop is
-# not unrolled and runs as a slow reduction). The zero code is removed once per row:
-# sum_g s[g]*(sum code*xq - 8 sum xq) = sum_k s[k // fold]*(sum code*xq)_k - 8 sum_g s[g]*xsum[g].
+# (k = g*fold + s). int4-g64 always folds by >= 2 (J <= 16: a 32-long loop is not unrolled and runs as
+# a slow reduction). Scales come one per lane (sl[r, k] = s[r, k // fold], repeated at upload: a
+# k // fold index makes LLVM gather them, 2x slower at T > 1), and so do the activation sums that
+# remove the zero code: sum_k sl[k]*(sum code*xq - 8 sum xq)_k.
 
 
-def _row4t_fixed(J: int, F: int):
-    """One output value on the transposed layout for J bytes per part and F parts per group (closure
-    constants: numba's cache keys closures by their cell contents)."""
+def _row4t_fixed(J: int):
+    """One output value on the transposed layout for J bytes per lane (a closure constant: numba's
+    cache keys closures by their cell contents)."""
 
     @njit(fastmath=True, cache=True, inline="always")
-    def row(wt, r, s2, xe3, xo3, t, xsum):
-        # wt uint8 [out, C, J, L]; s2 float32 [out, groups]; xe3/xo3 int16 [T, C, J, L]; xsum int32
-        # [T, groups]
+    def row(wt, r, sl, xe3, xo3, t, xsl):
+        # wt uint8 [out, C, J, L]; sl float32 [out, C·L]; xe3/xo3 int16 [T, C, J, L]; xsl int32 [T, C·L]
         acc = np.float32(0.0)
         L = wt.shape[3]
         for c in range(wt.shape[1]):  # chunks of L lanes: J·L contiguous bytes, read front to back
-            for k in range(L):  # vectorised over groups (parts)
+            for k in range(L):  # vectorised over lanes (groups, or parts of groups)
                 a = np.int32(0)
                 for j in range(J):  # unrolled: a stays in a register lane
                     v = wt[r, c, j, k]
@@ -242,42 +242,35 @@ def _row4t_fixed(J: int, F: int):
                     hi = np.uint8(v >> np.uint8(4))
                     a = np.int32(a + np.int32(lo) * np.int32(xe3[t, c, j, k])
                                  + np.int32(hi) * np.int32(xo3[t, c, j, k]))
-                acc += s2[r, (c * L + k) // F] * np.float32(a)
-        z = np.float32(0.0)
-        for g in range(s2.shape[1]):
-            z += s2[r, g] * np.float32(xsum[t, g])
-        return acc - np.float32(8.0) * z
+                i = c * L + k
+                acc += sl[r, i] * np.float32(a - 8 * xsl[t, i])
+        return acc
 
     return row
 
 
-#: (bytes per part J, parts per group F) of the transposed layouts cpu.py makes: int4-g32 folds 1, 2
-#: or 4; int4-g64 folds 2 or 4
+#: parts per group (fold) of the transposed layouts cpu.py makes, by group bytes: int4-g32 folds 1, 2
+#: or 4 (J = 16, 8, 4 bytes per lane); int4-g64 folds 2 or 4 (J = 16, 8)
 FOLDS = {16: (1, 2, 4), 32: (2, 4)}
-_r16_1, _r8_2, _r4_4, _r16_2, _r8_4 = (_row4t_fixed(J, F) for J, F in
-                                       ((16, 1), (8, 2), (4, 4), (16, 2), (8, 4)))
+_r16, _r8, _r4 = (_row4t_fixed(J) for J in (16, 8, 4))
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _row4t(wt, r, s2, xe3, xo3, t, xsum):
+def _row4t(wt, r, sl, xe3, xo3, t, xsl):
     J = wt.shape[2]
-    F = wt.shape[1] * wt.shape[3] // s2.shape[1]
     if J == 16:
-        if F == 1:
-            return _r16_1(wt, r, s2, xe3, xo3, t, xsum)
-        return _r16_2(wt, r, s2, xe3, xo3, t, xsum)
+        return _r16(wt, r, sl, xe3, xo3, t, xsl)
     if J == 8:
-        if F == 2:
-            return _r8_2(wt, r, s2, xe3, xo3, t, xsum)
-        return _r8_4(wt, r, s2, xe3, xo3, t, xsum)
-    return _r4_4(wt, r, s2, xe3, xo3, t, xsum)
+        return _r8(wt, r, sl, xe3, xo3, t, xsl)
+    return _r4(wt, r, sl, xe3, xo3, t, xsl)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
 def i4t_matmul(wt, scales2, xe3, xo3, sx, xsum, y):
     """int4-g32/g64 GEMM on the transposed layout: wt uint8 [out, C, J, L] (C·L = groups · fold lanes in
-    chunks of L); scales2 float32 [out, groups]; xe3, xo3 int16 [T, C, J, L] (the activations in the
-    same layout); sx float32 [T]; xsum int32 [T, groups]; y float32 [T, out] written in place."""
+    chunks of L); scales2 float32 [out, C·L] (one per lane); xe3, xo3 int16 [T, C, J, L] (the
+    activations in the same layout); sx float32 [T]; xsum int32 [T, C·L] (Σ xq per lane); y float32
+    [T, out] written in place."""
     out = wt.shape[0]
     T = xe3.shape[0]
     for b in prange((out + ROW_TILE - 1) // ROW_TILE):
@@ -287,3 +280,100 @@ def i4t_matmul(wt, scales2, xe3, xo3, sx, xsum, y):
                 y[t, r] = _row4t(wt, r, scales2, xe3, xo3, t, xsum) * sx[t]
 
 
+# ---- routed experts, batched: every expert of a layer in one parallel call --------------------------
+# (here, not in a module of their own: numba's disk cache keys a kernel by its own file only, so a
+# kernel inlining row functions of another file would keep stale code after they change.)
+# Decode routes one token to k experts: 2k GEMVs of a few MB, and one parallel region each costs a
+# thread wake-up (tens of µs with sleeping workers) and a load-imbalanced tail. Here the gate+up pass
+# of all experts is one ``prange`` over (expert, row tile), and the down pass another. Experts come as
+# tuples of ``EXPERTS`` arrays (one compiled specialisation; shorter batches are padded with experts
+# given no tokens); expert e owns rows offs[e]:offs[e + 1] of the concatenated activations and results.
+# ``kind``: 0 int8, 1 int4 blocks (per-row, int4-g128); the ``_t`` kernels take the 4-D transposed
+# layout (int4-g32/g64). int8 ignores ``xb3``/``xsum`` (pass any int16 3-D / int32 2-D array).
+
+#: experts per batched call (tuples of this length)
+EXPERTS = 8
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _row_any(kind, w3, r, s2, xa3, xb3, t, xsum):
+    # blocked layouts [out, blocks, bb] (kind 0, 1); the transposed one is 4-D: kernels of its own
+    if kind == 0:
+        return _row8(w3, r, xa3, t) * s2[r, 0]
+    return _row4(w3, r, s2, xa3, xb3, t, xsum)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _row_t(kind, w4, r, s2, xa4, xb4, t, xsum):
+    return _row4t(w4, r, s2, xa4, xb4, t, xsum)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def experts_gate_up(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
+    """h [ΣT, I] = SiLU(x·Gₑᵀ)·(x·Uₑᵀ) for the rows of each expert e.
+
+    gw, uw: tuples of EXPERTS weight arrays [I, blocks, bb] (the upload's layout, same for all);
+    gs, us: tuples of their float32 scales [I, groups]; xa3, xb3 [ΣT, blocks, bb] int16 activations
+    (int8: xq; int4: the even and odd halves), sx float32 [ΣT], xsum int32 [ΣT, groups]; offs int64
+    [EXPERTS + 1]; h float32 [ΣT, I] written in place.
+    """
+    inter = gw[0].shape[0]
+    tiles = (inter + ROW_TILE - 1) // ROW_TILE
+    for i in prange(EXPERTS * tiles):
+        e = i // tiles
+        r0 = (i - e * tiles) * ROW_TILE
+        r1 = min(r0 + ROW_TILE, inter)
+        g3, u3, g2, u2 = gw[e], uw[e], gs[e], us[e]
+        for t in range(offs[e], offs[e + 1]):  # this expert's tokens: its tile stays in L2
+            for r in range(r0, r1):
+                g = _row_any(kind, g3, r, g2, xa3, xb3, t, xsum) * sx[t]
+                u = _row_any(kind, u3, r, u2, xa3, xb3, t, xsum) * sx[t]
+                h[t, r] = _silu_mul(g, u)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def experts_matmul(kind, ws, ss, xa3, xb3, sx, xsum, offs, y):
+    """y [ΣT, out] = x · Wₑᵀ for the rows of each expert e (the down projections); arguments as
+    :func:`experts_gate_up`, y float32 written in place."""
+    out = ws[0].shape[0]
+    tiles = (out + ROW_TILE - 1) // ROW_TILE
+    for i in prange(EXPERTS * tiles):
+        e = i // tiles
+        r0 = (i - e * tiles) * ROW_TILE
+        r1 = min(r0 + ROW_TILE, out)
+        w3, s2 = ws[e], ss[e]
+        for t in range(offs[e], offs[e + 1]):
+            for r in range(r0, r1):
+                y[t, r] = _row_any(kind, w3, r, s2, xa3, xb3, t, xsum) * sx[t]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def experts_gate_up_t(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
+    """:func:`experts_gate_up` for int4-g32/g64 (weights and activations [.., C, J, L])."""
+    inter = gw[0].shape[0]
+    tiles = (inter + ROW_TILE - 1) // ROW_TILE
+    for i in prange(EXPERTS * tiles):
+        e = i // tiles
+        r0 = (i - e * tiles) * ROW_TILE
+        r1 = min(r0 + ROW_TILE, inter)
+        g3, u3, g2, u2 = gw[e], uw[e], gs[e], us[e]
+        for t in range(offs[e], offs[e + 1]):  # this expert's tokens: its tile stays in L2
+            for r in range(r0, r1):
+                g = _row_t(kind, g3, r, g2, xa3, xb3, t, xsum) * sx[t]
+                u = _row_t(kind, u3, r, u2, xa3, xb3, t, xsum) * sx[t]
+                h[t, r] = _silu_mul(g, u)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def experts_matmul_t(kind, ws, ss, xa3, xb3, sx, xsum, offs, y):
+    """:func:`experts_matmul` for int4-g32/g64 (weights and activations [.., C, J, L])."""
+    out = ws[0].shape[0]
+    tiles = (out + ROW_TILE - 1) // ROW_TILE
+    for i in prange(EXPERTS * tiles):
+        e = i // tiles
+        r0 = (i - e * tiles) * ROW_TILE
+        r1 = min(r0 + ROW_TILE, out)
+        w3, s2 = ws[e], ss[e]
+        for t in range(offs[e], offs[e + 1]):
+            for r in range(r0, r1):
+                y[t, r] = _row_t(kind, w3, r, s2, xa3, xb3, t, xsum) * sx[t]
