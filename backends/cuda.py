@@ -7,7 +7,8 @@ copy: :meth:`CUDABackend.expert_ffn` runs a whole batch of experts in two launch
 SiLU·up, then down). Repeated work shapes replay a captured CUDA graph. With ``timing = True``,
 ``last_device_seconds`` holds the GPU time of the last op (CUDA events). Staging, batching, replays and
 timing live in ``_shared`` and ``base``; this file is driver calls. The device-activation ops (``d_*``,
-activations kept on the GPU between ops) are :mod:`colibri_plan.backends.cuda_device`.
+activations kept on the GPU between ops) are :mod:`colibri_plan.backends.cuda_device`, and the routed
+experts on them (``d_expert_ffn``) :mod:`colibri_plan.backends.cuda_experts`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from colibri_plan.backends import _shared as sh
 from colibri_plan.backends._shared import GPUBackend, PaddedWeight, Replays, WorkBuffers
 from colibri_plan.backends.base import DeviceInfo
 from colibri_plan.backends.cuda_device import CUDADeviceOps
+from colibri_plan.backends.cuda_experts import CUDAExpertOps
 from colibri_plan.errors import UnsupportedError
 from colibri_plan.quant import QuantTensor, group_size
 
@@ -34,7 +36,7 @@ _TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their acti
 _RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the module and work buffers
 
 
-class CUDABackend(CUDADeviceOps, GPUBackend):
+class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
     """Quantized matmul, batched fused expert FFN, rmsnorm, absorbed MLA attention and the device-activation
     ops (``d_*``, :mod:`~colibri_plan.backends.cuda_device`) on NVIDIA GPUs."""
 

@@ -48,12 +48,13 @@ _PUT_SLOTS = 8  # pinned staging slots of d_put, reused round-robin (an event sa
 _PUT_RING_BYTES = 1 << 20  # larger uploads (weights, tables) go through the chunked, synchronous staging
 _MM_ARGS_MAX = 4  # matmul.cu MM_ARGS_MAX: matrices per mm_args launch
 _ZEROS = (0,) * (8 * _MM_ARGS_MAX)  # the table entries an mm_args launch leaves unused
-_TRUNK_KERNELS = ("tr_add", "tr_silu_mul", "tr_scale_rows", "tr_rope", "tr_pad_rows")
+_TRUNK_KERNELS = ("tr_add", "tr_silu_mul", "tr_scale_rows", "tr_rope", "tr_pad_rows", "tr_expert_sum")
 # parameter kinds of each kernel, in the order of its CUDA signature: p pointer / u64, i int, f float,
 # t matmul.cu's MMArgs (8 · _MM_ARGS_MAX u64 by value)
 _SIGNATURES = {"tr_add": "pppqii", "tr_silu_mul": "pppq", "tr_scale_rows": "ppfpqi", "tr_rope": "pppqiiiii",
                "tr_pad_rows": "ppiii", "rmsnorm": "pppif", "attention_gqa": "pppppiiiiifi",
-               "attention_combine": "ppii", "mm_args": "tiiii"}
+               "attention_combine": "ppii", "mm_args": "tiiii", "tr_expert_sum": "pppqi",
+               "gate_up": "piiii", "mm": "piiii"}  # gate_up, mm: the host path's, table in device memory
 _CURRENT = threading.local()  # .token: the backend whose device and stream this thread has made current
 _TOKENS = itertools.count(1)  # one per backend state (an id() could be reused by a later backend)
 _PACK = {"p": "Q", "q": "Q", "i": "i4x", "f": "f4x", "t": f"{8 * _MM_ARGS_MAX}Q"}  # one 8-byte slot each
@@ -286,11 +287,7 @@ class CUDADeviceOps:
         n, in_pad = len(ws), ws[0].payload.in_pad
         rows = ws[0].out_features if n == 1 else max(w.out_features for w in ws)
         sptr = self._dstate["sptr"]
-        if n_in != in_pad or xp % 16:  # mm stages x as 16-byte aligned rows of in_pad floats
-            pad = self._d_work("mm_x", T * in_pad * 4)
-            self._d_kernel("tr_pad_rows")(self._blocks(T * in_pad), 1, 1, _THREADS, 0, sptr, xp, pad, T, n_in,
-                                          in_pad)
-            xp = pad
+        xp = self._d_padded(xp, T, n_in, in_pad)
         fn, (blocks, _), (block,), smem, scalars = self._launcher("mm_args", ws[0].fmt, n, rows, rows, in_pad,
                                                                   rows, T)
         table = []  # entry m: W, S, x, y, T, rows, y_stride (y [T, out]), 0; unused entries 0
@@ -299,6 +296,16 @@ class CUDADeviceOps:
             table += (p.data, p.scales, xp, y.data.ptr, T, out, out, 0)
         k = self._dstate["launches"].get(id(fn)) or self._d_kernel("mm_args", fn)
         k(blocks, n, 1, block, smem, sptr, *table, *_ZEROS[:8 * (_MM_ARGS_MAX - n)], *scalars)
+
+    def _d_padded(self, xp: int, T: int, n_in: int, in_pad: int) -> int:
+        """Address of x [T, n_in] at ``xp`` as the matmul.cu kernels stage it, 16-byte aligned rows of
+        ``in_pad`` floats: ``xp`` itself when it already is, else a work buffer ``tr_pad_rows`` fills."""
+        if n_in == in_pad and xp % 16 == 0:
+            return xp
+        pad = self._d_work("mm_x", T * in_pad * 4)
+        self._d_kernel("tr_pad_rows")(self._blocks(T * in_pad), 1, 1, _THREADS, 0, self._dstate["sptr"], xp,
+                                      pad, T, n_in, in_pad)
+        return pad
 
     def _d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
                      window: int) -> Any:

@@ -30,6 +30,7 @@ Ops (``x``, ``a``, ``b``, ... are DArrays unless said otherwise):
 | ``d_rope(x, table, pos0, rd, interleave)`` | x [T, heads, d], table [P, rd/2, 2] | x rotated |
 | ``d_write_rows(dst, row0, src)`` | dst [C, ...], src [T, ...] | dst[row0:row0+T] = src (in place) |
 | ``d_attention(q, k, v, n_keys, pos0, scale, window)`` | q [T, Hq, d], k/v [C, Hkv, d] | [T, Hq·d] |
+| ``d_expert_ffn(x, experts, gates)`` | x [T, H], n ExpertWeights, host gates [n] | Σ_i g_i·FFN_i(x) [T, H] |
 
 RoPE table (:func:`rope_table`): ``table[p, i] = (cos(p·f_i)·af, sin(p·f_i)·af)`` with ``f`` the inverse
 frequencies and ``af`` YaRN's attention factor; position ``pos0 + t`` rotates row ``t``. rotate_half
@@ -41,6 +42,12 @@ Attention (GQA, causal): query row t sits at position ``pos0 + t`` and sees key 
 and 0 otherwise; only the first ``n_keys`` rows of k/v are valid. Query head h reads kv head
 ``h // (Hq / Hkv)``. ``out[t, h] = Σ_j softmax_j(scale · q[t, h]·k[j, kv(h)]) · v[j, kv(h)]``, float32
 accumulation (the reference is float64, cast).
+
+Routed experts (``d_expert_ffn``): ``FFN_i(x) = down_i(SiLU(x·gate_iᵀ) ⊙ x·up_iᵀ)`` of experts uploaded to
+this backend (``upload_expert``), every row of x through every expert, weighted by the host float32
+``gates`` and summed. The default hook is the host path (x down, ``expert_ffn``, the float32 sum in the
+engine's order — ``0 + y_0·g_0 + y_1·g_1 ...`` —, the sum up), so every backend has it; a GPU backend
+runs it on the device x (the decode case, T = 1, of a device trunk's experts in its own VRAM).
 """
 
 from __future__ import annotations
@@ -257,6 +264,34 @@ class DeviceOps:
         return DArray((t, hq * d), self._d_attention(q, k, v, int(n_keys), int(pos0), float(scale),
                                                      max(0, int(window))), id(self))
 
+    def d_expert_ffn(self, x: DArray, experts, gates) -> DArray:
+        """Σ_i gates[i] · down_i(SiLU(x·gate_iᵀ) ⊙ x·up_iᵀ) -> [T, H]: x [T, H] (decode: T = 1), ``experts``
+        a sequence of n ExpertWeights uploaded to this backend (gate/up [I, H], down [H, I]), ``gates``
+        host float32 [n]. n = 0 gives zeros.
+
+        Raises:
+            InputError: x not a 2-D DArray of this backend, a weight of another backend or freed, shapes
+            that do not chain with x, ``len(gates) != n`` or a gate that is not finite.
+        """
+        self._d_check(x, ndim=2)
+        experts = list(experts)
+        g = np.ascontiguousarray(gates, dtype=np.float32).reshape(-1)
+        if g.shape[0] != len(experts):
+            raise InputError(f"d_expert_ffn: {g.shape[0]} gates for {len(experts)} experts")
+        if not np.isfinite(g).all():
+            raise InputError(f"d_expert_ffn: gates must be finite, got {g.tolist()}")
+        hidden = x.shape[1]
+        for e in experts:
+            for w in e:
+                self._check_weight(w)
+            if not (e.gate.in_features == e.up.in_features == e.down.out_features == hidden
+                    and e.gate.out_features == e.up.out_features == e.down.in_features):
+                raise InputError(f"d_expert_ffn: x is {x.shape}; an expert's gate/up must be [I, {hidden}] "
+                                 f"and down [{hidden}, I]")
+        if not experts:
+            return self.d_zeros(x.shape)
+        return DArray(x.shape, self._d_expert_ffn(x, experts, g), id(self))
+
     def _d_check(self, a: DArray, ndim: int | None = None) -> None:
         if not isinstance(a, DArray) or a.owner != id(self):
             raise InputError(f"{getattr(self, 'name', 'backend')}: expected a DArray of this backend, got "
@@ -307,3 +342,12 @@ class DeviceOps:
     def _d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
                      window: int) -> Any:
         return attention_ref(self._host(q), self._host(k), self._host(v), n_keys, pos0, scale, window)
+
+    def _d_expert_ffn(self, x: DArray, experts: list, gates: np.ndarray) -> Any:
+        # the host path: x down once, every expert on it, then the engine's float32 sum in its order
+        xh = self.d_get(x)  # [T, H]
+        ys = self.expert_ffn([xh] * len(experts), experts)  # n x [T, H]
+        out = np.zeros(x.shape, np.float32)
+        for y, g in zip(ys, gates):
+            out += y * g  # float32 [T, H] · float32 scalar, as the engine's y · gates[:, None]
+        return self._d_put(out)

@@ -228,14 +228,12 @@ class RamExperts:
         self.backend = None
 
 
-def routed_experts(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.ndarray],
-                   experts: ExpertProvider, recorder: RoutingRecorder | None = None) -> np.ndarray:
-    """The routed experts' weighted sum of one MoE layer (router, top-k, provider): x float32 [T, H]
-    (post-norm) -> [T, H]. The one routing path of the CPU trunk and the device trunk.
-
-    Raises:
-        InputError: the provider returned outputs of the wrong number or shape.
-    """
+def route_tokens(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.ndarray],
+                 recorder: RoutingRecorder | None = None
+                 ) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
+    """Router and top-k of one MoE layer, grouped by expert: x float32 [T, H] (post-norm) -> (distinct
+    expert ids ascending [n], token ids per expert int64 [T_i], gates per expert float32 [T_i]). The
+    routing is recorded in ``recorder``. The one routing path of the CPU trunk and the device trunk."""
     p = f"layers.{layer}."
     logits = x @ dense[p + "router"].T  # [T, H] · [E, H]ᵀ -> router logits [T, E]
     ids, weights = route(logits, arch, dense.get(p + "router_bias"))  # [T, K], [T, K]
@@ -247,16 +245,37 @@ def routed_experts(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str,
     bounds = list(starts[1:]) + [len(order)]
     tok_of = [order[a:b] // arch.top_k for a, b in zip(starts, bounds)]  # token ids per expert
     gates = [weights.ravel()[order[a:b]] for a, b in zip(starts, bounds)]  # [T_i] per expert
-    xs = [np.ascontiguousarray(x[t]) for t in tok_of]  # [T_i, H] per expert
-    ys = experts.run(layer, [int(e) for e in uniq], xs, gates)
-    if len(ys) != len(uniq):
-        raise InputError(f"expert provider returned {len(ys)} outputs for {len(uniq)} experts")
+    return [int(e) for e in uniq], tok_of, gates
+
+
+def scatter_sum(x: np.ndarray, tok_of: Sequence[np.ndarray], ys: Sequence[np.ndarray]) -> np.ndarray:
+    """Σ of the experts' weighted outputs ys[i] [T_i, H] into the rows tok_of[i] of a zero float32
+    [T, H] shaped as x, in the order given (the engine's summation order).
+
+    Raises:
+        InputError: ys of the wrong number or shape.
+    """
+    if len(ys) != len(tok_of):
+        raise InputError(f"expert provider returned {len(ys)} outputs for {len(tok_of)} experts")
     out = np.zeros_like(x)
     for t, y in zip(tok_of, ys):
         if y.shape != (len(t), x.shape[1]):
             raise InputError(f"expert provider returned shape {y.shape}, want {(len(t), x.shape[1])}")
         out[t] += y  # a token appears at most once per expert: a plain scatter-add
     return out
+
+
+def routed_experts(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.ndarray],
+                   experts: ExpertProvider, recorder: RoutingRecorder | None = None) -> np.ndarray:
+    """The routed experts' weighted sum of one MoE layer (router, top-k, provider): x float32 [T, H]
+    (post-norm) -> [T, H].
+
+    Raises:
+        InputError: the provider returned outputs of the wrong number or shape.
+    """
+    uniq, tok_of, gates = route_tokens(x, layer, arch, dense, recorder)
+    xs = [np.ascontiguousarray(x[t]) for t in tok_of]  # [T_i, H] per expert
+    return scatter_sum(x, tok_of, experts.run(layer, uniq, xs, gates))
 
 
 def moe_block(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.ndarray],

@@ -185,12 +185,44 @@ class ResidencyManager:
                 self._pinned[(layer, e)] = slot
 
     # ---- the ExpertProvider call ---------------------------------------------------------------
-    def run(self, layer: int, expert_ids: Sequence[int], xs: Sequence[np.ndarray],
-            gates: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Weighted outputs of the chosen experts of ``layer`` (see ExpertProvider.run)."""
+    def local_experts(self, layer: int, expert_ids: Sequence[int], xs: Sequence[np.ndarray], backend
+                      ) -> tuple[list[tuple[int, str, object]], list[int]]:
+        """Split a layer's chosen experts for a device trunk on ``backend``: the ones in VRAM on that very
+        backend run on the trunk's device x (``d_expert_ffn``), the rest through :meth:`run` with
+        ``observed=True``. Counts the routing of all (re-pinning, which may swap tiers, runs first) and
+        a "vram" use per local one; their seconds come back through :meth:`add_local_seconds`.
+
+        Returns:
+            ([(position in expert_ids, device key, ExpertWeights)] of the local ones, [positions of the
+            others]), both ascending.
+        """
         if self._closed:
             raise InputError("residency manager is closed")
-        if self.repinner is not None:   # count the routing; between tokens, maybe re-pin (engine.repin)
+        if self.repinner is not None:
+            self.repinner.observe(layer, expert_ids, xs)
+        local, rest = [], []
+        for i, e in enumerate(expert_ids):
+            held = self._vram.get((layer, int(e)))
+            if held is not None and self.devices[held[0]] is backend:
+                local.append((i, *held))
+            else:
+                rest.append(i)
+        self.stats.uses["vram"] += len(local)
+        return local, rest
+
+    def add_local_seconds(self, key: str, seconds: float) -> None:
+        """Charge ``seconds`` of local experts (:meth:`local_experts`) on device ``key`` to its expert
+        compute time and to the experts' layer wall time."""
+        self._add_device_s(key, seconds)
+        self.stats.layer_wall_s += seconds
+
+    def run(self, layer: int, expert_ids: Sequence[int], xs: Sequence[np.ndarray],
+            gates: Sequence[np.ndarray], observed: bool = False) -> list[np.ndarray]:
+        """Weighted outputs of the chosen experts of ``layer`` (see ExpertProvider.run); ``observed``: the
+        routing was already counted by :meth:`local_experts`."""
+        if self._closed:
+            raise InputError("residency manager is closed")
+        if self.repinner is not None and not observed:   # count the routing; between tokens, maybe re-pin
             self.repinner.observe(layer, expert_ids, xs)
         t_layer = time.perf_counter()
         st = self.stats

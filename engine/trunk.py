@@ -13,12 +13,21 @@ Per decoder layer (same order and semantics as :mod:`colibri_plan.engine.forward
 ``moe``): RMSNorm; q/k/v (+ bias; q/k RMSNorm per head or over the projection; clip_qkv through a host
 round trip, a rare option); RoPE; K/V appended to the :class:`~colibri_plan.engine.kv_device.DeviceKVCache`;
 ``d_attention`` (sliding-window layers too); o-proj (+ bias); residual add. A MoE layer brings the normed x
-down once (``d_get``): the router, top-k and the routed experts run on the host through the model's
-ExpertProvider with exactly the CPU path's routing code
-(:func:`~colibri_plan.engine.moe.routed_experts`), so routing decisions match; their sum goes back up
-(``d_put``). Shared experts (Qwen2-MoE's sigmoid gate from the downloaded x, applied with
+down once (``d_get``) for the router and top-k, which run on the host with exactly the CPU path's routing
+code (:func:`~colibri_plan.engine.moe.route_tokens`), so routing decisions match. At decode (T = 1), when
+the provider is a residency manager, the chosen experts it holds in VRAM on this very backend run on the
+device x (``d_expert_ffn``, queued before the host work, so the device computes them while the host runs
+the rest); the others (pinned RAM, LRU, disk, another device) run through the manager as on the CPU path
+and their sum goes up once (``d_put``) to be added on the device. When every chosen expert is local,
+nothing but x crosses. Otherwise (prefill, other providers) all routed experts run through the provider
+and their sum goes up. Shared experts (Qwen2-MoE's sigmoid gate from the downloaded x, applied with
 ``d_scale_rows``) and dense FFN layers run on the device. Final norm and LM head run on the device; only
 the logits come down (at decode, one row).
+
+Local experts are accounted as the manager's own: a "vram" use each, and their seconds charged to that
+device's expert compute and to the experts' layer wall time — measured (bracketed by synchronizations)
+every step on a host backend and on one decode step in :data:`GPU_ATTENTION_SAMPLE` on a GPU, where the
+other steps are charged the measured seconds per local expert.
 
 MLA families (DeepSeek-V2/V3/V3.2, Kimi-K2, GLM-5) keep attention on the host through
 :mod:`colibri_plan.engine.mla` with the host :class:`~colibri_plan.engine.mla.LatentCache` (x down,
@@ -36,7 +45,7 @@ from colibri_plan.backends.device_ops import DArray, rope_table
 from colibri_plan.engine.dense_quant import QuantLinear
 from colibri_plan.engine.kv_device import DeviceKVCache, device_kv_bytes
 from colibri_plan.engine.mla import LatentCache, check_dsa_context, mla_attention
-from colibri_plan.engine.moe import routed_experts
+from colibri_plan.engine.moe import route_tokens, routed_experts, scatter_sum
 from colibri_plan.errors import ColibriError, InputError
 from colibri_plan.families.rope import attention_factor
 from colibri_plan.formats.plan_trunk import PAGE_TOKENS
@@ -145,6 +154,7 @@ class DeviceTrunk:
     def reset_stats(self) -> None:
         """Zero the attention timing (the session calls it after the prefill)."""
         self.attention_s, self.attention_steps, self._calls = 0.0, 0, 0
+        self._local_s, self._local_n = 0.0, 0  # measured seconds of local experts, and how many
 
     def _grow_rope(self, tokens: int) -> None:
         rows = _rope_positions(tokens)
@@ -213,6 +223,38 @@ class DeviceTrunk:
         y = be.d_matmul(o, w[p + "o"])  # [T, H]
         return be.d_add(y, w[p + "o_bias"]) if p + "o_bias" in w else y
 
+    def _routed(self, x: DArray, xh: np.ndarray, i: int, sampled: bool) -> DArray:
+        """The routed experts' weighted sum of MoE layer ``i`` on the device [T, H] (module docstring): x
+        [T, H] the normed hidden state on the device, xh its host copy."""
+        be, a, m = self.be, self.arch, self.model
+        split = getattr(m.experts, "local_experts", None)
+        if x.shape[0] != 1 or split is None:  # prefill, or a provider without device tiers: all on the host
+            return be.d_put(routed_experts(xh, i, a, m.dense, m.experts, m.routing))
+        uniq, tok_of, gates = route_tokens(xh, i, a, m.dense, m.routing)  # decode: tok_of[j] == [0]
+        xs = [xh] * len(uniq)  # [1, H] each
+        local, rest = split(i, uniq, xs, be)
+        y = None
+        if local:
+            if sampled:
+                be.synchronize()  # the queued trunk work is not the experts'
+            t0 = time.perf_counter()
+            y = be.d_expert_ffn(x, [w for _, _, w in local],
+                                np.array([gates[j][0] for j, _, _ in local], np.float32))  # [1, H], queued
+            if sampled:
+                be.synchronize()
+                seconds = time.perf_counter() - t0
+                self._local_s, self._local_n = self._local_s + seconds, self._local_n + len(local)
+            per_expert = self._local_s / max(1, self._local_n)
+            keys = [k for _, k, _ in local]
+            for k in sorted(set(keys)):  # one device key but for aliases of one backend
+                m.experts.add_local_seconds(k, per_expert * keys.count(k))
+        if rest:
+            ys = m.experts.run(i, [uniq[j] for j in rest], [xs[j] for j in rest], [gates[j] for j in rest],
+                               observed=True)
+            host = be.d_put(scatter_sum(xh, [tok_of[j] for j in rest], ys))  # [1, H] up once
+            y = host if y is None else be.d_add(y, host)
+        return y
+
     def _run(self, ids: np.ndarray, cache) -> DArray:
         """The decoder layers and the final norm on the device: final hidden states DArray [T, H]."""
         be, a, m, w = self.be, self.arch, self.model, self.w
@@ -223,7 +265,8 @@ class DeviceTrunk:
             cache.reserve(cache.length + t)  # whole pages, before layer 0 writes
             if a.rotary_dim:
                 self._grow_rope(cache.capacity)
-        timed = self.time_attention and not self._mla and self._calls % self.attention_every == 0
+        sampled = self._calls % self.attention_every == 0  # this call's device work is timed
+        timed = self.time_attention and not self._mla and sampled
         h = be.d_put(m.dense["embed"][ids])  # [T, H]: the embedding is gathered on the host
         for i in range(a.n_layers):
             p = f"layers.{i}."
@@ -235,13 +278,13 @@ class DeviceTrunk:
             h = be.d_add(h, y)
             x = be.d_rmsnorm(h, w[p + "ffn_norm"], eps)  # [T, H]
             if a.is_moe_layer(i):
-                xh = be.d_get(x)  # [T, H] down once: router, top-k and the routed experts on the host
+                xh = be.d_get(x)  # [T, H] down once: router and top-k on the host
                 # the shared expert is queued first: the device runs it while the host runs the routed ones
                 shared = self._swiglu(x, p + "shared.") if a.shared_intermediate_size else None
                 if shared is not None and a.shared_expert_gate:  # Qwen2-MoE: sigmoid(x · w) per token
                     z = (xh @ m.dense[p + "shared_gate"].T)[:, 0]  # [T], from the host's x
                     shared = be.d_scale_rows(shared, 1.0 / (1.0 + np.exp(-z)))
-                out = be.d_put(routed_experts(xh, i, a, m.dense, m.experts, m.routing))
+                out = self._routed(x, xh, i, sampled)  # [T, H]
                 if shared is not None:
                     out = be.d_add(out, shared)
                 h = be.d_add(h, out)

@@ -23,6 +23,8 @@ from tests.test_backend_cuda_sim import Sim, fake_cupy
 from tests.test_backends_device_ops import (  # noqa: F401 - collected here with the simulated `be`
     test_a_gqa_layer_chain_stays_on_the_device,
     test_d_attention,
+    test_d_expert_ffn,
+    test_d_expert_ffn_edges,
     test_d_matmul,
     test_d_matmul_many,
     test_d_rmsnorm_add_silu_scale,
@@ -105,6 +107,13 @@ def _trunk_sim(sim, name, grid, block, args):
         assert grid[0] * 256 >= min(T * in_pad, 65535 * 256)
         dst = _f32(sim, xp, T * in_pad).reshape(T, in_pad)
         dst[:, :n_in], dst[:, n_in:] = _f32(sim, x, T * n_in).reshape(T, n_in), 0.0
+    elif name == "tr_expert_sum":
+        ys, g, y, n, k = args
+        n, k = int(n), int(k)
+        yy, gg, acc = _f32(sim, ys, k * n).reshape(k, n), _f32(sim, g, k), np.zeros(n, np.float32)
+        for j in range(k):  # the kernel's order and float32 roundings
+            acc = acc + gg[j] * yy[j]
+        _f32(sim, y, n)[:] = acc
     elif name == "rmsnorm":
         x, w, y, H, eps = args
         rows, H = grid[0], int(H)
@@ -245,3 +254,35 @@ def test_attention_splits_the_keys_when_blocks_are_few(be, T, pos0, window, spli
     assert be.sim.attention_grid == (T, hkv, splits)
     assert be.sim.launches - before == (1 if splits == 1 else 2)
     np.testing.assert_allclose(y, attention_ref(q, k, v, n, pos0, 0.25, window), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("hidden", [256, 200])
+def test_expert_ffn_on_the_device_x_is_three_launches_and_one_copy_up(be, hidden):
+    """d_expert_ffn of 3 int8 experts: gate_up and mm over all of them and tr_expert_sum (a pad launch
+    first when x's rows are not already H_pad floats), one host-to-device copy (the table and gates) and
+    none down; gate_up's entries read x itself (hidden 256) and the down entries write consecutive
+    [T, H] outputs; the result equals the host combine of the simulated expert_ffn."""
+    from colibri_plan import quant
+
+    rng = np.random.default_rng(hidden)
+    qts = [tuple(quant.quantize(rng.standard_normal(s, dtype=np.float32) * np.float32(0.1), "int8")
+                 for s in ((48, hidden), (48, hidden), (hidden, 48))) for _ in range(3)]
+    ws = [be.upload_expert(*q) for q in qts]
+    x, gates = rng.standard_normal((1, hidden), dtype=np.float32), np.array([0.5, 0.3, 0.2], np.float32)
+    dx = be.d_put(x)
+    copies, base = [], be.cp.cuda.runtime.memcpyAsync
+
+    def count(dst, src, n, kind, stream):
+        copies.append(kind)
+        return base(dst, src, n, kind, stream)
+
+    be.cp.cuda.runtime.memcpyAsync = count
+    before = be.sim.launches
+    dy = be.d_expert_ffn(dx, ws, gates)
+    be.cp.cuda.runtime.memcpyAsync = base
+    assert be.sim.launches - before == (3 if hidden == 256 else 4)
+    assert copies == [1]   # host to device, once
+    want = np.zeros((1, hidden), np.float32)
+    for y, g in zip(be.expert_ffn([x] * 3, ws), gates):
+        want += y * g
+    np.testing.assert_allclose(be.d_get(dy), want, rtol=1e-5, atol=1e-6)

@@ -148,6 +148,54 @@ def test_a_gqa_layer_chain_stays_on_the_device(be):  # noqa: F811
     assert _err(be.d_get(y), ref) < 1e-4
 
 
+@pytest.mark.parametrize("fmt,n,hidden,width,t", [("int8", 3, 256, 96, 1), ("int4-g32", 2, 128, 64, 2),
+                                                   ("f32", 1, 67, 33, 1), ("int4", 4, 200, 130, 1),
+                                                   ("int8", 8, 2048, 768, 1)])
+def test_d_expert_ffn(be, fmt, n, hidden, width, t):  # noqa: F811
+    """Σ gates[i]·down_i(SiLU(gate_i·x) ⊙ up_i·x) on the device x against float64 numpy, and against the
+    engine's host combine (expert_ffn, then 0 + y_0·g_0 + y_1·g_1 ... in float32): bit for bit on host
+    backends (the contract's default path is that combine), within float32 summation order on GPUs."""
+    if fmt not in be.formats:
+        pytest.skip(f"{be.name} has no {fmt} kernel")
+    qts = [(quant.quantize(_r(width, hidden, scale=hidden ** -0.5), fmt),
+            quant.quantize(_r(width, hidden, scale=hidden ** -0.5), fmt),
+            quant.quantize(_r(hidden, width, scale=width ** -0.5), fmt)) for _ in range(n)]
+    x, gates = _r(t, hidden), np.abs(_r(n)) + np.float32(0.05)
+    x0, g0 = x.copy(), gates.copy()
+    x64, ref = x.astype(np.float64), np.zeros((t, hidden))
+    for (g, u, d), gate in zip(qts, gates):
+        dg, du, dd = (quant.dequantize(q).astype(np.float64) for q in (g, u, d))
+        ref += float(gate) * ((_silu(x64 @ dg.T) * (x64 @ du.T)) @ dd.T)
+    ws = [be.upload_expert(*q) for q in qts]
+    y = be.d_get(be.d_expert_ffn(be.d_put(x), ws, gates))
+    assert y.shape == (t, hidden)
+    assert _err(y, ref) < 5e-4  # two chained matmuls (the cpu backend's on int16 activations)
+    host = np.zeros((t, hidden), np.float32)
+    for yi, gate in zip(be.expert_ffn([x] * n, ws), gates):
+        host += yi * gate
+    if be.name in ("numpy", "cpu"):
+        np.testing.assert_array_equal(y, host)
+    else:
+        assert _err(y, host.astype(np.float64)) < 1e-5
+    assert np.array_equal(x, x0) and np.array_equal(gates, g0), "the op changed its input"
+
+
+def test_d_expert_ffn_edges(be):  # noqa: F811
+    """No experts: zeros; a gate count that does not match, a non-finite gate or an expert whose width
+    does not chain with x: InputError."""
+    from colibri_plan.errors import InputError
+
+    q = [quant.quantize(_r(*s), "int8") for s in ((16, 128), (16, 128), (128, 16))]
+    w, dx = be.upload_expert(*q), be.d_put(_r(1, 128))
+    assert np.array_equal(be.d_get(be.d_expert_ffn(dx, [], np.zeros(0, np.float32))), np.zeros((1, 128)))
+    with pytest.raises(InputError, match="2 gates for 1 experts"):
+        be.d_expert_ffn(dx, [w], np.ones(2, np.float32))
+    with pytest.raises(InputError, match="finite"):
+        be.d_expert_ffn(dx, [w], np.array([np.nan], np.float32))
+    with pytest.raises(InputError, match=r"\[I, 64\]"):
+        be.d_expert_ffn(be.d_put(_r(1, 64)), [w], np.ones(1, np.float32))
+
+
 def test_device_arrays_of_another_backend_are_refused(be):  # noqa: F811
     from colibri_plan.backends import get_backend
     from colibri_plan.errors import InputError

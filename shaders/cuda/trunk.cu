@@ -70,3 +70,15 @@ extern "C" __global__ void tr_pad_rows(const float *__restrict__ x, float *__res
         xp[i] = c < in ? x[(i / in_pad) * in + c] : 0.0f;
     }
 }
+
+// The routed experts' weighted sum (backends/cuda_experts.py): y[i] = sum_j gates[j] * ys[j * n + i] over the
+// k expert outputs ys [k, n], j ascending from 0, each product and sum rounded as the host's float32 numpy
+// does (no fused multiply-add), so the order of the engine's host combine is kept.
+extern "C" __global__ void tr_expert_sum(const float *__restrict__ ys, const float *__restrict__ gates,
+                                         float *__restrict__ y, tr_u64 n, int k) {
+    for (tr_u64 i = blockIdx.x * (tr_u64)blockDim.x + threadIdx.x; i < n; i += (tr_u64)gridDim.x * blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) acc = __fadd_rn(acc, __fmul_rn(gates[j], ys[(tr_u64)j * n + i]));
+        y[i] = acc;
+    }
+}
