@@ -16,7 +16,8 @@ from colibri_plan.quant import dequantize, quantize, tensor_bytes
 
 TINY = tp.TrunkSettings(shapes=((64, 128), (128, 64)), formats=("int8", "int4", "bf16", "f32"),
                         contexts=(16, 64), n_heads=4, n_kv_heads=2, head_dim=16, hidden=256, repetitions=3,
-                        budget_s=300.0, chain_s=0.002)  # tiny: the budget never binds (a JIT may)
+                        budget_s=300.0, chain_s=0.002,  # tiny: the budget never binds (a JIT may)
+                        layer=tp.LayerGeometry(256, 4, 2, 16, 8, 2, "tiny"))
 
 
 def _device(backend: str) -> dict:
@@ -57,6 +58,11 @@ def test_probe_returns_well_formed_plausible_sections(backend):
         assert e["kv_bytes"] == 2 * e["context_tokens"] * 2 * 16 * 4
         assert e["kv_gbps"]["median"] == pytest.approx(e["kv_bytes"] / e["seconds"]["median"] / 1e9)
         assert 0 < e["seconds"]["median"] < 0.5
+    (lay,) = got["trunk_layer"]   # one whole layer, in the first supported format, on the device's path
+    assert (lay["path"], lay["fmt"], lay["hidden"], lay["shape_source"]) == (
+        "host" if backend in ("numpy", "cpu") else "device", "int8", 256, "tiny")
+    assert lay["layers"] == 16 and lay["context_tokens"] == 64 < lay["long_context_tokens"]
+    assert 0 < lay["attention_seconds"]["median"] < lay["block_seconds"]["median"] < 0.5
     # the entries are what a profile holds: validation accepts them
     from test_profiler_schema import toy_doc
 
@@ -124,7 +130,7 @@ def test_unsupported_format_is_skipped_with_the_reason(monkeypatch):
 def test_a_device_that_fails_to_open_is_skipped():
     bad = {"backend": "numpy", "index": 7, "name": "nothing"}
     got, skipped = tp.probe_trunk([bad], TINY)
-    assert got == {"dense_gemv": [], "device_ops": [], "attention": []}
+    assert got == {"dense_gemv": [], "device_ops": [], "attention": [], "trunk_layer": []}
     assert skipped[0]["what"] == "trunk" and "device index 7" in skipped[0]["reason"]
 
 

@@ -220,14 +220,24 @@ def _check_peer_links(doc: dict) -> None:
 #: the optional trunk sections: their keys beyond backend, device_index, device_name (see profile.py)
 TRUNK_INTS = {"dense_gemv": (("out_features", 1), ("in_features", 1), ("tokens", 1)),
               "device_ops": (("roundtrip_bytes", 1),),
-              "attention": (("n_heads", 1), ("n_kv_heads", 1), ("head_dim", 1), ("context_tokens", 1))}
+              "attention": (("n_heads", 1), ("n_kv_heads", 1), ("head_dim", 1), ("context_tokens", 1)),
+              "trunk_layer": (("hidden", 1), ("n_heads", 1), ("n_kv_heads", 1), ("head_dim", 1),
+                              ("context_tokens", 1), ("layers", 1), ("weight_bytes", 1))}
 TRUNK_STATS = {"dense_gemv": ("seconds", "weight_gbps"), "device_ops": ("op_seconds", "roundtrip_seconds"),
-               "attention": ("seconds", "kv_gbps")}
+               "attention": ("seconds", "kv_gbps"),
+               "trunk_layer": ("block_seconds", "moe_layer_seconds", "handoff_seconds", "attention_seconds")}
+#: sections whose entries name a quant format
+TRUNK_FMT = ("dense_gemv", "trunk_layer")
+#: ``trunk_layer.path``: the device trunk's d_* ops, or the CPU trunk's host path
+LAYER_PATHS = ("device", "host")
 
 
 def _check_trunk(doc: dict) -> None:
-    """The optional ``dense_gemv``, ``device_ops`` and ``attention`` sections (profiles written before the
-    trunk probe lack them): a non-empty list of typed entries, or ``{"unavailable": reason}``."""
+    """The optional ``dense_gemv``, ``device_ops``, ``attention`` and ``trunk_layer`` sections (profiles
+    written before the trunk probe, or before its layer figure, lack them): a non-empty list of typed
+    entries, or ``{"unavailable": reason}``. A ``trunk_layer`` entry (one decoder layer's op sequence,
+    :mod:`colibri_plan.profiler.trunk_layer_probe`) also names its ``fmt`` and its ``path`` ("device":
+    the d_* ops of a device trunk; "host": the CPU trunk's host path); its seconds are per layer."""
     for name, ints in TRUNK_INTS.items():
         if name not in doc:
             continue
@@ -238,11 +248,16 @@ def _check_trunk(doc: dict) -> None:
         for i, e in enumerate(entries or []):
             w = f"{name}[{i}]"
             _check_keys(e, ("backend", "device_index", "device_name", *(k for k, _ in ints),
-                            *TRUNK_STATS[name]) + (("fmt",) if name == "dense_gemv" else ()), w)
-            for k in ("backend", "device_name") + (("fmt",) if name == "dense_gemv" else ()):
+                            *TRUNK_STATS[name]) + (("fmt",) if name in TRUNK_FMT else ()), w)
+            for k in ("backend", "device_name") + (("fmt",) if name in TRUNK_FMT else ()):
                 if not isinstance(e[k], str) or not e[k]:
                     _fail(w, f"{k} must be a non-empty string, got {e[k]!r}")
-            if name == "dense_gemv" and e["fmt"] not in FORMATS:
+            if name == "trunk_layer" and e.get("path") not in LAYER_PATHS:
+                _fail(w, f"path must be one of {', '.join(LAYER_PATHS)}, got {e.get('path')!r}")
+            if name == "trunk_layer" and "attention_long_seconds" in e:  # optional: the growth per token
+                _check_stat(e["attention_long_seconds"], f"{w}.attention_long_seconds", positive=True)
+                _check_int(e, "long_context_tokens", w, 1)
+            if name in TRUNK_FMT and e["fmt"] not in FORMATS:
                 _fail(w, f"fmt {e['fmt']!r} is not a quant format (one of {', '.join(FORMATS)})")
             _check_int(e, "device_index", w)
             for k, minimum in ints:
@@ -252,7 +267,7 @@ def _check_trunk(doc: dict) -> None:
             if name == "attention" and e["n_heads"] % e["n_kv_heads"]:
                 _fail(w, f"n_heads {e['n_heads']} is not a multiple of n_kv_heads {e['n_kv_heads']}")
             key = (e["backend"], e["device_index"], e.get("fmt"), e.get("out_features"), e.get("in_features"),
-                   e.get("context_tokens"))
+                   e.get("context_tokens"), e.get("path"))
             if key in seen:
                 _fail(w, "the same device and shape is listed twice")
             seen.add(key)

@@ -1,7 +1,9 @@
-"""Readers of a profile's optional trunk sections: ``dense_gemv``, ``device_ops`` and ``attention``.
+"""Readers of a profile's optional trunk sections: ``dense_gemv``, ``device_ops``, ``attention`` and
+``trunk_layer``.
 
-The sections are described in :mod:`colibri_plan.formats.profile` and written by
-:mod:`colibri_plan.profiler.trunk_probe`. Profiles written before the trunk probe (and the shipped
+The sections are described in :mod:`colibri_plan.formats.profile` (``trunk_layer``: in
+:mod:`colibri_plan.formats.profile_check` and :mod:`colibri_plan.profiler.trunk_layer_probe`) and written
+by :mod:`colibri_plan.profiler.trunk_probe`. Profiles written before the trunk probe (and the shipped
 ``profiles/*.json``) lack them, and a section may be ``{"unavailable": reason}``; every reader then
 returns None, so a caller falls back to the ``matmul`` / ``links`` / ``ram`` figures.
 
@@ -85,3 +87,29 @@ def attention_s(profile, backend: str, device_index: int, context_tokens: int) -
     if e is None:
         return None
     return float(e["seconds"]["median"]) * max(int(context_tokens), 1) / e["context_tokens"]
+
+
+def trunk_layer(profile, backend: str, device_index: int, path: str | None = None) -> dict | None:
+    """One decoder layer's measured op sequence on the device (section ``trunk_layer``): None when not
+    measured, else a dict of medians, seconds per layer::
+
+        {"path": "device" | "host", "fmt", "hidden", "n_heads", "n_kv_heads", "head_dim",
+         "context_tokens", "weight_bytes" (q, k, v, o of one layer), "block_s" (norm .. FFN norm, the
+         attention at context_tokens included), "handoff_s" (a MoE layer's extra: x down, routing on the
+         host, the sum up), "attention_s" (KV write + attention call at context_tokens),
+         and when measured "long_context_tokens", "attention_long_s" (the same call at that context)}
+
+    ``path`` picks an entry of that path (None: the first)."""
+    rows = [e for e in _entries(profile, "trunk_layer", backend, device_index)
+            if path is None or e.get("path") == path]
+    if not rows:
+        return None
+    e = rows[0]
+    out = {k: e[k] for k in ("path", "fmt", "hidden", "n_heads", "n_kv_heads", "head_dim", "context_tokens",
+                             "weight_bytes")}
+    out.update(block_s=float(e["block_seconds"]["median"]), handoff_s=float(e["handoff_seconds"]["median"]),
+               attention_s=float(e["attention_seconds"]["median"]))
+    long = e.get("attention_long_seconds")
+    if isinstance(long, dict) and isinstance(e.get("long_context_tokens"), int):
+        out.update(long_context_tokens=e["long_context_tokens"], attention_long_s=float(long["median"]))
+    return out

@@ -33,6 +33,11 @@ fallbacks for older and published profiles that lack them:
 
 ``ops_per_layer`` (:data:`DEFAULT_OPS_PER_LAYER`) counts the small device ops a decoder layer launches
 beside its matmuls (norms, rope, residual adds, cache writes, the attention call, activation).
+
+When the profile measured a whole decoder layer on the device (section ``trunk_layer``: the device path
+of a GPU, the host path of the CPU), that figure prices the trunk instead of the formula above, which
+misses the host work between the ops (:mod:`colibri_plan.planner.trunk_layer`); ``sources`` says which
+was used.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ from dataclasses import dataclass, field
 from colibri_plan import quant
 from colibri_plan.errors import InputError
 from colibri_plan.formats.plan_trunk import CPU, kv_bytes
+from colibri_plan.formats.profile_trunk import trunk_layer
 from colibri_plan.planner.costmodel import transfer_seconds
+from colibri_plan.planner.trunk_layer import LayerFigures, layer_trunk_seconds, lm_head_bytes
 
 #: seconds of one small device op in a chain (launch-bound) when the profile has no ``device_ops`` figure
 DEFAULT_GPU_OP_S = 8e-6
@@ -64,6 +71,8 @@ class TrunkFigures:
             (0 on the CPU and unified memory). kv_gbps: ((context tokens, KV GB/s), ...), ascending
             context; one pair (0, g) when the figure does not depend on context.
         discrete: a discrete GPU (its memory is VRAM, apart from RAM). sources: figure -> where it came from.
+        layer: the measured decoder layer (None: priced by the formula). lm_gbps: trunk GEMV GB/s at
+            the LM head's shape (None: ``dense_gbps``).
     """
 
     key: str
@@ -73,6 +82,8 @@ class TrunkFigures:
     kv_gbps: tuple[tuple[int, float], ...]
     discrete: bool = False
     sources: dict = field(default_factory=dict)
+    layer: LayerFigures | None = None
+    lm_gbps: float | None = None
 
     def kv_gbps_at(self, context_tokens: int) -> float:
         """KV GB/s at the measured context nearest ``context_tokens`` (log distance)."""
@@ -93,6 +104,21 @@ def trunk_seconds(fig: TrunkFigures, dense_bytes: int, n_layers: int, n_moe_laye
     dense = c_dense * dense_bytes / (fig.dense_gbps * 1e9) + n_layers * ops_per_layer * fig.op_s + roundtrip
     attention = c_attention * context_tokens * kv_bytes_per_token / (fig.kv_gbps_at(context_tokens) * 1e9)
     return dense, attention, roundtrip
+
+
+def price_trunk(fig: TrunkFigures, spec, dense_fmt: str, dense_bytes: int, n_layers: int, n_moe_layers: int,
+                context_tokens: int, kv_bytes_per_token: int, ops_per_layer: int, coef,
+                lm_share: float = 1.0) -> tuple[float, float, float]:
+    """(dense_s, attention_s, roundtrip_s) of ``n_layers`` layers on ``fig``'s device: from its measured
+    layer when it has one (:func:`~colibri_plan.planner.trunk_layer.layer_trunk_seconds`; the LM head
+    counted in proportion ``lm_share`` of a split), else :func:`trunk_seconds`."""
+    if fig.layer is None:
+        return trunk_seconds(fig, dense_bytes, n_layers, n_moe_layers, context_tokens, kv_bytes_per_token,
+                             ops_per_layer, coef.dense, coef.attention)
+    lm = int(lm_head_bytes(spec, dense_fmt) * lm_share)
+    return layer_trunk_seconds(fig.layer, dense_bytes, lm, n_layers, n_moe_layers, context_tokens,
+                               kv_bytes_per_token, fig.dense_gbps, fig.lm_gbps or fig.dense_gbps, fig.op_s,
+                               fig.kv_gbps, coef.dense, coef.attention)
 
 
 def split_layers(n_layers: int, free_bytes: dict[str, int]) -> tuple[tuple[int, int, str], ...]:
@@ -149,6 +175,25 @@ def _kv_table(rows: list[dict]) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+def _layer_and_lm(profile, gemv_rows: list[dict], backend: str | None, index: int, path: str, dense_fmt: str,
+                  spec, src: dict) -> tuple[LayerFigures | None, float | None]:
+    """The device's measured layer (the host CPU: under any of :data:`CPU_BACKENDS`) and its GEMV GB/s at
+    the LM head's shape; notes the sources in ``src``."""
+    lay = None
+    for b in ((backend,) if backend else CPU_BACKENDS):
+        lay = lay or LayerFigures.from_reader(trunk_layer(profile, b, index, path))
+    src["layer"] = (f"profile trunk_layer ({lay.path} path, {lay.fmt})" if lay
+                    else "none (formula: GEMV bytes + small ops)")
+    rows = [r for r in gemv_rows if r.get("fmt") == dense_fmt and _median(r.get("weight_gbps"))
+            and r.get("out_features") and r.get("in_features")]
+    lm = None
+    if rows:
+        best = min(rows, key=lambda r: abs(math.log(r["out_features"] / spec.vocab_size))
+                   + abs(math.log(r["in_features"] / spec.hidden_size)))
+        lm = _median(best["weight_gbps"])
+    return lay, lm
+
+
 def device_figures(profile, res, spec, dense_fmt: str, coef) -> dict[str, TrunkFigures]:
     """"cpu" and every GPU of ``res`` -> its :class:`TrunkFigures` (module docstring for the fallbacks).
 
@@ -167,7 +212,8 @@ def device_figures(profile, res, spec, dense_fmt: str, coef) -> dict[str, TrunkF
     src["op_s"] = "profile device_ops" if op else "none (0: as before)"
     kv = _kv_table(_rows(profile, "attention", None, 0))
     src["kv_gbps"] = "profile attention" if kv else "RAM read"
-    out[CPU] = TrunkFigures(CPU, g, op or 0.0, 0.0, kv or ((0, res.ram_read_gbps),), False, src)
+    lay, lm = _layer_and_lm(profile, rows, None, 0, "host", dense_fmt, spec, src)
+    out[CPU] = TrunkFigures(CPU, g, op or 0.0, 0.0, kv or ((0, res.ram_read_gbps),), False, src, lay, lm)
     for gpu in res.gpus:
         backend, _, idx = gpu.key.partition(":")
         i = int(idx)
@@ -193,8 +239,10 @@ def device_figures(profile, res, spec, dense_fmt: str, coef) -> dict[str, TrunkF
             src["roundtrip_s"] = "profile device_ops"
         kv = _kv_table(_rows(profile, "attention", backend, i))
         src["kv_gbps"] = "profile attention" if kv else "dense GB/s of the device"
+        lay, lm = _layer_and_lm(profile, _rows(profile, "dense_gemv", backend, i), backend, i, "device",
+                                dense_fmt, spec, src)
         out[gpu.key] = TrunkFigures(gpu.key, g, op or DEFAULT_GPU_OP_S, rt, kv or ((0, g),),
-                                    not gpu.unified, src)
+                                    not gpu.unified, src, lay, lm)
     for f in out.values():
         bad = [n for n, v in (("dense_gbps", f.dense_gbps), *((f"kv_gbps@{c}", v) for c, v in f.kv_gbps))
                if not (math.isfinite(v) and v > 0)]
@@ -259,8 +307,8 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
     n_moe = sum(1 for lid in spec.moe_layers if lid < spec.n_layers)
 
     def price(f):
-        return trunk_seconds(f, dense, spec.n_layers, n_moe, context_tokens, spec.kv_bytes_per_token,
-                             ops_per_layer, coef.dense, coef.attention)
+        return price_trunk(f, spec, dense_fmt, dense, spec.n_layers, n_moe, context_tokens,
+                           spec.kv_bytes_per_token, ops_per_layer, coef)
 
     out = [TrunkOption(CPU, CPU, (), *price(figs[CPU]), dense, spec.kv_bytes(context_tokens), {}, 0,
                        {CPU: figs[CPU].sources})]
@@ -274,12 +322,13 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
     need = dense + kv_paged
     if len(discrete) > 1 and all(v < need for v in discrete.values()) and sum(discrete.values()) >= need:
         out.append(split_option(figs, spec, dense, kv_paged, ram_charged, discrete, context_tokens,
-                                n_moe, coef, ops_per_layer))
+                                n_moe, coef, ops_per_layer, dense_fmt))
     return out
 
 
 def split_option(figs, spec, dense: int, kv_paged: int, ram_charged: int, free: dict[str, int],
-                 context_tokens: int, n_moe: int, coef, ops_per_layer: int) -> TrunkOption:
+                 context_tokens: int, n_moe: int, coef, ops_per_layer: int,
+                 dense_fmt: str = "int8") -> TrunkOption:
     """A trunk split over ``free``'s devices by layers (:func:`split_layers`). Each device holds its
     layers' share of the trunk and KV bytes and reads them at its own GB/s; the devices work one after
     the other, so the seconds add, plus one hidden-state hop (a round trip) per boundary."""
@@ -290,9 +339,8 @@ def split_option(figs, spec, dense: int, kv_paged: int, ram_charged: int, free: 
     for a, b, key in parts:
         share = (b - a + 1) / n
         f = figs[key]
-        d, at, _ = trunk_seconds(f, int(dense * share), b - a + 1, 0, context_tokens,
-                                 int(spec.kv_bytes_per_token * share), ops_per_layer, coef.dense,
-                                 coef.attention)
+        d, at, _ = price_trunk(f, spec, dense_fmt, int(dense * share), b - a + 1, 0, context_tokens,
+                               int(spec.kv_bytes_per_token * share), ops_per_layer, coef, share)
         dense_s, attention_s = dense_s + d, attention_s + at
         vram[key] = int(math.ceil((dense + kv_paged) * share))
     first = figs[parts[0][2]]

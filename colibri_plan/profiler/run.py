@@ -29,6 +29,8 @@ from colibri_plan.profiler.machine import (
 )
 from colibri_plan.profiler.matmul_probe import probe_matmul
 from colibri_plan.profiler.ram import probe_ram
+from colibri_plan.profiler.trunk_layer_probe import LayerGeometry
+from colibri_plan.profiler.trunk_probe import SECTIONS as TRUNK_SECTIONS
 from colibri_plan.profiler.trunk_probe import TrunkSettings, probe_trunk
 from colibri_plan.profiler.trunk_shapes import (
     CONTEXTS,
@@ -39,8 +41,6 @@ from colibri_plan.profiler.trunk_shapes import (
 )
 
 PROBES = ("disk", "ram", "links", "matmul", "trunk")
-#: the profile sections the trunk probe writes (optional sections)
-TRUNK_SECTIONS = ("dense_gemv", "device_ops", "attention")
 #: GLM-5.2 routed expert geometry, used when no model is named (colibri_plan/data/models.json)
 DEFAULT_MODEL = {"name": "glm-5.2 (built-in default)", "hidden": 6144, "width": 2048, "expert_format": "int4",
                  "top_k": 8, "expert_bytes": disk_mod.DEFAULT_BLOCK_BYTES}
@@ -257,7 +257,9 @@ def _run_trunk(doc: dict, opts: ProfileOptions, st: dict, compute: list[dict], m
     cfg = TrunkSettings(shapes=[tuple(s) for s in (opts.trunk_shapes or TRUNK_SHAPES)],
                         formats=list(opts.dense_formats), contexts=list(opts.contexts or CONTEXTS),
                         repetitions=st["trunk_repetitions"], chain_s=st["trunk_chain_s"],
-                        budget_s=opts.trunk_seconds or st["trunk_budget_s"], max_bytes=st["trunk_max_bytes"])
+                        budget_s=opts.trunk_seconds or st["trunk_budget_s"], max_bytes=st["trunk_max_bytes"],
+                        layer=(LayerGeometry.from_arch(opts.model_arch, model["name"])
+                               if opts.model_arch is not None else LayerGeometry()))
     extra = model_dense_shapes(opts.model_arch, model["name"]) if opts.model_arch is not None else []
     doc["settings"]["trunk"] = {
         "shapes": [list(s) for s in cfg.shapes], "model_shapes": [list(s) for s in extra],
@@ -266,5 +268,5 @@ def _run_trunk(doc: dict, opts: ProfileOptions, st: dict, compute: list[dict], m
         "budget_s_per_device": cfg.budget_s, "max_bytes": cfg.max_bytes}
     got, skipped = probe_trunk(devices, cfg, extra, machine.get("ram_available_bytes"), say)
     for name in TRUNK_SECTIONS:
-        doc[name] = got[name] if got[name] else {"unavailable": _reasons(skipped)}
+        doc[name] = got.get(name) or {"unavailable": _reasons(skipped)}
     return skipped

@@ -38,6 +38,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri_plan.formats.profile import stat
+from colibri_plan.profiler.trunk_layer_probe import (  # noqa: F401 - MAX_CHAIN, time_chain re-exported
+    MAX_CHAIN,
+    LayerGeometry,
+    probe_layer,
+    time_chain,
+)
 from colibri_plan.profiler.trunk_shapes import (
     CONTEXTS,
     DENSE_FORMATS,
@@ -49,8 +55,7 @@ from colibri_plan.quant import tensor_bytes
 
 Progress = Callable[[str], None]
 
-MAX_CHAIN = 256
-SECTIONS = ("dense_gemv", "device_ops", "attention")
+SECTIONS = ("dense_gemv", "device_ops", "attention", "trunk_layer")
 
 
 @dataclass
@@ -62,7 +67,9 @@ class TrunkSettings:
         contexts: attention context lengths, tokens. n_heads, n_kv_heads, head_dim: attention geometry.
         hidden: H of the device-op and round-trip figures (elements).
         repetitions: most repetitions per figure. budget_s: seconds per device for all three sections.
-        chain_s: target seconds of one timed chain. memory_fraction, max_bytes: the largest weight or KV
+        chain_s: target seconds of one timed chain. layer: the decoder layer of the ``trunk_layer``
+            figure (:mod:`colibri_plan.profiler.trunk_layer_probe`; None: not measured).
+        memory_fraction, max_bytes: the largest weight or KV
             cache tried, as a fraction of the device's free memory and in bytes (building larger ones
             would take longer than measuring them).
     """
@@ -79,32 +86,7 @@ class TrunkSettings:
     chain_s: float = 0.01
     memory_fraction: float = 0.25
     max_bytes: int = 512 << 20
-
-
-def time_chain(step: Callable[[], object], finish: Callable[[object], object], repetitions: int,
-               budget_s: float, chain_s: float) -> tuple[list[float], int]:
-    """Seconds per call of ``step`` (which returns a DArray), synchronised by ``finish`` (a ``d_get``) at
-    the end of each chain of calls.
-
-    Returns:
-        (seconds per call of every repetition, calls per chain). At least one repetition; more while
-        they fit ``budget_s``.
-    """
-    finish(step())  # warm-up: compiles, first touch, allocator growth
-    t0 = time.perf_counter()
-    finish(step())
-    one = time.perf_counter() - t0
-    n = max(1, min(MAX_CHAIN, int(chain_s / max(one, 1e-7))))
-    reps = max(1, min(repetitions, int(budget_s / max(one * n, 1e-9))))
-    out = [one] if n == 1 else []  # a chain of one is what was just timed
-    while len(out) < reps:
-        t0 = time.perf_counter()
-        last = None
-        for _ in range(n):
-            last = step()
-        finish(last)
-        out.append((time.perf_counter() - t0) / n)
-    return out, n
+    layer: LayerGeometry | None = LayerGeometry()
 
 
 def device_limit_bytes(device: dict, ram_available_bytes: int | None, fraction: float) -> int | None:
@@ -358,6 +340,15 @@ def probe_trunk_device(device: dict, cfg: TrunkSettings, model_shapes: Sequence[
                 skip("attention", left_out.message(limit, cfg.budget_s))
         except Exception as exc:  # noqa: BLE001
             skip("attention", f"{type(exc).__name__}: {exc}")
+        if cfg.layer is not None and formats:  # beside the budget: the figure the planner needs most
+            try:
+                path = "host" if base["backend"] in HOST_BACKENDS else "device"
+                say(f"trunk: {base['backend']}:{base['device_index']} trunk_layer ({path}, {formats[0]})")
+                out["trunk_layer"].append(probe_layer(be, base, cfg.layer, formats[0], path, limit,
+                                                      cfg.repetitions, max(0.3 * cfg.budget_s, 0.5),
+                                                      cfg.chain_s))
+            except Exception as exc:  # noqa: BLE001
+                skip("trunk_layer", f"{type(exc).__name__}: {exc}")
     finally:
         be.close()
     return out, skipped
