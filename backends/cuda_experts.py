@@ -45,16 +45,15 @@ class CUDAExpertOps:
         xp = self._d_padded(self._ptr(x), T, H, Hp)  # [T, Hp]
         h = self._d_work("ex_h", 4 * n * T * Ip)  # h_i [T, Ip] at h + 4·i·T·Ip
         y = self._d_work("ex_y", 4 * n * T * H)  # y_i [T, H] at y + 4·i·T·H: tr_expert_sum reads [n, T·H]
-        # [gate/up entries (n x 8 u64) | down entries (n x 8 u64) | gates (n float32)], one copy up
-        table = np.zeros(16 * n + (n + 1) // 2, np.uint64)
-        rows = table[:16 * n].reshape(2 * n, 8)
+        gu, dn = [], []  # 8 u64 per entry; a down entry's rows / y stride 0: the launch's
         for i, e in enumerate(experts):
             g, u, d = e.gate.payload, e.up.payload, e.down.payload
             hi = h + 4 * i * T * Ip
-            rows[i, :7] = (g.data, g.scales, u.data, u.scales, xp, hi, T)
-            rows[n + i, :5] = (d.data, d.scales, hi, y + 4 * i * T * H, T)  # rows / y stride: the launch's
-        table.view(np.float32)[32 * n:32 * n + n] = gates
-        args = self._d_put(table.view(np.float32))  # pool memory: reused only by work queued after ours
+            gu += (g.data, g.scales, u.data, u.scales, xp, hi, T, 0)
+            dn += (d.data, d.scales, hi, y + 4 * i * T * H, T, 0, 0, 0)
+        # [gate/up entries | down entries | gates (n float32)], one copy up; pool memory, reused only by
+        # work queued after ours
+        args = self._d_put(np.concatenate((np.array(gu + dn, np.uint64).view(np.float32), gates)))
         ap, sptr = args.data.ptr, st["sptr"]
         launches = ((self._launcher("gate_up", e0.gate.fmt, n, Ip, I, Hp, Ip, T), "gate_up", 0),
                     (self._launcher("mm", e0.down.fmt, n, H, H, Ip, H, T), "mm", 64 * n))
