@@ -32,8 +32,17 @@ def test_geometry_bytes_and_chain_length_by_hand():
     big = tl.LayerGeometry(hidden=8192, n_heads=64, n_kv_heads=8, head_dim=128)
     per = big.weight_bytes("int8")                                     # about 151 MB a layer
     assert tl.chain_layers(big, "int8", None) == -(-tl.CHAIN_BYTES // per) == 2
-    kv = 8 * tl.LONG_CONTEXT * 8 * 128                                 # K and V at the long context, f32
-    assert tl.chain_layers(big, "int8", per + kv) == 1                 # the memory limit wins
+    kv = 8 * 8 * 128                                                   # K and V bytes per token, f32
+    fixed = tl.LONG_LAYERS * kv * tl.LONG_CONTEXT                      # the long caches
+    assert tl.chain_layers(big, "int8", fixed + 2 * (per + kv * tl.LAYER_CONTEXT)) == 2
+    assert tl.chain_layers(big, "int8", fixed + 2 * (per + kv * tl.LAYER_CONTEXT) - 1) == 1   # the limit wins
+
+
+def test_paired_chains_time_each_step_in_turn():
+    calls = []
+    a, b = tl.paired_chains([lambda: calls.append("a"), lambda: calls.append("b")], lambda _r: None, 3, 10.0)
+    assert calls == ["a", "b"] * 4 and len(a) == len(b) == 3          # a warm-up each, then 3 turns
+    assert tl.paired_chains([lambda: None], lambda _r: None, 5, 0.0) == [[pytest.approx(0, abs=0.01)]]
 
 
 def test_geometry_from_an_arch():
@@ -55,7 +64,7 @@ def test_probe_layer_entry_is_valid_and_readable(backend, path):
     be = cls.open(0)
     try:
         e = tl.probe_layer(be, {"backend": backend, "device_index": 0, "device_name": "host"}, TINY, "int8",
-                           path, None, 3, 5.0, 0.002)
+                           path, None, 3, 5.0)
     finally:
         be.close()
     assert (e["path"], e["fmt"], e["layers"], e["weight_bytes"]) == (path, "int8", 16,
@@ -63,7 +72,8 @@ def test_probe_layer_entry_is_valid_and_readable(backend, path):
     assert (e["context_tokens"], e["long_context_tokens"]) == (tl.LAYER_CONTEXT, tl.LONG_CONTEXT)
     block, moe = e["block_seconds"]["median"], e["moe_layer_seconds"]["median"]
     assert 0 < block < 0.1 and 0 < moe < 0.1
-    assert e["handoff_seconds"]["median"] == pytest.approx(max(moe - block, 1e-9), rel=0.5)
+    assert e["handoff_seconds"]["repetitions"] == e["block_seconds"]["repetitions"] == 3
+    assert 0 < e["handoff_seconds"]["median"] < moe
     doc = {**toy_doc(), "trunk_layer": [e]}
     MachineProfile(doc)                                               # validation accepts the entry
     r = trunk_layer(doc, backend, 0, path)

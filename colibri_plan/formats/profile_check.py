@@ -237,7 +237,10 @@ def _check_trunk(doc: dict) -> None:
     written before the trunk probe, or before its layer figure, lack them): a non-empty list of typed
     entries, or ``{"unavailable": reason}``. A ``trunk_layer`` entry (one decoder layer's op sequence,
     :mod:`colibri_plan.profiler.trunk_layer_probe`) also names its ``fmt`` and its ``path`` ("device":
-    the d_* ops of a device trunk; "host": the CPU trunk's host path); its seconds are per layer."""
+    the d_* ops of a device trunk; "host": the CPU trunk's host path); its seconds are per layer;
+    optional: ``attention_long_seconds`` with ``long_context_tokens``, and on the host path the routed
+    experts' calls ``expert_one_seconds``, ``expert_topk_seconds`` with ``expert_width``,
+    ``expert_topk``, ``expert_fmt``."""
     for name, ints in TRUNK_INTS.items():
         if name not in doc:
             continue
@@ -257,6 +260,13 @@ def _check_trunk(doc: dict) -> None:
             if name == "trunk_layer" and "attention_long_seconds" in e:  # optional: the growth per token
                 _check_stat(e["attention_long_seconds"], f"{w}.attention_long_seconds", positive=True)
                 _check_int(e, "long_context_tokens", w, 1)
+            if name == "trunk_layer" and "expert_one_seconds" in e:  # optional: the host's expert calls
+                for k in ("expert_one_seconds", "expert_topk_seconds"):
+                    _check_stat(e.get(k), f"{w}.{k}", positive=True)
+                _check_int(e, "expert_width", w, 1)
+                _check_int(e, "expert_topk", w, 2)
+                if e.get("expert_fmt") not in FORMATS:
+                    _fail(w, f"expert_fmt {e.get('expert_fmt')!r} is not a quant format")
             if name in TRUNK_FMT and e["fmt"] not in FORMATS:
                 _fail(w, f"fmt {e['fmt']!r} is not a quant format (one of {', '.join(FORMATS)})")
             _check_int(e, "device_index", w)

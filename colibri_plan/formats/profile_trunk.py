@@ -113,3 +113,18 @@ def trunk_layer(profile, backend: str, device_index: int, path: str | None = Non
     if isinstance(long, dict) and isinstance(e.get("long_context_tokens"), int):
         out.update(long_context_tokens=e["long_context_tokens"], attention_long_s=float(long["median"]))
     return out
+
+
+def expert_call_s(profile, fmt: str | None = None) -> float | None:
+    """Fixed seconds of one call of the host CPU's ``expert_ffn`` in the engine's rhythm (section
+    ``trunk_layer``, host path): t_1 − (t_k − t_1) / (k − 1) from the medians of 1 and k experts, floored
+    at 0; None when not measured (or not in ``fmt`` when one is given)."""
+    for backend in ("cpu", "numpy"):
+        for e in _entries(profile, "trunk_layer", backend, 0):
+            if e.get("path") != "host" or "expert_one_seconds" not in e:
+                continue
+            if fmt is not None and e.get("expert_fmt") != fmt:
+                continue
+            t1, tk = float(e["expert_one_seconds"]["median"]), float(e["expert_topk_seconds"]["median"])
+            return max(0.0, t1 - (tk - t1) / (int(e["expert_topk"]) - 1))
+    return None

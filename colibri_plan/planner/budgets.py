@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from colibri_plan.errors import BudgetError, InputError
+from colibri_plan.formats.profile_trunk import expert_call_s
 from colibri_plan.planner.costmodel import GpuResource, Resources
 
 GB = 1_000_000_000
@@ -290,4 +291,5 @@ def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str 
                                 budget_bytes=int(vram_budget.get(key, 0)), unified=unified))
     return Resources(cpu_matmul_gbps=cpu, ram_read_gbps=profile.ram_read_gbps(), disk_read_gbps=disk,
                      disk_queue_depth=qd, gpus=tuple(gpus), checksum_gbps=profile.checksum_gbps(),
-                     disk_depth_gbps=disk_depth_table(profile) if disk is not None else ())
+                     disk_depth_gbps=disk_depth_table(profile) if disk is not None else (),
+                     cpu_call_s=expert_call_s(profile) or 0.0)

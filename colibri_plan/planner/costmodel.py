@@ -11,7 +11,11 @@ DESIGN.md §7). Per decode token:
 * ``attention_s`` = c_attention · context · KV bytes per token / RAM GB/s
 * ``cpu_resident_l`` = c_cpu · Σ_{e in RAM} p_e · b / CPU GB/s + c_cpu · Σ_{e on disk} p_e · h_e · b / CPU
                      GB/s: compute of the pinned experts and the LRU hits (CPU GB/s is capped by RAM GB/s)
-* ``cpu_stream_l`` = c_cpu · Σ_{e on disk} p_e · (1 − h_e) · b / CPU GB/s: compute of the streamed misses
+  + call_s · (1 − Π_{e in RAM} (1 − p_e) · Π_{e on disk} (1 − p_e · h_e)): the CPU backend is called once
+  for a layer's resident experts, when any is selected (call_s: the profile's measured fixed cost of
+  one call, ``Resources.cpu_call_s``; selections taken as independent)
+* ``cpu_stream_l`` = c_cpu · Σ_{e on disk} p_e · (1 − h_e) · b / CPU GB/s + call_s · Σ_{e on disk}
+                     p_e · (1 − h_e): compute of the streamed misses, one call each
 * ``verify_l``    = Σ_{e on disk} p_e · (1 − h_e) · b / all-core crc32 GB/s: the reader threads check every
                      streamed expert, CPU time taken from the resident compute (0 without a figure)
 * ``disk_l``      = c_disk · Σ_{e on disk} p_e · (1 − h_e) · b / disk GB/s at the queue depth the engine
@@ -102,6 +106,8 @@ class Resources:
             pins, LRU slots and host copies (:mod:`colibri_plan.planner.page_cache`); 0 = the engine reads
             with O_DIRECT and the page cache serves nothing (ours).
         compute: ((host tier, "cpu" | unified GPU key), ...): who computes each host tier (planner.compute).
+        cpu_call_s: fixed seconds of one CPU ``expert_ffn`` call in the engine's rhythm (the profile's
+            ``trunk_layer`` host figure; 0 without one).
     """
 
     cpu_matmul_gbps: float
@@ -114,6 +120,7 @@ class Resources:
     disk_depth_gbps: tuple = ()
     page_cache_pool_bytes: int = 0
     compute: tuple = ()
+    cpu_call_s: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "disk_depth_gbps",   # a plan's JSON gives lists: back to pairs
@@ -291,6 +298,12 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
     cpu_res_s, cpu_stream_s, disk_s, verify_s = cpu_path_parts(
         float(p[tier == TIER_RAM].sum()), lru_hits, misses, per_sel, per_miss,
         verify_seconds(expert_bytes, res))
+    if res.cpu_call_s > 0:   # the host's per-call cost: resident experts in one call, each miss alone
+        on_cpu = {t: dict(res.compute).get(t, "cpu") == "cpu" for t in ("ram_pinned", "lru", "disk")}
+        q = np.where(tier == TIER_RAM, p * on_cpu["ram_pinned"], p * h * on_disk * on_cpu["lru"])
+        q = np.clip(q, 0.0, 1.0)   # P(e is selected and computed in the resident call)
+        cpu_res_s += res.cpu_call_s * float(1.0 - np.prod(1.0 - q))
+        cpu_stream_s += res.cpu_call_s * misses * on_cpu["disk"]
     # reads of the misses overlap the resident compute, which shares the cores with the reads' checksums
     # (a share ``overlap`` of the shorter one hides); each streamed expert is computed after its read
     a = cpu_res_s + verify_s

@@ -245,6 +245,15 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
     return MachineProfile(doc)
 
 
+def _layer_geometry(opts: ProfileOptions, model: dict) -> LayerGeometry | None:
+    """The decoder layer the trunk_layer figure runs: the model's (``--model``), else a generic one with
+    the model's expert width and format (the host's expert calls)."""
+    fmt = model.get("expert_format", "int4")
+    if opts.model_arch is not None:
+        return LayerGeometry.from_arch(opts.model_arch, model.get("name", "model"), fmt)
+    return LayerGeometry(expert_width=int(model.get("width", 0)), expert_fmt=fmt)
+
+
 def _run_trunk(doc: dict, opts: ProfileOptions, st: dict, compute: list[dict], model: dict, machine: dict,
                say: Callable[[str], None]) -> list[dict]:
     """The trunk probe on the matmul probe's devices plus the host CPU; fills ``doc``'s trunk sections
@@ -258,8 +267,7 @@ def _run_trunk(doc: dict, opts: ProfileOptions, st: dict, compute: list[dict], m
                         formats=list(opts.dense_formats), contexts=list(opts.contexts or CONTEXTS),
                         repetitions=st["trunk_repetitions"], chain_s=st["trunk_chain_s"],
                         budget_s=opts.trunk_seconds or st["trunk_budget_s"], max_bytes=st["trunk_max_bytes"],
-                        layer=(LayerGeometry.from_arch(opts.model_arch, model["name"])
-                               if opts.model_arch is not None else LayerGeometry()))
+                        layer=_layer_geometry(opts, model))
     extra = model_dense_shapes(opts.model_arch, model["name"]) if opts.model_arch is not None else []
     doc["settings"]["trunk"] = {
         "shapes": [list(s) for s in cfg.shapes], "model_shapes": [list(s) for s in extra],

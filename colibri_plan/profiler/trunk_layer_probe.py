@@ -23,8 +23,12 @@ floored at 0), ``attention_seconds`` (the KV write + attention call alone at ``c
 ``attention_long_seconds`` (the same at ``long_context_tokens``: their difference over the context
 difference is the attention's growth per context token, on this path's own attention code), and
 ``weight_bytes`` (q, k, v, o stored bytes of one layer), so a planner can swap the bytes of another
-shape in at the device's GEMV rate. Routed and shared experts and dense FFN matrices are not in the layer:
-they are priced by the expert cost model and the ``dense_gemv`` figures.
+shape in at the device's GEMV rate. On the host path, with an expert width, also the routed experts'
+call in the engine's rhythm (each call after one layer of trunk work, as the residency manager calls
+the CPU backend once per MoE layer): ``expert_one_seconds`` (``expert_ffn`` of 1 expert, 1 token) and
+``expert_topk_seconds`` (of top-k distinct experts), at ``expert_width`` in ``expert_fmt``; the fixed
+part of a call is t_1 − (t_k − t_1) / (k − 1). Routed and shared experts and dense FFN matrices are not
+in the layer: they are priced by the expert cost model and the ``dense_gemv`` figures.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ from colibri_plan.profiler.trunk_shapes import tiled_weight
 LAYER_CONTEXT = 64
 #: the longer context the attention call is also timed at (its growth per context token)
 LONG_CONTEXT = 1024
+#: layers that hold a cache of LONG_CONTEXT rows (the long attention runs over them in turn); the others
+#: hold LAYER_CONTEXT rows, as a cache sized to the context does (some kernels' cost follows capacity)
+LONG_LAYERS = 2
 #: weight bytes the chain of distinct layers spans at least (beyond the caches it would otherwise sit in)
 CHAIN_BYTES = 256 << 20
 MAX_LAYERS = 16
@@ -61,14 +68,18 @@ class LayerGeometry:
     n_experts: int = 64
     top_k: int = 8
     source: str = "generic"
+    expert_width: int = 0
+    expert_fmt: str = "int4"
 
     @classmethod
-    def from_arch(cls, arch, name: str = "model") -> LayerGeometry | None:
-        """The GQA layer of an ArchConfig (None for MLA, whose attention stays on the host)."""
+    def from_arch(cls, arch, name: str = "model", expert_fmt: str = "int4") -> LayerGeometry | None:
+        """The GQA layer of an ArchConfig (None for MLA, whose attention stays on the host); its routed
+        experts' width from the arch, their format ``expert_fmt``."""
         if getattr(arch, "attention", "gqa") == "mla":
             return None
         return cls(int(arch.hidden_size), int(arch.n_heads), int(arch.n_kv_heads), int(arch.head_dim),
-                   max(1, int(arch.n_experts or 1)), max(1, int(arch.top_k or 1)), f"{name}")
+                   max(1, int(arch.n_experts or 1)), max(1, int(arch.top_k or 1)), f"{name}",
+                   int(getattr(arch, "moe_intermediate_size", 0) or 0), expert_fmt)
 
     def weight_bytes(self, fmt: str) -> int:
         """Stored bytes of q, k, v, o of one layer in ``fmt``."""
@@ -131,8 +142,9 @@ def chain_layers(geom: LayerGeometry, fmt: str, limit_bytes: int | None) -> int:
     ``limit_bytes`` (weights + KV cache)."""
     per = max(1, geom.weight_bytes(fmt))
     n = min(MAX_LAYERS, max(2, math.ceil(CHAIN_BYTES / per)))
-    if limit_bytes is not None:  # a layer holds its weights and its K and V cache at LONG_CONTEXT, f32
-        n = min(n, max(1, limit_bytes // (per + 8 * LONG_CONTEXT * geom.n_kv_heads * geom.head_dim)))
+    if limit_bytes is not None:  # a layer holds its weights and its K and V cache, f32
+        kv = 8 * geom.n_kv_heads * geom.head_dim
+        n = min(n, max(1, (limit_bytes - LONG_LAYERS * kv * LONG_CONTEXT) // (per + kv * LAYER_CONTEXT)))
     return max(1, n)
 
 
@@ -163,8 +175,8 @@ class _HostLayers:
         self.norm = np.ones(g.hidden, np.float32)
         self.router = rng.standard_normal((g.n_experts, g.hidden), np.float32) * 0.02  # [E, H]
         self.n_keys = ctx
-        self.k = [rng.standard_normal((g.n_kv_heads, LONG_CONTEXT, g.head_dim), np.float32) * 0.1
-                  for _ in range(n)]
+        self.k = [rng.standard_normal((g.n_kv_heads, c, g.head_dim), np.float32) * 0.1
+                  for c in [ctx] * n + [LONG_CONTEXT] * LONG_LAYERS]  # short caches, then the long ones
         self.v = [a.copy() for a in self.k]
         freqs = (ctx - 1) * 10000.0 ** (-np.arange(g.head_dim // 2, dtype=np.float32) / (g.head_dim // 2))
         self.cos, self.sin = np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
@@ -172,6 +184,7 @@ class _HostLayers:
 
     def attention(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         g, p = self.g, self.n_keys - 1
+        i = i if self.n_keys <= self.ctx else len(self.k) - 1 - i % LONG_LAYERS
         self.k[i][:, p:p + 1], self.v[i][:, p:p + 1] = k, v  # [nkv, 1, d] at the last position
         keys, values = self.k[i][:, :self.n_keys], self.v[i][:, :self.n_keys]  # [nkv, C, d]
         qg = q.reshape(g.n_kv_heads, g.n_heads // g.n_kv_heads, 1, g.head_dim)
@@ -218,13 +231,14 @@ class _DeviceLayers:
         inv = 10000.0 ** (-np.arange(g.head_dim // 2, dtype=np.float32) / (g.head_dim // 2))
         self.n_keys = ctx
         self.table = be.d_put(rope_table(inv, LONG_CONTEXT))  # [C, d/2, 2]
-        block = be.d_put(rng.standard_normal((LONG_CONTEXT, g.n_kv_heads, g.head_dim), np.float32) * 0.1)
+        block = rng.standard_normal((LONG_CONTEXT, g.n_kv_heads, g.head_dim), np.float32) * 0.1
         self.k, self.v = [], []
-        for _ in range(n):
-            shape = (LONG_CONTEXT, g.n_kv_heads, g.head_dim)
+        for c in [ctx] * n + [LONG_CONTEXT] * LONG_LAYERS:  # short caches, then the long ones
+            shape = (c, g.n_kv_heads, g.head_dim)
             k, v = be.d_zeros(shape), be.d_zeros(shape)
-            be.d_write_rows(k, 0, block)
-            be.d_write_rows(v, 0, block)
+            rows = be.d_put(block[:c])
+            be.d_write_rows(k, 0, rows)
+            be.d_write_rows(v, 0, rows)
             self.k.append(k)
             self.v.append(v)
         self.h = be.d_put(rng.standard_normal((1, g.hidden), np.float32))
@@ -250,6 +264,7 @@ class _DeviceLayers:
 
     def attention_only(self, i: int) -> None:
         be, p = self.be, self.n_keys - 1
+        i = i if self.n_keys <= self.ctx else len(self.k) - 1 - i % LONG_LAYERS
         be.d_write_rows(self.k[i], p, self.kv1)
         be.d_write_rows(self.v[i], p, self.kv1)
         self.h_att = be.d_attention(self.q1, self.k[i], self.v[i], self.n_keys, p, self.g.head_dim ** -0.5)
@@ -260,12 +275,60 @@ class _DeviceLayers:
                 self.be.free(w)
 
 
+def paired_chains(steps: list[Callable[[], object]], finish: Callable[[object], object], repetitions: int,
+                  budget_s: float) -> list[list[float]]:
+    """Seconds of each step (a chain of layers, synchronised by ``finish``), the steps timed in turn within
+    each repetition, so a difference between two steps is taken under the same load. One warm-up call
+    each first; at least one repetition, more while they fit ``budget_s``.
+
+    Returns:
+        one list of seconds per step, ``repetitions`` long at most, all of the same length.
+    """
+    for step in steps:
+        finish(step())  # compiles, first touch
+    out: list[list[float]] = [[] for _ in steps]
+    end = time.perf_counter() + budget_s
+    while len(out[0]) < max(1, repetitions) and (not out[0] or time.perf_counter() < end):
+        for step, secs in zip(steps, out):
+            t0 = time.perf_counter()
+            finish(step())
+            secs.append(time.perf_counter() - t0)
+    return out
+
+
+def _expert_calls(be, run, geom: LayerGeometry, n: int, repetitions: int) -> dict:
+    """``expert_ffn`` of 1 and of top-k distinct experts, each call after one layer of trunk work (the
+    engine's rhythm: between two MoE layers' expert calls the host runs a layer), timed alone."""
+    h, w, k = geom.hidden, geom.expert_width, max(2, geom.top_k)
+    fmt = geom.expert_fmt
+    ex = [be.upload_expert(tiled_weight(fmt, w, h, 3 * e), tiled_weight(fmt, w, h, 3 * e + 1),
+                           tiled_weight(fmt, h, w, 3 * e + 2)) for e in range(k + 1)]
+    x = np.random.default_rng(9).standard_normal((1, h), np.float32)  # [1, H]
+    one, many = [], []
+    try:
+        for r in range(max(1, repetitions) + 1):  # the first pair warms up (compiles)
+            for sel, out in (([ex[r % (k + 1)]], one), (ex[:k], many)):
+                run.layer(r % n, True)
+                t0 = time.perf_counter()
+                be.expert_ffn([x] * len(sel), sel)
+                if r:
+                    out.append(time.perf_counter() - t0)
+    finally:
+        for e in ex:
+            for wt in e:
+                be.free(wt)
+    return {"expert_width": int(w), "expert_fmt": fmt, "expert_topk": int(k), "expert_one_seconds": stat(one),
+            "expert_topk_seconds": stat(many)}
+
+
 def probe_layer(be, base: dict, geom: LayerGeometry, fmt: str, path: str, limit_bytes: int | None,
-                repetitions: int, budget_s: float, chain_s: float) -> dict:
+                repetitions: int, budget_s: float) -> dict:
     """The ``trunk_layer`` entry of one opened backend on ``path`` ("device" or "host") in ``fmt``.
 
-    Seconds are per layer (a chain of all weight sets, synchronised by one ``d_get`` on the device path,
-    divided by the layers run). ``budget_s`` splits over the three chains.
+    Each step runs every layer of the chain once (a decode token's worth of layers, synchronised by one
+    ``d_get`` on the device path); seconds are per layer. The layer without and with the MoE hand-off
+    are timed in turn, and so are the attention call at the two contexts, so the hand-off (their
+    difference per repetition) and the attention's growth are taken under the same load.
 
     Raises:
         whatever the backend raises (the caller records the device as skipped).
@@ -276,34 +339,38 @@ def probe_layer(be, base: dict, geom: LayerGeometry, fmt: str, path: str, limit_
     try:
         finish = (lambda _r: None) if path == "host" else be.d_get
 
-        def chain(moe: bool):
+        def layers(moe: bool) -> Callable[[], object]:
             def step():
                 for i in range(n):
                     run.layer(i, moe)
                 return run.h
-            secs, calls = time_chain(step, finish, repetitions, budget_s / 3, chain_s)
-            return [s / n for s in secs]
+            return step
 
-        def att_step():
-            for i in range(n):
-                run.attention_only(i)
-            return getattr(run, "h_att", run.h)
+        def attention(keys: int) -> Callable[[], object]:
+            def step():
+                run.n_keys = keys
+                for i in range(n):
+                    run.attention_only(i)
+                return getattr(run, "h_att", run.h)
+            return step
 
-        block = chain(False)
-        moe = chain(True)
-        att, _ = time_chain(att_step, finish, repetitions, budget_s / 6, chain_s)
-        att = [s / n for s in att]
-        run.n_keys = LONG_CONTEXT
-        att_long, _ = time_chain(att_step, finish, repetitions, budget_s / 6, chain_s)
-        att_long = [s / n for s in att_long]
+        block, moe = paired_chains([layers(False), layers(True)], finish, repetitions, 0.7 * budget_s)
+        att, att_long = paired_chains([attention(ctx), attention(LONG_CONTEXT)], finish, repetitions,
+                                      0.3 * budget_s)
+        calls = _expert_calls(be, run, geom, n, repetitions) if path == "host" and geom.expert_width else {}
     finally:
         run.close()
-    b_med = float(np.median(block))
+
+    def per_layer(secs: list[float]) -> dict:
+        return stat(s / n for s in secs)
+
     return {**base, "path": path, "fmt": fmt, "hidden": geom.hidden, "n_heads": geom.n_heads,
             "n_kv_heads": geom.n_kv_heads, "head_dim": geom.head_dim, "n_experts": geom.n_experts,
             "top_k": geom.top_k, "context_tokens": ctx, "layers": int(n), "shape_source": geom.source,
-            "weight_bytes": int(geom.weight_bytes(fmt)), "block_seconds": stat(block),
-            "moe_layer_seconds": stat(moe), "handoff_seconds": stat(max(m - b_med, 1e-9) for m in moe),
-            "attention_seconds": stat(att), "long_context_tokens": LONG_CONTEXT,
-            "attention_long_seconds": stat(att_long),
-            "method": f"{n} distinct layers in a chain, per layer; handoff = moe layer - block (median)"}
+            "weight_bytes": int(geom.weight_bytes(fmt)), "block_seconds": per_layer(block),
+            "moe_layer_seconds": per_layer(moe),
+            "handoff_seconds": per_layer([max(m - b, 1e-9 * n) for b, m in zip(block, moe)]),
+            "attention_seconds": per_layer(att), "long_context_tokens": LONG_CONTEXT,
+            "attention_long_seconds": per_layer(att_long), **calls,
+            "method": f"{n} distinct layers run in turn, per layer; the layer without and with the MoE "
+                      "hand-off timed in turn (hand-off = their difference per repetition)"}

@@ -345,8 +345,7 @@ def probe_trunk_device(device: dict, cfg: TrunkSettings, model_shapes: Sequence[
                 path = "host" if base["backend"] in HOST_BACKENDS else "device"
                 say(f"trunk: {base['backend']}:{base['device_index']} trunk_layer ({path}, {formats[0]})")
                 out["trunk_layer"].append(probe_layer(be, base, cfg.layer, formats[0], path, limit,
-                                                      cfg.repetitions, max(0.3 * cfg.budget_s, 0.5),
-                                                      cfg.chain_s))
+                                                      cfg.repetitions, max(0.3 * cfg.budget_s, 0.5)))
             except Exception as exc:  # noqa: BLE001
                 skip("trunk_layer", f"{type(exc).__name__}: {exc}")
     finally:
