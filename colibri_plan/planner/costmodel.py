@@ -24,7 +24,8 @@ DESIGN.md §7). Per decode token:
 * ``gpu_l,d``     = c_gpu · Σ_{e on d} p_e · b / GPU d matmul GB/s
 * ``xfer_l,d``    = c_transfer · (activation H2D + D2H + 2 link latencies) + gpu_call_s, paid by each
                      GPU that holds any expert of the layer (the hidden state goes there and back once;
-                     the host's call costs about the same for 1 expert or 8)
+                     the host's call costs about the same for 1 expert or 8); no transfer on the GPU
+                     that holds the dense trunk (its experts read the device's own hidden state)
 
 The CPU path follows the residency manager (engine/residency.py): it submits the reads of all of a
 layer's misses first, computes the resident experts while they are in flight, then computes each streamed
@@ -75,6 +76,8 @@ class GpuResource:
         budget_bytes: bytes of experts this device may hold (after dense, KV and headroom).
         unified: computes on host memory (its experts use the RAM pool; no transfers).
         link_latency_s: fixed seconds per transfer direction.
+        holds_trunk: the dense trunk runs on this device: its experts read the device's own hidden
+            state and add into it there (no transfer; the trunk's hand-off is the trunk's term).
     """
 
     key: str
@@ -84,6 +87,7 @@ class GpuResource:
     budget_bytes: int = 0
     unified: bool = False
     link_latency_s: float = 10e-6
+    holds_trunk: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,8 +201,9 @@ def verify_seconds(expert_bytes: int, res: Resources) -> float:
 
 
 def transfer_seconds(gpu: GpuResource, activation_bytes: int) -> float:
-    """Seconds to send one token's hidden state to ``gpu`` and its result back (0 on unified memory)."""
-    if gpu.unified:
+    """Seconds to send one token's hidden state to ``gpu`` and its result back (0 on unified memory and
+    on the device that holds the trunk)."""
+    if gpu.unified or gpu.holds_trunk:
         return 0.0
     return (activation_bytes / (gpu.h2d_gbps * 1e9) + activation_bytes / (gpu.d2h_gbps * 1e9)
             + 2 * gpu.link_latency_s)

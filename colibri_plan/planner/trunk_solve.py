@@ -70,8 +70,9 @@ def option_setup(setup, opt, spec, lru_slots_fn):
         b, ram_budget_bytes=ram, vram_budget_bytes=vram, explain=explain, trunk_device=opt.device,
         trunk_vram_bytes=dict(opt.vram_bytes), dense_bytes=b.dense_bytes - opt.dense_bytes if moved
         else b.dense_bytes, kv_bytes=0 if moved else b.kv_bytes)
-    res = dataclasses.replace(setup.res, gpus=tuple(dataclasses.replace(g, budget_bytes=vram[g.key])
-                                                    for g in setup.res.gpus))
+    res = dataclasses.replace(setup.res, gpus=tuple(   # the trunk's own GPU: its experts need no transfer
+        dataclasses.replace(g, budget_bytes=vram[g.key], holds_trunk=not opt.split and g.key == opt.device)
+        for g in setup.res.gpus))
     pr = setup.problem
     knobs = dict(setup.knobs)
     req = "auto" if knobs.get("lru_slots_mode") == "auto" else int(pr.lru_slots.max(initial=0))
