@@ -164,7 +164,7 @@ def render(doc: dict) -> str:
 def render_trunk(doc: dict) -> list[str]:
     """Tables of the optional trunk sections (none when the profile lacks them)."""
     out = []
-    for name in ("dense_gemv", "device_ops", "attention"):
+    for name in ("dense_gemv", "device_ops", "attention", "trunk_layer"):
         sec = doc.get(name)
         if isinstance(sec, dict):
             out.append(f"\n{name}  unavailable: {sec.get('unavailable')}")
@@ -189,6 +189,19 @@ def render_trunk(doc: dict) -> list[str]:
                  e["context_tokens"], f"{e['seconds']['median'] * 1e3:.3f}", _fig(e["kv_gbps"])] for e in att]
         out.append("\nattention (one decode d_attention of one layer)")
         out.append(table(rows, ["device", "heads/kv x d", "context", "ms", "KV GB/s"]))
+    lay = doc.get("trunk_layer")
+    if isinstance(lay, list):
+        def us(e, k):
+            return f"{e[k]['median'] * 1e6:.0f}" if isinstance(e.get(k), dict) else "-"
+
+        rows = [[f"{e['backend']}:{e['device_index']}", e["path"], e["fmt"], f"H {e['hidden']}",
+                 us(e, "block_seconds"), us(e, "handoff_seconds"), us(e, "attention_seconds"),
+                 us(e, "attention_long_seconds"), us(e, "expert_one_seconds"), us(e, "expert_topk_seconds")]
+                for e in lay]
+        out.append("\ntrunk_layer (one decoder layer's op sequence, us per layer, medians; attention at 64 "
+                   "and 1024 keys; expert calls of 1 and top-k experts in the engine's rhythm)")
+        out.append(table(rows, ["device", "path", "fmt", "shape", "layer", "MoE hand-off", "attn 64",
+                                "attn 1024", "experts 1", "experts k"]))
     return out
 
 
