@@ -56,6 +56,8 @@ from colibri_plan.quant import tensor_bytes
 Progress = Callable[[str], None]
 
 SECTIONS = ("dense_gemv", "device_ops", "attention", "trunk_layer")
+#: the most bytes the trunk_layer chain places on a device (weights beyond the largest caches)
+LAYER_MAX_BYTES = 384 << 20
 
 
 @dataclass
@@ -307,6 +309,8 @@ def probe_trunk_device(device: dict, cfg: TrunkSettings, model_shapes: Sequence[
         skipped.append({**where, "what": what, "reason": reason})
 
     limit = device_limit_bytes(device, ram_available_bytes, cfg.memory_fraction)
+    # the layer chain must outgrow the caches (a decode token reads the whole trunk), whatever max_bytes
+    layer_limit = LAYER_MAX_BYTES if limit is None else min(limit, LAYER_MAX_BYTES)
     limit = cfg.max_bytes if limit is None else min(limit, cfg.max_bytes)
     supported = set(cls.formats) & set(be.device.formats or cls.formats)
     formats = [f for f in cfg.formats if f in supported]
@@ -344,7 +348,7 @@ def probe_trunk_device(device: dict, cfg: TrunkSettings, model_shapes: Sequence[
             try:
                 path = "host" if base["backend"] in HOST_BACKENDS else "device"
                 say(f"trunk: {base['backend']}:{base['device_index']} trunk_layer ({path}, {formats[0]})")
-                out["trunk_layer"].append(probe_layer(be, base, cfg.layer, formats[0], path, limit,
+                out["trunk_layer"].append(probe_layer(be, base, cfg.layer, formats[0], path, layer_limit,
                                                       cfg.repetitions, max(0.3 * cfg.budget_s, 0.5)))
             except Exception as exc:  # noqa: BLE001
                 skip("trunk_layer", f"{type(exc).__name__}: {exc}")
