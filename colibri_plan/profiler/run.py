@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from colibri_plan import __version__
@@ -273,7 +273,8 @@ def _run_trunk(doc: dict, opts: ProfileOptions, st: dict, compute: list[dict], m
         "shapes": [list(s) for s in cfg.shapes], "model_shapes": [list(s) for s in extra],
         "formats": list(cfg.formats), "contexts": list(cfg.contexts), "n_heads": cfg.n_heads,
         "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden": cfg.hidden,
-        "budget_s_per_device": cfg.budget_s, "max_bytes": cfg.max_bytes}
+        "budget_s_per_device": cfg.budget_s, "max_bytes": cfg.max_bytes,
+        "layer": None if cfg.layer is None else asdict(cfg.layer)}
     got, skipped = probe_trunk(devices, cfg, extra, machine.get("ram_available_bytes"), say)
     for name in TRUNK_SECTIONS:
         doc[name] = got.get(name) or {"unavailable": _reasons(skipped)}
