@@ -5,7 +5,8 @@ token (GEMV) and of ``--prefill`` tokens, cycling through a pool of weights larg
 cache (``--pool-bytes``) so each call streams its weight from RAM. Weight GB/s = packed bytes (data +
 scales) read per second. RAM read bandwidth is measured in the same run, interleaved with the formats
 (the profiler's probe, ``colibri_plan/profiler/ram.py``: numpy sums in one thread per core), and each
-GEMV figure is divided by the median RAM figure: the "fraction of RAM bandwidth" of issue 14 (≥ 0.8).
+GEMV figure is divided by the median RAM figure and by the mean of the probes just before and after it
+("local": less sensitive to other processes): the "fraction of RAM bandwidth" of issue 14 (≥ 0.8).
 The machine may be shared: the load average before and after is recorded; compare figures of one run.
 
     .venv/bin/python bench/cpu_gemv.py [--repeats 7] [--out FILE]
@@ -23,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 SHAPES = {"trunk 4096x4096": (4096, 4096), "expert up 2048x6144": (2048, 6144),
-          "expert down 6144x2048": (6144, 2048)}
+          "expert down 6144x2048": (6144, 2048),  # GLM-5.2 expert shapes
+          "peer up 1024x2048": (1024, 2048), "peer down 2048x1024": (2048, 1024)}  # bench/peer_llamacpp
 FORMATS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128")
 
 
@@ -101,18 +103,20 @@ def main() -> None:
             rows.append(row)
             print(f"  {sname:22} {fmt:9} {row['gemv_gbps']:6.1f} GB/s  (RAM {ram[-1]:.1f})", flush=True)
     ram_med = statistics.median(ram)
-    for r in rows:
+    for i, r in enumerate(rows):  # probes run before and after each row: the machine may be shared
+        r["ram_gbps_local"] = (ram[i] + ram[i + 1]) / 2
         r["fraction_of_ram"] = r["gemv_gbps"] / ram_med
+        r["fraction_of_local_ram"] = r["gemv_gbps"] / r["ram_gbps_local"]
     load1 = os.getloadavg()
     print(f"\nRAM read (profiler probe, median of {len(ram)}): {ram_med:.1f} GB/s "
           f"[{min(ram):.1f}..{max(ram):.1f}]; load average {load0[0]:.2f} -> {load1[0]:.2f}")
-    hdr = f"{'shape':22} {'format':9} {'MB':>6} {'GEMV ms':>8} {'GB/s':>6} {'of RAM':>7}"
+    hdr = f"{'shape':22} {'format':9} {'MB':>6} {'GEMV ms':>8} {'GB/s':>6} {'of RAM':>7} {'of local':>8}"
     if a.prefill > 1:
         hdr += f" {f'T={a.prefill} / T=1':>11}"
     print(hdr)
     for r in rows:
         line = (f"{r['shape']:22} {r['fmt']:9} {r['weight_bytes'] / 1e6:6.1f} {r['gemv_s'] * 1e3:8.3f} "
-                f"{r['gemv_gbps']:6.1f} {r['fraction_of_ram']:7.2f}")
+                f"{r['gemv_gbps']:6.1f} {r['fraction_of_ram']:7.2f} {r['fraction_of_local_ram']:8.2f}")
         if a.prefill > 1:
             line += f" {r['prefill_over_gemv']:11.2f}"
         print(line)

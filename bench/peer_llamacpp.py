@@ -12,7 +12,8 @@ Steps (files cached under ``--work``):
    (``pure``: every matrix in the type, as ours); our packs: int8 experts + int8 dense, int4-g32 experts
    + int4-g32 dense (Q4_0 is int4 in blocks of 32 with one scale per block);
 3. per format pair, two warm worker processes (ours in this venv on the ``cpu`` backend, llama.cpp in
-   ``--lcp-python`` with ``n_threads = n_threads_batch = --threads``; both ``OMP_WAIT_POLICY=passive``)
+   ``--lcp-python`` with ``n_threads = n_threads_batch = --threads``; both ``OMP_WAIT_POLICY=passive``;
+   our numpy BLAS on ``--ours-blas-threads``, default 1, beside numba's ``--threads``)
    are asked in turn (ours, llama.cpp, ours, ...) for ``--pairs`` measurements of: prefill of a 16- and
    a 64-token prompt (seconds to the last position's logits, fresh KV cache), and greedy decode of
    ``--decode-tokens`` tokens after a 16-token prompt (tok/s);
@@ -214,23 +215,32 @@ def prepare(a, work: Path) -> dict:
         times["convert_f16_s"] = time.perf_counter() - t0
     paths = {}
     for key, (ours, theirs) in PAIRS.items():
-        g = work / f"model-{theirs}.gguf"
-        if not g.exists():
-            t0 = time.perf_counter()
-            code = _QUANTIZE.format(t=theirs, threads=a.threads, src=str(f16), out=str(g) + ".tmp")
-            subprocess.run([a.lcp_python, "-c", code], check=True)
-            os.replace(str(g) + ".tmp", g)
-            times[f"quantize_{theirs}_s"] = time.perf_counter() - t0
-        pack = work / f"pack-{ours}"
-        if not (pack / "index.json").exists() and not pack.exists():
-            from colibri_plan.engine.pack import write_pack
-            from colibri_plan.engine.weights import load_checkpoint
+        _prepare_pair(a, work, ckpt, f16, key, ours, theirs, times, paths)
+    saved = work / "prepare-times.json"  # what a cached run did not redo is reported from the first
+    old = json.loads(saved.read_text()) if saved.exists() else {}
+    saved.write_text(json.dumps({**old, **times}))
+    return {"ckpt": ckpt, "paths": paths, "times": {**old, **times}}
 
-            t0 = time.perf_counter()
-            write_pack(load_checkpoint(ckpt), pack, ours, dense_format=ours)
-            times[f"pack_{ours}_s"] = time.perf_counter() - t0
-        paths[key] = (pack, g)
-    return {"ckpt": ckpt, "paths": paths, "times": times}
+
+def _prepare_pair(a, work: Path, ckpt: Path, f16: Path, key: str, ours: str, theirs: str, times: dict,
+                  paths: dict) -> None:
+    """GGUF of ``theirs`` and our pack in ``ours`` (cached), their build seconds into ``times``."""
+    g = work / f"model-{theirs}.gguf"
+    if not g.exists():
+        t0 = time.perf_counter()
+        code = _QUANTIZE.format(t=theirs, threads=a.threads, src=str(f16), out=str(g) + ".tmp")
+        subprocess.run([a.lcp_python, "-c", code], check=True)
+        os.replace(str(g) + ".tmp", g)
+        times[f"quantize_{theirs}_s"] = time.perf_counter() - t0
+    pack = work / f"pack-{ours}"
+    if not (pack / "index.json").exists() and not pack.exists():
+        from colibri_plan.engine.pack import write_pack
+        from colibri_plan.engine.weights import load_checkpoint
+
+        t0 = time.perf_counter()
+        write_pack(load_checkpoint(ckpt), pack, ours, dense_format=ours)
+        times[f"pack_{ours}_s"] = time.perf_counter() - t0
+    paths[key] = (pack, g)
 
 
 def reference_tokens(ckpt: Path, prompt: list[int], n: int) -> list[int]:
@@ -259,7 +269,8 @@ def _agree(a: list[int], b: list[int]) -> dict:
 def run_pair(a, key: str, pack: Path, gguf: Path, prompts: dict, env: dict) -> dict:
     """Interleaved measurements of one format pair; per-pair ratios ours / llama.cpp."""
     here = str(Path(__file__).resolve())
-    ours = Worker([sys.executable, here, "--worker", "ours", "--path", str(pack)], env)
+    ours_env = dict(env, OPENBLAS_NUM_THREADS=str(a.ours_blas_threads))
+    ours = Worker([sys.executable, here, "--worker", "ours", "--path", str(pack)], ours_env)
     try:
         theirs = Worker([a.lcp_python, here, "--worker", "llama", "--path", str(gguf),
                          "--threads", str(a.threads)], env)
@@ -301,6 +312,10 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--check-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ours-blas-threads", type=int, default=1,
+                    help="numpy BLAS threads of our engine (its numba kernels use --threads): the float "
+                         "ops left in the trunk (router, norms) are tiny, and a second BLAS thread "
+                         "fights numba's threads on a 2-core host (router matmul 56 ms per layer)")
     ap.add_argument("--lcp-build-s", type=float, default=None, help="llama-cpp-python build time, recorded")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", choices=("ours", "llama"), help=argparse.SUPPRESS)
@@ -345,7 +360,8 @@ def main() -> None:
     report(results, ref, a, load0, load1)
     if a.out:
         doc = {"kind": "peer-llamacpp-cpu", "model": "random Qwen3-MoE (transformers save_pretrained, bf16)",
-               "sizes": SIZES, "threads": a.threads, "pairs": a.pairs, "decode_tokens": a.decode_tokens,
+               "sizes": SIZES, "threads": a.threads, "ours_blas_threads": a.ours_blas_threads,
+               "pairs": a.pairs, "decode_tokens": a.decode_tokens,
                "prompt_tokens": {"decode": 16, "prefill": [16, 64]}, "cpu": _cpu(),
                "llama_cpp_python": _lcp_version(a),
                "llama_cpp_python_build_s": a.lcp_build_s, "prepare_s": prep["times"],
