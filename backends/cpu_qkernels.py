@@ -7,8 +7,9 @@ multiply-adds per instruction, about three times the float32 convert-and-FMA pat
 what lets a GEMV keep up with RAM and a prefill batch of 16 tokens cost a few GEMVs, not 16. (Without
 the explicit ``int32(...)`` truncation numba types the sum as int64 and the lanes fall to 64 bits.)
 
-Activations (``quant_x16``): each token row t is scaled once per call, ``xq[t] = round(x[t] / sx[t])``
-with ``sx[t] = max|x[t]| / 32767``, so the only numeric change against float32 is that rounding:
+Activations (``quant_x8`` / ``quant_x4``): each token row t is scaled once per call,
+``xq[t] = round(x[t] / sx[t])`` with ``sx[t] = max|x[t]| / 32767``, so the only numeric change against
+float32 is that rounding:
 |Σ w·x − sx·Σ w·xq| ≤ 0.5 · sx · Σ|w| per output (float64 bound; the oracle's ``matmul`` bound covers it).
 int4 rows use the deinterleaved halves ``xe = xq[0::2]``, ``xo = xq[1::2]`` (byte j holds columns 2j in
 its low and 2j+1 in its high nibble) and the per-group sums ``Σ xq`` remove the zero code 8 once per
