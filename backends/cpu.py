@@ -148,12 +148,6 @@ def _lanes(a: np.ndarray, groups: int, fold: int, J: int) -> np.ndarray:
     return np.ascontiguousarray(t.transpose(0, 2, 1, 3))
 
 
-def _transposed(a: np.ndarray, hw: HostWeight) -> np.ndarray:
-    """Activation halves int16 [T, cols/2] in the transposed layout of ``hw`` ([T, C, J, L])."""
-    J = hw.data3.shape[2]
-    return _lanes(a, hw.cols // hw.group, hw.fold, J)
-
-
 def int2_activations(x: np.ndarray, nbytes: int):
     """(x0, d1, d2, d3, xsum) for ``q2_matmul``: planes float32 [T, nbytes] and xsum float32 [T]."""
     T, n = x.shape
@@ -220,14 +214,16 @@ class CpuBackend(NumpyBackend):
             xq = np.empty((T, hw.cols), np.int16)
             self._k.quant_x8(x, xq, sx)
             return xq.reshape(T, blocks, bb), sx
+        if hw.fold:  # activations in the weight's lanes [T, C, J, L], with Σ xq per lane [T, C·L]
+            xe4 = np.empty((T, *hw.data3.shape[1:]), np.int16)
+            xo4 = np.empty_like(xe4)
+            xsl = np.empty((T, hw.data3.shape[1] * hw.data3.shape[3]), np.int32)
+            self._k.quant_x4t(x, hw.cols // hw.group, hw.fold, xe4, xo4, sx, xsl)
+            return xe4, xo4, sx, xsl
         xe = np.empty((T, hw.cols // 2), np.int16)
         xo = np.empty((T, hw.cols // 2), np.int16)
         xsum = np.empty((T, hw.cols // hw.group), np.int32)
         self._k.quant_x4(x, hw.group, xe, xo, sx, xsum)
-        if hw.fold:  # activations in the weight's lanes, with Σ xq per lane
-            xe4, xo4 = _transposed(xe, hw), _transposed(xo, hw)  # [T, C, J, L]
-            xsl = (xe4.sum(axis=2, dtype=np.int32) + xo4.sum(axis=2, dtype=np.int32)).reshape(T, -1)
-            return xe4, xo4, sx, xsl
         return xe.reshape(T, blocks, bb), xo.reshape(T, blocks, bb), sx, xsum
 
     def _matmul(self, x: np.ndarray, w: DeviceWeight) -> np.ndarray:

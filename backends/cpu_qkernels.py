@@ -150,6 +150,29 @@ def quant_x4(x, group, xe, xo, sx, xsum):
             xsum[t, g] = acc
 
 
+@njit(fastmath=True, cache=True)
+def quant_x4t(x, groups, fold, xe4, xo4, sx, xsl):
+    """Activations for the transposed int4-g32/g64 kernels, in one pass: x float32 [T, n] -> xe4, xo4
+    int16 [T, C, J, L] (column pair b = g·fold·J + s·J + j of lane k = g·fold + s at [c, j, k − c·L]
+    with c = k // L), sx float32 [T], xsl int32 [T, C·L] (Σ xq per lane)."""
+    C, J, L = xe4.shape[1], xe4.shape[2], xe4.shape[3]
+    row = np.empty(2 * groups * fold * J, np.int16)
+    for t in range(x.shape[0]):
+        sx[t] = _quant_row(x, t, row.shape[0], row)
+        for k in range(C * L):
+            c = k // L
+            kk = k - c * L
+            b0 = k * J  # lanes are in the groups' byte order: lane g·fold + s starts at byte (g·fold + s)·J
+            acc = np.int32(0)
+            for j in range(J):
+                e = row[2 * (b0 + j)]
+                o = row[2 * (b0 + j) + 1]
+                xe4[t, c, j, kk] = e
+                xo4[t, c, j, kk] = o
+                acc += np.int32(e) + np.int32(o)
+            xsl[t, k] = acc
+
+
 @njit(fastmath=True, cache=True, inline="always")
 def _row8(d3, r, x3, t):
     # row r of an int8 weight cut in blocks (d3 int8 [out, blocks, bb]) times token t (x3 int16 [T, blocks,
