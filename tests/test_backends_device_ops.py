@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_backends_oracle import be  # noqa: F401 - the per-device fixture
 
 from colibri_plan import quant
 from colibri_plan.backends.device_ops import attention_ref, rope_ref, rope_table
-from test_backends_oracle import be  # noqa: F401 - the per-device fixture
 
 RNG = np.random.default_rng(7)
 

@@ -32,7 +32,8 @@ def test_solve_compare_json(files):
     doc = json.loads(r.stdout)
     names = [row["placement"] for row in doc["compare"]]
     assert names[:6] == ["colibri-plan (optimised)", "colibri hot-first", "colibri hot-first (DIRECT=0)",
-                         "colibri hot-first (CUDA_DENSE=1 COLI_CUDA_ATTN=1)", "llama.cpp --fit layers", "uniform"]
+                         "colibri hot-first (CUDA_DENSE=1 COLI_CUDA_ATTN=1)", "llama.cpp --fit layers",
+                         "uniform"]
     ours = doc["compare"][0]["tok_s"]      # placements alone (all on our engine's knobs): ours is the best
     assert all(ours >= row["tok_s_our_engine"] * (1 - 1e-9) for row in doc["compare"][:6])
     assert doc["knobs"]["target"] == "colibri-plan" and all("knobs" in row for row in doc["compare"])
