@@ -13,6 +13,23 @@ from colibri_plan.cli.common import Steps, emit, json_option, parse_prompt, prog
 __all__ = ["parse_prompt", "run"]
 
 
+def _check_gpu_backend(backend: str, device_index: int) -> None:
+    """Without a plan a GPU backend holds every expert (and the trunk) on ``device_index``: refuse one this
+    machine lacks before the weights load, naming the backend's own reason (not a plan's)."""
+    from colibri_plan.backends import get_backend
+    from colibri_plan.errors import BackendUnavailableError
+
+    cls = get_backend(backend)
+    if not cls.is_available():
+        raise BackendUnavailableError(f"--backend {backend}: unavailable here ({cls.unavailable_reason()}); "
+                                      "run with --backend cpu (or numpy), or install that backend's stack")
+    n = len(cls.list_devices())
+    if device_index >= n:
+        which = f" (indices 0..{n - 1}); give one of them" if n else "; run"
+        raise BackendUnavailableError(f"--device {device_index}: {backend} has {n} device(s) here{which} "
+                                      "or --backend cpu")
+
+
 def _human(rep, prompt_len: int, backend: str, pred: dict, written: dict) -> str:
     """The report for people: tokens, speed, the per-token split, hit rates, disk and memory."""
     dev = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rep.expert_compute_s_per_token.items()
@@ -49,7 +66,7 @@ def _human(rep, prompt_len: int, backend: str, pred: dict, written: dict) -> str
               help="Tokens to generate.")
 @click.option("--backend", default="auto", show_default=True,
               help="Backend for the experts: auto (cpu if usable, else numpy), cpu, numpy, opencl, ...")
-@click.option("--device", "device_index", type=int, default=0, show_default=True,
+@click.option("--device", "device_index", type=click.IntRange(0), default=0, show_default=True,
               help="Backend device index (a GPU backend without --plan holds every expert there).")
 @click.option("--quant", default=None,
               help="Expert format when --model is a checkpoint [default: f32]; a pack keeps its own.")
@@ -89,6 +106,8 @@ def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, qu
         backend = runner.resolve_backend(backend)  # before the weights load and any progress line
     except UnsupportedError as exc:
         raise click.BadParameter(str(exc), param_hint="--backend") from None
+    if plan_path is None and backend not in runner.HOST_BACKENDS:
+        _check_gpu_backend(backend, device_index)
     plan = None
     if plan_path is not None:
         from colibri_plan.formats.plan import load_plan

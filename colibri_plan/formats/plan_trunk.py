@@ -24,9 +24,12 @@ import math
 from dataclasses import dataclass, field
 
 from colibri_plan.errors import FormatError
+from colibri_plan.quant import FORMATS
 
 CPU = "cpu"
 PAGE_TOKENS = 64
+#: what every refusal of a malformed section advises
+_REDO = "; re-create the plan with `colibri-plan solve`"
 
 
 def kv_bytes(context_tokens: int, bytes_per_token: int, page_tokens: int = PAGE_TOKENS) -> int:
@@ -67,7 +70,7 @@ class TrunkPlacement:
 def _int(sec: dict, key: str, where: str, minimum: int = 0) -> int:
     v = sec.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise FormatError(f"{where}.{key} must be an integer ≥ {minimum}, got {v!r}")
+        raise FormatError(f"{where}.{key} must be an integer ≥ {minimum}, got {v!r}{_REDO}")
     return v
 
 
@@ -86,33 +89,39 @@ def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) 
     if sec is None:
         return TrunkPlacement()
     if not isinstance(sec, dict):
-        raise FormatError("plan trunk section must be an object")
+        raise FormatError(f"plan trunk section must be an object{_REDO}")
     known = [CPU, *device_keys]
 
     def dev(v, where):
         if v not in known:
-            raise FormatError(f"{where} is {v!r}; the plan knows {', '.join(known)}")
+            raise FormatError(f"{where} is {v!r}; the plan knows {', '.join(known)}: solve the plan again "
+                              "for this machine (--trunk cpu, or one of the profile's GPUs)")
         return v
 
     device = dev(sec.get("device"), "trunk.device")
     fmt = sec.get("dense_format")
-    if fmt is not None and not isinstance(fmt, str):
-        raise FormatError(f"trunk.dense_format must be a format name, got {fmt!r}")
+    if fmt is not None and fmt not in FORMATS:
+        raise FormatError(f"trunk.dense_format must be a format name ({', '.join(FORMATS)}), got {fmt!r}"
+                          + _REDO)
     kv = sec.get("kv")
     if not isinstance(kv, dict):
         raise FormatError("trunk.kv must be an object with device, context_tokens, page_tokens, "
-                          "bytes_per_token, bytes")
+                          "bytes_per_token, bytes" + _REDO)
     kv_dev = dev(kv.get("device"), "trunk.kv.device")
     page = _int(kv, "page_tokens", "trunk.kv", 1)
     ctx, bpt = _int(kv, "context_tokens", "trunk.kv"), _int(kv, "bytes_per_token", "trunk.kv")
     total = _int(kv, "bytes", "trunk.kv")
     if total != kv_bytes(ctx, bpt, page):
         raise FormatError(f"trunk.kv.bytes is {total}, but {ctx} tokens in {page}-token pages of "
-                          f"{bpt} B per token take {kv_bytes(ctx, bpt, page)}")
+                          f"{bpt} B per token take {kv_bytes(ctx, bpt, page)}{_REDO}")
     split = []
-    for i, part in enumerate(sec.get("split") or []):
+    parts = sec.get("split") or []
+    if not isinstance(parts, list):
+        raise FormatError(f"trunk.split must be a list of {{first_layer, last_layer, device}}, got "
+                          f"{type(parts).__name__}{_REDO}")
+    for i, part in enumerate(parts):
         if not isinstance(part, dict):
-            raise FormatError(f"trunk.split[{i}] must be an object")
+            raise FormatError(f"trunk.split[{i}] must be an object{_REDO}")
         split.append((_int(part, "first_layer", f"trunk.split[{i}]"),
                       _int(part, "last_layer", f"trunk.split[{i}]"),
                       dev(part.get("device"), f"trunk.split[{i}].device")))
@@ -121,9 +130,9 @@ def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) 
         for a, b, _ in split:
             if a != want or b < a:
                 raise FormatError(f"trunk.split must cover the layers in order from 0; a range starts "
-                                  f"at {a}, expected {want}")
+                                  f"at {a}, expected {want}{_REDO}")
             want = b + 1
         if n_layers is not None and want != n_layers:
-            raise FormatError(f"trunk.split covers layers 0..{want - 1}; the model has {n_layers}")
+            raise FormatError(f"trunk.split covers layers 0..{want - 1}; the model has {n_layers}{_REDO}")
     return TrunkPlacement(device, fmt, _int(sec, "dense_bytes", "trunk"), kv_dev, ctx, page, bpt, total,
                           tuple(split))

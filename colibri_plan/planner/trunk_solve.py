@@ -32,7 +32,24 @@ def check_trunk_choice(choice: str, keys: list[str]) -> None:
 def _kv_message(key: str, ctx: int, kv: int, have: int) -> str:
     return (f"trunk on {key}: the KV cache of --context {ctx} tokens needs {kv} B ({fmt_gb(kv)} GB) there "
             f"and {key} has {have} B ({fmt_gb(have)} GB) after its reserve; give a smaller --context, "
-            "--trunk cpu, or a smaller --vram-reserve")
+            "--trunk cpu, or more VRAM for the plan (a larger --vram or a smaller --vram-reserve)")
+
+
+def _no_split_message(opts, vram_budget: dict, choices: list[str]) -> str:
+    """Why ``--trunk split`` is not an option: fewer than two discrete GPUs, one GPU that holds the
+    trunk and KV cache alone, or GPUs whose budgets together cannot hold them (bytes asked and held)."""
+    gpus = [o for o in opts if o.vram_bytes and not o.split]     # the discrete GPUs' single-device options
+    alt = f"choose {', '.join(choices)}"
+    if len(gpus) < 2:
+        return (f"--trunk split: no layer split to choose: it needs at least two discrete GPUs and the "
+                f"profile has {len(gpus)}; {alt}")
+    need = gpus[0].dense_bytes + gpus[0].kv_bytes
+    have = sum(int(vram_budget.get(o.device, 0)) for o in gpus)
+    if have < need:
+        return (f"--trunk split: no layer split fits: the dense trunk and KV cache need {need} B "
+                f"({fmt_gb(need)} GB) and the {len(gpus)} GPUs' budgets together hold {have} B "
+                f"({fmt_gb(have)} GB); give a smaller --context or --dense-format, or {alt}")
+    return f"--trunk split: one GPU holds the trunk and KV cache, so there is no layer split to choose; {alt}"
 
 
 def option_fit(setup, opt) -> None:
@@ -129,8 +146,7 @@ def choose_trunk(profile, setup, spec, choice: str, solve, lru_slots_fn):
                          setup.budgets.vram_budget_bytes, setup.problem.coef)
     names = [o.name for o in opts]
     if choice not in (AUTO, *names):
-        raise InputError(f"--trunk split: one GPU holds the trunk and KV cache, so there is no layer split "
-                         f"to choose; choose {', '.join([AUTO, *names])}")
+        raise InputError(_no_split_message(opts, setup.budgets.vram_budget_bytes, [AUTO, *names]))
     if choice != AUTO:                          # refuse a forced option that cannot fit before solving
         option_fit(setup, opts[names.index(choice)])
     rows = [_row(o, setup, o.name == choice) for o in opts]

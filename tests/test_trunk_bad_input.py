@@ -1,0 +1,101 @@
+"""Bad input around the whole-model placement (issue 13): each refusal says what was wrong and what to do.
+
+`solve --trunk split` where no split can exist, a hand-edited trunk section with a bogus format or a
+split that is not a list, and `run --backend <GPU>` on a machine without that backend or device.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _cli_fixtures import assert_one_line, invoke
+from _solver_fixtures import toy_profile, toy_spec
+
+from colibri_plan.errors import FormatError, InputError
+from colibri_plan.formats.plan_trunk import parse_trunk
+from colibri_plan.planner import make
+from colibri_plan.planner.make import make_plan
+
+GPU = {"gbps": 60.0, "free_bytes": 2_060_000_000}     # 60 MB of expert budget after the 2 GB reserve
+
+
+@pytest.fixture
+def no_solve(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("solved before refusing")
+
+    monkeypatch.setattr(make, "_solve", refuse)
+
+
+def test_split_without_two_gpus_says_so(no_solve):
+    spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
+    for gpus, n in (((), 0), ([GPU], 1)):
+        with pytest.raises(InputError, match=rf"--trunk split: no layer split to choose: it needs at least "
+                                             rf"two discrete GPUs and the profile has {n}; choose auto, cpu"):
+            make_plan(toy_profile(gpus=gpus, ram_available_bytes=3 * 10**9), spec, None, ram="2",
+                      context_tokens=100, trunk="split")
+
+
+def test_split_over_gpus_too_small_together_gives_the_bytes(no_solve):
+    spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
+    prof = toy_profile(gpus=[GPU, GPU], ram_available_bytes=16 * 10**9)
+    # 3M tokens x 1024 B of KV (3.07 GB) + the trunk: more than the two 60 MB budgets together
+    with pytest.raises(InputError, match=r"--trunk split: no layer split fits: the dense trunk and KV cache "
+                                         r"need \d+ B "
+                                         r"\(3\.\d\d GB\) and the 2 GPUs' budgets together hold 120000000 B "
+                                         r"\(0\.12 GB\); give a smaller --context"):
+        make_plan(prof, spec, None, ram="12", context_tokens=3_000_000, trunk="split")
+
+
+def _section(**kw):
+    sec = {"device": "cpu", "dense_format": "int8", "dense_bytes": 10,
+           "kv": {"device": "cpu", "context_tokens": 64, "page_tokens": 64, "bytes_per_token": 2,
+                  "bytes": 128}}
+    sec.update(kw)
+    return {"trunk": sec}
+
+
+def test_trunk_section_format_and_split_types_are_checked():
+    assert parse_trunk(_section(), []).dense_format == "int8"
+    with pytest.raises(FormatError, match=r"trunk\.dense_format must be a format name \(f32, .*\), got "
+                                          r"'int9'; re-create the plan with `colibri-plan solve`"):
+        parse_trunk(_section(dense_format="int9"), [])
+    for bad, kind in (({"first_layer": 0, "last_layer": 3, "device": "cpu"}, "dict"), ("0-3", "str")):
+        with pytest.raises(FormatError, match=rf"trunk\.split must be a list of .*, got {kind}; re-create"):
+            parse_trunk(_section(split=bad), [], 4)
+    with pytest.raises(FormatError, match=r"trunk\.device is 'cuda:0'; the plan knows cpu: solve the plan "
+                                          r"again"):
+        parse_trunk(_section(device="cuda:0"), [])
+
+
+class _Missing:
+    """A GPU backend this machine lacks (or has no device of)."""
+
+    available = False
+
+    @classmethod
+    def is_available(cls):
+        return cls.available
+
+    @staticmethod
+    def unavailable_reason():
+        return "its driver is not installed"
+
+    @staticmethod
+    def list_devices():
+        return []
+
+
+def test_run_on_a_missing_gpu_backend_names_the_backend_not_a_plan(monkeypatch, tmp_path):
+    import colibri_plan.backends as backends
+
+    real = backends.get_backend
+    monkeypatch.setattr(backends, "get_backend", lambda n: _Missing if n == "cuda" else real(n))
+    model = tmp_path / "nothing-here"        # refused before the model is opened
+    r = invoke("run", "--model", model, "--backend", "cuda", "--prompt-ids", "1,2", "--tokens", 2)
+    assert_one_line(r, "--backend cuda: unavailable here (its driver is not installed); run with "
+                       "--backend cpu")
+    monkeypatch.setattr(_Missing, "available", True)
+    r = invoke("run", "--model", model, "--backend", "cuda", "--device", 2, "--prompt-ids", "1,2",
+               "--tokens", 2, "--trunk", "device")
+    assert_one_line(r, "--device 2: cuda has 0 device(s) here")
+    assert not model.exists()
