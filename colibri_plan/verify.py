@@ -16,8 +16,10 @@ Predicted and measured use the plan's keys (``docs/plan-format.md``), so every r
 itself. ``dense + attention`` compares everything outside the routed experts; where the run timed
 attention apart (a device trunk: measured ``attention_s``, ``dense_s`` then without it) and where the plan
 predicts the trunk (``predicted.trunk``: dense, attention and host round trip per token on its device),
-rows for dense and attention alone follow. Measured ``expert_compute_s[<device>]`` includes the
-device's activation transfers. ``calibrate`` (:mod:`colibri_plan.planner.calibrate`) refits the
+rows for dense and attention alone follow. Where the plan predicts the prefill (``predicted.prefill``) and
+the run timed it, an informational row compares the prefill (= time to first token) at the run's prompt
+length (:func:`predicted_prefill_at`; not part of the verdict). Measured ``expert_compute_s[<device>]``
+includes the device's activation transfers. ``calibrate`` (:mod:`colibri_plan.planner.calibrate`) refits the
 cost model's coefficients from these reports.
 """
 
@@ -106,6 +108,33 @@ def _trunk_rows(predicted, p: RunReport, m: RunReport) -> list[tuple]:
     return rows
 
 
+def predicted_prefill_at(predicted, prompt_tokens: int | None) -> float | None:
+    """Predicted prefill seconds of a ``prompt_tokens`` prompt from the plan's ``predicted.prefill``: its
+    own figure at its prompt length; else interpolated linearly in prompt tokens between the two nearest
+    points of its ``curve`` (with the plan's own point; past the last, the last segment's slope); else,
+    a plan without a curve, scaled per token. None when the plan or the run lacks the figures."""
+    pre = predicted.get("prefill") if isinstance(predicted, dict) else None
+    if not isinstance(pre, dict) or not prompt_tokens or _num(pre.get("prefill_s")) is None:
+        return None
+    n, at = int(prompt_tokens), int(pre["prompt_tokens"])
+    if n == at:
+        return float(pre["prefill_s"])
+    known = [*(pre.get("curve") or []), (at, pre["prefill_s"])]
+    pts = sorted({int(c[0]): float(c[1]) for c in known}.items())          # [(prompt tokens, s)] ascending
+    if len(pts) < 2:
+        return float(pre["prefill_s"]) * n / at
+    i = next((k for k in range(1, len(pts)) if pts[k][0] >= n), len(pts) - 1)
+    (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+    return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+
+
+def _prefill_rows(predicted, m: RunReport) -> list[tuple]:
+    p_s = predicted_prefill_at(predicted, m.prompt_tokens)
+    if p_s is None or m.prefill_s is None:
+        return []
+    return [(f"prefill = time to first token ({m.prompt_tokens} prompt tokens)", "s", p_s, m.prefill_s)]
+
+
 def compare(predicted, measured) -> list[dict]:
     """Comparison rows ``{"term", "unit", "predicted", "measured", "ratio"|"diff_points"}``.
 
@@ -125,7 +154,8 @@ def compare(predicted, measured) -> list[dict]:
     for key in sorted((set(pc) | set(mc)) - {"cpu"}):
         rows.append((f"expert compute {key}", "s", pc.get(key), mc.get(key, 0.0)))
     rows += [("disk wait", "s", p.disk_wait_s_per_token, m.disk_wait_s_per_token),
-             ("disk bytes/token", "B", p.disk_bytes_per_token, m.disk_bytes_per_token)]
+             ("disk bytes/token", "B", p.disk_bytes_per_token, m.disk_bytes_per_token),
+             *_prefill_rows(predicted, m)]
     out = [{"term": t, "unit": u, "predicted": a, "measured": b, "ratio": _ratio(a, b)}
            for t, u, a, b in rows]
     hit_rows = [("hit rate (memory)", p.memory_hit_rate, m.memory_hit_rate)]

@@ -59,6 +59,9 @@ def show(path, show_layers):
                  "cost coefficients: " + (", ".join(f"{k} {v:g}" for k, v in d["coefficients"].items())
                                           if d.get("coefficients") else "defaults (not calibrated)")]
         lines.insert(5, trunk_line(d))
+        from colibri_plan.planner.prefill import prefill_lines
+
+        lines[7:7] = prefill_lines(pr.get("prefill"))   # after the predicted decode line
         if mtp:
             lines.insert(5, f"MTP experts: {mtp / 1e6:.2f} MB each (colibrì's int8)")
         lines += knob_lines(d.get("knobs"), compute=d.get("compute"),

@@ -52,6 +52,8 @@ def _queue_depth(_ctx, _param, value: str) -> str:
               help="Where the dense trunk, attention and KV cache run: 'auto' (the solver picks by predicted "
                    "decode time; their VRAM comes out of the experts'), 'cpu', a device key (cuda:0), or "
                    "'split' (layers over the GPUs when none holds them alone).")
+@click.option("--prompt-tokens", default=512, show_default=True, type=click.IntRange(1, 10_000_000),
+              help="Prompt length the plan predicts the prefill (time to first token) at.")
 @click.option("--lru-slots", default="auto", show_default=True, help="'auto' or LRU slots per layer.")
 @click.option("--out", "out_path", default=None, help="Write the plan here.")
 @click.option("--target", type=click.Choice(["colibri-plan", "colibri"]), default="colibri-plan",
@@ -87,8 +89,8 @@ def _queue_depth(_ctx, _param, value: str) -> str:
                    "recorded in the plan.")
 @json_option
 def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, context, quant, dense_format,
-          trunk, lru_slots, target, queue_depth, keep_host_copies, repin_every, repin_window, out_path,
-          compare, what_if_kind, png_path, method, time_limit, seed, coef_path):
+          trunk, prompt_tokens, lru_slots, target, queue_depth, keep_host_copies, repin_every, repin_window,
+          out_path, compare, what_if_kind, png_path, method, time_limit, seed, coef_path):
     """Solve where every expert lives (VRAM per GPU, pinned RAM, LRU cache, disk) to minimise predicted
     decode time per token within the memory budgets; write a plan file."""
     from colibri_plan.errors import InputError
@@ -143,7 +145,8 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
                                      context_tokens=context, lru_slots=lru_slots, dense_fmt=dense_format,
                                      vram_reserve_gb=vram_reserve, seed=seed, coef=coef, target=target,
                                      queue_depth=queue_depth, keep_host_copies=keep_host_copies,
-                                     repin_every=repin_every, repin_window=repin_window, trunk=trunk)
+                                     repin_every=repin_every, repin_window=repin_window, trunk=trunk,
+                                     prompt_tokens=prompt_tokens)
     for w in setup.warnings:
         warn(w)
     if out_path:
@@ -187,6 +190,9 @@ def _human(result: dict, plan) -> str:
                f"{t['dense_s'] * 1e3:.1f} ms, attention {t['attention_s'] * 1e3:.1f} ms, expert layers "
                f"{t['expert_layers_s'] * 1e3:.1f} ms (disk wait {t['disk_wait_s'] * 1e3:.1f} ms, transfers "
                f"{t['transfer_s'] * 1e3:.1f} ms)")
+    from colibri_plan.planner.prefill import prefill_lines
+
+    out += prefill_lines(p.get("prefill"))
     h = p["hit_rate"]
     out.append(f"Selections served from: VRAM {h['vram'] * 100:.1f}%, "
                f"pinned RAM {h['ram_pinned'] * 100:.1f}%, "

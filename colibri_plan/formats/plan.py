@@ -159,6 +159,8 @@ _FIELDS = (
     ("predicted.terms.expert_compute_s?", "object", None), ("predicted.terms.gpu_calls?", "num", (0, None)),
     ("predicted.hit_rate", "object", None),
     *((f"predicted.hit_rate.{k}", "num", (0, 1)) for k in ("vram", "ram_pinned", "lru", "disk")),
+    ("predicted.prefill?", "object", None), ("predicted.prefill.prompt_tokens", "int", (1, None)),
+    ("predicted.prefill.prefill_s", "num", (0, None)), ("predicted.prefill.curve?", "list", None),
     ("solver", "object", None), ("solver.method?", "str", None), ("solver.status?", "str", None),
     ("solver.seconds?", "num", (0, None)), ("solver.gap?", "num", (0, None)),   # baselines have neither
     # the engine reads with this many threads (run --read-threads accepts 1..64); re-pinning reads rates

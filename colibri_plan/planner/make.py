@@ -274,12 +274,13 @@ def _mtp_bytes(spec) -> dict:
 
 def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: float = 30.0,
               profile_source: str = "", repin_every: int | None = None, repin_window: int | None = None,
-              trunk: str = "cpu", **kw) -> tuple[Plan, Solution, Setup]:
+              trunk: str = "cpu", prompt_tokens: int | None = None, **kw) -> tuple[Plan, Solution, Setup]:
     """Solve the placement and return (plan, solution, setup). ``repin_every`` / ``repin_window`` (tokens)
     write the plan's ``repin`` section (:func:`~colibri_plan.planner.knobs.repin_section`); ``trunk``
     ("cpu", "auto", "split" or a device key) places the dense trunk and KV cache
     (:func:`~colibri_plan.planner.trunk_solve.choose_trunk`: the report is ``plan.doc["solver"]["trunk"]``);
-    other keyword args go to :func:`build_setup`.
+    ``prompt_tokens`` (None: none) adds ``predicted.prefill``, the prefill / time to first token of a
+    prompt that long (:mod:`colibri_plan.planner.prefill`); other keyword args go to :func:`build_setup`.
 
     Raises:
         InputError: a bad re-pinning value or an unknown --trunk device (before any solving), and as
@@ -314,6 +315,11 @@ def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: f
     plan = plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source)
     if repin is not None:
         plan.doc["repin"] = repin
+    if prompt_tokens is not None:
+        from colibri_plan.planner.prefill import prefill_section
+
+        pre = prefill_section(profile, setup, sol.tiers, prompt_tokens)
+        plan.doc["predicted"]["prefill"] = _jsonable(pre)
     validate_plan(plan, "solved plan: budgets")   # the chosen plan, re-checked without the solver
     validate_trunk(plan.doc)
     return plan, sol, setup

@@ -1,0 +1,314 @@
+"""The prefill cost model: predicted seconds of a P-token prompt's forward pass under a plan (pure).
+
+The engine runs the prompt as one batch of P rows: every weight it touches is read once per batch and
+multiplied by all the rows that need it. Time to first token is the prefill itself (the first new
+token comes out of the prompt's last row), so ``ttft_s == prefill_s``. Per prompt of P tokens::
+
+    prefill_s   = Σ_decode layers max(cpu_l, gpu_l,d + xfer_l,d for each d)  +  trunk_s
+    q_e         = 1 − (1 − p_e)^P          probability the batch touches expert e at least once
+    n_e         = P · p_e / q_e            expected rows of a touched expert
+    gpu_l,d     = Σ_{e on d} q_e · b / g_d · f(n_e, r_d)
+    xfer_l,d    = (1 − Π_{e on d} (1 − q_e)) · (P · H · 4 · (1/h2d_d + 1/d2h_d) / 1e9 + 2 · latency_d)
+    cpu_l       = max(ram_l, disk_l) + stream_l        (the reads overlap the pinned experts' compute)
+    ram_l       = Σ_{e pinned} q_e · b / g_cpu · f(n_e, r_cpu)
+    disk_l      = Σ_{e on disk} q_e · b / disk GB/s    (a touched miss is read once per batch)
+    stream_l    = Σ_{e on disk} q_e · b / g_cpu · f(n_e, r_cpu)
+    trunk_s     = (dense − lm) / g_t · f(P, r_t) + lm / g_lm  +  n_layers · ops_per_layer · op_s
+                  + (P² / 2) · kv_bytes_per_token / kv GB/s(P)  +  n_moe · handoff_t(P)
+    handoff_t(P) = roundtrip_s + (P − 1) · H · 4 · (1/h2d + 1/d2h) / 1e9   (0 with the trunk on the CPU)
+
+``p_e`` is the heat's per-token selection probability (a layer's p sum to top-k), ``b`` the expert's
+bytes, ``g`` a tier's weight GB/s at 1 token (the plan's decode figures). **Independence**: the P
+tokens are taken to select experts independently of each other with the heat's probabilities, so
+``q_e`` is the chance at least one of them picks e; real prompts repeat experts more (topic locality),
+so this over-counts distinct experts, a pessimistic bias that grows with P. The LRU is taken as empty
+(every touched disk expert is read): conservative at the start of a prompt.
+
+**Batched rate** ``f(T, r)``: seconds of one matmul over T rows relative to 1 row. The profile's
+``matmul`` section measures weight GB/s at 1 and 16 tokens; ``r = g(1) / g(16)`` is the time of a
+16-row call over a 1-row call (clamped to [1, 16]). Between 1 and 16 rows the time is interpolated
+linearly, ``f(T) = 1 + (T − 1) · (r − 1) / 15``; above 16 the kernel runs ⌈T/16⌉ passes, taken
+fractionally (an expectation), ``f(T) = r · T / 16``. Without a 16-token figure ``r = 16``: no
+batching gain, each row costs a full read (f(T) = T). The trunk's r is that of its device at the dense
+format (else at the expert format). The LM head runs on the last row only (1 row at the LM head GB/s).
+Attention is causal: row i reads i keys, Σ_i i ≈ P²/2 K+V rows at the ``attention`` section's KV GB/s
+at context P. A split trunk is priced on its first device. Coefficients are not applied (they are
+fitted on decode runs): the prefill figures are uncalibrated.
+
+The plan records the figures (``predicted.prefill.figures``) so :func:`prefill_for_plan` can predict
+again at another prompt length from the plan alone, and the prefill at 1, 2, 4, ... 32768 tokens
+(``predicted.prefill.curve``), which ``verify`` (no planner import) interpolates at the run's prompt length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from colibri_plan.errors import InputError
+
+#: the token count of the profile's batched ``matmul`` figure
+BATCH_TOKENS = 16
+#: prompt length ``solve`` predicts the prefill at by default
+DEFAULT_PROMPT_TOKENS = 512
+#: prompt lengths of the recorded curve (``predicted.prefill.curve``): powers of two, 1 .. 32768
+CURVE_TOKENS = tuple(2 ** i for i in range(16))
+
+
+def batch_factor(rows: float, r: float) -> float:
+    """Seconds of a ``rows``-row matmul relative to a 1-row one (module docstring: f(T, r)).
+
+    Pure: f(1, r) = 1; f(16, r) = r; f(8.5, 4) = 1 + 7.5 · 3 / 15 = 2.5; f(32, 4) = 8; f(T, 16) = T.
+    """
+    r = min(float(BATCH_TOKENS), max(1.0, float(r)))
+    t = max(1.0, float(rows))
+    if t <= BATCH_TOKENS:
+        return 1.0 + (t - 1.0) * (r - 1.0) / (BATCH_TOKENS - 1)
+    return r * t / BATCH_TOKENS
+
+
+def distinct_experts(p: np.ndarray, prompt_tokens: int) -> np.ndarray:
+    """float64 ``[..., E]`` q_e = 1 − (1 − p_e)^P: the chance a P-token batch touches each expert (tokens
+    choosing independently). Σ q over a layer is the expected number of distinct experts read.
+    E.g. p = 0.5, P = 2: 0.75."""
+    p = np.clip(np.asarray(p, dtype=np.float64), 0.0, 1.0)
+    return 1.0 - (1.0 - p) ** int(prompt_tokens)
+
+
+def _rows_seconds(p: np.ndarray, q: np.ndarray, prompt_tokens: int, expert_bytes: int, gbps: float,
+                  r: float) -> float:
+    """Σ_e q_e · b / g · f(n_e, r) over the experts of ``p`` (n_e = P · p_e / q_e); :func:`batch_factor`
+    vectorised over the experts."""
+    touched = q > 0
+    if not np.any(touched):
+        return 0.0
+    q = q[touched]
+    rows = np.maximum(1.0, prompt_tokens * p[touched] / q)                       # [n touched]
+    r = min(float(BATCH_TOKENS), max(1.0, float(r)))
+    f = np.where(rows <= BATCH_TOKENS, 1.0 + (rows - 1.0) * (r - 1.0) / (BATCH_TOKENS - 1),
+                 r * rows / BATCH_TOKENS)
+    return float(np.sum(q * f)) * expert_bytes / (gbps * 1e9)
+
+
+def layer_seconds(p: np.ndarray, tiers: np.ndarray, prompt_tokens: int, fig: dict) -> dict:
+    """One MoE layer's expert seconds for a P-token batch.
+
+    Args:
+        p: float64 [E] selection probabilities; tiers: int [E] (device position 0.., -1 RAM, -2 disk).
+        fig: the ``figures`` dict (:func:`figures_from_setup`).
+
+    Returns:
+        {"layer_s", "cpu_s", "disk_read_s", "gpu_s": {key: s incl. transfer}, "distinct_experts"}.
+    """
+    p, tiers = np.asarray(p, dtype=np.float64), np.asarray(tiers)
+    q = distinct_experts(p, prompt_tokens)
+    b, cpu = int(fig["expert_bytes"]), fig["cpu"]
+    ram = tiers == -1
+    disk = tiers == -2
+    ram_s = _rows_seconds(p[ram], q[ram], prompt_tokens, b, cpu["gbps"], cpu["r"])
+    stream_s = _rows_seconds(p[disk], q[disk], prompt_tokens, b, cpu["gbps"], cpu["r"])
+    disk_s = 0.0
+    if np.any(q[disk] > 0):
+        if not fig.get("disk_gbps"):
+            raise InputError("the plan streams experts from disk but its prefill figures have no disk GB/s; "
+                             "re-solve with a profile that measured the disk")
+        disk_s = float(q[disk].sum()) * b / (fig["disk_gbps"] * 1e9)
+    cpu_s = max(ram_s, disk_s) + stream_s
+    gpu = {}
+    h = int(fig["hidden_size"])
+    for d, g in enumerate(fig["gpus"]):
+        on = tiers == d
+        if not np.any(on):
+            continue
+        used = 1.0 - float(np.prod(1.0 - q[on]))
+        xfer = 0.0
+        if not g.get("unified"):
+            act = prompt_tokens * h * 4
+            xfer = used * (act / (g["h2d_gbps"] * 1e9) + act / (g["d2h_gbps"] * 1e9) + 2 * g["latency_s"])
+        gpu[g["key"]] = _rows_seconds(p[on], q[on], prompt_tokens, b, g["gbps"], g["r"]) + xfer
+    return {"layer_s": max([cpu_s, *gpu.values()]), "cpu_s": cpu_s, "disk_read_s": disk_s, "gpu_s": gpu,
+            "distinct_experts": float(q.sum())}
+
+
+def trunk_prefill_seconds(prompt_tokens: int, fig: dict) -> dict:
+    """{"dense_s", "lm_head_s", "attention_s", "handoff_s"} of the trunk at P rows (module docstring)."""
+    t, n = fig["trunk"], int(prompt_tokens)
+    body = max(0, int(t["dense_bytes"]) - int(t["lm_head_bytes"]))
+    dense = body / (t["gbps"] * 1e9) * batch_factor(n, t["r"]) + t["fixed_s"]
+    lm = int(t["lm_head_bytes"]) / (t["lm_gbps"] * 1e9)
+    attention = n * n / 2.0 * t["kv_bytes_per_token"] / (kv_gbps_at(t["kv_gbps"], n) * 1e9)
+    handoff = 0.0
+    if t.get("link"):
+        act = (n - 1) * int(fig["hidden_size"]) * 4
+        link = t["link"]
+        handoff = t["n_moe_layers"] * (t["roundtrip_s"] + act / (link["h2d_gbps"] * 1e9)
+                                       + act / (link["d2h_gbps"] * 1e9))
+    return {"dense_s": dense, "lm_head_s": lm, "attention_s": attention, "handoff_s": handoff}
+
+
+def kv_gbps_at(pairs, context_tokens: int) -> float:
+    """KV GB/s of ``[[context, GB/s], ...]`` at the context nearest ``context_tokens`` (log distance)."""
+    c = max(1, int(context_tokens))
+    return float(min(pairs, key=lambda x: (abs(math.log(c / max(1, x[0]))), x[0]))[1])
+
+
+def predict_prefill(probs: np.ndarray, tiers: np.ndarray, decode_rows: np.ndarray, prompt_tokens: int,
+                    fig: dict) -> dict:
+    """The ``predicted.prefill`` section for a P-token prompt.
+
+    Args:
+        probs: float64 [rows, E]; tiers: int [rows, E]; decode_rows: bool [rows] (MTP rows are False: the
+            prefill of plain decoding skips them); fig: :func:`figures_from_setup`'s dict.
+
+    Returns:
+        {"prompt_tokens", "prefill_s", "ttft_s", "prefill_tok_s", "terms": {experts_s, dense_s,
+        lm_head_s, attention_s, handoff_s, disk_read_s, distinct_experts_per_layer}, "figures"}.
+
+    Raises:
+        InputError: a prompt length < 1, or disk experts without a disk figure.
+    """
+    n = int(prompt_tokens)
+    if n < 1:
+        raise InputError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
+    experts = disk = distinct = 0.0
+    rows = [i for i, keep in enumerate(np.asarray(decode_rows, dtype=bool)) if keep]
+    for i in rows:
+        lay = layer_seconds(probs[i], tiers[i], n, fig)
+        experts += lay["layer_s"]
+        disk += lay["disk_read_s"]
+        distinct += lay["distinct_experts"]
+    terms = {"experts_s": experts, **trunk_prefill_seconds(n, fig), "disk_read_s": disk,
+             "distinct_experts_per_layer": distinct / max(1, len(rows))}
+    total = sum(terms[k] for k in ("experts_s", "dense_s", "lm_head_s", "attention_s", "handoff_s"))
+    return {"prompt_tokens": n, "prefill_s": total, "ttft_s": total, "prefill_tok_s": n / total,
+            "terms": terms, "figures": fig}
+
+
+def prefill_curve(probs: np.ndarray, tiers: np.ndarray, decode_rows: np.ndarray, fig: dict,
+                  lengths=CURVE_TOKENS) -> list[list]:
+    """[[prompt tokens, prefill seconds], ...] at ``lengths`` (ascending): what the plan records so a
+    reader without the planner (``verify``) can interpolate the prefill at a run's prompt length."""
+    return [[int(n), predict_prefill(probs, tiers, decode_rows, n, fig)["prefill_s"]] for n in lengths]
+
+
+def prefill_lines(pre: dict | None) -> list[str]:
+    """The human summary of a ``predicted.prefill`` section (time to first token and its terms), for
+    ``solve`` and ``plan show``; [] without one (older plans)."""
+    if not isinstance(pre, dict):
+        return []
+    t = pre["terms"]
+    trunk_ms = (t["dense_s"] + t["lm_head_s"]) * 1e3
+    return [f"Time to first token at {pre['prompt_tokens']} prompt tokens: {pre['ttft_s']:.3f} s (prefill "
+            f"{pre['prefill_tok_s']:.1f} tok/s: experts {t['experts_s'] * 1e3:.1f} ms, "
+            f"{t['distinct_experts_per_layer']:.1f} distinct experts/layer; trunk {trunk_ms:.1f} ms, "
+            f"attention {t['attention_s'] * 1e3:.1f} ms, hand-off {t['handoff_s'] * 1e3:.1f} ms)"]
+
+
+def prefill_for_plan(doc: dict, prompt_tokens: int) -> dict | None:
+    """Predict the prefill again at ``prompt_tokens`` from a plan document's own figures (its layers'
+    ``p``, tiers and ``predicted.prefill.figures``); None when the plan has no prefill figures or no
+    probabilities (older plans)."""
+    from colibri_plan.formats.plan import Plan, layer_probabilities
+
+    pre = doc.get("predicted", {}).get("prefill")
+    if not isinstance(pre, dict) or not isinstance(pre.get("figures"), dict):
+        return None
+    plan = Plan(doc)
+    probs = layer_probabilities(plan)
+    if probs is None:
+        return None
+    n_layers = int(doc["model"].get("n_layers", 1 << 30))
+    decode = np.array([lid < n_layers for lid in plan.layer_ids])
+    return predict_prefill(probs, plan.tiers(), decode, prompt_tokens, pre["figures"])
+
+
+def batch_ratio(profile, backend: str, index: int, fmt: str, out_features: int, in_features: int) -> float:
+    """r = weight GB/s at 1 token / at 16 tokens of one device's ``matmul`` at ``fmt`` (nearest shape),
+    clamped to [1, 16]; 16 (no batching gain) when the profile has no 16-token figure for it."""
+    rows = profile.doc.get("matmul")
+    have = {r.get("tokens") for r in rows if r.get("backend") == backend and r.get("device_index") == index
+            and r.get("fmt") == fmt} if isinstance(rows, list) else set()
+    if BATCH_TOKENS not in have or 1 not in have:
+        return float(BATCH_TOKENS)
+    g1 = profile.matmul_weight_gbps(backend, index, fmt, 1, out_features, in_features)
+    g16 = profile.matmul_weight_gbps(backend, index, fmt, BATCH_TOKENS, out_features, in_features)
+    return min(float(BATCH_TOKENS), max(1.0, g1 / g16))
+
+
+def _cpu_device(profile, fmt: str) -> tuple[str, int] | None:
+    """(backend, index) of the CPU row the decode figure came from (the fastest CPU backend at ``fmt``)."""
+    rows = profile.doc.get("matmul") if isinstance(profile.doc.get("matmul"), list) else []
+    kinds = {(d.get("backend"), d.get("index")): d.get("kind") for d in profile.doc.get("devices") or []
+             if isinstance(d, dict)}
+    cpus = {(r["backend"], r["device_index"]) for r in rows if r.get("fmt") == fmt
+            and (r.get("device_kind") or kinds.get((r["backend"], r["device_index"]))) == "cpu"}
+    if not cpus:
+        return None
+    return max(sorted(cpus), key=lambda c: profile.matmul_weight_gbps(c[0], c[1], fmt, 1))
+
+
+def _ratio_on(profile, device: tuple[str, int] | None, fmts, out_features: int, in_features: int) -> float:
+    """:func:`batch_ratio` at the first of ``fmts`` the device measured at 16 tokens (16 when none)."""
+    if device is None:
+        return float(BATCH_TOKENS)
+    for f in fmts:
+        r = batch_ratio(profile, device[0], device[1], f, out_features, in_features)
+        if r < BATCH_TOKENS:
+            return r
+    return float(BATCH_TOKENS)
+
+
+def figures_from_setup(profile, setup) -> dict:
+    """The figures the prefill model needs, from the solve's setup (``planner.make.Setup``, its trunk
+    option chosen) and the profile: a JSON-ready dict the plan records (``predicted.prefill.figures``).
+
+    Raises:
+        InputError: the trunk figures are not positive finite numbers (:func:`planner.trunk.device_figures`).
+    """
+    from colibri_plan.planner.trunk import DEFAULT_OPS_PER_LAYER, dense_read_bytes, device_figures
+    from colibri_plan.planner.trunk_layer import lm_head_bytes
+
+    spec, res = setup.spec, setup.res
+    fmt, dfmt = spec.expert_format, setup.dense_fmt
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    cpu_dev = _cpu_device(profile, fmt)
+    fig = {"expert_bytes": int(spec.expert_bytes()), "hidden_size": int(h),
+           "disk_gbps": res.disk_read_gbps,
+           "cpu": {"gbps": res.cpu_matmul_gbps, "r": _ratio_on(profile, cpu_dev, (fmt,), i, h)}, "gpus": []}
+    for g in res.gpus:
+        backend, _, idx = g.key.partition(":")
+        fig["gpus"].append({"key": g.key, "gbps": g.matmul_gbps, "unified": g.unified,
+                            "r": _ratio_on(profile, (backend, int(idx)), (fmt,), i, h),
+                            "h2d_gbps": g.h2d_gbps, "d2h_gbps": g.d2h_gbps, "latency_s": g.link_latency_s})
+    device = setup.trunk.device if setup.trunk is not None else "cpu"
+    figs = device_figures(profile, res, spec, dfmt, setup.problem.coef)
+    tf = figs.get(device, figs["cpu"])
+    gpu = next((g for g in res.gpus if g.key == tf.key), None)
+    if gpu is None:   # the host: the CPU backend measured at the dense format, else the experts' one
+        dev = _cpu_device(profile, dfmt) or cpu_dev
+    else:
+        dev = (tf.key.partition(":")[0], int(tf.key.partition(":")[2]))
+    n_moe = sum(1 for lid in spec.moe_layers if lid < spec.n_layers)
+    fig["trunk"] = {"device": tf.key, "gbps": tf.dense_gbps, "lm_gbps": tf.lm_gbps or tf.dense_gbps,
+                    "r": _ratio_on(profile, dev, (dfmt, fmt), h, h),
+                    "dense_bytes": int(dense_read_bytes(spec, dfmt)),
+                    "lm_head_bytes": int(min(lm_head_bytes(spec, dfmt), dense_read_bytes(spec, dfmt))),
+                    "kv_bytes_per_token": int(spec.kv_bytes_per_token),
+                    "kv_gbps": [[int(c), float(v)] for c, v in tf.kv_gbps],
+                    "fixed_s": spec.n_layers * DEFAULT_OPS_PER_LAYER * tf.op_s,
+                    "roundtrip_s": tf.roundtrip_s, "n_moe_layers": n_moe,
+                    "link": ({"h2d_gbps": gpu.h2d_gbps, "d2h_gbps": gpu.d2h_gbps}
+                             if gpu is not None and not gpu.unified else None)}
+    return fig
+
+
+def prefill_section(profile, setup, tiers: np.ndarray, prompt_tokens: int) -> dict:
+    """``predicted.prefill`` of a solved placement ``tiers`` [rows, E] under ``setup`` (see
+    :func:`predict_prefill`)."""
+    pr = setup.problem
+    decode = np.asarray(pr.weights) > 0
+    fig = figures_from_setup(profile, setup)
+    out = predict_prefill(pr.probs, tiers, decode, prompt_tokens, fig)
+    out["curve"] = prefill_curve(pr.probs, tiers, decode, fig)
+    return out

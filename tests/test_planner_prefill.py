@@ -1,0 +1,103 @@
+"""The prefill cost model (planner/prefill.py) on hand-checkable toy numbers."""
+
+import numpy as np
+import pytest
+from _solver_fixtures import st, toy_profile
+
+from colibri_plan.errors import InputError
+from colibri_plan.planner.prefill import (
+    batch_factor,
+    batch_ratio,
+    distinct_experts,
+    layer_seconds,
+    predict_prefill,
+    trunk_prefill_seconds,
+)
+
+GB = 1e9
+
+
+def figures(**change) -> dict:
+    """Toy figures: 1 GB experts, CPU 10 GB/s without a batched figure (r 16), disk 2 GB/s, one GPU at
+    100 GB/s with r 2, a trunk on the CPU with nothing to read."""
+    fig = {"expert_bytes": int(GB), "hidden_size": 1000, "disk_gbps": 2.0,
+           "cpu": {"gbps": 10.0, "r": 16.0},
+           "gpus": [{"key": "cuda:0", "gbps": 100.0, "r": 2.0, "unified": False, "h2d_gbps": 10.0,
+                     "d2h_gbps": 10.0, "latency_s": 1e-5}],
+           "trunk": {"device": "cpu", "gbps": 100.0, "lm_gbps": 50.0, "r": 16.0, "dense_bytes": 0,
+                     "lm_head_bytes": 0, "kv_bytes_per_token": 0, "kv_gbps": [[0, 100.0]], "fixed_s": 0.0,
+                     "roundtrip_s": 0.0, "n_moe_layers": 1, "link": None}}
+    fig.update(change)
+    return fig
+
+
+def test_batch_factor_interpolates_between_1_and_16_rows_then_counts_passes():
+    assert batch_factor(1, 4.0) == 1.0
+    assert batch_factor(16, 4.0) == pytest.approx(4.0)
+    assert batch_factor(8.5, 4.0) == pytest.approx(1 + 7.5 * 3 / 15)      # 2.5
+    assert batch_factor(32, 4.0) == pytest.approx(8.0)                     # two passes of 16 rows
+    assert batch_factor(5, 16.0) == pytest.approx(5.0)                     # no batched figure: f(T) = T
+    assert batch_factor(16, 0.5) == pytest.approx(1.0)                     # clamped: never below 1 row
+
+
+def test_distinct_experts_formula():
+    assert distinct_experts(np.array([0.5]), 2)[0] == pytest.approx(0.75)
+    p = np.array([1.0, 0.5, 0.25, 0.25])                                    # top-2: Σ p = 2
+    assert distinct_experts(p, 1).sum() == pytest.approx(2.0)
+    assert distinct_experts(p, 3).sum() == pytest.approx(1 + 0.875 + 2 * (1 - 0.75 ** 3))   # 3.03125
+    assert distinct_experts(p, 10_000).sum() == pytest.approx(4.0)           # a long prompt touches all
+
+
+def test_disk_tier_read_once_per_batch():
+    # two disk experts with p = 0.5, P = 2: q = 0.75, n = 4/3 rows each
+    lay = layer_seconds(np.array([0.5, 0.5]), np.array([-2, -2]), 2, figures())
+    assert lay["disk_read_s"] == pytest.approx(1.5 * 0.5)                  # 1.5 expected reads of 0.5 s
+    assert lay["cpu_s"] == pytest.approx(0.75 + 2 * 0.75 * 0.1 * 4 / 3)     # reads, then 0.2 s of compute
+    assert lay["distinct_experts"] == pytest.approx(1.5)
+    # one of them pinned: its compute (0.1 s) hides behind the other's read (0.375 s)
+    lay = layer_seconds(np.array([0.5, 0.5]), np.array([-1, -2]), 2, figures())
+    assert lay["cpu_s"] == pytest.approx(0.375 + 0.1) and lay["layer_s"] == pytest.approx(0.475)
+
+
+def test_disk_experts_without_disk_figure_refused():
+    with pytest.raises(InputError, match="disk"):
+        layer_seconds(np.array([0.5]), np.array([-2]), 4, figures(disk_gbps=None))
+
+
+def test_gpu_tier_batched_rate_and_transfer():
+    # p = 1 on the GPU, P = 16: q = 1, 16 rows, f(16, 2) = 2 -> 1 GB / 100 GB/s · 2 = 0.02 s;
+    # transfer: 16 rows · 1000 · 4 B each way at 10 GB/s + 2 latencies
+    lay = layer_seconds(np.array([1.0, 0.0]), np.array([0, -1]), 16, figures())
+    assert lay["gpu_s"]["cuda:0"] == pytest.approx(0.02 + 2 * 64_000 / 10e9 + 2e-5)
+    assert lay["cpu_s"] == 0.0 and lay["layer_s"] == pytest.approx(lay["gpu_s"]["cuda:0"])
+
+
+def test_trunk_at_p_rows():
+    trunk = {"device": "cuda:0", "gbps": 100.0, "lm_gbps": 50.0, "r": 4.0, "dense_bytes": int(1.1 * GB),
+             "lm_head_bytes": int(0.1 * GB), "kv_bytes_per_token": 1_000_000, "kv_gbps": [[0, 100.0]],
+             "fixed_s": 0.001, "roundtrip_s": 1e-4, "n_moe_layers": 2,
+             "link": {"h2d_gbps": 10.0, "d2h_gbps": 10.0}}
+    t = trunk_prefill_seconds(32, figures(trunk=trunk))
+    assert t["dense_s"] == pytest.approx(1 * GB / 100e9 * 8 + 0.001)      # f(32, 4) = 8 passes' worth
+    assert t["lm_head_s"] == pytest.approx(0.1 / 50)                       # the last row only
+    assert t["attention_s"] == pytest.approx(32 * 32 / 2 * 1e6 / 100e9)    # causal: P²/2 K+V rows
+    assert t["handoff_s"] == pytest.approx(2 * (1e-4 + 2 * 31 * 4000 / 10e9))
+
+
+def test_predict_prefill_sums_decode_layers_only():
+    probs = np.array([[0.5, 0.5], [0.5, 0.5]])
+    tiers = np.array([[-2, -2], [-2, -2]])
+    out = predict_prefill(probs, tiers, np.array([True, False]), 2, figures())   # row 2: an MTP row
+    assert out["terms"]["experts_s"] == pytest.approx(0.95)
+    assert out["prefill_s"] == pytest.approx(0.95) and out["ttft_s"] == out["prefill_s"]
+    assert out["prefill_tok_s"] == pytest.approx(2 / 0.95) and out["prompt_tokens"] == 2
+    with pytest.raises(InputError, match="prompt-tokens"):
+        predict_prefill(probs, tiers, np.array([True, True]), 0, figures())
+
+
+def test_batch_ratio_from_profile_matmul_rows():
+    prof = toy_profile(cpu_gbps=20.0)
+    assert batch_ratio(prof, "numpy", 0, "int4", 32, 64) == 16.0           # no 16-token figure
+    row = dict(prof.doc["matmul"][0], tokens=16, weight_gbps=st(5.0))      # 16 rows in 4x a row's time
+    prof.doc["matmul"].append(row)
+    assert batch_ratio(prof, "numpy", 0, "int4", 32, 64) == pytest.approx(4.0)

@@ -1,0 +1,104 @@
+"""`solve --prompt-tokens`, `plan show` and verify's comparison with the plan's predicted prefill."""
+
+import json
+
+import pytest
+from _solver_fixtures import toy_profile, toy_spec
+from click.testing import CliRunner
+
+from colibri_plan.cli import cli
+from colibri_plan.formats.plan import load_plan, save_plan
+from colibri_plan.formats.profile import save_profile
+from colibri_plan.formats.report import RunReport
+from colibri_plan.model import save_model_spec
+from colibri_plan.planner.prefill import prefill_for_plan
+from colibri_plan.verify import compare, make_verdict, predicted_prefill_at, report_table
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prefill")
+    prof = toy_profile(gpus=[{"gbps": 60.0, "free_bytes": 2_060_000_000}], ram_available_bytes=3_100_000_000)
+    save_profile(prof, d / "profile.json")
+    save_model_spec(toy_spec(n_experts=16, hidden=2048, inter=1024), d / "model.json")
+    return d
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def solve(files, *extra):
+    return run("solve", "--profile", files / "profile.json", "--model", files / "model.json", "--ram", "0.58",
+               *extra)
+
+
+def test_solve_json_records_prefill(files):
+    r = solve(files, "--prompt-tokens", 64, "--out", files / "plan.json", "--json")
+    assert r.exit_code == 0, r.output
+    pre = json.loads(r.stdout)["predicted"]["prefill"]
+    assert pre["prompt_tokens"] == 64 and pre["ttft_s"] == pre["prefill_s"] > 0
+    assert pre["prefill_tok_s"] == pytest.approx(64 / pre["prefill_s"])
+    t = pre["terms"]
+    assert pre["prefill_s"] == pytest.approx(t["experts_s"] + t["dense_s"] + t["lm_head_s"]
+                                             + t["attention_s"] + t["handoff_s"])
+    # the toy profile has no 16-token matmul figure: no batching gain, each expert row costs a full read
+    assert pre["figures"]["cpu"]["r"] == 16.0
+    doc = load_plan(files / "plan.json").doc
+    again = prefill_for_plan(doc, 64)            # from the plan's own figures: the same prediction
+    assert again["prefill_s"] == pytest.approx(pre["prefill_s"], rel=1e-4)
+    curve = dict((n, s) for n, s in pre["curve"])
+    assert curve[64] == pytest.approx(pre["prefill_s"], rel=1e-9)
+    assert all(a[1] < b[1] for a, b in zip(pre["curve"], pre["curve"][1:]))   # longer prompts take longer
+
+
+def test_solve_human_and_default_length(files):
+    r = solve(files)
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.stdout.splitlines() if x.startswith("Time to first token"))
+    assert line.startswith("Time to first token at 512 prompt tokens: ") and "distinct experts/layer" in line
+    r = solve(files, "--prompt-tokens", 0)
+    assert r.exit_code == 2 and "--prompt-tokens" in r.output
+
+
+def test_plan_show_prints_prefill_and_old_plans_load(files, tmp_path):
+    if not (files / "plan.json").exists():
+        solve(files, "--prompt-tokens", 64, "--out", files / "plan.json")
+    r = run("plan", "show", files / "plan.json")
+    assert r.exit_code == 0 and "Time to first token at 64 prompt tokens:" in r.stdout
+    shown = json.loads(run("plan", "show", files / "plan.json", "--json").stdout)
+    assert shown["predicted"]["prefill"]["prompt_tokens"] == 64
+    old = load_plan(files / "plan.json")
+    del old.doc["predicted"]["prefill"]                         # a plan made before prefill predictions
+    save_plan(old, tmp_path / "old.json")
+    r = run("plan", "show", tmp_path / "old.json")
+    assert r.exit_code == 0 and "Time to first token" not in r.stdout and "predicted" in r.stdout
+    assert prefill_for_plan(load_plan(tmp_path / "old.json").doc, 64) is None
+
+
+def test_prefill_at_interpolates_the_curve():
+    pred = {"prefill": {"prompt_tokens": 8, "prefill_s": 0.5, "curve": [[1, 0.1], [2, 0.2], [4, 0.3]]}}
+    assert predicted_prefill_at(pred, 8) == 0.5                    # the plan's own length
+    assert predicted_prefill_at(pred, 3) == pytest.approx(0.25)     # between 2 and 4
+    assert predicted_prefill_at(pred, 6) == pytest.approx(0.4)      # between 4 and the plan's 8
+    assert predicted_prefill_at(pred, 10) == pytest.approx(0.6)     # past the last: its slope
+    assert predicted_prefill_at({"prefill": {"prompt_tokens": 8, "prefill_s": 0.5}}, 4) == 0.25  # per token
+    assert predicted_prefill_at({}, 4) is None and predicted_prefill_at(pred, None) is None
+
+
+def test_verify_shows_prefill_row_outside_the_verdict(files):
+    if not (files / "plan.json").exists():
+        solve(files, "--prompt-tokens", 64, "--out", files / "plan.json")
+    predicted = load_plan(files / "plan.json").doc["predicted"]
+    want = predicted_prefill_at(predicted, 40)
+    m = RunReport(tok_s=predicted["tok_s"], decode_s_per_token=predicted["decode_s_per_token"],
+                  hit_rate=dict(predicted["hit_rate"]), prompt_tokens=40, prefill_s=2 * want)
+    rows = compare(predicted, m)
+    row = next(r for r in rows if r["term"].startswith("prefill"))
+    assert row["term"] == "prefill = time to first token (40 prompt tokens)"
+    assert row["predicted"] == pytest.approx(want) and row["ratio"] == pytest.approx(2.0)
+    table = report_table({"comparison": rows})
+    assert any(r[0].startswith("prefill") and r[3] == "x2.00" for r in table)
+    assert make_verdict(predicted, m, True)["ok"]                  # a 2x prefill miss does not fail it
+    no_prefill = {k: v for k, v in predicted.items() if k != "prefill"}
+    assert not any(r["term"].startswith("prefill") for r in compare(no_prefill, m))
