@@ -32,7 +32,10 @@ fractionally (an expectation), ``f(T) = r · T / 16``. Without a 16-token figure
 batching gain, each row costs a full read (f(T) = T). The trunk's r is that of its device at the dense
 format (else at the expert format). The LM head runs on the last row only (1 row at the LM head GB/s).
 Attention is causal: row i reads i keys, Σ_i i ≈ P²/2 K+V rows at the ``attention`` section's KV GB/s
-at context P. A split trunk is priced on its first device. Coefficients are not applied (they are
+at context P. A split trunk is priced on its first device. Every GPU holding experts of a layer pays
+the P-row round trip, the trunk's own GPU too (the device trunk's prefill sends every routed expert
+through the host path), and the host tiers are computed on the CPU even where a unified GPU computes
+them at decode (the plan's ``compute`` section). Coefficients are not applied (they are
 fitted on decode runs): the prefill figures are uncalibrated.
 
 The plan records the figures (``predicted.prefill.figures``) so :func:`prefill_for_plan` can predict
