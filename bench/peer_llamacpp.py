@@ -13,7 +13,9 @@ Steps (files cached under ``--work``):
    + int4-g32 dense (Q4_0 is int4 in blocks of 32 with one scale per block);
 3. per format pair, two warm worker processes (ours in this venv on the ``cpu`` backend, llama.cpp in
    ``--lcp-python`` with ``n_threads = n_threads_batch = --threads``; both ``OMP_WAIT_POLICY=passive``;
-   our numpy BLAS on ``--ours-blas-threads``, default 1, beside numba's ``--threads``)
+   ``OPENBLAS_NUM_THREADS=--threads`` for both unless ``--ours-blas-threads``: the engine itself holds
+   numpy's OpenBLAS at 1 thread beside numba's ``--threads`` on the cpu backend; ``--ours-trunk device``
+   runs our trunk as the device trunk over the cpu backend's d_* ops)
    are asked in turn (ours, llama.cpp, ours, ...) for ``--pairs`` measurements of: prefill of a 16- and
    a 64-token prompt (seconds to the last position's logits, fresh KV cache), and greedy decode of
    ``--decode-tokens`` tokens after a 16-token prompt (tok/s);
@@ -48,9 +50,10 @@ def log(msg: str) -> None:
 
 
 # ---- workers (one process per engine; JSON lines on stdin/stdout) ----------------------------------
-def _worker_loop(prefill, decode_step, reset) -> None:
-    """Answers {"prompt": [...], "decode": N} with timings; one JSON line per request."""
-    print(json.dumps({"ready": True}), flush=True)
+def _worker_loop(prefill, decode_step, reset, info: dict | None = None) -> None:
+    """Answers {"prompt": [...], "decode": N} with timings; one JSON line per request. The first line
+    ({"ready": true, **info}) says how the worker runs."""
+    print(json.dumps({"ready": True, **(info or {})}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         res = {}
@@ -72,14 +75,23 @@ def _worker_loop(prefill, decode_step, reset) -> None:
         print(json.dumps(res), flush=True)
 
 
-def worker_ours(pack: str) -> None:
+def worker_ours(pack: str, trunk: str) -> None:
     import numpy as np
 
+    from colibri_plan.engine.blas_threads import openblas_threads
     from colibri_plan.engine.forward import Model
     from colibri_plan.engine.pack import open_pack
 
     p = open_pack(pack)
-    m = Model(p, backend_name="cpu")
+    before = openblas_threads()
+    if trunk == "device":  # the device trunk (engine/trunk.py) over the cpu backend's d_* ops
+        from colibri_plan.engine.moe import open_backend
+
+        m = Model(p, backend_name="cpu", trunk_backend=open_backend("cpu"), context_tokens=256)
+    else:
+        m = Model(p, backend_name="cpu")
+    info = {"openblas_threads_at_start": before, "openblas_threads_in_engine": openblas_threads(),
+            "trunk": trunk}
     st = {}
 
     def reset():
@@ -91,7 +103,7 @@ def worker_ours(pack: str) -> None:
     def step(tok):
         return int(np.argmax(m._last_logits([tok], st["cache"])))
 
-    _worker_loop(prefill, step, reset)
+    _worker_loop(prefill, step, reset, info)
 
 
 def worker_llama(gguf: str, threads: int) -> None:
@@ -124,6 +136,7 @@ class Worker:
         first = self.p.stdout.readline()
         if not first:
             raise RuntimeError(f"worker {argv[-3:]} died at start (exit {self.p.wait()})")
+        self.info = json.loads(first)
 
     def ask(self, req: dict) -> dict:
         self.p.stdin.write(json.dumps(req) + "\n")
@@ -269,8 +282,9 @@ def _agree(a: list[int], b: list[int]) -> dict:
 def run_pair(a, key: str, pack: Path, gguf: Path, prompts: dict, env: dict) -> dict:
     """Interleaved measurements of one format pair; per-pair ratios ours / llama.cpp."""
     here = str(Path(__file__).resolve())
-    ours_env = dict(env, OPENBLAS_NUM_THREADS=str(a.ours_blas_threads))
-    ours = Worker([sys.executable, here, "--worker", "ours", "--path", str(pack)], ours_env)
+    blas = {} if a.ours_blas_threads is None else {"OPENBLAS_NUM_THREADS": str(a.ours_blas_threads)}
+    ours = Worker([sys.executable, here, "--worker", "ours", "--path", str(pack),
+                   "--ours-trunk", a.ours_trunk], dict(env, **blas))
     try:
         theirs = Worker([a.lcp_python, here, "--worker", "llama", "--path", str(gguf),
                          "--threads", str(a.threads)], env)
@@ -291,6 +305,7 @@ def run_pair(a, key: str, pack: Path, gguf: Path, prompts: dict, env: dict) -> d
         ours.close()
         theirs.close()
     res: dict = {"ours_format": PAIRS[key][0], "llama_format": PAIRS[key][1],
+                 "ours_worker": {k: v for k, v in ours.info.items() if k != "ready"},
                  "ours_pack_bytes": sum(f.stat().st_size for f in pack.rglob("*") if f.is_file()),
                  "llama_gguf_bytes": gguf.stat().st_size, "metrics": {}}
     for m in ("decode_tok_s", "prefill_16_s", "prefill_64_s"):
@@ -312,17 +327,20 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--check-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ours-blas-threads", type=int, default=1,
-                    help="numpy BLAS threads of our engine (its numba kernels use --threads): the float "
-                         "ops left in the trunk (router, norms) are tiny, and a second BLAS thread "
-                         "fights numba's threads on a 2-core host (router matmul 56 ms per layer)")
+    ap.add_argument("--ours-blas-threads", type=int, default=None,
+                    help="OPENBLAS_NUM_THREADS of our worker (default: --threads, as llama.cpp's); the "
+                         "engine itself holds numpy's OpenBLAS at 1 thread on the cpu backend "
+                         "(engine/blas_threads.py): a second BLAS thread fought numba's threads on a "
+                         "2-core host (router matmul 56 ms per layer)")
+    ap.add_argument("--ours-trunk", choices=("cpu", "device"), default="cpu",
+                    help="our trunk: the classic host path, or the device trunk over the cpu backend")
     ap.add_argument("--lcp-build-s", type=float, default=None, help="llama-cpp-python build time, recorded")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", choices=("ours", "llama"), help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker == "ours":
-        return worker_ours(a.path)
+        return worker_ours(a.path, a.ours_trunk)
     if a.worker == "llama":
         return worker_llama(a.path, a.threads)
     work = Path(a.work)
@@ -361,6 +379,7 @@ def main() -> None:
     if a.out:
         doc = {"kind": "peer-llamacpp-cpu", "model": "random Qwen3-MoE (transformers save_pretrained, bf16)",
                "sizes": SIZES, "threads": a.threads, "ours_blas_threads": a.ours_blas_threads,
+               "ours_trunk": a.ours_trunk,
                "pairs": a.pairs, "decode_tokens": a.decode_tokens,
                "prompt_tokens": {"decode": 16, "prefill": [16, 64]}, "cpu": _cpu(),
                "llama_cpp_python": _lcp_version(a),

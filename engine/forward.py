@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from colibri_plan.engine.attention import KVCache, attention, rmsnorm, rope_inv_freq
+from colibri_plan.engine.blas_threads import BlasLimit
 from colibri_plan.engine.dense_quant import bind_dense
 from colibri_plan.engine.mla import LatentCache, check_dsa_context, mla_attention, select_absorb
 from colibri_plan.engine.moe import ExpertProvider, RamExperts, RoutingRecorder, moe_block, swiglu
@@ -76,7 +77,13 @@ class Model:
         self._lm_head = self.dense["embed"] if self.arch.tie_word_embeddings else self.dense["lm_head"]
         self._mla = self.arch.attention == "mla"
         self._absorb = select_absorb(self._host_backend()) if self._mla else None
-        bind_dense(self.dense, self._host_backend())  # quantized trunk matmuls: the host backend
+        host = self._host_backend()
+        n_quant = bind_dense(self.dense, host)  # quantized trunk matmuls: the host backend
+        # numba runs the experts and the quantized trunk on the cpu backend: numpy BLAS, left the tiny
+        # float ops (router, attention scores), gets one thread so that it does not fight numba's for the
+        # cores (engine/blas_threads.py). A float trunk's matmuls are BLAS's: it keeps its threads.
+        on_numba = getattr(host, "name", None) == "cpu" and n_quant > 0
+        self._blas_limit = BlasLimit() if on_numba else None
         self.trunk = None
         if trunk_backend is not None:
             from colibri_plan.engine.trunk import DeviceTrunk
@@ -209,6 +216,9 @@ class Model:
         if self._owns_experts and self.experts is not None:
             self.experts.close()
             self.experts = None
+        if getattr(self, "_blas_limit", None) is not None:
+            self._blas_limit.restore()
+            self._blas_limit = None
 
     def __enter__(self):
         return self

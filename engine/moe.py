@@ -241,11 +241,14 @@ def route_tokens(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, n
         recorder.record(layer, ids, weights)
     flat = ids.ravel()  # token t's k-th choice sits at t·K + k
     order = np.argsort(flat, kind="stable")  # group (token, slot) pairs by expert, ascending
-    uniq, starts = np.unique(flat[order], return_index=True)
-    bounds = list(starts[1:]) + [len(order)]
-    tok_of = [order[a:b] // arch.top_k for a, b in zip(starts, bounds)]  # token ids per expert
-    gates = [weights.ravel()[order[a:b]] for a, b in zip(starts, bounds)]  # [T_i] per expert
-    return [int(e) for e in uniq], tok_of, gates
+    by_expert = flat[order]  # [T·K] expert ids, ascending
+    starts = [0, *(np.flatnonzero(by_expert[1:] != by_expert[:-1]) + 1).tolist()]  # each expert's first slot
+    bounds = starts[1:] + [len(order)]
+    tok = order // arch.top_k  # [T·K] token of each slot, grouped by expert
+    w = weights.ravel()[order]  # [T·K] gates, grouped alike
+    tok_of = [tok[a:b] for a, b in zip(starts, bounds)]  # token ids per expert (views)
+    gates = [w[a:b] for a, b in zip(starts, bounds)]  # [T_i] per expert (views)
+    return by_expert[starts].tolist(), tok_of, gates
 
 
 def scatter_sum(x: np.ndarray, tok_of: Sequence[np.ndarray], ys: Sequence[np.ndarray]) -> np.ndarray:
@@ -258,10 +261,14 @@ def scatter_sum(x: np.ndarray, tok_of: Sequence[np.ndarray], ys: Sequence[np.nda
     if len(ys) != len(tok_of):
         raise InputError(f"expert provider returned {len(ys)} outputs for {len(tok_of)} experts")
     out = np.zeros_like(x)
+    one = x.shape[0] == 1  # decode: every expert's one row is row 0, added in place without indexing
     for t, y in zip(tok_of, ys):
         if y.shape != (len(t), x.shape[1]):
             raise InputError(f"expert provider returned shape {y.shape}, want {(len(t), x.shape[1])}")
-        out[t] += y  # a token appears at most once per expert: a plain scatter-add
+        if one:
+            np.add(out, y, out=out)
+        else:
+            out[t] += y  # a token appears at most once per expert: a plain scatter-add
     return out
 
 
