@@ -99,3 +99,12 @@ def test_run_on_a_missing_gpu_backend_names_the_backend_not_a_plan(monkeypatch, 
                "--tokens", 2, "--trunk", "device")
     assert_one_line(r, "--device 2: cuda has 0 device(s) here")
     assert not model.exists()
+
+
+@pytest.mark.parametrize("opt", ["--probes", "--formats", "--dense-formats"])
+def test_profile_list_option_naming_nothing_is_a_usage_error(opt, tmp_path):
+    out = tmp_path / "p.json"
+    r = invoke("profile", "--quick", opt, ",", "--out", out)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert f"Invalid value for {opt}: names nothing (',')" in r.stderr
+    assert not out.exists()

@@ -44,6 +44,18 @@ def _names(values) -> list[str] | None:
     return out or None
 
 
+def _listed(value: str | None, hint: str) -> list[str] | None:
+    """A comma-separated option: None when not given; given, it must name something (a usage error,
+    exit 2, rather than a crash or a silent default, for ``--formats ,``)."""
+    if value is None:
+        return None
+    out = _names([value])
+    if out is None:
+        raise click.BadParameter(f"names nothing ({value!r}); give a comma-separated list, or leave the "
+                                 "option out for the default", param_hint=hint)
+    return out
+
+
 def _shapes(text: str | None) -> list[tuple[int, int]] | None:
     """'4096x4096,1024x4096' -> [(4096, 4096), (1024, 4096)] ([out, in] GEMV shapes)."""
     if text is None:
@@ -264,15 +276,17 @@ def profile(path, model, quick, out, backends, probes, block_bytes, file_bytes, 
                     ("--trunk-seconds", trunk_seconds)):
         if v is not None and v <= 0:
             raise click.BadParameter(f"must be positive, got {v}", param_hint=name)  # a usage error: exit 2
+    probes, formats, dense_formats = (_listed(probes, "--probes"), _listed(formats, "--formats"),
+                                      _listed(dense_formats, "--dense-formats"))
     opts = ProfileOptions(
         path=path, model=model, quick=quick, backends=_names(backends),
-        probes=_names([probes]) if probes else PROBES, block_bytes=parse_bytes(block_bytes),
+        probes=probes or PROBES, block_bytes=parse_bytes(block_bytes),
         file_bytes=parse_bytes(file_bytes), ram_bytes=parse_bytes(ram_bytes),
         queue_depths=_ints(queue_depths), hidden=hidden_size, width=width, disk_seconds=disk_seconds,
-        formats=_names([formats]) if formats else ("int4", "int4-g64"),
+        formats=formats or ("int4", "int4-g64"),
         trunk_shapes=_shapes(trunk_shapes), contexts=_ints(contexts), trunk_seconds=trunk_seconds)
     if dense_formats:
-        opts.dense_formats = _names([dense_formats])
+        opts.dense_formats = dense_formats
     if "trunk" in opts.probes:
         opts.model_arch, why = model_arch(model)
         if why:
