@@ -108,3 +108,14 @@ def test_profile_list_option_naming_nothing_is_a_usage_error(opt, tmp_path):
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     assert f"Invalid value for {opt}: names nothing (',')" in r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("section", ["trunk_layer", "dense_gemv", "disk"])
+def test_profile_unavailable_without_a_reason_names_the_section(section):
+    from colibri_plan.formats.profile_check import validate_profile
+
+    doc = toy_profile().doc
+    doc[section] = {"unavailable": 5}
+    with pytest.raises(FormatError, match=rf"profile {section}: 'unavailable' must give a reason \(a "
+                                          r"non-empty string\), got 5; re-measure"):
+        validate_profile(doc)

@@ -66,17 +66,19 @@ def _check_keys(d, keys: Iterable[str], where: str) -> None:
         _fail(where, f"missing {', '.join(missing)}")
 
 
-def _unavailable(section) -> bool:
+def _unavailable(section, where: str) -> bool:
+    """True when ``section`` (named ``where`` in a refusal) is ``{"unavailable": reason}``."""
     if isinstance(section, dict) and "unavailable" in section:
         if not isinstance(section["unavailable"], str) or not section["unavailable"]:
-            _fail("section", "'unavailable' must give a reason (a non-empty string)")
+            _fail(where, f"'unavailable' must give a reason (a non-empty string), got "
+                  f"{section['unavailable']!r}")
         return True
     return False
 
 
 def _check_list(doc: dict, name: str) -> list | None:
     section = doc[name]
-    if _unavailable(section):
+    if _unavailable(section, name):
         return None
     if not isinstance(section, list):
         _fail(name, f"expected a list or {{'unavailable': reason}}, got {type(section).__name__}")
@@ -100,7 +102,7 @@ def validate_profile(doc: dict) -> dict:
     for key in ("cores", "ram_total_bytes", "ram_available_bytes"):
         _check_int(m, key, "machine", 1 if key == "cores" else 0)
     disk = doc["disk"]
-    if not _unavailable(disk):
+    if not _unavailable(disk, "disk"):
         _check_keys(disk, ("path", "filesystem", "o_direct", "page_cache_method", "block_bytes", "random",
                            "sequential"), "disk")
         _check_int(disk, "block_bytes", "disk", 1)
@@ -124,17 +126,18 @@ def validate_profile(doc: dict) -> dict:
                         or v > 1e3 * MAX_SECONDS):
                     _fail(w + ".latency_ms", f"{k} must be a number in [0, {1e3 * MAX_SECONDS:g}] ms, "
                           f"got {v!r}")
-        if not _unavailable(disk["sequential"]):
+        if not _unavailable(disk["sequential"], "disk.sequential"):
             _check_keys(disk["sequential"], ("read_gbps",), "disk.sequential")
             _check_stat(disk["sequential"]["read_gbps"], "disk.sequential.read_gbps")
     ram = doc["ram"]
-    if not _unavailable(ram):
+    if not _unavailable(ram, "ram"):
         _check_keys(ram, ("read_gbps", "threads"), "ram")
         _check_stat(ram["read_gbps"], "ram.read_gbps")
         _check_int(ram, "threads", "ram", 1)
         # optional (older profiles lack it); present, it must be a real figure, never a silent "none"
-        if ram.get("checksum_gbps") is not None and not _unavailable(ram["checksum_gbps"]):
-            _check_stat(ram["checksum_gbps"], "ram.checksum_gbps", positive=True)
+        ck = ram.get("checksum_gbps")
+        if ck is not None and not _unavailable(ck, "ram.checksum_gbps"):
+            _check_stat(ck, "ram.checksum_gbps", positive=True)
     for i, d in enumerate(_check_list(doc, "devices") or []):
         w = f"devices[{i}]"
         _check_keys(d, ("backend", "index", "name", "kind", "total_memory_bytes", "unified_memory"), w)
@@ -151,7 +154,7 @@ def validate_profile(doc: dict) -> dict:
         w = f"links[{i}]"
         _check_keys(e, ("backend", "device_index", "device_name", "unified_memory", "block_bytes"), w)
         for k in ("h2d_pinned_gbps", "h2d_pageable_gbps", "d2h_pinned_gbps", "d2h_pageable_gbps"):
-            if k in e and not _unavailable(e[k]):
+            if k in e and not _unavailable(e[k], f"{w}.{k}"):
                 _check_stat(e[k], f"{w}.{k}")
     for i, e in enumerate(_check_list(doc, "matmul") or []):
         w = f"matmul[{i}]"
@@ -213,7 +216,7 @@ def _check_peer_links(doc: dict) -> None:
         for k in ("can_access_peer", "peer_access_enabled"):
             if k in e and not isinstance(e[k], bool):
                 _fail(w, f"{k} must be true or false, got {e[k]!r}")
-        if not _unavailable(e["copy_gbps"]):
+        if not _unavailable(e["copy_gbps"], w + ".copy_gbps"):
             _check_stat(e["copy_gbps"], w + ".copy_gbps", positive=True)
 
 
