@@ -144,6 +144,7 @@ def _trunk_plan(files, tmp_path, device: str = "numpy:0", predicted: bool = True
     bpt = a.n_layers * a.kv_values_per_token * 4
     doc["devices"].append({"key": device})
     doc["budgets"]["vram_budget_bytes"][device] = 10**9
+    doc["budgets"]["trunk_vram_bytes"] = {device: 123 + kv_bytes(64, bpt)}   # as solve takes it from VRAM
     doc["trunk"] = {"device": device, "dense_format": "f32", "dense_bytes": 123,
                     "kv": {"device": device, "context_tokens": 64, "page_tokens": 64, "bytes_per_token": bpt,
                            "bytes": kv_bytes(64, bpt)}}

@@ -119,3 +119,27 @@ def test_profile_unavailable_without_a_reason_names_the_section(section):
     with pytest.raises(FormatError, match=rf"profile {section}: 'unavailable' must give a reason \(a "
                                           r"non-empty string\), got 5; re-measure"):
         validate_profile(doc)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["budgets"].update(trunk_vram_bytes={}), "budgets.trunk_vram_bytes is empty"),
+    (lambda d: d["budgets"].update(trunk_vram_bytes={"cuda:0": 5}), "plan budgets take 5 B of VRAM"),
+    (lambda d: d["trunk"].update(dense_bytes=10**14), r"less than its 100000000000000 B dense \+ 131072 B"),
+    (lambda d: d["budgets"].update(trunk_vram_bytes={"cuda:0": -1}), "must map devices to bytes"),
+    (lambda d: d["budgets"]["trunk_vram_bytes"].update({"cuda:9": 1}), "names cuda:9, whose expert budget"),
+])
+def test_a_hand_edited_gpu_trunk_is_checked_against_the_budgets_on_load(tmp_path, edit, message):
+    import json
+
+    from colibri_plan.formats.plan import load_plan, save_plan
+
+    spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
+    prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": 2_300_000_000}], ram_available_bytes=3 * 10**9)
+    plan, _, _ = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="cuda:0")
+    doc = json.loads(save_plan(plan, tmp_path / "p.json").read_text())
+    took = load_plan(tmp_path / "p.json").doc["budgets"]["trunk_vram_bytes"]   # the solved plan loads
+    assert took == {"cuda:0": doc["trunk"]["dense_bytes"] + 131072}
+    edit(doc)
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match=message + ".*re-create the plan"):
+        load_plan(tmp_path / "bad.json")

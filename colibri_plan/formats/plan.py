@@ -18,7 +18,7 @@ import numpy as np
 
 from colibri_plan.errors import FormatError, InputError, MismatchError
 from colibri_plan.fileio import read_document, write_document
-from colibri_plan.formats.plan_trunk import parse_trunk
+from colibri_plan.formats.plan_trunk import check_trunk_budgets, parse_trunk
 
 KIND = "plan"
 SCHEMA_VERSION = 1
@@ -280,7 +280,8 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
     keys = [d.get("key") for d in doc["devices"]] if isinstance(doc["devices"], list) else None
     if keys is None or len(set(keys)) != len(keys):
         _fail(where, "devices must be a list of {key, ...} with unique keys")
-    parse_trunk(doc, keys, model.get("n_layers"))   # the optional trunk section (formats/plan_trunk.py)
+    # the optional trunk section (formats/plan_trunk.py), and the VRAM its budgets took for it
+    check_trunk_budgets(doc, parse_trunk(doc, keys, model.get("n_layers")))
     layers = doc["layers"]
     if not isinstance(layers, list):
         _fail(where, "layers must be a list")

@@ -136,3 +136,34 @@ def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) 
             raise FormatError(f"trunk.split covers layers 0..{want - 1}; the model has {n_layers}{_REDO}")
     return TrunkPlacement(device, fmt, _int(sec, "dense_bytes", "trunk"), kv_dev, ctx, page, bpt, total,
                           tuple(split))
+
+
+def check_trunk_budgets(doc: dict, trunk: TrunkPlacement) -> None:
+    """The trunk against the plan's budgets: a trunk on a discrete GPU had its bytes taken out of that
+    GPU's expert budget (``budgets.trunk_vram_bytes``, at least dense + KV bytes), and every device it
+    names has an expert budget ≥ 0. A plan edited by hand to move the trunk fails here on load, not at
+    run time on the GPU host.
+
+    Raises:
+        FormatError: naming the device and the bytes.
+    """
+    b = doc.get("budgets") or {}
+    took = b.get("trunk_vram_bytes") or {}
+    if not isinstance(took, dict) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
+                                         for v in took.values()):
+        raise FormatError(f"budgets.trunk_vram_bytes must map devices to bytes (integers ≥ 0), got {took!r}"
+                          + _REDO)
+    devices = [d for d in doc.get("devices") or [] if isinstance(d, dict)]
+    discrete = {d.get("key") for d in devices if not d.get("unified")}
+    if trunk.on_device and trunk.device in discrete and not took:
+        raise FormatError(f"plan trunk is on {trunk.device} but budgets.trunk_vram_bytes is empty: the "
+                          f"trunk's VRAM was not taken out of the expert budget{_REDO}")
+    if took and sum(took.values()) < trunk.dense_bytes + trunk.kv_bytes:
+        raise FormatError(f"plan budgets take {sum(took.values())} B of VRAM for the trunk, less than its "
+                          f"{trunk.dense_bytes} B dense + {trunk.kv_bytes} B KV{_REDO}")
+    vram = b.get("vram_budget_bytes") or {}
+    for k in took:
+        if k not in {d.get("key") for d in devices} or not isinstance(vram.get(k), (int, float)) \
+                or vram[k] < 0:
+            raise FormatError(f"plan budgets.trunk_vram_bytes names {k}, whose expert budget is missing or "
+                              f"negative{_REDO}")

@@ -13,8 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from colibri_plan.errors import BudgetError, ColibriError, FormatError, InputError
-from colibri_plan.formats.plan_trunk import CPU, PAGE_TOKENS, TrunkPlacement, kv_bytes, parse_trunk
+from colibri_plan.errors import BudgetError, ColibriError, InputError
+from colibri_plan.formats.plan_trunk import (
+    CPU,
+    PAGE_TOKENS,
+    TrunkPlacement,
+    check_trunk_budgets,
+    kv_bytes,
+    parse_trunk,
+)
 from colibri_plan.planner.budgets import fmt_gb
 from colibri_plan.planner.trunk import device_figures, trunk_options
 
@@ -233,24 +240,12 @@ def check_forced_kv(profile, spec, choice: str, context_tokens: int, vram: str =
 def validate_trunk(doc: dict) -> None:
     """Re-check a plan's trunk against its budgets, independently of the solver: the section parses (a
     known device, KV bytes = whole pages, a split covering the layers), a GPU trunk's bytes were taken
-    out of the expert budgets (at least dense + KV bytes), and no device's expert budget went negative.
+    out of the expert budgets (at least dense + KV bytes), and no device's expert budget went negative
+    (:func:`~colibri_plan.formats.plan_trunk.check_trunk_budgets`, which loading a plan runs too).
     ``validate_plan`` then checks the experts against those budgets.
 
     Raises:
         FormatError: naming the device and the bytes.
     """
     keys = [d["key"] for d in doc["devices"]]
-    t = parse_trunk(doc, keys, doc["model"].get("n_layers"))
-    b = doc["budgets"]
-    took = {k: int(v) for k, v in (b.get("trunk_vram_bytes") or {}).items()}
-    if t.on_device and any(not d.get("unified") for d in doc["devices"] if d["key"] == t.device) \
-            and not took:
-        raise FormatError(f"plan trunk is on {t.device} but budgets.trunk_vram_bytes is empty: the trunk's "
-                          "VRAM was not taken out of the expert budget; re-create the plan")
-    if sum(took.values()) < t.dense_bytes + t.kv_bytes and took:
-        raise FormatError(f"plan budgets take {sum(took.values())} B of VRAM for the trunk, less than its "
-                          f"{t.dense_bytes} B dense + {t.kv_bytes} B KV")
-    for k in took:
-        if k not in keys or int(b["vram_budget_bytes"].get(k, -1)) < 0:
-            raise FormatError(f"plan budgets.trunk_vram_bytes names {k}, whose expert budget is missing or "
-                              "negative")
+    check_trunk_budgets(doc, parse_trunk(doc, keys, doc["model"].get("n_layers")))
