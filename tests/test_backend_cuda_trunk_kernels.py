@@ -102,6 +102,9 @@ TRUNK_HARNESS = r"""
 #include <vector>
 #define __global__
 #define __restrict__
+// the device intrinsics trunk.cu uses: IEEE round-to-nearest add/multiply, never contracted to an FMA
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
 struct D3 { unsigned x, y, z; };
 static D3 threadIdx{0, 0, 0}, blockIdx{0, 0, 0}, blockDim{1, 1, 1}, gridDim{1, 1, 1};
 #include "SOURCE"
