@@ -64,6 +64,20 @@ def this_machine_fingerprint() -> str | None:
         return None
 
 
+def context_warning(plan, context_tokens: int) -> str | None:
+    """A warning when a run's context (prompt + new tokens) passes the context the plan budgeted its KV
+    cache for (``trunk.kv.context_tokens``, else ``budgets.context_tokens``): the paged cache then grows
+    past the bytes the plan set aside (in VRAM for a GPU trunk). None when it fits or the plan says none."""
+    kv = (plan.doc.get("trunk") or {}).get("kv") or {}
+    planned = kv.get("context_tokens", (plan.doc.get("budgets") or {}).get("context_tokens"))
+    if not isinstance(planned, int) or isinstance(planned, bool) or context_tokens <= planned:
+        return None
+    where = kv.get("device") or "cpu"
+    return (f"this run's context ({context_tokens} tokens: prompt + new tokens) passes the {planned} the "
+            f"plan budgeted its KV cache for (solve --context): the cache grows past the bytes set aside for "
+            f"it on {where}; solve again with --context {context_tokens} or more, or run fewer tokens")
+
+
 def machine_warning(plan, machine_fp: str | None) -> str | None:
     """A warning when the plan's profile was measured on another machine (None when they agree)."""
     plan_fp = plan.profile_fingerprint
@@ -212,9 +226,9 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
 
     say = progress or (lambda _m: None)
     check_plan_model(plan, pack)
-    w = machine_warning(plan, machine_fp)
-    if w and warn:
-        warn(w)
+    for w in (machine_warning(plan, machine_fp), context_warning(plan, len(prompt_ids) + n_tokens + 1)):
+        if w and warn:
+            warn(w)
     # n_tokens decode steps are timed: the first of the n_tokens + 1 new ids comes from the prefill
     say(f"running the plan: {n_tokens} decode step{'s' if n_tokens != 1 else ''} ({n_tokens + 1} tokens)")
     run = generate(pack, prompt_ids, n_tokens + 1, plan=plan, backend=cpu_backend,

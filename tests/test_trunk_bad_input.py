@@ -143,3 +143,34 @@ def test_a_hand_edited_gpu_trunk_is_checked_against_the_budgets_on_load(tmp_path
     (tmp_path / "bad.json").write_text(json.dumps(doc))
     with pytest.raises(FormatError, match=message + ".*re-create the plan"):
         load_plan(tmp_path / "bad.json")
+
+
+@pytest.fixture(scope="module")
+def pack_files(tmp_path_factory):
+    from _cli_fixtures import pack_and_profile
+
+    d = pack_and_profile(tmp_path_factory, "ctxfiles")
+    r = invoke("solve", "--profile", d / "profile.json", "--model", d / "fx", "--heat", "synth",
+               "--context", 8, "--out", d / "plan.json")
+    assert r.exit_code == 0, r.output
+    return d
+
+
+def test_a_run_past_the_planned_context_warns_with_the_context_to_solve_for(pack_files):
+    from colibri_plan.formats.plan import load_plan
+    from colibri_plan.verify import context_warning
+
+    plan = load_plan(pack_files / "plan.json")
+    assert plan.doc["trunk"]["kv"]["context_tokens"] == 8
+    assert context_warning(plan, 8) is None
+    args = ("--model", pack_files / "fx", "--plan", pack_files / "plan.json", "--prompt-ids", "1,2,3,4")
+    fits = invoke("run", *args, "--tokens", 4)
+    assert fits.exit_code == 0 and "context" not in fits.stderr, fits.output   # (a toy profile's machine)
+    past = invoke("run", *args, "--tokens", 6)      # 4 + 6 = 10 tokens of context > 8
+    assert past.exit_code == 0, past.output
+    assert ("warning: this run's context (10 tokens: prompt + new tokens) passes the 8 the plan budgeted its "
+            "KV cache for (solve --context)") in past.stderr
+    assert "solve again with --context 10 or more" in past.stderr
+    r = invoke("verify", "--plan", pack_files / "plan.json", "--model", pack_files / "fx", "--prompt-ids",
+               "1,2,3,4", "--tokens", 5, "--no-reference", "--report", pack_files / "v.json")
+    assert r.exit_code == 0 and "passes the 8 the plan budgeted" in r.stderr and "--context 10" in r.stderr

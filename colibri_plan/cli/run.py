@@ -117,12 +117,13 @@ def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, qu
     try:
         runner.check_prompt(prompt, weights.arch.vocab_size)
         if plan is not None:
-            from colibri_plan.verify import machine_warning, this_machine_fingerprint
+            from colibri_plan.verify import context_warning, machine_warning, this_machine_fingerprint
 
             runner.check_plan(plan, weights)
-            w = machine_warning(plan, this_machine_fingerprint())
-            if w:
-                warn(w)
+            for w in (machine_warning(plan, this_machine_fingerprint()),
+                      context_warning(plan, len(prompt) + n_tokens)):
+                if w:
+                    warn(w)
         else:
             progress(f"loading {weights.arch.n_moe_layers * weights.arch.n_experts} experts to {backend}")
         recorder = RoutingRecorder(weights.arch)
