@@ -64,6 +64,23 @@ def this_machine_fingerprint() -> str | None:
         return None
 
 
+def dense_format_warning(plan, pack_path) -> str | None:
+    """A warning when the plan priced the dense trunk in another format than the pack at ``pack_path``
+    stores it in (``solve --dense-format`` overrides it for planning): the run holds the pack's bytes, not
+    the planned ones. None when they agree or either is unknown."""
+    from pathlib import Path
+
+    from colibri_plan.formats.pack_index import pack_dense_format, read_index
+
+    planned = (plan.doc.get("trunk") or {}).get("dense_format") or plan.doc.get("dense_format")
+    held = pack_dense_format(Path(pack_path), read_index(pack_path))
+    if not planned or not held or planned == held:
+        return None
+    return (f"the plan priced the dense trunk in {planned}, but the pack stores it in {held}: the run holds "
+            f"{held} bytes, so the plan's RAM/VRAM budgets and dense time do not hold; solve again with "
+            f"--dense-format {held}")
+
+
 def context_warning(plan, context_tokens: int) -> str | None:
     """A warning when a run's context (prompt + new tokens) passes the context the plan budgeted its KV
     cache for (``trunk.kv.context_tokens``, else ``budgets.context_tokens``): the paged cache then grows
@@ -226,7 +243,8 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
 
     say = progress or (lambda _m: None)
     check_plan_model(plan, pack)
-    for w in (machine_warning(plan, machine_fp), context_warning(plan, len(prompt_ids) + n_tokens + 1)):
+    for w in (machine_warning(plan, machine_fp), dense_format_warning(plan, pack.path),
+              context_warning(plan, len(prompt_ids) + n_tokens + 1)):
         if w and warn:
             warn(w)
     # n_tokens decode steps are timed: the first of the n_tokens + 1 new ids comes from the prefill

@@ -174,3 +174,16 @@ def test_a_run_past_the_planned_context_warns_with_the_context_to_solve_for(pack
     r = invoke("verify", "--plan", pack_files / "plan.json", "--model", pack_files / "fx", "--prompt-ids",
                "1,2,3,4", "--tokens", 5, "--no-reference", "--report", pack_files / "v.json")
     assert r.exit_code == 0 and "passes the 8 the plan budgeted" in r.stderr and "--context 10" in r.stderr
+
+
+def test_a_plan_priced_in_another_dense_format_than_the_pack_warns(pack_files):
+    r = invoke("solve", "--profile", pack_files / "profile.json", "--model", pack_files / "fx", "--heat",
+               "synth", "--dense-format", "int8", "--out", pack_files / "plan-int8.json")
+    assert r.exit_code == 0, r.output
+    args = ("--model", pack_files / "fx", "--prompt-ids", "1,2", "--tokens", 2)
+    same = invoke("run", *args, "--plan", pack_files / "plan.json")       # solved in the pack's own f32
+    assert same.exit_code == 0 and "dense trunk" not in same.stderr, same.output
+    other = invoke("run", *args, "--plan", pack_files / "plan-int8.json")
+    assert other.exit_code == 0, other.output
+    assert ("warning: the plan priced the dense trunk in int8, but the pack stores it in f32: the run holds "
+            "f32 bytes") in other.stderr and "solve again with --dense-format f32" in other.stderr

@@ -117,11 +117,18 @@ def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, qu
     try:
         runner.check_prompt(prompt, weights.arch.vocab_size)
         if plan is not None:
-            from colibri_plan.verify import context_warning, machine_warning, this_machine_fingerprint
+            from colibri_plan.verify import (
+                context_warning,
+                dense_format_warning,
+                machine_warning,
+                this_machine_fingerprint,
+            )
 
             runner.check_plan(plan, weights)
-            for w in (machine_warning(plan, this_machine_fingerprint()),
-                      context_warning(plan, len(prompt) + n_tokens)):
+            warnings = (machine_warning(plan, this_machine_fingerprint()),
+                        dense_format_warning(plan, weights.path),
+                        context_warning(plan, len(prompt) + n_tokens))
+            for w in warnings:
                 if w:
                     warn(w)
         else:
