@@ -23,6 +23,7 @@ from colibri_plan.backends import vulkan_util as vu
 from colibri_plan.backends._shared import GPUBackend, Replays, WorkBuffers
 from colibri_plan.backends.base import DeviceInfo
 from colibri_plan.backends.vulkan_device import VulkanDeviceOps
+from colibri_plan.backends.vulkan_experts import VulkanExpertOps
 from colibri_plan.backends.vulkan_objects import Device
 from colibri_plan.backends.vulkan_util import MAXE, ROWS, WG
 from colibri_plan.errors import UnsupportedError
@@ -33,9 +34,10 @@ _CMD_KEEP = 256  # recorded command buffers kept (least recently used dropped)
 _USAGE = 0x20 | 0x1 | 0x2  # VK_BUFFER_USAGE_: STORAGE_BUFFER | TRANSFER_SRC | TRANSFER_DST
 
 
-class VulkanBackend(VulkanDeviceOps, GPUBackend):
+class VulkanBackend(VulkanExpertOps, VulkanDeviceOps, GPUBackend):
     """Quantized matmul, fused expert FFN, RMSNorm and absorbed MLA attention on any Vulkan 1.1 device;
-    device activations (``d_*``) from :class:`~colibri_plan.backends.vulkan_device.VulkanDeviceOps`."""
+    device activations (``d_*``) from :class:`~colibri_plan.backends.vulkan_device.VulkanDeviceOps`, routed
+    experts on them (``d_expert_ffn``) from :class:`~colibri_plan.backends.vulkan_experts.VulkanExpertOps`."""
 
     name = "vulkan"
     #: push descriptors where the device has VK_KHR_push_descriptor (False: a descriptor set per

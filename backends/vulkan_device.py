@@ -25,7 +25,8 @@ once, arrays back to the pool by ``VkArray.__del__`` (a ``weakref.finalize`` per
 **Shaders.** ``matmul.comp`` reads x straight from its buffer when its rows are already the weight's
 padded length (a multiple of 128 floats), else from a zero-padded copy (op 5 of ``elementwise.comp``);
 ``rmsnorm.comp`` with ``WBIND = 1`` (the weight in its own buffer); ``elementwise.comp`` for add (also
-1-D broadcast), SiLU·mul, row scales and RoPE; ``attention_gqa.comp`` for attention (head_dim ≤ 256; a
+1-D broadcast), SiLU·mul, row scales, RoPE and the routed experts' gated sum (``vulkan_experts``);
+``attention_gqa.comp`` for attention (head_dim ≤ 256; a
 workgroup per query row and group of up to 8 query heads of one kv head, which share its K/V reads;
 a row's keys cut into slices merged by a second dispatch when that leaves the device short of work).
 """
@@ -53,7 +54,7 @@ ATT_MAX_HG = 8  # query heads of one kv head per workgroup, at most (registers: 
 MAX_GROUPS = 65535  # workgroups per grid dimension every device offers (maxComputeWorkGroupCount)
 _AT_EXIT = [False]  # set when the interpreter exits: arrays collected then do nothing
 atexit.register(_AT_EXIT.__setitem__, 0, True)
-EW_ADD, EW_ADD_ROW, EW_SILU_MUL, EW_SCALE_ROWS, EW_ROPE, EW_PAD = range(6)  # elementwise.comp's op codes
+EW_ADD, EW_ADD_ROW, EW_SILU_MUL, EW_SCALE_ROWS, EW_ROPE, EW_PAD, EW_GATED_SUM = range(7)  # elementwise.comp
 
 
 class VkArray:

@@ -104,6 +104,37 @@ def test_a_layer_chain_is_one_submission(be, monkeypatch):
     assert _err(y, ref) < 1e-4
 
 
+@pytest.mark.parametrize("n,hidden,width,t", [(3, 256, 128, 1), (9, 200, 72, 1), (2, 128, 96, 3)])
+def test_d_expert_ffn_runs_in_the_batch_and_equals_the_host_combine(be, monkeypatch, n, hidden, width, t):
+    """The routed experts on a device x add no submission (no fence wait) to the batch and never take the
+    host path; the result is the host path's (expert_ffn, then 0 + y_0·g_0 + ...) bit for bit: the same
+    pipelines, and the gated sum's float32 products and sums in the same order, unfused. Rows: more
+    experts than one dispatch takes (MAXE), H and I off the 128-float padding, a prefill of 3 tokens."""
+    qts = [tuple(quant.quantize(_r(*s, scale=s[1] ** -0.5), "int8") for s in
+                 ((width, hidden), (width, hidden), (hidden, width))) for _ in range(n)]
+    ws = [be.upload_expert(*q) for q in qts]
+    x, gates = _r(t, hidden), np.abs(_r(n)) + np.float32(0.05)
+    host = np.zeros((t, hidden), np.float32)
+    for yi, g in zip(be.expert_ffn([x] * n, ws), gates):
+        host += yi * g
+    dx = be.d_put(_r(t, hidden))  # an earlier op of the batch, overwritten below
+    be.synchronize()
+    calls = _count_submits(be, monkeypatch)
+    monkeypatch.setattr(be, "expert_ffn", lambda *a: pytest.fail("d_expert_ffn took the host path"))
+    dx = be.d_put(x)
+    dy = be.d_add(be.d_expert_ffn(dx, ws, gates), dx)  # the residual add follows in the same batch
+    assert calls == []  # recorded only: nothing submitted, nothing waited for
+    y = be.d_get(dy)
+    assert len(calls) == 1
+    np.testing.assert_array_equal(y, host + x)
+    ref = np.zeros((t, hidden))
+    for (gq, uq, dq), g in zip(qts, gates):
+        gg, uu, dd = (quant.dequantize(q).astype(np.float64) for q in (gq, uq, dq))
+        h = x.astype(np.float64) @ gg.T
+        ref += float(g) * ((h / (1 + np.exp(-h)) * (x @ uu.T)) @ dd.T)
+    assert _err(y - x, ref) < 1e-4
+
+
 def test_descriptors_are_pushed_where_the_device_can(be):
     """With VK_KHR_push_descriptor a dispatch allocates no descriptor set; without it, one per dispatch."""
     x = be.d_put(_r(2, 64))
@@ -267,6 +298,11 @@ for mapped in (True, False):
     be.d_write_rows(kc, 2, be.d_put(rng.standard_normal((3, 2, 16), np.float32)))
     be.d_get(be.d_attention(q, kc, kc, 5, 2, 0.25))
     be.d_get(be.d_put(rng.standard_normal(300000).astype(np.float32)))  # staged when device-only
+    ex = [be.upload_expert(*(quant.quantize(rng.standard_normal(s, np.float32), "int8") for s in
+                             ((40, 100), (40, 100), (100, 40)))) for _ in range(2)]
+    for t in (1, 3):  # x padded, then read by every expert (decode) or repeated per expert (prefill)
+        xe = be.d_rmsnorm(be.d_put(rng.standard_normal((t, 100), np.float32)), ones, 1e-6)
+        be.d_get(be.d_expert_ffn(xe, ex, np.array([0.5, 0.25], np.float32)))
     be.free(w)
 be.close()
 print("done")

@@ -8,6 +8,9 @@
 //   4 RoPE          a = x [T, e0 heads, d], b = table [P, e1/2, 2] of (cos, sin), positions e2 + t,
 //                   e3 = 1: pairs (2k, 2k+1), else rotate_half pairs (k, k + e1/2); channels >= e1 copied
 //   5 padded copy   y [rows, d] = a [rows, e0] with zeros in columns e0 .. d-1 (matmul.comp's x rows)
+//   6 gated sum     y[i] = 0 + b[0] * a[i] + b[1] * a[n + i] + ... over e0 arrays of n floats (the routed
+//                   experts' outputs, b their gates): float32 products and sums in that order, never fused,
+//                   as the host's combine
 // Bindings follow matmul.comp's layout: inputs a = A[0], b = A[1] (binding 0), y at binding 3.
 layout(local_size_x_id = 0) in;
 
@@ -35,9 +38,16 @@ void main() {
         else if (pc.op == 2u) r = A[0].v[i] / (1.0 + exp(-A[0].v[i])) * A[1].v[i];
         else if (pc.op == 3u) r = A[0].v[i] * A[1].v[i / pc.d];
         else if (pc.op == 4u) r = rope(i);
-        else {
+        else if (pc.op == 5u) {
             const uint c = i % pc.d;
             r = c < pc.e0 ? A[0].v[i / pc.d * pc.e0 + c] : 0.0;
+        } else {
+            precise float s = 0.0;  // precise: no fused multiply-add, the host rounds each product
+            for (uint e = 0u; e < pc.e0; e++) {
+                precise float p = A[1].v[e] * A[0].v[e * pc.n + i];
+                s = s + p;
+            }
+            r = s;
         }
         y[i] = r;
     }
