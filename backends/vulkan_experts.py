@@ -19,6 +19,11 @@ no submission and no fence wait of their own):
 
 Experts of mixed formats or shapes, or that the fused pipelines cannot take (a weight split over
 several buffers, gate and up formats that differ), take the contract's host path.
+
+``d_matmul_many`` stays the contract's loop of ``d_matmul`` (one recorded dispatch each, no submission):
+``matmul.comp``'s table of matrices shares one format, one row count and one output buffer whose rows
+are the x rows, while q/k/v differ in height (and may in format) and each result must be its own
+buffer, so one dispatch would cost a copy per result, more than the dispatches it saves.
 """
 
 from __future__ import annotations
