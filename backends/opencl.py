@@ -8,17 +8,12 @@ Weights use the padded layout of :func:`colibri_plan.backends._shared.padded_lay
 devices one work-item per row (measured fastest for int4 GEMV on PoCL), on GPUs one work-group of 64 per
 row with a local-memory reduction.
 
-Device activations (``d_*``): a DArray's ``buf`` is a pyopencl buffer (a ``PooledBuffer`` of the
-backend's memory pool, back in the pool when dropped), ``offset`` counts floats. Every op is enqueued
-on the one in-order queue (so a recycled buffer is rewritten only after the work reading it), and only
-``d_get`` waits. Uploads copy the host array and keep pyopencl's transfer event (which owns the copy)
-until a blocking read. Kernels: matmul.cl (x read in place, or zero-padded by a device pass), norm.cl,
-trunk.cl (elementwise, RoPE), attention.cl (attention_gqa, split over the keys on GPUs for decode).
+Device activations (``d_*``, routed experts on the device x included) are the hooks of
+:class:`colibri_plan.backends.opencl_device.OpenCLDeviceOps`, mixed in here.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import deque
 from typing import Any
@@ -28,19 +23,17 @@ import numpy as np
 from colibri_plan.backends import _shared as sh
 from colibri_plan.backends._shared import GPUBackend, PaddedWeight, WorkBuffers
 from colibri_plan.backends.base import DeviceInfo
-from colibri_plan.backends.device_ops import DArray
-from colibri_plan.errors import UnsupportedError
+from colibri_plan.backends.opencl_device import OpenCLDeviceOps, is_oom
 from colibri_plan.quant import QuantTensor, group_size
 
-_OOM_CODES = ("MEM_OBJECT_ALLOCATION_FAILURE", "OUT_OF_RESOURCES", "OUT_OF_HOST_MEMORY",
-              "INVALID_BUFFER_SIZE")
 # kernels without a weight format
 _SOURCES = {"rmsnorm": "norm.cl", "attention_absorb": "attention.cl", "attention_gqa": "attention.cl",
             "attention_combine": "attention.cl",
-            **dict.fromkeys(("add", "silu_mul", "scale_rows", "rope", "pad_rows"), "trunk.cl")}
+            **dict.fromkeys(("add", "silu_mul", "scale_rows", "rope", "pad_rows", "expert_sum"), "trunk.cl")}
 # argument types per kernel (b: buffer or local memory, I: uint, Q: ulong, f: float): typed scalar
 # arguments take plain Python numbers and cost ~0.5 us per launch where untyped numpy scalars cost ~60 us
-_ARGS = {"matmul": "bbbIbIIIII", "gate_up": "bbbbbIbIIIII", "rmsnorm": "bbbIf",
+_ARGS = {"matmul": "bbbIbIIIII", "matmul_many": "bbbbbbbbbIbbbbIIIIII", "expert_sum": "bQbbI",
+         "gate_up": "bbbbbIbIIIII", "rmsnorm": "bbbIf",
          "attention_absorb": "bbIIIIIIf", "add": "bQbQbQII", "silu_mul": "bQbQbQ", "scale_rows": "bQbQbI",
          "rope": "bQbQbQIIIII", "pad_rows": "bQbQII", "attention_gqa": "bQbQbQbIIIIIfIIIbbb",
          "attention_combine": "bbIII"}
@@ -77,11 +70,7 @@ def _check(cl) -> str | None:
     return None if _cl_devices() else "OpenCL platforms have no devices"
 
 
-def _is_oom(cl, exc) -> bool:
-    return any(getattr(cl.status_code, c, None) == exc.code for c in _OOM_CODES)
-
-
-class OpenCLBackend(GPUBackend):
+class OpenCLBackend(OpenCLDeviceOps, GPUBackend):
     """Quantized matmul, fused expert FFN, rmsnorm and absorbed MLA attention through pyopencl (see the
     module docstring)."""
 
@@ -203,7 +192,7 @@ class OpenCLBackend(GPUBackend):
         except cl.Error as exc:
             for buf in made:
                 buf.release()
-            if not _is_oom(cl, exc):
+            if not is_oom(cl, exc):
                 raise
             raise self._oom(f"ran out of memory uploading {qt.nbytes} B: {exc}", qt.nbytes) from exc
         except BaseException:
@@ -285,123 +274,6 @@ class OpenCLBackend(GPUBackend):
         knl(self.queue, (H * self.ls,), (self.ls,), ib, ob, R, Dr, T, qr, lat, kr, scale)
         out = np.empty_like(q_abs)  # [H, R]
         cl.enqueue_copy(self.queue, out, ob, is_blocking=True)  # in order: `host` was read before
-        return out
-
-    # ---- device activations (see the module docstring) ---------------------------------------------
-    def _alloc(self, nbytes: int):
-        try:
-            return self._pool.allocate(max(4, int(nbytes)))
-        except self.cl.Error as exc:
-            if not _is_oom(self.cl, exc):
-                raise
-            raise self._oom(f"cannot allocate {nbytes} B of activations: {exc}", nbytes) from exc
-
-    def _d_put(self, host: np.ndarray) -> Any:
-        """A buffer holding a copy of ``host``, filled without waiting: pyopencl's event owns the copy and
-        waits for the transfer when dropped, so events are kept until a blocking read drains the queue."""
-        buf = self._alloc(host.nbytes)
-        if host.nbytes:
-            self._inflight.append(self.cl.enqueue_copy(self.queue, buf, host.copy(), is_blocking=False))
-            if len(self._inflight) > 256:
-                self._inflight.popleft()  # the oldest transfer: long finished, dropping it does not wait
-        return buf
-
-    def _ew(self, name: str, n: int, *args):
-        """A ``trunk.cl`` kernel making n floats (a new buffer, returned); grid rounded up to whole groups."""
-        y = self._alloc(4 * n)
-        if n:
-            self._kernel(name, None)(self.queue, (-(-n // self.ew) * self.ew,), (self.ew,), y, n, *args)
-        return y
-
-    def _flat(self, a: DArray):
-        """a's floats at offset 0 of a buffer (norm.cl takes no offsets): a.buf, or a device copy."""
-        if a.offset == 0:
-            return a.buf
-        buf = self._alloc(a.nbytes)
-        if a.size:
-            self.cl.enqueue_copy(self.queue, buf, a.buf, byte_count=a.nbytes, src_offset=4 * a.offset)
-        return buf
-
-    def _d_get(self, a: DArray) -> np.ndarray:
-        host = np.empty(a.shape, np.float32)
-        if host.nbytes:
-            self.cl.enqueue_copy(self.queue, host, a.buf, src_offset=4 * a.offset, is_blocking=True)
-        self._inflight.clear()  # the queue is in order: every earlier upload has finished
-        return host
-
-    def _d_zeros(self, shape: tuple[int, ...]) -> Any:
-        nbytes = 4 * math.prod(shape)
-        buf = self._alloc(nbytes)
-        if nbytes:
-            self.cl.enqueue_fill_buffer(self.queue, buf, np.float32(0), 0, nbytes)
-        return buf
-
-    def _d_matmul(self, x: DArray, w) -> Any:
-        p, (T, n_in) = w.payload, x.shape
-        y = self._alloc(4 * T * w.out_features)  # [T, out]
-        if T == 0:
-            return y
-        xb, xo = x.buf, x.offset
-        if n_in != p.in_pad:  # the kernel reads rows of in_pad floats: a zero-padded device copy [T, in_pad]
-            xb, xo = self._ew("pad_rows", T * p.in_pad, x.buf, x.offset, n_in, p.in_pad), 0
-        tpi = self._tpi(T)
-        # y [T, out] = x [T, in_pad] . W [out, in_pad]^T
-        self._launch(self._kernel("matmul", w.fmt, tpi), w.out_features, T, tpi, p.data, p.scales, xb, xo,
-                     y, 0, p.in_pad, T, w.out_features, w.out_features)
-        return y
-
-    def _d_rmsnorm(self, x: DArray, weight: DArray, eps: float) -> Any:
-        (n, d), y = x.shape, self._alloc(x.nbytes)  # [N, d]
-        if n:
-            self._kernel("rmsnorm", None)(self.queue, (n * self.ls,), (self.ls,), self._flat(x),
-                                          self._flat(weight), y, d, eps)
-        return y
-
-    def _d_add(self, a: DArray, b: DArray) -> Any:
-        bcast = int(b.shape != a.shape)  # b [d] over the rows of a
-        return self._ew("add", a.size, a.buf, a.offset, b.buf, b.offset, a.shape[1], bcast)
-
-    def _d_silu_mul(self, g: DArray, u: DArray) -> Any:
-        return self._ew("silu_mul", g.size, g.buf, g.offset, u.buf, u.offset)
-
-    def _d_scale_rows(self, a: DArray, s: np.ndarray) -> Any:
-        return self._ew("scale_rows", a.size, a.buf, a.offset, self._d_put(s), a.shape[1])
-
-    def _d_rope(self, x: DArray, table: DArray, pos0: int, rotary_dim: int, interleave: bool) -> Any:
-        return self._ew("rope", x.size, x.buf, x.offset, table.buf, table.offset, x.shape[1], x.shape[2],
-                        rotary_dim, pos0, int(interleave))
-
-    def _d_write_rows(self, dst: DArray, row0: int, src: DArray) -> None:
-        if src.size:  # a buffer-to-buffer copy on the queue
-            row = math.prod(dst.shape[1:])
-            self.cl.enqueue_copy(self.queue, dst.buf, src.buf, byte_count=src.nbytes,
-                                 src_offset=4 * src.offset, dst_offset=4 * (dst.offset + row0 * row))
-
-    def _d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
-                     window: int) -> Any:
-        cl, (T, hq, d), ls = self.cl, q.shape, self.ls
-        out = self._alloc(q.nbytes)  # [T, Hq * d]
-        ks = d | 1  # odd row stride of the local K tile: the items' rows fall in different banks
-        # local memory: the K tile [tile, ks], the query [d] and the tile's scores [tile], red[LS]
-        tile = min(self.attn_tile, ((self.dev.local_mem_size - 4 * ls - 256) // 4 - d) // (ks + 1))
-        if tile < 1:
-            lm = self.dev.local_mem_size
-            raise UnsupportedError(f"opencl d_attention: head_dim {d} does not fit the {lm} B of local memory"
-                                   f" of {self.device.name!r}; run attention on the CPU")
-        if T:
-            span = min(n_keys, window) if window else n_keys  # most keys one query row sees
-            # decode on a GPU: split the keys until there are ~4 work-groups per compute unit
-            splits = self.attn_splits or (1 if self.device.kind == "cpu" else max(1, min(
-                64, -(-4 * self.dev.max_compute_units // (T * hq)), span // (4 * tile))))
-            part = self._alloc(4 * T * hq * splits * (d + 2)) if splits > 1 else out  # [T, Hq, S, 2 + d]
-            knl = self._kernel("attention_gqa", None, extra=(f"-DNACC={-(-d // ls)}",))
-            # a work-group of LS items per (head, query row, split)
-            knl(self.queue, (hq * ls, T, splits), (ls, 1, 1), q.buf, q.offset, k.buf, k.offset, v.buf,
-                v.offset, out, hq, k.shape[1], d, pos0, window, scale, tile, ks, splits, part,
-                cl.LocalMemory(4 * tile * ks), cl.LocalMemory(4 * (d + tile)))
-            if splits > 1:
-                self._kernel("attention_combine", None, extra=(f"-DNACC={-(-d // ls)}",))(
-                    self.queue, (hq * ls, T), (ls, 1), part, out, hq, d, splits)
         return out
 
 

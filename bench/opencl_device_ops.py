@@ -8,9 +8,14 @@ is the slower side, i.e. when ``wall_us`` clearly exceeds ``host_us``). ``d_matm
 copies of its weight larger than the GPU's L2 cache; ``weight_gbps`` = weight bytes / wall time.
 ``d_attention`` is one decode query row (32 query heads, 8 kv heads, head_dim 128) at several contexts;
 ``kv_gbps`` = K + V bytes / wall time. ``roundtrip`` is a ``d_get`` then a ``d_put`` of [1, 4096].
-``max_err`` = max |y - ref| / max |ref|. Prints a table; ``--out`` writes JSON.
+``d_expert_ffn`` is one decode token's routed experts (``--experts`` int8 experts of [H, I]) on the
+device x, against the contract's host path (``DeviceOps._d_expert_ffn``: x down, ``expert_ffn``, the sum
+up) on the same inputs; ``d_matmul_many`` is q/k/v-like weights against three ``d_matmul`` calls.
+``max_err`` = max |y - ref| / max |ref|. Prints a table; ``--out`` writes JSON; ``--sections`` picks
+the rows (``ops``: the small ops, matmul, attention; ``experts``: d_expert_ffn and d_matmul_many).
 
     python bench/opencl_device_ops.py --device 0 --out /tmp/opencl_device_ops.json
+    python bench/opencl_device_ops.py --sections experts --calls 20 --repeats 3   # PoCL: a few minutes
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 
 from colibri_plan import quant
 from colibri_plan.backends import get_backend
-from colibri_plan.backends.device_ops import attention_ref, rope_table
+from colibri_plan.backends.device_ops import DArray, DeviceOps, attention_ref, rope_table
 from colibri_plan.fileio import atomic_write_text
 
 H, HQ, HKV, HD = 4096, 32, 8, 128
@@ -53,6 +58,39 @@ def chain(be, call, calls: int, repeats: int) -> dict:
 def err(y, ref) -> float:
     ref = np.asarray(ref, np.float64)
     return float(np.max(np.abs(np.asarray(y, np.float64) - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def expert_rows(be, args, rng) -> list[dict]:
+    """d_expert_ffn on the device against the contract's host path, and d_matmul_many against d_matmul."""
+    n, hid, wid = args.experts, args.expert_hidden, args.expert_width
+    qts = [tuple(quant.quantize(rng.standard_normal(s, dtype=np.float32) / 64, "int8")
+                 for s in ((wid, hid), (wid, hid), (hid, wid))) for _ in range(n)]
+    ws = [be.upload_expert(*q) for q in qts]
+    x, gates = rng.standard_normal((1, hid), dtype=np.float32), np.full(n, 1.0 / n, np.float32)
+    dx = be.d_put(x)
+    ref = np.zeros((1, hid))
+    for (g, u, d), gate in zip(qts, gates):
+        hh = quant.matmul_ref(x, g) * (quant.matmul_ref(x, u) / (1 + np.exp(-quant.matmul_ref(x, g))))
+        ref += float(gate) * quant.matmul_ref(hh.astype(np.float32), d)
+    rows = []
+    name = f"d_expert_ffn {n}x[{hid},{wid}] int8"
+    for label, call in (("device", lambda i: be.d_expert_ffn(dx, ws, gates)),
+                        ("host path", lambda i: DArray(dx.shape, DeviceOps._d_expert_ffn(be, dx, ws, gates),
+                                                       id(be)))):
+        row = {"op": f"{name} {label}", **chain(be, call, args.calls, args.repeats)}
+        row["max_err"] = err(be.d_get(call(0)), ref)
+        rows.append(row)
+    qq = [quant.quantize(rng.standard_normal((o, hid), dtype=np.float32) / 64, "int8")
+          for o in (hid, hid // 4, hid // 4)]
+    qkv = [be.upload(q) for q in qq]
+    many = {"op": f"d_matmul_many [1,{hid}] q/k/v int8",
+            **chain(be, lambda i: be.d_matmul_many(dx, qkv), args.calls, args.repeats)}
+    many["max_err"] = max(err(be.d_get(y), quant.matmul_ref(x, q))
+                          for y, q in zip(be.d_matmul_many(dx, qkv), qq))
+    rows.append(many)
+    rows.append({"op": f"3 x d_matmul [1,{hid}] q/k/v int8",
+                 **chain(be, lambda i: [be.d_matmul(dx, w) for w in qkv], args.calls, args.repeats)})
+    return rows
 
 
 def run(be, args) -> list[dict]:
@@ -121,13 +159,19 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="chains per op (the median is reported)")
     ap.add_argument("--pool-bytes", type=int, default=512 << 20, help="matmul weight bytes cycled (> L2)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 4096, 32768])
+    ap.add_argument("--sections", nargs="+", choices=("ops", "experts"), default=["ops", "experts"])
+    ap.add_argument("--experts", type=int, default=8, help="routed experts per d_expert_ffn call")
+    ap.add_argument("--expert-hidden", type=int, default=4096, help="H of the experts (and of q/k/v)")
+    ap.add_argument("--expert-width", type=int, default=1024, help="I of the experts")
     args = ap.parse_args(argv)
     cls = get_backend("opencl")
     if cls.unavailable_reason():
         print(f"opencl unavailable: {cls.unavailable_reason()}", file=sys.stderr)
         return 2
     with cls.open(args.device) as be:
-        rows = run(be, args)
+        rows = run(be, args) if "ops" in args.sections else []
+        if "experts" in args.sections:
+            rows += expert_rows(be, args, np.random.default_rng(1))
         result = {"device": be.device.name, "kind": be.device.kind, "driver": be.device.driver, "ops": rows}
     print(f"{result['device']} ({result['driver']})")
     print(f"{'op':<38} {'host us':>8} {'wall us':>8} {'GB/s':>7} {'max err':>9}")

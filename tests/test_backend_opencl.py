@@ -318,3 +318,85 @@ def test_attention_head_dim_beyond_local_memory_is_refused(cache):
         q = be.d_zeros((1, 1, d))
         with pytest.raises(UnsupportedError, match="local memory"):
             be.d_attention(q, q, q, 1, 0, 1.0)
+
+
+def _experts(be, specs, seed=0):
+    """Uploaded experts of (gate/up fmt, down fmt, I, H) each, and their quantized tensors."""
+    qts = [(_qt(f, i, h, seed + 3 * k), _qt(f, i, h, seed + 3 * k + 1), _qt(fd, h, i, seed + 3 * k + 2))
+           for k, (f, fd, i, h) in enumerate(specs)]
+    return [be.upload_expert(*q) for q in qts], qts
+
+
+@needs_cl
+@pytest.mark.parametrize("ls", [1, 16])
+def test_d_expert_ffn_runs_on_the_device_without_a_host_transfer(cache, monkeypatch, ls):
+    """Experts of mixed formats and widths on a device x (a view at an offset, H = 200 padded on the
+    device): the only copy is the gates' upload (non-blocking, n floats), nothing is read back, the
+    result is a pyopencl buffer, and it equals the host combine (expert_ffn, 0 + y_0·g_0 + ...) bit for
+    bit, since the kernels are the host path's and expert_sum keeps its float32 order."""
+    import pyopencl as cl
+
+    from colibri_plan.backends.device_ops import DArray, DeviceOps
+
+    with OpenCL.open(0) as be:
+        be.ls = ls
+        H, T = 200, 2
+        ws, _ = _experts(be, [("int8", "int8", 96, H), ("int4-g32", "int4", 64, H), ("int8", "int8", 96, H)])
+        big = _x(T + 1, H, 4)
+        whole = be.d_put(big)
+        dx = DArray((T, H), whole.buf, whole.owner, offset=H)  # rows 1..2
+        gates = np.float32([0.5, 0.25, 1.5])
+        be.synchronize()
+        copies = []
+        real_copy = cl.enqueue_copy
+
+        def counted(queue, dest, src, **kw):
+            copies.append((type(dest).__name__, type(src).__name__, getattr(src, "nbytes", None),
+                           kw.get("is_blocking", True)))
+            return real_copy(queue, dest, src, **kw)
+
+        def no_host(*a, **k):
+            raise AssertionError("d_expert_ffn read device memory back to the host")
+
+        with monkeypatch.context() as m:  # only around the call: the cache fixture's setting stays
+            m.setattr(cl, "enqueue_copy", counted)
+            m.setattr(DeviceOps, "_host", no_host)
+            m.setattr(be, "_d_get", no_host)
+            y = be.d_expert_ffn(dx, ws, gates)
+        assert isinstance(y.buf, cl.MemoryObjectHolder) and y.shape == (T, H)
+        assert copies == [("PooledBuffer", "ndarray", 12, False)]  # the 3 gates, up, not waited on
+        host = np.zeros((T, H), np.float32)
+        for yi, g in zip(be.expert_ffn([big[1:]] * 3, ws), gates):
+            host += yi * g
+        np.testing.assert_array_equal(be.d_get(y), host)
+
+
+@needs_cl
+def test_d_expert_ffn_unfusable_expert_takes_the_host_path(cache):
+    """An expert whose gate and up formats differ: the contract's host path, same result as the host."""
+    with OpenCL.open(0) as be:
+        q = (_qt("int8", 32, 128), _qt("int4", 32, 128, 1), _qt("int8", 128, 32, 2))
+        w, x = be.upload_expert(*q), _x(1, 128)
+        y = be.d_get(be.d_expert_ffn(be.d_put(x), [w], np.float32([2.0])))
+        np.testing.assert_array_equal(y, np.float32(0) + be.expert_ffn([x], [w])[0] * np.float32(2.0))
+
+
+@needs_cl
+@pytest.mark.parametrize("ls", [1, 16])
+def test_d_matmul_many_stacks_weights_in_one_launch(cache, monkeypatch, ls):
+    """Six weights (two formats, x padded from 200 columns): matmul_many launches, one per format and
+    group of four, and every result equals d_matmul's bit for bit."""
+    with OpenCL.open(0) as be:
+        be.ls = ls
+        shapes = [("int8", 64), ("int8", 16), ("int4", 40), ("int8", 16), ("int8", 8), ("int8", 24)]
+        ws = [be.upload(_qt(f, o, 200, k)) for k, (f, o) in enumerate(shapes)]
+        dx = be.d_put(_x(3, 200, 9))
+        launched = []
+        real = be._launch
+        with monkeypatch.context() as m:
+            m.setattr(be, "_launch", lambda knl, *a: launched.append(knl.function_name) or real(knl, *a))
+            ys = be.d_matmul_many(dx, ws)
+        assert launched == ["matmul_many"] * 3  # int8: 4 + 1 weights, int4: 1
+        for w, y, (_, o) in zip(ws, ys, shapes):
+            assert y.shape == (3, o)
+            np.testing.assert_array_equal(be.d_get(y), be.d_get(be.d_matmul(dx, w)))

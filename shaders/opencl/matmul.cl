@@ -147,3 +147,29 @@ kernel void gate_up(global const uchar *G, global const float *SG, global const 
                 r < rows_valid ? g / (1.0f + exp(-g)) * u : 0.0f;
         }
 }
+
+// Up to four matrices W_0..W_3 of one format and in_pad reading one x, in one launch over their stacked
+// rows: matrix i owns global rows e_{i-1} .. e_i - 1 (e_{-1} = 0; unused slots repeat the last end, so
+// they own none) and writes y_i[t * (e_i - e_{i-1}) + r - e_{i-1}]. Each row's sum is matmul's.
+// Grid (>= e_3 * LS, ceil(T / TPI)).
+kernel void matmul_many(global const uchar *W0, global const float *S0, global const uchar *W1,
+                        global const float *S1, global const uchar *W2, global const float *S2,
+                        global const uchar *W3, global const float *S3, global const float *x, uint x_off,
+                        global float *y0, global float *y1, global float *y2, global float *y3, uint in_pad,
+                        uint T, uint e0, uint e1, uint e2, uint e3) {
+    local float red[LS * TPI];
+    float acc[TPI];
+    uint r = ROW_ID, t0 = get_global_id(1) * TPI;
+    ROW_GUARD(e3);
+    // the slot of this row: the same for every item of a work-group (no divergent barrier)
+    const uint m = r < e0 ? 0 : r < e1 ? 1 : r < e2 ? 2 : 3;
+    const uint r0 = m == 0 ? 0 : m == 1 ? e0 : m == 2 ? e1 : e2;
+    const uint rows = (m == 0 ? e0 : m == 1 ? e1 : m == 2 ? e2 : e3) - r0;
+    global const uchar *W = m == 0 ? W0 : m == 1 ? W1 : m == 2 ? W2 : W3;
+    global const float *S = m == 0 ? S0 : m == 1 ? S1 : m == 2 ? S2 : S3;
+    global float *y = m == 0 ? y0 : m == 1 ? y1 : m == 2 ? y2 : y3;
+    row_dot(1, W, S, W, S, r - r0, x + x_off, in_pad, T, t0, red, acc);
+    if (LANE == 0)
+        for (int j = 0; j < TPI; j++)
+            if (t0 + j < T) y[(ulong)(t0 + j) * rows + r - r0] = acc[j];
+}

@@ -56,3 +56,17 @@ kernel void pad_rows(global float *y, ulong n, global const float *x, ulong xo, 
     const uint c = i % in_pad;
     y[i] = c < n_in ? x[xo + (i / in_pad) * n_in + c] : 0.0f;
 }
+
+// y = Σ_j gates[j] · ys[j] over k arrays ys [k, n] (the routed experts' outputs), accumulated from 0 in
+// j order with the product rounded before the add: the host combine's float32 result (no fma contraction)
+#pragma OPENCL FP_CONTRACT OFF
+kernel void expert_sum(global float *y, ulong n, global const float *ys, global const float *gates, uint k) {
+    const ulong i = get_global_id(0);
+    if (i >= n) return;
+    float acc = 0.0f;
+    for (uint j = 0; j < k; j++) {
+        const float p = gates[j] * ys[(ulong)j * n + i];
+        acc = acc + p;
+    }
+    y[i] = acc;
+}
