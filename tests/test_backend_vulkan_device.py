@@ -135,6 +135,24 @@ def test_d_expert_ffn_runs_in_the_batch_and_equals_the_host_combine(be, monkeypa
     assert _err(y - x, ref) < 1e-4
 
 
+def test_d_expert_ffn_of_mixed_formats_takes_the_host_path(be, monkeypatch):
+    """Experts of two formats (the fused pipelines read one): the contract's host path, whose x comes
+    down (a submission and wait) and whose numbers are the host combine's."""
+    shapes = ((64, 128), (64, 128), (128, 64))
+    ws = [be.upload_expert(*(quant.quantize(_r(*s, scale=0.1), fmt) for s in shapes))
+          for fmt in ("int8", "int4")]
+    x, gates = _r(1, 128), np.array([0.75, 0.5], np.float32)
+    host = np.zeros((1, 128), np.float32)
+    for yi, g in zip(be.expert_ffn([x] * 2, ws), gates):
+        host += yi * g
+    dx = be.d_put(x)
+    be.synchronize()
+    calls = _count_submits(be, monkeypatch)
+    dy = be.d_expert_ffn(dx, ws, gates)
+    assert len(calls) >= 2  # x down, then the experts
+    np.testing.assert_array_equal(be.d_get(dy), host)
+
+
 def test_descriptors_are_pushed_where_the_device_can(be):
     """With VK_KHR_push_descriptor a dispatch allocates no descriptor set; without it, one per dispatch."""
     x = be.d_put(_r(2, 64))
