@@ -26,9 +26,9 @@ once, arrays back to the pool by ``VkArray.__del__`` (a ``weakref.finalize`` per
 padded length (a multiple of 128 floats), else from a zero-padded copy (op 5 of ``elementwise.comp``);
 ``rmsnorm.comp`` with ``WBIND = 1`` (the weight in its own buffer); ``elementwise.comp`` for add (also
 1-D broadcast), SiLU·mul, row scales, RoPE and the routed experts' gated sum (``vulkan_experts``);
-``attention_gqa.comp`` for attention (head_dim ≤ 256; a
-workgroup per query row and group of up to 8 query heads of one kv head, which share its K/V reads;
-a row's keys cut into slices merged by a second dispatch when that leaves the device short of work).
+``attention_gqa.comp`` for attention (head_dim ≤ 256; a workgroup per query row and group of up to 8
+query heads of one kv head, which share its K/V reads; a row's keys cut into slices merged by a second
+dispatch when that leaves the device short of work).
 """
 
 from __future__ import annotations
