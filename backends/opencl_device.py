@@ -113,7 +113,8 @@ class OpenCLDeviceOps:
 
     def _d_matmul_many(self, x: DArray, ws: list) -> list:
         """Weights of one format and padding, up to MANY at a time, in one ``matmul_many`` launch over
-        their stacked rows (x padded once); each row's sum is ``matmul``'s, so results equal d_matmul's."""
+        their stacked rows (x padded once; a lone weight: ``matmul``); each row's sum is ``matmul``'s, so
+        results equal d_matmul's."""
         T, out = x.shape[0], [None] * len(ws)
         groups: dict[tuple, list[int]] = {}
         for i, w in enumerate(ws):
@@ -127,6 +128,11 @@ class OpenCLDeviceOps:
                 for i, y in zip(part, ys):
                     out[i] = y
                 if T == 0:
+                    continue
+                if len(part) == 1:  # matmul: fewer arguments to set per launch (they cost on PoCL)
+                    p, o = ws[part[0]].payload, ws[part[0]].out_features
+                    self._launch(self._kernel("matmul", fmt, tpi), o, T, tpi, p.data, p.scales, xb, xo,
+                                 ys[0], 0, in_pad, T, o, o)
                     continue
                 wsl = [ws[i].payload for i in part] + [ws[part[0]].payload] * (MANY - len(part))
                 ends = list(itertools.accumulate(ws[i].out_features for i in part))
