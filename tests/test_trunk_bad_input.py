@@ -11,7 +11,7 @@ from _cli_fixtures import assert_one_line, invoke
 from _solver_fixtures import toy_profile, toy_spec
 
 from colibri_plan.errors import FormatError, InputError
-from colibri_plan.formats.plan_trunk import parse_trunk
+from colibri_plan.formats.plan_trunk import kv_bytes, parse_trunk
 from colibri_plan.planner import make
 from colibri_plan.planner.make import make_plan
 
@@ -38,12 +38,14 @@ def test_split_without_two_gpus_says_so(no_solve):
 def test_split_over_gpus_too_small_together_gives_the_bytes(no_solve):
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
     prof = toy_profile(gpus=[GPU, GPU], ram_available_bytes=16 * 10**9)
-    # 3M tokens x 1024 B of KV (3.07 GB) + the trunk: more than the two 60 MB budgets together
+    # 50k tokens x 1024 B of KV (51.2 MB) fit the two 60 MB budgets together; with the trunk they do not
+    need = make.dense_read_bytes(spec, "int4") + kv_bytes(50_000, 1024)
+    assert kv_bytes(50_000, 1024) < 120_000_000 < need
     with pytest.raises(InputError, match=r"--trunk split: no layer split fits: the dense trunk and KV cache "
-                                         r"need \d+ B "
-                                         r"\(3\.\d\d GB\) and the 2 GPUs' budgets together hold 120000000 B "
+                                         rf"need {need} B "
+                                         r"\(0\.151 GB\) and the 2 GPUs' budgets together hold 120000000 B "
                                          r"\(0\.12 GB\); give a smaller --context"):
-        make_plan(prof, spec, None, ram="12", context_tokens=3_000_000, trunk="split")
+        make_plan(prof, spec, None, ram="12", context_tokens=50_000, trunk="split")
 
 
 def _section(**kw):
@@ -187,3 +189,79 @@ def test_a_plan_priced_in_another_dense_format_than_the_pack_warns(pack_files):
     assert other.exit_code == 0, other.output
     assert ("warning: the plan priced the dense trunk in int8, but the pack stores it in f32: the run holds "
             "f32 bytes") in other.stderr and "solve again with --dense-format f32" in other.stderr
+
+
+# ---- a hand-edited KV figure, a split trunk's KV cache past the GPUs, an empty --trunk -------------------
+
+def _edited_kv_plan(pack_files, tmp_path, bytes_per_token: int):
+    """The solved plan (8-token context) with trunk.kv.bytes_per_token edited and a matching kv.bytes."""
+    import json
+
+    from colibri_plan.formats.plan_trunk import kv_bytes
+
+    doc = json.loads((pack_files / "plan.json").read_text())
+    kv = doc["trunk"]["kv"]
+    kv.update(bytes_per_token=bytes_per_token, bytes=kv_bytes(kv["context_tokens"], bytes_per_token))
+    out = tmp_path / f"plan-kv{bytes_per_token}.json"
+    out.write_text(json.dumps(doc))
+    return out
+
+
+def test_a_kv_figure_below_the_models_is_refused_on_run_and_verify_before_any_work(pack_files, tmp_path,
+                                                                                    monkeypatch):
+    from colibri_plan.engine import runner
+    from colibri_plan.engine.pack import open_pack
+    from colibri_plan.errors import MismatchError
+    from colibri_plan.formats.plan import check_model, load_plan
+
+    with open_pack(pack_files / "fx") as pack:
+        spec, a = pack.spec(), pack.arch
+    per_token = spec.kv_bytes_per_token
+    assert per_token == a.n_layers * a.kv_values_per_token * 4 > 1   # a fixture pack's spec: the f32 cache
+    bad = _edited_kv_plan(pack_files, tmp_path, 1)
+    plan = load_plan(bad)                            # the section itself is consistent: it loads
+    with pytest.raises(MismatchError, match=rf"plan trunk\.kv\.bytes_per_token is 1 B, below the "
+                                            rf"{per_token:,} B per token of .* KV cache"):
+        check_model(plan, spec)
+    check_model(load_plan(_edited_kv_plan(pack_files, tmp_path, 2 * per_token)), spec)   # above: priced high
+    monkeypatch.setattr(runner, "generate", lambda *a, **k: pytest.fail("ran before refusing"))
+    for cmd in (("run", "--prompt-ids", "1,2", "--tokens", 2),
+                ("verify", "--tokens", 2, "--no-reference", "--report", tmp_path / "v.json")):
+        r = invoke(*cmd, "--model", pack_files / "fx", "--plan", bad)
+        assert_one_line(r, "MismatchError", "trunk.kv.bytes_per_token is 1 B",
+                        f"its 8-token KV cache (64-token pages) at 64 B where the model's takes "
+                        f"{64 * per_token:,} B",
+                        "re-create the plan with `colibri-plan solve`")
+    assert not (tmp_path / "v.json").exists()
+
+
+def test_a_split_trunk_whose_kv_cache_passes_the_gpus_gets_the_vram_figures_not_the_ram_budget(no_solve):
+    from colibri_plan.errors import BudgetError
+
+    spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
+    prof = toy_profile(gpus=[GPU, GPU], ram_available_bytes=3 * 10**9)
+    # 3M tokens x 1024 B = 3.07 GB of KV: more than the 2 GB of RAM too, but a split keeps it in VRAM
+    with pytest.raises(BudgetError, match=r"^--trunk split: the KV cache of --context 3000000 tokens needs "
+                                          r"3072000000 B \(3\.07 GB\) and the 2 GPUs' budgets together hold "
+                                          r"120000000 B \(0\.12 GB\) after their reserves; give a smaller "
+                                          r"--context, --trunk cpu, or more VRAM"):
+        make_plan(prof, spec, None, ram="2", context_tokens=3_000_000, trunk="split")
+
+
+def test_split_on_the_published_profile_with_a_huge_context_names_vram(tmp_path):
+    r = invoke("solve", "--trunk", "split", "--context", 10_000_000, "--profile", "published-6x-rtx5090",
+               "--model", "glm-5.2", "--out", tmp_path / "p.json")
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("Error: ")]   # after the "solving" line
+    assert errors == ["Error: BudgetError: --trunk split: the KV cache of --context 10000000 tokens needs "
+                      "2967040000000 B (2967.04 GB) and the 6 GPUs' budgets together hold 189600000000 B "
+                      "(189.60 GB) after their reserves; give a smaller --context, --trunk cpu, or more VRAM "
+                      "for the plan (a larger --vram or a smaller --vram-reserve)"]
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_an_empty_trunk_choice_is_quoted(no_solve):
+    prof = toy_profile(gpus=[GPU], ram_available_bytes=3 * 10**9)
+    with pytest.raises(InputError, match=r"^--trunk '': the profile has no device ''; choose auto, cpu, "
+                                         r"cuda:0$"):
+        make_plan(prof, toy_spec(), None, ram="2", context_tokens=100, trunk="")

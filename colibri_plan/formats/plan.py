@@ -18,7 +18,7 @@ import numpy as np
 
 from colibri_plan.errors import FormatError, InputError, MismatchError
 from colibri_plan.fileio import read_document, write_document
-from colibri_plan.formats.plan_trunk import check_trunk_budgets, parse_trunk
+from colibri_plan.formats.plan_trunk import check_trunk_budgets, check_trunk_kv_figure, parse_trunk
 
 KIND = "plan"
 SCHEMA_VERSION = 1
@@ -387,10 +387,12 @@ def load_plan(path: str | os.PathLike) -> Plan:
 
 def check_model(plan: Plan, spec, where: str | None = None) -> None:
     """Refuse a plan made for another model, or for another expert format than ``spec`` stores (its
-    byte budgets would be wrong). ``where`` names the pack the spec came from, for the message.
+    byte budgets would be wrong), or whose trunk section prices fewer KV bytes per token than the model's
+    (:func:`~colibri_plan.formats.plan_trunk.check_trunk_kv_figure`). ``where`` names the pack the spec
+    came from, for the message.
 
     Raises:
-        MismatchError: naming both fingerprints (or both formats).
+        MismatchError: naming both fingerprints (or both formats, or both KV figures with the bytes).
     """
     held = f"{where} holds {spec.name}" if where else spec.name
     if plan.model_fingerprint != spec.fingerprint():
@@ -402,3 +404,6 @@ def check_model(plan: Plan, spec, where: str | None = None) -> None:
         raise MismatchError(f"plan was solved for {fmt} experts, but {held} with "
                             f"{spec.expert_format} experts: its memory budgets do not hold; solve again with "
                             f"--quant {spec.expert_format}")
+    if plan.doc.get("trunk") is not None:
+        check_trunk_kv_figure(parse_trunk(plan.doc, plan.device_keys), spec.kv_bytes_per_token,
+                              f"{spec.name} in {where}" if where else spec.name)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from colibri_plan.errors import FormatError
+from colibri_plan.errors import FormatError, MismatchError
 from colibri_plan.quant import FORMATS
 
 CPU = "cpu"
@@ -167,3 +167,27 @@ def check_trunk_budgets(doc: dict, trunk: TrunkPlacement) -> None:
                 or vram[k] < 0:
             raise FormatError(f"plan budgets.trunk_vram_bytes names {k}, whose expert budget is missing or "
                               f"negative{_REDO}")
+
+
+def check_trunk_kv_figure(trunk: TrunkPlacement, kv_bytes_per_token: int, model: str) -> None:
+    """Refuse a trunk section whose KV bytes per token are below the model's ``kv_bytes_per_token`` (its
+    ModelSpec's figure, all layers together: the one solve writes, so like is compared with like).
+
+    The units differ by the spec's source (a checkpoint's spec counts a 16-bit cache, a pack made from
+    the arch counts the engine's float32 cache, a catalogue entry may carry a measured figure), so a
+    plan solved from another source of the same model may legitimately carry a larger figure; only a
+    smaller one is refused: it under-prices the KV cache of the planned context (a hand edit).
+    ``model`` names the model (and where it was read) for the message.
+
+    Raises:
+        MismatchError: with both figures and the bytes of the planned context at each.
+    """
+    need = int(kv_bytes_per_token)
+    if trunk.kv_bytes_per_token >= need:
+        return
+    ctx, page = trunk.context_tokens, trunk.page_tokens
+    raise MismatchError(
+        f"plan trunk.kv.bytes_per_token is {trunk.kv_bytes_per_token:,} B, below the {need:,} B per token of "
+        f"the KV cache of {model} (its spec's figure, the one solve prices): the plan prices its "
+        f"{ctx}-token KV cache ({page}-token pages) at {trunk.kv_bytes:,} B where the model's takes "
+        f"{kv_bytes(ctx, need, page):,} B{_REDO}")

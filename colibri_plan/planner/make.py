@@ -294,7 +294,7 @@ def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: f
     )
 
     repin = repin_section(repin_every, repin_window)
-    if trunk not in ("auto", "cpu", "split"):   # an unknown device before the budgets are worked out
+    if trunk not in ("auto", "cpu"):   # an unknown device, a KV cache past the VRAM: before the RAM budget
         check_trunk_choice(trunk, [f"{g['backend']}:{g['index']}" for g in profile.gpus()])
         check_forced_kv(profile, spec, trunk, kw.get("context_tokens", 4096), kw.get("vram", "auto"),
                         int(kw.get("vram_reserve_gb", 2.0) * 1e9))

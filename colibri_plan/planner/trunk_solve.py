@@ -12,6 +12,7 @@ reason is reported. The report (``solve`` prints it as the VRAM trade) lists eve
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 from colibri_plan.errors import BudgetError, ColibriError, InputError
 from colibri_plan.formats.plan_trunk import (
@@ -32,7 +33,8 @@ def check_trunk_choice(choice: str, keys: list[str]) -> None:
     """InputError when ``choice`` is not "auto", "cpu", "split" or one of ``keys`` (the profile's GPUs)."""
     if choice in (AUTO, CPU, "split") or choice in keys:
         return
-    raise InputError(f"--trunk {choice}: the profile has no device {choice}; choose auto, cpu"
+    q = shlex.quote(choice)     # as typed on a shell: an empty value reads ''
+    raise InputError(f"--trunk {q}: the profile has no device {q}; choose auto, cpu"
                      + "".join(f", {k}" for k in keys) + (", split" if len(keys) > 1 else ""))
 
 
@@ -219,9 +221,11 @@ def predicted_trunk(setup) -> dict:
 
 def check_forced_kv(profile, spec, choice: str, context_tokens: int, vram: str = "auto",
                     reserve_bytes: int = 2 * 10**9) -> None:
-    """Before any budget is worked out: refuse a trunk forced onto a discrete GPU whose budget (free -
-    reserve, or ``--vram``) cannot hold the KV cache of ``context_tokens`` (the RAM budget would otherwise
-    refuse the context first, though the cache would not live there).
+    """Before any budget is worked out: refuse a trunk forced onto a discrete GPU (``choice`` a device
+    key) or split over the discrete GPUs (``choice`` "split") whose budgets (free - reserve, or ``--vram``;
+    for a split all of them together) cannot hold the KV cache of ``context_tokens`` (the RAM budget would
+    otherwise refuse the context first, though the cache would not live there). Other choices, and a
+    split with fewer than two discrete GPUs (``choose_trunk`` says why there is no split), pass.
 
     Raises:
         BudgetError: with the bytes asked and available.
@@ -229,12 +233,21 @@ def check_forced_kv(profile, spec, choice: str, context_tokens: int, vram: str =
     from colibri_plan.planner.budgets import vram_budgets
 
     gpus = {f"{g['backend']}:{g['index']}": g for g in profile.gpus()}
-    if choice not in gpus or gpus[choice].get("unified_memory"):
+    discrete = [k for k, g in gpus.items() if not g.get("unified_memory")]
+    if choice not in discrete and not (choice == "split" and len(discrete) > 1):
         return
-    have = vram_budgets(profile.gpus(), vram, reserve_bytes)[0][choice]
+    budgets = vram_budgets(profile.gpus(), vram, reserve_bytes)[0]
     kv = kv_bytes(context_tokens, spec.kv_bytes_per_token)
+    if choice != "split":
+        if kv > budgets[choice]:
+            raise BudgetError(_kv_message(choice, context_tokens, kv, budgets[choice]))
+        return
+    have = sum(int(budgets[k]) for k in discrete)     # a split spreads the cache's layers over them all
     if kv > have:
-        raise BudgetError(_kv_message(choice, context_tokens, kv, have))
+        raise BudgetError(f"--trunk split: the KV cache of --context {context_tokens} tokens needs {kv} B "
+                          f"({fmt_gb(kv)} GB) and the {len(discrete)} GPUs' budgets together hold {have} B "
+                          f"({fmt_gb(have)} GB) after their reserves; give a smaller --context, --trunk cpu, "
+                          "or more VRAM for the plan (a larger --vram or a smaller --vram-reserve)")
 
 
 def validate_trunk(doc: dict) -> None:
