@@ -265,3 +265,21 @@ def test_an_empty_trunk_choice_is_quoted(no_solve):
     with pytest.raises(InputError, match=r"^--trunk '': the profile has no device ''; choose auto, cpu, "
                                          r"cuda:0$"):
         make_plan(prof, toy_spec(), None, ram="2", context_tokens=100, trunk="")
+
+
+@pytest.mark.parametrize("trunk", ["cuda:0", "split"])
+def test_a_gpu_trunk_whose_kv_cache_fits_the_vram_but_not_the_ram_is_solved(trunk):
+    spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
+    # 3M tokens x 1024 B = 3.07 GB of KV: past the 2 GB RAM budget, within one 4 GB GPU or two 2 GB ones
+    free = 2 * 10**9 + (4 if trunk == "cuda:0" else 2) * 10**9
+    prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": free}] * 2, ram_available_bytes=3 * 10**9)
+    plan, _, setup = make_plan(prof, spec, None, ram="2", context_tokens=3_000_000, trunk=trunk)
+    kv = kv_bytes(3_000_000, 1024)
+    assert plan.doc["trunk"]["kv"]["bytes"] == kv and plan.doc["trunk"]["device"] == trunk.replace("split",
+                                                                                                    "cuda:0")
+    took = plan.doc["budgets"]["trunk_vram_bytes"]
+    assert sum(took.values()) == kv + make.dense_read_bytes(spec, "int4")
+    ram = plan.doc["budgets"]["ram_budget_bytes"]
+    assert 0 <= ram == setup.budgets.ram_budget_bytes
+    rows = {r["option"]: r for r in plan.doc["solver"]["trunk"]["options"]}
+    assert not rows["cpu"]["feasible"] and "RAM" in rows["cpu"]["why"]      # the host cannot hold the cache

@@ -83,8 +83,13 @@ def parse_gb(value: str, what: str) -> float:
 
 
 def ram_budget(spec, available_bytes: int, ram: str = "auto", headroom_gb: float | None = None,
-               context_tokens: int = 4096, dense_fmt: str | None = None) -> tuple[int, list[dict], dict]:
+               context_tokens: int = 4096, dense_fmt: str | None = None,
+               moved_bytes: int = 0) -> tuple[int, list[dict], dict]:
     """RAM for experts, with the explanation lines.
+
+    ``moved_bytes``: of the dense trunk and KV cache charged here, the bytes a trunk forced onto a
+    discrete GPU gives back (planner.trunk: ``TrunkOption.ram_freed_bytes``). Only the rest must fit:
+    the budget returned may then be negative by up to that much (the CPU option does not fit).
 
     An explicit ``--ram`` of (nearly: within 5%) all the available memory keeps the page-cache headroom
     of ``--ram auto`` (max(2.5 GB, 5%) of available) anyway, with a warning in ``parts["warnings"]``:
@@ -144,12 +149,12 @@ def ram_budget(spec, available_bytes: int, ram: str = "auto", headroom_gb: float
                  "bytes": -working}]
     left = start - headroom - dense - kv - working
     explain.append({"what": "RAM for experts (pinned + LRU)", "bytes": left})
-    if left < 0 and kv > max(start - headroom, 0):
+    if left < 0 and not moved_bytes and kv > max(start - headroom, 0):
         raise BudgetError(f"the RAM budget is too small for --context {context_tokens} tokens: their KV "
                           f"cache alone needs {fmt_gb(kv)} GB and the budget is "
                           f"{fmt_gb(start - headroom)} GB after headroom; give more --ram or a smaller "
                           "--context")
-    if left < 0:
+    if left + int(moved_bytes) < 0:
         raise BudgetError(f"RAM budget too small: {fmt_gb(start)} GB minus headroom {fmt_gb(headroom)}, "
                           f"dense {fmt_gb(dense)}, KV {fmt_gb(kv)} and buffers {fmt_gb(working)} GB leaves "
                           f"{fmt_gb(left)} GB; give more --ram or a smaller --context")

@@ -144,13 +144,17 @@ class Setup:
 def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto", headroom=None,
                 context_tokens: int = 4096, lru_slots: str | int = "auto", dense_fmt: str | None = None,
                 coef: Coefficients | None = None, vram_reserve_gb: float = 2.0, seed: int = 0,
-                target: str = "colibri-plan", queue_depth="auto", keep_host_copies: bool = False) -> Setup:
+                target: str = "colibri-plan", queue_depth="auto", keep_host_copies: bool = False,
+                trunk_to_vram: bool = False) -> Setup:
     """Budgets, resources and the placement problem for ``spec`` on ``profile``.
 
     ``dense_fmt`` None: the format the model stores its dense trunk in when known (``spec.dense_format``,
     e.g. f32 for an expert pack), else the expert format. ``target``, ``queue_depth`` and
     ``keep_host_copies`` are the engine knobs of :mod:`colibri_plan.planner.knobs` (``setup.knobs``
     records them); a routing trace in the heat switches the LRU model to stack distances.
+    ``trunk_to_vram``: the trunk is forced onto discrete GPUs, so the RAM budget refuses only what stays
+    in RAM (``budgets.ram_budget``'s ``moved_bytes``; the budget may be negative until the option gives
+    its bytes back).
 
     Raises:
         BudgetError: negative or too-small budgets; InputError: missing profile figures;
@@ -165,8 +169,9 @@ def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto",
     notes = _option_notes(profile, ram, vram, headroom)
     h = heat_for(spec, heat, seed)
     warnings = list(h.warnings) + notes
+    moved = dense_read_bytes(spec, dense_fmt) + spec.kv_bytes(context_tokens) if trunk_to_vram else 0
     ram_bytes, ram_explain, parts = ram_budget(spec, profile.ram_available_bytes(), ram, headroom,
-                                               context_tokens, dense_fmt)
+                                               context_tokens, dense_fmt, moved)
     ram_warnings = parts.pop("warnings", [])
     warnings += ram_warnings
     vram_b, vram_explain = vram_budgets(profile.gpus(), vram, int(vram_reserve_gb * 1e9))
@@ -179,13 +184,13 @@ def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto",
                       ram_mode=str(ram), vram_mode=str(vram), **parts)
     probs = h.probabilities()
     weights = np.array([1.0 if lid < spec.n_layers else 0.0 for lid in h.layers])
-    slots = auto_lru_slots(spec, res, ram_bytes, weights, probs, lru_slots)
+    slots = auto_lru_slots(spec, res, max(0, ram_bytes), weights, probs, lru_slots)
     fixed = (dense_seconds(dense_read_bytes(spec, dense_fmt), res, coef)
              + attention_seconds(context_tokens, spec.kv_bytes_per_token, res, coef))
     trace = getattr(h, "trace", None)
     hits = TraceHits(trace, h.layers) if trace is not None and trace.steps else None
     problem = Problem(probs=probs, weights=weights, expert_bytes=spec.expert_bytes(), res=res,
-                      ram_budget_bytes=ram_bytes, lru_slots=slots, coef=coef,
+                      ram_budget_bytes=max(0, ram_bytes), lru_slots=slots, coef=coef,
                       activation_bytes=spec.hidden_size * 4, fixed_cost_s=fixed,
                       trace_hits=hits if hits is not None and hits.rows_covered() else None,
                       keep_host_copies=bool(keep_host_copies),
@@ -298,7 +303,9 @@ def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: f
         check_trunk_choice(trunk, [f"{g['backend']}:{g['index']}" for g in profile.gpus()])
         check_forced_kv(profile, spec, trunk, kw.get("context_tokens", 4096), kw.get("vram", "auto"),
                         int(kw.get("vram_reserve_gb", 2.0) * 1e9))
-    setup = build_setup(profile, spec, heat, **kw)
+    discrete = [f"{g['backend']}:{g['index']}" for g in profile.gpus() if not g.get("unified_memory")]
+    setup = build_setup(profile, spec, heat, trunk_to_vram=trunk in discrete or (trunk == "split"
+                                                                               and len(discrete) > 1), **kw)
 
     def solve(s):
         try:

@@ -62,8 +62,14 @@ def _no_split_message(opts, vram_budget: dict, choices: list[str]) -> str:
 
 
 def option_fit(setup, opt) -> None:
-    """Raise BudgetError when ``opt`` does not fit the devices' budgets (bytes asked and available)."""
+    """Raise BudgetError when ``opt`` does not fit the devices' budgets (bytes asked and available), or
+    keeps the trunk in a RAM budget that cannot hold it (forced GPU trunk: build_setup's trunk_to_vram)."""
     ctx = setup.budgets.context_tokens
+    ram = int(setup.budgets.ram_budget_bytes) + int(opt.ram_freed_bytes)
+    if ram < 0:
+        raise BudgetError(f"trunk on {opt.name}: the RAM budget is {-ram} B ({fmt_gb(-ram)} GB) short of "
+                          f"the dense trunk and the KV cache of --context {ctx} tokens it keeps in RAM; give "
+                          "more --ram, a smaller --context, or the trunk a GPU (--trunk)")
     for key, need in opt.vram_bytes.items():
         have = int(setup.budgets.vram_budget_bytes.get(key, 0))
         share = need / max(1, opt.dense_bytes + opt.kv_bytes)
