@@ -169,6 +169,9 @@ class CpuBackend(NumpyBackend):
 
     name = "cpu"
     formats = FORMATS
+    #: weight bytes × tokens up to which an integer matmul runs serially (cpu_qkernels.SERIAL_BYTES;
+    #: 0: always parallel, as bench/cpu_gemv.py --compare-parallel measures)
+    serial_bytes: int = 2 << 20
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -197,6 +200,7 @@ class CpuBackend(NumpyBackend):
             import numba
 
             self._numba = numba
+            self.serial_bytes = self._k.SERIAL_BYTES
         except Exception as exc:  # a broken numba/llvmlite install: say why, do not crash later
             raise BackendUnavailableError(f"cpu backend unavailable: numba failed to import: {exc}") from exc
 
@@ -239,13 +243,14 @@ class CpuBackend(NumpyBackend):
                 self._k.q2_matmul(qt.data, qt.scales, x0, d1, d2, d3, xsum, y)
             return y
         xa = self._xq(x, hw)
+        k = self._k
+        if qt.nbytes * x.shape[0] <= self.serial_bytes:  # small: this thread, no pool wake-up, no lock
+            kern = k.i8_matmul_1 if qt.fmt == "int8" else (k.i4t_matmul_1 if hw.fold else k.i4_matmul_1)
+            kern(hw.data3, hw.scales2, *xa, y)
+            return y
         with self._parallel(self._tiles(qt.out_features)):
-            if qt.fmt == "int8":
-                self._k.i8_matmul(hw.data3, hw.scales2, *xa, y)
-            elif hw.fold:
-                self._k.i4t_matmul(hw.data3, hw.scales2, *xa, y)
-            else:
-                self._k.i4_matmul(hw.data3, hw.scales2, *xa, y)
+            kern = k.i8_matmul if qt.fmt == "int8" else (k.i4t_matmul if hw.fold else k.i4_matmul)
+            kern(hw.data3, hw.scales2, *xa, y)
         return y
 
     def _parallel(self, iterations: int):

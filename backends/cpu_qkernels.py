@@ -33,6 +33,11 @@ from numba import njit, prange
 # see cpu_kernels: sleeping OpenMP workers on a shared host (set before numba starts its pool)
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
+#: a matmul reading at most this many weight bytes × tokens runs the ``_1`` kernels on the calling
+#: thread: waking the sleeping workers of a parallel region costs ~45 µs, and one core streams ~25 GB/s
+#: from RAM, so below ~2 MB the serial kernel is faster (measured 1 MB int4 GEMV from RAM: 49 µs serial,
+#: 73 µs on 2 cores; 4 MB int8: 156 vs 178 µs on a shared 2-core host)
+SERIAL_BYTES = 2 << 20
 #: rows per parallel work item (a tile of a 6144-column int8 weight is 192 KiB: it stays in L2)
 ROW_TILE = 32
 #: int8 columns per int32 block (256·127·32767 < 2³¹)
@@ -40,6 +45,12 @@ K8 = 256
 #: bytes per int32 block of per-row int4 (1024 bytes = 2048 columns: 2048·15·32767 < 2³¹)
 K4 = 1024
 _QMAX = np.float32(32767.0)
+#: fast-math without reassociation for the int8 matmul kernels: the serial and the parallel kernel
+#: (compiled apart) then round alike, bit for bit (with ``reassoc`` LLVM regrouped int8's three-factor
+#: product differently in each; same speed, the dot products are integer). The int4 kernels keep it:
+#: the transposed ones sum lanes in float32 and run 10x slower unvectorised without it (bit-equal
+#: serial/parallel there as compiled; tests/test_backend_cpu_kernels.py checks every format)
+_FM = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
 
 
 def _dot8(n: int):
@@ -183,17 +194,28 @@ def _row8(d3, r, x3, t):
     return acc
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, inline="always")
+def _tile8(data3, scales, xq3, sx, y, b):
+    # row tile b of i8_matmul, every token (the serial and parallel kernels share it: same numbers)
+    r1 = min(b * ROW_TILE + ROW_TILE, data3.shape[0])
+    for t in range(xq3.shape[0]):  # prefill: the tile stays in L2 across tokens
+        for r in range(b * ROW_TILE, r1):
+            y[t, r] = _row8(data3, r, xq3, t) * scales[r, 0] * sx[t]
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
 def i8_matmul(data3, scales, xq3, sx, y):
     """int8 GEMM: y [T, out] = x · Wᵀ with data3 int8 [out, blocks, bb], scales float32 [out, 1],
     xq3 int16 [T, blocks, K8], sx float32 [T]; y float32 [T, out] written in place."""
-    out = data3.shape[0]
-    T = xq3.shape[0]
-    for b in prange((out + ROW_TILE - 1) // ROW_TILE):
-        r1 = min(b * ROW_TILE + ROW_TILE, out)
-        for t in range(T):  # prefill: the tile stays in L2 across tokens
-            for r in range(b * ROW_TILE, r1):
-                y[t, r] = _row8(data3, r, xq3, t) * scales[r, 0] * sx[t]
+    for b in prange((data3.shape[0] + ROW_TILE - 1) // ROW_TILE):
+        _tile8(data3, scales, xq3, sx, y, b)
+
+
+@njit(fastmath=_FM, cache=True)
+def i8_matmul_1(data3, scales, xq3, sx, y):
+    """:func:`i8_matmul` on the calling thread (small weights: see ``SERIAL_BYTES``), same result."""
+    for b in range((data3.shape[0] + ROW_TILE - 1) // ROW_TILE):
+        _tile8(data3, scales, xq3, sx, y, b)
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -211,6 +233,14 @@ def _row4(d3, r, s2, xe3, xo3, t, xsum):
     return acc
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def _tile4(data3, scales2, xe3, xo3, sx, xsum, y, b):
+    r1 = min(b * ROW_TILE + ROW_TILE, data3.shape[0])
+    for t in range(xe3.shape[0]):
+        for r in range(b * ROW_TILE, r1):
+            y[t, r] = _row4(data3, r, scales2, xe3, xo3, t, xsum) * sx[t]
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def i4_matmul(data3, scales2, xe3, xo3, sx, xsum, y):
     """int4 / int4-gG GEMM: y [T, out] = x · Wᵀ.
@@ -218,13 +248,15 @@ def i4_matmul(data3, scales2, xe3, xo3, sx, xsum, y):
     data3 uint8 [out, blocks, bb]; scales2 float32 [out, groups] (1 group per-row); xe3, xo3 int16
     [T, blocks, bb]; sx float32 [T]; xsum int32 [T, groups]; y float32 [T, out] written in place.
     """
-    out = data3.shape[0]
-    T = xe3.shape[0]
-    for b in prange((out + ROW_TILE - 1) // ROW_TILE):
-        r1 = min(b * ROW_TILE + ROW_TILE, out)
-        for t in range(T):
-            for r in range(b * ROW_TILE, r1):
-                y[t, r] = _row4(data3, r, scales2, xe3, xo3, t, xsum) * sx[t]
+    for b in prange((data3.shape[0] + ROW_TILE - 1) // ROW_TILE):
+        _tile4(data3, scales2, xe3, xo3, sx, xsum, y, b)
+
+
+@njit(fastmath=True, cache=True)
+def i4_matmul_1(data3, scales2, xe3, xo3, sx, xsum, y):
+    """:func:`i4_matmul` on the calling thread (small weights), same result."""
+    for b in range((data3.shape[0] + ROW_TILE - 1) // ROW_TILE):
+        _tile4(data3, scales2, xe3, xo3, sx, xsum, y, b)
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -289,19 +321,29 @@ def _row4t(wt, r, sl, xe3, xo3, t, xsl):
     return _r4(wt, r, sl, xe3, xo3, t, xsl)
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def _tile4t(wt, scales2, xe3, xo3, sx, xsum, y, b):
+    r1 = min(b * ROW_TILE + ROW_TILE, wt.shape[0])
+    for t in range(xe3.shape[0]):
+        for r in range(b * ROW_TILE, r1):
+            y[t, r] = _row4t(wt, r, scales2, xe3, xo3, t, xsum) * sx[t]
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def i4t_matmul(wt, scales2, xe3, xo3, sx, xsum, y):
     """int4-g32/g64 GEMM on the transposed layout: wt uint8 [out, C, J, L] (C·L = groups · fold lanes in
     chunks of L); scales2 float32 [out, C·L] (one per lane); xe3, xo3 int16 [T, C, J, L] (the
     activations in the same layout); sx float32 [T]; xsum int32 [T, C·L] (Σ xq per lane); y float32
     [T, out] written in place."""
-    out = wt.shape[0]
-    T = xe3.shape[0]
-    for b in prange((out + ROW_TILE - 1) // ROW_TILE):
-        r1 = min(b * ROW_TILE + ROW_TILE, out)
-        for t in range(T):
-            for r in range(b * ROW_TILE, r1):
-                y[t, r] = _row4t(wt, r, scales2, xe3, xo3, t, xsum) * sx[t]
+    for b in prange((wt.shape[0] + ROW_TILE - 1) // ROW_TILE):
+        _tile4t(wt, scales2, xe3, xo3, sx, xsum, y, b)
+
+
+@njit(fastmath=True, cache=True)
+def i4t_matmul_1(wt, scales2, xe3, xo3, sx, xsum, y):
+    """:func:`i4t_matmul` on the calling thread (small weights), same result."""
+    for b in range((wt.shape[0] + ROW_TILE - 1) // ROW_TILE):
+        _tile4t(wt, scales2, xe3, xo3, sx, xsum, y, b)
 
 
 # ---- routed experts, batched: every expert of a layer in one parallel call --------------------------

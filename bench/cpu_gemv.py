@@ -9,7 +9,7 @@ GEMV figure is divided by the median RAM figure and by the mean of the probes ju
 ("local": less sensitive to other processes): the "fraction of RAM bandwidth" of issue 14 (≥ 0.8).
 The machine may be shared: the load average before and after is recorded; compare figures of one run.
 
-    .venv/bin/python bench/cpu_gemv.py [--repeats 7] [--out FILE]
+    .venv/bin/python bench/cpu_gemv.py [--repeats 7] [--compare-parallel] [--out FILE]
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=16, help="tokens of the batched (prefill) figure; 0: none")
     ap.add_argument("--pool-bytes", type=int, default=256 << 20)
     ap.add_argument("--ram-bytes", type=int, default=512 << 20)
+    ap.add_argument("--compare-parallel", action="store_true",
+                    help="also time each GEMV with the backend's serial path off (serial_bytes = 0)")
     ap.add_argument("--out", default=None, help="JSON output file")
     a = ap.parse_args()
     from colibri_plan.backends import get_backend
@@ -92,6 +94,11 @@ def main() -> None:
             row = {"shape": sname, "out": shape[0], "in": shape[1], "fmt": fmt, "weight_bytes": nbytes,
                    "gemv_s": statistics.median(s1), "gemv_gbps": nbytes / statistics.median(s1) / 1e9,
                    "gemv_gbps_runs": [nbytes / s / 1e9 for s in s1]}
+            if a.compare_parallel:  # the same pool, every call on the parallel kernels (no serial path)
+                serial_bytes, be.serial_bytes = be.serial_bytes, 0
+                sp = statistics.median(time_pool(be, ws, x1, a.repeats))
+                be.serial_bytes = serial_bytes
+                row.update(gemv_s_parallel=sp, gemv_gbps_parallel=nbytes / sp / 1e9)
             if a.prefill > 1:
                 xt = rng.standard_normal((a.prefill, shape[1]), dtype=np.float32)
                 st = time_pool(be, ws, xt, max(3, a.repeats // 2))
@@ -101,7 +108,8 @@ def main() -> None:
                 be.free(w)
             ram.append(ram_gbps(a.ram_bytes))
             rows.append(row)
-            print(f"  {sname:22} {fmt:9} {row['gemv_gbps']:6.1f} GB/s  (RAM {ram[-1]:.1f})", flush=True)
+            par = f", all-parallel {row['gemv_gbps_parallel']:.1f}" if a.compare_parallel else ""
+            print(f"  {sname:22} {fmt:9} {row['gemv_gbps']:6.1f} GB/s{par}  (RAM {ram[-1]:.1f})", flush=True)
     ram_med = statistics.median(ram)
     for i, r in enumerate(rows):  # probes run before and after each row: the machine may be shared
         r["ram_gbps_local"] = (ram[i] + ram[i + 1]) / 2
@@ -111,12 +119,16 @@ def main() -> None:
     print(f"\nRAM read (profiler probe, median of {len(ram)}): {ram_med:.1f} GB/s "
           f"[{min(ram):.1f}..{max(ram):.1f}]; load average {load0[0]:.2f} -> {load1[0]:.2f}")
     hdr = f"{'shape':22} {'format':9} {'MB':>6} {'GEMV ms':>8} {'GB/s':>6} {'of RAM':>7} {'of local':>8}"
+    if a.compare_parallel:
+        hdr += f" {'all-par GB/s':>12}"
     if a.prefill > 1:
         hdr += f" {f'T={a.prefill} / T=1':>11}"
     print(hdr)
     for r in rows:
         line = (f"{r['shape']:22} {r['fmt']:9} {r['weight_bytes'] / 1e6:6.1f} {r['gemv_s'] * 1e3:8.3f} "
                 f"{r['gemv_gbps']:6.1f} {r['fraction_of_ram']:7.2f} {r['fraction_of_local_ram']:8.2f}")
+        if a.compare_parallel:
+            line += f" {r['gemv_gbps_parallel']:12.1f}"
         if a.prefill > 1:
             line += f" {r['prefill_over_gemv']:11.2f}"
         print(line)

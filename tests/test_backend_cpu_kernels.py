@@ -108,3 +108,23 @@ def test_zero_and_extreme_activations(be):
     assert (y[0] == 0).all()
     ref = -1e30 * quant.dequantize(qt)[:, 7].astype(np.float64)
     np.testing.assert_allclose(y[1], ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-g32", "int4-g64", "int4-g128"])
+def test_serial_kernels_equal_parallel(be, fmt):
+    # small matmuls run the single-thread kernels (cpu.serial_bytes): same tiles, same numbers
+    rng = np.random.default_rng(6)
+    qt = quant.quantize(rng.standard_normal((70, 1024), dtype=np.float32), fmt)
+    w = be.upload(qt)
+    x = rng.standard_normal((4, 1024), dtype=np.float32)
+    assert qt.nbytes * 4 <= be.serial_bytes  # the default takes the serial path here
+    serial = be.matmul(x, w)
+    old, be.serial_bytes = be.serial_bytes, 0
+    try:
+        parallel = be.matmul(x, w)
+    finally:
+        be.serial_bytes = old
+    np.testing.assert_array_equal(serial, parallel)
+    ref = x.astype(np.float64) @ quant.dequantize(qt).astype(np.float64).T
+    assert (np.abs(serial - ref) <= _bound(x, qt)).all()
+    be.free(w)
