@@ -5,6 +5,9 @@ activations quantized to int16 once per call (one scale per token), int8/int4 ×
 in int32 (``vpdpwssd`` on AVX-512 VNNI), the packed bytes unpacked in registers, never dequantized to
 memory. Tiles of rows run in parallel, every token of a batch per tile, so a GEMV streams each weight
 byte from RAM once and a prefill batch of T tokens reads it once too (from L2 for tokens 2..T).
+A matmul of at most ``serial_bytes`` (weight bytes × tokens, 2 MiB) runs a single-thread twin of its
+kernel, chosen at upload with it (``HostWeight.kernel``/``serial``, same bits): waking the pool costs
+more than such a matmul gains from a second core.
 int2 and ``attention_absorb`` (MLA decode) run the float kernels of :mod:`~colibri_plan.backends.cpu_kernels`;
 ``d_attention`` (GQA over a KV cache) runs :mod:`~colibri_plan.backends.cpu_attention`. Float formats
 (f32/f16/bf16) use the numpy reference path (float32 BLAS, f16/bf16 converted a block of rows at a
@@ -91,6 +94,8 @@ class HostWeight(NamedTuple):
     cols: int = 0  # padded input columns the activations are quantized to
     group: int = 0  # int4: columns per zero-code group (per-row: ``cols``)
     fold: int = 0  # int4-g32/g64: parts each group is split in (transposed layout); 0: blocked layout
+    kernel: object = None  # the parallel matmul kernel of this layout (chosen once, at upload)
+    serial: object = None  # its single-thread twin (same bits) for small matmuls; None: always parallel
 
 
 def _block(nbytes: int, sizes: tuple[int, ...]) -> tuple[int, int]:
@@ -206,7 +211,18 @@ class CpuBackend(NumpyBackend):
 
     def _upload(self, qt: QuantTensor) -> HostWeight:
         qt = super()._upload(qt)
-        return int_layout(qt, self._k) if qt.fmt in INT_FORMATS else HostWeight(qt)
+        if qt.fmt not in INT_FORMATS:
+            return HostWeight(qt)
+        hw, k = int_layout(qt, self._k), self._k
+        if qt.fmt == "int8":
+            pair = (k.i8_matmul, k.i8_matmul_1)
+        elif hw.fold:
+            pair = (k.i4t_matmul, k.i4t_matmul_1)
+        elif hw.group == hw.cols:  # per-row int4
+            pair = (k.i4r_matmul, k.i4r_matmul_1)
+        else:  # int4-g128: reassociating parallel kernel only (cpu_qkernels.i4r_matmul)
+            pair = (k.i4_matmul, None)
+        return hw._replace(kernel=pair[0], serial=pair[1])
 
     def _xq(self, x: np.ndarray, hw: HostWeight):
         """Activations of x float32 [T, in] for ``hw``'s kernel: int8 (xq3 [T, blocks, bb], sx [T]);
@@ -243,14 +259,11 @@ class CpuBackend(NumpyBackend):
                 self._k.q2_matmul(qt.data, qt.scales, x0, d1, d2, d3, xsum, y)
             return y
         xa = self._xq(x, hw)
-        k = self._k
-        if qt.nbytes * x.shape[0] <= self.serial_bytes:  # small: this thread, no pool wake-up, no lock
-            kern = k.i8_matmul_1 if qt.fmt == "int8" else (k.i4t_matmul_1 if hw.fold else k.i4_matmul_1)
-            kern(hw.data3, hw.scales2, *xa, y)
+        if hw.serial is not None and qt.nbytes * x.shape[0] <= self.serial_bytes:
+            hw.serial(hw.data3, hw.scales2, *xa, y)  # small: this thread, no pool wake-up, no lock
             return y
         with self._parallel(self._tiles(qt.out_features)):
-            kern = k.i8_matmul if qt.fmt == "int8" else (k.i4t_matmul if hw.fold else k.i4_matmul)
-            kern(hw.data3, hw.scales2, *xa, y)
+            hw.kernel(hw.data3, hw.scales2, *xa, y)
         return y
 
     def _parallel(self, iterations: int):

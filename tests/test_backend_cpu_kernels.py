@@ -118,6 +118,7 @@ def test_serial_kernels_equal_parallel(be, fmt):
     w = be.upload(qt)
     x = rng.standard_normal((4, 1024), dtype=np.float32)
     assert qt.nbytes * 4 <= be.serial_bytes  # the default takes the serial path here
+    assert (w.payload.serial is None) == (fmt == "int4-g128")  # g128: a parallel kernel only
     serial = be.matmul(x, w)
     old, be.serial_bytes = be.serial_bytes, 0
     try:
