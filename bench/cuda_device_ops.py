@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -34,21 +35,12 @@ from colibri_plan.backends import get_backend
 from colibri_plan.backends.device_ops import attention_ref, rope_ref, rope_table
 from colibri_plan.fileio import atomic_write_text
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_expert_ffn import copy_gbps  # noqa: E402 - the same copy-bandwidth yardstick
+from opencl_device_ops import print_op_table  # noqa: E402 - the op table of the device-op benches
+
 H = 4096  # hidden size of the small ops and the matmul
 HQ, HKV, HD = 32, 8, 128  # attention heads, kv heads, head dim
-
-
-def copy_gbps(cp, nbytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Device-to-device copy, read + write bytes per second / 1e9 (median)."""
-    a, b = cp.ones(nbytes // 4, cp.float32), cp.empty(nbytes // 4, cp.float32)
-    rates = []
-    for _ in range(repeats + 1):
-        cp.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        b[...] = a
-        cp.cuda.Device().synchronize()
-        rates.append(2 * nbytes / (time.perf_counter() - t0) / 1e9)
-    return float(np.median(rates[1:]))
 
 
 def chain(be, call, calls: int, repeats: int) -> dict:
@@ -201,14 +193,7 @@ def main(argv=None) -> int:
         rows = small_ops(be, rng, args) + matmul_rows(be, rng, args, gbps) + attention_rows(be, rng, args)
         result = {"device": be.device.name, "copy_gbps": gbps, "ops": rows}
     print(f"{be.device.name}: device-to-device copy {gbps:.0f} GB/s (read + write)")
-    print(f"{'op':<38} {'host us':>8} {'gpu us':>8} {'wall us':>8} {'GB/s':>7} {'of copy':>7} {'max err':>9}")
-    for r in rows:
-        bw = r.get("weight_gbps", r.get("kv_gbps"))
-        gpu_us = r.get("gpu_us", float("nan"))
-        print(f"{r['op']:<38} {r['host_us']:>8.1f} {gpu_us:>8.1f} {r['wall_us']:>8.1f} "
-              f"{'' if bw is None else f'{bw:.0f}':>7} "
-              f"{'' if 'copy_fraction' not in r else format(r['copy_fraction'], '.2f'):>7} "
-              f"{'' if 'max_err' not in r else format(r['max_err'], '.1e'):>9}")
+    print_op_table(rows, gpu_columns=True)
     if args.out:
         atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
     return 0

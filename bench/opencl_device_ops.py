@@ -151,6 +151,25 @@ def run(be, args) -> list[dict]:
     return rows
 
 
+def print_op_table(rows: list[dict], gpu_columns: bool = False) -> None:
+    """Print the op rows of the ``*_device_ops.py`` benches as a table on stdout.
+
+    ``rows``: dicts with ``op`` (str), ``host_us`` and ``wall_us`` (float, microseconds per call) and,
+    where measured, ``weight_gbps`` or ``kv_gbps`` (GB/s), ``max_err`` (relative). ``gpu_columns`` adds
+    the CUDA bench's ``gpu_us`` (NaN where absent) and ``copy_fraction`` (of the device copy rate) columns.
+    """
+    gpu_head, copy_head = (f" {'gpu us':>8}", f" {'of copy':>7}") if gpu_columns else ("", "")
+    print(f"{'op':<38} {'host us':>8}{gpu_head} {'wall us':>8} {'GB/s':>7}{copy_head} {'max err':>9}")
+    for r in rows:
+        bw = r.get("weight_gbps", r.get("kv_gbps"))
+        gpu = f" {r.get('gpu_us', float('nan')):>8.1f}" if gpu_columns else ""
+        frac = "" if 'copy_fraction' not in r else format(r['copy_fraction'], '.2f')
+        copy = f" {frac:>7}" if gpu_columns else ""
+        print(f"{r['op']:<38} {r['host_us']:>8.1f}{gpu} {r['wall_us']:>8.1f} "
+              f"{'' if bw is None else f'{bw:.0f}':>7}{copy} "
+              f"{'' if 'max_err' not in r else format(r['max_err'], '.1e'):>9}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write the results as JSON here")
@@ -174,12 +193,7 @@ def main(argv=None) -> int:
             rows += expert_rows(be, args, np.random.default_rng(1))
         result = {"device": be.device.name, "kind": be.device.kind, "driver": be.device.driver, "ops": rows}
     print(f"{result['device']} ({result['driver']})")
-    print(f"{'op':<38} {'host us':>8} {'wall us':>8} {'GB/s':>7} {'max err':>9}")
-    for r in rows:
-        bw = r.get("weight_gbps", r.get("kv_gbps"))
-        print(f"{r['op']:<38} {r['host_us']:>8.1f} {r['wall_us']:>8.1f} "
-              f"{'' if bw is None else f'{bw:.0f}':>7} "
-              f"{'' if 'max_err' not in r else format(r['max_err'], '.1e'):>9}")
+    print_op_table(rows)
     if args.out:
         atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
     return 0

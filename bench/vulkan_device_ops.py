@@ -35,7 +35,7 @@ from colibri_plan.backends.device_ops import DArray, DeviceOps
 from colibri_plan.fileio import atomic_write_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from opencl_device_ops import run  # noqa: E402 - the backend-neutral op table
+from opencl_device_ops import print_op_table, run  # noqa: E402 - the backend-neutral op table
 
 
 def expert_rows(be, args) -> list[dict]:
@@ -106,12 +106,7 @@ def main(argv=None) -> int:
                   "push_descriptors": be._d.push, "ops": rows}
     print(f"{result['device']} ({result['driver']}), descriptors "
           f"{'pushed' if result['push_descriptors'] else 'in sets'}")
-    print(f"{'op':<38} {'host us':>8} {'wall us':>8} {'GB/s':>7} {'max err':>9}")
-    for r in rows:
-        bw = r.get("weight_gbps", r.get("kv_gbps"))
-        print(f"{r['op']:<38} {r['host_us']:>8.1f} {r['wall_us']:>8.1f} "
-              f"{'' if bw is None else f'{bw:.0f}':>7} "
-              f"{'' if 'max_err' not in r else format(r['max_err'], '.1e'):>9}")
+    print_op_table(rows)
     if args.out:
         atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
     return 0
