@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
+from _backend_params import backend_params  # noqa: E402
 from _tiny_models import MLA_SEEDS, build, build_mla  # noqa: E402
 
 from colibri_plan.backends import get_backend  # noqa: E402
@@ -32,14 +33,6 @@ REL_TOL = 1e-4
 VARIANTS = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe": ("qwen3_moe", {}),
             "olmoe": ("olmoe", {}), "glm4_moe": ("glm4_moe", {}),
             "mixtral_sliding": ("mixtral", {"sliding_window": 5})}
-
-
-def _backends() -> list:
-    out = []
-    for name in ("numpy", "cpu", "opencl", "vulkan", "cuda"):
-        reason = get_backend(name).unavailable_reason()
-        out.append(pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=str(reason))))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +54,7 @@ def _close(got: np.ndarray, want: np.ndarray) -> None:
     assert float(np.abs(got - want).max()) <= bound
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_device_trunk_matches_the_cpu_path(models, variant, backend):
     w, want_ids, want_logits = models[variant]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _backend_params import backend_params, count_calls
 
 from colibri_plan.backends import get_backend
 from colibri_plan.engine.fixture import FixtureConfig, build_fixture
@@ -35,14 +36,6 @@ def fx(tmp_path_factory):
     with open_pack(d) as pack, Model(pack) as ref:
         want = ref.generate(PROMPT, N_TOKENS)
     return d, want
-
-
-def _backends() -> list:
-    out = []
-    for name in ("numpy", "cpu", "opencl", "vulkan", "cuda"):
-        reason = get_backend(name).unavailable_reason()
-        out.append(pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=str(reason))))
-    return out
 
 
 def _placement(arch, key: str, other: str | None = "numpy:1") -> Placement:
@@ -74,15 +67,13 @@ def _run(pack, placement, devices, trunk_be=None):
         cpu.close()
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", backend_params())
 def test_local_experts_run_on_the_device_x_with_the_host_paths_tokens_and_counts(fx, backend):
     folder, want = fx
     key = f"{backend}:0"
     be, other = get_backend(backend).open(0), get_backend("numpy").open(0)  # other: "another GPU"
     host_be = get_backend("numpy").open(0)
-    calls = []
-    d_expert_ffn = be.d_expert_ffn
-    be.d_expert_ffn = lambda x, ws, g: calls.append(len(ws)) or d_expert_ffn(x, ws, g)
+    calls = count_calls(be, "d_expert_ffn")
     try:
         with open_pack(folder) as pack:
             placement = _placement(pack.arch, key)
@@ -241,9 +232,7 @@ def test_local_experts_on_the_simulated_cuda_backend(fx, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "cupy", device_cupy(Sim()))
     be = get_backend("cuda").open(0)
-    calls = []
-    fn = be._d_expert_ffn
-    be._d_expert_ffn = lambda x, ws, g: calls.append(len(ws)) or fn(x, ws, g)
+    calls = count_calls(be, "_d_expert_ffn")
     try:
         with open_pack(folder) as pack:
             tokens, stats, _, seen = _run(pack, _placement(pack.arch, "cuda:0", None), {"cuda:0": be}, be)
