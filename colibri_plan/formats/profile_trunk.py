@@ -9,7 +9,8 @@ returns None, so a caller falls back to the ``matmul`` / ``links`` / ``ram`` fig
 
 Each reader takes the profile document (``MachineProfile.doc``) or the MachineProfile itself, and a
 device named by its backend and index (the host CPU is backend "cpu", or "numpy" without numba,
-index 0). Figures are the medians of the stats.
+index 0; a tuple of backends reads the entries of any of them, in the profile's order). Figures are the
+medians of the stats.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from __future__ import annotations
 import math
 
 
-def _entries(profile, section: str, backend: str, device_index: int) -> list[dict]:
+def _entries(profile, section: str, backend: str | tuple[str, ...], device_index: int) -> list[dict]:
     doc = getattr(profile, "doc", profile)
     rows = doc.get(section) if isinstance(doc, dict) else None
     if not isinstance(rows, list):  # absent, or {"unavailable": reason}
         return []
-    return [e for e in rows if e.get("backend") == backend and e.get("device_index") == device_index]
+    want = (backend,) if isinstance(backend, str) else backend
+    return [e for e in rows if e.get("backend") in want and e.get("device_index") == device_index]
 
 
 def has_trunk_figures(profile, backend: str, device_index: int) -> bool:
@@ -30,8 +32,8 @@ def has_trunk_figures(profile, backend: str, device_index: int) -> bool:
     return all(_entries(profile, s, backend, device_index) for s in ("dense_gemv", "device_ops", "attention"))
 
 
-def dense_gemv_gbps(profile, backend: str, device_index: int, fmt: str, out_features: int | None = None,
-                    in_features: int | None = None) -> float | None:
+def dense_gemv_gbps(profile, backend: str | tuple[str, ...], device_index: int, fmt: str,
+                    out_features: int | None = None, in_features: int | None = None) -> float | None:
     """Weight GB/s (stored bytes / s / 1e9) of a decode GEMV [1, in] · W[out, in]ᵀ in ``fmt`` on the
     device: the entry nearest the shape (in log out + log in) when one is given, else the median over
     the measured shapes; None when the device was not measured in ``fmt``."""
@@ -52,13 +54,13 @@ def dense_gemv_formats(profile, backend: str, device_index: int) -> list[str]:
     return list(dict.fromkeys(e["fmt"] for e in _entries(profile, "dense_gemv", backend, device_index)))
 
 
-def device_op_s(profile, backend: str, device_index: int) -> float | None:
+def device_op_s(profile, backend: str | tuple[str, ...], device_index: int) -> float | None:
     """Seconds of one small device op (a d_add on [1, 4096] in a chain); None when not measured."""
     rows = _entries(profile, "device_ops", backend, device_index)
     return float(rows[0]["op_seconds"]["median"]) if rows else None
 
 
-def roundtrip_s(profile, backend: str, device_index: int) -> float | None:
+def roundtrip_s(profile, backend: str | tuple[str, ...], device_index: int) -> float | None:
     """Seconds of d_get + d_put of one [1, H] float32 activation (H = 4096); None when not measured."""
     rows = _entries(profile, "device_ops", backend, device_index)
     return float(rows[0]["roundtrip_seconds"]["median"]) if rows else None
@@ -70,6 +72,15 @@ def _attention_entry(profile, backend: str, device_index: int, context_tokens: i
         return None
     c = max(int(context_tokens), 1)
     return min(rows, key=lambda e: (abs(math.log(e["context_tokens"] / c)), e["context_tokens"]))
+
+
+def attention_kv_table(profile, backend: str | tuple[str, ...],
+                       device_index: int) -> tuple[tuple[int, float], ...]:
+    """((context tokens, K+V GB/s), ...) of the device's decode attention calls, ascending context (one
+    pair per context: the last entry listed wins); () when not measured."""
+    pairs = {int(e["context_tokens"]): float(e["kv_gbps"]["median"])
+             for e in _entries(profile, "attention", backend, device_index)}
+    return tuple(sorted(pairs.items()))
 
 
 def attention_kv_gbps(profile, backend: str, device_index: int, context_tokens: int) -> float | None:

@@ -48,7 +48,13 @@ from dataclasses import dataclass, field
 from colibri_plan import quant
 from colibri_plan.errors import InputError
 from colibri_plan.formats.plan_trunk import CPU, kv_bytes
-from colibri_plan.formats.profile_trunk import trunk_layer
+from colibri_plan.formats.profile_trunk import (
+    attention_kv_table,
+    dense_gemv_gbps,
+    device_op_s,
+    roundtrip_s,
+    trunk_layer,
+)
 from colibri_plan.planner.costmodel import transfer_seconds
 from colibri_plan.planner.trunk_layer import LayerFigures, layer_trunk_seconds, lm_head_bytes
 
@@ -140,58 +146,19 @@ def split_layers(n_layers: int, free_bytes: dict[str, int]) -> tuple[tuple[int, 
     return tuple(out)
 
 
-# -- the profile's trunk sections, read with fallbacks (the profile module is another engineer's) --------
+# -- the profile's trunk sections (readers: formats.profile_trunk), with fallbacks ------------------------
 
-def _rows(profile, section: str, backend: str | None, index: int) -> list[dict]:
-    rows = profile.doc.get(section)
-    if not isinstance(rows, list):
-        return []
-    want = CPU_BACKENDS if backend is None else (backend,)
-    return [r for r in rows if isinstance(r, dict) and r.get("backend") in want
-            and r.get("device_index") == index]
-
-
-def _median(stat) -> float | None:
-    v = stat.get("median") if isinstance(stat, dict) else None
-    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else None
-
-
-def _nearest_shape(rows: list[dict], fmt: str, hidden: int) -> float | None:
-    rows = [r for r in rows if r.get("fmt") == fmt and _median(r.get("weight_gbps"))
-            and r.get("out_features") and r.get("in_features")]
-    if not rows:
-        return None
-    best = min(rows, key=lambda r: abs(math.log(r["out_features"] / hidden))
-               + abs(math.log(r["in_features"] / hidden)))
-    return _median(best["weight_gbps"])
-
-
-def _kv_table(rows: list[dict]) -> tuple[tuple[int, float], ...]:
-    pairs = {}
-    for r in rows:
-        g = _median(r.get("kv_gbps"))
-        if g and isinstance(r.get("context_tokens"), int):
-            pairs[int(r["context_tokens"])] = g
-    return tuple(sorted(pairs.items()))
-
-
-def _layer_and_lm(profile, gemv_rows: list[dict], backend: str | None, index: int, path: str, dense_fmt: str,
+def _layer_and_lm(profile, backend: str | None, index: int, path: str, dense_fmt: str,
                   spec, src: dict) -> tuple[LayerFigures | None, float | None]:
     """The device's measured layer (the host CPU: under any of :data:`CPU_BACKENDS`) and its GEMV GB/s at
-    the LM head's shape; notes the sources in ``src``."""
+    the LM head's shape (None: not measured); notes the sources in ``src``."""
     lay = None
     for b in ((backend,) if backend else CPU_BACKENDS):
         lay = lay or LayerFigures.from_reader(trunk_layer(profile, b, index, path))
     src["layer"] = (f"profile trunk_layer ({lay.path} path, {lay.fmt})" if lay
                     else "none (formula: GEMV bytes + small ops)")
-    rows = [r for r in gemv_rows if r.get("fmt") == dense_fmt and _median(r.get("weight_gbps"))
-            and r.get("out_features") and r.get("in_features")]
-    lm = None
-    if rows:
-        best = min(rows, key=lambda r: abs(math.log(r["out_features"] / spec.vocab_size))
-                   + abs(math.log(r["in_features"] / spec.hidden_size)))
-        lm = _median(best["weight_gbps"])
-    return lay, lm
+    return lay, dense_gemv_gbps(profile, backend or CPU_BACKENDS, index, dense_fmt, spec.vocab_size,
+                                spec.hidden_size)
 
 
 def device_figures(profile, res, spec, dense_fmt: str, coef) -> dict[str, TrunkFigures]:
@@ -203,21 +170,19 @@ def device_figures(profile, res, spec, dense_fmt: str, coef) -> dict[str, TrunkF
     h = spec.hidden_size
     act = h * 4                                 # the hidden state crosses the link as f32 [1, H]
     out = {}
-    rows = _rows(profile, "dense_gemv", None, 0)
-    g = _nearest_shape(rows, dense_fmt, h)
+    g = dense_gemv_gbps(profile, CPU_BACKENDS, 0, dense_fmt, h, h)
     src = {"dense_gbps": "profile dense_gemv" if g else "CPU path (matmul, RAM read)"}
     g = g or (res.dense_gbps if res.dense_gbps is not None else res.cpu_gbps)
-    ops = [_median(r.get("op_seconds")) for r in _rows(profile, "device_ops", None, 0)]
-    op = next((o for o in ops if o), None)
+    op = device_op_s(profile, CPU_BACKENDS, 0)
     src["op_s"] = "profile device_ops" if op else "none (0: as before)"
-    kv = _kv_table(_rows(profile, "attention", None, 0))
+    kv = attention_kv_table(profile, CPU_BACKENDS, 0)
     src["kv_gbps"] = "profile attention" if kv else "RAM read"
-    lay, lm = _layer_and_lm(profile, rows, None, 0, "host", dense_fmt, spec, src)
+    lay, lm = _layer_and_lm(profile, None, 0, "host", dense_fmt, spec, src)
     out[CPU] = TrunkFigures(CPU, g, op or 0.0, 0.0, kv or ((0, res.ram_read_gbps),), False, src, lay, lm)
     for gpu in res.gpus:
         backend, _, idx = gpu.key.partition(":")
         i = int(idx)
-        g = _nearest_shape(_rows(profile, "dense_gemv", backend, i), dense_fmt, h)
+        g = dense_gemv_gbps(profile, backend, i, dense_fmt, h, h)
         src = {"dense_gbps": "profile dense_gemv"}
         if not g:
             try:
@@ -226,9 +191,7 @@ def device_figures(profile, res, spec, dense_fmt: str, coef) -> dict[str, TrunkF
             except (InputError, KeyError, ValueError):
                 g = gpu.matmul_gbps
                 src["dense_gbps"] = "routed-expert GB/s of the device"
-        d_ops = _rows(profile, "device_ops", backend, i)
-        op = next((v for v in (_median(r.get("op_seconds")) for r in d_ops) if v), None)
-        rt = next((v for v in (_median(r.get("roundtrip_seconds")) for r in d_ops) if v), None)
+        op, rt = device_op_s(profile, backend, i), roundtrip_s(profile, backend, i)
         src["op_s"] = "profile device_ops" if op else f"default {DEFAULT_GPU_OP_S * 1e6:g} µs"
         if gpu.unified:
             rt, src["roundtrip_s"] = 0.0, "unified memory (no transfer)"
@@ -237,10 +200,9 @@ def device_figures(profile, res, spec, dense_fmt: str, coef) -> dict[str, TrunkF
             src["roundtrip_s"] = "links (2 latencies + H2D/D2H of the hidden state)"
         else:
             src["roundtrip_s"] = "profile device_ops"
-        kv = _kv_table(_rows(profile, "attention", backend, i))
+        kv = attention_kv_table(profile, backend, i)
         src["kv_gbps"] = "profile attention" if kv else "dense GB/s of the device"
-        lay, lm = _layer_and_lm(profile, _rows(profile, "dense_gemv", backend, i), backend, i, "device",
-                                dense_fmt, spec, src)
+        lay, lm = _layer_and_lm(profile, backend, i, "device", dense_fmt, spec, src)
         out[gpu.key] = TrunkFigures(gpu.key, g, op or DEFAULT_GPU_OP_S, rt, kv or ((0, g),),
                                     not gpu.unified, src, lay, lm)
     for f in out.values():
