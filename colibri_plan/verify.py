@@ -243,10 +243,11 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
 
     say = progress or (lambda _m: None)
     check_plan_model(plan, pack)
-    for w in (machine_warning(plan, machine_fp), dense_format_warning(plan, pack.path),
-              context_warning(plan, len(prompt_ids) + n_tokens + 1)):
-        if w and warn:
-            warn(w)
+    w = machine_warning(plan, machine_fp)  # the report's machine.warning
+    for note in (w, dense_format_warning(plan, pack.path),
+                 context_warning(plan, len(prompt_ids) + n_tokens + 1)):
+        if note and warn:
+            warn(note)
     # n_tokens decode steps are timed: the first of the n_tokens + 1 new ids comes from the prefill
     say(f"running the plan: {n_tokens} decode step{'s' if n_tokens != 1 else ''} ({n_tokens + 1} tokens)")
     run = generate(pack, prompt_ids, n_tokens + 1, plan=plan, backend=cpu_backend,

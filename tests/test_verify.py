@@ -14,7 +14,7 @@ from colibri_plan.engine.session import run_placement
 from colibri_plan.errors import FormatError, MismatchError
 from colibri_plan.formats.plan import TIER_DISK, TIER_RAM, Plan, layers_from_tiers, load_plan, save_plan
 from colibri_plan.formats.report import RunReport
-from colibri_plan.verify import check_plan_model, load_report, make_verdict, verify_plan
+from colibri_plan.verify import check_plan_model, load_report, machine_warning, make_verdict, verify_plan
 
 N_TOKENS = 4
 
@@ -202,6 +202,25 @@ def test_verify_reads_with_the_plans_queue_depth(small_pack, report, tmp_path, m
         rep = verify_plan(plan, pack, fixture_prompt(pack.arch.vocab_size, 5, seed=3), 2,
                           plan_path="p", cpu_backend="numpy", reference=False)
     assert seen == [3] and rep["settings"]["read_threads"] == 3
+
+
+def test_report_machine_warning_is_the_machine_one_beside_a_context_warning(small_pack, tmp_path):
+    """The report's machine.warning holds the other-machine warning even when a later warning (the run's
+    context past the plan's) is given too; each warning reaches ``warn`` once."""
+    warned = []
+    with open_pack(small_pack) as pack:
+        tiers, slots = _mixed(pack)
+        doc = _plan_doc(pack, tiers, slots, PREDICTED)
+        doc["profile"]["fingerprint"] = "hostA"
+        doc["budgets"]["context_tokens"] = 2  # the run's 5 + 3 tokens pass it
+        save_plan(doc, tmp_path / "plan.json")
+        plan = load_plan(tmp_path / "plan.json")
+        rep = verify_plan(plan, pack, fixture_prompt(pack.arch.vocab_size, 5, seed=3), 2, plan_path="p",
+                          cpu_backend="numpy", reference=False, machine_fp="hostB", warn=warned.append)
+    assert rep["machine"]["warning"] == machine_warning(plan, "hostB")
+    assert "hostA" in rep["machine"]["warning"] and "hostB" in rep["machine"]["warning"]
+    assert len(warned) == 2 and warned[0] == rep["machine"]["warning"]
+    assert "passes the 2 the plan budgeted" in warned[1]
 
 
 def test_strict_exit_code_follows_the_verdict(small_pack, tmp_path):
