@@ -217,8 +217,9 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
     trunk = trunk or getattr(placement, "trunk", None) or TrunkPlacement()
     check_trunk_plan(trunk)
     key = trunk.device if trunk.on_device else None
+    cache_tokens = min(len(prompt_ids) + int(n_tokens), 4096)   # the cache's first reservation; it grows
     if key is not None:
-        reserve = trunk.context_tokens or min(len(prompt_ids) + int(n_tokens), 4096)   # as the host cache
+        reserve = trunk.context_tokens or cache_tokens   # the plan's context, else as the host cache
         ctx = max(reserve, len(prompt_ids) + int(n_tokens))   # a run past the plan's context grows the cache
         dense_b, kv_b = trunk_dense_bytes(pack.arch, pack.dense, ctx), trunk_kv_bytes(pack.arch, ctx)
         check_trunk_device(key, dense_b + kv_b)
@@ -255,7 +256,7 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
                 progress(f"token {step + 1}/{n_tokens}: id {tok} ({seconds * 1e3:.0f} ms)")
 
         # step 0 is the prefill's token; steps 1..n_tokens-1 are the timed decode steps
-        cache = model.new_cache(min(len(prompt_ids) + int(n_tokens), 4096))   # grows as it fills
+        cache = model.new_cache(cache_tokens)   # grows as it fills
         tokens = model.generate(list(prompt_ids), int(n_tokens), cache=cache, on_token=on_token)
         st = rm.stats
         n = max(1, len(step_s))
