@@ -83,6 +83,13 @@ def attention_kv_table(profile, backend: str | tuple[str, ...],
     return tuple(sorted(pairs.items()))
 
 
+def kv_gbps_at(pairs, context_tokens: int) -> float:
+    """KV GB/s of ``[[context, GB/s], ...]`` (e.g. :func:`attention_kv_table`) at the context nearest
+    ``context_tokens`` (log distance; a tie: the shorter context)."""
+    c = max(1, int(context_tokens))
+    return float(min(pairs, key=lambda x: (abs(math.log(c / max(1, x[0]))), x[0]))[1])
+
+
 def attention_kv_gbps(profile, backend: str, device_index: int, context_tokens: int) -> float | None:
     """K+V GB/s of one decode attention call at the measured context nearest ``context_tokens`` (in log);
     None when not measured."""

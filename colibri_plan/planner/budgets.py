@@ -248,6 +248,23 @@ def gpu_expert_gbps(profile, backend: str, index: int, fmt: str, spec) -> float:
                                           spec.hidden_size)
 
 
+def _matmul_kinds(profile, fmt: str) -> list[tuple[dict, str | None]]:
+    """[(row, device kind)] of the profile's ``matmul`` rows at ``fmt``: the kind as measured, else as its
+    device lists it (None: unknown)."""
+    matmul, devices = profile.doc.get("matmul"), profile.doc.get("devices")
+    kinds = {(d.get("backend"), d.get("index")): d.get("kind") for d in devices
+             if isinstance(d, dict)} if isinstance(devices, list) else {}
+    return [(r, r.get("device_kind") or kinds.get((r["backend"], r["device_index"])))
+            for r in (matmul if isinstance(matmul, list) else []) if r["fmt"] == fmt]
+
+
+def cpu_matmul_devices(profile, fmt: str) -> set[tuple[str, int]]:
+    """{(backend, device_index)} of the profile's ``matmul`` rows at ``fmt`` measured on a CPU (empty when
+    none). A row of unknown kind is never taken for the CPU's: a GPU figure would make the CPU path look
+    many times faster than it is."""
+    return {(r["backend"], r["device_index"]) for r, kind in _matmul_kinds(profile, fmt) if kind == "cpu"}
+
+
 def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str | None = None) -> Resources:
     """Cost-model figures from a MachineProfile for ``spec`` at expert format ``fmt``.
 
@@ -261,18 +278,10 @@ def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str 
     """
     fmt = fmt or spec.expert_format
     h, i = spec.hidden_size, spec.moe_intermediate_size
-    matmul = profile.doc.get("matmul")
-    rows = matmul if isinstance(matmul, list) else []
-    devices = profile.doc.get("devices")
-    kinds = {(d.get("backend"), d.get("index")): d.get("kind") for d in devices
-             if isinstance(d, dict)} if isinstance(devices, list) else {}
-    # a row's device kind as measured (or as its device lists it); a row of unknown kind is never taken
-    # for the CPU's: a GPU figure would make the CPU path look many times faster than it is
-    cpu_rows = {(r["backend"], r["device_index"]) for r in rows if r["fmt"] == fmt
-                and (r.get("device_kind") or kinds.get((r["backend"], r["device_index"]))) == "cpu"}
+    cpu_rows = cpu_matmul_devices(profile, fmt)
     if not cpu_rows:
-        unknown = sorted({f"{r['backend']}:{r['device_index']}" for r in rows if r["fmt"] == fmt
-                          and not (r.get("device_kind") or kinds.get((r["backend"], r["device_index"])))})
+        unknown = sorted({f"{r['backend']}:{r['device_index']}" for r, kind in _matmul_kinds(profile, fmt)
+                          if not kind})
         why = (f" (rows of {', '.join(unknown)} do not say which kind of device they measured)"
                if unknown else "")
         raise InputError(f"profile has no CPU matmul figure at {fmt}{why}; measure it with "

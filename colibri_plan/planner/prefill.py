@@ -45,11 +45,10 @@ again at another prompt length from the plan alone, and the prefill at 1, 2, 4, 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from colibri_plan.errors import InputError
+from colibri_plan.formats.profile_trunk import kv_gbps_at
 
 #: the token count of the profile's batched ``matmul`` figure
 BATCH_TOKENS = 16
@@ -59,16 +58,16 @@ DEFAULT_PROMPT_TOKENS = 512
 CURVE_TOKENS = tuple(2 ** i for i in range(16))
 
 
-def batch_factor(rows: float, r: float) -> float:
-    """Seconds of a ``rows``-row matmul relative to a 1-row one (module docstring: f(T, r)).
+def batch_factor(rows, r: float):
+    """Seconds of a ``rows``-row matmul relative to a 1-row one (module docstring: f(T, r)): a float for a
+    number of rows, a float64 array of the same shape for an array of them.
 
     Pure: f(1, r) = 1; f(16, r) = r; f(8.5, 4) = 1 + 7.5 · 3 / 15 = 2.5; f(32, 4) = 8; f(T, 16) = T.
     """
     r = min(float(BATCH_TOKENS), max(1.0, float(r)))
-    t = max(1.0, float(rows))
-    if t <= BATCH_TOKENS:
-        return 1.0 + (t - 1.0) * (r - 1.0) / (BATCH_TOKENS - 1)
-    return r * t / BATCH_TOKENS
+    t = np.maximum(1.0, np.asarray(rows, dtype=np.float64))
+    f = np.where(t <= BATCH_TOKENS, 1.0 + (t - 1.0) * (r - 1.0) / (BATCH_TOKENS - 1), r * t / BATCH_TOKENS)
+    return float(f) if f.ndim == 0 else f
 
 
 def distinct_experts(p: np.ndarray, prompt_tokens: int) -> np.ndarray:
@@ -81,16 +80,12 @@ def distinct_experts(p: np.ndarray, prompt_tokens: int) -> np.ndarray:
 
 def _rows_seconds(p: np.ndarray, q: np.ndarray, prompt_tokens: int, expert_bytes: int, gbps: float,
                   r: float) -> float:
-    """Σ_e q_e · b / g · f(n_e, r) over the experts of ``p`` (n_e = P · p_e / q_e); :func:`batch_factor`
-    vectorised over the experts."""
+    """Σ_e q_e · b / g · f(n_e, r) over the experts of ``p`` (n_e = P · p_e / q_e)."""
     touched = q > 0
     if not np.any(touched):
         return 0.0
     q = q[touched]
-    rows = np.maximum(1.0, prompt_tokens * p[touched] / q)                       # [n touched]
-    r = min(float(BATCH_TOKENS), max(1.0, float(r)))
-    f = np.where(rows <= BATCH_TOKENS, 1.0 + (rows - 1.0) * (r - 1.0) / (BATCH_TOKENS - 1),
-                 r * rows / BATCH_TOKENS)
+    f = batch_factor(prompt_tokens * p[touched] / q, r)                           # [n touched]
     return float(np.sum(q * f)) * expert_bytes / (gbps * 1e9)
 
 
@@ -148,12 +143,6 @@ def trunk_prefill_seconds(prompt_tokens: int, fig: dict) -> dict:
         handoff = t["n_moe_layers"] * (t["roundtrip_s"] + act / (link["h2d_gbps"] * 1e9)
                                        + act / (link["d2h_gbps"] * 1e9))
     return {"dense_s": dense, "lm_head_s": lm, "attention_s": attention, "handoff_s": handoff}
-
-
-def kv_gbps_at(pairs, context_tokens: int) -> float:
-    """KV GB/s of ``[[context, GB/s], ...]`` at the context nearest ``context_tokens`` (log distance)."""
-    c = max(1, int(context_tokens))
-    return float(min(pairs, key=lambda x: (abs(math.log(c / max(1, x[0]))), x[0]))[1])
 
 
 def predict_prefill(probs: np.ndarray, tiers: np.ndarray, decode_rows: np.ndarray, prompt_tokens: int,
@@ -241,11 +230,9 @@ def batch_ratio(profile, backend: str, index: int, fmt: str, out_features: int, 
 
 def _cpu_device(profile, fmt: str) -> tuple[str, int] | None:
     """(backend, index) of the CPU row the decode figure came from (the fastest CPU backend at ``fmt``)."""
-    rows = profile.doc.get("matmul") if isinstance(profile.doc.get("matmul"), list) else []
-    kinds = {(d.get("backend"), d.get("index")): d.get("kind") for d in profile.doc.get("devices") or []
-             if isinstance(d, dict)}
-    cpus = {(r["backend"], r["device_index"]) for r in rows if r.get("fmt") == fmt
-            and (r.get("device_kind") or kinds.get((r["backend"], r["device_index"]))) == "cpu"}
+    from colibri_plan.planner.budgets import cpu_matmul_devices
+
+    cpus = cpu_matmul_devices(profile, fmt)
     if not cpus:
         return None
     return max(sorted(cpus), key=lambda c: profile.matmul_weight_gbps(c[0], c[1], fmt, 1))

@@ -52,6 +52,7 @@ from colibri_plan.formats.profile_trunk import (
     attention_kv_table,
     dense_gemv_gbps,
     device_op_s,
+    kv_gbps_at,
     roundtrip_s,
     trunk_layer,
 )
@@ -93,8 +94,7 @@ class TrunkFigures:
 
     def kv_gbps_at(self, context_tokens: int) -> float:
         """KV GB/s at the measured context nearest ``context_tokens`` (log distance)."""
-        c = max(1, int(context_tokens))
-        return min(self.kv_gbps, key=lambda p: (abs(math.log(c / max(1, p[0]))), p[0]))[1]
+        return kv_gbps_at(self.kv_gbps, context_tokens)
 
 
 def trunk_seconds(fig: TrunkFigures, dense_bytes: int, n_layers: int, n_moe_layers: int,
