@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from colibri_plan.formats.model_spec import ModelSpec
-from colibri_plan.formats.profile import MachineProfile, machine_fingerprint
+from colibri_plan.formats.profile import MachineProfile, machine_fingerprint, save_profile
 
 
 def st(v: float) -> dict:
@@ -57,3 +57,14 @@ def toy_spec(name: str = "toy-moe", n_layers: int = 4, moe_layers=(1, 2, 3), n_e
                      moe_intermediate_size=inter, shared_intermediate_size=0, vocab_size=vocab,
                      expert_format=fmt, dense_params=dense_params, kv_bytes_per_token=1024,
                      source="test: toy")
+
+
+def write_toy_files(folder):
+    """``folder``/profile.json (one 60 GB/s GPU with 2.06 GB free, 3.1 GB of RAM available) and
+    ``folder``/model.json (16 experts, hidden 2048, width 1024): what the solve CLI tests run on."""
+    from colibri_plan.model import save_model_spec
+
+    prof = toy_profile(gpus=[{"gbps": 60.0, "free_bytes": 2_060_000_000}], ram_available_bytes=3_100_000_000)
+    save_profile(prof, folder / "profile.json")
+    save_model_spec(toy_spec(n_experts=16, hidden=2048, inter=1024), folder / "model.json")
+    return folder

@@ -3,25 +3,19 @@
 import json
 
 import pytest
-from _solver_fixtures import toy_profile, toy_spec
+from _solver_fixtures import write_toy_files
 from click.testing import CliRunner
 
 from colibri_plan.cli import cli
 from colibri_plan.formats.plan import load_plan, save_plan
-from colibri_plan.formats.profile import save_profile
 from colibri_plan.formats.report import RunReport
-from colibri_plan.model import save_model_spec
 from colibri_plan.planner.prefill import prefill_for_plan
 from colibri_plan.verify import compare, make_verdict, predicted_prefill_at, report_table
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("prefill")
-    prof = toy_profile(gpus=[{"gbps": 60.0, "free_bytes": 2_060_000_000}], ram_available_bytes=3_100_000_000)
-    save_profile(prof, d / "profile.json")
-    save_model_spec(toy_spec(n_experts=16, hidden=2048, inter=1024), d / "model.json")
-    return d
+    return write_toy_files(tmp_path_factory.mktemp("prefill"))
 
 
 def run(*args):

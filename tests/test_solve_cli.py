@@ -3,21 +3,15 @@
 import json
 
 import pytest
-from _solver_fixtures import toy_profile, toy_spec
+from _solver_fixtures import write_toy_files
 from click.testing import CliRunner
 
 from colibri_plan.cli import cli
-from colibri_plan.formats.profile import save_profile
-from colibri_plan.model import save_model_spec
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cli")
-    prof = toy_profile(gpus=[{"gbps": 60.0, "free_bytes": 2_060_000_000}], ram_available_bytes=3_100_000_000)
-    save_profile(prof, d / "profile.json")
-    save_model_spec(toy_spec(n_experts=16, hidden=2048, inter=1024), d / "model.json")
-    return d
+    return write_toy_files(tmp_path_factory.mktemp("cli"))
 
 
 def run(*args):
