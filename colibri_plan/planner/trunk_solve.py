@@ -213,7 +213,7 @@ def trunk_section(setup) -> dict:
         device=opt.device, dense_format=setup.dense_fmt, dense_bytes=int(opt.dense_bytes),
         kv_device=opt.device, context_tokens=int(b.context_tokens), page_tokens=PAGE_TOKENS,
         kv_bytes_per_token=int(setup.spec.kv_bytes_per_token),
-        kv_bytes=int(setup.spec.kv_bytes_per_token) * -(-int(b.context_tokens) // PAGE_TOKENS) * PAGE_TOKENS,
+        kv_bytes=kv_bytes(b.context_tokens, setup.spec.kv_bytes_per_token),
         split=tuple(opt.split)).to_dict()
 
 
@@ -222,7 +222,7 @@ def predicted_trunk(setup) -> dict:
     opt = setup.trunk
     return {"device": opt.device, "dense_s_per_token": opt.dense_s,
             "attention_s_per_token": opt.attention_s, "host_roundtrip_s_per_token": opt.roundtrip_s,
-            "kv_bytes": int(trunk_section(setup)["kv"]["bytes"])}
+            "kv_bytes": kv_bytes(setup.budgets.context_tokens, setup.spec.kv_bytes_per_token)}
 
 
 def check_forced_kv(profile, spec, choice: str, context_tokens: int, vram: str = "auto",
