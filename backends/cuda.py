@@ -31,6 +31,13 @@ _WARPS = 8  # warps per block
 # (rows per warp tile R, 16-byte words per lane per step U): R·U (mm) or 2·R·U (gate_up) loads per lane in
 # flight, twice over (bench/cuda_expert_ffn.py --tune; cp.async shared-memory staging: ~20% slower, H200)
 _SHAPE = {"mm": (4, 1), "mm_args": (4, 1), "gate_up": (2, 1)}  # mm_args: mm, its table an argument
+# T > 1: shaders/cuda/prefill.cu's tensor-core kernels (same tables) replace these; 16-row subtiles per
+# warp tile, and the formats they take (int2: rows of 128 columns are under one 64-byte segment; f32:
+# not exact in tf32). Tokens per pass: 8 for T <= 8, else 16 (the warp's NT mma column tiles).
+_TC = {"mm": "mm_tc", "mm_args": "mm_args_tc", "gate_up": "gate_up_tc"}
+_TC_R16 = {"mm_tc": 2, "mm_args_tc": 2, "gate_up_tc": 1}
+_TC_FORMATS = frozenset({"int8", "int4", "int4-g32", "int4-g64", "int4-g128", "f16", "bf16"})
+_TC_MIN_TOKENS = 2  # benchmarks set 1 to time the tensor-core kernels at decode
 _NVRTC_OPTIONS = ("--std=c++14",)  # benchmarks add -DCOLIBRI_READ_ONLY (loads without arithmetic)
 _TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their activations in shared memory)
 _RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the module and work buffers
@@ -72,7 +79,8 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
 
         self.cp, self.rt = cupy, cupy.cuda.runtime
         self.dev = cupy.cuda.Device(self.device.index)
-        self._src = sh.kernel_source("cuda", "matmul.cu")
+        # prefill.cu uses matmul.cu's formats and decoders: one NVRTC source
+        self._src = sh.kernel_source("cuda", "matmul.cu") + sh.kernel_source("cuda", "prefill.cu")
         with self.dev:
             self.stream = cupy.cuda.Stream(non_blocking=True)
             self._events = (cupy.cuda.Event(), cupy.cuda.Event())
@@ -149,10 +157,11 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
         return int(self.dev.attributes.get("MaxSharedMemoryPerBlockOptin", 48 * 1024))
 
     def _fn(self, name: str, fmt: str, tc: int, smem: int):
-        """The kernel instance ``name<format, R, U, tc>``, compiled by NVRTC on first use (one module each:
-        only the formats a model uses are compiled; CuPy caches the binaries on disk)."""
-        R, U = _SHAPE[name]
-        key = f"{name}<{sh.kernel_format(fmt)},{R},{U},{tc}>"
+        """The kernel instance ``name<format, R, U, tc>`` (prefill.cu's ``name<format, R16, NT>``, tc = NT),
+        compiled by NVRTC on first use (one module each: only the formats a model uses are compiled; CuPy
+        caches the binaries on disk)."""
+        params = (_TC_R16[name], tc) if name in _TC_R16 else (*_SHAPE[name], tc)
+        key = f"{name}<{sh.kernel_format(fmt)},{','.join(map(str, params))}>"
         fn = self._fns.get(key)
         # CuPy keeps functions per device, picked by the calling thread's current device (engine threads: 0)
         with self.dev:
@@ -185,6 +194,15 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
         key = (name, fmt, n_mats, rows_grid, rows, in_pad, stride, T)
         hit = self._launchers.get(key)
         if hit is None:
+            scalars = tuple(np.int32(v) for v in (rows, in_pad, stride, _GSHIFT.get(group_size(fmt), 0)))
+            if T >= _TC_MIN_TOKENS and fmt in _TC_FORMATS:  # prefill: tensor cores, each weight once per pass
+                name = _TC[name]
+                nt = 1 if T <= 8 else 2  # mma column tiles of 8 tokens per pass
+                fn = self._fn(name, fmt, nt, 0)
+                items = -(-rows_grid // (16 * _TC_R16[name])) * -(-T // (8 * nt))  # row tiles x passes
+                blocks = max(1, min(-(-items // _WARPS), -(-self._resident(fn, 0) * self._sms // n_mats)))
+                hit = self._launchers[key] = (fn, (blocks, n_mats), (32 * _WARPS,), 0, scalars)
+                return hit
             # tokens per pass: 1 for decode; _TOKENS_PER_PASS for T > 1 when they fit in shared memory
             tc = _TOKENS_PER_PASS if T > 1 and _TOKENS_PER_PASS * in_pad * 4 <= self._smem_limit() else 1
             smem = tc * in_pad * 4
@@ -192,7 +210,6 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
             warp_tiles = -(-rows_grid // _SHAPE[name][0])
             # one wave of resident blocks over all matrices; each warp streams its row tiles
             blocks = max(1, min(-(-warp_tiles // _WARPS), -(-self._resident(fn, smem) * self._sms // n_mats)))
-            scalars = tuple(np.int32(v) for v in (rows, in_pad, stride, _GSHIFT.get(group_size(fmt), 0)))
             hit = self._launchers[key] = (fn, (blocks, n_mats), (32 * _WARPS,), smem, scalars)
         return hit
 

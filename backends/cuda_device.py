@@ -48,12 +48,14 @@ _PUT_SLOTS = 8  # pinned staging slots of d_put, reused round-robin (an event sa
 _PUT_RING_BYTES = 1 << 20  # larger uploads (weights, tables) go through the chunked, synchronous staging
 _MM_ARGS_MAX = 4  # matmul.cu MM_ARGS_MAX: matrices per mm_args launch
 _ZEROS = (0,) * (8 * _MM_ARGS_MAX)  # the table entries an mm_args launch leaves unused
-_TRUNK_KERNELS = ("tr_add", "tr_silu_mul", "tr_scale_rows", "tr_rope", "tr_pad_rows", "tr_expert_sum")
+_TRUNK_KERNELS = ("tr_add", "tr_silu_mul", "tr_scale_rows", "tr_rope", "tr_pad_rows", "tr_expert_sum",
+                  "tr_expert_scatter")
 # parameter kinds of each kernel, in the order of its CUDA signature: p pointer / u64, i int, f float,
 # t matmul.cu's MMArgs (8 · _MM_ARGS_MAX u64 by value)
 _SIGNATURES = {"tr_add": "pppqii", "tr_silu_mul": "pppq", "tr_scale_rows": "ppfpqi", "tr_rope": "pppqiiiii",
                "tr_pad_rows": "ppiii", "rmsnorm": "pppif", "attention_gqa": "pppppiiiiifi",
                "attention_combine": "ppii", "mm_args": "tiiii", "tr_expert_sum": "pppqi",
+               "tr_expert_scatter": "ppppqii",
                "gate_up": "piiii", "mm": "piiii"}  # gate_up, mm: the host path's, table in device memory
 _CURRENT = threading.local()  # .token: the backend whose device and stream this thread has made current
 _TOKENS = itertools.count(1)  # one per backend state (an id() could be reused by a later backend)

@@ -120,16 +120,17 @@ def matmul_rows(be, rng, args, gbps: float) -> list[dict]:
         qt = quant.quantize(rng.standard_normal((out, in_), dtype=np.float32) / 64, fmt)
         pool = max(2, -(-args.pool_bytes // qt.nbytes))  # copies cycling past the L2 cache
         ws = [be.upload(qt) for _ in range(pool)]
-        x = rng.standard_normal((1, in_), dtype=np.float32)
-        dx = be.d_put(x)
-        row = {"op": f"d_matmul [1,{in_}]x[{in_},{out}] {fmt}", "fmt": fmt, "out_features": out,
-               "in_features": in_, "weight_bytes": ws[0].nbytes, "pool": pool,
-               **chain(be, lambda i, dx=dx, ws=ws, n=pool: be.d_matmul(dx, ws[i % n]), args.calls,
-                       args.repeats)}
-        row["weight_gbps"] = ws[0].nbytes / (row["gpu_us"] * 1e-6) / 1e9
-        row["copy_fraction"] = row["weight_gbps"] / gbps
-        row["max_err"] = err(be.d_get(be.d_matmul(dx, ws[0])), quant.matmul_ref(x, qt))
-        rows.append(row)
+        for T in args.matmul_tokens:  # T > 1: a dense prefill (the tensor-core kernels)
+            x = rng.standard_normal((T, in_), dtype=np.float32)
+            dx = be.d_put(x)
+            row = {"op": f"d_matmul [{T},{in_}]x[{in_},{out}] {fmt}", "fmt": fmt, "tokens": T,
+                   "out_features": out, "in_features": in_, "weight_bytes": ws[0].nbytes, "pool": pool,
+                   **chain(be, lambda i, dx=dx, ws=ws, n=pool: be.d_matmul(dx, ws[i % n]), args.calls,
+                           args.repeats)}
+            row["weight_gbps"] = ws[0].nbytes / (row["gpu_us"] * 1e-6) / 1e9
+            row["copy_fraction"] = row["weight_gbps"] / gbps
+            row["max_err"] = err(be.d_get(be.d_matmul(dx, ws[0])), quant.matmul_ref(x, qt))
+            rows.append(row)
         for w in ws:
             be.free(w)
     # q/k/v of a GQA layer (32 heads, 8 kv heads of 128) as one d_matmul_many: one launch, three matrices
@@ -181,7 +182,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="chains per op (the median is reported)")
     ap.add_argument("--pool-bytes", type=int, default=512 << 20, help="matmul weight bytes cycled (> L2)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 4096, 32768])
+    ap.add_argument("--matmul-tokens", type=int, nargs="+", default=[1],
+                    help="rows of x per d_matmul (T > 1: prefill, the tensor-core kernels)")
+    ap.add_argument("--gemv-prefill", action="store_true",
+                    help="T > 1 on the GEMV kernels too (the kernels before the tensor-core ones)")
     args = ap.parse_args(argv)
+    if args.gemv_prefill:
+        from colibri_plan.backends import cuda as mod
+
+        mod._TC_FORMATS = frozenset()
     cls = get_backend("cuda")
     if cls.unavailable_reason():
         print(f"cuda unavailable: {cls.unavailable_reason()}", file=sys.stderr)

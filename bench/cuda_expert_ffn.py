@@ -108,10 +108,19 @@ def main() -> int:
     p.add_argument("--read-only", action="store_true",
                    help="kernels compiled to load the weights without the arithmetic (memory side alone; "
                         "results are wrong on purpose)")
+    p.add_argument("--gemv-prefill", action="store_true",
+                   help="T > 1 on the GEMV kernels too (the kernels before the tensor-core ones)")
+    p.add_argument("--tc-from", type=int, default=None,
+                   help="fewest tokens that take the tensor-core kernels (1: decode too)")
     p.add_argument("--out")
     args = p.parse_args()
     cls = get_backend("cuda")
     from colibri_plan.backends import cuda as mod
+
+    if args.gemv_prefill:
+        mod._TC_FORMATS = frozenset()
+    if args.tc_from is not None:
+        mod._TC_MIN_TOKENS = args.tc_from
 
     if args.read_only:
         mod._NVRTC_OPTIONS = mod._NVRTC_OPTIONS + ("-DCOLIBRI_READ_ONLY",)
@@ -145,7 +154,8 @@ def main() -> int:
               f"{r['wall_gbps'] / copy:9.2f} {r['device_gbps'] / copy:7.2f} {r['kernel_gbps'] / copy:9.2f}")
     if args.out:
         atomic_write_text(args.out, json.dumps({"device": be.device.to_dict(), "read_only": args.read_only,
-                                                "rows": rows}, indent=1))
+                                                "gemv_prefill": args.gemv_prefill,
+                                                "tc_min_tokens": mod._TC_MIN_TOKENS, "rows": rows}, indent=1))
     be.close()
     return 0
 

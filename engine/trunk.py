@@ -19,10 +19,12 @@ the provider is a residency manager, the chosen experts it holds in VRAM on this
 device x (``d_expert_ffn``, queued before the host work, so the device computes them while the host runs
 the rest); the others (pinned RAM, LRU, disk, another device) run through the manager as on the CPU path
 and their sum goes up once (``d_put``) to be added on the device. When every chosen expert is local,
-nothing but x crosses. Otherwise (prefill, other providers) all routed experts run through the provider
-and their sum goes up. Shared experts (Qwen2-MoE's sigmoid gate from the downloaded x, applied with
-``d_scale_rows``) and dense FFN layers run on the device. Final norm and LM head run on the device; only
-the logits come down (at decode, one row).
+nothing but x crosses. At prefill (T > 1) on a backend with ``d_expert_ffn_rows`` (CUDA), the local
+experts run the same way, each on its own tokens' rows of the device x (timed as a whole, bracketed by
+synchronizations). Otherwise (other providers, a prefill on other backends) all routed experts run
+through the provider and their sum goes up. Shared experts (Qwen2-MoE's sigmoid gate from the
+downloaded x, applied with ``d_scale_rows``) and dense FFN layers run on the device. Final norm and LM
+head run on the device; only the logits come down (at decode, one row).
 
 Local experts are accounted as the manager's own: a "vram" use each, and their seconds charged to that
 device's expert compute and to the experts' layer wall time — measured (bracketed by synchronizations)
@@ -228,30 +230,37 @@ class DeviceTrunk:
         [T, H] the normed hidden state on the device, xh its host copy."""
         be, a, m = self.be, self.arch, self.model
         split = getattr(m.experts, "local_experts", None)
-        if x.shape[0] != 1 or split is None:  # prefill, or a provider without device tiers: all on the host
+        T = x.shape[0]
+        rows_op = getattr(be, "d_expert_ffn_rows", None)  # prefill's routed rows on the device (CUDA)
+        if split is None or (T != 1 and rows_op is None):  # all on the host
             return be.d_put(routed_experts(xh, i, a, m.dense, m.experts, m.routing))
         uniq, tok_of, gates = route_tokens(xh, i, a, m.dense, m.routing)  # decode: tok_of[j] == [0]
-        xs = [xh] * len(uniq)  # [1, H] each
+        xs = [xh] * len(uniq) if T == 1 else [np.ascontiguousarray(xh[t]) for t in tok_of]  # [T_j, H] each
         local, rest = split(i, uniq, xs, be)
         y = None
         if local:
-            if sampled:
+            timed = sampled or T != 1  # a prefill's local experts are timed on their own (not per token)
+            if timed:
                 be.synchronize()  # the queued trunk work is not the experts'
             t0 = time.perf_counter()
-            y = be.d_expert_ffn(x, [w for _, _, w in local],
-                                np.array([gates[j][0] for j, _, _ in local], np.float32))  # [1, H], queued
-            if sampled:
+            ws = [w for _, _, w in local]
+            if T == 1:
+                y = be.d_expert_ffn(x, ws, np.array([gates[j][0] for j, _, _ in local], np.float32))  # [1, H]
+            else:  # each expert on its own tokens' rows of the device x, [T, H]
+                y = rows_op(x, ws, [tok_of[j] for j, _, _ in local], [gates[j] for j, _, _ in local])
+            if timed:
                 be.synchronize()
                 seconds = time.perf_counter() - t0
-                self._local_s, self._local_n = self._local_s + seconds, self._local_n + len(local)
-            per_expert = self._local_s / max(1, self._local_n)
+                if T == 1:
+                    self._local_s, self._local_n = self._local_s + seconds, self._local_n + len(local)
+            per_expert = seconds / len(local) if T != 1 else self._local_s / max(1, self._local_n)
             keys = [k for _, k, _ in local]
             for k in sorted(set(keys)):  # one device key but for aliases of one backend
                 m.experts.add_local_seconds(k, per_expert * keys.count(k))
         if rest:
             ys = m.experts.run(i, [uniq[j] for j in rest], [xs[j] for j in rest], [gates[j] for j in rest],
                                observed=True)
-            host = be.d_put(scatter_sum(xh, [tok_of[j] for j in rest], ys))  # [1, H] up once
+            host = be.d_put(scatter_sum(xh, [tok_of[j] for j in rest], ys))  # [T, H] up once
             y = host if y is None else be.d_add(y, host)
         return y
 

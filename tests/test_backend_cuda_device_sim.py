@@ -114,6 +114,18 @@ def _trunk_sim(sim, name, grid, block, args):
         for j in range(k):  # the kernel's order and float32 roundings
             acc = acc + gg[j] * yy[j]
         _f32(sim, y, n)[:] = acc
+    elif name == "tr_expert_scatter":
+        ys, pos, g, y, n, H, k = args
+        n, H, k = int(n), int(H), int(k)
+        T = n // H
+        pp = sim.mem(int(pos), 4 * k * T).view(np.int32).reshape(k, T)
+        gg = _f32(sim, g, k * T).reshape(k, T)
+        yy = _f32(sim, ys, (int(pp.max()) + 1) * H).reshape(-1, H)
+        acc = np.zeros((T, H), np.float32)
+        for j in range(k):  # the kernel's order and float32 roundings
+            for t in np.flatnonzero(pp[j] >= 0):
+                acc[t] = acc[t] + gg[j, t] * yy[pp[j, t]]
+        _f32(sim, y, n)[:] = acc.reshape(-1)
     elif name == "rmsnorm":
         x, w, y, H, eps = args
         rows, H = grid[0], int(H)

@@ -96,8 +96,10 @@ def _kernel_op(sim, name, grid, args):
                 y[t * st:t * st + r] = x[t] @ W.T
         else:
             G, U = weight(e[0], e[1], rows), weight(e[2], e[3], rows)
-            xp, hp, T = int(e[4]), int(e[5]), int(e[6])
-            x = sim.mem(xp, 4 * T * in_pad).view(np.float32).reshape(T, in_pad).astype(np.float64)
+            xp, hp, T, ip = int(e[4]), int(e[5]), int(e[6]), int(e[7])
+            idx = sim.mem(ip, 4 * T).view(np.int32) if ip else np.arange(T)  # routed rows of x (prefill)
+            n = int(idx.max()) + 1
+            x = sim.mem(xp, 4 * n * in_pad).view(np.float32).reshape(n, in_pad)[idx].astype(np.float64)
             h = sim.mem(hp, 4 * T * stride).view(np.float32).reshape(T, stride)
             h[:] = np.nan  # padding must be written (0) by the kernel: the down matmul reads it
             h[:, :rows] = silu_mul_ref(x @ G.T, x @ U.T)

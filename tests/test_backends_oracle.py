@@ -48,6 +48,11 @@ CASES = (
     + [Case("matmul", f, 2048, 6144, 1) for f in ("int8", "int4-g32", "int4-g128", "int2")]
     + [Case("expert_ffn", f, 33, 67, 3, experts=3) for f in quant.FORMATS]
     + [Case("expert_ffn", "int4", 2048, 6144, 1, experts=2), Case("expert_ffn", "int4-g64", 2048, 6144, 3, 2)]
+    # prefill (T > 1: CUDA's tensor-core kernels): ragged row tiles and token passes, 16 tokens at GLM shapes
+    + [Case("matmul", f, 257, 131, 19) for f in quant.FORMATS]
+    + [Case("matmul", f, 2048, 6144, 16) for f in ("int4", "int8", "int4-g32", "bf16")]
+    + [Case("expert_ffn", f, 33, 67, 17, experts=3) for f in quant.FORMATS]
+    + [Case("expert_ffn", f, 2048, 6144, 16, experts=2) for f in ("int4", "int8", "int4-g128")]
     + [Case("rmsnorm", "f32", 0, n, t) for n, t in ((67, 3), (6144, 1), (6144, 5))]
     # odd sizes; T = 1; T past one tile of cached rows (256 on the GPUs) and R past 4 columns per thread;
     # DeepSeek-V3 decode (128 heads, kv_lora_rank 512, rope 64) at 1, 64 and 1000 cached rows

@@ -233,9 +233,15 @@ def test_local_experts_on_the_simulated_cuda_backend(fx, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", device_cupy(Sim()))
     be = get_backend("cuda").open(0)
     calls = count_calls(be, "_d_expert_ffn")
+    prefill, rows_op = [], be._d_expert_rows  # the prefill's local experts: on the device x too
+    be._d_expert_rows = lambda x, ws, rows, gates: prefill.append(x.shape[0]) or rows_op(x, ws, rows, gates)
     try:
         with open_pack(folder) as pack:
             tokens, stats, _, seen = _run(pack, _placement(pack.arch, "cuda:0", None), {"cuda:0": be}, be)
+            ref_tokens, ref_stats, _, _ = _run(pack, _placement(pack.arch, "numpy:0", None),
+                                               {"numpy:0": get_backend("numpy").open(0)})
     finally:
         be.close()
     assert tokens == want and calls and stats.uses["vram"] > 0
+    assert prefill == [len(PROMPT)] * len(pack.arch.moe_layers)  # one call per MoE layer of the prefill
+    assert stats.uses == ref_stats.uses  # the host path's counts, prefill included

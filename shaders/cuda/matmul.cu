@@ -309,7 +309,8 @@ __global__ void mm_args(const MMArgs t, int rows, int in_pad, int y_stride, int 
     mm_entry<FMT, R, U, TC>(t.e + 8 * blockIdx.y, rows, in_pad, y_stride, gshift);
 }
 
-// Table entry per expert (8 x u64): gate W, gate S, up W, up S, x, h, T.
+// Table entry per expert (8 x u64): gate W, gate S, up W, up S, x, h, T, idx (0, or int32 [T]: token t is
+// row idx[t] of x, a device trunk's prefill routing tokens to experts).
 // h[t * h_stride + r] = SiLU(gate[r] . x[t]) * (up[r] . x[t]) for r < rows; rows <= r < h_stride
 // (padding the down projection reads) get 0. Grid (blocks, n_experts); tiles cover h_stride.
 template <int FMT, int R, int U, int TC>
@@ -322,10 +323,11 @@ __global__ void gate_up(const u64 *__restrict__ table, int rows, int in_pad, int
     const float *x = reinterpret_cast<const float *>(e[4]);
     float *h = reinterpret_cast<float *>(e[5]);
     const int T = (int)e[6], words = in_pad / Cols<FMT>::n, ntiles = (h_stride + R - 1) / R;
-    const int lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31, *idx = reinterpret_cast<const int *>(e[7]);
     for (int t0 = 0; t0 < T; t0 += TC) {
         const int tn = min(TC, T - t0);
-        stage_tokens<FMT>(xs, x + (u64)t0 * in_pad, in_pad, tn);
+        for (int j = 0; j < tn; j++)
+            stage<FMT>(xs + j * in_pad, x + (u64)(idx ? idx[t0 + j] : t0 + j) * in_pad, in_pad);
         __syncthreads();
         warp_rows<FMT, R, 2, U, TC>(W, S, rows, ntiles, words, gshift, xs, in_pad, tn,
                                     [&](int row0, float (&acc)[TC][2][R]) {

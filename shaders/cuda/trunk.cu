@@ -82,3 +82,21 @@ extern "C" __global__ void tr_expert_sum(const float *__restrict__ ys, const flo
         y[i] = acc;
     }
 }
+
+// Routed experts of a prefill: y[t, c] = sum over experts j (in order) of gates[j, t] * ys[pos[j, t], c],
+// skipping pos -1 (token t not routed to expert j); ys holds every expert's rows [rows_j, H] one after
+// another, pos / gates are [k, T]; n = T * H.
+extern "C" __global__ void tr_expert_scatter(const float *__restrict__ ys, const int *__restrict__ pos,
+                                             const float *__restrict__ gates, float *__restrict__ y, tr_u64 n,
+                                             int H, int k) {
+    const tr_u64 T = n / (tr_u64)H;
+    for (tr_u64 i = blockIdx.x * (tr_u64)blockDim.x + threadIdx.x; i < n; i += (tr_u64)gridDim.x * blockDim.x) {
+        const tr_u64 t = i / (tr_u64)H, c = i % (tr_u64)H;
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            const int p = pos[j * T + t];
+            if (p >= 0) acc = __fadd_rn(acc, __fmul_rn(gates[j * T + t], ys[(tr_u64)p * H + c]));
+        }
+        y[i] = acc;
+    }
+}

@@ -1,0 +1,285 @@
+// Prefill (T > 1) matmul and fused gate/up on tensor cores, appended to matmul.cu by backends/cuda.py (it
+// uses matmul.cu's F_* formats, Cols, half_f, magic_bits and u64). Same tables, entries and outputs as
+// matmul.cu's mm / mm_args / gate_up, so the launcher swaps one for the other by token count.
+//
+// Why: the GEMV kernels sum each weight against every token with one FMA per token (and re-read the
+// weights every 4 tokens), so 16 tokens cost ~14x one. Here a warp owns a tile of 16 R16 rows (per
+// matrix) x 8 NT tokens and reads each weight once per tile: mma.sync m16n8k8 (tf32 in, f32 accumulate)
+// with the dequantized weights as A (rows x k) and the activations as B (k x tokens).
+//
+// Precision: weights of every supported format are exact in tf32 (int8/int4/int2 codes are small
+// integers, f16 and bf16 fit tf32's 10-bit mantissa); scales are applied in f32 after the sums (per row)
+// or per 32-column group (group formats). Activations are split x = hi + lo, both tf32 (low 13 bits
+// cleared), and both halves go through the tensor core: ~22 bits of x, near the f32 kernels.
+//
+// Column order: a dot product may sum its columns in any order, so each lane's share of a k-step is
+// taken from the weight bytes it loaded itself. Lane (g = lane / 4, t = lane % 4) loads 16 bytes of rows
+// g and g + 8 of each 16-row subtile per 64-byte row segment; k-step (i, s) uses, in each lane, columns
+// 2s and 2s + 1 of its 32-bit part i (logical k = t and t + 4 of the mma) and the activations of token
+// g at the same two columns. Per-row formats: part i of 16-byte word 4 seg + t. Group formats: 32-bit
+// word 16 seg + 4 i + t, so the four lanes of a k-step read one 32-column group and its partial sums
+// can take that group's scale.
+
+#ifndef COLIBRI_HOST_MMA
+// c (16 x 8, f32) += A (16 x 8, tf32: rows g, g + 8 at k t, t + 4) . B (8 x 8: k t, t + 4 at column g)
+__device__ __forceinline__ void mma_tf32(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
+
+#define TF32_MASK 0xFFFFE000u  // tf32 keeps the sign, exponent and top 10 mantissa bits of an f32
+
+// byte b of word as a float code (matmul.cu's byte_f, b known once the loops are unrolled)
+__device__ __forceinline__ float byte_fr(unsigned word, int b, float bias) {
+    return __int_as_float(__byte_perm(word, magic_bits, 0x7440 | b)) - bias;
+}
+
+// columns 2s, 2s + 1 of a 32-bit weight part as f32 (exact in tf32); the row or group scale comes later
+template <int FMT>
+__device__ __forceinline__ void pair_f(unsigned v, int s, float &c0, float &c1) {
+    if (FMT == F_INT8) {  // byte b: column b
+        const unsigned u = v ^ 0x80808080u;
+        c0 = byte_fr(u, 2 * s, 8388736.0f);
+        c1 = byte_fr(u, 2 * s + 1, 8388736.0f);
+    } else if (FMT == F_INT4 || FMT == F_INT4G) {  // byte b: columns 2b (low nibble), 2b + 1
+        c0 = byte_fr(v & 0x0F0F0F0Fu, s, 8388616.0f);
+        c1 = byte_fr((v >> 4) & 0x0F0F0F0Fu, s, 8388616.0f);
+    } else if (FMT == F_INT2) {  // byte b: columns 4b .. 4b + 3, low bits first
+        const int sh = 2 * ((2 * s) & 3);
+        c0 = byte_fr((v >> sh) & 0x03030303u, s >> 1, 8388610.0f);
+        c1 = byte_fr((v >> (sh + 2)) & 0x03030303u, s >> 1, 8388610.0f);
+    } else if (FMT == F_F16) {
+        c0 = half_f((unsigned short)(v & 0xFFFFu));
+        c1 = half_f((unsigned short)(v >> 16));
+    } else {  // F_BF16
+        c0 = __uint_as_float(v << 16);
+        c1 = __uint_as_float(v & 0xFFFF0000u);
+    }
+}
+
+// x = hi + lo, each with tf32's bits only (hi exact; lo the rest, truncated: ~22 bits of x in all)
+__device__ __forceinline__ void split_tf32(float x, unsigned &hi, unsigned &lo) {
+    hi = __float_as_uint(x) & TF32_MASK;
+    lo = __float_as_uint(x - __uint_as_float(hi)) & TF32_MASK;
+}
+
+// One warp's work items over the row tiles and token passes of one table entry: tile of 16 R16 rows of
+// NM matrices (gate and up share the activations) x pass of 8 NT tokens. emit(row0, tok0, acc) gets the
+// finished sums, acc[m][r][n][c]: row row0 + 16 r + g + 8 (c / 2), token tok0 + 8 n + 2 t + c % 2.
+// x rows are in_pad floats, 16-byte aligned; token j reads row idx[j] when idx is given, else row j.
+template <int FMT, int R16, int NM, int NT, class Emit>
+__device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *const *S, int rows, int ntiles,
+                                        int words, int gshift, const float *x, const int *idx, int in_pad,
+                                        int T, Emit emit) {
+    constexpr int CPU = Cols<FMT>::n / 4;  // columns per 32-bit part
+    constexpr bool GR = FMT == F_INT4G;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warps = blockDim.x >> 5;
+    const int npass = (T + 8 * NT - 1) / (8 * NT), items = ntiles * npass, segs = words >> 2;
+    const int ngroups = words >> gshift;
+    for (int item = blockIdx.x * warps + (threadIdx.x >> 5); item < items; item += gridDim.x * warps) {
+        const int tile = item % ntiles, tok0 = (item / ntiles) * 8 * NT, row0 = tile * 16 * R16;
+        const uint4 *wr[NM][R16][2];
+        const float *sr[NM][R16][2];  // per-row formats: the row's scale; group formats: its group scales
+#pragma unroll
+        for (int m = 0; m < NM; m++)
+#pragma unroll
+            for (int r = 0; r < R16; r++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int row = min(row0 + 16 * r + g + 8 * h, rows - 1);  // past the end: a valid row
+                    wr[m][r][h] = W[m] + (u64)row * words;
+                    sr[m][r][h] = S[m] + (GR ? (u64)row * ngroups : (u64)row);
+                }
+        const float *xr[NT];
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            const int j = min(tok0 + 8 * n + g, T - 1);  // past the last token: a valid row, never stored
+            xr[n] = x + (u64)(idx ? idx[j] : j) * in_pad;
+        }
+        float acc[NM][R16][NT][4], part[NM][R16][NT][4];
+#pragma unroll
+        for (int m = 0; m < NM; m++)
+#pragma unroll
+            for (int r = 0; r < R16; r++)
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) acc[m][r][n][c] = part[m][r][n][c] = 0.0f;
+        unsigned cur[NM][R16][2][4], nxt[NM][R16][2][4];
+        float gs[NM][R16][2][4], gn[NM][R16][2][4];  // group formats: each part's group scale
+        // the loads of segment `seg` (64 bytes of each row) into w, s
+        auto load = [&](unsigned (&w)[NM][R16][2][4], float (&s)[NM][R16][2][4], int seg) {
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < R16; r++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        if (GR) {
+                            const unsigned *p = reinterpret_cast<const unsigned *>(wr[m][r][h] + 4 * seg);
+#pragma unroll
+                            for (int i = 0; i < 4; i++) {
+                                w[m][r][h][i] = __ldg(p + 4 * i + t);
+                                s[m][r][h][i] = __ldg(sr[m][r][h] + ((4 * seg + i) >> gshift));
+                            }
+                        } else {
+                            const uint4 v = __ldg(wr[m][r][h] + 4 * seg + t);
+                            w[m][r][h][0] = v.x;
+                            w[m][r][h][1] = v.y;
+                            w[m][r][h][2] = v.z;
+                            w[m][r][h][3] = v.w;
+                        }
+                    }
+        };
+        load(cur, gs, 0);
+        for (int seg = 0; seg < segs; seg++) {
+            if (seg + 1 < segs) load(nxt, gn, seg + 1);  // in flight while this segment is summed
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int q = GR ? 16 * seg + 4 * i + t : 4 * (4 * seg + t) + i;  // 32-bit part of the row
+                unsigned bh[NT][CPU], bl[NT][CPU];  // token g's activations at the part's columns, split
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    const float *xp = xr[n] + q * CPU;
+                    if (CPU == 2) {
+                        const float2 v = __ldg(reinterpret_cast<const float2 *>(xp));
+                        split_tf32(v.x, bh[n][0], bl[n][0]);
+                        split_tf32(v.y, bh[n][1 % CPU], bl[n][1 % CPU]);
+                    } else {
+#pragma unroll
+                        for (int k = 0; k < CPU; k += 4) {
+                            const float4 v = __ldg(reinterpret_cast<const float4 *>(xp + k));
+                            split_tf32(v.x, bh[n][k], bl[n][k]);
+                            split_tf32(v.y, bh[n][(k + 1) % CPU], bl[n][(k + 1) % CPU]);
+                            split_tf32(v.z, bh[n][(k + 2) % CPU], bl[n][(k + 2) % CPU]);
+                            split_tf32(v.w, bh[n][(k + 3) % CPU], bl[n][(k + 3) % CPU]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int m = 0; m < NM; m++)
+#pragma unroll
+                    for (int r = 0; r < R16; r++)
+#pragma unroll
+                        for (int s = 0; s < CPU / 2; s++) {
+                            float a0, a2, a1, a3;  // rows g (a0, a2) and g + 8 (a1, a3), columns 2s, 2s + 1
+                            pair_f<FMT>(cur[m][r][0][i], s, a0, a2);
+                            pair_f<FMT>(cur[m][r][1][i], s, a1, a3);
+                            const unsigned u0 = __float_as_uint(a0), u1 = __float_as_uint(a1),
+                                           u2 = __float_as_uint(a2), u3 = __float_as_uint(a3);
+#pragma unroll
+                            for (int n = 0; n < NT; n++) {
+                                mma_tf32(part[m][r][n], u0, u1, u2, u3, bh[n][2 * s], bh[n][2 * s + 1]);
+                                mma_tf32(part[m][r][n], u0, u1, u2, u3, bl[n][2 * s], bl[n][2 * s + 1]);
+                            }
+                        }
+                if (GR) {  // this part's 32 columns are one group of every row: scale and fold
+#pragma unroll
+                    for (int m = 0; m < NM; m++)
+#pragma unroll
+                        for (int r = 0; r < R16; r++)
+#pragma unroll
+                            for (int n = 0; n < NT; n++)
+#pragma unroll
+                                for (int c = 0; c < 4; c++) {
+                                    acc[m][r][n][c] = fmaf(part[m][r][n][c], gs[m][r][c >> 1][i], acc[m][r][n][c]);
+                                    part[m][r][n][c] = 0.0f;
+                                }
+                }
+            }
+            if (seg + 1 < segs) {
+#pragma unroll
+                for (int m = 0; m < NM; m++)
+#pragma unroll
+                    for (int r = 0; r < R16; r++)
+#pragma unroll
+                        for (int h = 0; h < 2; h++)
+#pragma unroll
+                            for (int i = 0; i < 4; i++) {
+                                cur[m][r][h][i] = nxt[m][r][h][i];
+                                gs[m][r][h][i] = gn[m][r][h][i];
+                            }
+            }
+        }
+        if (!GR) {  // per-row scales (float formats: none)
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < R16; r++) {
+                    const bool scaled = FMT == F_INT8 || FMT == F_INT4 || FMT == F_INT2;
+                    const float s0 = scaled ? __ldg(sr[m][r][0]) : 1.0f, s1 = scaled ? __ldg(sr[m][r][1]) : 1.0f;
+#pragma unroll
+                    for (int n = 0; n < NT; n++)
+#pragma unroll
+                        for (int c = 0; c < 4; c++) acc[m][r][n][c] = part[m][r][n][c] * (c < 2 ? s0 : s1);
+                }
+        }
+        emit(row0, tok0, acc);
+    }
+}
+
+// mm / mm_args on tensor cores: entry W, S, x, y, T, rows, y_stride, 0 (matmul.cu's mm_entry)
+template <int FMT, int R16, int NT>
+__device__ __forceinline__ void mm_tc_entry(const u64 *e, int rows, int in_pad, int y_stride, int gshift) {
+    const uint4 *W[1] = {reinterpret_cast<const uint4 *>(e[0])};
+    const float *S[1] = {reinterpret_cast<const float *>(e[1])};
+    const float *x = reinterpret_cast<const float *>(e[2]);
+    float *y = reinterpret_cast<float *>(e[3]);
+    if (e[5]) rows = (int)e[5];
+    if (e[6]) y_stride = (int)e[6];
+    const int T = (int)e[4], g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    tc_rows<FMT, R16, 1, NT>(W, S, rows, (rows + 16 * R16 - 1) / (16 * R16), in_pad / Cols<FMT>::n, gshift, x,
+                             nullptr, in_pad, T, [&](int row0, int tok0, float (&acc)[1][R16][NT][4]) {
+#pragma unroll
+        for (int r = 0; r < R16; r++)
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    const int row = row0 + 16 * r + g + 8 * (c >> 1), j = tok0 + 8 * n + 2 * t + (c & 1);
+                    if (row < rows && j < T) y[(u64)j * y_stride + row] = acc[0][r][n][c];
+                }
+    });
+}
+
+template <int FMT, int R16, int NT>
+__global__ void mm_tc(const u64 *__restrict__ table, int rows, int in_pad, int y_stride, int gshift) {
+    mm_tc_entry<FMT, R16, NT>(table + 8 * blockIdx.y, rows, in_pad, y_stride, gshift);
+}
+
+template <int FMT, int R16, int NT>
+__global__ void mm_args_tc(const MMArgs t, int rows, int in_pad, int y_stride, int gshift) {
+    mm_tc_entry<FMT, R16, NT>(t.e + 8 * blockIdx.y, rows, in_pad, y_stride, gshift);
+}
+
+// gate_up on tensor cores: entry gate W, gate S, up W, up S, x, h, T, idx (matmul.cu's gate_up; idx, when
+// not 0, the int32 rows of x that are this expert's T tokens: a device trunk's prefill routes tokens).
+template <int FMT, int R16, int NT>
+__global__ void gate_up_tc(const u64 *__restrict__ table, int rows, int in_pad, int h_stride, int gshift) {
+    const u64 *e = table + 8 * blockIdx.y;
+    const uint4 *W[2] = {reinterpret_cast<const uint4 *>(e[0]), reinterpret_cast<const uint4 *>(e[2])};
+    const float *S[2] = {reinterpret_cast<const float *>(e[1]), reinterpret_cast<const float *>(e[3])};
+    const float *x = reinterpret_cast<const float *>(e[4]);
+    float *h = reinterpret_cast<float *>(e[5]);
+    const int T = (int)e[6], g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const int *idx = reinterpret_cast<const int *>(e[7]);
+    tc_rows<FMT, R16, 2, NT>(W, S, rows, (h_stride + 16 * R16 - 1) / (16 * R16), in_pad / Cols<FMT>::n, gshift,
+                             x, idx, in_pad, T, [&](int row0, int tok0, float (&acc)[2][R16][NT][4]) {
+#pragma unroll
+        for (int r = 0; r < R16; r++)
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    const int row = row0 + 16 * r + g + 8 * (c >> 1), j = tok0 + 8 * n + 2 * t + (c & 1);
+                    if (row < h_stride && j < T) {
+                        const float gv = acc[0][r][n][c], uv = acc[1][r][n][c];
+                        h[(u64)j * h_stride + row] = row < rows ? gv / (1.0f + expf(-gv)) * uv : 0.0f;
+                    }
+                }
+    });
+}
