@@ -112,6 +112,8 @@ def main() -> int:
                    help="T > 1 on the GEMV kernels too (the kernels before the tensor-core ones)")
     p.add_argument("--tc-from", type=int, default=None,
                    help="fewest tokens that take the tensor-core kernels (1: decode too)")
+    p.add_argument("--tc-rows", default=None,
+                   help="16-row subtiles per warp tile of the tensor-core kernels, mm,gate_up (e.g. 2,1)")
     p.add_argument("--out")
     args = p.parse_args()
     cls = get_backend("cuda")
@@ -121,6 +123,9 @@ def main() -> int:
         mod._TC_FORMATS = frozenset()
     if args.tc_from is not None:
         mod._TC_MIN_TOKENS = args.tc_from
+    if args.tc_rows:
+        mm, gu = (int(v) for v in args.tc_rows.split(","))
+        mod._TC_R16.update(mm_tc=mm, mm_args_tc=mm, gate_up_tc=gu)
 
     if args.read_only:
         mod._NVRTC_OPTIONS = mod._NVRTC_OPTIONS + ("-DCOLIBRI_READ_ONLY",)
@@ -155,7 +160,8 @@ def main() -> int:
     if args.out:
         atomic_write_text(args.out, json.dumps({"device": be.device.to_dict(), "read_only": args.read_only,
                                                 "gemv_prefill": args.gemv_prefill,
-                                                "tc_min_tokens": mod._TC_MIN_TOKENS, "rows": rows}, indent=1))
+                                                "tc_min_tokens": mod._TC_MIN_TOKENS,
+                                                "tc_rows": dict(mod._TC_R16), "rows": rows}, indent=1))
     be.close()
     return 0
 

@@ -100,7 +100,9 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
             const int j = min(tok0 + 8 * n + g, T - 1);  // past the last token: a valid row, never stored
             xr[n] = x + (u64)(idx ? idx[j] : j) * in_pad;
         }
-        float acc[NM][R16][NT][4], part[NM][R16][NT][4];
+        // part / plo: the hi / lo halves' sums, two independent mma chains (each mma waits for the last
+        // one into its accumulator)
+        float acc[NM][R16][NT][4], part[NM][R16][NT][4], plo[NM][R16][NT][4];
 #pragma unroll
         for (int m = 0; m < NM; m++)
 #pragma unroll
@@ -108,7 +110,7 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
 #pragma unroll
                 for (int n = 0; n < NT; n++)
 #pragma unroll
-                    for (int c = 0; c < 4; c++) acc[m][r][n][c] = part[m][r][n][c] = 0.0f;
+                    for (int c = 0; c < 4; c++) acc[m][r][n][c] = part[m][r][n][c] = plo[m][r][n][c] = 0.0f;
         unsigned cur[NM][R16][2][4], nxt[NM][R16][2][4];
         float gs[NM][R16][2][4], gn[NM][R16][2][4];  // group formats: each part's group scale
         // the loads of segment `seg` (64 bytes of each row) into w, s
@@ -174,7 +176,7 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
 #pragma unroll
                             for (int n = 0; n < NT; n++) {
                                 mma_tf32(part[m][r][n], u0, u1, u2, u3, bh[n][2 * s], bh[n][2 * s + 1]);
-                                mma_tf32(part[m][r][n], u0, u1, u2, u3, bl[n][2 * s], bl[n][2 * s + 1]);
+                                mma_tf32(plo[m][r][n], u0, u1, u2, u3, bl[n][2 * s], bl[n][2 * s + 1]);
                             }
                         }
                 if (GR) {  // this part's 32 columns are one group of every row: scale and fold
@@ -186,8 +188,9 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
                             for (int n = 0; n < NT; n++)
 #pragma unroll
                                 for (int c = 0; c < 4; c++) {
-                                    acc[m][r][n][c] = fmaf(part[m][r][n][c], gs[m][r][c >> 1][i], acc[m][r][n][c]);
-                                    part[m][r][n][c] = 0.0f;
+                                    const float v = part[m][r][n][c] + plo[m][r][n][c];
+                                    acc[m][r][n][c] = fmaf(v, gs[m][r][c >> 1][i], acc[m][r][n][c]);
+                                    part[m][r][n][c] = plo[m][r][n][c] = 0.0f;
                                 }
                 }
             }
@@ -215,7 +218,8 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
 #pragma unroll
                     for (int n = 0; n < NT; n++)
 #pragma unroll
-                        for (int c = 0; c < 4; c++) acc[m][r][n][c] = part[m][r][n][c] * (c < 2 ? s0 : s1);
+                        for (int c = 0; c < 4; c++)
+                            acc[m][r][n][c] = (part[m][r][n][c] + plo[m][r][n][c]) * (c < 2 ? s0 : s1);
                 }
         }
         emit(row0, tok0, acc);
