@@ -32,11 +32,11 @@ _WARPS = 8  # warps per block
 # flight, twice over (bench/cuda_expert_ffn.py --tune; cp.async shared-memory staging: ~20% slower, H200)
 _SHAPE = {"mm": (4, 1), "mm_args": (4, 1), "gate_up": (2, 1)}  # mm_args: mm, its table an argument
 # T > 1: shaders/cuda/prefill.cu's tensor-core kernels (same tables) replace these; 16-row subtiles per
-# warp tile, and the formats they take (int2: rows of 128 columns are under one 64-byte segment; f32:
-# not exact in tf32). Tokens per pass: 8 for T <= 8, else 16 (the warp's NT mma column tiles).
+# warp tile, and the formats they take (codes exact in bf16, 4 columns per k-step in one 32-bit part; the
+# float formats and int2 keep the GEMV kernels). Tokens per pass: 8 for T <= 8, else 16 (NT column tiles).
 _TC = {"mm": "mm_tc", "mm_args": "mm_args_tc", "gate_up": "gate_up_tc"}
 _TC_R16 = {"mm_tc": 2, "mm_args_tc": 2, "gate_up_tc": 1}
-_TC_FORMATS = frozenset({"int8", "int4", "int4-g32", "int4-g64", "int4-g128", "f16", "bf16"})
+_TC_FORMATS = frozenset({"int8", "int4", "int4-g32", "int4-g64", "int4-g128"})
 _TC_MIN_TOKENS = 2  # benchmarks set 1 to time the tensor-core kernels at decode
 _NVRTC_OPTIONS = ("--std=c++14",)  # benchmarks add -DCOLIBRI_READ_ONLY (loads without arithmetic)
 _TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their activations in shared memory)

@@ -1,70 +1,68 @@
 // Prefill (T > 1) matmul and fused gate/up on tensor cores, appended to matmul.cu by backends/cuda.py (it
-// uses matmul.cu's F_* formats, Cols, half_f, magic_bits and u64). Same tables, entries and outputs as
+// uses matmul.cu's F_* formats, Cols, byte_f, magic_bits and u64). Same tables, entries and outputs as
 // matmul.cu's mm / mm_args / gate_up, so the launcher swaps one for the other by token count.
 //
 // Why: the GEMV kernels sum each weight against every token with one FMA per token (and re-read the
 // weights every 4 tokens), so 16 tokens cost ~14x one. Here a warp owns a tile of 16 R16 rows (per
-// matrix) x 8 NT tokens and reads each weight once per tile: mma.sync m16n8k8 (tf32 in, f32 accumulate)
-// with the dequantized weights as A (rows x k) and the activations as B (k x tokens).
+// matrix) x 8 NT tokens and reads each weight once per tile: mma.sync m16n8k16 (bf16 in, f32 accumulate)
+// with the dequantized weights as A (rows x k) and the activations as B (k x tokens). (tf32 m16n8k8 took
+// 4 mma per 16 columns and ran ~80 TFLOPS on an H200: 3.4x the 1-token time at 16 tokens.)
 //
-// Precision: weights of every supported format are exact in tf32 (int8/int4/int2 codes are small
-// integers, f16 and bf16 fit tf32's 10-bit mantissa); scales are applied in f32 after the sums (per row)
-// or per 32-column group (group formats). Activations are split x = hi + lo, both tf32 (low 13 bits
-// cleared), and both halves go through the tensor core: ~22 bits of x, near the f32 kernels.
+// Precision: int8 and int4 codes are exact in bf16 (8 significant bits); scales are applied in f32 after
+// the sums (per row) or per 32-column group (group formats). Activations are split x = hi + lo, both
+// bf16 rounded to nearest (|x - hi - lo| <= 2^-17 |x|), and both halves go through the tensor core.
 //
 // Column order: a dot product may sum its columns in any order, so each lane's share of a k-step is
 // taken from the weight bytes it loaded itself. Lane (g = lane / 4, t = lane % 4) loads 16 bytes of rows
-// g and g + 8 of each 16-row subtile per 64-byte row segment; k-step (i, s) uses, in each lane, columns
-// 2s and 2s + 1 of its 32-bit part i (logical k = t and t + 4 of the mma) and the activations of token
-// g at the same two columns. Per-row formats: part i of 16-byte word 4 seg + t. Group formats: 32-bit
-// word 16 seg + 4 i + t, so the four lanes of a k-step read one 32-column group and its partial sums
-// can take that group's scale.
+// g and g + 8 of each 16-row subtile per 64-byte row segment; a k-step takes, in each lane, 4 columns of
+// one of its 32-bit parts (mma k 2t, 2t + 1, 2t + 8, 2t + 9) and the activations of token g at the same
+// columns: int4 part columns {2s, 2s + 4}, {2s + 1, 2s + 5} for k-step s of 2 (what masking the nibbles
+// of v >> 4j gives), int8 {0, 1}, {2, 3}. Per-row formats: part i of 16-byte word 4 seg + t. Group
+// formats: 32-bit word 16 seg + 4 i + t, so the four lanes of a k-step read one 32-column group and its
+// partial sums can take that group's scale.
 
 #ifndef COLIBRI_HOST_MMA
-// c (16 x 8, f32) += A (16 x 8, tf32: rows g, g + 8 at k t, t + 4) . B (8 x 8: k t, t + 4 at column g)
-__device__ __forceinline__ void mma_tf32(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+// c (16 x 8, f32) += A (16 x 16 bf16: a0 / a2 row g at k 2t.. / 2t + 8.., a1 / a3 row g + 8) . B (16 x 8
+// bf16: b0 k 2t, 2t + 1 / b1 k 2t + 8, 2t + 9 at column g); the lower half of a register is the lower k
+__device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
                  "{%8, %9}, {%0, %1, %2, %3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+// {lo, hi} -> bf16x2 (lo in the lower half), each rounded to nearest even
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// both bf16 halves minus 136 (128 + nibble -> nibble - 8, exact)
+__device__ __forceinline__ unsigned bf16x2_minus136(unsigned p) {
+    unsigned d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(p), "r"(0x3F803F80u), "r"(0xC308C308u));
+    return d;
+}
 #endif
 
-#define TF32_MASK 0xFFFFE000u  // tf32 keeps the sign, exponent and top 10 mantissa bits of an f32
-
-// byte b of word as a float code (matmul.cu's byte_f, b known once the loops are unrolled)
-__device__ __forceinline__ float byte_fr(unsigned word, int b, float bias) {
-    return __int_as_float(__byte_perm(word, magic_bits, 0x7440 | b)) - bias;
-}
-
-// columns 2s, 2s + 1 of a 32-bit weight part as f32 (exact in tf32); the row or group scale comes later
+// A pair (mma k 2t, 2t + 1 or 2t + 8, 2t + 9) j of 32-bit weight part v, as bf16x2 codes (scale later):
+// int4 j = 0..3: part columns {j, j + 4} = bits 4j and 16 + 4j (0x4300 | nibble is 128 + nibble);
+// int8 j = 0, 1: columns {2j, 2j + 1}
 template <int FMT>
-__device__ __forceinline__ void pair_f(unsigned v, int s, float &c0, float &c1) {
-    if (FMT == F_INT8) {  // byte b: column b
-        const unsigned u = v ^ 0x80808080u;
-        c0 = byte_fr(u, 2 * s, 8388736.0f);
-        c1 = byte_fr(u, 2 * s + 1, 8388736.0f);
-    } else if (FMT == F_INT4 || FMT == F_INT4G) {  // byte b: columns 2b (low nibble), 2b + 1
-        c0 = byte_fr(v & 0x0F0F0F0Fu, s, 8388616.0f);
-        c1 = byte_fr((v >> 4) & 0x0F0F0F0Fu, s, 8388616.0f);
-    } else if (FMT == F_INT2) {  // byte b: columns 4b .. 4b + 3, low bits first
-        const int sh = 2 * ((2 * s) & 3);
-        c0 = byte_fr((v >> sh) & 0x03030303u, s >> 1, 8388610.0f);
-        c1 = byte_fr((v >> (sh + 2)) & 0x03030303u, s >> 1, 8388610.0f);
-    } else if (FMT == F_F16) {
-        c0 = half_f((unsigned short)(v & 0xFFFFu));
-        c1 = half_f((unsigned short)(v >> 16));
-    } else {  // F_BF16
-        c0 = __uint_as_float(v << 16);
-        c1 = __uint_as_float(v & 0xFFFF0000u);
+__device__ __forceinline__ unsigned a_pair(unsigned v, int j) {
+    if (FMT == F_INT8) {
+        const unsigned u = v ^ 0x80808080u;  // signed q -> q + 128
+        return pack_bf16(byte_f<0>(u >> (16 * j), 8388736.0f), byte_f<1>(u >> (16 * j), 8388736.0f));
     }
+    return bf16x2_minus136(((v >> (4 * j)) & 0x000F000Fu) | 0x43004300u);
 }
 
-// x = hi + lo, each with tf32's bits only (hi exact; lo the rest, truncated: ~22 bits of x in all)
-__device__ __forceinline__ void split_tf32(float x, unsigned &hi, unsigned &lo) {
-    hi = __float_as_uint(x) & TF32_MASK;
-    lo = __float_as_uint(x - __uint_as_float(hi)) & TF32_MASK;
+// x = hi + lo as two bf16x2 of the columns (c0, c1)
+__device__ __forceinline__ void split_bf16(float c0, float c1, unsigned &hi, unsigned &lo) {
+    hi = pack_bf16(c0, c1);
+    lo = pack_bf16(c0 - __uint_as_float(hi << 16), c1 - __uint_as_float(hi & 0xFFFF0000u));
 }
 
 // One warp's work items over the row tiles and token passes of one table entry: tile of 16 R16 rows of
@@ -143,23 +141,20 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int q = GR ? 16 * seg + 4 * i + t : 4 * (4 * seg + t) + i;  // 32-bit part of the row
-                unsigned bh[NT][CPU], bl[NT][CPU];  // token g's activations at the part's columns, split
+                unsigned bh[NT][CPU / 2], bl[NT][CPU / 2];  // token g's activations, B pairs j, split
 #pragma unroll
                 for (int n = 0; n < NT; n++) {
                     const float *xp = xr[n] + q * CPU;
-                    if (CPU == 2) {
-                        const float2 v = __ldg(reinterpret_cast<const float2 *>(xp));
-                        split_tf32(v.x, bh[n][0], bl[n][0]);
-                        split_tf32(v.y, bh[n][1 % CPU], bl[n][1 % CPU]);
-                    } else {
-#pragma unroll
-                        for (int k = 0; k < CPU; k += 4) {
-                            const float4 v = __ldg(reinterpret_cast<const float4 *>(xp + k));
-                            split_tf32(v.x, bh[n][k], bl[n][k]);
-                            split_tf32(v.y, bh[n][(k + 1) % CPU], bl[n][(k + 1) % CPU]);
-                            split_tf32(v.z, bh[n][(k + 2) % CPU], bl[n][(k + 2) % CPU]);
-                            split_tf32(v.w, bh[n][(k + 3) % CPU], bl[n][(k + 3) % CPU]);
-                        }
+                    const float4 v = __ldg(reinterpret_cast<const float4 *>(xp));
+                    if (CPU == 8) {  // int4: pairs {j, j + 4}
+                        const float4 w = __ldg(reinterpret_cast<const float4 *>(xp + 4));
+                        split_bf16(v.x, w.x, bh[n][0], bl[n][0]);
+                        split_bf16(v.y, w.y, bh[n][1 % (CPU / 2)], bl[n][1 % (CPU / 2)]);
+                        split_bf16(v.z, w.z, bh[n][2 % (CPU / 2)], bl[n][2 % (CPU / 2)]);
+                        split_bf16(v.w, w.w, bh[n][3 % (CPU / 2)], bl[n][3 % (CPU / 2)]);
+                    } else {  // int8: pairs {0, 1}, {2, 3}
+                        split_bf16(v.x, v.y, bh[n][0], bl[n][0]);
+                        split_bf16(v.z, v.w, bh[n][1], bl[n][1]);
                     }
                 }
 #pragma unroll
@@ -167,16 +162,15 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
 #pragma unroll
                     for (int r = 0; r < R16; r++)
 #pragma unroll
-                        for (int s = 0; s < CPU / 2; s++) {
-                            float a0, a2, a1, a3;  // rows g (a0, a2) and g + 8 (a1, a3), columns 2s, 2s + 1
-                            pair_f<FMT>(cur[m][r][0][i], s, a0, a2);
-                            pair_f<FMT>(cur[m][r][1][i], s, a1, a3);
-                            const unsigned u0 = __float_as_uint(a0), u1 = __float_as_uint(a1),
-                                           u2 = __float_as_uint(a2), u3 = __float_as_uint(a3);
+                        for (int s = 0; s < CPU / 4; s++) {  // k-steps of 16 columns in this part
+                            const unsigned a0 = a_pair<FMT>(cur[m][r][0][i], 2 * s),
+                                           a2 = a_pair<FMT>(cur[m][r][0][i], 2 * s + 1),
+                                           a1 = a_pair<FMT>(cur[m][r][1][i], 2 * s),
+                                           a3 = a_pair<FMT>(cur[m][r][1][i], 2 * s + 1);
 #pragma unroll
                             for (int n = 0; n < NT; n++) {
-                                mma_tf32(part[m][r][n], u0, u1, u2, u3, bh[n][2 * s], bh[n][2 * s + 1]);
-                                mma_tf32(plo[m][r][n], u0, u1, u2, u3, bl[n][2 * s], bl[n][2 * s + 1]);
+                                mma_bf16(part[m][r][n], a0, a1, a2, a3, bh[n][2 * s], bh[n][2 * s + 1]);
+                                mma_bf16(plo[m][r][n], a0, a1, a2, a3, bl[n][2 * s], bl[n][2 * s + 1]);
                             }
                         }
                 if (GR) {  // this part's 32 columns are one group of every row: scale and fold
@@ -208,13 +202,12 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
                             }
             }
         }
-        if (!GR) {  // per-row scales (float formats: none)
+        if (!GR) {  // per-row scales
 #pragma unroll
             for (int m = 0; m < NM; m++)
 #pragma unroll
                 for (int r = 0; r < R16; r++) {
-                    const bool scaled = FMT == F_INT8 || FMT == F_INT4 || FMT == F_INT2;
-                    const float s0 = scaled ? __ldg(sr[m][r][0]) : 1.0f, s1 = scaled ? __ldg(sr[m][r][1]) : 1.0f;
+                    const float s0 = __ldg(sr[m][r][0]), s1 = __ldg(sr[m][r][1]);
 #pragma unroll
                     for (int n = 0; n < NT; n++)
 #pragma unroll
