@@ -48,8 +48,8 @@ _QMAX = np.float32(32767.0)
 #: fast-math without reassociation for the int8 and per-row int4 matmul kernels: their serial and
 #: parallel kernels (compiled apart) then round alike, bit for bit (with ``reassoc`` LLVM regrouped the
 #: scale products differently in each; decode speed the same, the dot products are integer). The
-#: transposed int4 kernels keep it: they sum lanes in float32 and run 10x slower unvectorised without
-#: (bit-equal serial/parallel as compiled: tests/test_backend_cpu_kernels.py checks every format)
+#: transposed int4 kernels (cpu_q4t) keep it and write their float sum out explicitly instead
+#: (tests/test_backend_cpu_kernels.py checks serial/parallel bit-equality for every format)
 _FM = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
 
 
@@ -273,101 +273,18 @@ def _silu_mul(g, u):
     return g / (np.float32(1.0) + np.exp(-g)) * u
 
 
-# ---- int4-g32 / int4-g64: groups side by side ------------------------------------------------------
-# A 16- or 32-byte group is too short for a vectorised reduction (LLVM unrolls it and leaves it scalar:
-# 30x slower than per-row int4). So these formats are stored transposed at upload (cpu.py): row r holds
-# byte j of every group side by side, wt[r, c, j, k] (lane c·L + k, in chunks of L = 64 lanes so a row
-# is read front to back: a stride of a whole row per byte defeats the prefetcher, measured 3x slower
-# from RAM at 6144 columns). The kernel's loop over k (the groups) is the
-# vectorised one; inside it the J bytes of a group are a constant-length loop that LLVM unrolls, so
-# each lane sums its own group in a register (no reduction, no scratch) and the group scale is applied
-# in the same loop. That loop needs >= 64 lanes to run vectorised (16 lanes x 4 interleaved), so a row
-# of fewer groups is folded: each group split into ``fold`` parts of J bytes side by side
-# (k = g*fold + s). int4-g64 always folds by >= 2 (J <= 16: a 32-long loop is not unrolled and runs as
-# a slow reduction). Scales come one per lane (sl[r, k] = s[r, k // fold], repeated at upload: a
-# k // fold index makes LLVM gather them, 2x slower at T > 1), and so do the activation sums that
-# remove the zero code: sum_k sl[k]*(sum code*xq - 8 sum xq)_k.
-
-
-def _row4t_fixed(J: int):
-    """One output value on the transposed layout for J bytes per lane (a closure constant: numba's
-    cache keys closures by their cell contents)."""
-
-    @njit(fastmath=True, cache=True, inline="always")
-    def row(wt, r, sl, xe3, xo3, t, xsl):
-        # wt uint8 [out, C, J, L]; sl float32 [out, C·L]; xe3/xo3 int16 [T, C, J, L]; xsl int32 [T, C·L]
-        acc = np.float32(0.0)
-        L = wt.shape[3]
-        for c in range(wt.shape[1]):  # chunks of L lanes: J·L contiguous bytes, read front to back
-            for k in range(L):  # vectorised over lanes (groups, or parts of groups)
-                a = np.int32(0)
-                for j in range(J):  # unrolled: a stays in a register lane
-                    v = wt[r, c, j, k]
-                    lo = np.uint8(v & np.uint8(15))
-                    hi = np.uint8(v >> np.uint8(4))
-                    a = np.int32(a + np.int32(lo) * np.int32(xe3[t, c, j, k])
-                                 + np.int32(hi) * np.int32(xo3[t, c, j, k]))
-                i = c * L + k  # int32 throughout: an int64 term would halve the lanes (2x slower)
-                acc += sl[r, i] * np.float32(np.int32(a - np.int32(8) * np.int32(xsl[t, i])))
-        return acc
-
-    return row
-
-
-#: parts per group (fold) of the transposed layouts cpu.py makes, by group bytes: int4-g32 folds 1, 2
-#: or 4 (J = 16, 8, 4 bytes per lane); int4-g64 folds 2 or 4 (J = 16, 8)
-FOLDS = {16: (1, 2, 4), 32: (2, 4)}
-_r16, _r8, _r4 = (_row4t_fixed(J) for J in (16, 8, 4))
-
-
-@njit(fastmath=True, cache=True, inline="always")
-def _row4t(wt, r, sl, xe3, xo3, t, xsl):
-    J = wt.shape[2]
-    if J == 16:
-        return _r16(wt, r, sl, xe3, xo3, t, xsl)
-    if J == 8:
-        return _r8(wt, r, sl, xe3, xo3, t, xsl)
-    return _r4(wt, r, sl, xe3, xo3, t, xsl)
-
-
-@njit(fastmath=True, cache=True, inline="always")
-def _tile4t(wt, scales2, xe3, xo3, sx, xsum, y, b):
-    r1 = min(b * ROW_TILE + ROW_TILE, wt.shape[0])
-    for t in range(xe3.shape[0]):
-        for r in range(b * ROW_TILE, r1):
-            y[t, r] = _row4t(wt, r, scales2, xe3, xo3, t, xsum) * sx[t]
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def i4t_matmul(wt, scales2, xe3, xo3, sx, xsum, y):
-    """int4-g32/g64 GEMM on the transposed layout: wt uint8 [out, C, J, L] (C·L = groups · fold lanes in
-    chunks of L); scales2 float32 [out, C·L] (one per lane); xe3, xo3 int16 [T, C, J, L] (the
-    activations in the same layout); sx float32 [T]; xsum int32 [T, C·L] (Σ xq per lane); y float32
-    [T, out] written in place."""
-    for b in prange((wt.shape[0] + ROW_TILE - 1) // ROW_TILE):
-        _tile4t(wt, scales2, xe3, xo3, sx, xsum, y, b)
-
-
-@njit(fastmath=True, cache=True)
-def i4t_matmul_1(wt, scales2, xe3, xo3, sx, xsum, y):
-    """:func:`i4t_matmul` on the calling thread (small weights), same result."""
-    for b in range((wt.shape[0] + ROW_TILE - 1) // ROW_TILE):
-        _tile4t(wt, scales2, xe3, xo3, sx, xsum, y, b)
-
-
 # ---- routed experts, batched: every expert of a layer in one parallel call --------------------------
-# (here, not in a module of their own: numba's disk cache keys a kernel by its own file only, so a
-# kernel inlining row functions of another file would keep stale code after they change.)
+# (beside the row functions they inline: numba's disk cache keys a kernel by its own file only, so a
+# kernel inlining row functions of another file would keep stale code after they change; the
+# int4-g32/g64 kernels of the transposed layout, decode and prefill loop shapes, are in cpu_q4t.)
 # Decode routes one token to k experts: 2k GEMVs of a few MB, and one parallel region each costs a
 # thread wake-up (tens of µs with sleeping workers) and a load-imbalanced tail. Here the gate+up pass
 # of all experts is one ``prange`` over (expert, row tile), and the down pass another. Experts come as
 # tuples of ``EXPERTS`` arrays (one compiled specialisation; shorter batches are padded with experts
 # given no tokens); expert e owns rows offs[e]:offs[e + 1] of the concatenated activations and results.
-# experts_gate_up_t runs a tile of gate rows, then the tile of up rows (not a gate row and an up row in
-# turn): 8 int4-g32 gate+up pairs of 1.3 MB from RAM, 1 token, 0.82x the time (4 tokens 0.90x); the
-# blocked kernel keeps the pairs (int8 was 1.05x slower split, int4 0.98x).
-# ``kind``: 0 int8, 1 int4 blocks (per-row, int4-g128); the ``_t`` kernels take the 4-D transposed
-# layout (int4-g32/g64). int8 ignores ``xb3``/``xsum`` (pass any int16 3-D / int32 2-D array).
+# The blocked kernel runs a gate row and an up row in turn (int8 was 1.05x slower split in tiles as
+# cpu_q4t does, int4 0.98x). ``kind``: 0 int8, 1 int4 blocks (per-row, int4-g128). int8 ignores
+# ``xb3``/``xsum`` (pass any int16 3-D / int32 2-D array).
 
 #: experts per batched call (tuples of this length)
 EXPERTS = 8
@@ -375,15 +292,10 @@ EXPERTS = 8
 
 @njit(fastmath=True, cache=True, inline="always")
 def _row_any(kind, w3, r, s2, xa3, xb3, t, xsum):
-    # blocked layouts [out, blocks, bb] (kind 0, 1); the transposed one is 4-D: kernels of its own
+    # blocked layouts [out, blocks, bb] (kind 0, 1)
     if kind == 0:
         return _row8(w3, r, xa3, t) * s2[r, 0]
     return _row4(w3, r, s2, xa3, xb3, t, xsum)
-
-
-@njit(fastmath=True, cache=True, inline="always")
-def _row_t(kind, w4, r, s2, xa4, xb4, t, xsum):
-    return _row4t(w4, r, s2, xa4, xb4, t, xsum)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -423,36 +335,3 @@ def experts_matmul(kind, ws, ss, xa3, xb3, sx, xsum, offs, y):
         for t in range(offs[e], offs[e + 1]):
             for r in range(r0, r1):
                 y[t, r] = _row_any(kind, w3, r, s2, xa3, xb3, t, xsum) * sx[t]
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def experts_gate_up_t(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
-    """:func:`experts_gate_up` for int4-g32/g64 (weights and activations [.., C, J, L])."""
-    inter = gw[0].shape[0]
-    tiles = (inter + ROW_TILE - 1) // ROW_TILE
-    for i in prange(EXPERTS * tiles):
-        e = i // tiles
-        r0 = (i - e * tiles) * ROW_TILE
-        r1 = min(r0 + ROW_TILE, inter)
-        g3, u3, g2, u2 = gw[e], uw[e], gs[e], us[e]
-        gt = np.empty(ROW_TILE, np.float32)  # the gate tile of one token
-        for t in range(offs[e], offs[e + 1]):  # this expert's tokens: its tile stays in L2
-            for r in range(r0, r1):  # gate rows, then up rows: one matrix streamed at a time
-                gt[r - r0] = _row_t(kind, g3, r, g2, xa3, xb3, t, xsum) * sx[t]
-            for r in range(r0, r1):
-                h[t, r] = _silu_mul(gt[r - r0], _row_t(kind, u3, r, u2, xa3, xb3, t, xsum) * sx[t])
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def experts_matmul_t(kind, ws, ss, xa3, xb3, sx, xsum, offs, y):
-    """:func:`experts_matmul` for int4-g32/g64 (weights and activations [.., C, J, L])."""
-    out = ws[0].shape[0]
-    tiles = (out + ROW_TILE - 1) // ROW_TILE
-    for i in prange(EXPERTS * tiles):
-        e = i // tiles
-        r0 = (i - e * tiles) * ROW_TILE
-        r1 = min(r0 + ROW_TILE, out)
-        w3, s2 = ws[e], ss[e]
-        for t in range(offs[e], offs[e + 1]):
-            for r in range(r0, r1):
-                y[t, r] = _row_t(kind, w3, r, s2, xa3, xb3, t, xsum) * sx[t]

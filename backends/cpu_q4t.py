@@ -1,0 +1,467 @@
+"""int4-g32 / int4-g64 kernels of the ``cpu`` backend on the transposed layout: one loop shape for a
+token or two, another for prefill batches (imported only when that backend is opened).
+
+Layout. A 16- or 32-byte group is too short for a vectorised reduction (LLVM unrolls it and leaves it
+scalar: 30x slower than per-row int4). So these formats are stored transposed at upload (cpu.py): row r
+holds byte j of every group side by side, wt[r, c, j, k] (lane c·L + k, in chunks of L = 64 lanes so a
+row is read front to back: a stride of a whole row per byte defeats the prefetcher, measured 3x slower
+from RAM at 6144 columns). The loop over k (the groups) is the vectorised one; inside it the J bytes of
+a group are a constant-length loop that LLVM unrolls, so each lane sums its own group in a register.
+That loop needs >= 64 lanes to run vectorised, so a row of fewer groups is folded: each group split
+into ``fold`` parts of J bytes side by side (k = g·fold + s); int4-g64 always folds by >= 2 (J <= 16).
+Scales come one per lane (sl[r, k] = s[r, k // fold], repeated at upload: a k // fold index makes LLVM
+gather them), and so do the activation sums that remove the zero code.
+
+Arithmetic (the activations are those of ``cpu_qkernels.quant_x4t``: int16, one scale per token):
+each lane's dot product is an exact int32 ``a_k = Σ code·xq − 8·Σ xq = Σ (code − 8)·xq`` (at most
+32·2·15·32767 < 2³¹), then ``y = sx · Σ_k sl[k]·float32(a_k)``. The lane dots go to a small int32
+scratch and one float32 sum per layout makes y from them for every loop shape, so a token gives the
+same bits alone, in a batch, serially or in parallel (tests/test_backend_cpu_kernels.py).
+
+Loop shapes (AVX-512 VNNI hosts, rows of whole 16-lane vectors; else the numba loop of ``_dots1``,
+unpacking in registers, with ``_lane_sum``). Below ``PREFILL_TOKENS`` tokens per weight (decode), the
+bytes are unpacked in registers into (low, high) nibble pairs, one int16 pair per 32-bit lane, and
+multiplied with the activation pairs ``x2 = xe | xo << 16`` by ``vpdpwssd`` (32 products an
+instruction; LLVM's own vectorisation of the numba loop gets 16, and does not form the pairs from numba
+code): ``_packed_dots``. From ``PREFILL_TOKENS`` tokens, ``RB`` rows at a time are unpacked once into
+an int32 scratch of signed pairs (code − 8) and every group of ``NT`` tokens runs over them with one
+weight load per ``NT`` products (``_scratch_dots``): no unpacking per token. The float32 sum is
+``_vsum``: one fused multiply-add per 16 lanes in lane order, then halves added, written out so that no
+loop shape can reassociate it differently. Measured on one core of a Zen 5 host (2048x2048, weight in
+cache): 16 tokens 0.95 ms against 1.89 ms for the numba loop; one token from L1 66 against 32 GMAC/s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# ROW_TILE and EXPERTS are compile-time constants of these kernels: numba's cache keys a kernel by its
+# own file, so a change of them in cpu_qkernels needs this file touched (or the cache cleared)
+from colibri_plan.backends.cpu_qkernels import EXPERTS, ROW_TILE
+
+#: tokens per weight from which rows are unpacked once into the scratch (2048x2048 on one core: 2 tokens
+#: 0.21 ms either way, 4 tokens 0.28 against 0.45 ms unpacking in registers per token)
+PREFILL_TOKENS = 2
+#: parts per group (fold) of the transposed layouts cpu.py makes, by group bytes: int4-g32 folds 1, 2
+#: or 4 (J = 16, 8, 4 bytes per lane); int4-g64 folds 2 or 4 (J = 16, 8)
+FOLDS = {16: (1, 2, 4), 32: (2, 4)}
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _lane_sum(sl, r, ai, o, n):
+    # y/sx of one output: Σ_k sl[r, k]·float32(ai[o + k]) over n lanes (ai flat int32); the one float
+    # sum of every loop shape
+    acc = np.float32(0.0)
+    for i in range(n):
+        acc += sl[r, i] * np.float32(ai[o + i])
+    return acc
+
+
+def _dots1_fixed(J: int):
+    """Lane dots of row r with token t, unpacking in registers, J bytes per lane (a closure constant:
+    numba's cache keys closures by their cell contents)."""
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def dots(wt, r, xe3, xo3, t, xsl, ai):
+        # wt uint8 [out, C, J, L]; xe3/xo3 int16 [T, C, J, L]; xsl int32 [T, C·L]; ai int32 [C·L] out
+        L = wt.shape[3]
+        for c in range(wt.shape[1]):  # chunks of L lanes: J·L contiguous bytes, read front to back
+            for k in range(L):  # vectorised over lanes (groups, or parts of groups)
+                a = np.int32(0)
+                for j in range(J):  # unrolled: a stays in a register lane
+                    v = wt[r, c, j, k]
+                    lo = np.uint8(v & np.uint8(15))
+                    hi = np.uint8(v >> np.uint8(4))
+                    a = np.int32(a + np.int32(lo) * np.int32(xe3[t, c, j, k])
+                                 + np.int32(hi) * np.int32(xo3[t, c, j, k]))
+                i = c * L + k  # int32 throughout: an int64 term would halve the lanes (2x slower)
+                ai[i] = np.int32(a - np.int32(8) * np.int32(xsl[t, i]))
+
+    return dots
+
+
+_d1_16, _d1_8, _d1_4 = (_dots1_fixed(J) for J in (16, 8, 4))
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _dots1(wt, r, xe3, xo3, t, xsl, ai):
+    J = wt.shape[2]
+    if J == 16:
+        _d1_16(wt, r, xe3, xo3, t, xsl, ai)
+    elif J == 8:
+        _d1_8(wt, r, xe3, xo3, t, xsl, ai)
+    else:
+        _d1_4(wt, r, xe3, xo3, t, xsl, ai)
+
+
+# ---- AVX-512 VNNI: the lane dots as explicit vpdpwssd (two int16 products per 32-bit lane) ---------
+# LLVM vectorises the loops above with one useful product per 32-bit lane (the codes zero-extended to
+# 32 bits) and does not form full int16 pairs from numba code (interleaved loads come out as
+# shifts and vpmulld), so these intrinsics write the vector code: 16 lanes at a time, the weights as
+# (low, high) nibble pairs in each 32-bit lane against the activation pairs x2 = xe | xo << 16.
+# Measured from L1 on one core: 66 GMAC/s against 32 for the loop above.
+
+_I32 = ir.IntType(32)
+_V16 = ir.VectorType(_I32, 16)  # 16 lanes
+_W32 = ir.VectorType(ir.IntType(16), 32)  # the same bits as 32 int16
+_B16 = ir.VectorType(ir.IntType(8), 16)
+
+
+def _host_has_vnni() -> bool:
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features()
+    return all(features.get(f, False) for f in ("avx512f", "avx512bw", "avx512vnni"))
+
+
+#: the vpdpwssd kernels are compiled in (a False constant leaves their branch dead: never selected)
+VNNI = _host_has_vnni()
+
+
+def _at(context, builder, aty, arr, off):
+    return builder.gep(context.make_array(aty)(context, builder, arr).data, [off])
+
+
+def _load(builder, ptr, vty):
+    return builder.load(builder.bitcast(ptr, vty.as_pointer()), align=1)
+
+
+def _store(builder, v, ptr):
+    builder.store(v, builder.bitcast(ptr, v.type.as_pointer()), align=1)
+
+
+def _splat(v: int, vty=_V16):
+    return ir.Constant(vty, [ir.Constant(vty.element, v)] * vty.count)
+
+
+def _vpdpwssd(builder, acc, w, x):
+    fnty = ir.FunctionType(_V16, [_V16, _W32, _W32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpwssd.512")
+    return builder.call(fn, [acc, builder.bitcast(w, _W32), builder.bitcast(x, _W32)])
+
+
+def _packed_dots(J: int):
+    """Intrinsic ``(ai, ao, w, wo, x2, xo, step, xsl, so)``: 16 lanes of ``ai[ao:] = Σ_j code·x − 8·xsl``
+    from the packed bytes w[wo + j·step] (uint8, unpacked in registers) and the pairs x2[xo + j·step]
+    (int32), xsl[so:] int32: the one-token loop shape."""
+
+    @intrinsic
+    def dots(typingctx, ai, ao, w, wo, x2, xo, step, xsl, so):
+        sig = types.void(ai, ao, w, wo, x2, xo, step, xsl, so)
+
+        def codegen(context, builder, sig, args):
+            ai_, ao_, w_, wo_, x_, xo_, step_, s_, so_ = args
+            pw, px = _at(context, builder, sig.args[2], w_, wo_), _at(context, builder, sig.args[4], x_, xo_)
+            acc = _splat(0)
+            for j in range(J):
+                off = builder.mul(step_, ir.Constant(step_.type, j))
+                d = builder.zext(_load(builder, builder.gep(pw, [off]), _B16), _V16)  # a byte per lane
+                hi = builder.shl(builder.and_(d, _splat(0xF0)), _splat(12))  # high nibble to bit 16
+                pair = builder.or_(builder.and_(d, _splat(15)), hi)
+                acc = _vpdpwssd(builder, acc, pair, _load(builder, builder.gep(px, [off]), _V16))
+            xs = _load(builder, _at(context, builder, sig.args[7], s_, so_), _V16)
+            pa = _at(context, builder, sig.args[0], ai_, ao_)
+            _store(builder, builder.sub(acc, builder.shl(xs, _splat(3))), pa)  # − 8·Σ xq
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dots
+
+
+def _scratch_dots(J: int, NT: int):
+    """Intrinsic ``(ai, ao, astep, ws, wo, x2, xo, xstep, step)``: 16 lanes of NT tokens,
+    ``ai[ao + u·astep:] = Σ_j ws·x2`` over the unpacked signed pairs ws[wo + j·step] and token u's pairs
+    x2[xo + u·xstep + j·step] (int32 each): the prefill loop shape, one weight load for NT tokens."""
+
+    @intrinsic
+    def dots(typingctx, ai, ao, astep, ws, wo, x2, xo, xstep, step):
+        sig = types.void(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+
+        def codegen(context, builder, sig, args):
+            ai_, ao_, astep_, w_, wo_, x_, xo_, xstep_, step_ = args
+            pw, px = _at(context, builder, sig.args[3], w_, wo_), _at(context, builder, sig.args[5], x_, xo_)
+            pa = _at(context, builder, sig.args[0], ai_, ao_)
+            acc = [_splat(0)] * NT
+            for j in range(J):
+                off = builder.mul(step_, ir.Constant(step_.type, j))
+                wv = _load(builder, builder.gep(pw, [off]), _V16)
+                for u in range(NT):
+                    xoff = builder.add(off, builder.mul(xstep_, ir.Constant(xstep_.type, u)))
+                    acc[u] = _vpdpwssd(builder, acc[u], wv, _load(builder, builder.gep(px, [xoff]), _V16))
+            for u in range(NT):
+                _store(builder, acc[u], builder.gep(pa, [builder.mul(astep_, ir.Constant(astep_.type, u))]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dots
+
+
+_pk16, _pk8, _pk4 = (_packed_dots(J) for J in (16, 8, 4))
+_s16x4, _s8x4, _s4x4 = (_scratch_dots(J, 4) for J in (16, 8, 4))
+_s16x2, _s8x2, _s4x2 = (_scratch_dots(J, 2) for J in (16, 8, 4))
+_s16x1, _s8x1, _s4x1 = (_scratch_dots(J, 1) for J in (16, 8, 4))
+#: tokens per weight load of the prefill loop shape (a batch runs in groups of 4, then 2, then 1)
+NT = 4
+#: rows unpacked at a time: RB unpacked rows and NT tokens' activations stay in L1 (2048 columns:
+#: 16 + 16 KiB) while every row meets every token group; one row at a time (all tokens' activations
+#: from L2 for each row) was 0.67x as fast at 16 tokens (8 rows: 0.96x)
+RB = 4
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _pk(J, ai, ao, w, wo, x2, xo, step, xsl, so):
+    if J == 16:
+        _pk16(ai, ao, w, wo, x2, xo, step, xsl, so)
+    elif J == 8:
+        _pk8(ai, ao, w, wo, x2, xo, step, xsl, so)
+    else:
+        _pk4(ai, ao, w, wo, x2, xo, step, xsl, so)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _sc(J, n, ai, ao, astep, ws, wo, x2, xo, xstep, step):
+    if n == 4:
+        if J == 16:
+            _s16x4(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+        elif J == 8:
+            _s8x4(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+        else:
+            _s4x4(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+    elif n == 2:
+        if J == 16:
+            _s16x2(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+        elif J == 8:
+            _s8x2(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+        else:
+            _s4x2(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+    elif J == 16:
+        _s16x1(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+    elif J == 8:
+        _s8x1(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+    else:
+        _s4x1(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _pairs(xe3, xo3):
+    # x2 int32 [T·C·J·L] (flat): the even and odd column of each byte as one int16 pair
+    T, C, J, L = xe3.shape
+    x2 = np.empty(T * C * J * L, np.int32)
+    i = 0
+    for t in range(T):
+        for c in range(C):
+            for j in range(J):
+                for k in range(L):
+                    lo = np.int32(xe3[t, c, j, k]) & np.int32(0xFFFF)
+                    x2[i] = lo | (np.int32(xo3[t, c, j, k]) << np.int32(16))
+                    i += 1
+    return x2
+
+
+@intrinsic
+def _unpack16(typingctx, ws, so, w, wo):
+    """16 lanes of ``ws[so:] = pair(low − 8, high − 8)`` of the bytes w[wo:] (int32 ← uint8): vector
+    stores, so the loads that follow are forwarded (scalar stores under a 64-byte load cost ~400 ns a
+    row)."""
+    sig = types.void(ws, so, w, wo)
+
+    def codegen(context, builder, sig, args):
+        ws_, so_, w_, wo_ = args
+        d = builder.zext(_load(builder, _at(context, builder, sig.args[2], w_, wo_), _B16), _V16)
+        hi = builder.shl(builder.and_(d, _splat(0xF0)), _splat(12))
+        pair = builder.bitcast(builder.or_(builder.and_(d, _splat(15)), hi), _W32)
+        signed = builder.bitcast(builder.sub(pair, _splat(8, _W32)), _V16)  # int16 lanes: no borrow
+        _store(builder, signed, _at(context, builder, sig.args[0], ws_, so_))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _unpack(wf, r, n, ws, o):
+    # row r of the flat packed weight (n bytes a row) -> ws[o:o + n] int32: the pair (low − 8,
+    # high − 8) of each byte
+    for i in range(0, n, 16):
+        _unpack16(ws, o + i, wf, r * n + i)
+
+
+@intrinsic
+def _vsum(typingctx, sl, so, ai, ao, n):
+    """float32 ``Σ_k sl[so + k]·float32(ai[ao + k])`` over n lanes, n a multiple of 16 (sl flat float32,
+    ai flat int32): one fused multiply-add per 16 lanes in lane order, then halves added (16 → 8 → 4
+    → 2 → 1). Written out, not left to LLVM's reassociation, so every loop shape gets the same bits."""
+    sig = types.float32(sl, so, ai, ao, n)
+
+    def codegen(context, builder, sig, args):
+        sl_, so_, ai_, ao_, n_ = args
+        f32 = ir.FloatType()
+        vf = ir.VectorType(f32, 16)
+        ps, pa = _at(context, builder, sig.args[0], sl_, so_), _at(context, builder, sig.args[2], ai_, ao_)
+        fnty = ir.FunctionType(vf, [vf, vf, vf])
+        fma = cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.v16f32")
+        acc = cgutils.alloca_once_value(builder, ir.Constant(vf, [ir.Constant(f32, 0.0)] * 16))
+        chunks = builder.udiv(n_, ir.Constant(n_.type, 16))
+        with cgutils.for_range(builder, chunks) as loop:
+            off = builder.mul(loop.index, ir.Constant(n_.type, 16))
+            a = builder.sitofp(_load(builder, builder.gep(pa, [off]), _V16), vf)
+            w = _load(builder, builder.gep(ps, [off]), vf)
+            builder.store(builder.call(fma, [w, a, builder.load(acc)]), acc)
+        v = builder.load(acc)
+        width = 16
+        while width > 1:  # add the upper half onto the lower half
+            width //= 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width),
+                                                          list(range(width, 2 * width))))
+            v = builder.fadd(lo, hi)
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return sig, codegen
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _fast(wt):
+    # the vpdpwssd path applies: compiled in and whole vectors of 16 lanes
+    return VNNI and wt.shape[3] % 16 == 0
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _x2_for(xe3, xo3, wt):
+    if _fast(wt):
+        return _pairs(xe3, xo3)
+    return np.empty(1, np.int32)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _rows(wt, sl, xe3, xo3, x2, sx, xsl, y, r0, r1, t0, t1, ws, ai):
+    # y[t, r] = sx[t]·Σ_k sl[r, k]·a_k for rows r0:r1 and tokens t0:t1; ws int32 [C·J·L] and ai int32
+    # [NT, C·L] scratch. Without VNNI: unpacking in registers (_dots1). With it: one token at a time in
+    # registers below PREFILL_TOKENS tokens, else each row unpacked once and NT tokens per weight load
+    C, J, L = wt.shape[1], wt.shape[2], wt.shape[3]
+    n = C * L
+    if not _fast(wt):
+        af = ai.reshape(-1)
+        for t in range(t0, t1):
+            for r in range(r0, r1):
+                _dots1(wt, r, xe3, xo3, t, xsl, af)
+                y[t, r] = _lane_sum(sl, r, af, 0, n) * sx[t]
+        return
+    wf, af, xs, sf = wt.reshape(-1), ai.reshape(-1), xsl.reshape(-1), sl.reshape(-1)
+    step, row = L, C * J * L
+    if t1 - t0 < PREFILL_TOKENS:
+        for t in range(t0, t1):
+            for r in range(r0, r1):
+                for c in range(C):
+                    for k in range(0, L, 16):
+                        _pk(J, af, c * L + k, wf, r * row + c * J * L + k, x2, t * row + c * J * L + k, step,
+                            xs, t * n + c * L + k)
+                y[t, r] = _vsum(sf, r * n, af, 0, n) * sx[t]
+        return
+    for rb in range(r0, r1, RB):  # RB rows unpacked, then NT tokens at a time over them (L1)
+        re = min(rb + RB, r1)
+        for r in range(rb, re):
+            _unpack(wf, r, row, ws, (r - rb) * row)
+        t = t0
+        while t < t1:
+            m = 4 if t1 - t >= 4 else (2 if t1 - t >= 2 else 1)
+            for r in range(rb, re):
+                wo = (r - rb) * row
+                for c in range(C):
+                    for k in range(0, L, 16):
+                        _sc(J, m, af, c * L + k, n, ws, wo + c * J * L + k, x2, t * row + c * J * L + k, row,
+                            step)
+                for u in range(m):
+                    y[t + u, r] = _vsum(sf, r * n, af, u * n, n) * sx[t + u]
+            t += m
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def i4t_matmul(wt, scales2, xe3, xo3, sx, xsum, y):
+    """int4-g32/g64 GEMM on the transposed layout: wt uint8 [out, C, J, L] (C·L = groups · fold lanes in
+    chunks of L); scales2 float32 [out, C·L] (one per lane); xe3, xo3 int16 [T, C, J, L] (the
+    activations in the same layout); sx float32 [T]; xsum int32 [T, C·L] (Σ xq per lane); y float32
+    [T, out] written in place."""
+    T = xe3.shape[0]
+    x2 = _x2_for(xe3, xo3, wt)
+    C, J, L = wt.shape[1], wt.shape[2], wt.shape[3]
+    for b in prange((wt.shape[0] + ROW_TILE - 1) // ROW_TILE):
+        ws = np.empty(RB * C * J * L, np.int32)
+        ai = np.empty((NT, C * L), np.int32)
+        r0 = b * ROW_TILE
+        _rows(wt, scales2, xe3, xo3, x2, sx, xsum, y, r0, min(r0 + ROW_TILE, wt.shape[0]), 0, T, ws, ai)
+
+
+@njit(fastmath=True, cache=True)
+def i4t_matmul_1(wt, scales2, xe3, xo3, sx, xsum, y):
+    """:func:`i4t_matmul` on the calling thread (small weights), same result."""
+    T = xe3.shape[0]
+    x2 = _x2_for(xe3, xo3, wt)
+    C, J, L = wt.shape[1], wt.shape[2], wt.shape[3]
+    ws = np.empty(RB * C * J * L, np.int32)
+    ai = np.empty((NT, C * L), np.int32)
+    for b in range((wt.shape[0] + ROW_TILE - 1) // ROW_TILE):
+        r0 = b * ROW_TILE
+        _rows(wt, scales2, xe3, xo3, x2, sx, xsum, y, r0, min(r0 + ROW_TILE, wt.shape[0]), 0, T, ws, ai)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _silu_mul(g, u):
+    return g / (np.float32(1.0) + np.exp(-g)) * u
+
+
+# ---- routed experts, batched (see cpu_qkernels): every expert of a layer in one parallel call -------
+# gate+up runs a tile of gate rows, then the tile of up rows (not a gate row and an up row in turn):
+# 8 int4-g32 gate+up pairs of 1.3 MB from RAM, 1 token, 0.82x the time (4 tokens 0.90x). An expert with
+# PREFILL_TOKENS or more tokens runs the unpacked-row loop shape; the gate tile's results wait in g
+# [ΣT, I] (h's shape) until the up rows multiply them.
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def experts_gate_up_t(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
+    """h [ΣT, I] = SiLU(x·Gₑᵀ)·(x·Uₑᵀ) for the rows of each expert e (int4-g32/g64).
+
+    gw, uw: tuples of EXPERTS weights uint8 [I, C, J, L]; gs, us: their lane scales float32 [I, C·L];
+    xa3, xb3 int16 [ΣT, C, J, L] (even and odd columns), sx float32 [ΣT], xsum int32 [ΣT, C·L]; offs
+    int64 [EXPERTS + 1] (expert e owns rows offs[e]:offs[e + 1]); h float32 [ΣT, I] written in place.
+    ``kind`` is unused (the blocked kernels' argument, kept for one calling convention).
+    """
+    inter = gw[0].shape[0]
+    tiles = (inter + ROW_TILE - 1) // ROW_TILE
+    x2 = _x2_for(xa3, xb3, gw[0])
+    g = np.empty_like(h)  # gate results of each tile
+    C, J, L = gw[0].shape[1], gw[0].shape[2], gw[0].shape[3]
+    for i in prange(EXPERTS * tiles):
+        e = i // tiles
+        r0 = (i - e * tiles) * ROW_TILE
+        r1 = min(r0 + ROW_TILE, inter)
+        ws = np.empty(RB * C * J * L, np.int32)
+        ai = np.empty((NT, C * L), np.int32)
+        t0, t1 = offs[e], offs[e + 1]
+        _rows(gw[e], gs[e], xa3, xb3, x2, sx, xsum, g, r0, r1, t0, t1, ws, ai)
+        _rows(uw[e], us[e], xa3, xb3, x2, sx, xsum, h, r0, r1, t0, t1, ws, ai)
+        for t in range(t0, t1):
+            for r in range(r0, r1):
+                h[t, r] = _silu_mul(g[t, r], h[t, r])
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def experts_matmul_t(kind, ws_, ss, xa3, xb3, sx, xsum, offs, y):
+    """y [ΣT, out] = x · Wₑᵀ for the rows of each expert e (the down projections, int4-g32/g64);
+    arguments as :func:`experts_gate_up_t`, y float32 written in place."""
+    out = ws_[0].shape[0]
+    tiles = (out + ROW_TILE - 1) // ROW_TILE
+    x2 = _x2_for(xa3, xb3, ws_[0])
+    C, J, L = ws_[0].shape[1], ws_[0].shape[2], ws_[0].shape[3]
+    for i in prange(EXPERTS * tiles):
+        e = i // tiles
+        r0 = (i - e * tiles) * ROW_TILE
+        ws = np.empty(RB * C * J * L, np.int32)
+        ai = np.empty((NT, C * L), np.int32)
+        _rows(ws_[e], ss[e], xa3, xb3, x2, sx, xsum, y, r0, min(r0 + ROW_TILE, out), offs[e], offs[e + 1], ws,
+              ai)
