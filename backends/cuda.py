@@ -199,9 +199,9 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
                 name = _TC[name]
                 nt = 1 if T <= 8 else 2  # mma column tiles of 8 tokens per pass
                 fn = self._fn(name, fmt, nt, 0)
-                items = -(-rows_grid // (16 * _TC_R16[name])) * -(-T // (8 * nt))  # row tiles x passes
-                blocks = max(1, min(-(-items // _WARPS), -(-self._resident(fn, 0) * self._sms // n_mats)))
-                hit = self._launchers[key] = (fn, (blocks, n_mats), (32 * _WARPS,), 0, scalars)
+                # a block per (row tile, token pass), its 8 warps splitting the columns (prefill.cu TC_WARPS)
+                items = -(-rows_grid // (16 * _TC_R16[name])) * -(-T // (8 * nt))
+                hit = self._launchers[key] = (fn, (items, n_mats), (32 * 8,), 0, scalars)
                 return hit
             # tokens per pass: 1 for decode; _TOKENS_PER_PASS for T > 1 when they fit in shared memory
             tc = _TOKENS_PER_PASS if T > 1 and _TOKENS_PER_PASS * in_pad * 4 <= self._smem_limit() else 1

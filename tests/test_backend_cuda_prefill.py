@@ -39,6 +39,7 @@ using std::min;
 #define __global__
 #define __restrict__
 #define __shared__
+#define TC_SHARED static
 #define COLIBRI_HOST_MMA
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
@@ -54,13 +55,14 @@ static unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // CUDA seman
   for (int n = 0; n < 4; n++) r |= (unsigned)in[(s >> (4 * n)) & 7] << (8 * n);
   return r; }
 static float __shfl_xor_sync(unsigned, float v, int) { return v; }
-static void __syncthreads() {}
+static std::barrier<> *block_bar;
+static std::vector<std::barrier<> *> warp_bar;
+static void __syncthreads() { block_bar->arrive_and_wait(); }
 static float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 template <class T> T __ldg(const T *p) { return *p; }
 static uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 #define asm(...) (f = 0.0f)
-static std::barrier<> *warp;
-static unsigned frag[32][6];
+static unsigned frag[8][32][6];
 static float bf(unsigned h) { return __uint_as_float(h << 16); }  // a bf16 (low 16 bits) as float
 static unsigned to_bf(float f) {  // float -> bf16 bits, round to nearest even (finite values)
   const unsigned u = __float_as_uint(f); return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16; }
@@ -69,30 +71,31 @@ static unsigned bf16x2_minus136(unsigned p) {
   return to_bf(bf(p & 0xFFFFu) - 136.0f) | (to_bf(bf(p >> 16) - 136.0f) << 16); }
 static void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
                      unsigned b1) {
-  const int l = threadIdx.x & 31, g = l >> 2, t = l & 3;
+  const int l = threadIdx.x & 31, g = l >> 2, t = l & 3, wi = threadIdx.x >> 5;
   const unsigned mine[6] = {a0, a1, a2, a3, b0, b1};
-  for (int i = 0; i < 6; i++) frag[l][i] = mine[i];
-  warp->arrive_and_wait();
+  unsigned (&fr)[32][6] = frag[wi];
+  for (int i = 0; i < 6; i++) fr[l][i] = mine[i];
+  warp_bar[wi]->arrive_and_wait();
   for (int c_ = 0; c_ < 4; c_++) {  // C[row][col]: row g + 8 (c / 2), column 2t + c % 2
     const int row = g + 8 * (c_ >> 1), col = 2 * t + (c_ & 1);
     double s = 0.0;
     for (int k = 0; k < 16; k++) {  // k = 2 t' + h (+ 8): lane t', register a0/a2 (a1/a3 rows + 8), half h
       const int tl = (k & 7) >> 1, half = k & 1, hi8 = k >= 8;
-      const unsigned a = frag[(row & 7) * 4 + tl][2 * hi8 + (row >= 8)], b = frag[col * 4 + tl][4 + hi8];
+      const unsigned a = fr[(row & 7) * 4 + tl][2 * hi8 + (row >= 8)], b = fr[col * 4 + tl][4 + hi8];
       s += (double)bf(half ? a >> 16 : a & 0xFFFFu) * bf(half ? b >> 16 : b & 0xFFFFu);
     }
     c[c_] = (float)(c[c_] + s);
   }
-  warp->arrive_and_wait();
+  warp_bar[wi]->arrive_and_wait();
 }
 #include "MATMUL"
 #include "PREFILL"
-// reads: kind (0 mm, 1 gate_up) fmt rows in_pad h_stride G T NT n_x blocks, then the weight bytes and
+// reads: kind (0 mm, 1 gate_up) fmt rows in_pad h_stride G T NT n_x blocks warps, then the weight bytes and
 // scales of 1 (mm) or 2 (gate_up) matrices, n_x rows of x, T token rows (gate_up: idx); prints y / h
 int main() {
-  int kind, fmt, rows, in_pad, hs, G, T, NT, nx, blocks;
-  if (scanf("%d %d %d %d %d %d %d %d %d %d", &kind, &fmt, &rows, &in_pad, &hs, &G, &T, &NT, &nx,
-            &blocks) != 10) return 2;
+  int kind, fmt, rows, in_pad, hs, G, T, NT, nx, blocks, warps;
+  if (scanf("%d %d %d %d %d %d %d %d %d %d %d", &kind, &fmt, &rows, &in_pad, &hs, &G, &T, &NT, &nx,
+            &blocks, &warps) != 11) return 2;
   const int bits = fmt <= 2 ? 16 : fmt == 3 ? 8 : 4, row_bytes = in_pad * bits / 8;
   const int ns = fmt == 6 ? rows * (in_pad / G) : fmt <= 2 ? 0 : rows;
   const int gshift = G == 64 ? 1 : G == 128 ? 2 : 0;
@@ -117,12 +120,14 @@ int main() {
                 (u64)y.data(), (u64)T, (u64)idx.data()};
     memcpy(e, g, sizeof e);
   }
-  blockDim.x = 32; gridDim.x = blocks;
+  blockDim.x = 32 * warps; gridDim.x = blocks;
   for (unsigned b = 0; b < (unsigned)blocks; b++) {
     blockIdx = {b, 0, 0};
-    std::barrier<> wb(32); warp = &wb;
+    std::barrier<> bb(32 * warps); block_bar = &bb;
+    warp_bar.clear();
+    for (int w = 0; w < warps; w++) warp_bar.push_back(new std::barrier<>(32));
     std::vector<std::thread> ts;
-    for (int l = 0; l < 32; l++) ts.emplace_back([&, l] {
+    for (int l = 0; l < 32 * warps; l++) ts.emplace_back([&, l] {
       threadIdx.x = l;
 #define RUN(F) if (fmt == F) { \
         if (kind == 0 && NT == 1) mm_tc<F, 2, 1>(e, rows, in_pad, rows, gshift); \
@@ -132,6 +137,7 @@ int main() {
       RUN(3) RUN(4) RUN(6)
     });
     for (auto &t : ts) t.join();
+    for (auto *p : warp_bar) delete p;
   }
   for (float a : y) printf("%.9g\n", a);
   return 0;
@@ -165,21 +171,22 @@ def _run(harness, head: str, body: str) -> np.ndarray:
     return np.array(run.stdout.split(), np.float64)
 
 
-@pytest.mark.parametrize("fmt, T, nt, blocks", [
-    ("int4", 11, 2, 1), ("int4", 19, 2, 2), ("int8", 3, 1, 1), ("int4-g32", 19, 2, 1), ("int4-g64", 5, 1, 3),
-    ("int4-g128", 9, 2, 1), ("int8", 10, 2, 2)])
-def test_mm_tc_on_the_host(harness, fmt, T, nt, blocks):
-    """mm_tc: 37 rows (two 32-row warp tiles, the second ragged) x 300 columns (padded to 384: 3 to 12
-    64-byte segments per row), T tokens in passes of 8 nt (partial last pass), one warp per block, the
-    work items split over ``blocks`` blocks; y = x . dequantize(W)^T within float32 accumulation."""
-    rows, in_f = 37, 300
-    rng = np.random.default_rng([T, nt, blocks])
+@pytest.mark.parametrize("fmt, T, nt, blocks, warps", [
+    ("int4", 11, 2, 1, 1), ("int4", 19, 2, 2, 2), ("int8", 3, 1, 1, 3), ("int4-g32", 19, 2, 1, 2),
+    ("int4-g64", 5, 1, 3, 1), ("int4-g128", 9, 2, 1, 4), ("int8", 10, 2, 2, 8)])
+def test_mm_tc_on_the_host(harness, fmt, T, nt, blocks, warps):
+    """mm_tc: 37 rows (two 32-row tiles, the second ragged) x 700 columns (padded to 768: 6 (int4) or 12
+    (int8) 64-byte segments per row), T tokens in passes of 8 nt (partial last pass), one warp per block, the
+    work items split over ``blocks`` blocks, each block's ``warps`` warps splitting the segments (8 warps:
+    some have none) and summing through shared memory; y = x . dequantize(W)^T."""
+    rows, in_f = 37, 700
+    rng = np.random.default_rng([T, nt, blocks, warps])
     qt = quant.quantize(rng.standard_normal((rows, in_f), dtype=np.float32), fmt)
     wtext, in_pad = _weight_text(qt)
     x = np.zeros((T, in_pad), np.float32)
     x[:, :in_f] = rng.standard_normal((T, in_f), dtype=np.float32) * np.float32(100.0)  # not bf16-exact
     g = quant.group_size(fmt) or 0
-    head = f"0 {kernel_format(fmt)} {rows} {in_pad} 0 {g} {T} {nt} {T} {blocks}"
+    head = f"0 {kernel_format(fmt)} {rows} {in_pad} 0 {g} {T} {nt} {T} {blocks} {warps}"
     got = _run(harness, head, wtext + " " + _numbers(x)).reshape(T, rows)
     ref = x[:, :in_f].astype(np.float64) @ quant.dequantize(qt).astype(np.float64).T
     assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()  # x to 2^-17 (bf16 hi + lo)
@@ -197,7 +204,7 @@ def test_gate_up_tc_routed_rows_on_the_host(harness, fmt, T, nt):
     x[:, :H] = rng.standard_normal((nx, H), dtype=np.float32)
     idx = np.sort(rng.choice(nx, T, replace=False))
     g = quant.group_size(fmt) or 0
-    head = f"1 {kernel_format(fmt)} {I} {in_pad} {hs} {g} {T} {nt} {nx} 2"
+    head = f"1 {kernel_format(fmt)} {I} {in_pad} {hs} {g} {T} {nt} {nx} 2 3"
     got = _run(harness, head, " ".join([gt, ut, _numbers(x), " ".join(map(str, idx))])).reshape(T, hs)
     xs = x[idx, :H].astype(np.float64)
     ref = silu_mul_ref(xs @ quant.dequantize(gq).astype(np.float64).T, xs @ quant.dequantize(uq).T)

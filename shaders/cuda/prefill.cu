@@ -65,9 +65,17 @@ __device__ __forceinline__ void split_bf16(float c0, float c1, unsigned &hi, uns
     lo = pack_bf16(c0 - __uint_as_float(hi << 16), c1 - __uint_as_float(hi & 0xFFFF0000u));
 }
 
-// One warp's work items over the row tiles and token passes of one table entry: tile of 16 R16 rows of
-// NM matrices (gate and up share the activations) x pass of 8 NT tokens. emit(row0, tok0, acc) gets the
-// finished sums, acc[m][r][n][c]: row row0 + 16 r + g + 8 (c / 2), token tok0 + 8 n + 2 t + c % 2.
+#define TC_WARPS 8  // warps per block (backends/cuda.py _WARPS)
+#ifndef TC_SHARED
+#define TC_SHARED __shared__
+#endif
+
+// One block's work items over the row tiles and token passes of one table entry: tile of 16 R16 rows of
+// NM matrices (gate and up share the activations) x pass of 8 NT tokens. The block's warps split the
+// columns (warp w takes the 64-byte segments w, w + warps, ...: every warp's loads are in flight at once,
+// where one warp per tile left ~1/8 of the bandwidth's bytes in flight) and their sums are added in warp
+// order through shared memory (deterministic). emit(row0, tok0, acc), called by warp 0, gets the finished
+// sums, acc[m][r][n][c]: row row0 + 16 r + g + 8 (c / 2), token tok0 + 8 n + 2 t + c % 2.
 // x rows are in_pad floats, 16-byte aligned; token j reads row idx[j] when idx is given, else row j.
 template <int FMT, int R16, int NM, int NT, class Emit>
 __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *const *S, int rows, int ntiles,
@@ -78,7 +86,9 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warps = blockDim.x >> 5;
     const int npass = (T + 8 * NT - 1) / (8 * NT), items = ntiles * npass, segs = words >> 2;
     const int ngroups = words >> gshift;
-    for (int item = blockIdx.x * warps + (threadIdx.x >> 5); item < items; item += gridDim.x * warps) {
+    const int w = threadIdx.x >> 5;
+    TC_SHARED float red[TC_WARPS][NM * R16 * NT * 4][32];  // [warp][sum][lane]: a lane's sums, no conflicts
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
         const int tile = item % ntiles, tok0 = (item / ntiles) * 8 * NT, row0 = tile * 16 * R16;
         const uint4 *wr[NM][R16][2];
         const float *sr[NM][R16][2];  // per-row formats: the row's scale; group formats: its group scales
@@ -135,9 +145,10 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
                         }
                     }
         };
-        load(cur, gs, 0);
-        for (int seg = 0; seg < segs; seg++) {
-            if (seg + 1 < segs) load(nxt, gn, seg + 1);  // in flight while this segment is summed
+        if (w < segs) load(cur, gs, w);
+        for (int seg = w; seg < segs; seg += warps) {
+            const int nseg = seg + warps;
+            if (nseg < segs) load(nxt, gn, nseg);  // in flight while this segment is summed
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int q = GR ? 16 * seg + 4 * i + t : 4 * (4 * seg + t) + i;  // 32-bit part of the row
@@ -188,7 +199,7 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
                                 }
                 }
             }
-            if (seg + 1 < segs) {
+            if (nseg < segs) {
 #pragma unroll
                 for (int m = 0; m < NM; m++)
 #pragma unroll
@@ -215,7 +226,32 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
                             acc[m][r][n][c] = (part[m][r][n][c] + plo[m][r][n][c]) * (c < 2 ? s0 : s1);
                 }
         }
-        emit(row0, tok0, acc);
+#pragma unroll
+        for (int m = 0; m < NM; m++)
+#pragma unroll
+            for (int r = 0; r < R16; r++)
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) red[w][((m * R16 + r) * NT + n) * 4 + c][lane] = acc[m][r][n][c];
+        __syncthreads();
+        if (w == 0) {
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < R16; r++)
+#pragma unroll
+                    for (int n = 0; n < NT; n++)
+#pragma unroll
+                        for (int c = 0; c < 4; c++) {
+                            const int v = ((m * R16 + r) * NT + n) * 4 + c;
+                            float sum = red[0][v][lane];
+                            for (int k = 1; k < warps; k++) sum += red[k][v][lane];
+                            acc[m][r][n][c] = sum;
+                        }
+            emit(row0, tok0, acc);
+        }
+        __syncthreads();  // red is rewritten by the next item
     }
 }
 
