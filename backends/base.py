@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 
 from colibri_plan.backends.device_ops import DeviceOps
+from colibri_plan.backends.handles import DeviceInfo, DeviceWeight, ExpertWeights, ready_x, silu_mul_ref
 from colibri_plan.errors import (
     BackendUnavailableError,
     ColibriError,
@@ -38,65 +38,7 @@ from colibri_plan.errors import (
 )
 from colibri_plan.quant import FORMATS, QuantTensor
 
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """One device of a backend.
-
-    Attributes:
-        backend: backend name ("numpy", "opencl", ...).
-        index: index to pass to ``open``.
-        name: the driver's device name.
-        kind: "cpu", "gpu" (discrete) or "igpu" (integrated).
-        total_memory_bytes: device memory (host RAM for CPU devices).
-        free_memory_bytes: free memory when the driver reports it, else None.
-        unified_memory: True when the device computes on host memory without a copy.
-        formats: quant formats its kernels support.
-        driver: driver / platform version string.
-    """
-
-    backend: str
-    index: int
-    name: str
-    kind: str
-    total_memory_bytes: int
-    free_memory_bytes: int | None
-    unified_memory: bool
-    formats: tuple[str, ...]
-    driver: str
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict (formats as a list)."""
-        d = dict(self.__dict__)
-        d["formats"] = list(self.formats)
-        return d
-
-
-@dataclass(eq=False)
-class DeviceWeight:
-    """A weight resident on a device. ``payload`` is the backend's own buffer object(s)."""
-
-    fmt: str
-    out_features: int
-    in_features: int
-    nbytes: int
-    payload: Any = field(repr=False)
-    owner: int = field(repr=False, default=0)
-    freed: bool = field(repr=False, default=False)
-
-
-class ExpertWeights(NamedTuple):
-    """The three matrices of one SwiGLU expert: gate [I, H], up [I, H], down [H, I]."""
-
-    gate: DeviceWeight
-    up: DeviceWeight
-    down: DeviceWeight
-
-
-def silu_mul_ref(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """SiLU(g) · u in float32, the activation of SwiGLU experts (reference)."""
-    g = g.astype(np.float32)
-    return (g / (1.0 + np.exp(-g))) * u
+__all__ = ["Backend", "DeviceInfo", "DeviceWeight", "ExpertWeights", "silu_mul_ref"]
 
 
 class Backend(DeviceOps):
@@ -242,8 +184,9 @@ class Backend(DeviceOps):
         Raises:
             InputError: wrong shape/dtype of x, or a weight freed or owned by another backend.
         """
-        self._check_open()
-        x = self._check_x(x, w)
+        if self.closed or not ready_x(x, w, id(self)):  # the checks that raise; a ready call skips them
+            self._check_open()
+            x = self._check_x(x, w)
         return self._timed_op(self._matmul(x, w))
 
     def expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
@@ -252,20 +195,31 @@ class Backend(DeviceOps):
         Raises:
             InputError: lengths differ, or shapes do not chain (gate/up [I, H], down [H, I]).
         """
-        self._check_open()
-        if len(xs) != len(experts):
-            raise InputError(f"expert_ffn: {len(xs)} inputs for {len(experts)} experts")
-        checked = []
-        for x, e in zip(xs, experts):
-            if not (e.gate.out_features == e.up.out_features == e.down.in_features
-                    and e.gate.in_features == e.up.in_features == e.down.out_features):
-                raise InputError("expert_ffn: gate/up must be [I, H] and down [H, I]")
-            checked.append(self._check_x(x, e.gate))
-            self._check_weight(e.up)
-            self._check_weight(e.down)
+        checked = self._check_experts(xs, experts)
         if not checked:
             return []
         return self._timed_op(self._expert_ffn(checked, experts))
+
+    def _check_experts(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
+        """:meth:`expert_ffn`'s checks (its errors); returns the xs as C-contiguous float32 arrays."""
+        self._check_open()
+        if len(xs) != len(experts):
+            raise InputError(f"expert_ffn: {len(xs)} inputs for {len(experts)} experts")
+        me = id(self)
+        checked = list(xs)
+        for i, (x, e) in enumerate(zip(xs, experts)):
+            g, u, d = e.gate, e.up, e.down
+            if (ready_x(x, g, me) and type(u) is type(d) is DeviceWeight and u.owner == d.owner == me
+                    and not (u.freed or d.freed) and g.out_features == u.out_features == d.in_features
+                    and g.in_features == u.in_features == d.out_features):
+                continue  # a decode step's experts: ready as given (the checks below would pass)
+            if not (e.gate.out_features == e.up.out_features == e.down.in_features
+                    and e.gate.in_features == e.up.in_features == e.down.out_features):
+                raise InputError("expert_ffn: gate/up must be [I, H] and down [H, I]")
+            checked[i] = self._check_x(x, e.gate)
+            self._check_weight(e.up)
+            self._check_weight(e.down)
+        return checked
 
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float = 1e-6) -> np.ndarray:
         """RMSNorm: x / sqrt(mean(x²) + eps) · weight; x [T, H] float32, weight [H] float32."""

@@ -13,7 +13,8 @@ int2 and ``attention_absorb`` (MLA decode) run the float kernels of :mod:`~colib
 (f32/f16/bf16) use the numpy reference path (float32 BLAS, f16/bf16 converted a block of rows at a
 time). Weights stay in host memory, referenced, not copied (rows of odd length excepted: padded).
 
-Routed experts: all experts of a layer run in one parallel call per projection (``_experts_batch``).
+Routed experts: all experts of a layer run in one parallel call per projection (:mod:`~colibri_plan.
+backends.cpu_experts`).
 
 Figures (``bench/cpu_gemv.py``, ``bench/results/cpu-gemv.json``, a shared 2-core AVX-512 VM): GEMVs
 at trunk / GLM-5.2 expert shapes read weights at 0.72-0.96 (int8), 0.66-0.81 (int4), 0.63-0.76
@@ -26,12 +27,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-from colibri_plan.backends.base import DeviceInfo, DeviceWeight, ExpertWeights
+from colibri_plan.backends.base import DeviceInfo, DeviceWeight
+from colibri_plan.backends.cpu_experts import CpuExperts
 from colibri_plan.backends.numpy_ref import NumpyBackend, host_device, package_version
 from colibri_plan.errors import BackendUnavailableError
 from colibri_plan.quant import FORMATS, GROUP_FORMATS, QuantTensor, group_size
@@ -49,39 +50,42 @@ _kernels = None
 
 def _load_kernels():
     """Import (and on first use, compile or load from cache) the numba kernels: a namespace holding the
-    functions of ``cpu_kernels`` (float), ``cpu_qkernels`` (integer, batched experts), ``cpu_q4t``
-    (int4-g32/g64) and ``cpu_attention``."""
+    functions of ``cpu_kernels`` (float), ``cpu_qkernels`` (integer, batched experts) and
+    ``cpu_attention``."""
     global _kernels
     if _kernels is None:
         import types
 
-        from colibri_plan.backends import cpu_attention, cpu_kernels, cpu_q4t, cpu_qkernels  # heavy: numba
+        from colibri_plan.backends import cpu_attention, cpu_kernels, cpu_qkernels  # heavy: numba
 
         ns = types.SimpleNamespace()
-        for mod in (cpu_kernels, cpu_qkernels, cpu_q4t, cpu_attention):
+        for mod in (cpu_kernels, cpu_qkernels, cpu_attention):
             ns.__dict__.update({k: v for k, v in vars(mod).items() if not k.startswith("__")})
         ns.ROW_TILE = cpu_qkernels.ROW_TILE
         _kernels = ns
     return _kernels
 
 
-class _Parallel:
-    """Holds the kernel lock and sets numba's parallel chunk size for one call (restored after)."""
+def _chunk_setter(numba):
+    """numba's parallel chunk-size setter (returns the previous size): its C entry point once the thread
+    pool runs (0.2 µs a call; ``numba.set_parallel_chunksize`` checks the pool and its argument first,
+    ~3 µs, twice per kernel call), else the checked function."""
+    numba.get_parallel_chunksize()  # starts the pool (what the first parallel kernel would do)
+    try:
+        from numba.np.ufunc import parallel
+        return parallel._set_parallel_chunksize
+    except (ImportError, AttributeError):  # another numba layout: the public function
+        return numba.set_parallel_chunksize
 
-    def __init__(self, numba, chunk: int):
-        self.numba, self.chunk, self.old = numba, chunk, 0
 
-    def __enter__(self):
-        _KERNEL_LOCK.acquire()
+def _run_parallel(setchunk, chunk: int, kernel, *args) -> None:
+    """``kernel(*args)`` under the kernel lock with numba's parallel chunk size ``chunk`` (restored after)."""
+    with _KERNEL_LOCK:
+        old = setchunk(chunk)
         try:
-            self.old = self.numba.set_parallel_chunksize(self.chunk)
-        except BaseException:
-            _KERNEL_LOCK.release()
-            raise
-
-    def __exit__(self, *exc):
-        self.numba.set_parallel_chunksize(self.old)
-        _KERNEL_LOCK.release()
+            kernel(*args)
+        finally:
+            setchunk(old)
 
 
 class HostWeight(NamedTuple):
@@ -96,6 +100,7 @@ class HostWeight(NamedTuple):
     fold: int = 0  # int4-g32/g64: parts each group is split in (transposed layout); 0: blocked layout
     kernel: object = None  # the parallel matmul kernel of this layout (chosen once, at upload)
     serial: object = None  # its single-thread twin (same bits) for small matmuls; None: always parallel
+    key: tuple | None = None  # (format, data3 shape, fold): one key, one batched call; None: float/int2
 
 
 def _block(nbytes: int, sizes: tuple[int, ...]) -> tuple[int, int]:
@@ -164,7 +169,7 @@ def int2_activations(x: np.ndarray, nbytes: int):
     return (*[np.ascontiguousarray(a) for a in planes], xsum)
 
 
-class CpuBackend(NumpyBackend):
+class CpuBackend(CpuExperts, NumpyBackend):
     """numba kernels on every core of the host (see the module docstring).
 
     Args:
@@ -205,7 +210,11 @@ class CpuBackend(NumpyBackend):
             import numba
 
             self._numba = numba
+            self._setchunk = _chunk_setter(numba)
             self.serial_bytes = self._k.SERIAL_BYTES
+            # offsets of n experts of one token each (decode), padded to EXPERTS (read-only use)
+            e = self._k.EXPERTS
+            self._offs1 = [np.minimum(np.arange(e + 1, dtype=np.int64), n) for n in range(e + 1)]
         except Exception as exc:  # a broken numba/llvmlite install: say why, do not crash later
             raise BackendUnavailableError(f"cpu backend unavailable: numba failed to import: {exc}") from exc
 
@@ -222,7 +231,7 @@ class CpuBackend(NumpyBackend):
             pair = (k.i4r_matmul, k.i4r_matmul_1)
         else:  # int4-g128: reassociating parallel kernel only (cpu_qkernels.i4r_matmul)
             pair = (k.i4_matmul, None)
-        return hw._replace(kernel=pair[0], serial=pair[1])
+        return hw._replace(kernel=pair[0], serial=pair[1], key=(qt.fmt, hw.data3.shape, hw.fold))
 
     def _xq(self, x: np.ndarray, hw: HostWeight):
         """Activations of x float32 [T, in] for ``hw``'s kernel: int8 (xq3 [T, blocks, bb], sx [T]);
@@ -249,99 +258,43 @@ class CpuBackend(NumpyBackend):
     def _matmul(self, x: np.ndarray, w: DeviceWeight) -> np.ndarray:
         hw: HostWeight = w.payload
         qt = hw.qt
-        if qt.fmt not in INT_FORMATS + ("int2",):
-            return NumpyBackend._matmul(self, x, DeviceWeight(qt.fmt, qt.out_features, qt.in_features,
-                                                              qt.nbytes, qt))
-        y = np.empty((x.shape[0], qt.out_features), np.float32)  # [T, out]
-        if qt.fmt == "int2":
+        if hw.kernel is None:  # float formats, int2
+            if qt.fmt != "int2":
+                return NumpyBackend._matmul(self, x, DeviceWeight(qt.fmt, qt.out_features, qt.in_features,
+                                                                  qt.nbytes, qt))
+            y = np.empty((x.shape[0], qt.out_features), np.float32)  # [T, out]
             x0, d1, d2, d3, xsum = int2_activations(x, qt.data.shape[1])
-            with self._parallel(qt.out_features):
-                self._k.q2_matmul(qt.data, qt.scales, x0, d1, d2, d3, xsum, y)
+            self._par(qt.out_features, self._k.q2_matmul, qt.data, qt.scales, x0, d1, d2, d3, xsum, y)
             return y
+        y = np.empty((x.shape[0], qt.out_features), np.float32)  # [T, out]
         xa = self._xq(x, hw)
         if hw.serial is not None and qt.nbytes * x.shape[0] <= self.serial_bytes:
             hw.serial(hw.data3, hw.scales2, *xa, y)  # small: this thread, no pool wake-up, no lock
             return y
-        with self._parallel(self._tiles(qt.out_features)):
-            hw.kernel(hw.data3, hw.scales2, *xa, y)
+        self._par(self._tiles(qt.out_features), hw.kernel, hw.data3, hw.scales2, *xa, y)
         return y
 
-    def _parallel(self, iterations: int):
-        """Context for a kernel call: the process lock and dynamic scheduling of the kernel's prange
-        steps in chunks of ~1/64 of the matrix (one 32-row tile for a 2048-row weight): a core that is
-        descheduled on a shared machine then stalls one chunk, not half the rows (measured 34 vs 29
-        GB/s with static halves on an idle 2-core host)."""
-        return _Parallel(self._numba, max(1, iterations // 64))
+    def _par(self, iterations: int, kernel, *args) -> None:
+        """``kernel(*args)`` under the process lock, its prange steps scheduled dynamically in chunks of
+        ~1/64 of them (one 32-row tile for a 2048-row weight): a core that is descheduled on a shared
+        machine then stalls one chunk, not half the rows (measured 34 vs 29 GB/s with static halves on
+        an idle 2-core host)."""
+        _run_parallel(self._setchunk, max(1, iterations // 64), kernel, *args)
 
     def _tiles(self, rows: int) -> int:
         return -(-rows // self._k.ROW_TILE)
 
     def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
         out = np.empty_like(q_abs)  # [H, R], one head per parallel step
-        with self._parallel(64):
-            self._k.attention_absorb(q_abs, q_rope, latent, k_rope, np.float32(scale), out)
+        self._par(64, self._k.attention_absorb, q_abs, q_rope, latent, k_rope, np.float32(scale), out)
         return out
 
     def _d_attention(self, q, k, v, n_keys: int, pos0: int, scale: float, window: int):
         qq, kk, vv = self._host(q), self._host(k), self._host(v)  # [T, Hq, d], [C, Hkv, d] x2
         out = np.empty((qq.shape[0], qq.shape[1] * qq.shape[2]), np.float32)  # [T, Hq·d]
-        with self._parallel(qq.shape[0] * qq.shape[1]):
-            self._k.gqa_attention(qq, kk, vv, n_keys, pos0, np.float32(scale), window, out)
+        self._par(qq.shape[0] * qq.shape[1], self._k.gqa_attention, qq, kk, vv, n_keys, pos0,
+                  np.float32(scale), window, out)
         return out
-
-    def _expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
-        if not all(_batchable(e, experts[0]) for e in experts):  # mixed formats: one expert at a time
-            return [NumpyBackend._expert_ffn(self, [x], [e])[0] for x, e in zip(xs, experts)]
-        n = self._k.EXPERTS
-        out: list[np.ndarray] = []
-        for c in range(0, len(xs), n):  # all experts of a layer in one call per projection (cpu_qkernels)
-            out.extend(self._experts_batch(xs[c:c + n], experts[c:c + n]))
-        return out
-
-    def _experts_batch(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
-        """Up to EXPERTS experts of one layout: gate+up (SiLU·mul fused) then down, one call each."""
-        n, k = len(xs), self._k
-        offs = np.zeros(k.EXPERTS + 1, np.int64)
-        offs[1: n + 1] = np.cumsum([x.shape[0] for x in xs])
-        offs[n + 1:] = offs[n]  # padding experts own no tokens
-        x = np.concatenate(xs) if n > 1 else xs[0]  # [ΣT, H]
-        g0, d0 = experts[0].gate.payload, experts[0].down.payload
-        h = np.empty((x.shape[0], g0.qt.out_features), np.float32)  # [ΣT, I]
-        gw, gs, uw, us, dw, ds = ([getattr(getattr(e, m).payload, a) for e in experts]
-                                  for m in ("gate", "up", "down") for a in ("data3", "scales2"))
-        pad = k.EXPERTS - n
-        with self._parallel(k.EXPERTS * self._tiles(h.shape[1])):
-            gate_up = k.experts_gate_up_t if g0.fold else k.experts_gate_up
-            gate_up(_kind(g0), *(tuple(v + v[:1] * pad) for v in (gw, gs, uw, us)), *self._xq_any(x, g0),
-                    offs, h)
-        y = np.empty((x.shape[0], d0.qt.out_features), np.float32)  # [ΣT, H]
-        with self._parallel(k.EXPERTS * self._tiles(y.shape[1])):
-            down = k.experts_matmul_t if d0.fold else k.experts_matmul
-            down(_kind(d0), tuple(dw + dw[:1] * pad), tuple(ds + ds[:1] * pad), *self._xq_any(h, d0), offs, y)
-        return [y[offs[i]: offs[i + 1]] for i in range(n)]
-
-    def _xq_any(self, x: np.ndarray, hw: HostWeight):
-        """(xa3, xb3, sx, xsum) for the batched kernels; int8 fills the unused slots."""
-        a = self._xq(x, hw)
-        return a if len(a) == 4 else (a[0], a[0], a[1], _NO_SUMS)
-
-
-_NO_SUMS = np.zeros((1, 1), np.int32)
-
-
-def _kind(hw: HostWeight) -> int:
-    """Row kernel of a weight in the batched expert kernels: 0 int8, 1 int4 blocks, 2 transposed."""
-    return 0 if hw.qt.fmt == "int8" else (2 if hw.fold else 1)
-
-
-def _batchable(e: ExpertWeights, first: ExpertWeights) -> bool:
-    """True when expert ``e`` runs in the same batched call as ``first``: integer formats, the same
-    layout for each projection, gate and up alike."""
-    g, u, d = (w.payload for w in e)
-    g0, d0 = first.gate.payload, first.down.payload
-    return (g.qt.fmt in INT_FORMATS and g.qt.fmt == u.qt.fmt == g0.qt.fmt and d.qt.fmt == d0.qt.fmt
-            and d.qt.fmt in INT_FORMATS and g.data3.shape == u.data3.shape == g0.data3.shape
-            and g.fold == u.fold == g0.fold and d.data3.shape == d0.data3.shape and d.fold == d0.fold)
 
 
 BACKEND = CpuBackend

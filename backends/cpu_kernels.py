@@ -109,3 +109,17 @@ def attention_absorb(q_abs, q_rope, latent, k_rope, scale, out):
         inv = np.float32(1.0 / total)
         for r in range(R):
             o[r] *= inv
+
+
+@njit(cache=True)
+def weighted_sum(y, gates, t, out):
+    """out [t, H] = Σ_i gates[i] · y[i·t : (i + 1)·t] (y float32 [n·t, H], gates float32 [n]): zero, then
+    each expert's product added in order, every operation rounded to float32 (no fast-math, so no fused
+    multiply-add): the engine's ``out += y_i · g_i`` (engine/moe.py ``scatter_sum``), bit for bit."""
+    for r in range(t):
+        for j in range(out.shape[1]):
+            out[r, j] = np.float32(0.0)
+        for i in range(gates.shape[0]):
+            g = gates[i]
+            for j in range(out.shape[1]):
+                out[r, j] = out[r, j] + y[i * t + r, j] * g

@@ -103,11 +103,26 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, arch:
     return np.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
+def stacked_qk_norm(arch: ArchConfig, dense: dict[str, np.ndarray], layer: int) -> np.ndarray | None:
+    """float32 [nh + nkv, 1, d]: layer's per-head q_norm weight for each query head, then k_norm for each
+    key head (what :func:`attention` takes as ``qk_norm_w``); None unless ``arch.qk_norm == "head"``."""
+    if arch.qk_norm != "head":
+        return None
+    p, d = f"layers.{layer}.attn.", arch.head_dim
+    qn, kn = (np.asarray(dense[p + n], np.float32) for n in ("q_norm", "k_norm"))
+    return np.concatenate([np.broadcast_to(qn, (arch.n_heads, d)),
+                           np.broadcast_to(kn, (arch.n_kv_heads, d))]).reshape(-1, 1, d)
+
+
 def attention(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.ndarray], cache: KVCache,
-              inv_freq: np.ndarray) -> np.ndarray:
+              inv_freq: np.ndarray, cos_sin: tuple[np.ndarray, np.ndarray] | None = None,
+              qk_norm_w: np.ndarray | None = None) -> np.ndarray:
     """Self-attention of x float32 [T, H] (post-norm) at positions cache.length.. -> [T, H].
 
-    Appends this call's keys/values to ``cache`` (the caller advances ``cache.length``).
+    Appends this call's keys/values to ``cache`` (the caller advances ``cache.length``). ``cos_sin``:
+    :func:`rope_cos_sin` of those positions (the same for every layer of a forward call), None = here.
+    ``qk_norm_w``: :func:`stacked_qk_norm` of this layer; given, the q and k heads are normed and rotated
+    as one array (each head's row as alone: the same numbers in half the numpy calls).
     """
     p = f"layers.{layer}.attn."
     t = x.shape[0]
@@ -121,17 +136,24 @@ def attention(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.n
     if arch.clip_qkv is not None:
         c = np.float32(arch.clip_qkv)
         q, k, v = np.clip(q, -c, c), np.clip(k, -c, c), np.clip(v, -c, c)
-    q = q.reshape(t, nh, d).transpose(1, 0, 2)  # [nh, T, d]
-    k = k.reshape(t, nkv, d).transpose(1, 0, 2)  # [nkv, T, d]
-    v = v.reshape(t, nkv, d).transpose(1, 0, 2)
-    if arch.qk_norm == "head":
-        q = rmsnorm(q, dense[p + "q_norm"], arch.rms_norm_eps)
-        k = rmsnorm(k, dense[p + "k_norm"], arch.rms_norm_eps)
+    v = v.reshape(t, nkv, d).transpose(1, 0, 2)  # [nkv, T, d]
     start = cache.length
     positions = np.arange(start, start + t)
-    cs = rope_cos_sin(positions, inv_freq, arch) if arch.rotary_dim else None  # shared by q and k
-    q = apply_rope(q, positions, inv_freq, arch, cs)
-    k = apply_rope(k, positions, inv_freq, arch, cs)
+    cs = cos_sin
+    if cs is None and arch.rotary_dim:
+        cs = rope_cos_sin(positions, inv_freq, arch)  # shared by q and k
+    if qk_norm_w is not None and arch.qk_norm == "head":  # q and k heads as one [nh + nkv, T, d] array
+        qk = np.concatenate([q.reshape(t, nh, d), k.reshape(t, nkv, d)], axis=1).transpose(1, 0, 2)
+        qk = apply_rope(rmsnorm(qk, qk_norm_w, arch.rms_norm_eps), positions, inv_freq, arch, cs)
+        q, k = qk[:nh], qk[nh:]  # [nh, T, d], [nkv, T, d]
+    else:
+        q = q.reshape(t, nh, d).transpose(1, 0, 2)  # [nh, T, d]
+        k = k.reshape(t, nkv, d).transpose(1, 0, 2)  # [nkv, T, d]
+        if arch.qk_norm == "head":
+            q = rmsnorm(q, dense[p + "q_norm"], arch.rms_norm_eps)
+            k = rmsnorm(k, dense[p + "k_norm"], arch.rms_norm_eps)
+        q = apply_rope(q, positions, inv_freq, arch, cs)
+        k = apply_rope(k, positions, inv_freq, arch, cs)
     keys, values = cache.append(layer, k, v)  # [nkv, S, d] with S = start + T
     s = keys.shape[1]
     g = nh // nkv

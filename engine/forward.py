@@ -27,7 +27,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from colibri_plan.engine.attention import KVCache, attention, rmsnorm, rope_inv_freq
+from colibri_plan.engine.attention import (
+    KVCache,
+    attention,
+    rmsnorm,
+    rope_cos_sin,
+    rope_inv_freq,
+    stacked_qk_norm,
+)
 from colibri_plan.engine.blas_threads import BlasLimit
 from colibri_plan.engine.dense_quant import bind_dense
 from colibri_plan.engine.mla import LatentCache, check_dsa_context, mla_attention, select_absorb
@@ -74,6 +81,13 @@ class Model:
         self.experts = RamExperts(weights, backend_name, device_index) if experts is None else experts
         self.routing = recorder if recorder is not None else RoutingRecorder(self.arch)
         self._inv_freq = rope_inv_freq(self.arch)
+        # per layer: (attn_norm, ffn_norm, dense FFN names or None for a MoE layer), looked up once here
+        self._layer_names = [(f"layers.{i}.attn_norm", f"layers.{i}.ffn_norm",
+                              None if self.arch.is_moe_layer(i) else
+                              tuple(f"layers.{i}.ffn.{n}" for n in ("gate", "up", "down")))
+                             for i in range(self.arch.n_layers)]
+        self._qk_norm_w = [None if self.arch.attention == "mla" else stacked_qk_norm(self.arch, self.dense, i)
+                           for i in range(self.arch.n_layers)]  # q/k head norms stacked once
         self._lm_head = self.dense["embed"] if self.arch.tie_word_embeddings else self.dense["lm_head"]
         self._mla = self.arch.attention == "mla"
         self._absorb = select_absorb(self._host_backend()) if self._mla else None
@@ -130,21 +144,23 @@ class Model:
         cache = self.new_cache(len(ids)) if cache is None else cache
         if self.trunk is not None:
             return self.trunk.hidden_states(ids, cache)
-        a, d = self.arch, self.dense
+        a, d, eps = self.arch, self.dense, self.arch.rms_norm_eps
         check_dsa_context(a, cache.length, len(ids))  # DSA beyond index_topk: refused before any work
-        h = d["embed"][ids]  # [T, H]
-        for i in range(a.n_layers):
-            p = f"layers.{i}."
-            xa = rmsnorm(h, d[p + "attn_norm"], a.rms_norm_eps)  # [T, H]
+        h = d["embed"][ids]  # [T, H], a gathered copy: the residual adds below go into it
+        cs = None  # RoPE cos/sin of this call's positions, the same for every GQA layer
+        if not self._mla and a.rotary_dim:
+            cs = rope_cos_sin(np.arange(cache.length, cache.length + len(ids)), self._inv_freq, a)
+        for i, (attn_norm, ffn_norm, ffn) in enumerate(self._layer_names):
+            xa = rmsnorm(h, d[attn_norm], eps)  # [T, H]
             if self._mla:
                 h = h + mla_attention(xa, i, a, d, cache, self._inv_freq, self._absorb)
             else:
-                h = h + attention(xa, i, a, d, cache, self._inv_freq)
-            x = rmsnorm(h, d[p + "ffn_norm"], a.rms_norm_eps)
-            if a.is_moe_layer(i):
-                h = h + moe_block(x, i, a, d, self.experts, self.routing)
+                h += attention(xa, i, a, d, cache, self._inv_freq, cs, self._qk_norm_w[i])  # float32 [T, H]
+            x = rmsnorm(h, d[ffn_norm], eps)
+            if ffn is None:
+                h += moe_block(x, i, a, d, self.experts, self.routing)  # float32 [T, H]
             else:
-                h = h + swiglu(x, d[p + "ffn.gate"], d[p + "ffn.up"], d[p + "ffn.down"])
+                h = h + swiglu(x, d[ffn[0]], d[ffn[1]], d[ffn[2]])
         cache.advance(len(ids))
         return rmsnorm(h, d["final_norm"], a.rms_norm_eps)
 

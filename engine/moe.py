@@ -89,12 +89,14 @@ def route(logits: np.ndarray, arch: ArchConfig, bias: np.ndarray | None = None
         np.put_along_axis(mask, keep, True, axis=1)
         choice = np.where(np.repeat(mask, e // arch.n_group, axis=1), choice, -np.inf)
     ids = np.argsort(-choice, axis=1, kind="stable")[:, : arch.top_k]  # [T, E] -> top-k ids [T, K]
-    weights = np.take_along_axis(scores, ids, axis=1).astype(np.float32)  # unbiased scores [T, K]
+    # unbiased scores [T, K] (a fancy-index copy: what np.take_along_axis gives, without its Python)
+    weights = scores[np.arange(t)[:, None], ids].astype(np.float32, copy=False)
     if arch.norm_topk_prob:
         eps = 1e-20 if arch.scoring == "sigmoid" else 0.0
         weights = weights / (weights.sum(axis=1, keepdims=True) + eps)
-    weights = weights * np.float32(arch.routed_scaling_factor)
-    return ids.astype(np.int64), weights.astype(np.float32)
+    if arch.routed_scaling_factor != 1.0:  # w · 1.0 == w, bit for bit
+        weights = weights * np.float32(arch.routed_scaling_factor)
+    return ids.astype(np.int64, copy=False), weights.astype(np.float32, copy=False)
 
 
 class RoutingRecorder:
@@ -214,6 +216,19 @@ class RamExperts:
         ys = self.backend.expert_ffn(xs, [self.uploaded[(layer, int(e))] for e in expert_ids])
         return [y * g[:, None] for y, g in zip(ys, gates)]  # [T_i, H] · gates [T_i, 1]
 
+    def run_sum(self, layer: int, expert_ids: Sequence[int], x: np.ndarray, gates: np.ndarray) -> np.ndarray:
+        """Σ_i gates[i] · expert_i(x) of MoE layer ``layer``: every token of x float32 [T, H] routed to
+        every expert (decode, T = 1), gates float32 [n]; float32 [T, H], the sum of :meth:`run`'s outputs
+        in :func:`scatter_sum`'s order (one call where the backend has ``expert_ffn_sum``, the cpu
+        backend's: same bits)."""
+        fused = getattr(self.backend, "expert_ffn_sum", None)
+        if fused is None:
+            n = len(expert_ids)
+            ys = self.run(layer, expert_ids, [x] * n, [gates[i: i + 1] for i in range(n)])
+            return scatter_sum(x, [np.arange(x.shape[0])] * n, ys)
+        up = self.uploaded
+        return fused(x, [up[(layer, e)] for e in expert_ids], gates)
+
     def close(self) -> None:
         """Free the uploaded experts and close the backend if this object opened it."""
         if self.backend is None:
@@ -234,11 +249,11 @@ def route_tokens(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, n
     """Router and top-k of one MoE layer, grouped by expert: x float32 [T, H] (post-norm) -> (distinct
     expert ids ascending [n], token ids per expert int64 [T_i], gates per expert float32 [T_i]). The
     routing is recorded in ``recorder``. The one routing path of the CPU trunk and the device trunk."""
-    p = f"layers.{layer}."
-    logits = x @ dense[p + "router"].T  # [T, H] · [E, H]ᵀ -> router logits [T, E]
-    ids, weights = route(logits, arch, dense.get(p + "router_bias"))  # [T, K], [T, K]
-    if recorder is not None:
-        recorder.record(layer, ids, weights)
+    ids, weights = _route_record(x, layer, arch, dense, recorder)  # [T, K], [T, K]
+    if ids.shape[0] == 1:  # decode: K distinct experts of token 0, ascending (what the grouping below gives)
+        uniq, w = _one_token(ids, weights)
+        tok0 = np.zeros(1, np.int64)
+        return uniq, [tok0] * len(uniq), [w[i: i + 1] for i in range(len(uniq))]
     flat = ids.ravel()  # token t's k-th choice sits at t·K + k
     order = np.argsort(flat, kind="stable")  # group (token, slot) pairs by expert, ascending
     by_expert = flat[order]  # [T·K] expert ids, ascending
@@ -249,6 +264,23 @@ def route_tokens(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, n
     tok_of = [tok[a:b] for a, b in zip(starts, bounds)]  # token ids per expert (views)
     gates = [w[a:b] for a, b in zip(starts, bounds)]  # [T_i] per expert (views)
     return by_expert[starts].tolist(), tok_of, gates
+
+
+def _route_record(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict, recorder: RoutingRecorder | None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Router logits, top-k (:func:`route`) and its recording, one MoE layer: (ids [T, K], weights [T, K])."""
+    p = f"layers.{layer}."
+    logits = x @ dense[p + "router"].T  # [T, H] · [E, H]ᵀ -> router logits [T, E]
+    ids, weights = route(logits, arch, dense.get(p + "router_bias"))  # [T, K], [T, K]
+    if recorder is not None:
+        recorder.record(layer, ids, weights)
+    return ids, weights
+
+
+def _one_token(ids: np.ndarray, weights: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """A decode step's routing ids/weights [1, K] as (expert ids ascending [K], their gates float32 [K])."""
+    order = np.argsort(ids[0], kind="stable")
+    return ids[0][order].tolist(), weights[0][order]
 
 
 def scatter_sum(x: np.ndarray, tok_of: Sequence[np.ndarray], ys: Sequence[np.ndarray]) -> np.ndarray:
@@ -280,7 +312,14 @@ def routed_experts(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str,
     Raises:
         InputError: the provider returned outputs of the wrong number or shape.
     """
+    run_sum = getattr(experts, "run_sum", None)
+    if x.shape[0] == 1 and run_sum is not None:  # decode: one provider call that sums as scatter_sum does
+        uniq, w = _one_token(*_route_record(x, layer, arch, dense, recorder))
+        return run_sum(layer, uniq, np.ascontiguousarray(x, dtype=np.float32), w)
     uniq, tok_of, gates = route_tokens(x, layer, arch, dense, recorder)
+    if x.shape[0] == 1:  # decode: every expert sees the one token
+        x1 = np.ascontiguousarray(x, dtype=np.float32)
+        return scatter_sum(x, tok_of, experts.run(layer, uniq, [x1] * len(uniq), gates))
     xs = [np.ascontiguousarray(x[t]) for t in tok_of]  # [T_i, H] per expert
     return scatter_sum(x, tok_of, experts.run(layer, uniq, xs, gates))
 

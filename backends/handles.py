@@ -1,0 +1,83 @@
+"""The backend contract's value types (:class:`DeviceInfo`, :class:`DeviceWeight`, :class:`ExpertWeights`),
+the reference SwiGLU activation and the per-call readiness test of the checked ops; re-exported by
+:mod:`colibri_plan.backends.base`, where the contract itself is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device of a backend.
+
+    Attributes:
+        backend: backend name ("numpy", "opencl", ...).
+        index: index to pass to ``open``.
+        name: the driver's device name.
+        kind: "cpu", "gpu" (discrete) or "igpu" (integrated).
+        total_memory_bytes: device memory (host RAM for CPU devices).
+        free_memory_bytes: free memory when the driver reports it, else None.
+        unified_memory: True when the device computes on host memory without a copy.
+        formats: quant formats its kernels support.
+        driver: driver / platform version string.
+    """
+
+    backend: str
+    index: int
+    name: str
+    kind: str
+    total_memory_bytes: int
+    free_memory_bytes: int | None
+    unified_memory: bool
+    formats: tuple[str, ...]
+    driver: str
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (formats as a list)."""
+        d = dict(self.__dict__)
+        d["formats"] = list(self.formats)
+        return d
+
+
+@dataclass(eq=False)
+class DeviceWeight:
+    """A weight resident on a device. ``payload`` is the backend's own buffer object(s)."""
+
+    fmt: str
+    out_features: int
+    in_features: int
+    nbytes: int
+    payload: Any = field(repr=False)
+    owner: int = field(repr=False, default=0)
+    freed: bool = field(repr=False, default=False)
+
+
+class ExpertWeights(NamedTuple):
+    """The three matrices of one SwiGLU expert: gate [I, H], up [I, H], down [H, I]."""
+
+    gate: DeviceWeight
+    up: DeviceWeight
+    down: DeviceWeight
+
+
+def silu_mul_ref(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """SiLU(g) · u in float32, the activation of SwiGLU experts (reference)."""
+    g = g.astype(np.float32)
+    return (g / (1.0 + np.exp(-g))) * u
+
+
+def ready_x(x, w, owner: int) -> bool:
+    """True when ``x`` and ``w`` pass ``Backend._check_x`` unchanged: w a live DeviceWeight of backend
+    ``owner``, x a C-contiguous float32 ndarray [T ≥ 1, w.in_features] (the per-call fast path of
+    ``matmul`` and ``expert_ffn``; the checks that raise run only when this is False)."""
+    return (type(w) is DeviceWeight and w.owner == owner and not w.freed and type(x) is np.ndarray
+            and x.dtype == _F32 and x.ndim == 2 and x.shape[1] == w.in_features and x.shape[0] > 0
+            and x.flags.c_contiguous)
+
+
+_F32 = np.dtype(np.float32)
