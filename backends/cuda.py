@@ -38,6 +38,7 @@ _TC = {"mm": "mm_tc", "mm_args": "mm_args_tc", "gate_up": "gate_up_tc"}
 _TC_R16 = {"mm_tc": 2, "mm_args_tc": 2, "gate_up_tc": 1}
 _TC_FORMATS = frozenset({"int8", "int4", "int4-g32", "int4-g64", "int4-g128"})
 _TC_MIN_TOKENS = 2  # benchmarks set 1 to time the tensor-core kernels at decode
+_TC_WARPS = 8  # warps per block of the tensor-core kernels, splitting the columns (<= prefill.cu TC_WARPS)
 _NVRTC_OPTIONS = ("--std=c++14",)  # benchmarks add -DCOLIBRI_READ_ONLY (loads without arithmetic)
 _TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their activations in shared memory)
 _RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the module and work buffers
@@ -199,9 +200,9 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
                 name = _TC[name]
                 nt = 1 if T <= 8 else 2  # mma column tiles of 8 tokens per pass
                 fn = self._fn(name, fmt, nt, 0)
-                # a block per (row tile, token pass), its 8 warps splitting the columns (prefill.cu TC_WARPS)
+                # a block per (row tile, token pass), its warps splitting the columns
                 items = -(-rows_grid // (16 * _TC_R16[name])) * -(-T // (8 * nt))
-                hit = self._launchers[key] = (fn, (items, n_mats), (32 * 8,), 0, scalars)
+                hit = self._launchers[key] = (fn, (items, n_mats), (32 * _TC_WARPS,), 0, scalars)
                 return hit
             # tokens per pass: 1 for decode; _TOKENS_PER_PASS for T > 1 when they fit in shared memory
             tc = _TOKENS_PER_PASS if T > 1 and _TOKENS_PER_PASS * in_pad * 4 <= self._smem_limit() else 1

@@ -114,6 +114,7 @@ def main() -> int:
                    help="fewest tokens that take the tensor-core kernels (1: decode too)")
     p.add_argument("--tc-rows", default=None,
                    help="16-row subtiles per warp tile of the tensor-core kernels, mm,gate_up (e.g. 2,1)")
+    p.add_argument("--tc-warps", type=int, default=None, help="warps per block of the tensor-core kernels")
     p.add_argument("--out")
     args = p.parse_args()
     cls = get_backend("cuda")
@@ -123,6 +124,8 @@ def main() -> int:
         mod._TC_FORMATS = frozenset()
     if args.tc_from is not None:
         mod._TC_MIN_TOKENS = args.tc_from
+    if args.tc_warps:
+        mod._TC_WARPS = args.tc_warps
     if args.tc_rows:
         mm, gu = (int(v) for v in args.tc_rows.split(","))
         mod._TC_R16.update(mm_tc=mm, mm_args_tc=mm, gate_up_tc=gu)
@@ -161,7 +164,8 @@ def main() -> int:
         atomic_write_text(args.out, json.dumps({"device": be.device.to_dict(), "read_only": args.read_only,
                                                 "gemv_prefill": args.gemv_prefill,
                                                 "tc_min_tokens": mod._TC_MIN_TOKENS,
-                                                "tc_rows": dict(mod._TC_R16), "rows": rows}, indent=1))
+                                                "tc_rows": dict(mod._TC_R16), "tc_warps": mod._TC_WARPS,
+                                                "rows": rows}, indent=1))
     be.close()
     return 0
 
