@@ -50,16 +50,16 @@ _kernels = None
 
 def _load_kernels():
     """Import (and on first use, compile or load from cache) the numba kernels: a namespace holding the
-    functions of ``cpu_kernels`` (float), ``cpu_qkernels`` (integer, batched experts) and
-    ``cpu_attention``."""
+    functions of ``cpu_kernels`` (float), ``cpu_qkernels`` (integer, batched experts), ``cpu_q4t``
+    (int4-g32/g64) and ``cpu_attention``."""
     global _kernels
     if _kernels is None:
         import types
 
-        from colibri_plan.backends import cpu_attention, cpu_kernels, cpu_qkernels  # heavy: numba
+        from colibri_plan.backends import cpu_attention, cpu_kernels, cpu_q4t, cpu_qkernels  # heavy: numba
 
         ns = types.SimpleNamespace()
-        for mod in (cpu_kernels, cpu_qkernels, cpu_attention):
+        for mod in (cpu_kernels, cpu_qkernels, cpu_q4t, cpu_attention):
             ns.__dict__.update({k: v for k, v in vars(mod).items() if not k.startswith("__")})
         ns.ROW_TILE = cpu_qkernels.ROW_TILE
         _kernels = ns
