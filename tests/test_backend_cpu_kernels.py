@@ -71,15 +71,20 @@ def test_layout_and_result(be, fmt, in_, layout):
     be.free(w)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-g32", "int4-g64", "int4-g128"])
-def test_prefill_batch_equals_single_tokens(be, fmt):
+@pytest.mark.parametrize("fmt,in_,tokens", [
+    ("int8", 1024, 16), ("int4", 1024, 16), ("int4-g64", 1024, 16), ("int4-g128", 1024, 16),
+    # int4-g32 at 4, 8 and 16 bytes per lane; 7 tokens run the prefill loop in groups of 4, 2 and 1
+    ("int4-g32", 1024, 16), ("int4-g32", 512, 7), ("int4-g32", 2048, 7), ("int4-g32", 67, 5)])
+def test_prefill_batch_equals_single_tokens(be, fmt, in_, tokens):
     rng = np.random.default_rng(3)
-    qt = quant.quantize(rng.standard_normal((70, 1024), dtype=np.float32), fmt)
+    qt = quant.quantize(rng.standard_normal((70, in_), dtype=np.float32), fmt)
     w = be.upload(qt)
-    x = rng.standard_normal((16, 1024), dtype=np.float32)
+    x = rng.standard_normal((tokens, in_), dtype=np.float32)
     batch = be.matmul(x, w)
-    single = np.concatenate([be.matmul(x[t:t + 1], w) for t in range(16)])
+    single = np.concatenate([be.matmul(x[t:t + 1], w) for t in range(tokens)])
     np.testing.assert_array_equal(batch, single)
+    ref = x.astype(np.float64) @ quant.dequantize(qt).astype(np.float64).T
+    assert (np.abs(batch - ref) <= _bound(x, qt)).all()
     be.free(w)
 
 
