@@ -12,13 +12,20 @@ row per term, and the verdict:
 * hit rate within ±5 points: the share of expert uses served from memory (VRAM, pinned or LRU, i.e.
   1 − disk share) predicted against measured.
 
+Beside it, when the plan predicts the prefill (``predicted.prefill``) and the run timed one, a prefill
+verdict with the decode's tolerance: ``prefill_ratio`` = measured / predicted prefill tok/s at the run's
+prompt length (= predicted / measured seconds to first token; :func:`predicted_prefill_at`) and
+``prefill_ok`` (within ±25 %). The decode verdict stays the primary one: ``ok`` does not include the
+prefill (a short verify prompt's prefill is noisy and the prefill model is uncalibrated);
+``verify --strict`` fails on ``ok`` alone. Both are null without a prefill prediction (older plans).
+
 Predicted and measured use the plan's keys (``docs/plan-format.md``), so every row pairs one key with
 itself. ``dense + attention`` compares everything outside the routed experts; where the run timed
 attention apart (a device trunk: measured ``attention_s``, ``dense_s`` then without it) and where the plan
 predicts the trunk (``predicted.trunk``: dense, attention and host round trip per token on its device),
 rows for dense and attention alone follow. Where the plan predicts the prefill (``predicted.prefill``) and
-the run timed it, an informational row compares the prefill (= time to first token) at the run's prompt
-length (:func:`predicted_prefill_at`; not part of the verdict). Measured ``expert_compute_s[<device>]``
+the run timed it, a row compares the prefill (= time to first token) at the run's prompt length
+(:func:`predicted_prefill_at`; its own verdict, not part of ``ok``). Measured ``expert_compute_s[<device>]``
 includes the device's activation transfers. ``calibrate`` (:mod:`colibri_plan.planner.calibrate`) refits the
 cost model's coefficients from these reports.
 """
@@ -197,16 +204,35 @@ def compare(predicted, measured) -> list[dict]:
     return out
 
 
+def prefill_verdict(predicted, measured) -> tuple[float | None, bool | None]:
+    """(prefill_ratio, prefill_ok): measured / predicted prefill tok/s at the run's prompt length (=
+    predicted / measured seconds) and whether it is within the decode's ±25 %; (None, None) when the plan
+    has no prefill prediction (``predicted`` a RunReport or an older plan) or the run timed none.
+    E.g. predicted 2.0 s, measured 2.4 s: ratio 0.833, within."""
+    if not isinstance(predicted, dict):
+        return None, None
+    m = _report(measured)
+    p_s = predicted_prefill_at(predicted, m.prompt_tokens)
+    if p_s is None or not m.prefill_s or m.prefill_s <= 0:
+        return None, None
+    ratio = p_s / m.prefill_s
+    return ratio, bool(abs(ratio - 1.0) <= TOK_S_TOLERANCE)
+
+
 def make_verdict(predicted, measured, token_exact: bool | None) -> dict:
-    """The verdict: token_exact, tok_s_ok (ratio within ±25 %), hit_rate_ok (±5 points), ok (all)."""
+    """The verdict: token_exact, tok_s_ok (ratio within ±25 %), hit_rate_ok (±5 points), ok (all three),
+    and beside them prefill_ratio / prefill_ok (:func:`prefill_verdict`; not part of ``ok``)."""
     p, m = _report(predicted), _report(measured)
     ratio = _ratio(p.tok_s, m.tok_s)
     diff = m.memory_hit_rate - p.memory_hit_rate
     tok_ok = ratio is not None and abs(ratio - 1.0) <= TOK_S_TOLERANCE
     hit_ok = abs(diff) <= HIT_RATE_TOLERANCE
+    pre_ratio, pre_ok = prefill_verdict(predicted, measured)
     return {"token_exact": token_exact, "tok_s_ratio": ratio, "tok_s_ok": tok_ok,
             "hit_rate_diff_points": 100.0 * diff, "hit_rate_ok": hit_ok,
-            "tolerances": {"tok_s": TOK_S_TOLERANCE, "hit_rate_points": 100 * HIT_RATE_TOLERANCE},
+            "prefill_ratio": pre_ratio, "prefill_ok": pre_ok,
+            "tolerances": {"tok_s": TOK_S_TOLERANCE, "hit_rate_points": 100 * HIT_RATE_TOLERANCE,
+                           "prefill_tok_s": TOK_S_TOLERANCE},
             "ok": bool(token_exact is not False and tok_ok and hit_ok)}
 
 
@@ -307,10 +333,16 @@ def report_table(report: dict) -> list[list[str]]:
 
 
 def verdict_line(v: dict) -> str:
-    """One line: PASS/FAIL and its three parts."""
+    """One line: PASS/FAIL and its three parts, then the prefill's verdict where there is one (outside
+    PASS/FAIL: the decode verdict is the primary one)."""
     exact = {True: "yes", False: "NO", None: "not checked"}[v["token_exact"]]
     ratio = "n/a" if v["tok_s_ratio"] is None else f"{v['tok_s_ratio']:.2f}"
-    return (f"verdict: {'PASS' if v['ok'] else 'FAIL'} - token-exact {exact}; tok/s measured/predicted "
+    line = (f"verdict: {'PASS' if v['ok'] else 'FAIL'} - token-exact {exact}; tok/s measured/predicted "
             f"{ratio} ({'within' if v['tok_s_ok'] else 'outside'} +-{100 * v['tolerances']['tok_s']:.0f}%); "
             f"hit rate {v['hit_rate_diff_points']:+.1f} pts ({'within' if v['hit_rate_ok'] else 'outside'} "
             f"+-{v['tolerances']['hit_rate_points']:.0f})")
+    if v.get("prefill_ratio") is None:
+        return line
+    tol = 100 * (v.get("tolerances") or {}).get("prefill_tok_s", TOK_S_TOLERANCE)
+    return (f"{line}; prefill tok/s measured/predicted {v['prefill_ratio']:.2f} "
+            f"({'within' if v['prefill_ok'] else 'outside'} +-{tol:.0f}%, not part of PASS/FAIL)")

@@ -52,9 +52,11 @@ def test_disk_tier_read_once_per_batch():
     # two disk experts with p = 0.5, P = 2: q = 0.75, n = 4/3 rows each
     lay = layer_seconds(np.array([0.5, 0.5]), np.array([-2, -2]), 2, figures())
     assert lay["disk_read_s"] == pytest.approx(1.5 * 0.5)                  # 1.5 expected reads of 0.5 s
-    assert lay["cpu_s"] == pytest.approx(0.75 + 2 * 0.75 * 0.1 * 4 / 3)     # reads, then 0.2 s of compute
+    # 0.2 s of compute in all, each as its read lands: the reads, then the last one's 0.2 / 1.5 s
+    assert lay["cpu_s"] == pytest.approx(0.75 + 0.2 / 1.5)
     assert lay["distinct_experts"] == pytest.approx(1.5)
-    # one of them pinned: its compute (0.1 s) hides behind the other's read (0.375 s)
+    # one of them pinned: its compute (0.1 s) hides behind the other's read (0.375 s), whose own 0.1 s of
+    # compute follows it
     lay = layer_seconds(np.array([0.5, 0.5]), np.array([-1, -2]), 2, figures())
     assert lay["cpu_s"] == pytest.approx(0.375 + 0.1) and lay["layer_s"] == pytest.approx(0.475)
 
@@ -88,9 +90,10 @@ def test_predict_prefill_sums_decode_layers_only():
     probs = np.array([[0.5, 0.5], [0.5, 0.5]])
     tiers = np.array([[-2, -2], [-2, -2]])
     out = predict_prefill(probs, tiers, np.array([True, False]), 2, figures())   # row 2: an MTP row
-    assert out["terms"]["experts_s"] == pytest.approx(0.95)
-    assert out["prefill_s"] == pytest.approx(0.95) and out["ttft_s"] == out["prefill_s"]
-    assert out["prefill_tok_s"] == pytest.approx(2 / 0.95) and out["prompt_tokens"] == 2
+    want = 0.75 + 0.2 / 1.5                                                  # row 1 alone (as above)
+    assert out["terms"]["experts_s"] == pytest.approx(want)
+    assert out["prefill_s"] == pytest.approx(want) and out["ttft_s"] == out["prefill_s"]
+    assert out["prefill_tok_s"] == pytest.approx(2 / want) and out["prompt_tokens"] == 2
     with pytest.raises(InputError, match="prompt-tokens"):
         predict_prefill(probs, tiers, np.array([True, True]), 0, figures())
 
@@ -101,3 +104,40 @@ def test_batch_ratio_from_profile_matmul_rows():
     row = dict(prof.doc["matmul"][0], tokens=16, weight_gbps=st(5.0))      # 16 rows in 4x a row's time
     prof.doc["matmul"].append(row)
     assert batch_ratio(prof, "numpy", 0, "int4", 32, 64) == pytest.approx(4.0)
+
+
+def test_streamed_experts_crc32_takes_the_cores_from_the_pinned_compute():
+    # one pinned expert (p = 1, P = 2: 2 rows, f = 2 -> 0.2 s) and one disk expert (p = 1: read once, 0.5 s;
+    # 2 rows of compute after it, 0.2 s); crc32 at 1 GB/s: 1 s of the cores beside the pinned compute
+    p, tiers = np.array([1.0, 1.0]), np.array([-1, -2])
+    plain = layer_seconds(p, tiers, 2, figures())
+    assert plain["cpu_s"] == pytest.approx(max(0.2 + 0.2, 0.5 + 0.2)) and plain["verify_s"] == 0.0
+    lay = layer_seconds(p, tiers, 2, figures(checksum_gbps=1.0))
+    assert lay["verify_s"] == pytest.approx(1.0)
+    assert lay["cpu_s"] == pytest.approx(max(0.2 + 1.0 + 0.2, 0.5 + 0.2))  # 1.4 s: the cores are the limit
+
+
+def test_reads_and_compute_pipeline_over_many_misses():
+    # P = 6: the pinned expert (p = 1) has 6 rows, 0.6 s of compute; two disk experts with p = 0.5 are each
+    # touched with q = 1 - 0.5^6 = 0.984375 (M = 1.96875 expected misses, 0.984 s of reads at 2 GB/s),
+    # 3.048 rows each, 0.6 s of compute in all as their reads land
+    p, tiers = np.array([1.0, 0.5, 0.5]), np.array([-1, -2, -2])
+    q = 1 - 0.5 ** 6
+    disk_s, stream_s = 2 * q * 0.5, 2 * q * 0.1 * (3 / q)
+    lay = layer_seconds(p, tiers, 6, figures())
+    assert lay["cpu_s"] == pytest.approx(max(0.6 + stream_s, disk_s + stream_s / (2 * q)))   # 1.2 s: CPU
+    # a slow disk (0.5 GB/s): the reads are the path, plus the last miss's compute
+    slow = layer_seconds(p, tiers, 6, figures(disk_gbps=0.5))
+    assert slow["cpu_s"] == pytest.approx(4 * disk_s + stream_s / (2 * q))
+
+
+def test_expert_ratio_weighs_gate_up_and_down_shapes():
+    from colibri_plan.planner.prefill import _ffn_ratio
+
+    prof = toy_profile(cpu_gbps=20.0)
+    base = prof.doc["matmul"][0]
+    h, i = base["in_features"], base["out_features"]
+    prof.doc["matmul"] += [dict(base, tokens=16, weight_gbps=st(2.0)),                      # gate: r 10
+                           dict(base, out_features=h, in_features=i, tokens=1, weight_gbps=st(20.0)),
+                           dict(base, out_features=h, in_features=i, tokens=16, weight_gbps=st(5.0))]  # r 4
+    assert _ffn_ratio(prof, ("numpy", 0), "int4", i, h) == pytest.approx((2 * 10 + 4) / 3)   # 8

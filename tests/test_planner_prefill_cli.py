@@ -1,5 +1,6 @@
 """`solve --prompt-tokens`, `plan show` and verify's comparison with the plan's predicted prefill."""
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from colibri_plan.cli import cli
 from colibri_plan.formats.plan import load_plan, save_plan
 from colibri_plan.formats.report import RunReport
 from colibri_plan.planner.prefill import prefill_for_plan
-from colibri_plan.verify import compare, make_verdict, predicted_prefill_at, report_table
+from colibri_plan.verify import compare, make_verdict, predicted_prefill_at, report_table, verdict_line
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,19 @@ def test_verify_shows_prefill_row_outside_the_verdict(files):
     assert row["predicted"] == pytest.approx(want) and row["ratio"] == pytest.approx(2.0)
     table = report_table({"comparison": rows})
     assert any(r[0].startswith("prefill") and r[3] == "x2.00" for r in table)
-    assert make_verdict(predicted, m, True)["ok"]                  # a 2x prefill miss does not fail it
+    v = make_verdict(predicted, m, True)
+    assert v["ok"]                                                 # a 2x prefill miss does not fail it ...
+    assert v["prefill_ratio"] == pytest.approx(0.5) and v["prefill_ok"] is False   # ... but has its verdict
+    assert v["tolerances"]["prefill_tok_s"] == 0.25
+    line = verdict_line(v)
+    assert line.startswith("verdict: PASS") and line.endswith(
+        "prefill tok/s measured/predicted 0.50 (outside +-25%, not part of PASS/FAIL)")
+    near = dataclasses.replace(m, prefill_s=want / 1.2)               # 1.2x faster: within
+    assert make_verdict(predicted, near, True)["prefill_ratio"] == pytest.approx(1.2)
+    assert make_verdict(predicted, near, True)["prefill_ok"] is True
+    no_run = dataclasses.replace(m, prefill_s=None)
+    assert make_verdict(predicted, no_run, True)["prefill_ok"] is None
+    assert "prefill" not in verdict_line(make_verdict(predicted, no_run, True))
     no_prefill = {k: v for k, v in predicted.items() if k != "prefill"}
     assert not any(r["term"].startswith("prefill") for r in compare(no_prefill, m))
+    assert make_verdict(no_prefill, m, True)["prefill_ratio"] is None

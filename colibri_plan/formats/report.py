@@ -262,6 +262,8 @@ _VERDICT = {"ok": (lambda v: isinstance(v, bool), "true or false"),
             "hit_rate_ok": (lambda v: isinstance(v, bool), "true or false"),
             "token_exact": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
             "tok_s_ratio": (_finite, "a finite number or null"),
+            "prefill_ratio": (_finite, "a finite number or null"),
+            "prefill_ok": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
             "hit_rate_diff_points": (lambda v: _finite(v, null=False), "a finite number")}
 _ROW_NUMBERS = ("predicted", "measured", "ratio")
 

@@ -9,9 +9,22 @@ token comes out of the prompt's last row), so ``ttft_s == prefill_s``. Per promp
     n_e         = P · p_e / q_e            expected rows of a touched expert
     gpu_l,d     = Σ_{e on d} q_e · b / g_d · f(n_e, r_d)
     xfer_l,d    = (1 − Π_{e on d} (1 − q_e)) · (P · H · 4 · (1/h2d_d + 1/d2h_d) / 1e9 + 2 · latency_d)
-    cpu_l       = max(ram_l, disk_l) + stream_l        (the reads overlap the pinned experts' compute)
+    cpu_l       = max(ram_l + verify_l + stream_l, disk_l + stream_l / max(1, M_l))   (reads and compute
+                                                         pipeline)
     ram_l       = Σ_{e pinned} q_e · b / g_cpu · f(n_e, r_cpu)
     disk_l      = Σ_{e on disk} q_e · b / disk GB/s    (a touched miss is read once per batch)
+    verify_l    = Σ_{e on disk} q_e · b / crc32 GB/s   (the reader threads check every streamed expert, CPU
+                                                         time the pinned compute cannot use; as at decode)
+    M_l         = Σ_{e on disk} q_e                    expected distinct misses of the batch
+
+**Pipelined reads**: a prefill's misses outnumber the reader threads (the plan's queue depth), so their
+reads land one after another (in waves of the engine's working buffers, docs/engine.md) and each
+streamed expert is computed as soon as its read lands, while later reads are in flight. Compute and
+reads therefore overlap as a whole: the path is the longer of all the CPU work (pinned and streamed
+compute, crc32 checks) and all the reads, the latter plus the compute of the last expert read, which
+has no read left to hide behind. (At decode a layer's few misses land together and their compute
+follows: decode's max(a, d) + stream.) Measured on the fixture (``bench/prefill_accuracy.py``), the
+run's disk wait was a third of its read time at 64 and 256 prompt tokens, not the serial sum.
     stream_l    = Σ_{e on disk} q_e · b / g_cpu · f(n_e, r_cpu)
     trunk_s     = (dense − lm) / g_t · f(P, r_t) + lm / g_lm  +  n_layers · ops_per_layer · op_s
                   + (P² / 2) · kv_bytes_per_token / kv GB/s(P)  +  n_moe · handoff_t(P)
@@ -25,18 +38,19 @@ so this over-counts distinct experts, a pessimistic bias that grows with P. The 
 (every touched disk expert is read): conservative at the start of a prompt.
 
 **Batched rate** ``f(T, r)``: seconds of one matmul over T rows relative to 1 row. The profile's
-``matmul`` section measures weight GB/s at 1 and 16 tokens; ``r = g(1) / g(16)`` is the time of a
-16-row call over a 1-row call (clamped to [1, 16]). Between 1 and 16 rows the time is interpolated
-linearly, ``f(T) = 1 + (T − 1) · (r − 1) / 15``; above 16 the kernel runs ⌈T/16⌉ passes, taken
-fractionally (an expectation), ``f(T) = r · T / 16``. Without a 16-token figure ``r = 16``: no
-batching gain, each row costs a full read (f(T) = T). The trunk's r is that of its device at the dense
-format (else at the expert format). The LM head runs on the last row only (1 row at the LM head GB/s).
-Attention is causal: row i reads i keys, Σ_i i ≈ P²/2 K+V rows at the ``attention`` section's KV GB/s
-at context P. A split trunk is priced on its first device. Every GPU holding experts of a layer pays
-the P-row round trip, the trunk's own GPU too (the device trunk's prefill sends every routed expert
-through the host path), and the host tiers are computed on the CPU even where a unified GPU computes
-them at decode (the plan's ``compute`` section). Coefficients are not applied (they are
-fitted on decode runs): the prefill figures are uncalibrated.
+``matmul`` section measures weight GB/s at 1 and 16 tokens; ``r = g(1) / g(16)`` is the time of a 16-row
+call over a 1-row call (clamped to [1, 16]). Between 1 and 16 rows the time is interpolated linearly,
+``f(T) = 1 + (T − 1) · (r − 1) / 15``; above 16 the kernel runs ⌈T/16⌉ passes, taken fractionally (an
+expectation), ``f(T) = r · T / 16``. Without a 16-token figure ``r = 16``: no batching gain, each row
+costs a full read (f(T) = T). An expert's r is the byte-weighted mean of its gate/up shape ([I, H], 2 of
+3 bytes) and its down shape ([H, I]). The trunk's r is that of its device at the dense format (else at
+the expert format). The LM head runs on the last row only (1 row at the LM head GB/s). Attention is
+causal: row i reads i keys, Σ_i i ≈ P²/2 K+V rows at the ``attention`` section's KV GB/s at context P. A
+split trunk is priced on its first device. Every GPU holding experts of a layer pays the P-row round
+trip, the trunk's own GPU too (the device trunk's prefill sends every routed expert through the host
+path), and the host tiers are computed on the CPU even where a unified GPU computes them at decode (the
+plan's ``compute`` section). Coefficients are not applied (they are fitted on decode runs): the prefill
+figures are uncalibrated.
 
 The plan records the figures (``predicted.prefill.figures``) so :func:`prefill_for_plan` can predict
 again at another prompt length from the plan alone, and the prefill at 1, 2, 4, ... 32768 tokens
@@ -97,7 +111,8 @@ def layer_seconds(p: np.ndarray, tiers: np.ndarray, prompt_tokens: int, fig: dic
         fig: the ``figures`` dict (:func:`figures_from_setup`).
 
     Returns:
-        {"layer_s", "cpu_s", "disk_read_s", "gpu_s": {key: s incl. transfer}, "distinct_experts"}.
+        {"layer_s", "cpu_s", "disk_read_s", "verify_s", "gpu_s": {key: s incl. transfer},
+        "distinct_experts"}.
     """
     p, tiers = np.asarray(p, dtype=np.float64), np.asarray(tiers)
     q = distinct_experts(p, prompt_tokens)
@@ -112,7 +127,14 @@ def layer_seconds(p: np.ndarray, tiers: np.ndarray, prompt_tokens: int, fig: dic
             raise InputError("the plan streams experts from disk but its prefill figures have no disk GB/s; "
                              "re-solve with a profile that measured the disk")
         disk_s = float(q[disk].sum()) * b / (fig["disk_gbps"] * 1e9)
-    cpu_s = max(ram_s, disk_s) + stream_s
+    # the reader threads' crc32 of every streamed expert takes the cores from the compute (decode's
+    # verify_l; 0 for plans recorded without the figure)
+    misses = float(q[disk].sum())
+    verify_s = misses * b / (fig["checksum_gbps"] * 1e9) if fig.get("checksum_gbps") else 0.0
+    # reads land one after another and each miss computes as its read lands (module docstring): all the
+    # CPU work against all the reads plus the last miss's compute
+    last_s = stream_s / max(1.0, misses)   # one miss's compute (all of it when < 1 is expected)
+    cpu_s = max(ram_s + verify_s + stream_s, disk_s + last_s)
     gpu = {}
     h = int(fig["hidden_size"])
     for d, g in enumerate(fig["gpus"]):
@@ -126,7 +148,7 @@ def layer_seconds(p: np.ndarray, tiers: np.ndarray, prompt_tokens: int, fig: dic
             xfer = used * (act / (g["h2d_gbps"] * 1e9) + act / (g["d2h_gbps"] * 1e9) + 2 * g["latency_s"])
         gpu[g["key"]] = _rows_seconds(p[on], q[on], prompt_tokens, b, g["gbps"], g["r"]) + xfer
     return {"layer_s": max([cpu_s, *gpu.values()]), "cpu_s": cpu_s, "disk_read_s": disk_s, "gpu_s": gpu,
-            "distinct_experts": float(q.sum())}
+            "verify_s": verify_s, "distinct_experts": float(q.sum())}
 
 
 def trunk_prefill_seconds(prompt_tokens: int, fig: dict) -> dict:
@@ -155,7 +177,8 @@ def predict_prefill(probs: np.ndarray, tiers: np.ndarray, decode_rows: np.ndarra
 
     Returns:
         {"prompt_tokens", "prefill_s", "ttft_s", "prefill_tok_s", "terms": {experts_s, dense_s,
-        lm_head_s, attention_s, handoff_s, disk_read_s, distinct_experts_per_layer}, "figures"}.
+        lm_head_s, attention_s, handoff_s, disk_read_s, verify_s (crc32 of streamed experts, inside
+        experts_s), distinct_experts_per_layer}, "figures"}.
 
     Raises:
         InputError: a prompt length < 1, or disk experts without a disk figure.
@@ -163,14 +186,15 @@ def predict_prefill(probs: np.ndarray, tiers: np.ndarray, decode_rows: np.ndarra
     n = int(prompt_tokens)
     if n < 1:
         raise InputError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
-    experts = disk = distinct = 0.0
+    experts = disk = verify = distinct = 0.0
     rows = [i for i, keep in enumerate(np.asarray(decode_rows, dtype=bool)) if keep]
     for i in rows:
         lay = layer_seconds(probs[i], tiers[i], n, fig)
         experts += lay["layer_s"]
         disk += lay["disk_read_s"]
+        verify += lay["verify_s"]
         distinct += lay["distinct_experts"]
-    terms = {"experts_s": experts, **trunk_prefill_seconds(n, fig), "disk_read_s": disk,
+    terms = {"experts_s": experts, **trunk_prefill_seconds(n, fig), "disk_read_s": disk, "verify_s": verify,
              "distinct_experts_per_layer": distinct / max(1, len(rows))}
     total = sum(terms[k] for k in ("experts_s", "dense_s", "lm_head_s", "attention_s", "handoff_s"))
     return {"prompt_tokens": n, "prefill_s": total, "ttft_s": total, "prefill_tok_s": n / total,
@@ -249,6 +273,14 @@ def _ratio_on(profile, device: tuple[str, int] | None, fmts, out_features: int, 
     return float(BATCH_TOKENS)
 
 
+def _ffn_ratio(profile, device: tuple[str, int] | None, fmt: str, width: int, hidden: int) -> float:
+    """r of one expert FFN: gate and up ([width, hidden]) and down ([hidden, width]) weighted by their
+    bytes (2 : 1), each :func:`_ratio_on` at its own shape (the profile measures both; a down
+    projection batches better than a gate on some CPUs)."""
+    return (2.0 * _ratio_on(profile, device, (fmt,), width, hidden)
+            + _ratio_on(profile, device, (fmt,), hidden, width)) / 3.0
+
+
 def figures_from_setup(profile, setup) -> dict:
     """The figures the prefill model needs, from the solve's setup (``planner.make.Setup``, its trunk
     option chosen) and the profile: a JSON-ready dict the plan records (``predicted.prefill.figures``).
@@ -264,12 +296,12 @@ def figures_from_setup(profile, setup) -> dict:
     h, i = spec.hidden_size, spec.moe_intermediate_size
     cpu_dev = _cpu_device(profile, fmt)
     fig = {"expert_bytes": int(spec.expert_bytes()), "hidden_size": int(h),
-           "disk_gbps": res.disk_read_gbps,
-           "cpu": {"gbps": res.cpu_matmul_gbps, "r": _ratio_on(profile, cpu_dev, (fmt,), i, h)}, "gpus": []}
+           "disk_gbps": res.disk_read_gbps, "checksum_gbps": res.checksum_gbps,
+           "cpu": {"gbps": res.cpu_matmul_gbps, "r": _ffn_ratio(profile, cpu_dev, fmt, i, h)}, "gpus": []}
     for g in res.gpus:
         backend, _, idx = g.key.partition(":")
         fig["gpus"].append({"key": g.key, "gbps": g.matmul_gbps, "unified": g.unified,
-                            "r": _ratio_on(profile, (backend, int(idx)), (fmt,), i, h),
+                            "r": _ffn_ratio(profile, (backend, int(idx)), fmt, i, h),
                             "h2d_gbps": g.h2d_gbps, "d2h_gbps": g.d2h_gbps, "latency_s": g.link_latency_s})
     device = setup.trunk.device if setup.trunk is not None else "cpu"
     figs = device_figures(profile, res, spec, dfmt, setup.problem.coef)
