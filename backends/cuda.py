@@ -35,10 +35,13 @@ _SHAPE = {"mm": (4, 1), "mm_args": (4, 1), "gate_up": (2, 1)}  # mm_args: mm, it
 # warp tile, and the formats they take (codes exact in bf16, 4 columns per k-step in one 32-bit part; the
 # float formats and int2 keep the GEMV kernels). Tokens per pass: 8 for T <= 8, else 16 (NT column tiles).
 _TC = {"mm": "mm_tc", "mm_args": "mm_args_tc", "gate_up": "gate_up_tc"}
-_TC_R16 = {"mm_tc": 2, "mm_args_tc": 2, "gate_up_tc": 1}
+_TC_R16 = {"mm_tc": 2, "mm_args_tc": 2, "gate_up_tc": 2}  # bench/cuda_expert_ffn.py --tc-rows, H200
 _TC_FORMATS = frozenset({"int8", "int4", "int4-g32", "int4-g64", "int4-g128"})
 _TC_MIN_TOKENS = 2  # benchmarks set 1 to time the tensor-core kernels at decode
-_TC_WARPS = 8  # warps per block of the tensor-core kernels, splitting the columns (<= prefill.cu TC_WARPS)
+# warps per block of the tensor-core kernels, splitting the columns (2..8, prefill.cu TC_WARPS at most):
+# None: enough for ~16 warps per SM over the grid (few blocks, e.g. one dense matrix: 8; the 8 experts of
+# a layer: 2-4, which ran 1.4-1.9x faster than 8 on an H200); benchmarks may fix it
+_TC_WARPS: int | None = None
 _NVRTC_OPTIONS = ("--std=c++14",)  # benchmarks add -DCOLIBRI_READ_ONLY (loads without arithmetic)
 _TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their activations in shared memory)
 _RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the module and work buffers
@@ -202,7 +205,8 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
                 fn = self._fn(name, fmt, nt, 0)
                 # a block per (row tile, token pass), its warps splitting the columns
                 items = -(-rows_grid // (16 * _TC_R16[name])) * -(-T // (8 * nt))
-                hit = self._launchers[key] = (fn, (items, n_mats), (32 * _TC_WARPS,), 0, scalars)
+                warps = _TC_WARPS or min(8, max(2, round(16 * self._sms / (items * n_mats))))
+                hit = self._launchers[key] = (fn, (items, n_mats), (32 * warps,), 0, scalars)
                 return hit
             # tokens per pass: 1 for decode; _TOKENS_PER_PASS for T > 1 when they fit in shared memory
             tc = _TOKENS_PER_PASS if T > 1 and _TOKENS_PER_PASS * in_pad * 4 <= self._smem_limit() else 1
