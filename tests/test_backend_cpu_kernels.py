@@ -134,3 +134,32 @@ def test_serial_kernels_equal_parallel(be, fmt):
     ref = x.astype(np.float64) @ quant.dequantize(qt).astype(np.float64).T
     assert (np.abs(serial - ref) <= _bound(x, qt)).all()
     be.free(w)
+
+
+def test_int4t_without_vnni_matches_bound(be, tmp_path):
+    # hosts without AVX-512 VNNI compile cpu_q4t's numba loops instead of the vpdpwssd intrinsics
+    # (cpu_q4t.VNNI is a compile-time constant): a copy of the module with it off, compiled here
+    import importlib.util
+
+    from colibri_plan.backends import cpu_q4t
+
+    src = open(cpu_q4t.__file__).read().replace("cache=True", "cache=False")
+    assert "\nVNNI = _host_has_vnni()\n" in src
+    path = tmp_path / "cpu_q4t_plain.py"
+    path.write_text(src.replace("\nVNNI = _host_has_vnni()\n", "\nVNNI = False\n"))
+    spec = importlib.util.spec_from_file_location("cpu_q4t_plain", path)
+    plain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plain)
+    rng = np.random.default_rng(7)
+    qt = quant.quantize(rng.standard_normal((70, 2048), dtype=np.float32), "int4-g32")
+    w = be.upload(qt)
+    hw = w.payload
+    for tokens in (1, 6):
+        x = rng.standard_normal((tokens, 2048), dtype=np.float32)
+        y = np.empty((tokens, 70), np.float32)
+        plain.i4t_matmul_1(hw.data3, hw.scales2, *be._xq(x, hw), y)
+        ref = x.astype(np.float64) @ quant.dequantize(qt).astype(np.float64).T
+        assert (np.abs(y - ref) <= _bound(x, qt)).all()
+        fast = be.matmul(x, w)  # the compiled module: the same integers, its own float32 sum order
+        np.testing.assert_allclose(y, fast, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    be.free(w)
