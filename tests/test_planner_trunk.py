@@ -95,7 +95,7 @@ def test_options_move_trunk_and_kv_bytes_and_split_only_when_no_gpu_holds_them()
     dense = dense_read_bytes(spec, "int4")
     cpu, gpu = opts
     assert cpu.vram_bytes == {} and cpu.ram_freed_bytes == 0
-    assert gpu.vram_bytes == {"cuda:0": dense + 2 * 64 * 1024}          # 100 tokens = 2 pages of 64
+    assert gpu.vram_bytes == {"cuda:0": dense + 2 * 64 * 2048}          # 100 tokens = 2 pages, float32 KV
     assert gpu.ram_freed_bytes == dense + 100 * 1024                     # what the RAM budget charged
     # two GPUs, neither holds trunk + KV alone, together they do: a layer split in proportion to free bytes
     two = dict(figs, **{"cuda:1": TrunkFigures("cuda:1", 60.0, 8e-6, 1e-5, ((0, 60.0),), True)})
@@ -137,7 +137,7 @@ def test_forced_cpu_against_auto_the_vram_trade():
     prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": 2_150_000_000}], ram_available_bytes=3 * 10**9)
     auto, _, _ = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="auto")
     cpu, _, _ = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="cpu")
-    moved = dense_read_bytes(spec, "int4") + kv_bytes(100, spec.kv_bytes_per_token)
+    moved = dense_read_bytes(spec, "int4") + kv_bytes(100, 2 * spec.kv_bytes_per_token)   # float32 on the GPU
     a, c = auto.doc["budgets"], cpu.doc["budgets"]
     assert c["vram_budget_bytes"]["cuda:0"] - a["vram_budget_bytes"]["cuda:0"] == moved
     assert a["trunk_vram_bytes"] == {"cuda:0": moved} and c["trunk_vram_bytes"] == {}
@@ -164,8 +164,8 @@ def test_refusals_before_solving(monkeypatch):
                                          r"auto, cpu, cuda:0"):
         make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="cuda:3")
     for ram in ("6", "2"):    # checked before the RAM budget, which would refuse the context otherwise
-        with pytest.raises(BudgetError, match=r"KV cache of --context 3000000 tokens needs 3072000000 B "
-                                              r"\(3\.07 GB\) there and cuda:0 has 60000000 B"):
+        with pytest.raises(BudgetError, match=r"KV cache of --context 3000000 tokens needs 6144000000 B "
+                                              r"\(6\.14 GB\) there and cuda:0 has 60000000 B"):
             make_plan(toy_profile(gpus=[GPU], ram_available_bytes=8 * 10**9), spec, None, ram=ram,
                       context_tokens=3_000_000, trunk="cuda:0")
     big = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=2_000_000_000)   # ~1 GB of int4 trunk
@@ -186,8 +186,8 @@ def test_plan_file_round_trip_and_old_plans(tmp_path):
     assert back.doc["trunk"] == {"device": "cuda:0", "dense_format": "int4",
                                  "dense_bytes": dense_read_bytes(spec, "int4"),
                                  "kv": {"device": "cuda:0", "context_tokens": 100, "page_tokens": 64,
-                                        "bytes_per_token": 1024, "bytes": 131072}}
-    assert back.doc["predicted"]["trunk"]["kv_bytes"] == 131072
+                                        "bytes_per_token": 2048, "bytes": 262144}}   # float32 on the GPU
+    assert back.doc["predicted"]["trunk"]["kv_bytes"] == 262144
     bad = json.loads((tmp_path / "p.json").read_text())
     bad["trunk"]["device"] = "cuda:7"
     (tmp_path / "bad.json").write_text(json.dumps(bad))

@@ -33,7 +33,10 @@ def glm(tmp_path_factory):
 def test_glm_on_six_5090s_puts_the_trunk_on_a_gpu_and_shows_the_trade(glm):
     _, doc, human = glm
     spec = load_model_spec("glm-5.2")
-    moved = dense_read_bytes(spec, "int4") + kv_bytes(4096, spec.kv_bytes_per_token)
+    # GLM-5.2 is an MLA model: the engine keeps its attention and latent cache on the host, so only the
+    # dense trunk moves to the GPU and the KV cache (1.22 GB at 4096 tokens) stays in the RAM budget
+    moved = dense_read_bytes(spec, "int4")
+    kv = kv_bytes(4096, spec.kv_bytes_per_token)
     tr = doc["trunk"]
     assert tr["device"] == tr["chosen"] == "cuda:0" and tr["mode"] == "auto"
     rows = {r["option"]: r for r in tr["options"]}
@@ -49,10 +52,13 @@ def test_glm_on_six_5090s_puts_the_trunk_on_a_gpu_and_shows_the_trade(glm):
     assert doc["predicted"]["tok_s"] == pytest.approx(gpu["tok_s"])
     assert doc["predicted"]["trunk"]["device"] == "cuda:0"
     assert "Trunk (dense, attention, KV cache): on cuda:0 (the least predicted decode time)" in human
-    assert re.search(rf"cuda:0: dense trunk \+ KV cache placed on it +{-moved / GB:,.2f} GB", human)
+    placed = r"cuda:0: dense trunk \(the MLA KV cache stays in RAM\) placed on it"
+    assert re.search(rf"{placed} +{-moved / GB:,.2f} GB", human)
+    assert doc["trunk"]["options"][1]["kv_on_host"] and doc["trunk"]["options"][1]["kv_bytes"] == kv
     assert f"cuda:0 {(31.6e9 - moved) / GB:,.2f} GB" in human           # VRAM left for experts
     assert "cuda:1, cuda:2, cuda:3, cuda:4, cuda:5: as cuda:0" in human
-    assert f"takes {moved / GB:,.2f} GB of VRAM from experts" in human
+    assert (f"takes {moved / GB:,.2f} GB of VRAM from experts (dense {moved / GB:,.2f} GB; its KV cache, "
+            f"{kv / GB:,.2f} GB, stays in RAM with the MLA attention)") in human
     assert re.search(r"predicted \d+\.\d{3} tok/s against \d\.\d{3} with it on the CPU", human)
 
 
@@ -60,7 +66,8 @@ def test_glm_plan_shows_and_exports_its_gpu_trunk(glm):
     d, _, _ = glm
     show = invoke("plan", "show", d / "plan.json")
     assert show.exit_code == 0, show.output
-    assert "trunk: on cuda:0 (int4, dense 9.25 GB + KV 1.22 GB for 4096 tokens): dense " in show.stdout
+    assert ("trunk: on cuda:0 (int4, dense 9.25 GB + KV 1.22 GB in RAM (MLA: attention on the host) for 4096 "
+            "tokens): dense ") in show.stdout
     env = json.loads(invoke("export", d / "plan.json", "--to", "colibri", "--out", d / "u.coli_usage",
                             "--json").stdout)["vars"]
     assert env["CUDA_DENSE"] == "1" and env["COLI_CUDA_ATTN"] == "1" and env["COLI_GPUS"] == "0,1,2,3,4,5"

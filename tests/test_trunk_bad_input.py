@@ -126,7 +126,7 @@ def test_profile_unavailable_without_a_reason_names_the_section(section):
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["budgets"].update(trunk_vram_bytes={}), "budgets.trunk_vram_bytes is empty"),
     (lambda d: d["budgets"].update(trunk_vram_bytes={"cuda:0": 5}), "plan budgets take 5 B of VRAM"),
-    (lambda d: d["trunk"].update(dense_bytes=10**14), r"less than its 100000000000000 B dense \+ 131072 B"),
+    (lambda d: d["trunk"].update(dense_bytes=10**14), r"less than its 100000000000000 B dense \+ 262144 B"),
     (lambda d: d["budgets"].update(trunk_vram_bytes={"cuda:0": -1}), "must map devices to bytes"),
     (lambda d: d["budgets"]["trunk_vram_bytes"].update({"cuda:9": 1}), "names cuda:9, whose expert budget"),
 ])
@@ -140,7 +140,7 @@ def test_a_hand_edited_gpu_trunk_is_checked_against_the_budgets_on_load(tmp_path
     plan, _, _ = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="cuda:0")
     doc = json.loads(save_plan(plan, tmp_path / "p.json").read_text())
     took = load_plan(tmp_path / "p.json").doc["budgets"]["trunk_vram_bytes"]   # the solved plan loads
-    assert took == {"cuda:0": doc["trunk"]["dense_bytes"] + 131072}
+    assert took == {"cuda:0": doc["trunk"]["dense_bytes"] + 262144}    # 2 pages x 64 x 2048 B (float32)
     edit(doc)
     (tmp_path / "bad.json").write_text(json.dumps(doc))
     with pytest.raises(FormatError, match=message + ".*re-create the plan"):
@@ -270,11 +270,12 @@ def test_an_empty_trunk_choice_is_quoted(no_solve):
 @pytest.mark.parametrize("trunk", ["cuda:0", "split"])
 def test_a_gpu_trunk_whose_kv_cache_fits_the_vram_but_not_the_ram_is_solved(trunk):
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
-    # 3M tokens x 1024 B = 3.07 GB of KV: past the 2 GB RAM budget, within one 4 GB GPU or two 2 GB ones
-    free = 2 * 10**9 + (4 if trunk == "cuda:0" else 2) * 10**9
+    # 3M tokens x 1024 B = 3.07 GB of KV: past the 2 GB RAM budget, within one 8 GB GPU (the engine's
+    # float32 device cache: 2048 B a token, 6.14 GB) or two 2 GB ones (a split: llama.cpp's 16-bit cache)
+    free = 2 * 10**9 + (8 if trunk == "cuda:0" else 2) * 10**9
     prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": free}] * 2, ram_available_bytes=3 * 10**9)
     plan, _, setup = make_plan(prof, spec, None, ram="2", context_tokens=3_000_000, trunk=trunk)
-    kv = kv_bytes(3_000_000, 1024)
+    kv = kv_bytes(3_000_000, 2048 if trunk == "cuda:0" else 1024)
     assert plan.doc["trunk"]["kv"]["bytes"] == kv and plan.doc["trunk"]["device"] == trunk.replace("split",
                                                                                                     "cuda:0")
     took = plan.doc["budgets"]["trunk_vram_bytes"]

@@ -12,7 +12,13 @@ Optional (plans without it keep the trunk on the CPU, as before). Shape::
     }
 
 ``kv.bytes`` = ceil(context_tokens / page_tokens) · page_tokens · bytes_per_token (whole 64-token pages,
-as colibrì). Attention runs where the KV cache is; the engine keeps both with the trunk. ``split`` (a
+as colibrì). Attention runs where the KV cache is; the engine keeps both with the trunk. On a GPU the
+engine's cache holds float32 K and V, so ``solve`` writes ``bytes_per_token`` at
+:data:`DEVICE_KV_BYTES_PER_VALUE` (twice the model spec's 16-bit figure) and takes those bytes out of the
+GPU's budget. ``kv.host: true`` (optional, default false; written for MLA families on a GPU trunk): the
+engine keeps MLA attention and its latent cache on the host, so the cache's bytes (the spec's figure)
+stay in the RAM budget and take no VRAM; ``kv.device`` still names the trunk's device, whose layers
+hand the hidden state to the host attention and back. ``split`` (a
 layer range per device, covering every layer once, in order) describes a trunk spread over several
 GPUs, as llama.cpp's layer split does; it is a planning result that exports carry, and the engine runs
 one trunk device (it refuses a split plan with one line).
@@ -28,6 +34,17 @@ from colibri_plan.quant import FORMATS
 
 CPU = "cpu"
 PAGE_TOKENS = 64
+#: bytes per cached K/V value the model spec's ``kv_bytes_per_token`` counts (a bf16 cache: the families'
+#: geometry, GGUF headers and the catalogue all count 2)
+SPEC_KV_BYTES_PER_VALUE = 2
+#: bytes per cached K/V value of the engine's device KV cache (``engine/kv_device.py``: float32 K and V);
+#: the planner prices a device trunk's KV cache with it, so a change of the engine's cache dtype belongs
+#: here, in one place both read
+DEVICE_KV_BYTES_PER_VALUE = 4
+#: model families whose attention is MLA (multi-head latent attention): for a device trunk the engine keeps
+#: their attention and latent cache on the host (docs/plan-format.md, ``trunk``)
+MLA_FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa",
+                          "glm4_moe_lite"})
 #: what every refusal of a malformed section advises
 _REDO = "; re-create the plan with `colibri-plan solve`"
 
@@ -36,6 +53,20 @@ def kv_bytes(context_tokens: int, bytes_per_token: int, page_tokens: int = PAGE_
     """Bytes of a paged KV cache holding ``context_tokens``: whole pages of ``page_tokens``."""
     pages = math.ceil(max(0, int(context_tokens)) / int(page_tokens))
     return pages * int(page_tokens) * int(bytes_per_token)
+
+
+def device_kv_bytes_per_token(spec_kv_bytes_per_token: int) -> int:
+    """KV bytes per context token the engine's device cache holds for a model whose spec counts
+    ``spec_kv_bytes_per_token`` (at :data:`SPEC_KV_BYTES_PER_VALUE`): scaled to
+    :data:`DEVICE_KV_BYTES_PER_VALUE`. E.g. 3072 (bf16) -> 6144 (float32)."""
+    return int(spec_kv_bytes_per_token) * DEVICE_KV_BYTES_PER_VALUE // SPEC_KV_BYTES_PER_VALUE
+
+
+def kv_on_host(family: str | None, device: str) -> bool:
+    """True when the engine keeps attention and the KV cache on the host although the trunk runs on
+    ``device``: an MLA family (:data:`MLA_FAMILIES`) with a device trunk. False for the CPU trunk (the
+    cache is on the host anyway, as the trunk) and for GQA families."""
+    return device != CPU and family in MLA_FAMILIES
 
 
 @dataclass(frozen=True)
@@ -51,6 +82,7 @@ class TrunkPlacement:
     kv_bytes_per_token: int = 0
     kv_bytes: int = 0
     split: tuple[tuple[int, int, str], ...] = field(default_factory=tuple)
+    kv_on_host: bool = False
 
     @property
     def on_device(self) -> bool:
@@ -62,6 +94,8 @@ class TrunkPlacement:
                "kv": {"device": self.kv_device, "context_tokens": self.context_tokens,
                       "page_tokens": self.page_tokens, "bytes_per_token": self.kv_bytes_per_token,
                       "bytes": self.kv_bytes}}
+        if self.kv_on_host:
+            out["kv"]["host"] = True
         if self.split:
             out["split"] = [{"first_layer": a, "last_layer": b, "device": d} for a, b, d in self.split]
         return out
@@ -134,8 +168,11 @@ def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) 
             want = b + 1
         if n_layers is not None and want != n_layers:
             raise FormatError(f"trunk.split covers layers 0..{want - 1}; the model has {n_layers}{_REDO}")
+    host = kv.get("host", False)
+    if not isinstance(host, bool):
+        raise FormatError(f"trunk.kv.host must be true or false, got {host!r}{_REDO}")
     return TrunkPlacement(device, fmt, _int(sec, "dense_bytes", "trunk"), kv_dev, ctx, page, bpt, total,
-                          tuple(split))
+                          tuple(split), host)
 
 
 def check_trunk_budgets(doc: dict, trunk: TrunkPlacement) -> None:
@@ -158,9 +195,10 @@ def check_trunk_budgets(doc: dict, trunk: TrunkPlacement) -> None:
     if trunk.on_device and trunk.device in discrete and not took:
         raise FormatError(f"plan trunk is on {trunk.device} but budgets.trunk_vram_bytes is empty: the "
                           f"trunk's VRAM was not taken out of the expert budget{_REDO}")
-    if took and sum(took.values()) < trunk.dense_bytes + trunk.kv_bytes:
+    kv_vram = 0 if trunk.kv_on_host else trunk.kv_bytes   # an MLA cache kept on the host takes no VRAM
+    if took and sum(took.values()) < trunk.dense_bytes + kv_vram:
         raise FormatError(f"plan budgets take {sum(took.values())} B of VRAM for the trunk, less than its "
-                          f"{trunk.dense_bytes} B dense + {trunk.kv_bytes} B KV{_REDO}")
+                          f"{trunk.dense_bytes} B dense + {kv_vram} B KV{_REDO}")
     vram = b.get("vram_budget_bytes") or {}
     for k in took:
         if k not in {d.get("key") for d in devices} or not isinstance(vram.get(k), (int, float)) \

@@ -30,7 +30,6 @@ from scipy import sparse
 from scipy.optimize import linprog
 
 from colibri_plan.errors import BudgetError, SolverError
-from colibri_plan.planner.compute import host_seconds
 from colibri_plan.planner.costmodel import (
     TIER_DISK,
     TIER_RAM,
@@ -41,6 +40,7 @@ from colibri_plan.planner.costmodel import (
     miss_seconds,
     verify_seconds,
 )
+from colibri_plan.planner.path_rows import gpu_expert_seconds, solver_host_seconds
 from colibri_plan.planner.quiet import no_native_stdout
 
 N_BREAKPOINTS = 5
@@ -91,8 +91,8 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
     rows = [r for r in range(probs.shape[0]) if w[r] > 0 and probs[r].sum() > 0]
     xfer = [gpu_fixed_seconds(g, problem.activation_bytes, coef) for g in res.gpus]
     zdev = [d for d in range(len(res.gpus)) if xfer[d] > 0]
-    cpu_c = host_seconds(res, b, coef)   # per host tier (pinned, LRU hit, miss): planner.compute
-    gpu_c = [coef.gpu_expert * b / (g.matmul_gbps * 1e9) for g in res.gpus]
+    cpu_c = solver_host_seconds(res, b, coef)   # per host tier (pinned, LRU hit, miss), calls included
+    gpu_c = [gpu_expert_seconds(g, b, coef) for g in res.gpus]
     t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
     nl = len(rows)
     per = 2 * n_t + len(zdev) + 1                          # n_t counts, n_t masses, z's, tau
@@ -338,10 +338,10 @@ def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[
         z = z.astype(float)
         if not any(np.array_equal(z, c) for c in candidates):
             candidates.append(z)
-    cpu_c = host_seconds(res, b, coef)   # per host tier (pinned, LRU hit, miss): planner.compute
+    cpu_c = solver_host_seconds(res, b, coef)   # per host tier (pinned, LRU hit, miss), calls included
     t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
     t_verify = verify_seconds(b, res)
-    rate = np.array([coef.gpu_expert * b / (g.matmul_gbps * 1e9) for g in res.gpus] + [cpu_c[0], cpu_c[2]])
+    rate = np.array([gpu_expert_seconds(g, b, coef) for g in res.gpus] + [cpu_c[0], cpu_c[2]])
     fixed = np.array([gpu_fixed_seconds(g, problem.activation_bytes, coef) for g in res.gpus] + [0.0, 0.0])
     best = None
     t1 = time.perf_counter()

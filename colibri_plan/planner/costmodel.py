@@ -21,7 +21,9 @@ DESIGN.md §7). Per decode token:
 * ``disk_l``      = c_disk · Σ_{e on disk} p_e · (1 − h_e) · b / disk GB/s at the queue depth the engine
                      reads with (``Resources.disk_queue_depth``; the profile measures expert-sized blocks at
                      that depth, so a read's latency is inside this figure)
-* ``gpu_l,d``     = c_gpu · Σ_{e on d} p_e · b / GPU d matmul GB/s
+* ``gpu_l,d``     = Σ_{e on d} p_e · (c_gpu · b / GPU d matmul GB/s + expert_call_d): expert_call_d is the
+                     host's launch cost per expert on the GPU that holds the trunk (its device_ops op
+                     seconds; 0 elsewhere, where the layer call's cost is in xfer_l,d)
 * ``xfer_l,d``    = c_transfer · (activation H2D + D2H + 2 link latencies) + gpu_call_s, paid by each
                      GPU that holds any expert of the layer (the hidden state goes there and back once;
                      the host's call costs about the same for 1 expert or 8); no transfer on the GPU
@@ -61,8 +63,16 @@ from colibri_plan.formats.plan import TIER_DISK, TIER_RAM
 from colibri_plan.planner.cache_model import che_hit_rates, lru_hit_rates
 from colibri_plan.planner.compute import host_seconds
 from colibri_plan.planner.page_cache import page_cache_experts, page_cache_hit_rates
+from colibri_plan.planner.path_rows import (
+    cpu_path_bounds,
+    cpu_path_parts,
+    cpu_path_rows,
+    cpu_path_seconds,
+    gpu_expert_seconds,
+)
 
-__all__ = ["che_hit_rates"]   # re-exported: the independent-request LRU model lives in cache_model
+# re-exported: the independent-request LRU model lives in cache_model, the per-selection rows in path_rows
+__all__ = ["che_hit_rates", "cpu_path_bounds", "cpu_path_parts", "cpu_path_rows", "cpu_path_seconds"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,9 @@ class GpuResource:
         link_latency_s: fixed seconds per transfer direction.
         holds_trunk: the dense trunk runs on this device: its experts read the device's own hidden
             state and add into it there (no transfer; the trunk's hand-off is the trunk's term).
+        expert_call_s: host seconds per selected expert on this device beyond its matmul time: the
+            engine's launches of the experts on the trunk's GPU (:func:`.path_rows.gpu_expert_seconds`;
+            0 on other GPUs and without a figure).
     """
 
     key: str
@@ -88,6 +101,7 @@ class GpuResource:
     unified: bool = False
     link_latency_s: float = 10e-6
     holds_trunk: bool = False
+    expert_call_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -215,55 +229,6 @@ def gpu_fixed_seconds(gpu: GpuResource, activation_bytes: int, coef: Coefficient
     return coef.transfer * transfer_seconds(gpu, activation_bytes) + coef.gpu_call_s
 
 
-def cpu_path_parts(ram_p, lru_p, miss_p, cpu_s, disk_s: float, verify_s: float) -> tuple:
-    """The CPU path's four parts from expected selections per token (floats or arrays alike).
-
-    Args:
-        ram_p: selections of pinned experts; lru_p: of disk-tier experts that hit the LRU; miss_p: of
-            disk-tier experts read from disk. cpu_s: seconds to compute one expert (c_cpu included), or
-            per host tier (pinned, LRU hit, miss) as :func:`host_seconds` gives when a unified GPU
-            computes some of them (the path is then the host tiers' path, on their processors);
-            disk_s: disk seconds per miss (c_disk included); verify_s: checksum seconds per miss.
-
-    Returns:
-        (resident_s, stream_s, disk_s, verify_s): compute of the pinned experts and LRU hits, compute
-        of the misses, their reads, their crc32 checks.
-    """
-    pin_s, lru_s, miss_s = cpu_s if isinstance(cpu_s, tuple) else (cpu_s, cpu_s, cpu_s)
-    return pin_s * ram_p + lru_s * lru_p, miss_s * miss_p, disk_s * miss_p, verify_s * miss_p
-
-
-def cpu_path_seconds(resident_s, stream_s, disk_s, verify_s, overlap: float = 1.0):
-    """The CPU path of a layer (module docstring): max(a, d) + (1 − overlap) · min(a, d) + stream_s with
-    a = resident_s + verify_s, d = disk_s. Floats or numpy arrays (element-wise); the one formula the
-    cost model, the solvers and calibrate use."""
-    a = resident_s + verify_s
-    return np.maximum(a, disk_s) + (1.0 - overlap) * np.minimum(a, disk_s) + stream_s
-
-
-def cpu_path_bounds(resident_s, stream_s, disk_s, verify_s, overlap: float = 1.0) -> tuple:
-    """The two linear forms whose max is :func:`cpu_path_seconds` (max(a, d) + k min(a, d) =
-    max(a + k d, d + k a) for k = 1 − overlap in [0, 1]): (a + k d + stream, d + k a + stream)."""
-    a, k = resident_s + verify_s, 1.0 - overlap
-    return a + k * disk_s + stream_s, disk_s + k * a + stream_s
-
-
-def cpu_path_rows(miss_factor, cpu_s, disk_s: float, verify_s: float, overlap: float = 1.0) -> tuple:
-    """Coefficients of the solvers' two linear CPU-path rows, per unit of selection probability.
-
-    The parts are linear in the selections, so each bound of :func:`cpu_path_bounds` is Σ p · coefficient:
-    a pinned expert contributes ``ram[j]``, a disk-tier expert with miss factor f = 1 − h contributes
-    ``disk[j]`` (f float or array).
-
-    Returns:
-        (ram, disk): each a pair (row 1, row 2) of coefficients (floats; arrays shaped like f for disk).
-    """
-    f = np.asarray(miss_factor, dtype=np.float64)
-    ram = cpu_path_bounds(*cpu_path_parts(1.0, 0.0, 0.0, cpu_s, disk_s, verify_s), overlap)
-    disk = cpu_path_bounds(*cpu_path_parts(0.0, 1.0 - f, f, cpu_s, disk_s, verify_s), overlap)
-    return ram, disk
-
-
 def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, res: Resources,
                 coef: Coefficients, activation_bytes: int, hits: np.ndarray | None = None,
                 page_hits: np.ndarray | None = None) -> dict:
@@ -317,7 +282,7 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
     for d, g in enumerate(res.gpus):
         mine = tier == d
         calls += int(mine.any())
-        gpu_s.append(coef.gpu_expert * float(p[mine].sum()) * expert_bytes / (g.matmul_gbps * 1e9))
+        gpu_s.append(float(p[mine].sum()) * gpu_expert_seconds(g, expert_bytes, coef))
         xfer_s.append(gpu_fixed_seconds(g, activation_bytes, coef) if mine.any() else 0.0)
     time_s = max([cpu_path_s] + [a + b for a, b in zip(gpu_s, xfer_s)]) + coef.layer_overhead_s
     return {"cpu_resident_s": cpu_res_s, "cpu_stream_s": cpu_stream_s, "cpu_s": cpu_res_s + cpu_stream_s,

@@ -40,7 +40,6 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from colibri_plan.errors import BudgetError, SolverError
 from colibri_plan.planner.baselines import hot_first
 from colibri_plan.planner.cache_model import lru_hit_rates
-from colibri_plan.planner.compute import host_seconds
 from colibri_plan.planner.costmodel import (
     TIER_DISK,
     TIER_RAM,
@@ -52,6 +51,7 @@ from colibri_plan.planner.costmodel import (
     miss_seconds,
     verify_seconds,
 )
+from colibri_plan.planner.path_rows import gpu_expert_seconds, solver_host_seconds
 from colibri_plan.planner.quiet import no_native_stdout
 
 #: above this many expert-level binaries the count-and-mass method is used (method="auto")
@@ -159,8 +159,8 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
     n_var = n_x + n_z + n_tau
     zcol = {(rpos[r], d): n_x + i * len(zdev) + j for i, r in enumerate(rows) for j, d in enumerate(zdev)}
     taucol = n_x + n_z
-    cpu_c = host_seconds(res, b, coef)   # per host tier (pinned, LRU hit, miss): planner.compute
-    gpu_c = [coef.gpu_expert * b / (g.matmul_gbps * 1e9) for g in res.gpus]
+    cpu_c = solver_host_seconds(res, b, coef)   # per host tier (pinned, LRU hit, miss), calls included
+    gpu_c = [gpu_expert_seconds(g, b, coef) for g in res.gpus]
     t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
     t_verify = verify_seconds(b, res)
     idx = np.arange(len(act))

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from colibri_plan import quant
 from colibri_plan.errors import InputError
-from colibri_plan.formats.plan_trunk import CPU, kv_bytes
+from colibri_plan.formats.plan_trunk import CPU, device_kv_bytes_per_token, kv_bytes, kv_on_host
 from colibri_plan.formats.profile_trunk import (
     attention_kv_table,
     dense_gemv_gbps,
@@ -225,6 +225,12 @@ class TrunkOption:
             (less the embedding). kv_bytes: the paged KV cache. vram_bytes: key -> trunk + KV bytes taken
             out of that device's expert budget. ram_freed_bytes: bytes the RAM budget gets back.
         sources: device key -> figure sources.
+        kv_bytes_per_token: the KV cache's bytes per context token as priced (a single GPU: the engine's
+            float32 device cache, :func:`~colibri_plan.formats.plan_trunk.device_kv_bytes_per_token`;
+            the CPU and a split: the model spec's figure). kv_on_host: an MLA trunk on a GPU, whose
+            attention and latent cache the engine keeps on the host (KV bytes stay in the RAM budget).
+        expert_call_s: host seconds per routed expert run on this GPU's own hidden state (the device's
+            small-op seconds: the engine launches them from the host each layer; 0 on the CPU and split).
     """
 
     name: str
@@ -238,6 +244,9 @@ class TrunkOption:
     vram_bytes: dict = field(default_factory=dict)
     ram_freed_bytes: int = 0
     sources: dict = field(default_factory=dict)
+    kv_bytes_per_token: int = 0
+    kv_on_host: bool = False
+    expert_call_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -267,19 +276,30 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
     kv_paged = kv_bytes(context_tokens, spec.kv_bytes_per_token)
     ram_charged = dense + spec.kv_bytes(context_tokens)      # what budgets.ram_budget charged for them
     n_moe = sum(1 for lid in spec.moe_layers if lid < spec.n_layers)
+    bpt_dev = device_kv_bytes_per_token(spec.kv_bytes_per_token)   # what the engine's device cache holds
 
-    def price(f):
-        return price_trunk(f, spec, dense_fmt, dense, spec.n_layers, n_moe, context_tokens,
-                           spec.kv_bytes_per_token, ops_per_layer, coef)
+    def price(f, bpt=spec.kv_bytes_per_token):
+        return price_trunk(f, spec, dense_fmt, dense, spec.n_layers, n_moe, context_tokens, bpt,
+                           ops_per_layer, coef)
 
     out = [TrunkOption(CPU, CPU, (), *price(figs[CPU]), dense, spec.kv_bytes(context_tokens), {}, 0,
-                       {CPU: figs[CPU].sources})]
+                       {CPU: figs[CPU].sources}, spec.kv_bytes_per_token)]
     for key, f in figs.items():
         if key == CPU:
             continue
-        moved = {key: dense + kv_paged} if f.discrete else {}
-        out.append(TrunkOption(key, key, (), *price(f), dense, kv_paged, moved,
-                               ram_charged if f.discrete else 0, {key: f.sources}))
+        if kv_on_host(spec.family, key):   # MLA: attention + latent cache on the host, x down and up a layer
+            d_s, _, rt = price(f)
+            _, a_s, _ = price(figs[CPU])
+            hop = spec.n_layers * f.roundtrip_s
+            priced, kv_dev, kv_b = (d_s + hop, a_s, rt + hop), 0, spec.kv_bytes(context_tokens)
+            back = dense
+        else:
+            priced, kv_dev, kv_b = price(f, bpt_dev), kv_bytes(context_tokens, bpt_dev), None
+            back = ram_charged
+        out.append(TrunkOption(key, key, (), *priced, dense, kv_dev if kv_b is None else kv_b,
+                               {key: dense + kv_dev} if f.discrete else {}, back if f.discrete else 0,
+                               {key: f.sources}, spec.kv_bytes_per_token if kv_b is not None else bpt_dev,
+                               kv_b is not None, f.op_s))
     discrete = {k: int(v) for k, v in vram_budget.items() if k in figs and figs[k].discrete}
     need = dense + kv_paged
     if len(discrete) > 1 and all(v < need for v in discrete.values()) and sum(discrete.values()) >= need:
@@ -308,4 +328,5 @@ def split_option(figs, spec, dense: int, kv_paged: int, ram_charged: int, free: 
     first = figs[parts[0][2]]
     roundtrip_s = n_moe * first.roundtrip_s + (len(parts) - 1) * first.roundtrip_s
     return TrunkOption("split", parts[0][2], parts, dense_s + roundtrip_s, attention_s, roundtrip_s, dense,
-                       kv_paged, vram, ram_charged, {k: figs[k].sources for _, _, k in parts})
+                       kv_paged, vram, ram_charged, {k: figs[k].sources for _, _, k in parts},
+                       spec.kv_bytes_per_token)

@@ -20,7 +20,9 @@ from colibri_plan.formats.plan_trunk import (
     PAGE_TOKENS,
     TrunkPlacement,
     check_trunk_budgets,
+    device_kv_bytes_per_token,
     kv_bytes,
+    kv_on_host,
     parse_trunk,
 )
 from colibri_plan.planner.budgets import fmt_gb
@@ -52,7 +54,10 @@ def _no_split_message(opts, vram_budget: dict, choices: list[str]) -> str:
     if len(gpus) < 2:
         return (f"--trunk split: no layer split to choose: it needs at least two discrete GPUs and the "
                 f"profile has {len(gpus)}; {alt}")
-    need = gpus[0].dense_bytes + gpus[0].kv_bytes
+    # a split holds the cache at the spec's figure (the CPU option's; an export for llama.cpp's 16-bit
+    # cache), a single GPU at the engine's float32 one: the same paged tokens
+    tokens = gpus[0].kv_bytes // max(1, gpus[0].kv_bytes_per_token)
+    need = gpus[0].dense_bytes + tokens * opts[0].kv_bytes_per_token
     have = sum(int(vram_budget.get(o.device, 0)) for o in gpus)
     if have < need:
         return (f"--trunk split: no layer split fits: the dense trunk and KV cache need {need} B "
@@ -91,7 +96,8 @@ def option_setup(setup, opt, spec, lru_slots_fn):
     ram = int(b.ram_budget_bytes) + int(opt.ram_freed_bytes)
     explain = list(b.explain)
     for key, n in opt.vram_bytes.items():
-        explain.append({"what": f"{key}: dense trunk + KV cache placed on it", "bytes": -n})
+        placed = "dense trunk (the MLA KV cache stays in RAM)" if opt.kv_on_host else "dense trunk + KV cache"
+        explain.append({"what": f"{key}: {placed} placed on it", "bytes": -n})
         explain.append({"what": f"{key}: left for experts", "bytes": vram[key]})
     if opt.ram_freed_bytes:
         explain.append({"what": f"RAM given back (dense trunk and KV cache on {opt.device})",
@@ -101,9 +107,12 @@ def option_setup(setup, opt, spec, lru_slots_fn):
     budgets = dataclasses.replace(
         b, ram_budget_bytes=ram, vram_budget_bytes=vram, explain=explain, trunk_device=opt.device,
         trunk_vram_bytes=dict(opt.vram_bytes), dense_bytes=b.dense_bytes - opt.dense_bytes if moved
-        else b.dense_bytes, kv_bytes=0 if moved else b.kv_bytes)
-    res = dataclasses.replace(setup.res, gpus=tuple(   # the trunk's own GPU: its experts need no transfer
-        dataclasses.replace(g, budget_bytes=vram[g.key], holds_trunk=not opt.split and g.key == opt.device)
+        else b.dense_bytes, kv_bytes=0 if moved and not opt.kv_on_host else b.kv_bytes)
+    # the trunk's own GPU: its experts need no transfer, and the host launches each of them
+    res = dataclasses.replace(setup.res, gpus=tuple(
+        dataclasses.replace(g, budget_bytes=vram[g.key], holds_trunk=(mine := not opt.split
+                                                                      and g.key == opt.device),
+                            expert_call_s=opt.expert_call_s if mine else 0.0)
         for g in setup.res.gpus))
     pr = setup.problem
     knobs = dict(setup.knobs)
@@ -129,7 +138,7 @@ def _row(opt, setup, chosen=False) -> dict:
     return {"option": opt.name, "device": opt.device,
             "split": [{"first_layer": a, "last_layer": b, "device": k} for a, b, k in opt.split],
             "dense_s": opt.dense_s, "attention_s": opt.attention_s, "roundtrip_s": opt.roundtrip_s,
-            "dense_bytes": opt.dense_bytes, "kv_bytes": opt.kv_bytes,
+            "dense_bytes": opt.dense_bytes, "kv_bytes": opt.kv_bytes, "kv_on_host": bool(opt.kv_on_host),
             "vram_trunk_bytes": dict(opt.vram_bytes),
             "vram_expert_budget_bytes": {k: int(vram.get(k, 0)) - int(opt.vram_bytes.get(k, 0))
                                          for k in vram},
@@ -209,12 +218,12 @@ def choose_trunk(profile, setup, spec, choice: str, solve, lru_slots_fn):
 def trunk_section(setup) -> dict:
     """The plan's ``trunk`` section for ``setup.trunk`` (formats/plan_trunk.py)."""
     opt, b = setup.trunk, setup.budgets
+    bpt = int(opt.kv_bytes_per_token or setup.spec.kv_bytes_per_token)
     return TrunkPlacement(
         device=opt.device, dense_format=setup.dense_fmt, dense_bytes=int(opt.dense_bytes),
         kv_device=opt.device, context_tokens=int(b.context_tokens), page_tokens=PAGE_TOKENS,
-        kv_bytes_per_token=int(setup.spec.kv_bytes_per_token),
-        kv_bytes=kv_bytes(b.context_tokens, setup.spec.kv_bytes_per_token),
-        split=tuple(opt.split)).to_dict()
+        kv_bytes_per_token=bpt, kv_bytes=kv_bytes(b.context_tokens, bpt), split=tuple(opt.split),
+        kv_on_host=bool(opt.kv_on_host)).to_dict()
 
 
 def predicted_trunk(setup) -> dict:
@@ -222,7 +231,8 @@ def predicted_trunk(setup) -> dict:
     opt = setup.trunk
     return {"device": opt.device, "dense_s_per_token": opt.dense_s,
             "attention_s_per_token": opt.attention_s, "host_roundtrip_s_per_token": opt.roundtrip_s,
-            "kv_bytes": kv_bytes(setup.budgets.context_tokens, setup.spec.kv_bytes_per_token)}
+            "kv_bytes": kv_bytes(setup.budgets.context_tokens,
+                                 int(opt.kv_bytes_per_token or setup.spec.kv_bytes_per_token))}
 
 
 def check_forced_kv(profile, spec, choice: str, context_tokens: int, vram: str = "auto",
@@ -245,6 +255,9 @@ def check_forced_kv(profile, spec, choice: str, context_tokens: int, vram: str =
     budgets = vram_budgets(profile.gpus(), vram, reserve_bytes)[0]
     kv = kv_bytes(context_tokens, spec.kv_bytes_per_token)
     if choice != "split":
+        if kv_on_host(spec.family, choice):   # MLA: the cache stays in RAM, the RAM budget checks it
+            return
+        kv = kv_bytes(context_tokens, device_kv_bytes_per_token(spec.kv_bytes_per_token))
         if kv > budgets[choice]:
             raise BudgetError(_kv_message(choice, context_tokens, kv, budgets[choice]))
         return

@@ -1,0 +1,106 @@
+"""What a GPU trunk's KV cache costs as the engine holds it (float32 on the device; MLA on the host) and
+the host's launches of the experts on the trunk's GPU, on toy numbers (planner/trunk.py, trunk_solve.py,
+formats/plan_trunk.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from _solver_fixtures import toy_profile, toy_spec
+
+from colibri_plan.errors import FormatError
+from colibri_plan.formats.coefficients import Coefficients
+from colibri_plan.formats.plan_trunk import (
+    DEVICE_KV_BYTES_PER_VALUE,
+    MLA_FAMILIES,
+    SPEC_KV_BYTES_PER_VALUE,
+    TrunkPlacement,
+    check_trunk_budgets,
+    device_kv_bytes_per_token,
+    kv_on_host,
+    parse_trunk,
+)
+from colibri_plan.planner.budgets import resources_from_profile
+from colibri_plan.planner.trunk import TrunkFigures, dense_read_bytes, device_figures, trunk_options
+
+GPU = {"gbps": 60.0, "free_bytes": 2_060_000_000}
+
+
+def _options(spec, context=100):
+    res = resources_from_profile(toy_profile(gpus=[GPU]), spec, {"cuda:0": 10**9})
+    figs = device_figures(toy_profile(gpus=[GPU]), res, spec, "int4", Coefficients())
+    return figs, trunk_options(figs, spec, "int4", context, {"cuda:0": 10**9}, Coefficients())
+
+
+def test_the_shared_constant_is_the_engines_float32_cache():
+    # the engine's device cache (engine/kv_device.py) reserves pages · 64 · 2 · layers · kv heads · dim · 4
+    from colibri_plan.engine.kv_device import device_kv_bytes
+
+    assert (SPEC_KV_BYTES_PER_VALUE, DEVICE_KV_BYTES_PER_VALUE) == (2, 4)
+    layers, heads, dim = 4, 2, 64
+    spec_bpt = 2 * layers * heads * dim * SPEC_KV_BYTES_PER_VALUE          # 2048 B: a bf16 cache
+    assert device_kv_bytes_per_token(spec_bpt) == 4096
+    assert device_kv_bytes(layers, heads, dim, 100) == 2 * 64 * device_kv_bytes_per_token(spec_bpt)
+
+
+def test_gpu_trunk_kv_priced_at_float32_cpu_at_the_spec():
+    spec = toy_spec(hidden=2048, inter=1024)                 # kv_bytes_per_token 1024 (bf16)
+    _, (cpu, gpu) = _options(spec)
+    dense = dense_read_bytes(spec, "int4")
+    assert cpu.kv_bytes == 100 * 1024 and cpu.kv_bytes_per_token == 1024
+    assert gpu.kv_bytes_per_token == 2048
+    assert gpu.kv_bytes == 2 * 64 * 2048                      # 100 tokens = 2 pages of 64, float32
+    assert gpu.vram_bytes == {"cuda:0": dense + 2 * 64 * 2048}
+    assert gpu.ram_freed_bytes == dense + 100 * 1024          # what the RAM budget charged (spec figure)
+    assert not gpu.kv_on_host
+
+
+def test_mla_trunk_on_a_gpu_keeps_attention_and_kv_on_the_host():
+    spec = dataclasses.replace(toy_spec(hidden=2048, inter=1024), family="deepseek_v3")
+    figs, (cpu, gpu) = _options(spec)
+    dense = dense_read_bytes(spec, "int4")
+    assert gpu.kv_on_host and gpu.kv_bytes == 100 * 1024      # the spec's bytes, in RAM
+    assert gpu.vram_bytes == {"cuda:0": dense}                # the dense trunk only
+    assert gpu.ram_freed_bytes == dense                       # the KV cache stays in the RAM budget
+    assert gpu.attention_s == pytest.approx(cpu.attention_s)  # priced on the host, as the CPU trunk's
+    # every layer sends x down to the host attention and its output back up: 4 more round trips
+    gqa = dataclasses.replace(spec, family="qwen3_moe")
+    _, (_, g_gqa) = _options(gqa)
+    hop = 4 * figs["cuda:0"].roundtrip_s
+    assert gpu.roundtrip_s == pytest.approx(g_gqa.roundtrip_s + hop)
+    assert gpu.dense_s == pytest.approx(g_gqa.dense_s + hop)
+
+
+def test_mla_families_are_those_the_engine_runs_with_mla():
+    from colibri_plan.families import deepseek
+
+    assert set(deepseek.MODEL_TYPES) == set(MLA_FAMILIES)
+    assert kv_on_host("deepseek_v3", "cuda:0") and not kv_on_host("deepseek_v3", "cpu")
+    assert not kv_on_host("qwen3_moe", "cuda:0")
+
+
+def test_trunk_section_host_flag_round_trips_and_budget_check_skips_its_vram():
+    t = TrunkPlacement("cuda:0", "int8", 1000, "cuda:0", 64, 64, 100, 6400, (), True)
+    doc = {"trunk": t.to_dict(), "devices": [{"key": "cuda:0"}],
+           "budgets": {"trunk_vram_bytes": {"cuda:0": 1000}, "vram_budget_bytes": {"cuda:0": 5}}}
+    assert doc["trunk"]["kv"]["host"] is True
+    back = parse_trunk(doc, ["cuda:0"])
+    assert back == t
+    check_trunk_budgets(doc, back)                            # 1000 B taken = dense; the KV is in RAM
+    on_gpu = dataclasses.replace(t, kv_on_host=False)
+    with pytest.raises(FormatError, match="1000 B dense \\+ 6400 B KV"):
+        check_trunk_budgets(doc, on_gpu)
+    bad = {"trunk": dict(t.to_dict(), kv=dict(t.to_dict()["kv"], host="yes"))}
+    with pytest.raises(FormatError, match="trunk.kv.host"):
+        parse_trunk(bad, ["cuda:0"])
+    assert "host" not in on_gpu.to_dict()["kv"]               # written only when true
+
+
+def test_trunk_gpu_option_carries_the_devices_op_seconds_as_expert_call():
+    spec = toy_spec(hidden=2048, inter=1024)
+    figs, (cpu, gpu) = _options(spec)
+    assert cpu.expert_call_s == 0.0
+    assert gpu.expert_call_s == figs["cuda:0"].op_s > 0
+    fig = TrunkFigures("cuda:0", 100.0, 17e-6, 0.0, ((0, 50.0),), True)
+    assert fig.op_s == 17e-6
