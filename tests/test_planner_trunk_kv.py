@@ -56,6 +56,20 @@ def test_gpu_trunk_kv_priced_at_float32_cpu_at_the_spec():
     assert not gpu.kv_on_host
 
 
+def test_a_packs_arch_spec_already_counts_float32():
+    # fixture packs (and packs whose checkpoint spec could not be built) store a spec built from the arch
+    # (formats.pack_index.spec_from_arch) at 4 bytes a value: the engine's device cache holds just that
+    from colibri_plan.formats.plan_trunk import spec_kv_bytes_per_value
+
+    assert spec_kv_bytes_per_value("pack: /p") == 4 and spec_kv_bytes_per_value("catalogue: x") == 2
+    assert spec_kv_bytes_per_value(None) == 2
+    assert device_kv_bytes_per_token(65536, "pack: /tmp/fixture") == 65536    # the H200 fixture's figure
+    assert device_kv_bytes_per_token(65536, "gguf: /m.gguf") == 131072
+    spec = dataclasses.replace(toy_spec(hidden=2048, inter=1024), source="pack: /tmp/toy")
+    _, (cpu, gpu) = _options(spec)
+    assert gpu.kv_bytes_per_token == cpu.kv_bytes_per_token == 1024 and gpu.kv_bytes == 2 * 64 * 1024
+
+
 def test_mla_trunk_on_a_gpu_keeps_attention_and_kv_on_the_host():
     spec = dataclasses.replace(toy_spec(hidden=2048, inter=1024), family="deepseek_v3")
     figs, (cpu, gpu) = _options(spec)

@@ -35,8 +35,11 @@ from colibri_plan.quant import FORMATS
 CPU = "cpu"
 PAGE_TOKENS = 64
 #: bytes per cached K/V value the model spec's ``kv_bytes_per_token`` counts (a bf16 cache: the families'
-#: geometry, GGUF headers and the catalogue all count 2)
+#: geometry, GGUF headers and the catalogue all count 2) ...
 SPEC_KV_BYTES_PER_VALUE = 2
+#: ... but a pack's spec built from its arch (``formats.pack_index.spec_from_arch``, source "pack: <path>":
+#: fixtures and packs whose checkpoint spec could not be built) counts the engine's float32 already
+ARCH_SPEC_KV_BYTES_PER_VALUE = 4
 #: bytes per cached K/V value of the engine's device KV cache (``engine/kv_device.py``: float32 K and V);
 #: the planner prices a device trunk's KV cache with it, so a change of the engine's cache dtype belongs
 #: here, in one place both read
@@ -55,11 +58,20 @@ def kv_bytes(context_tokens: int, bytes_per_token: int, page_tokens: int = PAGE_
     return pages * int(page_tokens) * int(bytes_per_token)
 
 
-def device_kv_bytes_per_token(spec_kv_bytes_per_token: int) -> int:
+def spec_kv_bytes_per_value(source: str | None) -> int:
+    """Bytes per K/V value a model spec's ``kv_bytes_per_token`` counts, from where the spec came from
+    (``ModelSpec.source``): :data:`ARCH_SPEC_KV_BYTES_PER_VALUE` for a pack's arch-built spec ("pack: ..."),
+    else :data:`SPEC_KV_BYTES_PER_VALUE`."""
+    return ARCH_SPEC_KV_BYTES_PER_VALUE if str(source or "").startswith("pack:") else SPEC_KV_BYTES_PER_VALUE
+
+
+def device_kv_bytes_per_token(spec_kv_bytes_per_token: int, source: str | None = None) -> int:
     """KV bytes per context token the engine's device cache holds for a model whose spec counts
-    ``spec_kv_bytes_per_token`` (at :data:`SPEC_KV_BYTES_PER_VALUE`): scaled to
-    :data:`DEVICE_KV_BYTES_PER_VALUE`. E.g. 3072 (bf16) -> 6144 (float32)."""
-    return int(spec_kv_bytes_per_token) * DEVICE_KV_BYTES_PER_VALUE // SPEC_KV_BYTES_PER_VALUE
+    ``spec_kv_bytes_per_token`` at :func:`spec_kv_bytes_per_value` of ``source``: scaled to
+    :data:`DEVICE_KV_BYTES_PER_VALUE`. E.g. 3072 (bf16, a catalogue spec) -> 6144 (float32); a
+    fixture pack's 65536 (already float32) stays 65536."""
+    have = spec_kv_bytes_per_value(source)
+    return int(spec_kv_bytes_per_token) * DEVICE_KV_BYTES_PER_VALUE // have
 
 
 def kv_on_host(family: str | None, device: str) -> bool:

@@ -276,7 +276,7 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
     kv_paged = kv_bytes(context_tokens, spec.kv_bytes_per_token)
     ram_charged = dense + spec.kv_bytes(context_tokens)      # what budgets.ram_budget charged for them
     n_moe = sum(1 for lid in spec.moe_layers if lid < spec.n_layers)
-    bpt_dev = device_kv_bytes_per_token(spec.kv_bytes_per_token)   # what the engine's device cache holds
+    bpt_dev = device_kv_bytes_per_token(spec.kv_bytes_per_token, spec.source)   # the engine's device cache
 
     def price(f, bpt=spec.kv_bytes_per_token):
         return price_trunk(f, spec, dense_fmt, dense, spec.n_layers, n_moe, context_tokens, bpt,

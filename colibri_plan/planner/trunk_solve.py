@@ -257,7 +257,7 @@ def check_forced_kv(profile, spec, choice: str, context_tokens: int, vram: str =
     if choice != "split":
         if kv_on_host(spec.family, choice):   # MLA: the cache stays in RAM, the RAM budget checks it
             return
-        kv = kv_bytes(context_tokens, device_kv_bytes_per_token(spec.kv_bytes_per_token))
+        kv = kv_bytes(context_tokens, device_kv_bytes_per_token(spec.kv_bytes_per_token, spec.source))
         if kv > budgets[choice]:
             raise BudgetError(_kv_message(choice, context_tokens, kv, budgets[choice]))
         return
