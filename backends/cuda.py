@@ -43,8 +43,6 @@ _TC_MIN_TOKENS = 2  # benchmarks set 1 to time the tensor-core kernels at decode
 # a layer: 2-4, which ran 1.4-1.9x faster than 8 on an H200); benchmarks may fix it
 _TC_WARPS: int | None = None
 _NVRTC_OPTIONS = ("--std=c++14",)  # benchmarks add -DCOLIBRI_READ_ONLY (loads without arithmetic)
-# opt-in (benchmarks: not yet measured on a GPU): int4 GEMV codes as 1 + nibble / 16 (matmul.cu)
-_INT4_UNIT = "-DCOLIBRI_INT4_UNIT"
 _TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their activations in shared memory)
 _RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the module and work buffers
 
@@ -213,8 +211,6 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
             # tokens per pass: 1 for decode; _TOKENS_PER_PASS for T > 1 when they fit in shared memory
             tc = _TOKENS_PER_PASS if T > 1 and _TOKENS_PER_PASS * in_pad * 4 <= self._smem_limit() else 1
             smem = tc * in_pad * 4
-            if _INT4_UNIT in _NVRTC_OPTIONS and fmt.startswith("int4"):
-                smem += tc * (in_pad // 32) * 4  # matmul.cu stage_sums: x sum per 32-column word
             fn = self._fn(name, fmt, tc, smem)
             warp_tiles = -(-rows_grid // _SHAPE[name][0])
             # one wave of resident blocks over all matrices; each warp streams its row tiles

@@ -115,8 +115,6 @@ def main() -> int:
     p.add_argument("--tc-rows", default=None,
                    help="16-row subtiles per warp tile of the tensor-core kernels, mm,gate_up (e.g. 2,1)")
     p.add_argument("--tc-warps", type=int, default=None, help="warps per block of the tensor-core kernels")
-    p.add_argument("--int4-unit", action="store_true",
-                   help="int4 GEMV with codes as 1 + nibble / 16 (matmul.cu COLIBRI_INT4_UNIT, opt-in)")
     p.add_argument("--out")
     args = p.parse_args()
     cls = get_backend("cuda")
@@ -134,8 +132,6 @@ def main() -> int:
 
     if args.read_only:
         mod._NVRTC_OPTIONS = mod._NVRTC_OPTIONS + ("-DCOLIBRI_READ_ONLY",)
-    if args.int4_unit:
-        mod._NVRTC_OPTIONS = mod._NVRTC_OPTIONS + (mod._INT4_UNIT,)
     if (reason := cls.unavailable_reason()) is not None:
         print(f"cuda unavailable: {reason}", file=sys.stderr)
         return 1
@@ -166,7 +162,6 @@ def main() -> int:
               f"{r['wall_gbps'] / copy:9.2f} {r['device_gbps'] / copy:7.2f} {r['kernel_gbps'] / copy:9.2f}")
     if args.out:
         atomic_write_text(args.out, json.dumps({"device": be.device.to_dict(), "read_only": args.read_only,
-                                                "int4_unit": args.int4_unit,
                                                 "gemv_prefill": args.gemv_prefill,
                                                 "tc_min_tokens": mod._TC_MIN_TOKENS,
                                                 "tc_rows": dict(mod._TC_R16), "tc_warps": mod._TC_WARPS,

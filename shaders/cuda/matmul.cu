@@ -46,18 +46,6 @@ __device__ __forceinline__ float half_f(unsigned short h) {
     return f;
 }
 
-// COLIBRI_INT4_UNIT (opt-in, see dot_step): int4 codes as 1 + nibble / 16 instead of nibble - 8
-#ifdef COLIBRI_INT4_UNIT
-#define INT4_UNIT 1
-#else
-#define INT4_UNIT 0
-#endif
-__device__ unsigned unit_bits = 0x3F000000u;  // 1.0's top byte (byte 7 of a permute), zero bytes below
-template <int B>
-__device__ __forceinline__ float unit_f(unsigned word) {  // byte B of word (0x80 | nibble << 3) -> float
-    return __int_as_float(__byte_perm(word, unit_bits, 0x7044 | (B << 8)));
-}
-
 // sum over the columns of one 32-bit part of a weight word: part p of word covers columns
 // [p * Cols / 4, (p + 1) * Cols / 4), x points at the word's first column (shared memory).
 template <int FMT>
@@ -76,19 +64,6 @@ __device__ __forceinline__ float dot_part(unsigned v, const float *x, float acc)
         acc = fmaf(byte_f<1>(u, 8388736.0f), x[1], acc);
         acc = fmaf(byte_f<2>(u, 8388736.0f), x[2], acc);
         acc = fmaf(byte_f<3>(u, 8388736.0f), x[3], acc);
-    } else if (INT4_UNIT && (FMT == F_INT4 || FMT == F_INT4G)) {
-        // codes as 1 + nibble / 16: the nibble in mantissa bits 19..22 under 1.0's exponent byte, one
-        // permute and one FMA per weight; dot_step turns the sum into codes - 8 with the word's x sum
-        const unsigned lo = ((v << 3) & 0x78787878u) | 0x80808080u;  // byte b: 0x80 | nibble << 3
-        const unsigned hi = ((v >> 1) & 0x78787878u) | 0x80808080u;
-        acc = fmaf(unit_f<0>(lo), x[0], acc);
-        acc = fmaf(unit_f<0>(hi), x[1], acc);
-        acc = fmaf(unit_f<1>(lo), x[2], acc);
-        acc = fmaf(unit_f<1>(hi), x[3], acc);
-        acc = fmaf(unit_f<2>(lo), x[4], acc);
-        acc = fmaf(unit_f<2>(hi), x[5], acc);
-        acc = fmaf(unit_f<3>(lo), x[6], acc);
-        acc = fmaf(unit_f<3>(hi), x[7], acc);
     } else if (FMT == F_INT4 || FMT == F_INT4G) {
         const unsigned lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;  // byte b: columns 2b, 2b+1
         acc = fmaf(byte_f<0>(lo, 8388616.0f), x[0], acc);
@@ -208,16 +183,11 @@ __device__ __forceinline__ void dot_step(const Step<FMT, R, NW, U> &st, const fl
             if (j >= tn) break;
             float x[Cols<FMT>::n];
             load_x<FMT>(xs + j * in_pad, k, x);
-            // COLIBRI_INT4_UNIT: sum (1 + c / 16) x = sum x + sum c x / 16, so sum (c - 8) x =
-            // 16 d - 24 sum x, the word's x sum staged after the tokens (xsum)
-            const bool unit = INT4_UNIT && (FMT == F_INT4 || FMT == F_INT4G);
-            const float xk = unit ? xs[TC * in_pad + j * words + k] : 0.0f;
 #pragma unroll
             for (int m = 0; m < NW; m++)
 #pragma unroll
                 for (int i = 0; i < R; i++) {
-                    float d = dot_word<FMT>(st.w[m][i][u], x);
-                    if (unit) d = fmaf(-24.0f, xk, 16.0f * d);
+                    const float d = dot_word<FMT>(st.w[m][i][u], x);
                     acc[j][m][i] = FMT == F_INT4G ? fmaf(d, st.s[m][i][u], acc[j][m][i]) : acc[j][m][i] + d;
                 }
         }
@@ -282,30 +252,9 @@ __device__ __forceinline__ void warp_rows(const uint4 *const *W, const float *co
 }
 
 // x[t0 .. t0 + tn) (rows of in_pad floats, 16-byte aligned) -> shared memory, token j at xs + j * in_pad
-// COLIBRI_INT4_UNIT, int4 formats: the x sum of each 16-byte weight word (32 columns) of token j's row
-// x, at xs + TC in_pad + j words (dot_step's correction); nothing otherwise
-template <int FMT, int TC>
-__device__ __forceinline__ void stage_sums(float *xs, int j, const float *x, int in_pad) {
-    if (!INT4_UNIT || !(FMT == F_INT4 || FMT == F_INT4G)) return;
-    const int words = in_pad / 32;
-    for (int k = threadIdx.x; k < words; k += blockDim.x) {
-        const float4 *p = reinterpret_cast<const float4 *>(x + 32 * k);
-        float s = 0.0f;
-#pragma unroll
-        for (int q = 0; q < 8; q++) {
-            const float4 v = p[q];
-            s += (v.x + v.y) + (v.z + v.w);
-        }
-        xs[TC * in_pad + j * words + k] = s;
-    }
-}
-
-template <int FMT, int TC>
+template <int FMT>
 __device__ __forceinline__ void stage_tokens(float *xs, const float *x, int in_pad, int tn) {
-    for (int j = 0; j < tn; j++) {
-        stage<FMT>(xs + j * in_pad, x + (u64)j * in_pad, in_pad);
-        stage_sums<FMT, TC>(xs, j, x + (u64)j * in_pad, in_pad);
-    }
+    for (int j = 0; j < tn; j++) stage<FMT>(xs + j * in_pad, x + (u64)j * in_pad, in_pad);
 }
 
 // Tokens go in passes of TC (weights are read once per pass); blocks cover the row tiles of their
@@ -329,7 +278,7 @@ __device__ __forceinline__ void mm_entry(const u64 *e, int rows, int in_pad, int
     const int lane = threadIdx.x & 31;
     for (int t0 = 0; t0 < T; t0 += TC) {
         const int tn = min(TC, T - t0);
-        stage_tokens<FMT, TC>(xs, x + (u64)t0 * in_pad, in_pad, tn);
+        stage_tokens<FMT>(xs, x + (u64)t0 * in_pad, in_pad, tn);
         __syncthreads();
         warp_rows<FMT, R, 1, U, TC>(W, S, rows, ntiles, words, gshift, xs, in_pad, tn,
                                     [&](int row0, float (&acc)[TC][1][R]) {
@@ -377,11 +326,8 @@ __global__ void gate_up(const u64 *__restrict__ table, int rows, int in_pad, int
     const int lane = threadIdx.x & 31, *idx = reinterpret_cast<const int *>(e[7]);
     for (int t0 = 0; t0 < T; t0 += TC) {
         const int tn = min(TC, T - t0);
-        for (int j = 0; j < tn; j++) {
-            const float *xj = x + (u64)(idx ? idx[t0 + j] : t0 + j) * in_pad;
-            stage<FMT>(xs + j * in_pad, xj, in_pad);
-            stage_sums<FMT, TC>(xs, j, xj, in_pad);
-        }
+        for (int j = 0; j < tn; j++)
+            stage<FMT>(xs + j * in_pad, x + (u64)(idx ? idx[t0 + j] : t0 + j) * in_pad, in_pad);
         __syncthreads();
         warp_rows<FMT, R, 2, U, TC>(W, S, rows, ntiles, words, gshift, xs, in_pad, tn,
                                     [&](int row0, float (&acc)[TC][2][R]) {
