@@ -41,8 +41,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-# ROW_TILE and EXPERTS are compile-time constants of these kernels: numba's cache keys a kernel by its
-# own file, so a change of them in cpu_qkernels needs this file touched (or the cache cleared)
+from colibri_plan.backends import cpu_vnni as vn
+
+# ROW_TILE and EXPERTS are compile-time constants of these kernels, and cpu_vnni's helpers write part of
+# their code: numba's cache keys a kernel by its own file, so a change there needs this file touched
 from colibri_plan.backends.cpu_qkernels import EXPERTS, ROW_TILE
 
 #: tokens per weight from which rows are unpacked once into the scratch (2048x2048 on one core: 2 tokens
@@ -107,47 +109,9 @@ def _dots1(wt, r, xe3, xo3, t, xsl, ai):
 # (low, high) nibble pairs in each 32-bit lane against the activation pairs x2 = xe | xo << 16.
 # Measured from L1 on one core: 66 GMAC/s against 32 for the loop above.
 
-_I32 = ir.IntType(32)
-_V16 = ir.VectorType(_I32, 16)  # 16 lanes
-_W32 = ir.VectorType(ir.IntType(16), 32)  # the same bits as 32 int16
-_B16 = ir.VectorType(ir.IntType(8), 16)
-
-
-def _host_has_vnni() -> bool:
-    from llvmlite import binding
-
-    features = binding.get_host_cpu_features()
-    return all(features.get(f, False) for f in ("avx512f", "avx512bw", "avx512vnni"))
-
-
-#: the vpdpwssd kernels are compiled in (a False constant leaves their branch dead: never selected)
-VNNI = _host_has_vnni()
-
-
-def _at(context, builder, aty, arr, off):
-    return builder.gep(context.make_array(aty)(context, builder, arr).data, [off])
-
-
-def _load(builder, ptr, vty):
-    return builder.load(builder.bitcast(ptr, vty.as_pointer()), align=1)
-
-
-def _store(builder, v, ptr):
-    builder.store(v, builder.bitcast(ptr, v.type.as_pointer()), align=1)
-
-
-def _splat(v: int, vty=_V16):
-    return ir.Constant(vty, [ir.Constant(vty.element, v)] * vty.count)
-
-
-def _vpdpwssd(builder, acc, w, x):
-    fnty = ir.FunctionType(_V16, [_V16, _W32, _W32])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpwssd.512")
-    return builder.call(fn, [acc, builder.bitcast(w, _W32), builder.bitcast(x, _W32)])
-
-
-def _c(builder, value, n: int):
-    return builder.add(value, ir.Constant(value.type, n)) if n else value
+_I32, _V16, _W32, _B16 = vn.I32, vn.V16, vn.W32, vn.B16
+VNNI = vn.VNNI
+_at, _load, _store, _splat, _vpdpwssd, _c = vn.at, vn.load, vn.store, vn.splat, vn.vpdpwssd, vn.plus
 
 
 def _packed_dots(J: int, CH: int):
@@ -166,9 +130,7 @@ def _packed_dots(J: int, CH: int):
             for j in range(J):
                 for ch in range(CH):
                     off = _c(builder, builder.mul(step_, ir.Constant(step_.type, j)), 16 * ch)
-                    d = builder.zext(_load(builder, builder.gep(pw, [off]), _B16), _V16)  # a byte per lane
-                    hi = builder.shl(builder.and_(d, _splat(0xF0)), _splat(12))  # high nibble to bit 16
-                    pair = builder.or_(builder.and_(d, _splat(15)), hi)
+                    pair = vn.nibble_pairs(builder, builder.gep(pw, [off]))
                     acc[ch] = _vpdpwssd(builder, acc[ch], pair, _load(builder, builder.gep(px, [off]), _V16))
             ps, pa = _at(context, builder, sig.args[7], s_, so_), _at(context, builder, sig.args[0], ai_, ao_)
             for ch in range(CH):
@@ -289,9 +251,7 @@ def _unpack16(typingctx, ws, so, w, wo):
 
     def codegen(context, builder, sig, args):
         ws_, so_, w_, wo_ = args
-        d = builder.zext(_load(builder, _at(context, builder, sig.args[2], w_, wo_), _B16), _V16)
-        hi = builder.shl(builder.and_(d, _splat(0xF0)), _splat(12))
-        pair = builder.bitcast(builder.or_(builder.and_(d, _splat(15)), hi), _W32)
+        pair = builder.bitcast(vn.nibble_pairs(builder, _at(context, builder, sig.args[2], w_, wo_)), _W32)
         signed = builder.bitcast(builder.sub(pair, _splat(8, _W32)), _V16)  # int16 lanes: no borrow
         _store(builder, signed, _at(context, builder, sig.args[0], ws_, so_))
         return context.get_dummy_value()
