@@ -11,7 +11,9 @@ False leaves the intrinsic branches dead (never selected on hosts without the in
 from __future__ import annotations
 
 from llvmlite import ir
+from numba import types
 from numba.core import cgutils
+from numba.extending import intrinsic
 
 I32 = ir.IntType(32)
 V16 = ir.VectorType(I32, 16)  # 16 lanes
@@ -63,3 +65,166 @@ def nibble_pairs(builder, ptr):
 
 def plus(builder, value, n: int):
     return builder.add(value, ir.Constant(value.type, n)) if n else value
+
+
+# ---- AVX-512 VNNI: the lane dots as explicit vpdpwssd (two int16 products per 32-bit lane) ---------
+# LLVM vectorises the loops above with one useful product per 32-bit lane (the codes zero-extended to
+# 32 bits) and does not form full int16 pairs from numba code (interleaved loads come out as
+# shifts and vpmulld), so these intrinsics write the vector code: 16 lanes at a time, the weights as
+# (low, high) nibble pairs in each 32-bit lane against the activation pairs x2 = xe | xo << 16.
+# Measured from L1 on one core: 66 GMAC/s against 32 for the loop above.
+
+_I32, _V16, _W32, _B16 = I32, V16, W32, B16
+_at, _load, _store, _splat, _vpdpwssd, _c = at, load, store, splat, vpdpwssd, plus
+
+
+def _packed_dots(J: int, CH: int):
+    """Intrinsic ``(ai, ao, w, wo, x2, xo, step, xsl, so)``: 16·CH lanes of ``ai[ao:] = Σ_j code·x −
+    8·xsl`` from the packed bytes w[wo + j·step] (uint8, unpacked in registers) and the pairs
+    x2[xo + j·step] (int32), xsl[so:] int32: the one-token loop shape (CH independent sums)."""
+
+    @intrinsic
+    def dots(typingctx, ai, ao, w, wo, x2, xo, step, xsl, so):
+        sig = types.void(ai, ao, w, wo, x2, xo, step, xsl, so)
+
+        def codegen(context, builder, sig, args):
+            ai_, ao_, w_, wo_, x_, xo_, step_, s_, so_ = args
+            pw, px = _at(context, builder, sig.args[2], w_, wo_), _at(context, builder, sig.args[4], x_, xo_)
+            acc = [_splat(0)] * CH
+            for j in range(J):
+                for ch in range(CH):
+                    off = _c(builder, builder.mul(step_, ir.Constant(step_.type, j)), 16 * ch)
+                    pair = nibble_pairs(builder, builder.gep(pw, [off]))
+                    acc[ch] = _vpdpwssd(builder, acc[ch], pair, _load(builder, builder.gep(px, [off]), _V16))
+            ps, pa = _at(context, builder, sig.args[7], s_, so_), _at(context, builder, sig.args[0], ai_, ao_)
+            for ch in range(CH):
+                xs = _load(builder, builder.gep(ps, [ir.Constant(so_.type, 16 * ch)]), _V16)
+                dst = builder.gep(pa, [ir.Constant(ao_.type, 16 * ch)])
+                _store(builder, builder.sub(acc[ch], builder.shl(xs, _splat(3))), dst)  # − 8·Σ xq
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dots
+
+
+def _scratch_dots(J: int, NT: int, CH: int):
+    """Intrinsic ``(ai, ao, astep, ws, wo, x2, xo, xstep, step)``: 16·CH lanes of NT tokens,
+    ``ai[ao + u·astep:] = Σ_j ws·x2`` over the unpacked signed pairs ws[wo + j·step] and token u's pairs
+    x2[xo + u·xstep + j·step] (int32 each): the prefill loop shape, one weight load for NT tokens
+    (NT·CH independent sums: 64 lanes at once were 1.3-1.4x as fast as 16 at 4 and 16 tokens)."""
+
+    @intrinsic
+    def dots(typingctx, ai, ao, astep, ws, wo, x2, xo, xstep, step):
+        sig = types.void(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+
+        def codegen(context, builder, sig, args):
+            ai_, ao_, astep_, w_, wo_, x_, xo_, xstep_, step_ = args
+            pw, px = _at(context, builder, sig.args[3], w_, wo_), _at(context, builder, sig.args[5], x_, xo_)
+            pa = _at(context, builder, sig.args[0], ai_, ao_)
+            acc = [[_splat(0)] * NT for _ in range(CH)]
+            for j in range(J):
+                for ch in range(CH):
+                    off = _c(builder, builder.mul(step_, ir.Constant(step_.type, j)), 16 * ch)
+                    wv = _load(builder, builder.gep(pw, [off]), _V16)
+                    for u in range(NT):
+                        xoff = builder.add(off, builder.mul(xstep_, ir.Constant(xstep_.type, u)))
+                        acc[ch][u] = _vpdpwssd(builder, acc[ch][u], wv,
+                                               _load(builder, builder.gep(px, [xoff]), _V16))
+            for ch in range(CH):
+                for u in range(NT):
+                    dst = _c(builder, builder.mul(astep_, ir.Constant(astep_.type, u)), 16 * ch)
+                    _store(builder, acc[ch][u], builder.gep(pa, [dst]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dots
+
+
+#: the intrinsics by (J, tokens), each over a whole chunk of L = 64 lanes (4 vectors: 1.3-1.4x as fast
+#: as one vector a call at 4 and 16 tokens, and as a loop over 16-lane calls)
+_pk16, _pk8, _pk4 = (_packed_dots(J, 4) for J in (16, 8, 4))
+_s16x4, _s8x4, _s4x4 = (_scratch_dots(J, 4, 4) for J in (16, 8, 4))
+_s16x2, _s8x2, _s4x2 = (_scratch_dots(J, 2, 4) for J in (16, 8, 4))
+_s16x1, _s8x1, _s4x1 = (_scratch_dots(J, 1, 4) for J in (16, 8, 4))
+@intrinsic
+def _unpack16(typingctx, ws, so, w, wo):
+    """16 lanes of ``ws[so:] = pair(low − 8, high − 8)`` of the bytes w[wo:] (int32 ← uint8): vector
+    stores, so the loads that follow are forwarded (scalar stores under a 64-byte load cost ~400 ns a
+    row)."""
+    sig = types.void(ws, so, w, wo)
+
+    def codegen(context, builder, sig, args):
+        ws_, so_, w_, wo_ = args
+        pair = builder.bitcast(nibble_pairs(builder, _at(context, builder, sig.args[2], w_, wo_)), _W32)
+        signed = builder.bitcast(builder.sub(pair, _splat(8, _W32)), _V16)  # int16 lanes: no borrow
+        _store(builder, signed, _at(context, builder, sig.args[0], ws_, so_))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _fsum_chunks(context, builder, sig, args, tokens):
+    # the fused multiply-add chains of _vsum (one per token u: ai at ao + u·astep): [<16 x float>]
+    sl_, so_, ai_, ao_, astep_, n_ = args[:6]
+    vf = ir.VectorType(ir.FloatType(), 16)
+    ps, pa = _at(context, builder, sig.args[0], sl_, so_), _at(context, builder, sig.args[2], ai_, ao_)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), "llvm.fma.v16f32")
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [ir.Constant(ir.FloatType(), 0.0)] * 16))
+            for _ in range(tokens)]
+    with cgutils.for_range(builder, builder.udiv(n_, ir.Constant(n_.type, 16))) as loop:
+        off = builder.mul(loop.index, ir.Constant(n_.type, 16))
+        w = _load(builder, builder.gep(ps, [off]), vf)
+        for u, acc in enumerate(accs):
+            uo = builder.add(off, builder.mul(astep_, ir.Constant(astep_.type, u)))
+            a = builder.sitofp(_load(builder, builder.gep(pa, [uo]), _V16), vf)
+            builder.store(builder.call(fma, [w, a, builder.load(acc)]), acc)
+    return [builder.load(acc) for acc in accs]
+
+
+def _halves(builder, a, b, first, second):
+    mask = ir.VectorType(_I32, len(first))
+    return builder.fadd(builder.shuffle_vector(a, b, ir.Constant(mask, first)),
+                        builder.shuffle_vector(a, b, ir.Constant(mask, second)))
+
+
+@intrinsic
+def _vsum(typingctx, sl, so, ai, ao, astep, n):
+    """float32 ``Σ_k sl[so + k]·float32(ai[ao + k])`` over n lanes, n a multiple of 16 (sl flat float32,
+    ai flat int32; ``astep`` unused, :func:`_vsum4`'s token step): one fused multiply-add per 16 lanes
+    in lane order, then halves added (16 → 8 → 4 → 2 → 1). Written out, not left to LLVM's
+    reassociation, so every loop shape gets the same bits."""
+    sig = types.float32(sl, so, ai, ao, astep, n)
+
+    def codegen(context, builder, sig, args):
+        (v,) = _fsum_chunks(context, builder, sig, args, 1)
+        width = 16
+        while width > 1:  # add the upper half onto the lower half
+            width //= 2
+            v = _halves(builder, v, v, list(range(width)), list(range(width, 2 * width)))
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return sig, codegen
+
+
+@intrinsic
+def _vsum4(typingctx, sl, so, ai, ao, astep, n, out):
+    """:func:`_vsum` of 4 tokens (ai at ao + u·astep) into out[0:4] float32, sharing the scale loads and
+    the halving steps (two tokens' halves in one vector): the same additions, so the same bits."""
+    sig = types.void(sl, so, ai, ao, astep, n, out)
+
+    def codegen(context, builder, sig, args):
+        a, b, c, d = _fsum_chunks(context, builder, sig, args, 4)
+        r8, r4 = list(range(8)), list(range(4))
+        ab = _halves(builder, a, b, r8 + [16 + i for i in r8], [8 + i for i in r8] + [24 + i for i in r8])
+        cd = _halves(builder, c, d, r8 + [16 + i for i in r8], [8 + i for i in r8] + [24 + i for i in r8])
+        v = _halves(builder, ab, cd, [o + i for o in (0, 8, 16, 24) for i in r4],
+                    [o + 4 + i for o in (0, 8, 16, 24) for i in r4])  # 4 tokens x 4
+        v = _halves(builder, v, v, [o + i for o in (0, 4, 8, 12) for i in (0, 1)],
+                    [o + 2 + i for o in (0, 4, 8, 12) for i in (0, 1)])  # 4 x 2
+        v = _halves(builder, v, v, [0, 2, 4, 6], [1, 3, 5, 7])  # 4 x 1
+        _store(builder, v, _at(context, builder, sig.args[6], args[6], ir.Constant(ir.IntType(64), 0)))
+        return context.get_dummy_value()
+
+    return sig, codegen
