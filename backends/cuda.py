@@ -31,6 +31,12 @@ _WARPS = 8  # warps per block
 # (rows per warp tile R, 16-byte words per lane per step U): R·U (mm) or 2·R·U (gate_up) loads per lane in
 # flight, twice over (bench/cuda_expert_ffn.py --tune; cp.async shared-memory staging: ~20% slower, H200)
 _SHAPE = {"mm": (4, 1), "mm_args": (4, 1), "gate_up": (2, 1)}  # mm_args: mm, its table an argument
+# Per format family (int4 and int4-gG: "int4"; others their name) settings of the GEMV kernels, over _SHAPE
+# and _WARPS: "gate_up"/"mm": (R, U) (mm also mm_args), "warps" per block, "max_regs" (NVRTC
+# --maxrregcount: more resident blocks, 0 = none), "x_by_part" (matmul.cu COLIBRI_X_BY_PART: activations
+# a 32-bit part at a time, fewer registers). Empty: the defaults. bench/cuda_expert_ffn.py --gemv-sweep
+# times the alternatives (_SWEEP there); matmul.cu's host checks run each of them.
+_GEMV_TUNE: dict[str, dict] = {}
 # T > 1: shaders/cuda/prefill.cu's tensor-core kernels (same tables) replace these; 16-row subtiles per
 # warp tile, and the formats they take (codes exact in bf16, 4 columns per k-step in one 32-bit part; the
 # float formats and int2 keep the GEMV kernels). Tokens per pass: 8 for T <= 8, else 16 (NT column tiles).
@@ -45,6 +51,18 @@ _TC_WARPS: int | None = None
 _NVRTC_OPTIONS = ("--std=c++14",)  # benchmarks add -DCOLIBRI_READ_ONLY (loads without arithmetic)
 _TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their activations in shared memory)
 _RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the module and work buffers
+
+
+def _family(fmt: str) -> str:
+    return "int4" if fmt.startswith("int4") else fmt
+
+
+def _gemv_shape(name: str, fmt: str) -> tuple[int, int, int, int, bool]:
+    """(R rows per warp tile, U words per lane per step, warps per block, max registers or 0, x by part)
+    of GEMV kernel ``name`` for ``fmt``: _GEMV_TUNE's family entry over _SHAPE and _WARPS."""
+    t = _GEMV_TUNE.get(_family(fmt), {})
+    r, u = t.get("mm" if name == "mm_args" else name, _SHAPE[name])
+    return int(r), int(u), int(t.get("warps", _WARPS)), int(t.get("max_regs", 0)), bool(t.get("x_by_part"))
 
 
 class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
@@ -164,14 +182,22 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
         """The kernel instance ``name<format, R, U, tc>`` (prefill.cu's ``name<format, R16, NT>``, tc = NT),
         compiled by NVRTC on first use (one module each: only the formats a model uses are compiled; CuPy
         caches the binaries on disk)."""
-        params = (_TC_R16[name], tc) if name in _TC_R16 else (*_SHAPE[name], tc)
+        options = _NVRTC_OPTIONS
+        if name in _TC_R16:
+            params = (_TC_R16[name], tc)
+        else:
+            r, u, _, max_regs, by_part = _gemv_shape(name, fmt)
+            params = (r, u, tc)
+            options += ((f"--maxrregcount={max_regs}",) if max_regs else ()) + (
+                ("-DCOLIBRI_X_BY_PART",) if by_part else ())
         key = f"{name}<{sh.kernel_format(fmt)},{','.join(map(str, params))}>"
-        fn = self._fns.get(key)
+        fkey = key if options == _NVRTC_OPTIONS else f"{key} {' '.join(options)}"
+        fn = self._fns.get(fkey)
         # CuPy keeps functions per device, picked by the calling thread's current device (engine threads: 0)
         with self.dev:
             if fn is None:
-                mod = self.cp.RawModule(code=self._src, options=_NVRTC_OPTIONS, name_expressions=[key])
-                fn = self._fns[key] = mod.get_function(key)
+                mod = self.cp.RawModule(code=self._src, options=options, name_expressions=[key])
+                fn = self._fns[fkey] = mod.get_function(key)
             if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
                 limit = self._smem_limit()
                 if smem > limit:
@@ -179,14 +205,15 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
                 fn.max_dynamic_shared_size_bytes = smem
         return fn
 
-    def _resident(self, fn, smem: int) -> int:
-        """Blocks of ``fn`` that fit on one SM at once (CUDA occupancy calculator); 2 if unknown."""
-        key = (fn.__name__, smem)
+    def _resident(self, fn, smem: int, warps: int = _WARPS) -> int:
+        """Blocks of ``fn`` (``warps`` per block) that fit on one SM at once (CUDA occupancy calculator);
+        2 if unknown."""
+        key = (fn.__name__, id(fn), smem, warps)  # compiled variants of one name differ in registers
         if key not in self._occupancy:
             try:
                 with self.dev:
                     n = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                        fn.kernel.ptr, 32 * _WARPS, smem)
+                        fn.kernel.ptr, 32 * warps, smem)
             except Exception:  # noqa: BLE001 - older CuPy without the binding
                 n = 2
             self._occupancy[key] = max(1, int(n))
@@ -212,10 +239,12 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
             tc = _TOKENS_PER_PASS if T > 1 and _TOKENS_PER_PASS * in_pad * 4 <= self._smem_limit() else 1
             smem = tc * in_pad * 4
             fn = self._fn(name, fmt, tc, smem)
-            warp_tiles = -(-rows_grid // _SHAPE[name][0])
+            r, _, warps, _, _ = _gemv_shape(name, fmt)
+            warp_tiles = -(-rows_grid // r)
             # one wave of resident blocks over all matrices; each warp streams its row tiles
-            blocks = max(1, min(-(-warp_tiles // _WARPS), -(-self._resident(fn, smem) * self._sms // n_mats)))
-            hit = self._launchers[key] = (fn, (blocks, n_mats), (32 * _WARPS,), smem, scalars)
+            blocks = max(1, min(-(-warp_tiles // warps),
+                                -(-self._resident(fn, smem, warps) * self._sms // n_mats)))
+            hit = self._launchers[key] = (fn, (blocks, n_mats), (32 * warps,), smem, scalars)
         return hit
 
     def _stage_args(self, table: list[int], xs, in_pad: int) -> int:

@@ -44,11 +44,24 @@ def copy_gbps(cp, nbytes: int = 1 << 30, repeats: int = 10) -> float:
     return float(np.median(rates[1:]))
 
 
-def ffn_rows(be, fmt: str, tokens, args, rng) -> list[dict]:
-    """Median wall and GPU seconds per expert_ffn call of ``args.experts`` experts, per token count."""
+def upload_pool(be, fmt: str, args, rng) -> list:
+    """``args.pool`` experts of ``fmt`` at GLM-5.2 shapes on the device (separate copies, same values)."""
     base = [quant.quantize(rng.standard_normal(s, dtype=np.float32) / 50, fmt)
             for s in ((I, H), (I, H), (H, I))]
-    experts = [be.upload_expert(*base) for _ in range(args.pool)]  # separate copies, same values
+    return [be.upload_expert(*base) for _ in range(args.pool)]
+
+
+def free_pool(be, experts) -> None:
+    for e in experts:
+        for w in e:
+            be.free(w)
+
+
+def ffn_rows(be, fmt: str, tokens, args, rng, experts=None) -> list[dict]:
+    """Median wall and GPU seconds per expert_ffn call of ``args.experts`` experts, per token count
+    (``experts``: an uploaded pool, kept; else one is uploaded and freed)."""
+    own = experts is None
+    experts = upload_pool(be, fmt, args, rng) if own else experts
     ebytes = sum(w.nbytes for w in experts[0])
     rows = []
     for T in tokens:
@@ -70,9 +83,68 @@ def ffn_rows(be, fmt: str, tokens, args, rng) -> list[dict]:
         rows.append({"op": "expert_ffn", "fmt": fmt, "experts": args.experts, "tokens": T, "wall_s": w_s,
                      "device_s": d_s, "kernel_s": k_s, "wall_gbps": nbytes / w_s / 1e9,
                      "device_gbps": nbytes / d_s / 1e9, "kernel_gbps": nbytes / k_s / 1e9})
-    for e in experts:
-        for w in e:
-            be.free(w)
+    if own:
+        free_pool(be, experts)
+    return rows
+
+
+# GEMV settings compared by --gemv-sweep: backends/cuda.py _GEMV_TUNE entries, applied to the family of
+# each format run (int4 and int4-gG share one). Registers (nvcc 13, sm_90) of the int4 gate_up / down
+# kernels: default 117 / 95 (2 blocks of 8 warps per SM), x_by_part 80 / 79 (3), max_regs 64: 4.
+_SWEEP = (
+    ("default", {}),
+    ("x_by_part", {"x_by_part": True}),
+    ("x_by_part+regs64", {"x_by_part": True, "max_regs": 64}),
+    ("regs80", {"max_regs": 80}),
+    ("U2", {"gate_up": (2, 2), "mm": (4, 2)}),
+    ("U2+x_by_part", {"gate_up": (2, 2), "mm": (4, 2), "x_by_part": True}),
+    ("R4/8", {"gate_up": (4, 1), "mm": (8, 1)}),
+    ("R2/6+x_by_part", {"mm": (6, 1), "x_by_part": True}),
+    ("warps4+x_by_part", {"warps": 4, "x_by_part": True}),
+    ("warps16+x_by_part+regs64", {"warps": 16, "x_by_part": True, "max_regs": 64}),
+)
+
+
+def launch_info(be, mod, fmt: str, args) -> dict:
+    """The 1-token gate_up and down launches of ``fmt``: resident blocks per SM, grid blocks per expert,
+    warps per block, registers, row tiles per warp (most and mean: the last round's fill)."""
+    out = {}
+    for name, rows, in_pad in (("gate_up", I, H), ("mm", H, I)):
+        launch = be._launcher(name, fmt, args.experts, rows, rows, in_pad, rows, 1)  # T = 1
+        fn, (blocks, _), (block,), smem, _ = launch
+        warps, tiles = block // 32, -(-rows // mod._gemv_shape(name, fmt)[0])
+        out[name] = {"resident_blocks": be._resident(fn, smem, warps), "blocks": blocks, "warps": warps,
+                     "registers": int(getattr(fn, "num_regs", 0) or 0),
+                     "tiles_per_warp_max": -(-tiles // (blocks * warps)),
+                     "tiles_per_warp_mean": round(tiles / (blocks * warps), 2)}
+    return out
+
+
+def sweep(be, mod, args, rng) -> list[dict]:
+    """Every _SWEEP setting for each of ``args.formats`` at 1 token, on one uploaded pool per format."""
+    rows, saved = [], dict(mod._GEMV_TUNE)
+    for fmt in args.formats.split(","):
+        experts = upload_pool(be, fmt, args, rng)
+        for label, tune in _SWEEP:
+            mod._GEMV_TUNE = {**saved, mod._family(fmt): tune}
+            be._launchers.clear()  # launch shapes and captured graphs of the previous setting
+            be._graphs.clear()
+            t0 = time.perf_counter()
+            info = launch_info(be, mod, fmt, args)  # compiles the two kernels
+            compile_s = time.perf_counter() - t0
+            (r,) = ffn_rows(be, fmt, [1], args, rng, experts)
+            rows.append({**r, "variant": label, "tune": {k: list(v) if isinstance(v, tuple) else v
+                                                         for k, v in tune.items()},
+                         "launch": info, "compile_s": compile_s})
+            print(f"{fmt:9} {label:26} kern {r['kernel_s'] * 1e6:6.1f} us  kern/copy "
+                  f"{r['kernel_gbps'] / args.copy_gbps:.2f}  op {r['device_s'] * 1e6:6.1f} us  "
+                  f"gate_up {info['gate_up']['resident_blocks']}x{info['gate_up']['warps']}w "
+                  f"{info['gate_up']['registers']}r  down {info['mm']['resident_blocks']}x"
+                  f"{info['mm']['warps']}w {info['mm']['registers']}r", flush=True)
+        free_pool(be, experts)
+    mod._GEMV_TUNE = saved
+    be._launchers.clear()
+    be._graphs.clear()
     return rows
 
 
@@ -105,6 +177,9 @@ def main() -> int:
     p.add_argument("--pool", type=int, default=64, help="distinct experts cycled (> L2 cache)")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--tune", action="store_true", help="compare work shapes (int4, 1 token)")
+    p.add_argument("--gemv-sweep", "--int4-sweep", action="store_true",
+                   help="1 token: each GEMV setting of _SWEEP (registers, rows and words per step, "
+                        "warps) for each of --formats, per variant kernel us and fraction of the copy")
     p.add_argument("--read-only", action="store_true",
                    help="kernels compiled to load the weights without the arithmetic (memory side alone; "
                         "results are wrong on purpose)")
@@ -140,8 +215,11 @@ def main() -> int:
     import cupy as cp
 
     rows = [{"op": "d2d_copy", "gbps": copy_gbps(cp)}]
+    args.copy_gbps = rows[0]["gbps"]
     rng = np.random.default_rng(0)
-    if args.tune:
+    if args.gemv_sweep:
+        rows += sweep(be, mod, args, rng)
+    elif args.tune:
         be.close()
         rows += tune(cls, args, rng)
         be = cls.open(0)
@@ -156,7 +234,8 @@ def main() -> int:
     print(f"{'fmt':10} {'T':>3} {'wall us':>8} {'op us':>7} {'kern us':>8} {'wall GB/s':>9} {'op GB/s':>8} "
           f"{'kern GB/s':>9} {'wall/copy':>9} {'op/copy':>7} {'kern/copy':>9}")
     for r in rows[1:]:
-        print(f"{r['fmt']:10} {r['tokens']:>3} {r['wall_s'] * 1e6:8.1f} {r['device_s'] * 1e6:7.1f} "
+        label = f"{r['fmt']} {r.get('variant', '')}".strip()
+        print(f"{label:10} {r['tokens']:>3} {r['wall_s'] * 1e6:8.1f} {r['device_s'] * 1e6:7.1f} "
               f"{r['kernel_s'] * 1e6:8.1f} {r['wall_gbps']:9.0f} {r['device_gbps']:8.0f} "
               f"{r['kernel_gbps']:9.0f} "
               f"{r['wall_gbps'] / copy:9.2f} {r['device_gbps'] / copy:7.2f} {r['kernel_gbps'] / copy:9.2f}")
@@ -165,6 +244,9 @@ def main() -> int:
                                                 "gemv_prefill": args.gemv_prefill,
                                                 "tc_min_tokens": mod._TC_MIN_TOKENS,
                                                 "tc_rows": dict(mod._TC_R16), "tc_warps": mod._TC_WARPS,
+                                                "gemv_tune": {k: {n: list(v) if isinstance(v, tuple) else v
+                                                                  for n, v in t.items()}
+                                                              for k, t in mod._GEMV_TUNE.items()},
                                                 "rows": rows}, indent=1))
     be.close()
     return 0

@@ -140,6 +140,26 @@ __device__ __forceinline__ void load_x(const float *xs, int k, float (&xv)[Cols<
     }
 }
 
+// The Cols / 4 activations of part p (0..3) of word k (formats of at least 16 columns per word: 4 float4s
+// or more per word, a whole number per part), from the rotated layout into registers.
+template <int FMT>
+__device__ __forceinline__ void load_x_part(const float *xs, int k, int p, float (&xv)[Cols<FMT>::n / 4]) {
+    constexpr int F = Cols<FMT>::n / 4, Q = F / 4;  // float4s per word, per part
+    const float4 *s = reinterpret_cast<const float4 *>(xs) + k * F;
+#pragma unroll
+    for (int q = 0; q < Q; q++) {
+        const float4 v = s[(p * Q + q) ^ (k & (F - 1))];
+        xv[4 * q] = v.x;
+        xv[4 * q + 1] = v.y;
+        xv[4 * q + 2] = v.z;
+        xv[4 * q + 3] = v.w;
+    }
+}
+
+__device__ __forceinline__ unsigned word_part(uint4 w, int p) {
+    return p == 0 ? w.x : p == 1 ? w.y : p == 2 ? w.z : w.w;
+}
+
 // One step of a warp's stream: U 16-byte words per lane of R rows of NW matrices, with their scales
 // (group formats: each word's group scale; per-row formats: the row scale, in s[m][i][0]).
 template <int FMT, int R, int NW, int U>
@@ -181,6 +201,31 @@ __device__ __forceinline__ void dot_step(const Step<FMT, R, NW, U> &st, const fl
 #pragma unroll
         for (int j = 0; j < TC; j++) {
             if (j >= tn) break;
+#if defined(COLIBRI_X_BY_PART) && !defined(COLIBRI_READ_ONLY)
+            // a launcher setting (backends/cuda.py _GEMV_TUNE x_by_part): the activations one 32-bit part at a
+            // time, Cols / 4 registers instead of Cols (int4: 8, not 32), for more resident warps; the same
+            // sums in the same order as dot_word
+            if (Cols<FMT>::n >= 16) {
+                float d[NW][R];
+#pragma unroll
+                for (int p = 0; p < 4; p++) {
+                    float xp[Cols<FMT>::n / 4];
+                    load_x_part<FMT>(xs + j * in_pad, k, p, xp);
+#pragma unroll
+                    for (int m = 0; m < NW; m++)
+#pragma unroll
+                        for (int i = 0; i < R; i++)
+                            d[m][i] = dot_part<FMT>(word_part(st.w[m][i][u], p), xp, p == 0 ? 0.0f : d[m][i]);
+                }
+#pragma unroll
+                for (int m = 0; m < NW; m++)
+#pragma unroll
+                    for (int i = 0; i < R; i++)
+                        acc[j][m][i] = FMT == F_INT4G ? fmaf(d[m][i], st.s[m][i][u], acc[j][m][i])
+                                                      : acc[j][m][i] + d[m][i];
+                continue;
+            }
+#endif
             float x[Cols<FMT>::n];
             load_x<FMT>(xs + j * in_pad, k, x);
 #pragma unroll
