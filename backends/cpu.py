@@ -34,7 +34,7 @@ import numpy as np
 from colibri_plan.backends.base import DeviceInfo, DeviceWeight
 from colibri_plan.backends.cpu_experts import CpuExperts
 from colibri_plan.backends.numpy_ref import NumpyBackend, host_device, package_version
-from colibri_plan.errors import BackendUnavailableError
+from colibri_plan.errors import BackendUnavailableError, InputError
 from colibri_plan.quant import FORMATS, GROUP_FORMATS, QuantTensor, group_size
 
 #: formats of the integer kernels; int2 has a float kernel, the rest go through the numpy path
@@ -211,6 +211,7 @@ class CpuBackend(CpuExperts, NumpyBackend):
 
             self._numba = numba
             self._setchunk = _chunk_setter(numba)
+            self._layouts: dict[tuple, tuple] = {}
             self.serial_bytes = self._k.SERIAL_BYTES
             # offsets of n experts of one token each (decode), padded to EXPERTS (read-only use)
             e = self._k.EXPERTS
@@ -231,7 +232,9 @@ class CpuBackend(CpuExperts, NumpyBackend):
             pair = (k.i4r_matmul, k.i4r_matmul_1)
         else:  # int4-g128: reassociating parallel kernel only (cpu_qkernels.i4r_matmul)
             pair = (k.i4_matmul, None)
-        return hw._replace(kernel=pair[0], serial=pair[1], key=(qt.fmt, hw.data3.shape, hw.fold))
+        key = (qt.fmt, hw.data3.shape, hw.fold)
+        key = self._layouts.setdefault(key, key)  # one object per layout: batches compare keys by identity
+        return hw._replace(kernel=pair[0], serial=pair[1], key=key)
 
     def _xq(self, x: np.ndarray, hw: HostWeight):
         """Activations of x float32 [T, in] for ``hw``'s kernel: int8 (xq3 [T, blocks, bb], sx [T]);
@@ -280,6 +283,25 @@ class CpuBackend(CpuExperts, NumpyBackend):
         machine then stalls one chunk, not half the rows (measured 34 vs 29 GB/s with static halves on
         an idle 2-core host)."""
         _run_parallel(self._setchunk, max(1, iterations // 64), kernel, *args)
+
+    def rmsnorm_rows(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """The engine's float32 RMSNorm (``engine/attention.rmsnorm``: x / sqrt(Σx²/H + eps) · weight,
+        Σx² in numpy's pairwise order) of each row of x float32 [R, H] in one kernel call
+        (``cpu_kernels.rms_norm``), bit for bit; weight float32 [H], [1, H] or [R, H]. Returns a new
+        float32 [R, H].
+
+        Raises:
+            InputError: x not 2-D, or a weight that does not broadcast over its rows.
+        """
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        w = np.ascontiguousarray(weight, dtype=np.float32)
+        w = w.reshape(1, -1) if w.ndim == 1 else w
+        if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1] or w.shape[0] not in (1, x.shape[0]):
+            raise InputError(f"rmsnorm_rows: x must be [R, H] and weight [H], [1, H] or [R, H]; got "
+                             f"{np.shape(x)}, {np.shape(weight)}")
+        out = np.empty_like(x)
+        self._k.rms_norm(x, w, np.float32(eps), out)
+        return out
 
     def _tiles(self, rows: int) -> int:
         return -(-rows // self._k.ROW_TILE)

@@ -125,7 +125,8 @@ def _ready_packs(x, experts: Sequence[ExpertWeights], owner: int) -> list[tuple]
             kg, kd = pg.key, pd.key
             if kg is None or kd is None:
                 return None
-        if pg.key != kg or pu.key != kg or pd.key != kd:
+        if not (pg.key is kg or pg.key == kg) or not (pu.key is kg or pu.key == kg) \
+                or not (pd.key is kd or pd.key == kd):  # interned keys (CpuBackend._upload): identity
             return None
         packs.append((pg.data3, pg.scales2, pu.data3, pu.scales2, pd.data3, pd.scales2))
     return packs

@@ -123,3 +123,79 @@ def weighted_sum(y, gates, t, out):
             g = gates[i]
             for j in range(out.shape[1]):
                 out[r, j] = out[r, j] + y[i * t + r, j] * g
+
+
+@njit(cache=True)
+def _pairwise_block(a, lo, n):
+    """Σ a[lo : lo + n], n ≤ 128, as numpy's ``pairwise_sum`` sums a block: under 8 terms in order, else
+    8 interleaved partial sums combined as ((0+1)+(2+3))+((4+5)+(6+7)), then the tail in order."""
+    if n < 8:
+        res = np.float32(0.0)
+        for i in range(n):
+            res = res + a[lo + i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    while i < n - n % 8:
+        r0, r1, r2, r3 = r0 + a[lo + i], r1 + a[lo + i + 1], r2 + a[lo + i + 2], r3 + a[lo + i + 3]
+        r4, r5, r6, r7 = r4 + a[lo + i + 4], r5 + a[lo + i + 5], r6 + a[lo + i + 6], r7 + a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res = res + a[lo + i]
+        i += 1
+    return res
+
+
+@njit(cache=True)
+def _pairwise(a, n):
+    """Σ a[:n] (float32, 1-D) as numpy sums a contiguous float32 row: blocks of ≤ 128 terms
+    (:func:`_pairwise_block`), a longer span split at n/2 rounded down to a multiple of 8, left + right.
+    Walked with an explicit stack (a recursive function loaded from numba's disk cache crashes)."""
+    if n <= 128:
+        return _pairwise_block(a, 0, n)
+    los = np.empty(64, np.int64)  # span start, length and state (0: new, 1: left done, 2: both done)
+    lens = np.empty(64, np.int64)
+    state = np.zeros(64, np.int64)
+    vals = np.empty(64, np.float32)  # finished spans' sums, left before right
+    los[0], lens[0], sp, vp = 0, n, 1, 0
+    while sp > 0:
+        top = sp - 1
+        lo, m = los[top], lens[top]
+        if m <= 128:
+            vals[vp] = _pairwise_block(a, lo, m)
+            vp += 1
+            sp -= 1
+            continue
+        half = m // 2 - (m // 2) % 8
+        if state[top] == 0:  # the left half first
+            state[top] = 1
+            los[sp], lens[sp], state[sp] = lo, half, 0
+            sp += 1
+        elif state[top] == 1:  # then the right half
+            state[top] = 2
+            los[sp], lens[sp], state[sp] = lo + half, m - half, 0
+            sp += 1
+        else:  # both done: left + right
+            vals[vp - 2] = vals[vp - 2] + vals[vp - 1]
+            vp -= 1
+            sp -= 1
+    return vals[0]
+
+
+@njit(cache=True)
+def rms_norm(x, w, eps, out):
+    """out [R, H] = x / sqrt(Σx² / H + eps) · w per row: x float32 [R, H], w float32 [R, H] or [1, H]
+    (broadcast), eps float32. Every step rounded to float32 as the engine's numpy ``rmsnorm``
+    (engine/attention.py) rounds it, Σx² summed in numpy's pairwise order (no fast-math): the same
+    bits in one call instead of seven numpy calls."""
+    h = x.shape[1]
+    sq = np.empty(h, np.float32)
+    for r in range(x.shape[0]):
+        for j in range(h):
+            sq[j] = x[r, j] * x[r, j]
+        s = np.sqrt(_pairwise(sq, h) / np.float32(h) + eps)
+        wr = r if w.shape[0] > 1 else 0
+        for j in range(h):
+            out[r, j] = (x[r, j] / s) * w[wr, j]

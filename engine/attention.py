@@ -116,13 +116,15 @@ def stacked_qk_norm(arch: ArchConfig, dense: dict[str, np.ndarray], layer: int) 
 
 def attention(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.ndarray], cache: KVCache,
               inv_freq: np.ndarray, cos_sin: tuple[np.ndarray, np.ndarray] | None = None,
-              qk_norm_w: np.ndarray | None = None) -> np.ndarray:
+              qk_norm_w: np.ndarray | None = None, norm=rmsnorm) -> np.ndarray:
     """Self-attention of x float32 [T, H] (post-norm) at positions cache.length.. -> [T, H].
 
     Appends this call's keys/values to ``cache`` (the caller advances ``cache.length``). ``cos_sin``:
     :func:`rope_cos_sin` of those positions (the same for every layer of a forward call), None = here.
     ``qk_norm_w``: :func:`stacked_qk_norm` of this layer; given, the q and k heads are normed and rotated
-    as one array (each head's row as alone: the same numbers in half the numpy calls).
+    as one array (each head's row as alone: the same numbers in half the numpy calls). ``norm``: the
+    RMSNorm of 2-D rows to use at one token (:func:`rmsnorm` or a host backend's ``rmsnorm_rows``,
+    the same bits).
     """
     p = f"layers.{layer}.attn."
     t = x.shape[0]
@@ -144,7 +146,10 @@ def attention(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.n
         cs = rope_cos_sin(positions, inv_freq, arch)  # shared by q and k
     if qk_norm_w is not None and arch.qk_norm == "head":  # q and k heads as one [nh + nkv, T, d] array
         qk = np.concatenate([q.reshape(t, nh, d), k.reshape(t, nkv, d)], axis=1).transpose(1, 0, 2)
-        qk = apply_rope(rmsnorm(qk, qk_norm_w, arch.rms_norm_eps), positions, inv_freq, arch, cs)
+        r = nh + nkv
+        qk = (norm(qk.reshape(r, d), qk_norm_w.reshape(r, d), arch.rms_norm_eps).reshape(r, 1, d) if t == 1
+              else rmsnorm(qk, qk_norm_w, arch.rms_norm_eps))  # [nh + nkv, T, d]
+        qk = apply_rope(qk, positions, inv_freq, arch, cs)
         q, k = qk[:nh], qk[nh:]  # [nh, T, d], [nkv, T, d]
     else:
         q = q.reshape(t, nh, d).transpose(1, 0, 2)  # [nh, T, d]

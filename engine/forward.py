@@ -93,6 +93,8 @@ class Model:
         self._absorb = select_absorb(self._host_backend()) if self._mla else None
         host = self._host_backend()
         n_quant = bind_dense(self.dense, host)  # quantized trunk matmuls: the host backend
+        # RMSNorm of [T, H] rows: the cpu backend's one-call kernel (same bits), else numpy
+        self._norm = getattr(host, "rmsnorm_rows", None) or rmsnorm
         # numba runs the experts and the quantized trunk on the cpu backend: numpy BLAS, left the tiny
         # float ops (router, attention scores), gets one thread so that it does not fight numba's for the
         # cores (engine/blas_threads.py). A float trunk's matmuls are BLAS's: it keeps its threads.
@@ -151,18 +153,18 @@ class Model:
         if not self._mla and a.rotary_dim:
             cs = rope_cos_sin(np.arange(cache.length, cache.length + len(ids)), self._inv_freq, a)
         for i, (attn_norm, ffn_norm, ffn) in enumerate(self._layer_names):
-            xa = rmsnorm(h, d[attn_norm], eps)  # [T, H]
+            xa = self._norm(h, d[attn_norm], eps)  # [T, H]
             if self._mla:
                 h = h + mla_attention(xa, i, a, d, cache, self._inv_freq, self._absorb)
             else:
-                h += attention(xa, i, a, d, cache, self._inv_freq, cs, self._qk_norm_w[i])  # float32 [T, H]
-            x = rmsnorm(h, d[ffn_norm], eps)
+                h += attention(xa, i, a, d, cache, self._inv_freq, cs, self._qk_norm_w[i], self._norm)
+            x = self._norm(h, d[ffn_norm], eps)
             if ffn is None:
                 h += moe_block(x, i, a, d, self.experts, self.routing)  # float32 [T, H]
             else:
                 h = h + swiglu(x, d[ffn[0]], d[ffn[1]], d[ffn[2]])
         cache.advance(len(ids))
-        return rmsnorm(h, d["final_norm"], a.rms_norm_eps)
+        return self._norm(h, d["final_norm"], a.rms_norm_eps)
 
     def forward(self, token_ids: Sequence[int] | np.ndarray,
                 cache: KVCache | LatentCache | None = None) -> np.ndarray:

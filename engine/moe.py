@@ -206,6 +206,9 @@ class RamExperts:
         try:
             for key in weights.expert_keys():
                 self.uploaded[key] = self.backend.upload_expert(*weights.expert(*key))
+            self._rows: dict[int, dict[int, object]] = {}  # layer -> expert id -> ExpertWeights (run_sum)
+            for (layer, e), ew in self.uploaded.items():
+                self._rows.setdefault(layer, {})[e] = ew
         except BaseException:
             self.close()
             raise
@@ -226,8 +229,8 @@ class RamExperts:
             n = len(expert_ids)
             ys = self.run(layer, expert_ids, [x] * n, [gates[i: i + 1] for i in range(n)])
             return scatter_sum(x, [np.arange(x.shape[0])] * n, ys)
-        up = self.uploaded
-        return fused(x, [up[(layer, e)] for e in expert_ids], gates)
+        row = self._rows[layer]
+        return fused(x, [row[e] for e in expert_ids], gates)
 
     def close(self) -> None:
         """Free the uploaded experts and close the backend if this object opened it."""
@@ -240,6 +243,7 @@ class RamExperts:
                 for w in ew:
                     self.backend.free(w)
         self.uploaded.clear()
+        self._rows = {}
         self.backend = None
 
 
