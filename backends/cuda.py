@@ -34,8 +34,10 @@ _SHAPE = {"mm": (4, 1), "mm_args": (4, 1), "gate_up": (2, 1)}  # mm_args: mm, it
 # Per format family (int4 and int4-gG: "int4"; others their name) settings of the GEMV kernels, over _SHAPE
 # and _WARPS: "gate_up"/"mm": (R, U) (mm also mm_args), "warps" per block, "max_regs" (NVRTC
 # --maxrregcount: more resident blocks, 0 = none), "x_by_part" (matmul.cu COLIBRI_X_BY_PART: activations
-# a 32-bit part at a time, fewer registers). Empty: the defaults. bench/cuda_expert_ffn.py --gemv-sweep
-# times the alternatives (_SWEEP there); matmul.cu's host checks run each of them.
+# a 32-bit part at a time, fewer registers), "fit_wave" (the grid rounds the resident blocks of all
+# matrices down, not up: with 3 resident per SM, 8 matrices take 49 blocks each, not 50, whose 400 blocks
+# would leave 4 of them for a second wave on 132 SMs). Empty: the defaults. bench/cuda_expert_ffn.py
+# --gemv-sweep times the alternatives (_SWEEP there); tests/test_backend_cuda_gemv_tune.py checks them.
 _GEMV_TUNE: dict[str, dict] = {}
 # T > 1: shaders/cuda/prefill.cu's tensor-core kernels (same tables) replace these; 16-row subtiles per
 # warp tile, and the formats they take (codes exact in bf16, 4 columns per k-step in one 32-bit part; the
@@ -57,12 +59,13 @@ def _family(fmt: str) -> str:
     return "int4" if fmt.startswith("int4") else fmt
 
 
-def _gemv_shape(name: str, fmt: str) -> tuple[int, int, int, int, bool]:
-    """(R rows per warp tile, U words per lane per step, warps per block, max registers or 0, x by part)
-    of GEMV kernel ``name`` for ``fmt``: _GEMV_TUNE's family entry over _SHAPE and _WARPS."""
+def _gemv_shape(name: str, fmt: str) -> tuple[int, int, int, int, bool, bool]:
+    """(R rows per warp tile, U words per lane per step, warps per block, max registers or 0, x by part,
+    fit wave) of GEMV kernel ``name`` for ``fmt``: _GEMV_TUNE's family entry over _SHAPE and _WARPS."""
     t = _GEMV_TUNE.get(_family(fmt), {})
     r, u = t.get("mm" if name == "mm_args" else name, _SHAPE[name])
-    return int(r), int(u), int(t.get("warps", _WARPS)), int(t.get("max_regs", 0)), bool(t.get("x_by_part"))
+    return (int(r), int(u), int(t.get("warps", _WARPS)), int(t.get("max_regs", 0)), bool(t.get("x_by_part")),
+            bool(t.get("fit_wave")))
 
 
 class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
@@ -186,7 +189,7 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
         if name in _TC_R16:
             params = (_TC_R16[name], tc)
         else:
-            r, u, _, max_regs, by_part = _gemv_shape(name, fmt)
+            r, u, _, max_regs, by_part, _ = _gemv_shape(name, fmt)
             params = (r, u, tc)
             options += ((f"--maxrregcount={max_regs}",) if max_regs else ()) + (
                 ("-DCOLIBRI_X_BY_PART",) if by_part else ())
@@ -239,11 +242,11 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
             tc = _TOKENS_PER_PASS if T > 1 and _TOKENS_PER_PASS * in_pad * 4 <= self._smem_limit() else 1
             smem = tc * in_pad * 4
             fn = self._fn(name, fmt, tc, smem)
-            r, _, warps, _, _ = _gemv_shape(name, fmt)
-            warp_tiles = -(-rows_grid // r)
+            r, _, warps, _, _, fit_wave = _gemv_shape(name, fmt)
+            warp_tiles, slots = -(-rows_grid // r), self._resident(fn, smem, warps) * self._sms
             # one wave of resident blocks over all matrices; each warp streams its row tiles
-            blocks = max(1, min(-(-warp_tiles // warps),
-                                -(-self._resident(fn, smem, warps) * self._sms // n_mats)))
+            wave = slots // n_mats if fit_wave else -(-slots // n_mats)
+            blocks = max(1, min(-(-warp_tiles // warps), wave))
             hit = self._launchers[key] = (fn, (blocks, n_mats), (32 * warps,), smem, scalars)
         return hit
 

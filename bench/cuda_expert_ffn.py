@@ -9,10 +9,13 @@ bandwidth of the same GPU in the same run, so a shortfall can be put on the kern
 Experts cycle through a pool larger than the GPU's L2 cache. Prints a table; ``--out`` writes JSON.
 ``--tune`` repeats the int4, 1-token case for several work shapes (rows per warp tile and words per
 lane per step of the gate/up and down kernels, warps per block: ``_SHAPE`` and ``_WARPS`` of
-backends/cuda.py).
+backends/cuda.py). ``--gemv-sweep`` times each ``_SWEEP`` setting (``_GEMV_TUNE`` of backends/cuda.py:
+register cap, activations by part, rows and words per step, warps, grid within one wave) at 1 token for
+each of ``--formats`` in one run, on one uploaded pool per format, with each setting's launch shape.
 
     .venv/bin/python bench/cuda_expert_ffn.py --out /tmp/cuda_ffn.json
     .venv/bin/python bench/cuda_expert_ffn.py --tune
+    .venv/bin/python bench/cuda_expert_ffn.py --formats int4,int4-g64,int8 --gemv-sweep --out /tmp/sweep.json
 """
 
 from __future__ import annotations
@@ -90,18 +93,21 @@ def ffn_rows(be, fmt: str, tokens, args, rng, experts=None) -> list[dict]:
 
 # GEMV settings compared by --gemv-sweep: backends/cuda.py _GEMV_TUNE entries, applied to the family of
 # each format run (int4 and int4-gG share one). Registers (nvcc 13, sm_90) of the int4 gate_up / down
-# kernels: default 117 / 95 (2 blocks of 8 warps per SM), x_by_part 80 / 79 (3), max_regs 64: 4.
+# kernels: default 117 / 95 (2 blocks of 8 warps per SM), x_by_part 80 / 79 (3), max_regs 64: 4; int8
+# down 78 (3 per SM: without fit_wave, 8 x 50 blocks are 4 more than one wave of 396).
 _SWEEP = (
     ("default", {}),
+    ("fit_wave", {"fit_wave": True}),
     ("x_by_part", {"x_by_part": True}),
-    ("x_by_part+regs64", {"x_by_part": True, "max_regs": 64}),
-    ("regs80", {"max_regs": 80}),
-    ("U2", {"gate_up": (2, 2), "mm": (4, 2)}),
-    ("U2+x_by_part", {"gate_up": (2, 2), "mm": (4, 2), "x_by_part": True}),
-    ("R4/8", {"gate_up": (4, 1), "mm": (8, 1)}),
-    ("R2/6+x_by_part", {"mm": (6, 1), "x_by_part": True}),
-    ("warps4+x_by_part", {"warps": 4, "x_by_part": True}),
-    ("warps16+x_by_part+regs64", {"warps": 16, "x_by_part": True, "max_regs": 64}),
+    ("x_by_part+fit", {"x_by_part": True, "fit_wave": True}),
+    ("x_by_part+regs64+fit", {"x_by_part": True, "max_regs": 64, "fit_wave": True}),
+    ("regs80+fit", {"max_regs": 80, "fit_wave": True}),
+    ("U2+fit", {"gate_up": (2, 2), "mm": (4, 2), "fit_wave": True}),
+    ("U2+x_by_part+fit", {"gate_up": (2, 2), "mm": (4, 2), "x_by_part": True, "fit_wave": True}),
+    ("R4/8+fit", {"gate_up": (4, 1), "mm": (8, 1), "fit_wave": True}),
+    ("R2/6+x_by_part+fit", {"mm": (6, 1), "x_by_part": True, "fit_wave": True}),
+    ("warps4+x_by_part+fit", {"warps": 4, "x_by_part": True, "fit_wave": True}),
+    ("warps16+x_by_part+regs64+fit", {"warps": 16, "x_by_part": True, "max_regs": 64, "fit_wave": True}),
 )
 
 
@@ -136,7 +142,7 @@ def sweep(be, mod, args, rng) -> list[dict]:
             rows.append({**r, "variant": label, "tune": {k: list(v) if isinstance(v, tuple) else v
                                                          for k, v in tune.items()},
                          "launch": info, "compile_s": compile_s})
-            print(f"{fmt:9} {label:26} kern {r['kernel_s'] * 1e6:6.1f} us  kern/copy "
+            print(f"{fmt:9} {label:28} kern {r['kernel_s'] * 1e6:6.1f} us  kern/copy "
                   f"{r['kernel_gbps'] / args.copy_gbps:.2f}  op {r['device_s'] * 1e6:6.1f} us  "
                   f"gate_up {info['gate_up']['resident_blocks']}x{info['gate_up']['warps']}w "
                   f"{info['gate_up']['registers']}r  down {info['mm']['resident_blocks']}x"

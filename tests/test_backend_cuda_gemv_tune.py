@@ -11,8 +11,11 @@ options, occupancy per warps) runs on the simulated GPU of ``tests/test_backend_
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +31,7 @@ from colibri_plan.backends.base import silu_mul_ref
 CONFIGS = ((2, 2, 1, 1), (4, 1, 1, 1), (2, 2, 2, 1), (4, 1, 2, 1), (4, 2, 1, 1), (8, 1, 1, 1), (6, 1, 1, 1),
            (2, 2, 1, 2), (4, 1, 1, 4))
 GRIDS = ((2, 3), (1, 8), (3, 16))  # (blocks, warps per block)
+ROOT = Path(__file__).resolve().parent.parent
 TOKEN_SCALE = (1.0, -0.5, 0.25, 2.0)  # token j = TOKEN_SCALE[j] * x
 
 _PRELUDE = HARNESS.split('#include "SOURCE"')[0]
@@ -182,4 +186,46 @@ def test_launcher_takes_each_format_familys_settings(be, monkeypatch):  # noqa: 
     assert block == (128,) and grid == (min(8, 4), 2)
     _, grid, block, _, _ = be._launcher("mm", "int8", 2, H, H, I, H, 1)
     assert block == (256,) and grid == (min(-(-H // 4 // 8), 4), 2)
-    assert cuda_mod._gemv_shape("mm_args", "int4-g32") == (6, 1, 4, 64, True)
+    assert cuda_mod._gemv_shape("mm_args", "int4-g32") == (6, 1, 4, 64, True, False)
+
+
+def test_fit_wave_keeps_the_grid_within_one_wave(be, monkeypatch):  # noqa: F811 - the fixture
+    """3 resident blocks on 4 SMs over 8 matrices: 12 slots; rounding up gives 2 blocks a matrix (16 > 12),
+    fit_wave 1 (8 <= 12); rows enough for more blocks either way."""
+    monkeypatch.setattr(be.cp.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor", lambda f, b, s: 3)
+    for fit, want in ((False, 2), (True, 1)):
+        monkeypatch.setattr(cuda_mod, "_GEMV_TUNE", {"int8": {"fit_wave": fit}})
+        be._launchers.clear()
+        be._occupancy.clear()
+        _, grid, block, _, _ = be._launcher("mm", "int8", 8, 4096, 4096, 256, 4096, 1)
+        assert grid == (want, 8) and block == (256,)
+
+
+def test_bench_sweep_runs_every_setting_and_restores_the_defaults(be, monkeypatch, capsys):  # noqa: F811
+    """bench/cuda_expert_ffn.py --gemv-sweep on the simulated GPU (small shapes): a row per format and
+    _SWEEP setting, each with the launch shape that setting asked for; _GEMV_TUNE is left as it was."""
+    spec = importlib.util.spec_from_file_location("cuda_expert_ffn", ROOT / "bench" / "cuda_expert_ffn.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "H", 256)
+    monkeypatch.setattr(bench, "I", 128)
+    # device time grows with the kernel passes, so the kernels' own time (2 passes less 1) is 10 ms
+    monkeypatch.setattr(be.cp.cuda, "get_elapsed_time", lambda a, b: 10.0 * (1 + be.kernel_passes))
+    be.timing = True
+    args = argparse.Namespace(formats="int4-g64,int8", experts=2, pool=3, calls=2, copy_gbps=100.0)
+    rows = bench.sweep(be, cuda_mod, args, np.random.default_rng(0))
+    assert cuda_mod._GEMV_TUNE == {}
+    assert [(r["fmt"], r["variant"]) for r in rows] == [(f, v) for f in ("int4-g64", "int8")
+                                                        for v, _ in bench._SWEEP]
+    for r, (_, tune) in zip(rows, bench._SWEEP * 2):
+        assert r["kernel_s"] == pytest.approx(0.01)
+        assert r["launch"]["gate_up"]["warps"] == tune.get("warps", 8)
+        assert r["launch"]["mm"]["warps"] == tune.get("warps", 8)
+    # sim: 4 SMs x 2 resident blocks over 2 experts: 4 blocks each; down 256 rows
+    got = {(r["fmt"], r["variant"]): r["launch"]["mm"] for r in rows}
+    assert got["int8", "default"] == {"resident_blocks": 2, "blocks": 4, "warps": 8, "registers": 0,
+                                      "tiles_per_warp_max": 2, "tiles_per_warp_mean": 2.0}  # 64 tiles of 4
+    assert got["int4-g64", "R4/8+fit"]["tiles_per_warp_max"] == 1  # 32 tiles of 8 over 32 warps
+    assert got["int4-g64", "warps4+x_by_part+fit"]["blocks"] == 4  # 16 warps: 4 tiles each
+    assert got["int4-g64", "warps4+x_by_part+fit"]["tiles_per_warp_max"] == 4
+    assert "x_by_part+regs64+fit" in capsys.readouterr().out
