@@ -281,6 +281,31 @@ def _route_record(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict, reco
     return ids, weights
 
 
+def _route_one(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict, recorder: RoutingRecorder | None
+               ) -> tuple[list[int], np.ndarray]:
+    """One token's routing (x [1, H]), recorded: (expert ids ascending, their gates float32 [K]). A plain
+    softmax router runs :func:`route`'s steps on the logits row (the same numpy calls on the same
+    numbers: the same bits, without the [T, ·] indexing); other routers run :func:`route` itself."""
+    p = f"layers.{layer}."
+    logits = x @ dense[p + "router"].T  # [1, H] · [E, H]ᵀ -> [1, E]
+    if (arch.scoring != "softmax" or p + "router_bias" in dense or logits.dtype != np.float32
+            or (arch.n_group > 1 and arch.topk_group < arch.n_group)):
+        return _one_token(*_route_record(x, layer, arch, dense, recorder))
+    row = logits[0]
+    z = np.exp(row - row.max())
+    scores = z / z.sum()  # probabilities [E]
+    ids = np.argsort(-scores, kind="stable")[: arch.top_k]  # top-k ids [K], descending
+    w = scores[ids]
+    if arch.norm_topk_prob:
+        w = w / (w.sum() + 0.0)
+    if arch.routed_scaling_factor != 1.0:
+        w = w * np.float32(arch.routed_scaling_factor)
+    ids = ids.astype(np.int64, copy=False)
+    if recorder is not None:
+        recorder.record(layer, ids[None], w[None])
+    return _one_token(ids[None], w[None])
+
+
 def _one_token(ids: np.ndarray, weights: np.ndarray) -> tuple[list[int], np.ndarray]:
     """A decode step's routing ids/weights [1, K] as (expert ids ascending [K], their gates float32 [K])."""
     order = np.argsort(ids[0], kind="stable")
@@ -318,7 +343,7 @@ def routed_experts(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str,
     """
     run_sum = getattr(experts, "run_sum", None)
     if x.shape[0] == 1 and run_sum is not None:  # decode: one provider call that sums as scatter_sum does
-        uniq, w = _one_token(*_route_record(x, layer, arch, dense, recorder))
+        uniq, w = _route_one(x, layer, arch, dense, recorder)
         return run_sum(layer, uniq, np.ascontiguousarray(x, dtype=np.float32), w)
     uniq, tok_of, gates = route_tokens(x, layer, arch, dense, recorder)
     if x.shape[0] == 1:  # decode: every expert sees the one token
