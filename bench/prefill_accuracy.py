@@ -100,6 +100,15 @@ def measure(pack, plan, prompt: list[int], repeats: int) -> list[dict]:
     return out
 
 
+def _commit() -> str | None:
+    """HEAD of this checkout (the engine's kernels change between commits), None outside git."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="work-demo/prefill", help="working folder (profile, heat, plans)")
@@ -151,7 +160,7 @@ def main(argv=None) -> int:
     doc = {"kind": "prefill-accuracy", "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": " ".join(["python bench/prefill_accuracy.py", *(argv or sys.argv[1:])]),
            "model": str(fx), "profile": str(prof), "repeats": a.repeats, "seconds": time.time() - t0,
-           "cores": os.cpu_count(),
+           "cores": os.cpu_count(), "commit": _commit(),
            "figures": rows[0]["predicted_terms"] and json.loads(
                json.dumps(prefill_for_plan(load_plan(rows[0]["plan"]).doc, lengths[0])["figures"])),
            "rows": rows}

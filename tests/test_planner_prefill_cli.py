@@ -110,3 +110,16 @@ def test_verify_shows_prefill_row_outside_the_verdict(files):
     no_prefill = {k: v for k, v in predicted.items() if k != "prefill"}
     assert not any(r["term"].startswith("prefill") for r in compare(no_prefill, m))
     assert make_verdict(no_prefill, m, True)["prefill_ratio"] is None
+
+
+def test_run_prints_the_plans_prefill_beside_the_measured_one():
+    from colibri_plan.cli.run import _human
+
+    rep = RunReport(tokens=[1, 2], tok_s=10.0, decode_s_per_token=0.1, decode_steps=1, load_s=0.5,
+                    prefill_s=0.25, dense_s_per_token=0.01, expert_layers_s_per_token=0.05,
+                    expert_compute_s_per_token={"cpu": 0.04}, hit_rate={"vram": 0.0, "ram_pinned": 1.0,
+                                                                     "lru": 0.0, "disk": 0.0})
+    line = _human(rep, 16, "cpu", {"tok_s": 9.0, "prefill_s_at_prompt": 0.2}, {}).splitlines()[1]
+    assert "; prefill 16 tokens in 0.250 s (plan predicted 0.200 s); load 0.50 s on cpu" in line
+    assert "plan predicted 0.2" not in _human(rep, 16, "cpu", {"tok_s": 9.0}, {}).splitlines()[1].split(
+        "prefill")[1]                                                   # an older plan: no prefill figure

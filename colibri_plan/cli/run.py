@@ -39,12 +39,15 @@ def _human(rep, prompt_len: int, backend: str, pred: dict, written: dict) -> str
     speed = (f"decode {rep.tok_s:.2f} tok/s measured over {steps} step{'s' if steps != 1 else ''}"
              if steps else "decode n/a (one token: it comes from the prefill, no decode step was timed)")
     ms = lambda v: f"{(v or 0.0) * 1e3:.1f} ms"   # noqa: E731
+    pre = pred.get("prefill_s_at_prompt")
+    pre = f" (plan predicted {pre:.3f} s)" if pre is not None else ""
     disk = (f"disk {rep.disk_bytes_per_token / 1e6:.1f} MB/token "
             f"({'O_DIRECT' if rep.o_direct else 'buffered'}); " if rep.o_direct is not None else "")
     return "\n".join([
         " ".join(str(x) for x in rep.tokens),
         speed + (f" (plan predicted {pred['tok_s']:.2f})" if pred.get("tok_s") else "")
-        + f"; prefill {prompt_len} tokens in {rep.prefill_s:.3f} s; load {rep.load_s:.2f} s on {backend}",
+        + f"; prefill {prompt_len} tokens in {rep.prefill_s:.3f} s{pre}; load {rep.load_s:.2f} s on "
+        f"{backend}",
         f"per token: dense {ms(rep.dense_s_per_token)}, experts {ms(rep.expert_layers_s_per_token)} "
         f"(cpu {ms(rep.expert_compute_s_per_token.get('cpu'))}, disk wait {ms(rep.disk_wait_s_per_token)}, "
         f"devices: {dev})",
@@ -146,10 +149,15 @@ def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, qu
         close = getattr(weights, "close", None)
         if close is not None:
             close()
-    pred = plan.doc.get("predicted", {}) if plan is not None else {}
+    pred = dict(plan.doc.get("predicted", {})) if plan is not None else {}
+    if plan is not None:   # the plan's prefill at this prompt's length (its curve), None without one
+        from colibri_plan.verify import predicted_prefill_at
+
+        pred["prefill_s_at_prompt"] = predicted_prefill_at(pred, len(prompt))
     doc = {"model": str(model_path), "plan": None if plan_path is None else str(plan_path),
            "backend": backend, **rep.to_dict(), **written}
     if plan is not None:
         doc["predicted"] = {k: pred.get(k) for k in ("tok_s", "decode_s_per_token", "hit_rate",
                                                       "disk_bytes_per_token")}
+        doc["predicted"]["prefill_s"] = pred["prefill_s_at_prompt"]
     emit(doc, lambda: _human(rep, len(prompt), backend, pred, written))
