@@ -63,6 +63,10 @@ from colibri_plan.backends.cpu_vnni import (
 #: tokens per weight from which rows are unpacked once into the scratch (2048x2048 on one core: 2 tokens
 #: 0.21 ms either way, 4 tokens 0.28 against 0.45 ms unpacking in registers per token)
 PREFILL_TOKENS = 2
+#: rows per parallel step of the batched expert kernels (a gate and an up tile of 128 rows of 2048
+#: columns: 2 x 128 KiB): decode of 8 int4-g32 experts from RAM ran at 21 against 19 GB/s with 32
+#: rows (the down pass 23 against 20), a parallel step reading longer runs of memory
+EXPERT_ROWS = 128
 #: parts per group (fold) of the transposed layouts cpu.py makes, by group bytes: int4-g32 folds 1, 2
 #: or 4 (J = 16, 8, 4 bytes per lane); int4-g64 folds 2 or 4 (J = 16, 8)
 FOLDS = {16: (1, 2, 4), 32: (2, 4)}
@@ -292,14 +296,14 @@ def experts_gate_up_t(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
     ``kind`` is unused (the blocked kernels' argument, kept for one calling convention).
     """
     inter = gw[0].shape[0]
-    tiles = (inter + ROW_TILE - 1) // ROW_TILE
+    tiles = (inter + EXPERT_ROWS - 1) // EXPERT_ROWS
     x2 = _x2_for(xa3, xb3, gw[0])
     g = np.empty_like(h)  # gate results of each tile
     C, J, L = gw[0].shape[1], gw[0].shape[2], gw[0].shape[3]
     for i in prange(EXPERTS * tiles):
         e = i // tiles
-        r0 = (i - e * tiles) * ROW_TILE
-        r1 = min(r0 + ROW_TILE, inter)
+        r0 = (i - e * tiles) * EXPERT_ROWS
+        r1 = min(r0 + EXPERT_ROWS, inter)
         ws = np.empty(RB * C * J * L, np.int32)
         ai = np.empty((NT, C * L), np.int32)
         t0, t1 = offs[e], offs[e + 1]
@@ -315,13 +319,13 @@ def experts_matmul_t(kind, ws_, ss, xa3, xb3, sx, xsum, offs, y):
     """y [ΣT, out] = x · Wₑᵀ for the rows of each expert e (the down projections, int4-g32/g64);
     arguments as :func:`experts_gate_up_t`, y float32 written in place."""
     out = ws_[0].shape[0]
-    tiles = (out + ROW_TILE - 1) // ROW_TILE
+    tiles = (out + EXPERT_ROWS - 1) // EXPERT_ROWS
     x2 = _x2_for(xa3, xb3, ws_[0])
     C, J, L = ws_[0].shape[1], ws_[0].shape[2], ws_[0].shape[3]
     for i in prange(EXPERTS * tiles):
         e = i // tiles
-        r0 = (i - e * tiles) * ROW_TILE
+        r0 = (i - e * tiles) * EXPERT_ROWS
         ws = np.empty(RB * C * J * L, np.int32)
         ai = np.empty((NT, C * L), np.int32)
-        _rows(ws_[e], ss[e], xa3, xb3, x2, sx, xsum, y, r0, min(r0 + ROW_TILE, out), offs[e], offs[e + 1], ws,
-              ai)
+        r1 = min(r0 + EXPERT_ROWS, out)
+        _rows(ws_[e], ss[e], xa3, xb3, x2, sx, xsum, y, r0, r1, offs[e], offs[e + 1], ws, ai)
