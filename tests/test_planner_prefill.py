@@ -141,3 +141,24 @@ def test_expert_ratio_weighs_gate_up_and_down_shapes():
                            dict(base, out_features=h, in_features=i, tokens=1, weight_gbps=st(20.0)),
                            dict(base, out_features=h, in_features=i, tokens=16, weight_gbps=st(5.0))]  # r 4
     assert _ffn_ratio(prof, ("numpy", 0), "int4", i, h) == pytest.approx((2 * 10 + 4) / 3)   # 8
+
+
+def test_the_trunks_cuda_gpu_runs_its_experts_on_the_device_rows_without_the_trip():
+    # as test_gpu_tier_batched_rate_and_transfer, but the GPU holds a CUDA trunk: its VRAM experts read the
+    # prefill's rows on the device (d_expert_ffn_rows), so no 16-row round trip
+    gpus = [dict(figures()["gpus"][0], device_x=True)]
+    lay = layer_seconds(np.array([1.0, 0.0]), np.array([0, -1]), 16, figures(gpus=gpus))
+    assert lay["gpu_s"]["cuda:0"] == pytest.approx(0.02)
+
+
+def test_figures_mark_only_the_cuda_trunk_gpu_as_device_x():
+    from _solver_fixtures import toy_spec
+
+    from colibri_plan.planner.make import make_plan
+    from colibri_plan.planner.prefill import figures_from_setup
+
+    spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
+    prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": 2_300_000_000}], ram_available_bytes=3 * 10**9)
+    for trunk, want in (("cuda:0", True), ("cpu", False)):
+        _, _, setup = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk=trunk)
+        assert figures_from_setup(prof, setup)["gpus"][0]["device_x"] is want

@@ -47,10 +47,11 @@ costs a full read (f(T) = T). An expert's r is the byte-weighted mean of its gat
 the expert format). The LM head runs on the last row only (1 row at the LM head GB/s). Attention is
 causal: row i reads i keys, Σ_i i ≈ P²/2 K+V rows at the ``attention`` section's KV GB/s at context P. A
 split trunk is priced on its first device. Every GPU holding experts of a layer pays the P-row round
-trip, the trunk's own GPU too (the device trunk's prefill sends every routed expert through the host
-path), and the host tiers are computed on the CPU even where a unified GPU computes them at decode (the
-plan's ``compute`` section). Coefficients are not applied (they are fitted on decode runs): the prefill
-figures are uncalibrated.
+trip, except the trunk's own GPU on CUDA (``device_x``: its VRAM experts run on the device's rows at
+prefill, ``d_expert_ffn_rows``; on other backends a device trunk's prefill sends every routed expert
+through the host path, so its GPU pays the trip too), and the host tiers are computed on the CPU even
+where a unified GPU computes them at decode (the plan's ``compute`` section). Coefficients are not
+applied (they are fitted on decode runs): the prefill figures are uncalibrated.
 
 The plan records the figures (``predicted.prefill.figures``) so :func:`prefill_for_plan` can predict
 again at another prompt length from the plan alone, and the prefill at 1, 2, 4, ... 32768 tokens
@@ -143,7 +144,7 @@ def layer_seconds(p: np.ndarray, tiers: np.ndarray, prompt_tokens: int, fig: dic
             continue
         used = 1.0 - float(np.prod(1.0 - q[on]))
         xfer = 0.0
-        if not g.get("unified"):
+        if not g.get("unified") and not g.get("device_x"):   # device_x: the trunk's rows are there
             act = prompt_tokens * h * 4
             xfer = used * (act / (g["h2d_gbps"] * 1e9) + act / (g["d2h_gbps"] * 1e9) + 2 * g["latency_s"])
         gpu[g["key"]] = _rows_seconds(p[on], q[on], prompt_tokens, b, g["gbps"], g["r"]) + xfer
@@ -302,7 +303,9 @@ def figures_from_setup(profile, setup) -> dict:
         backend, _, idx = g.key.partition(":")
         fig["gpus"].append({"key": g.key, "gbps": g.matmul_gbps, "unified": g.unified,
                             "r": _ffn_ratio(profile, (backend, int(idx)), fmt, i, h),
-                            "h2d_gbps": g.h2d_gbps, "d2h_gbps": g.d2h_gbps, "latency_s": g.link_latency_s})
+                            "h2d_gbps": g.h2d_gbps, "d2h_gbps": g.d2h_gbps, "latency_s": g.link_latency_s,
+                            # the trunk's CUDA GPU runs its VRAM experts on the device rows at prefill
+                            "device_x": bool(g.holds_trunk and backend == "cuda")})
     device = setup.trunk.device if setup.trunk is not None else "cpu"
     figs = device_figures(profile, res, spec, dfmt, setup.problem.coef)
     tf = figs.get(device, figs["cpu"])
