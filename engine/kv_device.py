@@ -14,16 +14,19 @@ import math
 
 from colibri_plan.backends.device_ops import DArray
 from colibri_plan.errors import InputError
-from colibri_plan.formats.plan_trunk import PAGE_TOKENS
+from colibri_plan.formats.plan_trunk import DEVICE_KV_BYTES_PER_VALUE, PAGE_TOKENS
 
 __all__ = ["DeviceKVCache", "device_kv_bytes"]
+
+#: bytes per cached value: the planner prices the same constant (K and V are float32 DArrays)
+_B = DEVICE_KV_BYTES_PER_VALUE
 
 
 def device_kv_bytes(n_layers: int, n_kv_heads: int, head_dim: int, context_tokens: int,
                     page_tokens: int = PAGE_TOKENS) -> int:
     """Bytes a :class:`DeviceKVCache` reserves for ``context_tokens`` (whole pages, float32 K and V)."""
     pages = max(1, math.ceil(max(0, int(context_tokens)) / int(page_tokens)))
-    return pages * int(page_tokens) * 2 * int(n_layers) * int(n_kv_heads) * int(head_dim) * 4
+    return pages * int(page_tokens) * 2 * int(n_layers) * int(n_kv_heads) * int(head_dim) * _B
 
 
 class DeviceKVCache:
@@ -67,7 +70,7 @@ class DeviceKVCache:
     @property
     def reserved_bytes(self) -> int:
         """Device bytes held by K and V of every layer (all reserved rows, valid or not)."""
-        return 2 * self.n_layers * self.capacity * self.n_kv_heads * self.head_dim * 4
+        return 2 * self.n_layers * self.capacity * self.n_kv_heads * self.head_dim * _B
 
     def reserve(self, tokens: int) -> None:
         """Make room for ``tokens`` rows per layer: grow every layer by whole pages when it passes the
@@ -108,7 +111,7 @@ class DeviceKVCache:
 
     def nbytes(self) -> int:
         """Bytes held by the valid rows of every layer (as :meth:`KVCache.nbytes` counts them)."""
-        return 2 * self.n_layers * self.length * self.n_kv_heads * self.head_dim * 4
+        return 2 * self.n_layers * self.length * self.n_kv_heads * self.head_dim * _B
 
     def close(self) -> None:
         """Drop the device arrays (their memory returns to the backend's allocator)."""
