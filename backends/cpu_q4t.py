@@ -38,9 +38,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-# ROW_TILE and EXPERTS are compile-time constants of these kernels, and cpu_vnni's helpers write part of
-# their code: numba's cache keys a kernel by its own file, so a change there needs this file touched
-from colibri_plan.backends.cpu_qkernels import EXPERTS, ROW_TILE
+# EXPERTS is a compile-time constant of these kernels, and cpu_vnni's intrinsics write part of their
+# code: numba's cache keys a kernel by its own file, so a change there needs this file touched
+from colibri_plan.backends.cpu_qkernels import EXPERTS
 from colibri_plan.backends.cpu_vnni import (
     VNNI,
     _pk4,
@@ -63,10 +63,11 @@ from colibri_plan.backends.cpu_vnni import (
 #: tokens per weight from which rows are unpacked once into the scratch (2048x2048 on one core: 2 tokens
 #: 0.21 ms either way, 4 tokens 0.28 against 0.45 ms unpacking in registers per token)
 PREFILL_TOKENS = 2
-#: rows per parallel step of the batched expert kernels (a gate and an up tile of 128 rows of 2048
-#: columns: 2 x 128 KiB): decode of 8 int4-g32 experts from RAM ran at 21 against 19 GB/s with 32
-#: rows (the down pass 23 against 20), a parallel step reading longer runs of memory
-EXPERT_ROWS = 128
+#: rows per parallel step (cpu_qkernels' ROW_TILE is 32): longer runs of memory per step read RAM
+#: faster, measured from RAM on a shared 2-core host (best of 15-30, interleaved): 8 int4-g32 experts'
+#: decode 21 against 15 GB/s gate+up, 17-19 against 13 down; GEMV 2048x2048 17.6 against 13.4 GB/s,
+#: 8192x2048 22.9 against 18.0. A prefill step unpacks RB rows at a time within its tile as before
+TILE_ROWS = 128
 #: parts per group (fold) of the transposed layouts cpu.py makes, by group bytes: int4-g32 folds 1, 2
 #: or 4 (J = 16, 8, 4 bytes per lane); int4-g64 folds 2 or 4 (J = 16, 8)
 FOLDS = {16: (1, 2, 4), 32: (2, 4)}
@@ -254,11 +255,11 @@ def i4t_matmul(wt, scales2, xe3, xo3, sx, xsum, y):
     T = xe3.shape[0]
     x2 = _x2_for(xe3, xo3, wt)
     C, J, L = wt.shape[1], wt.shape[2], wt.shape[3]
-    for b in prange((wt.shape[0] + ROW_TILE - 1) // ROW_TILE):
+    for b in prange((wt.shape[0] + TILE_ROWS - 1) // TILE_ROWS):
         ws = np.empty(RB * C * J * L, np.int32)
         ai = np.empty((NT, C * L), np.int32)
-        r0 = b * ROW_TILE
-        _rows(wt, scales2, xe3, xo3, x2, sx, xsum, y, r0, min(r0 + ROW_TILE, wt.shape[0]), 0, T, ws, ai)
+        r0 = b * TILE_ROWS
+        _rows(wt, scales2, xe3, xo3, x2, sx, xsum, y, r0, min(r0 + TILE_ROWS, wt.shape[0]), 0, T, ws, ai)
 
 
 @njit(fastmath=True, cache=True)
@@ -269,9 +270,9 @@ def i4t_matmul_1(wt, scales2, xe3, xo3, sx, xsum, y):
     C, J, L = wt.shape[1], wt.shape[2], wt.shape[3]
     ws = np.empty(RB * C * J * L, np.int32)
     ai = np.empty((NT, C * L), np.int32)
-    for b in range((wt.shape[0] + ROW_TILE - 1) // ROW_TILE):
-        r0 = b * ROW_TILE
-        _rows(wt, scales2, xe3, xo3, x2, sx, xsum, y, r0, min(r0 + ROW_TILE, wt.shape[0]), 0, T, ws, ai)
+    for b in range((wt.shape[0] + TILE_ROWS - 1) // TILE_ROWS):
+        r0 = b * TILE_ROWS
+        _rows(wt, scales2, xe3, xo3, x2, sx, xsum, y, r0, min(r0 + TILE_ROWS, wt.shape[0]), 0, T, ws, ai)
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -296,14 +297,14 @@ def experts_gate_up_t(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
     ``kind`` is unused (the blocked kernels' argument, kept for one calling convention).
     """
     inter = gw[0].shape[0]
-    tiles = (inter + EXPERT_ROWS - 1) // EXPERT_ROWS
+    tiles = (inter + TILE_ROWS - 1) // TILE_ROWS
     x2 = _x2_for(xa3, xb3, gw[0])
     g = np.empty_like(h)  # gate results of each tile
     C, J, L = gw[0].shape[1], gw[0].shape[2], gw[0].shape[3]
     for i in prange(EXPERTS * tiles):
         e = i // tiles
-        r0 = (i - e * tiles) * EXPERT_ROWS
-        r1 = min(r0 + EXPERT_ROWS, inter)
+        r0 = (i - e * tiles) * TILE_ROWS
+        r1 = min(r0 + TILE_ROWS, inter)
         ws = np.empty(RB * C * J * L, np.int32)
         ai = np.empty((NT, C * L), np.int32)
         t0, t1 = offs[e], offs[e + 1]
@@ -319,13 +320,13 @@ def experts_matmul_t(kind, ws_, ss, xa3, xb3, sx, xsum, offs, y):
     """y [ΣT, out] = x · Wₑᵀ for the rows of each expert e (the down projections, int4-g32/g64);
     arguments as :func:`experts_gate_up_t`, y float32 written in place."""
     out = ws_[0].shape[0]
-    tiles = (out + EXPERT_ROWS - 1) // EXPERT_ROWS
+    tiles = (out + TILE_ROWS - 1) // TILE_ROWS
     x2 = _x2_for(xa3, xb3, ws_[0])
     C, J, L = ws_[0].shape[1], ws_[0].shape[2], ws_[0].shape[3]
     for i in prange(EXPERTS * tiles):
         e = i // tiles
-        r0 = (i - e * tiles) * EXPERT_ROWS
+        r0 = (i - e * tiles) * TILE_ROWS
         ws = np.empty(RB * C * J * L, np.int32)
         ai = np.empty((NT, C * L), np.int32)
-        r1 = min(r0 + EXPERT_ROWS, out)
+        r1 = min(r0 + TILE_ROWS, out)
         _rows(ws_[e], ss[e], xa3, xb3, x2, sx, xsum, y, r0, r1, offs[e], offs[e + 1], ws, ai)
