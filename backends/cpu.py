@@ -277,12 +277,12 @@ class CpuBackend(CpuExperts, NumpyBackend):
         self._par(self._tiles(qt.out_features), hw.kernel, hw.data3, hw.scales2, *xa, y)
         return y
 
-    def _par(self, iterations: int, kernel, *args) -> None:
-        """``kernel(*args)`` under the process lock, its prange steps scheduled dynamically in chunks of
-        ~1/64 of them (one 32-row tile for a 2048-row weight): a core that is descheduled on a shared
-        machine then stalls one chunk, not half the rows (measured 34 vs 29 GB/s with static halves on
-        an idle 2-core host)."""
-        _run_parallel(self._setchunk, max(1, iterations // 64), kernel, *args)
+    def _par(self, iterations: int, kernel, *args, chunks: int = 64) -> None:
+        """``kernel(*args)`` under the process lock, its ``iterations`` prange steps scheduled dynamically
+        in ``chunks`` chunks (64: one 32-row tile for a 2048-row weight): a core that is descheduled on a
+        shared machine then stalls one chunk, not half the rows (measured 34 vs 29 GB/s with static
+        halves on an idle 2-core host)."""
+        _run_parallel(self._setchunk, max(1, iterations // chunks), kernel, *args)
 
     def rmsnorm_rows(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """The engine's float32 RMSNorm (``engine/attention.rmsnorm``: x / sqrt(Σx²/H + eps) · weight,
