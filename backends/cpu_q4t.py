@@ -39,7 +39,8 @@ import numpy as np
 from numba import njit, prange
 
 # EXPERTS is a compile-time constant of these kernels, and cpu_vnni's intrinsics write part of their
-# code: numba's cache keys a kernel by its own file, so a change there needs this file touched
+# code: numba's cache keys a kernel by the contents of its own file only, so a change there must change
+# this file too (VNNI_SOURCE below; a test checks it)
 from colibri_plan.backends.cpu_qkernels import EXPERTS
 from colibri_plan.backends.cpu_vnni import (
     VNNI,
@@ -60,6 +61,9 @@ from colibri_plan.backends.cpu_vnni import (
     _vsum4,
 )
 
+#: sha256 (16 hex digits) of backends/cpu_vnni.py as these kernels were compiled against: updating it
+#: with cpu_vnni makes numba recompile them (tests/test_backend_cpu_kernels.py compares)
+VNNI_SOURCE = "cdf2f23e44d6e61d"
 #: tokens per weight from which rows are unpacked once into the scratch (2048x2048 on one core: 2 tokens
 #: 0.21 ms either way, 4 tokens 0.28 against 0.45 ms unpacking in registers per token)
 PREFILL_TOKENS = 2

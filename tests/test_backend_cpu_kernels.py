@@ -164,3 +164,14 @@ def test_int4t_without_vnni_matches_bound(be, tmp_path):
         fast = be.matmul(x, w)  # the compiled module: the same integers, its own float32 sum order
         np.testing.assert_allclose(y, fast, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     be.free(w)
+
+
+def test_q4t_names_the_vnni_source_it_was_compiled_against():
+    # numba caches cpu_q4t's kernels by that file's contents: cpu_vnni's intrinsics are compiled into
+    # them, so a change of cpu_vnni must come with a change of cpu_q4t.VNNI_SOURCE, or stale code runs
+    import hashlib
+
+    from colibri_plan.backends import cpu_q4t, cpu_vnni
+
+    digest = hashlib.sha256(open(cpu_vnni.__file__, "rb").read()).hexdigest()[:16]
+    assert cpu_q4t.VNNI_SOURCE == digest, f"set cpu_q4t.VNNI_SOURCE = {digest!r}"
