@@ -72,6 +72,8 @@ PREFILL_TOKENS = 2
 #: decode 21 against 15 GB/s gate+up, 17-19 against 13 down; GEMV 2048x2048 17.6 against 13.4 GB/s,
 #: 8192x2048 22.9 against 18.0. A prefill step unpacks RB rows at a time within its tile as before
 TILE_ROWS = 128
+#: the batched expert kernels' step (cpu_experts sizes their parallel chunks by it)
+EXPERT_ROWS = TILE_ROWS
 #: parts per group (fold) of the transposed layouts cpu.py makes, by group bytes: int4-g32 folds 1, 2
 #: or 4 (J = 16, 8, 4 bytes per lane); int4-g64 folds 2 or 4 (J = 16, 8)
 FOLDS = {16: (1, 2, 4), 32: (2, 4)}
