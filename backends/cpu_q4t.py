@@ -252,6 +252,13 @@ def _rows(wt, sl, xe3, xo3, x2, sx, xsl, y, r0, r1, t0, t1, ws, ai):
             t += m
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def _rows_scratch(C, J, L, tokens):
+    # ws int32: RB unpacked rows when a weight sees PREFILL_TOKENS tokens, else a placeholder (a decode
+    # step allocates no 16 KiB it does not touch)
+    return np.empty(RB * C * J * L if tokens >= PREFILL_TOKENS else 1, np.int32)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def i4t_matmul(wt, scales2, xe3, xo3, sx, xsum, y):
     """int4-g32/g64 GEMM on the transposed layout: wt uint8 [out, C, J, L] (C·L = groups · fold lanes in
@@ -262,7 +269,7 @@ def i4t_matmul(wt, scales2, xe3, xo3, sx, xsum, y):
     x2 = _x2_for(xe3, xo3, wt)
     C, J, L = wt.shape[1], wt.shape[2], wt.shape[3]
     for b in prange((wt.shape[0] + TILE_ROWS - 1) // TILE_ROWS):
-        ws = np.empty(RB * C * J * L, np.int32)
+        ws = _rows_scratch(C, J, L, T)
         ai = np.empty((NT, C * L), np.int32)
         r0 = b * TILE_ROWS
         _rows(wt, scales2, xe3, xo3, x2, sx, xsum, y, r0, min(r0 + TILE_ROWS, wt.shape[0]), 0, T, ws, ai)
@@ -274,7 +281,7 @@ def i4t_matmul_1(wt, scales2, xe3, xo3, sx, xsum, y):
     T = xe3.shape[0]
     x2 = _x2_for(xe3, xo3, wt)
     C, J, L = wt.shape[1], wt.shape[2], wt.shape[3]
-    ws = np.empty(RB * C * J * L, np.int32)
+    ws = _rows_scratch(C, J, L, T)
     ai = np.empty((NT, C * L), np.int32)
     for b in range((wt.shape[0] + TILE_ROWS - 1) // TILE_ROWS):
         r0 = b * TILE_ROWS
@@ -311,9 +318,9 @@ def experts_gate_up_t(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
         e = i // tiles
         r0 = (i - e * tiles) * TILE_ROWS
         r1 = min(r0 + TILE_ROWS, inter)
-        ws = np.empty(RB * C * J * L, np.int32)
-        ai = np.empty((NT, C * L), np.int32)
         t0, t1 = offs[e], offs[e + 1]
+        ws = _rows_scratch(C, J, L, t1 - t0)
+        ai = np.empty((NT, C * L), np.int32)
         _rows(gw[e], gs[e], xa3, xb3, x2, sx, xsum, g, r0, r1, t0, t1, ws, ai)
         _rows(uw[e], us[e], xa3, xb3, x2, sx, xsum, h, r0, r1, t0, t1, ws, ai)
         for t in range(t0, t1):
@@ -332,7 +339,7 @@ def experts_matmul_t(kind, ws_, ss, xa3, xb3, sx, xsum, offs, y):
     for i in prange(EXPERTS * tiles):
         e = i // tiles
         r0 = (i - e * tiles) * TILE_ROWS
-        ws = np.empty(RB * C * J * L, np.int32)
+        ws = _rows_scratch(C, J, L, offs[e + 1] - offs[e])
         ai = np.empty((NT, C * L), np.int32)
         r1 = min(r0 + TILE_ROWS, out)
         _rows(ws_[e], ss[e], xa3, xb3, x2, sx, xsum, y, r0, r1, offs[e], offs[e + 1], ws, ai)
