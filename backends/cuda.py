@@ -38,7 +38,10 @@ _SHAPE = {"mm": (4, 1), "mm_args": (4, 1), "gate_up": (2, 1)}  # mm_args: mm, it
 # matrices down, not up: with 3 resident per SM, 8 matrices take 49 blocks each, not 50, whose 400 blocks
 # would leave 4 of them for a second wave on 132 SMs). Empty: the defaults. bench/cuda_expert_ffn.py
 # --gemv-sweep times the alternatives (_SWEEP there); tests/test_backend_cuda_gemv_tune.py checks them.
-_GEMV_TUNE: dict[str, dict] = {}
+# int8: two words per lane per step, activations by part, one wave (H200 sweep, bench/results/h200-cuda-ffn/
+# gemv-sweep.json: 8-expert FFN kernels 79.3 vs 86.8 us, 0.94 vs 0.86 of copy); int4: no setting beat the
+# defaults there (0.49-0.57 of copy: ~5 instructions per weight at 2 weights per byte bound it, not loads)
+_GEMV_TUNE: dict[str, dict] = {"int8": {"gate_up": (2, 2), "mm": (4, 2), "x_by_part": True, "fit_wave": True}}
 # T > 1: shaders/cuda/prefill.cu's tensor-core kernels (same tables) replace these; 16-row subtiles per
 # warp tile, and the formats they take (codes exact in bf16, 4 columns per k-step in one 32-bit part; the
 # float formats and int2 keep the GEMV kernels). Tokens per pass: 8 for T <= 8, else 16 (NT column tiles).

@@ -213,8 +213,9 @@ def test_bench_sweep_runs_every_setting_and_restores_the_defaults(be, monkeypatc
     monkeypatch.setattr(be.cp.cuda, "get_elapsed_time", lambda a, b: 10.0 * (1 + be.kernel_passes))
     be.timing = True
     args = argparse.Namespace(formats="int4-g64,int8", experts=2, pool=3, calls=2, copy_gbps=100.0)
+    before = {k: dict(v) for k, v in cuda_mod._GEMV_TUNE.items()}
     rows = bench.sweep(be, cuda_mod, args, np.random.default_rng(0))
-    assert cuda_mod._GEMV_TUNE == {}
+    assert cuda_mod._GEMV_TUNE == before
     assert [(r["fmt"], r["variant"]) for r in rows] == [(f, v) for f in ("int4-g64", "int8")
                                                         for v, _ in bench._SWEEP]
     for r, (_, tune) in zip(rows, bench._SWEEP * 2):
