@@ -1,10 +1,12 @@
 """The ``cpu`` backend: the engine's fast host path, numba kernels on all cores.
 
-int8, int4 and int4-gG weights run the integer kernels of :mod:`colibri_plan.backends.cpu_qkernels`:
-activations quantized to int16 once per call (one scale per token), int8/int4 × int16 products summed
-in int32 (``vpdpwssd`` on AVX-512 VNNI), the packed bytes unpacked in registers, never dequantized to
-memory. Tiles of rows run in parallel, every token of a batch per tile, so a GEMV streams each weight
-byte from RAM once and a prefill batch of T tokens reads it once too (from L2 for tokens 2..T).
+int8, int4 and int4-gG weights run integer kernels: :mod:`colibri_plan.backends.cpu_qkernels` (int8,
+per-row int4, int4-g128) and :mod:`~colibri_plan.backends.cpu_q4t` (int4-g32/g64, transposed layout,
+explicit AVX-512 VNNI code of :mod:`~colibri_plan.backends.cpu_vnni`): activations quantized to int16
+once per call (one scale per token), int8/int4 × int16 products summed in int32 (``vpdpwssd`` on
+AVX-512 VNNI), the packed bytes unpacked in registers, never dequantized to memory. Tiles of rows run
+in parallel, every token of a batch per tile, so a GEMV streams each weight byte from RAM once and a
+prefill batch of T tokens reads it once too (from L2 for tokens 2..T).
 A matmul of at most ``serial_bytes`` (weight bytes × tokens, 2 MiB) runs a single-thread twin of its
 kernel, chosen at upload with it (``HostWeight.kernel``/``serial``, same bits): waking the pool costs
 more than such a matmul gains from a second core.
@@ -13,13 +15,14 @@ int2 and ``attention_absorb`` (MLA decode) run the float kernels of :mod:`~colib
 (f32/f16/bf16) use the numpy reference path (float32 BLAS, f16/bf16 converted a block of rows at a
 time). Weights stay in host memory, referenced, not copied (rows of odd length excepted: padded).
 
-Routed experts: all experts of a layer run in one parallel call per projection (:mod:`~colibri_plan.
-backends.cpu_experts`).
+Routed experts: all experts of a layer run in one parallel call per projection, and a decode step's
+weighted sum of them in one backend call (:mod:`~colibri_plan.backends.cpu_experts`).
 
-Figures (``bench/cpu_gemv.py``, ``bench/results/cpu-gemv.json``, a shared 2-core AVX-512 VM): GEMVs
-at trunk / GLM-5.2 expert shapes read weights at 0.72-0.96 (int8), 0.66-0.81 (int4), 0.63-0.76
-(int4-g32) of the RAM read bandwidth measured beside them; 1-2 MB matrices are bound by the ~70 µs
-cost of a call.
+Figures (``bench/cpu_gemv.py --repeats 7 --prefill 16``, ``bench/results/cpu-gemv.json``, a shared
+2-core AVX-512 VNNI VM): GEMVs at trunk / GLM-5.2 expert shapes read weights at 0.97-1.05 (int8),
+0.68-0.75 (int4), 0.81-0.83 (int4-g32), 0.72-0.77 (int4-g64), 0.60-0.64 (int4-g128) of the median RAM
+read bandwidth measured between them (31.1 GB/s); the 1-2 MB matrices of the peer model 0.45-0.77,
+where a call's fixed cost weighs more.
 """
 
 from __future__ import annotations
