@@ -1,10 +1,13 @@
-"""Integer GEMM kernels of the ``cpu`` backend: int8 and int4 (per-row and grouped) weights times
-activations quantized to int16, accumulated in int32 (imported only when that backend is opened).
+"""Integer GEMM kernels of the ``cpu`` backend: int8, per-row int4 and int4-g128 weights times
+activations quantized to int16, accumulated in int32, and the batched routed-expert kernels of these
+layouts (imported only when that backend is opened). The activation quantizers here serve every integer
+format, ``quant_x4t`` the transposed int4-g32/g64 kernels of :mod:`~colibri_plan.backends.cpu_q4t`.
 
 Why integers: written as ``acc = int32(acc + int32(w[j]) * int32(x[j]))`` over int8/uint8 weights and
 int16 activations, LLVM turns the reduction into ``vpmaddwd`` / ``vpdpwssd`` (AVX-512 VNNI): 32
 multiply-adds per instruction, about three times the float32 convert-and-FMA path per byte. That is
-what lets a GEMV keep up with RAM and a prefill batch of 16 tokens cost a few GEMVs, not 16. (Without
+what lets a GEMV keep up with RAM (``bench/results/cpu-gemv.json``: int8 at 0.97-1.05 of the RAM probe
+at trunk/expert shapes) and a prefill batch of 16 tokens cost 9.9-14.5 GEMVs at those shapes. (Without
 the explicit ``int32(...)`` truncation numba types the sum as int64 and the lanes fall to 64 bits.)
 
 Activations (``quant_x8`` / ``quant_x4``): each token row t is scaled once per call,
@@ -18,9 +21,10 @@ block of ``K4`` bytes at most 1024·2·15·32767 < 2³¹; blocks are summed in f
 
 Weights are cut in blocks of fixed size (``data3`` [out, blocks, bb]), with constant trip counts so the
 inner loop vectorises without a tail; a row whose length is not a whole number of blocks is padded with
-zeros (int8) or the zero code (int4) at upload, by ``cpu.py``. All kernels run tiles of ``ROW_TILE``
-rows in parallel (``prange``) and, inside a tile, every token of the batch: the tile stays in L2 while
-it is reused, so a prefill batch reads each weight from RAM once.
+zeros (int8) or the zero code (int4) at upload, by ``cpu.py``. The kernels here run tiles of
+``ROW_TILE`` rows in parallel (``prange``; cpu_q4t steps 128) and, inside a tile, every token of the
+batch: the tile stays in L2 while it is reused, so a prefill batch reads each weight from RAM once. The
+``_1`` kernels are single-thread twins (same bits) for matmuls of at most ``SERIAL_BYTES``.
 """
 
 from __future__ import annotations
