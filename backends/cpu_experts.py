@@ -4,7 +4,8 @@
 ``_k`` kernel namespace, ``_xq`` activation quantization, ``_par`` parallel call and ``_offs1``
 decode offsets). Experts whose weights share one layout (``HostWeight.key``: format, blocked shape,
 fold) run ``cpu_qkernels.experts_gate_up`` (SiLU·mul fused) then ``experts_matmul`` on tuples of
-``EXPERTS`` arrays; mixed layouts fall back to three matmuls per expert. :meth:`CpuExperts.expert_ffn_sum`
+``EXPERTS`` arrays (int4-g32/g64: ``cpu_q4t.experts_gate_up_t`` / ``experts_matmul_t``); mixed layouts
+fall back to three matmuls per expert. :meth:`CpuExperts.expert_ffn_sum`
 is a decode step's whole routed sum in one call: the batch, then ``cpu_kernels.weighted_sum`` (the
 engine's float32 order, bit for bit), with the checks of ``expert_ffn`` made in the same pass over the
 experts that collects their arrays (a decode step touches each chosen expert's objects once: they are
