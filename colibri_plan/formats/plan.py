@@ -18,6 +18,7 @@ import numpy as np
 
 from colibri_plan.errors import FormatError, InputError, MismatchError
 from colibri_plan.fileio import read_document, write_document
+from colibri_plan.formats.plan_prefill import check_prefill
 from colibri_plan.formats.plan_trunk import check_trunk_budgets, check_trunk_kv_figure, parse_trunk
 
 KIND = "plan"
@@ -251,6 +252,7 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
     for path, kind, limits in _FIELDS:
         _check_field(doc, path, kind, limits, where, predictions)
     _check_values(doc, where)
+    check_prefill(doc["predicted"], lambda what: _fail(where, what))   # formats/plan_prefill.py
     for k, v in doc["budgets"]["vram_budget_bytes"].items():
         if not _is(v, "num") or v < 0:
             _fail(where, f"budgets.vram_budget_bytes.{k} must be a finite number >= 0, got {v!r}")
