@@ -16,6 +16,11 @@ integers stored with an offset, float32 scales.
 Packing is little-end first: input column ``2j`` is the low nibble of byte ``j`` (int4), column ``4j+i``
 is bits ``2i..2i+1`` of byte ``j`` (int2). Padding columns hold the zero code (8 or 2).
 
+int4 scales are signed and every code 0..15 is used (:func:`quantize`): a block's scale is ``m / −k``
+with ``m`` its value of largest magnitude, so ``m`` lands on code 0 (value −8·s = m at k = 8, ggml's
+Q4_0 rule); ``k`` is the one of :data:`INT4_DIVISORS` with the least squared error. Readers only ever
+compute ``(code − 8) · s``.
+
 This module is a leaf: it imports only numpy and :mod:`colibri_plan.errors`, so the model spec, the
 engine and every backend can share it.
 """
@@ -36,6 +41,16 @@ FORMATS = FLOAT_FORMATS + ROW_FORMATS + GROUP_FORMATS
 
 _BITS = {"f32": 32, "f16": 16, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
 _ZERO_CODE = {"int4": 8, "int2": 2}
+#: int4 scale candidates ``s = m / −k`` per block (``m`` its value of largest magnitude), for groups
+#: of 32..128 and for whole rows. k = 8 puts m on code 0 exactly (ggml's Q4_0 rule); a larger k clips m
+#: to −8·s for a finer step on the rest: a group of 32 Gaussian weights wants k = 8..9, a row of a few
+#: thousand k ≈ 10..11. The first of least squared error wins, so a block that k = 8 stores exactly
+#: keeps it. Random N(0, 1) [2048, 2048], RMS error / RMS weight against the old 15-code rule
+#: s = max|w| / 7: g32 0.0970 -> 0.0831, row 0.1506 -> 0.1085. More candidates (7.5 .. 13 by 0.5)
+#: gain under 1% more for as much again of the packing time.
+INT4_DIVISORS = {"group": (8.0, 8.5, 9.0), "row": (8.0, 9.0, 10.0, 11.0, 12.0)}
+#: values per block of rows :func:`_int4_codes` works on (each candidate's temporaries stay in L2)
+_CHUNK_VALUES = 1 << 16
 
 
 def check_format(fmt: str) -> str:
@@ -150,7 +165,8 @@ def unpack_codes(fmt: str, data: np.ndarray, in_features: int) -> np.ndarray:
 
 
 def quantize(w: np.ndarray, fmt: str) -> QuantTensor:
-    """Quantize a float matrix W [out, in] to ``fmt`` (round to nearest, symmetric absmax scales).
+    """Quantize a float matrix W [out, in] to ``fmt``: round to nearest; int8/int2 scale absmax per row
+    symmetrically, int4 and int4-gG pick per block the signed scale of least squared error (module notes).
 
     Raises:
         FormatError: ``w`` is not 2-D or holds NaN/Inf.
@@ -171,32 +187,64 @@ def quantize(w: np.ndarray, fmt: str) -> QuantTensor:
         u = w.view(np.uint32).astype(np.uint64)
         r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
         return QuantTensor(fmt, out_f, in_f, r, None)
-    g = group_size(fmt)
-    if fmt == "int8":
-        qmax, qmin = 127, -127
-    elif fmt == "int2":
-        qmax, qmin = 1, -2
-    else:
-        qmax, qmin = 7, -8
+    if fmt not in ("int8", "int2"):  # int4 and int4-gG
+        codes, scales = _int4_codes(w, group_size(fmt))
+        return QuantTensor(fmt, out_f, in_f, _pack(codes, 2), scales)
+    qmax, qmin = (127, -127) if fmt == "int8" else (1, -2)
     # the symmetric step: absmax maps to qmax (int2 uses 2 so that -absmax is representable)
     denom = 2.0 if fmt == "int2" else float(qmax)
-    if g is None:
-        amax = np.abs(w).max(axis=1)  # [out]
-        scales = (amax / denom).astype(np.float32)
-        scale_cols = scales[:, None]
-    else:
-        ngroups = -(-in_f // g)
-        padded = np.zeros((out_f, ngroups * g), np.float32)
-        padded[:, :in_f] = w
-        amax = np.abs(padded.reshape(out_f, ngroups, g)).max(axis=2)  # [out, groups]
-        scales = (amax / denom).astype(np.float32)
-        scale_cols = np.repeat(scales, g, axis=1)[:, :in_f]
-    safe = np.where(scale_cols == 0, 1.0, scale_cols)
+    scales = (np.abs(w).max(axis=1) / denom).astype(np.float32)  # [out]
+    safe = np.where(scales == 0, 1.0, scales)[:, None]
     q = np.clip(np.rint(w / safe), qmin, qmax).astype(np.int32)
     if fmt == "int8":
         return QuantTensor(fmt, out_f, in_f, q.astype(np.int8), scales)
-    codes = (q + _ZERO_CODE["int2" if fmt == "int2" else "int4"]).astype(np.uint8)
-    return QuantTensor(fmt, out_f, in_f, _pack(codes, 8 // bits(fmt)), scales)
+    codes = (q + _ZERO_CODE["int2"]).astype(np.uint8)
+    return QuantTensor(fmt, out_f, in_f, _pack(codes, 4), scales)
+
+
+def _int4_codes(w: np.ndarray, g: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """int4 codes uint8 [out, in] (0..15) and signed float32 scales ([out] if ``g`` is None, else
+    [out, ceil(in/g)]) of a finite float32 W [out, in]: per block, the scale of :data:`INT4_DIVISORS`
+    with the least squared error of ``(code − 8) · s`` against W (see the module notes)."""
+    out_f, in_f = w.shape
+    width = in_f if g is None else g
+    ngroups = -(-in_f // width)
+    codes = np.empty((out_f, in_f), np.uint8)
+    scales = np.empty((out_f, ngroups), np.float32)
+    step = max(1, _CHUNK_VALUES // (ngroups * width))
+    for r0 in range(0, out_f, step):
+        r1 = min(out_f, r0 + step)
+        b = np.zeros((r1 - r0, ngroups * width), np.float32)  # padding zeros: code 8 at any scale
+        b[:, :in_f] = w[r0:r1]
+        b = b.reshape(r1 - r0, ngroups, width)  # [rows, groups, width]
+        m = np.take_along_axis(b, np.abs(b).argmax(axis=2)[..., None], axis=2)  # [rows, groups, 1]
+        q, r = np.empty_like(b), np.empty_like(b)  # scratch [rows, groups, width], reused per candidate
+        best_err = best_s = None
+        for k in INT4_DIVISORS["row" if g is None else "group"]:
+            s = m / np.float32(-k)  # [rows, groups, 1]
+            _int4_round(b, s, q)
+            np.multiply(q, s, out=r)
+            r -= b
+            err = np.einsum("rgw,rgw->rg", r, r)[..., None]  # [rows, groups, 1] squared error (one pass)
+            if best_err is None:
+                best_err, best_s = err, s
+            else:  # strictly better only: ties keep the earlier candidate
+                better = err < best_err
+                best_err, best_s = np.where(better, err, best_err), np.where(better, s, best_s)
+        _int4_round(b, best_s, q)
+        q += 8
+        codes[r0:r1] = q.astype(np.uint8).reshape(r1 - r0, -1)[:, :in_f]
+        scales[r0:r1] = best_s[..., 0] + np.float32(0)  # an all-zero block: -0.0 + 0 = +0.0
+    return codes, scales[:, 0] if g is None else scales
+
+
+def _int4_round(b: np.ndarray, s: np.ndarray, out: np.ndarray) -> None:
+    # out [rows, groups, width] = clip(rint(b / s), -8, 7) as float32, 0 where s = 0 (a division, not
+    # a reciprocal: 1/s overflows for a block of subnormals, and 0·inf is NaN)
+    out.fill(0)
+    np.divide(b, s, out=out, where=s != 0)
+    np.rint(out, out=out)
+    np.clip(out, -8, 7, out=out)
 
 
 def dequantize(qt: QuantTensor) -> np.ndarray:

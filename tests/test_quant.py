@@ -17,11 +17,62 @@ def test_glm52_expert_bytes_match_colibri():
 
 
 def test_int4_low_nibble_first():
-    w = np.array([[-3.5, 3.5, 0.0]], np.float32)  # scale = 3.5/7 = 0.5 -> codes 1, 15, 8
+    w = np.array([[-4.0, 3.5, 0.0]], np.float32)  # m = -4: scale -4 / -8 = 0.5 -> codes 0, 15, 8
     qt = quant.quantize(w, "int4")
-    assert qt.scales[0] == pytest.approx(0.5)
-    assert qt.data.tolist() == [[0x1 | (0xF << 4), 0x8 | (0x8 << 4)]]  # padding = zero code 8
+    assert qt.scales.tolist() == [0.5]
+    assert qt.data.tolist() == [[0x0 | (0xF << 4), 0x8 | (0x8 << 4)]]  # padding = zero code 8
     np.testing.assert_array_equal(quant.dequantize(qt), w)
+
+
+def _codes(qt):
+    return quant.unpack_codes(qt.fmt, qt.data, qt.in_features)
+
+
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4"])
+def test_int4_all_sixteen_codes_exact(fmt):
+    # row 0: (c - 8)·d for c = 0..15, twice: its largest magnitude -8·d is negative -> scale +d, codes
+    # 0..15; row 1 the negation: largest magnitude +8·d -> scale -d, (c - 8)·(-d) = (8 - c)·d: codes 0..15
+    d = np.float32(0.1)
+    block = (np.arange(16, dtype=np.float32) - 8) * d
+    w = np.stack([np.tile(block, 2), -np.tile(block, 2)])  # [2, 32]
+    qt = quant.quantize(w, fmt)
+    assert _codes(qt).tolist() == [list(range(16)) * 2] * 2
+    assert qt.scales.ravel().tolist() == [d, -d]
+    np.testing.assert_array_equal(quant.dequantize(qt), w)  # bit-exact: every value is on the grid
+
+
+def test_int4_clipping_candidate_by_hand():
+    # 31 ones and a 9 in a group of 32. k = 8: scale -9/8, each 1 -> code 7 (value 1.125): error
+    # 31 · 0.125² = 0.484. k = 8.5: scale -9/8.5, 1 -> code 7 (1.0588), 9 -> -8.5 -> code 0 (8.4706):
+    # 31 · 0.0588² + 0.5294² = 0.388. k = 9: ones exact, 9 clipped to 8: error 1. So k = 8.5 wins.
+    w = np.ones((1, 32), np.float32)
+    w[0, 5] = 9.0
+    qt = quant.quantize(w, "int4-g32")
+    assert qt.scales[0, 0] == np.float32(9.0) / np.float32(-8.5)
+    want = [7] * 32
+    want[5] = 0
+    assert _codes(qt).tolist() == [want]
+    err = float(((quant.dequantize(qt) - w).astype(np.float64) ** 2).sum())
+    assert err == pytest.approx(31 * (9 / 8.5 - 1) ** 2 + (9 - 8 * 9 / 8.5) ** 2, rel=1e-5)
+
+
+def test_int4_zero_group_and_padding():
+    w = np.zeros((1, 40), np.float32)
+    w[0, 35] = -1.0  # group 0 all zero; group 1 (8 columns + 24 of padding) has -1 -> scale 1/8
+    qt = quant.quantize(w, "int4-g32")
+    assert qt.scales.tolist() == [[0.0, 0.125]] and not np.signbit(qt.scales[0, 0])  # +0.0, not -0.0
+    codes = _codes(qt)[0]
+    assert codes[35] == 0 and set(codes[:35].tolist()) | set(codes[36:].tolist()) == {8}
+    np.testing.assert_array_equal(quant.dequantize(qt), w)
+
+
+def _q4_0_block_err(blocks):
+    # ggml's Q4_0 rule per block [.., G]: s = m / -8 (m the value of largest magnitude),
+    # code = clip(round(w / s) + 8, 0, 15); squared error of (code - 8)·s per block
+    m = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=-1)[..., None], axis=-1)
+    s = m / -8.0
+    q = np.clip(np.rint(blocks / np.where(s == 0, 1, s)), -8, 7)
+    return ((blocks - q * s) ** 2).sum(axis=-1)
 
 
 def test_int2_codes_and_padding():
@@ -49,11 +100,22 @@ def test_round_trip_error_bound(fmt, shape):
     elif fmt == "int2":
         # positive values above scale clip to +1 step: error at most half the row's absmax
         assert np.all(err <= np.abs(w).max(axis=1, keepdims=True) * 0.5 + 1e-6)
-    else:
-        g = quant.group_size(fmt)
-        step = qt.scales if g is None else np.repeat(qt.scales, g, axis=1)[:, : shape[1]]
-        step = step[:, None] if g is None else step
-        assert np.all(err <= step * 0.5 + 1e-6)
+    elif fmt == "int8":
+        assert np.all(err <= qt.scales[:, None] * 0.5 + 1e-6)
+    else:  # int4, int4-gG: blocks of G columns (a whole row for int4), zero-padded like the quantizer
+        g = quant.group_size(fmt) or shape[1]
+        ng = -(-shape[1] // g)
+        wb, eb = (np.pad(a.astype(np.float64), ((0, 0), (0, ng * g - shape[1]))).reshape(shape[0], ng, g)
+                  for a in (w, err))
+        s = np.abs(qt.scales).reshape(shape[0], ng, 1)
+        amax = np.abs(wb).max(axis=2, keepdims=True)
+        # |s| = amax / k with k >= 8: a step no coarser than Q4_0's; the value of largest magnitude sits at
+        # -k·s and clips to -8·s, one of the other sign at up to +k·s clips to 7·s: |error| <= amax - 7·|s|
+        assert np.all(s <= amax / 8 * (1 + 1e-6))
+        assert np.all(eb <= amax - 7 * s + 1e-6)
+        # the chosen scale's squared error per block is at most that of the Q4_0 rule (one of the candidates;
+        # 1e-4: the reference rounds a float64 scale, the quantizer a float32 one)
+        assert np.all((eb ** 2).sum(axis=2) <= _q4_0_block_err(wb) * (1 + 1e-4))
 
 
 def test_matmul_ref_matches_dense():
@@ -70,3 +132,14 @@ def test_bad_input():
         quant.quantize(np.array([[np.nan]]), "int8")
     with pytest.raises(FormatError, match="2-D"):
         quant.quantize(np.ones(3), "int8")
+
+
+def test_int4_subnormal_block():
+    # a block of subnormals: its scale m / -k is subnormal too (1/s would overflow); codes stay 0..15
+    w = np.zeros((1, 64), np.float32)
+    w[0, 3], w[0, 40], w[0, 41] = 1e-44, -3e-39, 2e-39
+    for fmt in ("int4-g32", "int4"):
+        qt = quant.quantize(w, fmt)
+        d = quant.dequantize(qt)
+        assert np.all(np.isfinite(qt.scales)) and np.all(np.isfinite(d))
+        assert np.all(np.abs(d - w) <= np.abs(w).max() / 8)
