@@ -129,7 +129,8 @@ def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) 
 
     Raises:
         FormatError: a malformed section, a device that is neither "cpu" nor one of the plan's devices,
-            KV bytes that do not match pages × bytes per token, or a split that is not a cover of the layers.
+            KV bytes that do not match pages × bytes per token, a split that is not a cover of the layers,
+            or ``kv.host`` true on a CPU trunk or for a model family (``model.family``) that is not MLA.
     """
     sec = doc.get("trunk")
     if sec is None:
@@ -183,6 +184,16 @@ def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) 
     host = kv.get("host", False)
     if not isinstance(host, bool):
         raise FormatError(f"trunk.kv.host must be true or false, got {host!r}{_REDO}")
+    # true only where the engine keeps the cache on the host although the trunk is on a GPU: a stray true
+    # would take the KV's bytes out of the VRAM check while the engine puts the cache on the device
+    family = doc["model"].get("family") if isinstance(doc.get("model"), dict) else None
+    if host and device == CPU:
+        raise FormatError("trunk.kv.host is true but the trunk is on the cpu (the cache is on the host "
+                          "anyway): it is only for an MLA family's trunk on a GPU; drop it" + _REDO)
+    if host and isinstance(family, str) and family not in MLA_FAMILIES:
+        raise FormatError(f"trunk.kv.host is true but model family {family!r} is not MLA (the engine "
+                          f"keeps its KV cache on the trunk's device, {device}): it is only for "
+                          f"{', '.join(sorted(MLA_FAMILIES))}{_REDO}")
     return TrunkPlacement(device, fmt, _int(sec, "dense_bytes", "trunk"), kv_dev, ctx, page, bpt, total,
                           tuple(split), host)
 
