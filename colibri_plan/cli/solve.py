@@ -147,6 +147,12 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
                                      queue_depth=queue_depth, keep_host_copies=keep_host_copies,
                                      repin_every=repin_every, repin_window=repin_window, trunk=trunk,
                                      prompt_tokens=prompt_tokens)
+    if prompt_tokens > context and click.get_current_context().get_parameter_source(
+            "prompt_tokens") is not click.core.ParameterSource.DEFAULT:
+        # the engine grows the KV cache past the plan's context: a prompt this long overruns the budget
+        setup.warnings.append(f"--prompt-tokens {prompt_tokens} is longer than --context {context}: the plan "
+                              f"budgets a KV cache of {context} tokens, so a prompt this long outgrows it; "
+                              f"solve with --context {prompt_tokens} or more")
     for w in setup.warnings:
         warn(w)
     if out_path:
