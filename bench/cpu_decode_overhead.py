@@ -159,11 +159,18 @@ def report(res: dict) -> None:
             print(f"  {tree} kernels/token: {ks}")
 
 
+def _at_least_1(text: str) -> int:
+    """--tokens / --rounds: a whole number >= 1 (0 would leave no timings to take the median of)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("packs", nargs="+")
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=_at_least_1, default=32)
+    ap.add_argument("--rounds", type=_at_least_1, default=5)
     ap.add_argument("--roots", nargs="*", default=[], help="NAME=DIR source trees, interleaved")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -172,6 +179,14 @@ def main(argv=None) -> int:
     if a.worker:
         print(json.dumps(worker(a.packs[0], a.tokens, a.root)))
         return 0
+    missing = [x for x in a.packs if not (Path(x) / "pack.json").exists()]
+    if missing:
+        ap.error(f"not a pack (no pack.json): {' '.join(missing)}; make one with "
+                 "`colibri-plan model fixture`")
+    bad = [r for r in a.roots
+           if "=" not in r or not r.split("=", 1)[0] or not Path(r.split("=", 1)[1]).is_dir()]
+    if bad:
+        ap.error(f"--roots takes NAME=DIR with DIR a source tree (a folder), got {' '.join(bad)}")
     roots = dict(r.split("=", 1) for r in a.roots) or {"tree": None}
     load0 = os.getloadavg()
     runs: dict = {p: {n: [] for n in roots} for p in a.packs}

@@ -89,17 +89,24 @@ def run_way(way: str, pack, prompt, args) -> dict:
             "decode_s_per_token": float(np.median([r[2] for r in runs]))}
 
 
+def _at_least_1(text: str) -> int:
+    """A count argument: a whole number >= 1 (argparse reports anything else as a usage error)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", default="/tmp/cuda-prefill-work", help="where the fixture is built (kept)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--layers", type=_at_least_1, default=8)
+    p.add_argument("--experts", type=_at_least_1, default=32)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
-    p.add_argument("--tokens", type=int, default=8, help="greedy tokens (the first: the prefill's)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt", type=_at_least_1, default=128, help="prompt tokens")
+    p.add_argument("--tokens", type=_at_least_1, default=8, help="greedy tokens (the first: the prefill's)")
+    p.add_argument("--repeats", type=_at_least_1, default=3)
     p.add_argument("--ways", default="cpu,device,device-gemv,device-host-experts")
     p.add_argument("--out")
     args = p.parse_args(argv)

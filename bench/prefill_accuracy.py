@@ -109,17 +109,54 @@ def _commit() -> str | None:
         return None
 
 
+def _lengths(text: str) -> list[int]:
+    """--prompts: comma-separated whole numbers >= 1 (argparse turns the ValueError into a usage error)."""
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out or not all(x.isdigit() and int(x) >= 1 for x in out):
+        raise argparse.ArgumentTypeError(f"expected prompt lengths >= 1, comma-separated (16,64,256), "
+                                         f"got {text!r}")
+    return [int(x) for x in out]
+
+
+def _budgets(text: str) -> list[str]:
+    """--ram: comma-separated GB figures > 0 or ``auto`` (what ``solve --ram`` takes)."""
+    out = [x.strip() for x in text.split(",") if x.strip()]
+
+    def ok(x: str) -> bool:
+        try:
+            return x == "auto" or 0 < float(x) < float("inf")
+        except ValueError:
+            return False
+
+    if not out or not all(ok(x) for x in out):
+        raise argparse.ArgumentTypeError(f"expected RAM budgets in GB (> 0) or auto, comma-separated "
+                                         f"(auto,1.5), got {text!r}")
+    return out
+
+
+def _at_least_1(text: str) -> int:
+    """--repeats: a whole number >= 1 (0 runs leave no median)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="work-demo/prefill", help="working folder (profile, heat, plans)")
     ap.add_argument("--fixture", default=None,
-                    help="a fixture pack (default: work-demo/fixture when there, else DIR/fixture, made)")
-    ap.add_argument("--prompts", default="16,64,256", help="prompt lengths, comma-separated")
-    ap.add_argument("--ram", default="auto,1.5", help="RAM budgets (GB or auto), comma-separated")
-    ap.add_argument("--repeats", type=int, default=3)
+                    help="a fixture pack folder (default: work-demo/fixture when there, else DIR/fixture, "
+                         "made when missing)")
+    ap.add_argument("--prompts", type=_lengths, default="16,64,256", help="prompt lengths, comma-separated")
+    ap.add_argument("--ram", type=_budgets, default="auto,1.5",
+                    help="RAM budgets (GB or auto), comma-separated")
+    ap.add_argument("--repeats", type=_at_least_1, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench/results/prefill-accuracy.json"))
     ap.add_argument("--json", action="store_true", help="print the result document instead of the table")
     a = ap.parse_args(argv)
+    if a.fixture and not (Path(a.fixture) / "pack.json").exists():   # never build 3.6 GB where one was named
+        ap.error(f"--fixture {a.fixture} is not a pack (no pack.json): name a folder made by `colibri-plan "
+                 "model fixture`, or leave --fixture out to use work-demo/fixture or build DIR/fixture")
     from colibri_plan.engine.fixture import fixture_prompt
     from colibri_plan.engine.pack import open_pack
     from colibri_plan.fileio import atomic_write_text
@@ -128,11 +165,11 @@ def main(argv=None) -> int:
 
     d = Path(a.dir)
     fx, prof, heat = inputs(d, Path(a.fixture) if a.fixture else None)
-    lengths = [int(x) for x in a.prompts.split(",") if x.strip()]
+    lengths = a.prompts
     pack = open_pack(fx)
     rows = []
     t0 = time.time()
-    for ram in [x.strip() for x in a.ram.split(",") if x.strip()]:
+    for ram in a.ram:
         plan_path = solve(d, fx, prof, heat, ram, lengths[0], max(512, max(lengths) + 8))
         plan = load_plan(plan_path)
         measure(pack, plan, fixture_prompt(pack.arch.vocab_size, lengths[0], seed=1), 1)   # warm-up
