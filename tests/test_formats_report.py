@@ -58,3 +58,37 @@ def test_well_typed_sections_are_accepted(tmp_path):
     rep["settings"] = {"tokens": 4}
     (tmp_path / "r.json").write_text(json.dumps(rep))
     assert load_report(tmp_path / "r.json")["verdict"]["ok"] is False
+
+
+BAD_PREFILL = [("verdict", "prefill_ratio", -2.0, "verdict.prefill_ratio must be a finite number >= 0"),
+               ("verdict", "tok_s_ratio", -0.5, "verdict.tok_s_ratio must be a finite number >= 0 or null"),
+               ("verdict", "prefill_ok", "yes", "verdict.prefill_ok must be true, false or null"),
+               ("measured", "prefill_s", "slow", "measured.prefill_s must be a finite number >= 0"),
+               ("measured", "prefill_s", -1.0, "measured.prefill_s must be a finite number >= 0"),
+               ("measured", "prompt_tokens", -4, "measured.prompt_tokens must be a whole number >= 1"),
+               ("measured", "prompt_tokens", 0, "measured.prompt_tokens must be a whole number >= 1 or null"),
+               ("measured", "prompt_tokens", 8.5, "measured.prompt_tokens must be a whole number >= 1"),
+               ("measured", "prompt_tokens", True, "measured.prompt_tokens must be a whole number >= 1")]
+
+
+@pytest.mark.parametrize("section, key, value, message", BAD_PREFILL)
+def test_bad_prefill_figures_are_one_format_error(tmp_path, section, key, value, message):
+    rep = toy_report()
+    rep[section][key] = value
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    with pytest.raises(FormatError) as exc:
+        load_report(tmp_path / "r.json")
+    assert message in str(exc.value) and "re-run `colibri-plan verify`" in str(exc.value)
+
+
+def test_prefill_figures_in_range_or_null_are_accepted(tmp_path):
+    rep = toy_report()
+    rep["measured"].update(prefill_s=0.25, prompt_tokens=64)
+    rep["verdict"].update(prefill_ratio=0.48, prefill_ok=False)
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    doc = load_report(tmp_path / "r.json")
+    assert doc["measured"]["prompt_tokens"] == 64 and doc["verdict"]["prefill_ratio"] == 0.48
+    rep["measured"].update(prefill_s=None, prompt_tokens=None)
+    rep["verdict"].update(prefill_ratio=None, prefill_ok=None)
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    assert load_report(tmp_path / "r.json")["verdict"]["prefill_ratio"] is None

@@ -171,7 +171,8 @@ def _bad_number(v) -> bool:
 
 def check_figures(d, where: str, section: str = "") -> None:
     """Check one predicted/measured section: an object with ``decode_s_per_token``, ``tok_s`` and
-    ``terms``, every number in ``terms`` (and its per-device objects) finite, >= 0 and <= 1e6.
+    ``terms``, every number in ``terms`` (and its per-device objects) finite, >= 0 and <= 1e6; the
+    optional ``prefill_s`` too (or null), ``prompt_tokens`` a whole number >= 1 (or null).
 
     Raises:
         FormatError: naming ``where``, the field's path and the value.
@@ -196,6 +197,15 @@ def check_figures(d, where: str, section: str = "") -> None:
                 name = f"{pre}terms.{k}" + (f".{kk}" if kk is not None else "")
                 raise FormatError(f"{where}: {name} must be a finite number >= 0 and <= {MAX_S_PER_TOKEN:g}, "
                                   f"got {x!r}; re-run `colibri-plan verify` to get a clean report")
+    # the prefill figures verify compares (a run's prompt forward pass; absent or null without one)
+    v = d.get("prefill_s")
+    if v is not None and _bad_number(v):
+        raise FormatError(f"{where}: {pre}prefill_s must be a finite number >= 0 and <= {MAX_S_PER_TOKEN:g} "
+                          f"(seconds) or null, got {v!r}; re-run `colibri-plan verify` to get a clean report")
+    v = d.get("prompt_tokens")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise FormatError(f"{where}: {pre}prompt_tokens must be a whole number >= 1 or null, got {v!r}; "
+                          "re-run `colibri-plan verify` to get a clean report")
     hr = d.get("hit_rate")
     if hr is not None and (not isinstance(hr, dict)
                            or any(_bad_number(x) or x > 1 for x in hr.values())):
@@ -261,8 +271,8 @@ _VERDICT = {"ok": (lambda v: isinstance(v, bool), "true or false"),
             "tok_s_ok": (lambda v: isinstance(v, bool), "true or false"),
             "hit_rate_ok": (lambda v: isinstance(v, bool), "true or false"),
             "token_exact": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
-            "tok_s_ratio": (_finite, "a finite number or null"),
-            "prefill_ratio": (_finite, "a finite number or null"),
+            "tok_s_ratio": (lambda v: _finite(v) and (v is None or v >= 0), "a finite number >= 0 or null"),
+            "prefill_ratio": (lambda v: _finite(v) and (v is None or v >= 0), "a finite number >= 0 or null"),
             "prefill_ok": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
             "hit_rate_diff_points": (lambda v: _finite(v, null=False), "a finite number")}
 _ROW_NUMBERS = ("predicted", "measured", "ratio")
