@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -198,6 +199,15 @@ def main() -> int:
     p.add_argument("--tc-warps", type=int, default=None, help="warps per block of the tensor-core kernels")
     p.add_argument("--out")
     args = p.parse_args()
+    # refused here, before the GPU is opened, rather than as a traceback from inside the kernels' set-up
+    if bad := [f for f in args.formats.split(",") if f not in quant.FORMATS]:
+        p.error(f"--formats: {', '.join(bad)} not a quant format ({', '.join(quant.FORMATS)})")
+    if not all(t.strip().isdigit() and int(t) >= 1 for t in args.tokens.split(",")):
+        p.error(f"--tokens: expected token counts >= 1, comma-separated (1,4,16), got {args.tokens!r}")
+    if args.tc_rows and not re.fullmatch(r"[1-9]\d*,[1-9]\d*", args.tc_rows):
+        p.error(f"--tc-rows: expected two counts >= 1, mm,gate_up (2,1), got {args.tc_rows!r}")
+    if min(args.experts, args.pool, args.calls) < 1:
+        p.error("--experts, --pool and --calls must be >= 1")
     cls = get_backend("cuda")
     from colibri_plan.backends import cuda as mod
 

@@ -52,3 +52,19 @@ def test_good_arguments_parse_to_lists():
     mod = bench("prefill_accuracy")
     assert mod._lengths("16, 64,256") == [16, 64, 256]
     assert mod._budgets("auto,1.5") == ["auto", "1.5"]
+
+
+FFN_CASES = [(["--formats", "int4,bogus", "--gemv-sweep"], "--formats: bogus not a quant format"),
+             (["--tokens", "1,abc"], "--tokens: expected token counts >= 1"),
+             (["--tokens", "0"], "--tokens: expected token counts >= 1"),
+             (["--tc-rows", "x"], "--tc-rows: expected two counts >= 1"),
+             (["--experts", "0"], "--experts, --pool and --calls must be >= 1")]
+
+
+@pytest.mark.parametrize("argv,message", FFN_CASES, ids=[" ".join(c[0]) for c in FFN_CASES])
+def test_cuda_expert_ffn_refuses_bad_arguments_before_the_gpu(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr("sys.argv", ["cuda_expert_ffn.py", *argv])
+    with pytest.raises(SystemExit) as exc:
+        bench("cuda_expert_ffn").main()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "cuda unavailable" not in err, err
