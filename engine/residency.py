@@ -11,7 +11,8 @@ the misses of one layer (up to top-k at decode) are read concurrently by a threa
 
 Within one MoE layer, device-resident experts run on their devices in their own threads while the CPU
 computes pinned and cached experts, then each streamed expert as its read completes (disk reads overlap
-CPU compute). Every byte is counted once: :meth:`ResidencyManager.resident_bytes`.
+CPU compute; the slots, reads and LRU admission are :mod:`colibri_plan.engine.streaming`). Every byte is
+counted once: :meth:`ResidencyManager.resident_bytes`.
 
 A placement's ``compute`` map may hand the host tiers (pinned, LRU, disk) to a unified-memory device
 (:mod:`colibri_plan.engine.unified`): those experts are uploaded to it (pinned once at start-up, streamed
@@ -30,29 +31,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from colibri_plan.directio import aligned_buffer, drop_cache, open_for_read, read_full
+from colibri_plan.directio import open_for_read
 from colibri_plan.engine.placement import LayerPlacement, Placement
 from colibri_plan.engine.repin import Repinner
+from colibri_plan.engine.streaming import Slot, StreamedExperts
 from colibri_plan.engine.tierstats import TierStats
 from colibri_plan.engine.unified import TierCompute
-from colibri_plan.errors import InputError, IntegrityError
+from colibri_plan.errors import InputError
 
 
-class _Slot:
-    """A page-aligned buffer holding one expert block, and its parsed weights on the CPU backend."""
-
-    __slots__ = ("buf", "key", "weights", "qts", "dev", "t_submit", "t_read_end")
-
-    def __init__(self, nbytes: int):
-        self.buf = aligned_buffer(nbytes)
-        self.key: tuple[int, int] | None = None
-        self.weights = None  # ExpertWeights on the CPU backend (zero-copy views of buf)
-        self.qts = None      # the parsed QuantTensors (views of buf), what a device upload takes
-        self.dev: tuple[str, object] | None = None  # (device key, its upload) on a unified device
-        self.t_submit = self.t_read_end = 0.0  # perf_counter stamps of the last streamed read
-
-
-class ResidencyManager:
+class ResidencyManager(StreamedExperts):
     """Serve a pack's experts from VRAM / pinned RAM / LRU / disk as a :class:`Placement` says.
 
     Args:
@@ -72,7 +60,7 @@ class ResidencyManager:
         IntegrityError: an expert read at start-up fails its checksum.
     """
 
-    slot_type = _Slot   # the buffer type (engine.repin reads newcomers into one)
+    slot_type = Slot   # the buffer type (engine.repin reads newcomers into one)
 
     def __init__(self, pack, placement: Placement, cpu_backend, devices: dict | None = None,
                  read_threads: int = 8, working_buffers: int | None = None, verify_checksums: bool = True):
@@ -108,7 +96,7 @@ class ResidencyManager:
                 pack.experts_path)
         self.stats = TierStats()
         self._vram: dict[tuple[int, int], tuple[str, object]] = {}
-        self._pinned: dict[tuple[int, int], _Slot] = {}
+        self._pinned: dict[tuple[int, int], Slot] = {}
         self._pinned_dev: dict[tuple[int, int], tuple[str, object]] = {}   # pinned, computed on a device
         self._garbage: list[tuple[str, object]] = []   # device uploads of evicted slots, freed after run
         self._lru: dict[int, OrderedDict] = {l: OrderedDict() for l in arch.moe_layers}
@@ -121,35 +109,13 @@ class ResidencyManager:
             self._load_pinned()
             n_work = 1 if self.in_memory else int(working_buffers or arch.top_k)   # never used in memory
             total = n_work + sum(placement.layer(l).lru_slots for l in arch.moe_layers)
-            self._free = [_Slot(self.block_bytes) for _ in range(total)]
+            self._free = [Slot(self.block_bytes) for _ in range(total)]
             self.working_buffers = n_work
         except BaseException:
             self.close()
             raise
 
     # ---- start-up ------------------------------------------------------------------------------
-    def _read_block(self, slot: _Slot, layer: int, e: int) -> float:
-        """Read one expert block into ``slot.buf`` and parse it; returns seconds spent reading."""
-        off, nbytes, _ = self.pack.expert_location(layer, e)
-        t0 = time.perf_counter()
-        try:
-            got = read_full(self.fd, slot.buf, off, nbytes)
-        except OSError as exc:
-            raise IntegrityError(f"reading expert (layer {layer}, expert {e}) from "
-                                 f"{self.pack.experts_path} failed: {exc}; check the disk and re-run "
-                                 "`colibri-plan model verify`") from exc
-        if got != nbytes:
-            raise IntegrityError(f"expert (layer {layer}, expert {e}): short read ({got} of {nbytes} B): "
-                                 f"{self.pack.experts_path} was truncated; re-create the pack")
-        if not self.o_direct:
-            drop_cache(self.fd, off, nbytes)  # keep the page cache from hiding the next read
-        slot.t_read_end = time.perf_counter()
-        seconds = slot.t_read_end - t0
-        slot.weights = self.pack.expert_from_bytes(slot.buf, layer, e, check=self.verify)  # views of buf
-        slot.qts = slot.weights
-        slot.key = (layer, e)
-        return seconds
-
     def _load_vram(self) -> None:
         for layer in self.pack.arch.moe_layers:
             for key, ids in self.placement.layer(layer).vram.items():
@@ -159,7 +125,7 @@ class ResidencyManager:
                         self._vram[(layer, e)] = (key, backend.upload_expert(*self.pack.expert(layer, e)))
                         continue
                     # a fresh buffer per expert, dropped after the upload: a GPU keeps the only copy
-                    scratch = _Slot(self.block_bytes)
+                    scratch = Slot(self.block_bytes)
                     self._read_block(scratch, layer, e)
                     self._vram[(layer, e)] = (key, backend.upload_expert(*scratch.weights))
 
@@ -171,11 +137,11 @@ class ResidencyManager:
                     if self.in_memory:
                         self._pinned_dev[(layer, e)] = (dev, self.tc.upload(dev, self.pack.expert(layer, e)))
                         continue
-                    scratch = _Slot(self.block_bytes)
+                    scratch = Slot(self.block_bytes)
                     self._read_block(scratch, layer, e)
                     self._pinned_dev[(layer, e)] = (dev, self.tc.upload(dev, scratch.weights))
                     continue
-                slot = _Slot(self.block_bytes)
+                slot = Slot(self.block_bytes)
                 if self.in_memory:   # the checkpoint's arrays are already in RAM: no read, no copy
                     slot.weights = self.cpu.upload_expert(*self.pack.expert(layer, e))
                     self._pinned[(layer, e)] = slot
@@ -282,94 +248,6 @@ class ResidencyManager:
     def _add_device_s(self, key: str, seconds: float) -> None:
         with self._lock:
             self.stats.device_compute_s[key] = self.stats.device_compute_s.get(key, 0.0) + seconds
-
-    def _on_device(self, slot: _Slot, key: str):
-        """The upload of ``slot``'s expert on device ``key`` (made now if the slot has none there)."""
-        if slot.dev is None or slot.dev[0] != key:
-            self._drop_dev(slot)
-            slot.dev = (key, self.tc.upload(key, slot.qts))
-        return slot.dev[1]
-
-    def _drop_dev(self, slot: _Slot) -> None:
-        if slot.dev is not None:
-            self._garbage.append(slot.dev)
-            slot.dev = None
-
-    def _take_slot(self) -> _Slot:
-        slot = self._free.pop()
-        if slot.weights is not None:  # it held an evicted expert: release its CPU-backend views
-            for w in slot.weights:
-                self.cpu.free(w)
-            slot.weights, slot.key = None, None
-        self._drop_dev(slot)
-        return slot
-
-    def _submit_wave(self, layer: int, expert_ids, wave: list[int]) -> list:
-        """Start the O_DIRECT reads of up to ``working_buffers`` misses; all are in flight together."""
-        pending = []
-        for i in wave:
-            slot = self._take_slot()
-            slot.t_submit = time.perf_counter()
-            pending.append((i, slot, self._pool.submit(self._read_block, slot, layer, int(expert_ids[i]))))
-        return pending
-
-    def _complete_wave(self, layer: int, expert_ids, xs, pending: list, out) -> None:
-        """Compute each streamed expert as soon as its read completes, then admit it to the LRU."""
-        st = self.stats
-        done: list[_Slot] = []
-        for n, (i, slot, fut) in enumerate(pending):
-            t0 = time.perf_counter()
-            try:
-                st.disk_read_s += fut.result()
-            except BaseException:
-                self._abort_reads(pending[n:], done)
-                raise
-            st.disk_wait_s += time.perf_counter() - t0
-            st.uses["disk"] += 1
-            st.disk_bytes += self.pack.expert_location(layer, int(expert_ids[i]))[1]
-            t0 = time.perf_counter()
-            slot.weights = self.cpu.upload_expert(*slot.weights)  # zero-copy on host backends
-            dev = self.tc.device("disk")
-            if dev is None:
-                out[i] = self.cpu.expert_ffn([xs[i]], [slot.weights])[0]
-                st.cpu_compute_s += time.perf_counter() - t0
-            else:   # unified device: one upload per slot fill (a memcpy on unified memory), then compute
-                out[i] = self.tc.call(dev, [xs[i]], [self._on_device(slot, dev)])[0][0]
-                self._add_device_s(dev, time.perf_counter() - t0)
-            done.append(slot)
-        if done:  # the wave's reads were in flight together: its wall time is what the disk delivered in
-            st.disk_busy_s += max(s.t_read_end for s in done) - min(s.t_submit for s in done)
-        for slot in done:
-            self._admit(layer, slot)
-
-    def _abort_reads(self, pending, done: list) -> None:
-        """A read failed: wait for the wave's other reads and return every buffer to the pool."""
-        for _, slot, fut in pending:
-            try:
-                fut.result()
-            except Exception:  # noqa: BLE001 - the first failure is the one re-raised
-                pass
-            slot.weights, slot.key = None, None
-            self._free.append(slot)
-        for slot in done:
-            for w in slot.weights:
-                self.cpu.free(w)
-            slot.weights, slot.key = None, None
-            self._drop_dev(slot)
-            self._free.append(slot)
-
-    def _admit(self, layer: int, slot: _Slot) -> None:
-        """Make ``slot`` the layer's most recent LRU entry; evicted slots go back to the free pool."""
-        lru = self._lru[layer]
-        cap = self.placement.layer(layer).lru_slots
-        if cap <= 0:
-            self._free.append(slot)
-            return
-        lru[slot.key] = slot
-        lru.move_to_end(slot.key)
-        while len(lru) > cap:
-            _, old = lru.popitem(last=False)
-            self._free.append(old)
 
     # ---- accounting ----------------------------------------------------------------------------
     def resident_bytes(self) -> dict[str, int]:
