@@ -14,6 +14,10 @@ computes pinned and cached experts, then each streamed expert as its read comple
 CPU compute; the slots, reads and LRU admission are :mod:`colibri_plan.engine.streaming`). Every byte is
 counted once: :meth:`ResidencyManager.resident_bytes`.
 
+At decode (one token) :meth:`ResidencyManager.run_sum` computes a layer whose chosen experts are all in RAM
+on the CPU backend in one ``expert_ffn_sum`` call (same bits as :meth:`ResidencyManager.run` then
+``scatter_sum``).
+
 A placement's ``compute`` map may hand the host tiers (pinned, LRU, disk) to a unified-memory device
 (:mod:`colibri_plan.engine.unified`): those experts are uploaded to it (pinned once at start-up, streamed
 once per slot fill) and computed there, beside the CPU path.
@@ -32,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from colibri_plan.directio import open_for_read
+from colibri_plan.engine.moe import scatter_sum
 from colibri_plan.engine.placement import LayerPlacement, Placement
 from colibri_plan.engine.repin import Repinner
 from colibri_plan.engine.streaming import Slot, StreamedExperts
@@ -70,6 +75,7 @@ class ResidencyManager(StreamedExperts):
             for layer in pack.arch.moe_layers:
                 placement.layers.setdefault(int(layer), LayerPlacement())
         self.pack, self.placement, self.cpu = pack, placement, cpu_backend
+        self._fused = getattr(cpu_backend, "expert_ffn_sum", None)   # the cpu backend's one-call decode sum
         self.repinner = Repinner(self, repin) if repin is not None and repin.enabled else None
         self.devices = dict(devices or {})
         self.verify = verify_checksums
@@ -239,6 +245,68 @@ class ResidencyManager(StreamedExperts):
             self.tc.free(*self._garbage.pop())
         st.layer_wall_s += time.perf_counter() - t_layer
         return [y * g[:, None] for y, g in zip(out, gates)]  # [T_i, H] · gates [T_i, 1]
+
+    def run_sum(self, layer: int, expert_ids: Sequence[int], x: np.ndarray, gates: np.ndarray) -> np.ndarray:
+        """Σ_i gates[i] · expert_i(x) of MoE layer ``layer`` at decode: x float32 [T, H] routed to every
+        expert (T = 1), expert_ids distinct ascending [n], gates float32 [n]; returns float32 [T, H], the
+        sum of :meth:`run`'s outputs in ``scatter_sum``'s order, bit for bit.
+
+        When every chosen expert is computed by the CPU backend from RAM (pinned, or an LRU hit with the
+        LRU tier on the CPU) and that backend has ``expert_ffn_sum``, the step is one backend call, with
+        the tier counts, LRU order and timers :meth:`run` keeps. Otherwise (a device expert, a unified
+        device's tier, a miss to stream) it is :meth:`run` then ``scatter_sum``: a miss keeps the reads
+        overlapping the CPU hits' compute, which one call after every read would serialize.
+
+        Raises:
+            InputError: the manager is closed; as :meth:`run`.
+        """
+        if self._closed:
+            raise InputError("residency manager is closed")
+        n = len(expert_ids)
+        if self.repinner is not None:   # count the routing first: a re-pinning round may swap tiers
+            self.repinner.observe(layer, expert_ids, [x] * n)
+        t_layer = time.perf_counter()
+        ws = self._cpu_hits(layer, expert_ids) if self._fused is not None else None
+        if ws is None:
+            tok0 = np.zeros(x.shape[0], np.int64) if x.shape[0] == 1 else np.arange(x.shape[0])
+            ys = self.run(layer, expert_ids, [x] * n, [gates[i: i + 1] for i in range(n)], observed=True)
+            return scatter_sum(x, [tok0] * n, ys)
+        t0 = time.perf_counter()
+        out = self._fused(x, ws, gates)  # [T, H]: one batched call, one weighted sum
+        t1 = time.perf_counter()
+        st = self.stats
+        st.cpu_compute_s += t1 - t0
+        st.layer_wall_s += t1 - t_layer   # lookups + the call, as run() times its layer
+        return out
+
+    def _cpu_hits(self, layer: int, expert_ids: Sequence[int]) -> list | None:
+        """The CPU-backend weights of ``expert_ids`` when every one is pinned on the CPU or an LRU hit with
+        the LRU tier on the CPU (then counted as run() counts them, LRU hits made most recent in the
+        same order); None, counting nothing, otherwise."""
+        pinned, lru = self._pinned, self._lru[layer]
+        if self.tc.device("lru") is not None and lru:
+            return None
+        ws, n_lru = [], 0
+        for e in expert_ids:
+            key = (layer, int(e))
+            slot = pinned.get(key)
+            if slot is None:
+                if key in self._vram or key in self._pinned_dev:
+                    return None
+                slot = lru.get(key)
+                if slot is None:
+                    return None
+                n_lru += 1
+            ws.append(slot.weights)
+        if n_lru:
+            for e in expert_ids:   # run()'s order of move_to_end: the step's hits, ascending
+                key = (layer, int(e))
+                if key in lru:
+                    lru.move_to_end(key)
+        uses = self.stats.uses
+        uses["ram_pinned"] += len(ws) - n_lru
+        uses["lru"] += n_lru
+        return ws
 
     def _device_call(self, key: str, xs: list[np.ndarray], weights: list) -> list[np.ndarray]:
         ys, seconds = self.tc.call(key, xs, weights)
