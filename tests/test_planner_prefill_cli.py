@@ -100,7 +100,7 @@ def test_verify_shows_prefill_row_outside_the_verdict(files):
     assert v["tolerances"]["prefill_tok_s"] == 0.25
     line = verdict_line(v)
     assert line.startswith("verdict: PASS") and line.endswith(
-        "prefill tok/s measured/predicted 0.50 (outside +-25%, not part of PASS/FAIL)")
+        "prefill tok/s measured/predicted 0.50 (time x2.00; outside +-25%, not part of PASS/FAIL)")
     near = dataclasses.replace(m, prefill_s=want / 1.2)               # 1.2x faster: within
     assert make_verdict(predicted, near, True)["prefill_ratio"] == pytest.approx(1.2)
     assert make_verdict(predicted, near, True)["prefill_ok"] is True
