@@ -18,8 +18,9 @@ import numpy as np
 
 from colibri_plan.errors import FormatError, InputError, MismatchError
 from colibri_plan.fileio import read_document, write_document
+from colibri_plan.formats.plan_model import check_model  # noqa: F401 - re-exported (verify, engine.runner import it here)
 from colibri_plan.formats.plan_prefill import check_prefill
-from colibri_plan.formats.plan_trunk import check_trunk_budgets, check_trunk_kv_figure, parse_trunk
+from colibri_plan.formats.plan_trunk import check_trunk_budgets, parse_trunk
 
 KIND = "plan"
 SCHEMA_VERSION = 1
@@ -386,26 +387,3 @@ def load_plan(path: str | os.PathLike) -> Plan:
         raise FormatError(f"plan {path} is malformed ({type(exc).__name__}: {exc}); re-create it") from exc
     return plan
 
-
-def check_model(plan: Plan, spec, where: str | None = None) -> None:
-    """Refuse a plan made for another model, or for another expert format than ``spec`` stores (its
-    byte budgets would be wrong), or whose trunk section prices fewer KV bytes per token than the model's
-    (:func:`~colibri_plan.formats.plan_trunk.check_trunk_kv_figure`). ``where`` names the pack the spec
-    came from, for the message.
-
-    Raises:
-        MismatchError: naming both fingerprints (or both formats, or both KV figures with the bytes).
-    """
-    held = f"{where} holds {spec.name}" if where else spec.name
-    if plan.model_fingerprint != spec.fingerprint():
-        raise MismatchError(f"plan was made for {plan.doc['model']['name']} (model fingerprint "
-                            f"{plan.model_fingerprint}), but {held} ({spec.fingerprint()}); "
-                            "solve a plan for this model")
-    fmt = plan.doc.get("expert_format")
-    if fmt and fmt != spec.expert_format:
-        raise MismatchError(f"plan was solved for {fmt} experts, but {held} with "
-                            f"{spec.expert_format} experts: its memory budgets do not hold; solve again with "
-                            f"--quant {spec.expert_format}")
-    if plan.doc.get("trunk") is not None:
-        check_trunk_kv_figure(parse_trunk(plan.doc, plan.device_keys), spec.kv_bytes_per_token,
-                              f"{spec.name} in {where}" if where else spec.name)

@@ -1,0 +1,34 @@
+"""Whether a plan fits the model pack it is run or verified with (:func:`check_model`).
+
+Kept apart from ``formats/plan.py`` (the file's structure checks); ``formats.plan.check_model`` is this
+function.
+"""
+
+from __future__ import annotations
+
+from colibri_plan.errors import MismatchError
+from colibri_plan.formats.plan_trunk import check_trunk_kv_figure, parse_trunk
+
+
+def check_model(plan, spec, where: str | None = None) -> None:
+    """Refuse a plan made for another model, or for another expert format than ``spec`` stores (its
+    byte budgets would be wrong), or whose trunk section prices fewer KV bytes per token than the model's
+    (:func:`~colibri_plan.formats.plan_trunk.check_trunk_kv_figure`). ``plan`` is a
+    :class:`~colibri_plan.formats.plan.Plan`; ``where`` names the pack the spec came from, for the message.
+
+    Raises:
+        MismatchError: naming both fingerprints (or both formats, or both KV figures with the bytes).
+    """
+    held = f"{where} holds {spec.name}" if where else spec.name
+    if plan.model_fingerprint != spec.fingerprint():
+        raise MismatchError(f"plan was made for {plan.doc['model']['name']} (model fingerprint "
+                            f"{plan.model_fingerprint}), but {held} ({spec.fingerprint()}); "
+                            "solve a plan for this model")
+    fmt = plan.doc.get("expert_format")
+    if fmt and fmt != spec.expert_format:
+        raise MismatchError(f"plan was solved for {fmt} experts, but {held} with "
+                            f"{spec.expert_format} experts: its memory budgets do not hold; solve again with "
+                            f"--quant {spec.expert_format}")
+    if plan.doc.get("trunk") is not None:
+        check_trunk_kv_figure(parse_trunk(plan.doc, plan.device_keys), spec.kv_bytes_per_token,
+                              f"{spec.name} in {where}" if where else spec.name)
