@@ -20,6 +20,8 @@ BACKEND_MODULES = {
     "metal": "metal",
 }
 BACKEND_NAMES = tuple(BACKEND_MODULES)
+#: backends that compute on host memory (their "device" ops are numpy/numba on RAM, run synchronously)
+HOST_BACKENDS = ("cpu", "numpy")
 
 
 def get_backend(name: str):

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from colibri_plan.backends import HOST_BACKENDS
 from colibri_plan.engine.attention import (
     KVCache,
     attention,
@@ -114,7 +115,7 @@ class Model:
         """The expert provider's host backend ("cpu"/"numpy"; RamExperts.backend or the residency
         manager's cpu), whose ``attention_absorb`` runs MLA decode; None if it has none."""
         be = getattr(self.experts, "backend", None) or getattr(self.experts, "cpu", None)
-        return be if getattr(be, "name", None) in ("cpu", "numpy") else None
+        return be if getattr(be, "name", None) in HOST_BACKENDS else None
 
     def new_cache(self, capacity: int = 256) -> KVCache | LatentCache:
         """An empty cache for this model: a KVCache (GQA; grows beyond ``capacity`` as needed) or a paged

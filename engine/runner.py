@@ -22,12 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from colibri_plan.backends import HOST_BACKENDS
 from colibri_plan.engine.placement import Placement
 from colibri_plan.errors import InputError
 from colibri_plan.formats.report import RunReport
-
-#: backends that compute on host memory: their experts are "pinned in RAM"; the others hold them in VRAM
-HOST_BACKENDS = ("cpu", "numpy")
 
 
 def open_weights(model_path: str | Path, quant: str | None = None):

@@ -43,6 +43,7 @@ import time
 
 import numpy as np
 
+from colibri_plan.backends import HOST_BACKENDS
 from colibri_plan.backends.device_ops import DArray, rope_table
 from colibri_plan.engine.dense_quant import QuantLinear
 from colibri_plan.engine.kv_device import DeviceKVCache, device_kv_bytes
@@ -55,8 +56,6 @@ from colibri_plan.quant import quantize
 
 __all__ = ["DeviceTrunk", "trunk_dense_bytes", "trunk_kv_bytes", "HOST_BACKENDS"]
 
-#: backends whose device ops run synchronously on host memory (attention can be timed every step)
-HOST_BACKENDS = ("cpu", "numpy")
 #: on a GPU backend, attention is timed (two synchronizations per layer) on one decode step of this many
 GPU_ATTENTION_SAMPLE = 8
 
