@@ -18,7 +18,7 @@ import numpy as np
 
 from colibri_plan.errors import FormatError, InputError, MismatchError
 from colibri_plan.fileio import read_document, write_document
-from colibri_plan.formats.plan_model import check_model  # noqa: F401 - re-exported (verify, engine.runner import it here)
+from colibri_plan.formats.plan_model import check_model  # noqa: F401 - re-exported
 from colibri_plan.formats.plan_prefill import check_prefill
 from colibri_plan.formats.plan_trunk import check_trunk_budgets, parse_trunk
 
@@ -161,8 +161,7 @@ _FIELDS = (
     ("predicted.terms.expert_compute_s?", "object", None), ("predicted.terms.gpu_calls?", "num", (0, None)),
     ("predicted.hit_rate", "object", None),
     *((f"predicted.hit_rate.{k}", "num", (0, 1)) for k in ("vram", "ram_pinned", "lru", "disk")),
-    ("predicted.prefill?", "object", None), ("predicted.prefill.prompt_tokens", "int", (1, None)),
-    ("predicted.prefill.prefill_s", "num", (0, None)), ("predicted.prefill.curve?", "list", None),
+    ("predicted.prefill?", "object", None),   # its figures: formats/plan_prefill.py
     ("solver", "object", None), ("solver.method?", "str", None), ("solver.status?", "str", None),
     ("solver.seconds?", "num", (0, None)), ("solver.gap?", "num", (0, None)),   # baselines have neither
     # the engine reads with this many threads (run --read-threads accepts 1..64); re-pinning reads rates

@@ -1,12 +1,12 @@
 """Checks of a plan's optional ``predicted.prefill`` section (``solve --prompt-tokens N``;
 docs/plan-format.md).
 
-``formats/plan.py`` checks the section's type and its two primary figures (``prompt_tokens``, whole
-number >= 1; ``prefill_s``, finite >= 0). This module checks what the section's readers use beyond them,
-so a hand-edited section fails on load with a FormatError naming the field instead of a KeyError or
-TypeError in ``plan show``, ``run --plan`` or ``verify``:
+``formats/plan.py`` checks that the section is an object; this module checks every figure in it the
+section's readers use, so a hand-edited section fails on load with a FormatError naming the field instead
+of a KeyError or TypeError in ``plan show``, ``run --plan`` or ``verify``:
 
-- ``prefill_s`` > 0 (``prefill_tok_s`` and ``verify``'s ratio divide by it);
+- ``prompt_tokens``: a whole number >= 1;
+- ``prefill_s``: a finite number > 0 (``prefill_tok_s`` and ``verify``'s ratio divide by it);
 - ``ttft_s`` and ``prefill_tok_s``: finite numbers > 0 (``solve`` and ``plan show`` print them), with
   ``ttft_s`` = ``prefill_s`` and ``prefill_tok_s`` = ``prompt_tokens / prefill_s`` (1e-6 relative: the
   planner writes them so; a hand edit of one figure alone would print a time the others contradict);
@@ -42,8 +42,8 @@ def check_prefill(predicted: dict, fail: Callable[[str], None]) -> None:
     """Check ``predicted["prefill"]`` when it is there (absent or null: an older plan, nothing to check).
 
     Args:
-        predicted: the plan's ``predicted`` section (a dict; its ``prefill`` already checked to be an
-            object with ``prompt_tokens`` and ``prefill_s`` by ``formats/plan.py``).
+        predicted: the plan's ``predicted`` section (a dict; its ``prefill``, when not null, already
+            checked to be an object by ``formats/plan.py``).
         fail: called with what is wrong (``"predicted.prefill.ttft_s must be ..."``); it must raise
             (``formats.plan._fail`` raises FormatError with the plan's path and what to do).
     """
@@ -51,17 +51,22 @@ def check_prefill(predicted: dict, fail: Callable[[str], None]) -> None:
     if not isinstance(pre, dict):
         return
     where = "predicted.prefill"
+    n = pre.get("prompt_tokens")
+    if "prompt_tokens" not in pre:
+        fail(f"{where}.prompt_tokens is missing")
+    if not _finite(n) or not float(n).is_integer() or n < 1:
+        fail(f"{where}.prompt_tokens must be a whole number >= 1, got {_shown(n)}")
     for key, unit in (("prefill_s", "seconds"), ("ttft_s", "seconds"), ("prefill_tok_s", "tok/s")):
         v = pre.get(key)
         if key not in pre:
             fail(f"{where}.{key} is missing")
         if not _finite(v) or v <= 0:
             fail(f"{where}.{key} must be a finite number > 0 ({unit}), got {_shown(v)}")
-    n, pre_s = pre.get("prompt_tokens"), pre["prefill_s"]
+    pre_s = pre["prefill_s"]
     if not math.isclose(pre["ttft_s"], pre_s, rel_tol=1e-6):
         fail(f"{where}.ttft_s {pre['ttft_s']!r} is not {where}.prefill_s {pre_s!r} (the first token comes "
              f"out of the prompt's last row)")
-    if _finite(n) and not math.isclose(pre["prefill_tok_s"], n / pre_s, rel_tol=1e-6):
+    if not math.isclose(pre["prefill_tok_s"], n / pre_s, rel_tol=1e-6):
         fail(f"{where}.prefill_tok_s {pre['prefill_tok_s']!r} is not prompt_tokens / prefill_s "
              f"({n / pre_s:.6g})")
     terms = pre.get("terms")
