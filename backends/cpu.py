@@ -69,6 +69,12 @@ def _load_kernels():
     return _kernels
 
 
+#: dynamic chunks of an int4-g32/g64 matmul (cpu_q4t's 128-row steps): 16, the count its kernels were
+#: measured with; 64 chunks of 128 rows read RAM slower (8 weights of 8192x2048 from RAM, one token:
+#: 25.5 vs 26.8 GB/s, best of 15, three interleaved rounds, shared 2-core host)
+Q4T_CHUNKS = 16
+
+
 def _chunk_setter(numba):
     """numba's parallel chunk-size setter (returns the previous size): its C entry point once the thread
     pool runs (0.2 µs a call; ``numba.set_parallel_chunksize`` checks the pool and its argument first,
@@ -277,7 +283,8 @@ class CpuBackend(CpuExperts, NumpyBackend):
         if hw.serial is not None and qt.nbytes * x.shape[0] <= self.serial_bytes:
             hw.serial(hw.data3, hw.scales2, *xa, y)  # small: this thread, no pool wake-up, no lock
             return y
-        self._par(self._tiles(qt.out_features), hw.kernel, hw.data3, hw.scales2, *xa, y)
+        self._par(-(-qt.out_features // self._step_rows(hw)), hw.kernel, hw.data3, hw.scales2, *xa, y,
+                  chunks=Q4T_CHUNKS if hw.fold else 64)
         return y
 
     def _par(self, iterations: int, kernel, *args, chunks: int = 64) -> None:
@@ -306,8 +313,11 @@ class CpuBackend(CpuExperts, NumpyBackend):
         self._k.rms_norm(x, w, np.float32(eps), out)
         return out
 
-    def _tiles(self, rows: int) -> int:
-        return -(-rows // self._k.ROW_TILE)
+    def _step_rows(self, hw: HostWeight) -> int:
+        """Output rows one prange step of ``hw``'s kernels covers: cpu_q4t's TILE_ROWS (128) for the
+        transposed int4-g32/g64 layouts, cpu_qkernels' ROW_TILE (32) for the blocked ones; the chunk
+        count of :meth:`_par` holds only if its iterations are counted in the kernel's own steps."""
+        return self._k.TILE_ROWS if hw.fold else self._k.ROW_TILE
 
     def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
         out = np.empty_like(q_abs)  # [H, R], one head per parallel step

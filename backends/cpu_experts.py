@@ -101,10 +101,9 @@ class CpuExperts:
         return y, bounds
 
     def _expert_steps(self, rows: int, hw) -> int:
-        """prange steps of a batched expert kernel over ``rows`` output rows: EXPERTS × row blocks
-        (``EXPERT_ROWS`` rows for the transposed int4-g32/g64 kernels of cpu_q4t, ROW_TILE otherwise)."""
-        step = getattr(self._k, "EXPERT_ROWS", self._k.ROW_TILE) if hw.fold else self._k.ROW_TILE
-        return self._k.EXPERTS * -(-rows // step)
+        """prange steps of a batched expert kernel over ``rows`` output rows: EXPERTS × row blocks of
+        ``_step_rows(hw)`` rows."""
+        return self._k.EXPERTS * -(-rows // self._step_rows(hw))
 
     def _xq_any(self, x: np.ndarray, hw):
         """(xa3, xb3, sx, xsum) for the batched kernels; int8 fills the unused slots."""
