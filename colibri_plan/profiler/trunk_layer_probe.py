@@ -81,12 +81,16 @@ class LayerGeometry:
                    max(1, int(arch.n_experts or 1)), max(1, int(arch.top_k or 1)), f"{name}",
                    int(getattr(arch, "moe_intermediate_size", 0) or 0), expert_fmt)
 
+    def projection_shapes(self) -> tuple[tuple[int, int], ...]:
+        """[out, in] of q, k, v, o (elements), in that order."""
+        h, qd, kd = self.hidden, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return (qd, h), (kd, h), (kd, h), (h, qd)
+
     def weight_bytes(self, fmt: str) -> int:
         """Stored bytes of q, k, v, o of one layer in ``fmt``."""
         from colibri_plan.quant import tensor_bytes
 
-        h, qd, kd = self.hidden, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return (tensor_bytes(fmt, qd, h) + 2 * tensor_bytes(fmt, kd, h) + tensor_bytes(fmt, h, qd))
+        return sum(tensor_bytes(fmt, o, i) for o, i in self.projection_shapes())
 
 
 def host_route(xh: np.ndarray, router: np.ndarray, top_k: int) -> np.ndarray:
@@ -149,9 +153,7 @@ def chain_layers(geom: LayerGeometry, fmt: str, limit_bytes: int | None) -> int:
 
 
 def _weights(geom: LayerGeometry, fmt: str, layer: int) -> list:
-    h, qd, kd = geom.hidden, geom.n_heads * geom.head_dim, geom.n_kv_heads * geom.head_dim
-    return [tiled_weight(fmt, o, i, seed=layer * 4 + j)
-            for j, (o, i) in enumerate(((qd, h), (kd, h), (kd, h), (h, qd)))]
+    return [tiled_weight(fmt, o, i, seed=layer * 4 + j) for j, (o, i) in enumerate(geom.projection_shapes())]
 
 
 def _rope_np(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
