@@ -51,9 +51,10 @@ def inputs(d: Path, fixture: Path | None) -> tuple[Path, Path, Path]:
     if not heat.exists():
         from colibri_plan.engine.fixture import fixture_prompt
         from colibri_plan.engine.pack import open_pack
+        from colibri_plan.fileio import atomic_write_text
 
-        stats = d / "prompt-stats.txt"
-        stats.write_text(" ".join(map(str, fixture_prompt(open_pack(fx).arch.vocab_size, 256, seed=0))))
+        ids = fixture_prompt(open_pack(fx).arch.vocab_size, 256, seed=0)
+        stats = atomic_write_text(d / "prompt-stats.txt", " ".join(map(str, ids)))
         _cli("run", "--model", str(fx), "--backend", "cpu", "--prompt-file", str(stats), "--tokens", "8",
              "--stats-out", str(heat))
     return fx, prof, heat
