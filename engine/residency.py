@@ -197,8 +197,14 @@ class ResidencyManager(StreamedExperts):
         if self.repinner is not None and not observed:   # count the routing; between tokens, maybe re-pin
             self.repinner.observe(layer, expert_ids, xs)
         t_layer = time.perf_counter()
+        out = self._compute(layer, expert_ids, xs, self._sort(layer, expert_ids), t_layer)
+        return [y * g[:, None] for y, g in zip(out, gates)]  # [T_i, H] · gates [T_i, 1]
+
+    def _sort(self, layer: int, expert_ids: Sequence[int]) -> tuple[dict, list, list[int]]:
+        """Where each chosen expert of ``layer`` runs, counted in the tier uses (LRU hits made most recent,
+        ascending): (device key -> [(position, its weights)], CPU hits [(position, CPU weights)], the
+        positions of misses to stream)."""
         st = self.stats
-        out: list[np.ndarray | None] = [None] * len(expert_ids)
         by_dev: dict[str, list[tuple[int, object]]] = {}   # device key -> [(position, its weights)]
         cpu_hits: list[tuple[int, object]] = []
         misses: list[int] = []
@@ -223,6 +229,15 @@ class ResidencyManager(StreamedExperts):
                 st.uses["lru"] += 1
             else:
                 misses.append(i)
+        return by_dev, cpu_hits, misses
+
+    def _compute(self, layer: int, expert_ids: Sequence[int], xs: Sequence[np.ndarray],
+                 sorted_: tuple[dict, list, list[int]], t_layer: float) -> list[np.ndarray]:
+        """The unweighted outputs [T_i, H] of the chosen experts, as :meth:`_sort` placed them; adds the
+        layer's wall time since ``t_layer`` (a perf_counter stamp)."""
+        st = self.stats
+        by_dev, cpu_hits, misses = sorted_
+        out: list[np.ndarray | None] = [None] * len(expert_ids)
         # devices first: they run in their own threads while the CPU works
         dev_jobs = {k: self._dev_pool.submit(self._device_call, k, [xs[i] for i, _ in jobs],
                                              [w for _, w in jobs]) for k, jobs in by_dev.items()}
@@ -244,7 +259,7 @@ class ResidencyManager(StreamedExperts):
         while self._garbage:   # uploads of slots evicted during this layer: no device job uses them now
             self.tc.free(*self._garbage.pop())
         st.layer_wall_s += time.perf_counter() - t_layer
-        return [y * g[:, None] for y, g in zip(out, gates)]  # [T_i, H] · gates [T_i, 1]
+        return out
 
     def run_sum(self, layer: int, expert_ids: Sequence[int], x: np.ndarray, gates: np.ndarray) -> np.ndarray:
         """Σ_i gates[i] · expert_i(x) of MoE layer ``layer`` at decode: x float32 [T, H] routed to every
@@ -266,47 +281,19 @@ class ResidencyManager(StreamedExperts):
         if self.repinner is not None:   # count the routing first: a re-pinning round may swap tiers
             self.repinner.observe(layer, expert_ids, [x] * n)
         t_layer = time.perf_counter()
-        ws = self._cpu_hits(layer, expert_ids) if self._fused is not None else None
-        if ws is None:
-            tok0 = np.zeros(x.shape[0], np.int64) if x.shape[0] == 1 else np.arange(x.shape[0])
-            ys = self.run(layer, expert_ids, [x] * n, [gates[i: i + 1] for i in range(n)], observed=True)
-            return scatter_sum(x, [tok0] * n, ys)
+        sorted_ = self._sort(layer, expert_ids)
+        by_dev, cpu_hits, misses = sorted_
+        if by_dev or misses or self._fused is None:
+            out = self._compute(layer, expert_ids, [x] * n, sorted_, t_layer)
+            ys = [y * gates[i: i + 1, None] for i, y in enumerate(out)]  # [T, H] · gate, as run() weighs
+            return scatter_sum(x, [np.arange(x.shape[0])] * n, ys)
         t0 = time.perf_counter()
-        out = self._fused(x, ws, gates)  # [T, H]: one batched call, one weighted sum
+        out = self._fused(x, [w for _, w in cpu_hits], gates)  # [T, H]: one batched call, one weighted sum
         t1 = time.perf_counter()
         st = self.stats
         st.cpu_compute_s += t1 - t0
         st.layer_wall_s += t1 - t_layer   # lookups + the call, as run() times its layer
         return out
-
-    def _cpu_hits(self, layer: int, expert_ids: Sequence[int]) -> list | None:
-        """The CPU-backend weights of ``expert_ids`` when every one is pinned on the CPU or an LRU hit with
-        the LRU tier on the CPU (then counted as run() counts them, LRU hits made most recent in the
-        same order); None, counting nothing, otherwise."""
-        pinned, lru = self._pinned, self._lru[layer]
-        if self.tc.device("lru") is not None and lru:
-            return None
-        ws, n_lru = [], 0
-        for e in expert_ids:
-            key = (layer, int(e))
-            slot = pinned.get(key)
-            if slot is None:
-                if key in self._vram or key in self._pinned_dev:
-                    return None
-                slot = lru.get(key)
-                if slot is None:
-                    return None
-                n_lru += 1
-            ws.append(slot.weights)
-        if n_lru:
-            for e in expert_ids:   # run()'s order of move_to_end: the step's hits, ascending
-                key = (layer, int(e))
-                if key in lru:
-                    lru.move_to_end(key)
-        uses = self.stats.uses
-        uses["ram_pinned"] += len(ws) - n_lru
-        uses["lru"] += n_lru
-        return ws
 
     def _device_call(self, key: str, xs: list[np.ndarray], weights: list) -> list[np.ndarray]:
         ys, seconds = self.tc.call(key, xs, weights)
