@@ -64,7 +64,6 @@ def _load_kernels():
         ns = types.SimpleNamespace()
         for mod in (cpu_kernels, cpu_qkernels, cpu_q4t, cpu_attention):
             ns.__dict__.update({k: v for k, v in vars(mod).items() if not k.startswith("__")})
-        ns.ROW_TILE = cpu_qkernels.ROW_TILE
         _kernels = ns
     return _kernels
 
