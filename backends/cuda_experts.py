@@ -93,13 +93,7 @@ class CUDAExpertOps:
             if r.shape != g.shape or (r.size and (r.min() < 0 or r.max() >= T)) or not np.isfinite(g).all():
                 raise InputError(f"d_expert_ffn_rows: rows {r.tolist()[:8]} with gates {g.tolist()[:8]}: "
                                  f"each row in [0, {T}), one finite gate per row")
-        for e in experts:
-            for w in e:
-                self._check_weight(w)
-            if not (e.gate.in_features == e.up.in_features == e.down.out_features == H
-                    and e.gate.out_features == e.up.out_features == e.down.in_features):
-                raise InputError(f"d_expert_ffn_rows: x is {x.shape}; an expert's gate/up must be [I, {H}] "
-                                 f"and down [{H}, I]")
+        self._d_check_experts("d_expert_ffn_rows", x, experts)
         keep = [i for i, r in enumerate(rows) if r.size]
         if not keep:
             return self.d_zeros((T, H))

@@ -280,17 +280,22 @@ class DeviceOps:
             raise InputError(f"d_expert_ffn: {g.shape[0]} gates for {len(experts)} experts")
         if not np.isfinite(g).all():
             raise InputError(f"d_expert_ffn: gates must be finite, got {g.tolist()}")
+        self._d_check_experts("d_expert_ffn", x, experts)
+        if not experts:
+            return self.d_zeros(x.shape)
+        return DArray(x.shape, self._d_expert_ffn(x, experts, g), id(self))
+
+    def _d_check_experts(self, op: str, x: DArray, experts: list) -> None:
+        """InputError unless every weight of ``experts`` is this backend's and each expert chains with x
+        [T, H]: gate/up [I, H], down [H, I]."""
         hidden = x.shape[1]
         for e in experts:
             for w in e:
                 self._check_weight(w)
             if not (e.gate.in_features == e.up.in_features == e.down.out_features == hidden
                     and e.gate.out_features == e.up.out_features == e.down.in_features):
-                raise InputError(f"d_expert_ffn: x is {x.shape}; an expert's gate/up must be [I, {hidden}] "
+                raise InputError(f"{op}: x is {x.shape}; an expert's gate/up must be [I, {hidden}] "
                                  f"and down [{hidden}, I]")
-        if not experts:
-            return self.d_zeros(x.shape)
-        return DArray(x.shape, self._d_expert_ffn(x, experts, g), id(self))
 
     def _d_check(self, a: DArray, ndim: int | None = None) -> None:
         if not isinstance(a, DArray) or a.owner != id(self):

@@ -301,3 +301,5 @@ def test_d_expert_ffn_rows_refuses_bad_routing(dev):
         dev.d_expert_ffn_rows(dx, [w], [[3]], [[1.0]])
     with pytest.raises(InputError, match="one finite gate per row"):
         dev.d_expert_ffn_rows(dx, [w], [[0, 1]], [[np.inf, 1.0]])
+    with pytest.raises(InputError, match=r"d_expert_ffn_rows: x is \(3, 64\); an expert's gate/up must be"):
+        dev.d_expert_ffn_rows(dev.d_put(np.ones((3, 64), np.float32)), [w], [[0]], [[1.0]])
