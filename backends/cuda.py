@@ -30,7 +30,7 @@ _GSHIFT = {32: 0, 64: 1, 128: 2}  # log2(G / 32): 16-byte words of int4 per grou
 _WARPS = 8  # warps per block
 # (rows per warp tile R, 16-byte words per lane per step U): R·U (mm) or 2·R·U (gate_up) loads per lane in
 # flight, twice over (bench/cuda_expert_ffn.py --tune; cp.async shared-memory staging: ~20% slower, H200)
-_SHAPE = {"mm": (4, 1), "mm_args": (4, 1), "gate_up": (2, 1)}  # mm_args: mm, its table an argument
+_SHAPE = {"mm": (4, 1), "gate_up": (2, 1)}  # mm_args takes mm's (the same kernel, its table an argument)
 # Per format family (int4 and int4-gG: "int4"; others their name) settings of the GEMV kernels, over _SHAPE
 # and _WARPS: "gate_up"/"mm": (R, U) (mm also mm_args), "warps" per block, "max_regs" (NVRTC
 # --maxrregcount: more resident blocks, 0 = none), "x_by_part" (matmul.cu COLIBRI_X_BY_PART: activations
@@ -65,8 +65,8 @@ def _family(fmt: str) -> str:
 def _gemv_shape(name: str, fmt: str) -> tuple[int, int, int, int, bool, bool]:
     """(R rows per warp tile, U words per lane per step, warps per block, max registers or 0, x by part,
     fit wave) of GEMV kernel ``name`` for ``fmt``: _GEMV_TUNE's family entry over _SHAPE and _WARPS."""
-    t = _GEMV_TUNE.get(_family(fmt), {})
-    r, u = t.get("mm" if name == "mm_args" else name, _SHAPE[name])
+    t, key = _GEMV_TUNE.get(_family(fmt), {}), "mm" if name == "mm_args" else name
+    r, u = t.get(key, _SHAPE[key])
     return (int(r), int(u), int(t.get("warps", _WARPS)), int(t.get("max_regs", 0)), bool(t.get("x_by_part")),
             bool(t.get("fit_wave")))
 
