@@ -184,7 +184,7 @@ def main() -> int:
     p.add_argument("--pool", type=int, default=64, help="distinct experts cycled (> L2 cache)")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--tune", action="store_true", help="compare work shapes (int4, 1 token)")
-    p.add_argument("--gemv-sweep", "--int4-sweep", action="store_true",
+    p.add_argument("--gemv-sweep", action="store_true",
                    help="1 token: each GEMV setting of _SWEEP (registers, rows and words per step, "
                         "warps) for each of --formats, per variant kernel us and fraction of the copy")
     p.add_argument("--read-only", action="store_true",
