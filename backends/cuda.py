@@ -53,6 +53,15 @@ _TC_MIN_TOKENS = 2  # benchmarks set 1 to time the tensor-core kernels at decode
 # None: enough for ~16 warps per SM over the grid (few blocks, e.g. one dense matrix: 8; the 8 experts of
 # a layer: 2-4, which ran 1.4-1.9x faster than 8 on an H200); benchmarks may fix it
 _TC_WARPS: int | None = None
+# T = 1, per-row int4 / int8: shaders/cuda/decode_imma.cu's integer tensor-core kernels (same tables) replace
+# the GEMV ones; (16-row subtiles per block tile, warps per block) and the resident blocks of 8 warps per SM
+# their registers must allow (IM_MIN_BLOCKS: launch bounds); bench/cuda_decode_imma.py times the alternatives
+_IMMA = {"mm": "mm_imma", "mm_args": "mm_args_imma", "gate_up": "gate_up_imma"}
+_IMMA_FORMATS = frozenset({"int4", "int8"})
+_IMMA_SHAPE = {"mm": (2, 8), "gate_up": (1, 8)}  # mm_args takes mm's
+_IMMA_MIN_BLOCKS = 2
+_IMMA_STATIC_SMEM = 8 * 1024 + 256  # decode_imma.cu's red and part arrays at their largest (bytes)
+_SOURCES = ("matmul.cu", "prefill.cu", "decode_imma.cu")  # one NVRTC source, in this order
 _NVRTC_OPTIONS = ("--std=c++14",)  # benchmarks add -DCOLIBRI_READ_ONLY (loads without arithmetic)
 _TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their activations in shared memory)
 _RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the module and work buffers
@@ -69,6 +78,12 @@ def _gemv_shape(name: str, fmt: str) -> tuple[int, int, int, int, bool, bool]:
     r, u = t.get(key, _SHAPE[key])
     return (int(r), int(u), int(t.get("warps", _WARPS)), int(t.get("max_regs", 0)), bool(t.get("x_by_part")),
             bool(t.get("fit_wave")))
+
+
+def _imma_shape(name: str) -> tuple[int, int]:
+    """(16-row subtiles per tile, warps per block) of decode_imma.cu kernel ``name``."""
+    r16, warps = _IMMA_SHAPE["gate_up" if name.startswith("gate_up") else "mm"]
+    return int(r16), int(warps)
 
 
 class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
@@ -107,8 +122,8 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
 
         self.cp, self.rt = cupy, cupy.cuda.runtime
         self.dev = cupy.cuda.Device(self.device.index)
-        # prefill.cu uses matmul.cu's formats and decoders: one NVRTC source
-        self._src = sh.kernel_source("cuda", "matmul.cu") + sh.kernel_source("cuda", "prefill.cu")
+        # prefill.cu and decode_imma.cu use matmul.cu's formats and decoders: one NVRTC source
+        self._src = "".join(sh.kernel_source("cuda", f) for f in _SOURCES)
         with self.dev:
             self.stream = cupy.cuda.Stream(non_blocking=True)
             self._events = (cupy.cuda.Event(), cupy.cuda.Event())
@@ -191,6 +206,9 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
         options = _NVRTC_OPTIONS
         if name in _TC_R16:
             params = (_TC_R16[name], tc)
+        elif name in _IMMA.values():
+            params = (_imma_shape(name)[0],)
+            options += (f"-DIM_MIN_BLOCKS={_IMMA_MIN_BLOCKS}",)
         else:
             r, u, _, max_regs, by_part, _ = _gemv_shape(name, fmt)
             params = (r, u, tc)
@@ -240,6 +258,16 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
                 items = -(-rows_grid // (16 * _TC_R16[name])) * -(-T // (8 * nt))
                 warps = _TC_WARPS or min(8, max(2, round(16 * self._sms / (items * n_mats))))
                 hit = self._launchers[key] = (fn, (items, n_mats), (32 * warps,), 0, scalars)
+                return hit
+            smem = in_pad * 4  # decode_imma.cu: x as fixed-point limbs, 4 bytes per column
+            if T == 1 and fmt in _IMMA_FORMATS and smem + _IMMA_STATIC_SMEM <= self._smem_limit():
+                name = _IMMA[name]
+                fn = self._fn(name, fmt, 1, smem)
+                r16, warps = _imma_shape(name)
+                tiles, slots = -(-rows_grid // (16 * r16)), self._resident(fn, smem, warps) * self._sms
+                # one resident wave over all matrices, then as few blocks as give each the same tile count
+                per = -(-tiles // max(1, min(tiles, slots // n_mats)))
+                hit = self._launchers[key] = (fn, (-(-tiles // per), n_mats), (32 * warps,), smem, scalars)
                 return hit
             # tokens per pass: 1 for decode; _TOKENS_PER_PASS for T > 1 when they fit in shared memory
             tc = _TOKENS_PER_PASS if T > 1 and _TOKENS_PER_PASS * in_pad * 4 <= self._smem_limit() else 1

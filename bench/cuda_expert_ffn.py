@@ -129,7 +129,8 @@ def launch_info(be, mod, fmt: str, args) -> dict:
 
 def sweep(be, mod, args, rng) -> list[dict]:
     """Every _SWEEP setting for each of ``args.formats`` at 1 token, on one uploaded pool per format."""
-    rows, saved = [], dict(mod._GEMV_TUNE)
+    rows, saved, imma = [], dict(mod._GEMV_TUNE), mod._IMMA_FORMATS
+    mod._IMMA_FORMATS = frozenset()  # GEMV kernels at 1 token (bench/cuda_decode_imma.py: the others)
     for fmt in args.formats.split(","):
         experts = upload_pool(be, fmt, args, rng)
         for label, tune in _SWEEP:
@@ -149,7 +150,7 @@ def sweep(be, mod, args, rng) -> list[dict]:
                   f"{info['gate_up']['registers']}r  down {info['mm']['resident_blocks']}x"
                   f"{info['mm']['warps']}w {info['mm']['registers']}r", flush=True)
         free_pool(be, experts)
-    mod._GEMV_TUNE = saved
+    mod._GEMV_TUNE, mod._IMMA_FORMATS = saved, imma
     be._launchers.clear()
     be._graphs.clear()
     return rows

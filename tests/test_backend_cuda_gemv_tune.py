@@ -167,6 +167,7 @@ def test_launcher_takes_each_format_familys_settings(be, monkeypatch):  # noqa: 
             super().__init__(code, options, name_expressions)
 
     monkeypatch.setattr(be.cp, "RawModule", Recorder)
+    monkeypatch.setattr(cuda_mod, "_IMMA_FORMATS", frozenset())  # 1 token: GEMV kernels, not decode_imma
     monkeypatch.setattr(cuda_mod, "_GEMV_TUNE", {"int4": {"gate_up": (4, 2), "mm": (6, 1), "warps": 4,
                                                           "max_regs": 64, "x_by_part": True}})
     H, I, rng = 256, 128, np.random.default_rng(3)
@@ -193,6 +194,7 @@ def test_fit_wave_keeps_the_grid_within_one_wave(be, monkeypatch):  # noqa: F811
     """3 resident blocks on 4 SMs over 8 matrices: 12 slots; rounding up gives 2 blocks a matrix (16 > 12),
     fit_wave 1 (8 <= 12); rows enough for more blocks either way."""
     monkeypatch.setattr(be.cp.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor", lambda f, b, s: 3)
+    monkeypatch.setattr(cuda_mod, "_IMMA_FORMATS", frozenset())
     for fit, want in ((False, 2), (True, 1)):
         monkeypatch.setattr(cuda_mod, "_GEMV_TUNE", {"int8": {"fit_wave": fit}})
         be._launchers.clear()
@@ -215,7 +217,7 @@ def test_bench_sweep_runs_every_setting_and_restores_the_defaults(be, monkeypatc
     args = argparse.Namespace(formats="int4-g64,int8", experts=2, pool=3, calls=2, copy_gbps=100.0)
     before = {k: dict(v) for k, v in cuda_mod._GEMV_TUNE.items()}
     rows = bench.sweep(be, cuda_mod, args, np.random.default_rng(0))
-    assert cuda_mod._GEMV_TUNE == before
+    assert cuda_mod._GEMV_TUNE == before and cuda_mod._IMMA_FORMATS == {"int4", "int8"}
     assert [(r["fmt"], r["variant"]) for r in rows] == [(f, v) for f in ("int4-g64", "int8")
                                                         for v, _ in bench._SWEEP]
     for r, (_, tune) in zip(rows, bench._SWEEP * 2):

@@ -109,7 +109,8 @@ def _kernel_op(sim, name, grid, args):
 def param_kinds(code: str, name: str) -> str:
     """Parameter kinds of kernel ``name`` (a template instance ``mm_args<3,4,1,1>`` too) read from its CUDA
     signature: p pointer, q 64-bit integer, i int, f float, t matmul.cu's MMArgs."""
-    m = re.search(r"__global__\s+void\s+" + re.escape(name.split("<")[0]) + r"\s*\(([^)]*)\)", code)
+    head = r"__global__\s+void\s+(?:IM_BOUNDS\s+)?"  # decode_imma.cu's launch bounds macro
+    m = re.search(head + re.escape(name.split("<")[0]) + r"\s*\(([^)]*)\)", code)
     assert m, f"no kernel {name} in the source"
     kinds = ""
     for par in m.group(1).split(","):

@@ -1,0 +1,298 @@
+// Decode (T = 1) matmul and fused gate/up of the per-row int4 and int8 formats on integer tensor cores,
+// appended to matmul.cu by backends/cuda.py (it uses matmul.cu's u64, F_*, Cols and MMArgs). Same tables,
+// entries and outputs as matmul.cu's mm / mm_args / gate_up, so the launcher swaps one for the other.
+//
+// Why: the GEMV kernels spend ~5 instructions on each int4 weight (byte permute, subtract, FMA, ...); at
+// two weights per byte that bounds them near half of an H200's bandwidth. Here 16 rows x 32 columns of
+// codes are one mma.sync m16n8k32 A operand, with one mask per 4 int4 codes and none for int8.
+//
+// Exact integer sums: each block turns x into 32-bit fixed point X = rint(x 2^-e), e from the largest
+// |x| (|X| < 2^30: every x within 2^-7 of the largest is exact, smaller ones are rounded at 2^e), and
+// splits X into its four bytes (limbs) X = b3 2^24 + b2 2^16 + b1 2^8 + b0 (b0..b2 unsigned, b3 signed).
+// One mma per limb (8-bit in, int32 accumulate, exact) takes the codes as A and the limb as B (32 x 8;
+// column 0 is the token, columns 1..7 are left over). int4 A holds the nibbles n (0..15); the -8 of the
+// codes is one exact integer per limb, SB_l = sum of b_l over the columns. The warps of a block add their
+// int32 sums (order-free, so deterministic), and the row's result is, in double,
+//   y[r] = s[r] 2^e sum_l 2^(8 l) (C_l[r] - 8 SB_l)   (int8: C_l[r] alone)
+//
+// Work shape: a block owns row tiles of 16 R16 rows (blocks stride over the tiles, one resident wave);
+// its warps split each tile's 64-byte row segments (lane g = lane / 4, t = lane % 4 loads 16 bytes of
+// rows g and g + 8 of each 16-row subtile: word 4 seg + t) and load the next segment, of this tile or the
+// next, while summing the current one. A k-step j of a segment takes from each lane 8 columns of one
+// row: int4 part j of its word (a0 / a2 = even / odd nibbles), int8 parts 2j, 2j + 1 (a0 / a2). The
+// limbs of those columns, P (b0 of limbs 0..3) and Q (b1), are one 32-byte shared entry per
+// (segment, k-step, t), so the four t of a k-step read 128 consecutive bytes (no bank conflicts).
+
+#define IM_WARPS 8  // warps per block at most (backends/cuda.py _IMMA_SHAPE)
+#ifndef IM_MIN_BLOCKS  // resident blocks of IM_WARPS warps per SM the registers must allow (128 each at 2)
+#define IM_MIN_BLOCKS 2
+#endif
+#define IM_BOUNDS __launch_bounds__(32 * IM_WARPS, IM_MIN_BLOCKS)
+
+#ifndef COLIBRI_HOST_MMA
+// c (16 x 8, int32) += A (16 x 32 s8: a0 / a2 row g at k 4t.. / 16 + 4t.., a1 / a3 row g + 8) . B (32 x 8:
+// b0 k 4t.., b1 k 16 + 4t.. at column g, u8 or s8 (S8B)); byte i of a register is k + i
+template <bool S8B>
+__device__ __forceinline__ void mma_i8(int (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                       unsigned b0, unsigned b1) {
+    if (S8B)
+        asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};"
+                     : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};"
+                     : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned im_max_u32(unsigned v) {  // over the warp
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ int im_sum_i32(int v) {  // over the warp
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    return v;
+}
+#endif
+
+// byte l of each of a, b, c, d -> one word (a's byte lowest)
+__device__ __forceinline__ unsigned im_limb(unsigned a, unsigned b, unsigned c, unsigned d, int l) {
+    const unsigned s = (unsigned)l | ((unsigned)(l + 4) << 4);
+    return __byte_perm(__byte_perm(a, b, s), __byte_perm(c, d, s), 0x5410);
+}
+
+// x (in_pad floats, 16-byte aligned) -> the limb entries xq[2 e], xq[2 e + 1] (P, Q) of every (segment,
+// k-step j, t) e = (seg KS + j) 4 + t; returns e (X = rint(x 2^-e)) and sets sb[l] = SB_l (int4) and bad
+// (x holds an inf or NaN). Ends with a block barrier: xq is ready.
+template <int FMT>
+__device__ __forceinline__ int im_stage(uint4 *xq, const float *x, int in_pad, int (*part)[5], int (&sb)[4],
+                                        bool &bad) {
+    constexpr int KS = Cols<FMT>::n / 8, CW = Cols<FMT>::n;  // k-steps per segment, columns per word
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const float4 *x4 = reinterpret_cast<const float4 *>(x);
+    unsigned m = 0;  // |x| as bits: for non-negative floats (inf, NaN too) the integer order is the order
+    for (int i = threadIdx.x; i < in_pad / 4; i += blockDim.x) {
+        const float4 v = x4[i];
+        m = max(max(m, max(__float_as_uint(fabsf(v.x)), __float_as_uint(fabsf(v.y)))),
+                max(__float_as_uint(fabsf(v.z)), __float_as_uint(fabsf(v.w))));
+    }
+    m = im_max_u32(m);
+    if (lane == 0) part[w][0] = (int)m;
+    __syncthreads();
+    for (int k = 0; k < warps; k++) m = max(m, (unsigned)part[k][0]);
+    bad = m >= 0x7F800000u;
+    // |x| < 2^E with E = biased exponent - 126 (subnormals: 2^-126); X = x 2^(30 - E), |X| < 2^30
+    const int e = bad || m == 0 ? 0 : (int)(m >> 23) - 126 - 30;
+    int s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (int i = threadIdx.x; i < in_pad / 8; i += blockDim.x) {
+        const int t = i & 3, j = (i >> 2) % KS, seg = (i >> 2) / KS;
+        const int c0 = CW * (4 * seg + t) + 8 * j;  // this entry's 8 columns c0 .. c0 + 7
+        const float4 u = x4[c0 / 4], v = x4[c0 / 4 + 1];
+        const float f[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+        unsigned X[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            X[k] = bad ? 0u : (unsigned)__float2int_rn(ldexpf(f[k], -e));
+            s0 += (int)(X[k] & 0xFFu);
+            s1 += (int)((X[k] >> 8) & 0xFFu);
+            s2 += (int)((X[k] >> 16) & 0xFFu);
+            s3 += (int)X[k] >> 24;
+        }
+        // int4: P the even columns (a0, low nibbles), Q the odd; int8: P columns 0..3 (a0), Q 4..7 (a2)
+        constexpr bool I4 = FMT == F_INT4;
+        constexpr int p0 = 0, p1 = I4 ? 2 : 1, p2 = I4 ? 4 : 2, p3 = I4 ? 6 : 3, q0 = I4 ? 1 : 4, q1 = I4 ? 3 : 5,
+                      q2 = I4 ? 5 : 6, q3 = 7;
+        xq[2 * i] = make_uint4(im_limb(X[p0], X[p1], X[p2], X[p3], 0), im_limb(X[p0], X[p1], X[p2], X[p3], 1),
+                               im_limb(X[p0], X[p1], X[p2], X[p3], 2), im_limb(X[p0], X[p1], X[p2], X[p3], 3));
+        xq[2 * i + 1] = make_uint4(im_limb(X[q0], X[q1], X[q2], X[q3], 0), im_limb(X[q0], X[q1], X[q2], X[q3], 1),
+                                   im_limb(X[q0], X[q1], X[q2], X[q3], 2), im_limb(X[q0], X[q1], X[q2], X[q3], 3));
+    }
+    s0 = im_sum_i32(s0);
+    s1 = im_sum_i32(s1);
+    s2 = im_sum_i32(s2);
+    s3 = im_sum_i32(s3);
+    if (lane == 0) {
+        part[w][1] = s0;
+        part[w][2] = s1;
+        part[w][3] = s2;
+        part[w][4] = s3;
+    }
+    __syncthreads();
+    sb[0] = sb[1] = sb[2] = sb[3] = 0;
+    for (int k = 0; k < warps; k++)
+        for (int l = 0; l < 4; l++) sb[l] += part[k][1 + l];
+    return e;
+}
+
+// One block's row tiles (16 R16 rows of NM matrices; gate and up share x) against one token x: emit(row,
+// v[NM]) gets each row's finished value (row scale applied) for rows row0 .. row0 + 16 R16 - 1 (rows past
+// `rows` read the last row: valid memory, emit decides). words: 16-byte words per row (in_pad / Cols).
+template <int FMT, int R16, int NM, class Emit>
+__device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *const *S, int rows, int ntiles,
+                                          int words, const float *x, int in_pad, Emit emit) {
+    constexpr int KS = Cols<FMT>::n / 8;
+    extern __shared__ uint4 xq[];  // [in_pad / 8][2] limb entries (P, Q)
+    __shared__ int red[2][IM_WARPS][NM * R16 * 64];  // [item parity][warp][(m, r, h, limb) x 8 rows g]
+    __shared__ int part[IM_WARPS][5];
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5,
+              warps = blockDim.x >> 5, segs = words >> 2;
+    int tile = blockIdx.x;
+    if (tile >= ntiles) return;  // the whole block: no barrier is left waiting
+    uint4 cur[NM][R16][2], nxt[NM][R16][2];
+    // segment seg of tile `tl` (rows g and g + 8 of each subtile) into b
+    auto load = [&](uint4 (&b)[NM][R16][2], int tl, int seg) {
+#pragma unroll
+        for (int m = 0; m < NM; m++)
+#pragma unroll
+            for (int r = 0; r < R16; r++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int row = min(tl * 16 * R16 + 16 * r + g + 8 * h, rows - 1);
+                    b[m][r][h] = __ldg(W[m] + (u64)row * words + 4 * seg + t);
+                }
+    };
+    int seg = w;
+    if (seg < segs) load(cur, tile, seg);  // in flight while x is staged
+    int sb[4];
+    bool bad;
+    const int e = im_stage<FMT>(xq, x, in_pad, part, sb, bad);
+    for (int k = 0;; k++) {
+        int acc[NM][R16][4][4];
+#pragma unroll
+        for (int m = 0; m < NM; m++)
+#pragma unroll
+            for (int r = 0; r < R16; r++)
+#pragma unroll
+                for (int l = 0; l < 4; l++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) acc[m][r][l][c] = 0;
+        for (; seg < segs; seg += warps) {
+            int nseg = seg + warps, ntile = tile;
+            if (nseg >= segs) {
+                nseg = w;
+                ntile += gridDim.x;
+            }
+            const bool more = ntile < ntiles;
+            if (more) load(nxt, ntile, nseg);
+#pragma unroll
+            for (int j = 0; j < KS; j++) {
+                const uint4 P = xq[2 * ((seg * KS + j) * 4 + t)], Q = xq[2 * ((seg * KS + j) * 4 + t) + 1];
+#pragma unroll
+                for (int m = 0; m < NM; m++)
+#pragma unroll
+                    for (int r = 0; r < R16; r++) {
+                        unsigned a0, a1, a2, a3;
+                        if (FMT == F_INT4) {
+                            const unsigned v0 = word_part(cur[m][r][0], j), v1 = word_part(cur[m][r][1], j);
+                            a0 = v0 & 0x0F0F0F0Fu;  // nibbles 0, 2, 4, 6 of row g
+                            a2 = (v0 >> 4) & 0x0F0F0F0Fu;  // nibbles 1, 3, 5, 7
+                            a1 = v1 & 0x0F0F0F0Fu;  // row g + 8
+                            a3 = (v1 >> 4) & 0x0F0F0F0Fu;
+                        } else {
+                            a0 = word_part(cur[m][r][0], 2 * j);
+                            a2 = word_part(cur[m][r][0], 2 * j + 1);
+                            a1 = word_part(cur[m][r][1], 2 * j);
+                            a3 = word_part(cur[m][r][1], 2 * j + 1);
+                        }
+                        mma_i8<false>(acc[m][r][0], a0, a1, a2, a3, P.x, Q.x);
+                        mma_i8<false>(acc[m][r][1], a0, a1, a2, a3, P.y, Q.y);
+                        mma_i8<false>(acc[m][r][2], a0, a1, a2, a3, P.z, Q.z);
+                        mma_i8<true>(acc[m][r][3], a0, a1, a2, a3, P.w, Q.w);
+                    }
+            }
+            if (more) {
+#pragma unroll
+                for (int m = 0; m < NM; m++)
+#pragma unroll
+                    for (int r = 0; r < R16; r++) {
+                        cur[m][r][0] = nxt[m][r][0];
+                        cur[m][r][1] = nxt[m][r][1];
+                    }
+            }
+        }
+        // column 0 (the token) is c0 (row g) and c2 (row g + 8) of the lanes t = 0
+        int(*mine)[NM * R16 * 64] = red[k & 1];
+        if (t == 0) {
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < R16; r++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+#pragma unroll
+                        for (int l = 0; l < 4; l++) mine[w][(((m * R16 + r) * 2 + h) * 4 + l) * 8 + g] = acc[m][r][l][2 * h];
+        }
+        __syncthreads();  // one barrier per tile: red alternates, so the next tile's writes go elsewhere
+        if (w == k % warps) {
+            for (int i = lane; i < 16 * R16; i += 32) {  // row 16 r + 8 h + gg of the tile
+                const int r = i >> 4, h = (i >> 3) & 1, gg = i & 7, row = tile * 16 * R16 + i;
+                float v[NM];
+#pragma unroll
+                for (int m = 0; m < NM; m++) {
+                    double d = 0.0;
+#pragma unroll
+                    for (int l = 3; l >= 0; l--) {
+                        int c = 0;
+                        for (int q = 0; q < warps; q++) c += mine[q][(((m * R16 + r) * 2 + h) * 4 + l) * 8 + gg];
+                        if (FMT == F_INT4) c -= 8 * sb[l];
+                        d = d * 256.0 + (double)c;
+                    }
+                    const double s = (double)__ldg(S[m] + min(row, rows - 1));
+                    v[m] = bad ? __int_as_float(0x7FC00000) : (float)(ldexp(d, e) * s);
+                }
+                emit(row, v);
+            }
+        }
+        tile += gridDim.x;
+        if (tile >= ntiles) break;
+        seg = w;
+    }
+}
+
+// mm / mm_args for T = 1: entry W, S, x, y, T, rows, y_stride, 0 (matmul.cu's mm_entry); T = 0 writes nothing
+template <int FMT, int R16>
+__device__ __forceinline__ void mm_imma_entry(const u64 *e, int rows, int in_pad, int y_stride) {
+    const uint4 *W[1] = {reinterpret_cast<const uint4 *>(e[0])};
+    const float *S[1] = {reinterpret_cast<const float *>(e[1])};
+    const float *x = reinterpret_cast<const float *>(e[2]);
+    float *y = reinterpret_cast<float *>(e[3]);
+    if (e[5]) rows = (int)e[5];
+    if (e[4] == 0) return;
+    imma_rows<FMT, R16, 1>(W, S, rows, (rows + 16 * R16 - 1) / (16 * R16), in_pad / Cols<FMT>::n, x, in_pad,
+                           [&](int row, const float (&v)[1]) {
+        if (row < rows) y[row] = v[0];
+    });
+    (void)y_stride;  // one token: row 0 of y only
+}
+
+template <int FMT, int R16>
+__global__ void IM_BOUNDS mm_imma(const u64 *__restrict__ table, int rows, int in_pad, int y_stride, int gshift) {
+    mm_imma_entry<FMT, R16>(table + 8 * blockIdx.y, rows, in_pad, y_stride);
+}
+
+template <int FMT, int R16>
+__global__ void IM_BOUNDS mm_args_imma(const MMArgs t, int rows, int in_pad, int y_stride, int gshift) {
+    mm_imma_entry<FMT, R16>(t.e + 8 * blockIdx.y, rows, in_pad, y_stride);
+}
+
+// gate_up for T = 1: entry gate W, gate S, up W, up S, x, h, T, idx (matmul.cu's gate_up; idx, when not 0,
+// holds the row of x that is the token). h[r] = SiLU(g) u for r < rows, 0 for rows <= r < h_stride.
+template <int FMT, int R16>
+__global__ void IM_BOUNDS gate_up_imma(const u64 *__restrict__ table, int rows, int in_pad, int h_stride, int gshift) {
+    const u64 *e = table + 8 * blockIdx.y;
+    const uint4 *W[2] = {reinterpret_cast<const uint4 *>(e[0]), reinterpret_cast<const uint4 *>(e[2])};
+    const float *S[2] = {reinterpret_cast<const float *>(e[1]), reinterpret_cast<const float *>(e[3])};
+    const int *idx = reinterpret_cast<const int *>(e[7]);
+    if (e[6] == 0) return;
+    const float *x = reinterpret_cast<const float *>(e[4]) + (u64)(idx ? idx[0] : 0) * in_pad;
+    float *h = reinterpret_cast<float *>(e[5]);
+    imma_rows<FMT, R16, 2>(W, S, rows, (h_stride + 16 * R16 - 1) / (16 * R16), in_pad / Cols<FMT>::n, x, in_pad,
+                           [&](int row, const float (&v)[2]) {
+        if (row < h_stride) h[row] = row < rows ? v[0] / (1.0f + expf(-v[0])) * v[1] : 0.0f;
+    });
+}

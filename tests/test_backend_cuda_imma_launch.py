@@ -1,0 +1,71 @@
+"""The launcher's choice and grid for shaders/cuda/decode_imma.cu (1-token per-row int4 / int8 on integer
+tensor cores), on the simulated GPU of test_backend_cuda_sim.py (4 SMs, 2 resident blocks, 227 KiB of
+shared memory a block). The kernels' arithmetic is tests/test_backend_cuda_imma.py (host-compiled) and, on
+a GPU, the oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_backend_cuda_sim import be  # noqa: F401 - the simulated GPU's backend fixture
+
+from colibri_plan import quant
+from colibri_plan.backends import cuda as cuda_mod
+from colibri_plan.backends.base import silu_mul_ref
+
+
+@pytest.mark.parametrize("n_mats, rows, want_blocks", [
+    (1, 320, 5),  # 10 tiles of 32 rows, 8 slots: 2 tiles a block, so 5 blocks (not 8 with 2 doing 2)
+    (2, 320, 4),  # 4 slots a matrix: 3 tiles a block, 4 blocks
+    (8, 2048, 1),  # 1 slot a matrix: one block streams all 64 tiles
+    (1, 40, 2),  # 2 tiles (the second ragged), one each
+])
+def test_grid_is_one_wave_with_equal_tile_counts(be, n_mats, rows, want_blocks):  # noqa: F811
+    fn, grid, block, smem, _ = be._launcher("mm", "int4", n_mats, rows, rows, 2048, rows, 1)
+    assert fn.__name__ == f"mm_imma<4,{cuda_mod._IMMA_SHAPE['mm'][0]}>"
+    assert grid == (want_blocks, n_mats) and block == (32 * cuda_mod._IMMA_SHAPE["mm"][1],)
+    assert smem == 2048 * 4  # x as four 8-bit limbs per column
+
+
+def test_choice_by_tokens_format_and_shared_memory(be):  # noqa: F811
+    """T = 1 per-row int4 / int8 only; an x whose limbs would not fit in shared memory (with the kernel's
+    static arrays) keeps the GEMV kernel; mm_args (the device trunk's matmuls) takes the same path."""
+    name = lambda *a: be._launcher(*a)[0].__name__.split("<")[0]  # noqa: E731
+    assert name("gate_up", "int8", 8, 64, 64, 256, 64, 1) == "gate_up_imma"
+    assert name("mm_args", "int4", 3, 64, 64, 256, 64, 1) == "mm_args_imma"
+    assert name("mm", "int4-g32", 1, 64, 64, 256, 64, 1) == "mm"
+    assert name("mm", "bf16", 1, 64, 64, 256, 64, 1) == "mm"
+    assert name("mm", "int4", 1, 64, 64, 256, 64, 2) == "mm_tc"
+    fits = (227 * 1024 - cuda_mod._IMMA_STATIC_SMEM) // 4 // 128 * 128  # largest in_pad that fits
+    assert name("mm", "int8", 1, 64, 64, fits, 64, 1) == "mm_imma"
+    assert name("mm", "int8", 1, 64, 64, fits + 128, 64, 1) == "mm"
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_expert_ffn_tables_reach_the_imma_kernels(be, fmt, monkeypatch):  # noqa: F811
+    """A 1-token batch of 3 experts runs gate_up_imma then mm_imma (the simulated kernels compute each
+    entry from its table with numpy), with the NVRTC option that sets the launch bounds."""
+    seen = []
+    base = be.cp.RawModule
+
+    class Recorder(base):
+        def __init__(self, code, options, name_expressions=()):
+            seen.append((tuple(name_expressions), tuple(options)))
+            super().__init__(code, options, name_expressions)
+
+    monkeypatch.setattr(be.cp, "RawModule", Recorder)
+    H, I, rng = 256, 96, np.random.default_rng(11)
+    qs = [[quant.quantize(rng.standard_normal(s, dtype=np.float32), fmt) for s in ((I, H), (I, H), (H, I))]
+          for _ in range(3)]
+    experts = [be.upload_expert(*q) for q in qs]
+    xs = [rng.standard_normal((1, H), dtype=np.float32) for _ in experts]
+    got = be.expert_ffn(xs, experts)
+    for y, x, q in zip(got, xs, qs):
+        g, u, d = (quant.dequantize(w).astype(np.float64) for w in q)
+        ref = silu_mul_ref(x @ g.T, x @ u.T) @ d.T
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    kid = cuda_mod.sh.kernel_format(fmt)
+    names = [n for (n,), _ in seen]
+    assert f"gate_up_imma<{kid},{cuda_mod._IMMA_SHAPE['gate_up'][0]}>" in names
+    assert f"mm_imma<{kid},{cuda_mod._IMMA_SHAPE['mm'][0]}>" in names
+    assert all(f"-DIM_MIN_BLOCKS={cuda_mod._IMMA_MIN_BLOCKS}" in o for (n,), o in seen if "imma" in n)
