@@ -246,6 +246,9 @@ def test_prefill_kernels_compile_to_ptx(tmp_path):
     ptx = (tmp_path / "k.ptx").read_text()
     assert ptx.count(".entry") == 19  # 3 formats x 3 kernels x (8, 16 tokens per pass) + rmsnorm
     assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 18
+    # the register arrays (acc, part, cur, ...) are indexed by constants only (for4's loops unrolled):
+    # an array indexed at run time would live in local memory
+    assert ".local" not in ptx
 
 
 @pytest.fixture(params=["sim", "gpu"])

@@ -65,6 +65,31 @@ __device__ __forceinline__ void split_bf16(float c0, float c1, unsigned &hi, uns
     lo = pack_bf16(c0 - __uint_as_float(hi << 16), c1 - __uint_as_float(hi & 0xFFFF0000u));
 }
 
+// Fully unrolled loop nests over tc_rows' register arrays (acc[m][r][n][c], cur[m][r][h][i], ...): a
+// register array must be indexed by compile-time constants, or it is put in local memory. The trip counts
+// are template constants and every loop is #pragma unroll, so once f is inlined (a lambda with the nest's
+// body) each call has constant indices, as in a nest written out in place; the PTX is the same, byte for
+// byte. (Passing the indices as constant-typed tags, one instance of f per index, was tried: it compiled
+// the reduction's inner loop over the warps differently, so not the same code.)
+// for4<A, B, C, D>(f): f(a, b, c, d) for a < A, b < B, c < C, d < D, d innermost
+template <int A, int B, int C, int D, class F>
+__device__ __forceinline__ void for4(F f) {
+#pragma unroll
+    for (int a = 0; a < A; a++)
+#pragma unroll
+        for (int b = 0; b < B; b++)
+#pragma unroll
+            for (int c = 0; c < C; c++)
+#pragma unroll
+                for (int d = 0; d < D; d++) f(a, b, c, d);
+}
+
+// for2<A, B>(f): f(a, b) for a < A, b < B, b innermost
+template <int A, int B, class F>
+__device__ __forceinline__ void for2(F f) {
+    for4<A, B, 1, 1>([&](int a, int b, int, int) { f(a, b); });
+}
+
 #define TC_WARPS 8  // warps per block (backends/cuda.py _WARPS)
 #ifndef TC_SHARED
 #define TC_SHARED __shared__
@@ -92,16 +117,11 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
         const int tile = item % ntiles, tok0 = (item / ntiles) * 8 * NT, row0 = tile * 16 * R16;
         const uint4 *wr[NM][R16][2];
         const float *sr[NM][R16][2];  // per-row formats: the row's scale; group formats: its group scales
-#pragma unroll
-        for (int m = 0; m < NM; m++)
-#pragma unroll
-            for (int r = 0; r < R16; r++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int row = min(row0 + 16 * r + g + 8 * h, rows - 1);  // past the end: a valid row
-                    wr[m][r][h] = W[m] + (u64)row * words;
-                    sr[m][r][h] = S[m] + (GR ? (u64)row * ngroups : (u64)row);
-                }
+        for4<NM, R16, 2, 1>([&](int m, int r, int h, int) {
+            const int row = min(row0 + 16 * r + g + 8 * h, rows - 1);  // past the end: a valid row
+            wr[m][r][h] = W[m] + (u64)row * words;
+            sr[m][r][h] = S[m] + (GR ? (u64)row * ngroups : (u64)row);
+        });
         const float *xr[NT];
 #pragma unroll
         for (int n = 0; n < NT; n++) {
@@ -111,39 +131,29 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
         // part / plo: the hi / lo halves' sums, two independent mma chains (each mma waits for the last
         // one into its accumulator)
         float acc[NM][R16][NT][4], part[NM][R16][NT][4], plo[NM][R16][NT][4];
-#pragma unroll
-        for (int m = 0; m < NM; m++)
-#pragma unroll
-            for (int r = 0; r < R16; r++)
-#pragma unroll
-                for (int n = 0; n < NT; n++)
-#pragma unroll
-                    for (int c = 0; c < 4; c++) acc[m][r][n][c] = part[m][r][n][c] = plo[m][r][n][c] = 0.0f;
+        for4<NM, R16, NT, 4>([&](int m, int r, int n, int c) {
+            acc[m][r][n][c] = part[m][r][n][c] = plo[m][r][n][c] = 0.0f;
+        });
         unsigned cur[NM][R16][2][4], nxt[NM][R16][2][4];
         float gs[NM][R16][2][4], gn[NM][R16][2][4];  // group formats: each part's group scale
         // the loads of segment `seg` (64 bytes of each row) into w, s
         auto load = [&](unsigned (&w)[NM][R16][2][4], float (&s)[NM][R16][2][4], int seg) {
+            for4<NM, R16, 2, 1>([&](int m, int r, int h, int) {
+                if (GR) {
+                    const unsigned *p = reinterpret_cast<const unsigned *>(wr[m][r][h] + 4 * seg);
 #pragma unroll
-            for (int m = 0; m < NM; m++)
-#pragma unroll
-                for (int r = 0; r < R16; r++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        if (GR) {
-                            const unsigned *p = reinterpret_cast<const unsigned *>(wr[m][r][h] + 4 * seg);
-#pragma unroll
-                            for (int i = 0; i < 4; i++) {
-                                w[m][r][h][i] = __ldg(p + 4 * i + t);
-                                s[m][r][h][i] = __ldg(sr[m][r][h] + ((4 * seg + i) >> gshift));
-                            }
-                        } else {
-                            const uint4 v = __ldg(wr[m][r][h] + 4 * seg + t);
-                            w[m][r][h][0] = v.x;
-                            w[m][r][h][1] = v.y;
-                            w[m][r][h][2] = v.z;
-                            w[m][r][h][3] = v.w;
-                        }
+                    for (int i = 0; i < 4; i++) {
+                        w[m][r][h][i] = __ldg(p + 4 * i + t);
+                        s[m][r][h][i] = __ldg(sr[m][r][h] + ((4 * seg + i) >> gshift));
                     }
+                } else {
+                    const uint4 v = __ldg(wr[m][r][h] + 4 * seg + t);
+                    w[m][r][h][0] = v.x;
+                    w[m][r][h][1] = v.y;
+                    w[m][r][h][2] = v.z;
+                    w[m][r][h][3] = v.w;
+                }
+            });
         };
         if (w < segs) load(cur, gs, w);
         for (int seg = w; seg < segs; seg += warps) {
@@ -185,70 +195,39 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
                             }
                         }
                 if (GR) {  // this part's 32 columns are one group of every row: scale and fold
-#pragma unroll
-                    for (int m = 0; m < NM; m++)
-#pragma unroll
-                        for (int r = 0; r < R16; r++)
-#pragma unroll
-                            for (int n = 0; n < NT; n++)
-#pragma unroll
-                                for (int c = 0; c < 4; c++) {
-                                    const float v = part[m][r][n][c] + plo[m][r][n][c];
-                                    acc[m][r][n][c] = fmaf(v, gs[m][r][c >> 1][i], acc[m][r][n][c]);
-                                    part[m][r][n][c] = plo[m][r][n][c] = 0.0f;
-                                }
+                    for4<NM, R16, NT, 4>([&](int m, int r, int n, int c) {
+                        const float v = part[m][r][n][c] + plo[m][r][n][c];
+                        acc[m][r][n][c] = fmaf(v, gs[m][r][c >> 1][i], acc[m][r][n][c]);
+                        part[m][r][n][c] = plo[m][r][n][c] = 0.0f;
+                    });
                 }
             }
             if (nseg < segs) {
-#pragma unroll
-                for (int m = 0; m < NM; m++)
-#pragma unroll
-                    for (int r = 0; r < R16; r++)
-#pragma unroll
-                        for (int h = 0; h < 2; h++)
-#pragma unroll
-                            for (int i = 0; i < 4; i++) {
-                                cur[m][r][h][i] = nxt[m][r][h][i];
-                                gs[m][r][h][i] = gn[m][r][h][i];
-                            }
+                for4<NM, R16, 2, 4>([&](int m, int r, int h, int i) {
+                    cur[m][r][h][i] = nxt[m][r][h][i];
+                    gs[m][r][h][i] = gn[m][r][h][i];
+                });
             }
         }
-        if (!GR) {  // per-row scales
-#pragma unroll
-            for (int m = 0; m < NM; m++)
-#pragma unroll
-                for (int r = 0; r < R16; r++) {
-                    const float s0 = __ldg(sr[m][r][0]), s1 = __ldg(sr[m][r][1]);
-#pragma unroll
-                    for (int n = 0; n < NT; n++)
-#pragma unroll
-                        for (int c = 0; c < 4; c++)
-                            acc[m][r][n][c] = (part[m][r][n][c] + plo[m][r][n][c]) * (c < 2 ? s0 : s1);
-                }
+        if (!GR) {  // per-row scales: a row's two scales loaded once, for all its tokens
+            for2<NM, R16>([&](int m, int r) {
+                const float s0 = __ldg(sr[m][r][0]), s1 = __ldg(sr[m][r][1]);
+                for2<NT, 4>([&](int n, int c) {
+                    acc[m][r][n][c] = (part[m][r][n][c] + plo[m][r][n][c]) * (c < 2 ? s0 : s1);
+                });
+            });
         }
-#pragma unroll
-        for (int m = 0; m < NM; m++)
-#pragma unroll
-            for (int r = 0; r < R16; r++)
-#pragma unroll
-                for (int n = 0; n < NT; n++)
-#pragma unroll
-                    for (int c = 0; c < 4; c++) red[w][((m * R16 + r) * NT + n) * 4 + c][lane] = acc[m][r][n][c];
+        for4<NM, R16, NT, 4>([&](int m, int r, int n, int c) {
+            red[w][((m * R16 + r) * NT + n) * 4 + c][lane] = acc[m][r][n][c];
+        });
         __syncthreads();
         if (w == 0) {
-#pragma unroll
-            for (int m = 0; m < NM; m++)
-#pragma unroll
-                for (int r = 0; r < R16; r++)
-#pragma unroll
-                    for (int n = 0; n < NT; n++)
-#pragma unroll
-                        for (int c = 0; c < 4; c++) {
-                            const int v = ((m * R16 + r) * NT + n) * 4 + c;
-                            float sum = red[0][v][lane];
-                            for (int k = 1; k < warps; k++) sum += red[k][v][lane];
-                            acc[m][r][n][c] = sum;
-                        }
+            for4<NM, R16, NT, 4>([&](int m, int r, int n, int c) {
+                const int v = ((m * R16 + r) * NT + n) * 4 + c;
+                float sum = red[0][v][lane];
+                for (int k = 1; k < warps; k++) sum += red[k][v][lane];
+                acc[m][r][n][c] = sum;
+            });
             emit(row0, tok0, acc);
         }
         __syncthreads();  // red is rewritten by the next item
@@ -267,15 +246,10 @@ __device__ __forceinline__ void mm_tc_entry(const u64 *e, int rows, int in_pad, 
     const int T = (int)e[4], g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     tc_rows<FMT, R16, 1, NT>(W, S, rows, (rows + 16 * R16 - 1) / (16 * R16), in_pad / Cols<FMT>::n, gshift, x,
                              nullptr, in_pad, T, [&](int row0, int tok0, float (&acc)[1][R16][NT][4]) {
-#pragma unroll
-        for (int r = 0; r < R16; r++)
-#pragma unroll
-            for (int n = 0; n < NT; n++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    const int row = row0 + 16 * r + g + 8 * (c >> 1), j = tok0 + 8 * n + 2 * t + (c & 1);
-                    if (row < rows && j < T) y[(u64)j * y_stride + row] = acc[0][r][n][c];
-                }
+        for4<1, R16, NT, 4>([&](int, int r, int n, int c) {
+            const int row = row0 + 16 * r + g + 8 * (c >> 1), j = tok0 + 8 * n + 2 * t + (c & 1);
+            if (row < rows && j < T) y[(u64)j * y_stride + row] = acc[0][r][n][c];
+        });
     });
 }
 
@@ -302,17 +276,12 @@ __global__ void gate_up_tc(const u64 *__restrict__ table, int rows, int in_pad, 
     const int *idx = reinterpret_cast<const int *>(e[7]);
     tc_rows<FMT, R16, 2, NT>(W, S, rows, (h_stride + 16 * R16 - 1) / (16 * R16), in_pad / Cols<FMT>::n, gshift,
                              x, idx, in_pad, T, [&](int row0, int tok0, float (&acc)[2][R16][NT][4]) {
-#pragma unroll
-        for (int r = 0; r < R16; r++)
-#pragma unroll
-            for (int n = 0; n < NT; n++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    const int row = row0 + 16 * r + g + 8 * (c >> 1), j = tok0 + 8 * n + 2 * t + (c & 1);
-                    if (row < h_stride && j < T) {
-                        const float gv = acc[0][r][n][c], uv = acc[1][r][n][c];
-                        h[(u64)j * h_stride + row] = row < rows ? gv / (1.0f + expf(-gv)) * uv : 0.0f;
-                    }
-                }
+        for4<1, R16, NT, 4>([&](int, int r, int n, int c) {  // gate acc[0], up acc[1]
+            const int row = row0 + 16 * r + g + 8 * (c >> 1), j = tok0 + 8 * n + 2 * t + (c & 1);
+            if (row < h_stride && j < T) {
+                const float gv = acc[0][r][n][c], uv = acc[1][r][n][c];
+                h[(u64)j * h_stride + row] = row < rows ? gv / (1.0f + expf(-gv)) * uv : 0.0f;
+            }
+        });
     });
 }
