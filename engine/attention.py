@@ -13,6 +13,11 @@ import numpy as np
 
 from colibri_plan.families.rope import attention_factor, inv_freq
 from colibri_plan.formats.arch import ArchConfig
+from colibri_plan.formats.plan_trunk import HOST_KV_BYTES_PER_VALUE
+
+#: dtype of the host KV caches (this KVCache, mla.LatentCache): built from the constant the planner
+#: prices a CPU trunk's cache with, so the two cannot drift (float32)
+HOST_KV_DTYPE = np.dtype(f"float{8 * HOST_KV_BYTES_PER_VALUE}")
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -28,15 +33,15 @@ class KVCache:
 
     Attributes:
         length: tokens cached so far (the position of the next token).
-        k[layer], v[layer]: float32 [n_kv_heads, capacity, head_dim]; rows < length are valid (keys are
-            stored after RoPE). Capacity doubles when full.
+        k[layer], v[layer]: :data:`HOST_KV_DTYPE` (float32) [n_kv_heads, capacity, head_dim]; rows <
+            length are valid (keys are stored after RoPE). Capacity doubles when full.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int = 256):
         cap = max(1, int(capacity))
         self.length = 0
-        self.k = [np.zeros((n_kv_heads, cap, head_dim), np.float32) for _ in range(n_layers)]
-        self.v = [np.zeros((n_kv_heads, cap, head_dim), np.float32) for _ in range(n_layers)]
+        self.k = [np.zeros((n_kv_heads, cap, head_dim), HOST_KV_DTYPE) for _ in range(n_layers)]
+        self.v = [np.zeros((n_kv_heads, cap, head_dim), HOST_KV_DTYPE) for _ in range(n_layers)]
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k, v [n_kv, T, d] after the ``length`` cached tokens; return all keys/values so far.
@@ -47,7 +52,7 @@ class KVCache:
         if end > self.k[layer].shape[1]:
             cap = max(end, 2 * self.k[layer].shape[1])
             for store in (self.k, self.v):
-                grown = np.zeros((k.shape[0], cap, k.shape[2]), np.float32)
+                grown = np.zeros((k.shape[0], cap, k.shape[2]), HOST_KV_DTYPE)
                 grown[:, : self.length] = store[layer][:, : self.length]
                 store[layer] = grown
         self.k[layer][:, self.length: end] = k

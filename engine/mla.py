@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from colibri_plan.engine.attention import apply_rope, rmsnorm
+from colibri_plan.engine.attention import HOST_KV_DTYPE, apply_rope, rmsnorm
 from colibri_plan.errors import BackendUnavailableError, UnsupportedError
 from colibri_plan.families.rope import mla_softmax_scale
 from colibri_plan.formats.arch import ArchConfig
@@ -93,7 +93,8 @@ class LatentCache:
     kept apart so a layer's rows are contiguous views (the absorbed kernel reads them without a copy while
     they fit one page; past that one gather per step). A layer grows by whole pages and never copies
     earlier pages. Bytes per token and layer: (R + Dr) · 4, the planner's MLA KV term (kv_lora_rank +
-    qk_rope_head_dim values) at float32.
+    qk_rope_head_dim values) at float32 (:data:`~colibri_plan.engine.attention.HOST_KV_DTYPE`, whose size the
+    planner prices a host cache with).
 
     Attributes:
         length: tokens cached so far (the position of the next token).
@@ -113,8 +114,8 @@ class LatentCache:
         pages, ropes, pt = self.pages[layer], self.rope_pages[layer], self.page_tokens
         pos, end = self.length, self.length + latent.shape[0]
         while len(pages) * pt < end:  # grow by whole pages
-            pages.append(np.zeros((pt, self.rank), np.float32))
-            ropes.append(np.zeros((pt, self.rope_dim), np.float32))
+            pages.append(np.zeros((pt, self.rank), HOST_KV_DTYPE))
+            ropes.append(np.zeros((pt, self.rope_dim), HOST_KV_DTYPE))
         done = 0
         while pos < end:
             page, off = divmod(pos, pt)

@@ -96,7 +96,7 @@ def test_options_move_trunk_and_kv_bytes_and_split_only_when_no_gpu_holds_them()
     cpu, gpu = opts
     assert cpu.vram_bytes == {} and cpu.ram_freed_bytes == 0
     assert gpu.vram_bytes == {"cuda:0": dense + 2 * 64 * 2048}          # 100 tokens = 2 pages, float32 KV
-    assert gpu.ram_freed_bytes == dense + 100 * 1024                     # what the RAM budget charged
+    assert gpu.ram_freed_bytes == dense + 100 * 2048                     # what the RAM budget charged (f32)
     # two GPUs, neither holds trunk + KV alone, together they do: a layer split in proportion to free bytes
     two = dict(figs, **{"cuda:1": TrunkFigures("cuda:1", 60.0, 8e-6, 1e-5, ((0, 60.0),), True)})
     need = dense + 2 * 64 * 1024
@@ -141,16 +141,17 @@ def test_forced_cpu_against_auto_the_vram_trade():
     a, c = auto.doc["budgets"], cpu.doc["budgets"]
     assert c["vram_budget_bytes"]["cuda:0"] - a["vram_budget_bytes"]["cuda:0"] == moved
     assert a["trunk_vram_bytes"] == {"cuda:0": moved} and c["trunk_vram_bytes"] == {}
-    assert a["ram_budget_bytes"] - c["ram_budget_bytes"] == dense_read_bytes(spec, "int4") + 100 * 1024
+    assert a["ram_budget_bytes"] - c["ram_budget_bytes"] == dense_read_bytes(spec, "int4") + 100 * 2048
     forced = cpu.doc["solver"]["trunk"]
     assert cpu.doc["trunk"]["device"] == "cpu" and forced["mode"] == "cpu" and forced["chosen"] == "cpu"
     assert [(r["option"], r["solved"]) for r in forced["options"]] == [("cpu", True), ("cuda:0", False)]
     assert auto.doc["predicted"]["tok_s"] > cpu.doc["predicted"]["tok_s"]
     assert auto.counts()["cuda:0"] < cpu.counts()["cuda:0"]             # fewer experts fit beside the trunk
-    # the CPU trunk's terms are the cost model's as before (dense / min(CPU, RAM GB/s), KV / RAM GB/s)
+    # the CPU trunk's terms are the cost model's (dense / min(CPU, RAM GB/s), KV / RAM GB/s), the KV at
+    # the engine's float32 host cache: 100 tokens · 2048 B
     terms = cpu.doc["predicted"]["terms"]
     assert terms["dense_s"] == pytest.approx(make.dense_read_bytes(spec, "int4") / 20e9)
-    assert terms["attention_s"] == pytest.approx(100 * 1024 / 40e9)
+    assert terms["attention_s"] == pytest.approx(100 * 2048 / 40e9)
 
 
 def test_refusals_before_solving(monkeypatch):

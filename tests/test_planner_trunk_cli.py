@@ -9,7 +9,7 @@ import pytest
 from _cli_fixtures import invoke, refused
 from _solver_fixtures import toy_profile, toy_spec
 
-from colibri_plan.formats.plan_trunk import kv_bytes
+from colibri_plan.formats.plan_trunk import host_kv_bytes_per_token, kv_bytes
 from colibri_plan.formats.profile import save_profile
 from colibri_plan.model import load_model_spec, save_model_spec
 from colibri_plan.planner.trunk import dense_read_bytes
@@ -34,9 +34,11 @@ def test_glm_on_six_5090s_puts_the_trunk_on_a_gpu_and_shows_the_trade(glm):
     _, doc, human = glm
     spec = load_model_spec("glm-5.2")
     # GLM-5.2 is an MLA model: the engine keeps its attention and latent cache on the host, so only the
-    # dense trunk moves to the GPU and the KV cache (1.22 GB at 4096 tokens) stays in the RAM budget
+    # dense trunk moves to the GPU and the KV cache (2.43 GB at 4096 tokens: the catalogue's 16-bit
+    # figure, 1.22 GB, at the engine's float32) stays in the RAM budget
     moved = dense_read_bytes(spec, "int4")
-    kv = kv_bytes(4096, spec.kv_bytes_per_token)
+    kv = kv_bytes(4096, host_kv_bytes_per_token(spec.kv_bytes_per_token, spec.source))
+    assert kv == 2 * kv_bytes(4096, spec.kv_bytes_per_token)
     tr = doc["trunk"]
     assert tr["device"] == tr["chosen"] == "cuda:0" and tr["mode"] == "auto"
     rows = {r["option"]: r for r in tr["options"]}
@@ -66,7 +68,7 @@ def test_glm_plan_shows_and_exports_its_gpu_trunk(glm):
     d, _, _ = glm
     show = invoke("plan", "show", d / "plan.json")
     assert show.exit_code == 0, show.output
-    assert ("trunk: on cuda:0 (int4, dense 9.25 GB + KV 1.22 GB in RAM (MLA: attention on the host) for 4096 "
+    assert ("trunk: on cuda:0 (int4, dense 9.25 GB + KV 2.43 GB in RAM (MLA: attention on the host) for 4096 "
             "tokens): dense ") in show.stdout
     env = json.loads(invoke("export", d / "plan.json", "--to", "colibri", "--out", d / "u.coli_usage",
                             "--json").stdout)["vars"]

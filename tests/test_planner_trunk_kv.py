@@ -44,15 +44,15 @@ def test_the_shared_constant_is_the_engines_float32_cache():
     assert device_kv_bytes(layers, heads, dim, 100) == 2 * 64 * device_kv_bytes_per_token(spec_bpt)
 
 
-def test_gpu_trunk_kv_priced_at_float32_cpu_at_the_spec():
+def test_gpu_and_cpu_trunk_kv_priced_at_the_engines_float32_caches():
     spec = toy_spec(hidden=2048, inter=1024)                 # kv_bytes_per_token 1024 (bf16)
     _, (cpu, gpu) = _options(spec)
     dense = dense_read_bytes(spec, "int4")
-    assert cpu.kv_bytes == 100 * 1024 and cpu.kv_bytes_per_token == 1024
+    assert cpu.kv_bytes == 100 * 2048 and cpu.kv_bytes_per_token == 2048   # the host cache, float32
     assert gpu.kv_bytes_per_token == 2048
     assert gpu.kv_bytes == 2 * 64 * 2048                      # 100 tokens = 2 pages of 64, float32
     assert gpu.vram_bytes == {"cuda:0": dense + 2 * 64 * 2048}
-    assert gpu.ram_freed_bytes == dense + 100 * 1024          # what the RAM budget charged (spec figure)
+    assert gpu.ram_freed_bytes == dense + 100 * 2048          # what the RAM budget charged (host float32)
     assert not gpu.kv_on_host
 
 
@@ -74,7 +74,7 @@ def test_mla_trunk_on_a_gpu_keeps_attention_and_kv_on_the_host():
     spec = dataclasses.replace(toy_spec(hidden=2048, inter=1024), family="deepseek_v3")
     figs, (cpu, gpu) = _options(spec)
     dense = dense_read_bytes(spec, "int4")
-    assert gpu.kv_on_host and gpu.kv_bytes == 100 * 1024      # the spec's bytes, in RAM
+    assert gpu.kv_on_host and gpu.kv_bytes == 100 * 2048      # the host's float32 bytes, in RAM
     assert gpu.vram_bytes == {"cuda:0": dense}                # the dense trunk only
     assert gpu.ram_freed_bytes == dense                       # the KV cache stays in the RAM budget
     assert gpu.attention_s == pytest.approx(cpu.attention_s)  # priced on the host, as the CPU trunk's

@@ -15,9 +15,12 @@ Optional (plans without it keep the trunk on the CPU, as before). Shape::
 as colibrì). Attention runs where the KV cache is; the engine keeps both with the trunk. On a GPU the
 engine's cache holds float32 K and V, so ``solve`` writes ``bytes_per_token`` at
 :data:`DEVICE_KV_BYTES_PER_VALUE` (twice the model spec's 16-bit figure) and takes those bytes out of the
-GPU's budget. ``kv.host: true`` (optional, default false; written for MLA families on a GPU trunk): the
-engine keeps MLA attention and its latent cache on the host, so the cache's bytes (the spec's figure)
-stay in the RAM budget and take no VRAM; ``kv.device`` still names the trunk's device, whose layers
+GPU's budget. The host's caches (a CPU trunk's, and an MLA latent cache kept on the host) hold float32
+too: ``solve`` writes a CPU trunk's ``bytes_per_token`` at :data:`HOST_KV_BYTES_PER_VALUE` and the RAM
+budget charges those bytes (for the colibrì target, whose cache is 16-bit: the spec's figure).
+``kv.host: true`` (optional, default false; written for MLA families on a GPU trunk): the engine keeps
+MLA attention and its latent cache on the host, so the cache's bytes (at the host's figure) stay in the
+RAM budget and take no VRAM; ``kv.device`` still names the trunk's device, whose layers
 hand the hidden state to the host attention and back. ``split`` (a
 layer range per device, covering every layer once, in order) describes a trunk spread over several
 GPUs, as llama.cpp's layer split does; it is a planning result that exports carry, and the engine runs
@@ -44,6 +47,10 @@ ARCH_SPEC_KV_BYTES_PER_VALUE = 4
 #: the planner prices a device trunk's KV cache with it, so a change of the engine's cache dtype belongs
 #: here, in one place both read
 DEVICE_KV_BYTES_PER_VALUE = 4
+#: bytes per cached value of the engine's host KV caches (``engine/attention.py`` ``KVCache``: float32 K
+#: and V; ``engine/mla.py`` ``LatentCache``: float32 latent and rope rows); the engine builds their dtype
+#: from it and the planner prices a CPU trunk's cache (and an MLA cache kept on the host) with it
+HOST_KV_BYTES_PER_VALUE = 4
 #: model families whose attention is MLA (multi-head latent attention): for a device trunk the engine keeps
 #: their attention and latent cache on the host (docs/plan-format.md, ``trunk``)
 MLA_FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa",
@@ -72,6 +79,15 @@ def device_kv_bytes_per_token(spec_kv_bytes_per_token: int, source: str | None =
     fixture pack's 65536 (already float32) stays 65536."""
     have = spec_kv_bytes_per_value(source)
     return int(spec_kv_bytes_per_token) * DEVICE_KV_BYTES_PER_VALUE // have
+
+
+def host_kv_bytes_per_token(spec_kv_bytes_per_token: int, source: str | None = None) -> int:
+    """KV bytes per context token the engine's host cache holds (GQA K and V, or the MLA latent and rope
+    rows) for a model whose spec counts ``spec_kv_bytes_per_token`` at :func:`spec_kv_bytes_per_value` of
+    ``source``: scaled to :data:`HOST_KV_BYTES_PER_VALUE`. E.g. 3072 (bf16, a checkpoint, catalogue or
+    GGUF spec) -> 6144 (float32); a fixture pack's 65536 (already float32) stays 65536."""
+    have = spec_kv_bytes_per_value(source)
+    return int(spec_kv_bytes_per_token) * HOST_KV_BYTES_PER_VALUE // have
 
 
 def kv_on_host(family: str | None, device: str) -> bool:

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from colibri_plan.errors import BudgetError, InputError
+from colibri_plan.formats.plan_trunk import host_kv_bytes_per_token
 from colibri_plan.formats.profile_trunk import expert_call_s
 from colibri_plan.planner.costmodel import GpuResource, Resources
 
@@ -28,6 +29,16 @@ RUNTIME_BYTES = int(0.5 * GB)     # interpreter, logits, activations, thread sta
 DEFAULT_VRAM_RESERVE_BYTES = 2 * GB
 #: largest GB figure accepted for a memory option (1 PB): beyond any machine, and float-to-int safe
 MAX_GB = 1_000_000.0
+
+
+def ram_kv_bytes_per_token(spec, target: str = "colibri-plan") -> int:
+    """KV bytes per context token a cache in RAM takes for the engine ``target``: ours (colibri-plan)
+    keeps float32 K/V (or MLA latent rows) on the host
+    (:func:`~colibri_plan.formats.plan_trunk.host_kv_bytes_per_token`, e.g. a bf16 spec's 3072 -> 6144);
+    colibrì keeps the 16-bit cache the spec's ``kv_bytes_per_token`` counts."""
+    if target == "colibri-plan":
+        return host_kv_bytes_per_token(spec.kv_bytes_per_token, getattr(spec, "source", None))
+    return int(spec.kv_bytes_per_token)
 
 
 def fmt_gb(n_bytes: float) -> str:
@@ -84,8 +95,12 @@ def parse_gb(value: str, what: str) -> float:
 
 def ram_budget(spec, available_bytes: int, ram: str = "auto", headroom_gb: float | None = None,
                context_tokens: int = 4096, dense_fmt: str | None = None,
-               moved_bytes: int = 0) -> tuple[int, list[dict], dict]:
+               moved_bytes: int = 0,
+               kv_bytes_per_token: int | None = None) -> tuple[int, list[dict], dict]:
     """RAM for experts, with the explanation lines.
+
+    ``kv_bytes_per_token``: what the KV cache in RAM takes per context token (:func:`ram_kv_bytes_per_token`
+    of the target engine); None: that of our engine (colibri-plan).
 
     ``moved_bytes``: of the dense trunk and KV cache charged here, the bytes a trunk forced onto a
     discrete GPU gives back (planner.trunk: ``TrunkOption.ram_freed_bytes``). Only the rest must fit:
@@ -112,7 +127,8 @@ def ram_budget(spec, available_bytes: int, ram: str = "auto", headroom_gb: float
                           "the profile's figure")
     warnings: list[str] = []
     dense = spec.dense_bytes(dense_fmt or spec.expert_format)
-    kv = spec.kv_bytes(context_tokens)
+    kv_bpt = int(ram_kv_bytes_per_token(spec) if kv_bytes_per_token is None else kv_bytes_per_token)
+    kv = int(context_tokens) * kv_bpt
     b = spec.expert_bytes()
     working = 2 * spec.top_k * b + RUNTIME_BYTES   # double-buffered reads of one token's misses
     if ram == "auto":
@@ -144,7 +160,7 @@ def ram_budget(spec, available_bytes: int, ram: str = "auto", headroom_gb: float
                             "budget; give at most "
                             f"{fmt_gb(available_bytes - keep)} GB, or --ram auto")
     explain += [{"what": f"dense trunk ({dense_fmt or spec.expert_format})", "bytes": -dense},
-                {"what": f"KV cache ({context_tokens} tokens x {spec.kv_bytes_per_token} B)", "bytes": -kv},
+                {"what": f"KV cache ({context_tokens} tokens x {kv_bpt} B)", "bytes": -kv},
                 {"what": f"working buffers (2 x top-{spec.top_k} expert reads + runtime)",
                  "bytes": -working}]
     left = start - headroom - dense - kv - working

@@ -13,7 +13,14 @@ from colibri_plan.formats.heat import Heat
 from colibri_plan.formats.heat_align import align_heat, uniform_heat
 from colibri_plan.formats.plan import Plan, layers_from_tiers, validate_plan
 from colibri_plan.heatsynth import synth_heat
-from colibri_plan.planner.budgets import Budgets, parse_gb, ram_budget, resources_from_profile, vram_budgets
+from colibri_plan.planner.budgets import (
+    Budgets,
+    parse_gb,
+    ram_budget,
+    ram_kv_bytes_per_token,
+    resources_from_profile,
+    vram_budgets,
+)
 from colibri_plan.planner.cache_model import TraceHits
 from colibri_plan.planner.compute import choose_compute
 from colibri_plan.planner.costmodel import Coefficients, Resources, attention_seconds, dense_seconds
@@ -169,9 +176,10 @@ def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto",
     notes = _option_notes(profile, ram, vram, headroom)
     h = heat_for(spec, heat, seed)
     warnings = list(h.warnings) + notes
-    moved = dense_read_bytes(spec, dense_fmt) + spec.kv_bytes(context_tokens) if trunk_to_vram else 0
+    kv_bpt = ram_kv_bytes_per_token(spec, target)   # ours: the float32 host cache, as the engine holds it
+    moved = dense_read_bytes(spec, dense_fmt) + context_tokens * kv_bpt if trunk_to_vram else 0
     ram_bytes, ram_explain, parts = ram_budget(spec, profile.ram_available_bytes(), ram, headroom,
-                                               context_tokens, dense_fmt, moved)
+                                               context_tokens, dense_fmt, moved, kv_bpt)
     ram_warnings = parts.pop("warnings", [])
     warnings += ram_warnings
     vram_b, vram_explain = vram_budgets(profile.gpus(), vram, int(vram_reserve_gb * 1e9))
@@ -186,7 +194,7 @@ def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto",
     weights = np.array([1.0 if lid < spec.n_layers else 0.0 for lid in h.layers])
     slots = auto_lru_slots(spec, res, max(0, ram_bytes), weights, probs, lru_slots)
     fixed = (dense_seconds(dense_read_bytes(spec, dense_fmt), res, coef)
-             + attention_seconds(context_tokens, spec.kv_bytes_per_token, res, coef))
+             + attention_seconds(context_tokens, kv_bpt, res, coef))
     trace = getattr(h, "trace", None)
     hits = TraceHits(trace, h.layers) if trace is not None and trace.steps else None
     problem = Problem(probs=probs, weights=weights, expert_bytes=spec.expert_bytes(), res=res,
@@ -216,8 +224,9 @@ def cost_of(setup: Setup, tiers: np.ndarray, slots: np.ndarray) -> dict:
         return c
     c["terms"]["dense_s"] = dense_seconds(dense_read_bytes(setup.spec, setup.dense_fmt), setup.res,
                                           setup.problem.coef)
-    c["terms"]["attention_s"] = attention_seconds(setup.budgets.context_tokens, setup.spec.kv_bytes_per_token,
-                                                  setup.res, setup.problem.coef)
+    kv_bpt = ram_kv_bytes_per_token(setup.spec, setup.knobs.get("target", "colibri-plan"))
+    c["terms"]["attention_s"] = attention_seconds(setup.budgets.context_tokens, kv_bpt, setup.res,
+                                                  setup.problem.coef)
     return c
 
 

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from colibri_plan import quant
 from colibri_plan.errors import InputError
 from colibri_plan.formats.plan_trunk import CPU, device_kv_bytes_per_token, kv_bytes, kv_on_host
+from colibri_plan.formats.plan_trunk import host_kv_bytes_per_token as host_kv_bytes
 from colibri_plan.formats.profile_trunk import (
     attention_kv_table,
     dense_gemv_gbps,
@@ -227,7 +228,9 @@ class TrunkOption:
         sources: device key -> figure sources.
         kv_bytes_per_token: the KV cache's bytes per context token as priced (a single GPU: the engine's
             float32 device cache, :func:`~colibri_plan.formats.plan_trunk.device_kv_bytes_per_token`;
-            the CPU and a split: the model spec's figure). kv_on_host: an MLA trunk on a GPU, whose
+            the CPU and an MLA cache on the host: the engine's float32 host cache,
+            :func:`~colibri_plan.formats.plan_trunk.host_kv_bytes_per_token`; a split: the model spec's
+            figure, as llama.cpp's 16-bit cache). kv_on_host: an MLA trunk on a GPU, whose
             attention and latent cache the engine keeps on the host (KV bytes stay in the RAM budget).
         expert_call_s: host seconds per routed expert run on this GPU's own hidden state (the device's
             small-op seconds: the engine launches them from the host each layer; 0 on the CPU and split).
@@ -261,29 +264,37 @@ def dense_read_bytes(spec, dense_fmt: str) -> int:
 
 
 def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_tokens: int,
-                  vram_budget: dict[str, int], coef, ops_per_layer: int = DEFAULT_OPS_PER_LAYER) -> list:
+                  vram_budget: dict[str, int], coef, ops_per_layer: int = DEFAULT_OPS_PER_LAYER,
+                  host_kv_bytes_per_token: int | None = None) -> list:
     """The CPU, every GPU, and (when no single discrete GPU's budget holds trunk + KV but their budgets
     together do) a layer split over the discrete GPUs in proportion to their budgets.
 
     Args:
         figs: :func:`device_figures`. vram_budget: key -> the device's expert budget with the trunk on the
             CPU (free - reserve). context_tokens: the KV cache's context.
+        host_kv_bytes_per_token: bytes per context token of a KV cache in RAM (a CPU trunk's, an MLA
+            cache kept on the host) as the RAM budget charged it
+            (:func:`~colibri_plan.planner.budgets.ram_kv_bytes_per_token`: the engine's float32 host
+            cache); None: that of our engine (colibri-plan).
 
     Returns:
         [:class:`TrunkOption`], the CPU first. Budget fit is checked by the caller (:mod:`.trunk_solve`).
     """
     dense = dense_read_bytes(spec, dense_fmt)
     kv_paged = kv_bytes(context_tokens, spec.kv_bytes_per_token)
-    ram_charged = dense + spec.kv_bytes(context_tokens)      # what budgets.ram_budget charged for them
+    bpt_host = int(host_kv_bytes_per_token if host_kv_bytes_per_token is not None
+                   else host_kv_bytes(spec.kv_bytes_per_token, spec.source))
+    kv_ram = int(context_tokens) * bpt_host                   # what budgets.ram_budget charged for the KV
+    ram_charged = dense + kv_ram
     n_moe = sum(1 for lid in spec.moe_layers if lid < spec.n_layers)
     bpt_dev = device_kv_bytes_per_token(spec.kv_bytes_per_token, spec.source)   # the engine's device cache
 
-    def price(f, bpt=spec.kv_bytes_per_token):
+    def price(f, bpt=bpt_host):
         return price_trunk(f, spec, dense_fmt, dense, spec.n_layers, n_moe, context_tokens, bpt,
                            ops_per_layer, coef)
 
-    out = [TrunkOption(CPU, CPU, (), *price(figs[CPU]), dense, spec.kv_bytes(context_tokens), {}, 0,
-                       {CPU: figs[CPU].sources}, spec.kv_bytes_per_token)]
+    out = [TrunkOption(CPU, CPU, (), *price(figs[CPU]), dense, kv_ram, {}, 0, {CPU: figs[CPU].sources},
+                       bpt_host)]
     for key, f in figs.items():
         if key == CPU:
             continue
@@ -291,14 +302,14 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
             d_s, _, rt = price(f)
             _, a_s, _ = price(figs[CPU])
             hop = spec.n_layers * f.roundtrip_s
-            priced, kv_dev, kv_b = (d_s + hop, a_s, rt + hop), 0, spec.kv_bytes(context_tokens)
+            priced, kv_dev, kv_b = (d_s + hop, a_s, rt + hop), 0, kv_ram
             back = dense
         else:
             priced, kv_dev, kv_b = price(f, bpt_dev), kv_bytes(context_tokens, bpt_dev), None
             back = ram_charged
         out.append(TrunkOption(key, key, (), *priced, dense, kv_dev if kv_b is None else kv_b,
                                {key: dense + kv_dev} if f.discrete else {}, back if f.discrete else 0,
-                               {key: f.sources}, spec.kv_bytes_per_token if kv_b is not None else bpt_dev,
+                               {key: f.sources}, bpt_host if kv_b is not None else bpt_dev,
                                kv_b is not None, f.op_s))
     discrete = {k: int(v) for k, v in vram_budget.items() if k in figs and figs[k].discrete}
     need = dense + kv_paged

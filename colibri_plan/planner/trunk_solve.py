@@ -25,7 +25,7 @@ from colibri_plan.formats.plan_trunk import (
     kv_on_host,
     parse_trunk,
 )
-from colibri_plan.planner.budgets import fmt_gb
+from colibri_plan.planner.budgets import fmt_gb, ram_kv_bytes_per_token
 from colibri_plan.planner.trunk import device_figures, trunk_options
 
 AUTO = "auto"
@@ -46,18 +46,19 @@ def _kv_message(key: str, ctx: int, kv: int, have: int) -> str:
             "--trunk cpu, or more VRAM for the plan (a larger --vram or a smaller --vram-reserve)")
 
 
-def _no_split_message(opts, vram_budget: dict, choices: list[str]) -> str:
+def _no_split_message(opts, vram_budget: dict, choices: list[str], spec_kv_bytes_per_token: int) -> str:
     """Why ``--trunk split`` is not an option: fewer than two discrete GPUs, one GPU that holds the
-    trunk and KV cache alone, or GPUs whose budgets together cannot hold them (bytes asked and held)."""
+    trunk and KV cache alone, or GPUs whose budgets together cannot hold them (bytes asked and held;
+    a split's cache at ``spec_kv_bytes_per_token``, the model spec's figure)."""
     gpus = [o for o in opts if o.vram_bytes and not o.split]     # the discrete GPUs' single-device options
     alt = f"choose {', '.join(choices)}"
     if len(gpus) < 2:
         return (f"--trunk split: no layer split to choose: it needs at least two discrete GPUs and the "
                 f"profile has {len(gpus)}; {alt}")
-    # a split holds the cache at the spec's figure (the CPU option's; an export for llama.cpp's 16-bit
-    # cache), a single GPU at the engine's float32 one: the same paged tokens
+    # a split holds the cache at the spec's figure (an export for llama.cpp's 16-bit cache), a single GPU
+    # at the engine's float32 one: the same paged tokens
     tokens = gpus[0].kv_bytes // max(1, gpus[0].kv_bytes_per_token)
-    need = gpus[0].dense_bytes + tokens * opts[0].kv_bytes_per_token
+    need = gpus[0].dense_bytes + tokens * int(spec_kv_bytes_per_token)
     have = sum(int(vram_budget.get(o.device, 0)) for o in gpus)
     if have < need:
         return (f"--trunk split: no layer split fits: the dense trunk and KV cache need {need} B "
@@ -167,10 +168,13 @@ def choose_trunk(profile, setup, spec, choice: str, solve, lru_slots_fn):
     check_trunk_choice(choice, keys)
     figs = device_figures(profile, setup.res, spec, setup.dense_fmt, setup.problem.coef)
     opts = trunk_options(figs, spec, setup.dense_fmt, setup.budgets.context_tokens,
-                         setup.budgets.vram_budget_bytes, setup.problem.coef)
+                         setup.budgets.vram_budget_bytes, setup.problem.coef,
+                         host_kv_bytes_per_token=ram_kv_bytes_per_token(spec, setup.knobs.get("target",
+                                                                                              "colibri-plan")))
     names = [o.name for o in opts]
     if choice not in (AUTO, *names):
-        raise InputError(_no_split_message(opts, setup.budgets.vram_budget_bytes, [AUTO, *names]))
+        raise InputError(_no_split_message(opts, setup.budgets.vram_budget_bytes, [AUTO, *names],
+                                           spec.kv_bytes_per_token))
     if choice != AUTO:                          # refuse a forced option that cannot fit before solving
         option_fit(setup, opts[names.index(choice)])
     rows = [_row(o, setup, o.name == choice) for o in opts]
