@@ -54,13 +54,15 @@ _TC_MIN_TOKENS = 2  # benchmarks set 1 to time the tensor-core kernels at decode
 # a layer: 2-4, which ran 1.4-1.9x faster than 8 on an H200); benchmarks may fix it
 _TC_WARPS: int | None = None
 # T = 1, per-row int4 / int8: shaders/cuda/decode_imma.cu's integer tensor-core kernels (same tables) replace
-# the GEMV ones; (16-row subtiles per block tile, warps per block) and the resident blocks of 8 warps per SM
-# their registers must allow (IM_MIN_BLOCKS: launch bounds); bench/cuda_decode_imma.py times the alternatives
+# the GEMV ones; (16-row subtiles per block tile, warps per block), the resident blocks of 8 warps per SM
+# their registers must allow (IM_MIN_BLOCKS: launch bounds) and the steps of each warp's weight ring
+# (IM_STAGES); bench/cuda_decode_imma.py times the alternatives
 _IMMA = {"mm": "mm_imma", "mm_args": "mm_args_imma", "gate_up": "gate_up_imma"}
 _IMMA_FORMATS = frozenset({"int4", "int8"})
 _IMMA_SHAPE = {"mm": (2, 8), "gate_up": (1, 8)}  # mm_args takes mm's
 _IMMA_MIN_BLOCKS = 2
-_IMMA_STATIC_SMEM = 8 * 1024 + 256  # decode_imma.cu's red and part arrays at their largest (bytes)
+_IMMA_STAGES = 4
+_IMMA_STATIC_SMEM = 4096  # decode_imma.cu's red array per 16-row subtile and matrix, bytes (+ 256: part)
 _SOURCES = ("matmul.cu", "prefill.cu", "decode_imma.cu")  # one NVRTC source, in this order
 _NVRTC_OPTIONS = ("--std=c++14",)  # benchmarks add -DCOLIBRI_READ_ONLY (loads without arithmetic)
 _TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their activations in shared memory)
@@ -208,7 +210,7 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
             params = (_TC_R16[name], tc)
         elif name in _IMMA.values():
             params = (_imma_shape(name)[0],)
-            options += (f"-DIM_MIN_BLOCKS={_IMMA_MIN_BLOCKS}",)
+            options += (f"-DIM_MIN_BLOCKS={_IMMA_MIN_BLOCKS}", f"-DIM_STAGES={_IMMA_STAGES}")
         else:
             r, u, _, max_regs, by_part, _ = _gemv_shape(name, fmt)
             params = (r, u, tc)
@@ -259,11 +261,14 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
                 warps = _TC_WARPS or min(8, max(2, round(16 * self._sms / (items * n_mats))))
                 hit = self._launchers[key] = (fn, (items, n_mats), (32 * warps,), 0, scalars)
                 return hit
-            smem = in_pad * 4  # decode_imma.cu: x as fixed-point limbs, 4 bytes per column
-            if T == 1 and fmt in _IMMA_FORMATS and smem + _IMMA_STATIC_SMEM <= self._smem_limit():
+            r16, warps = _imma_shape(_IMMA[name])
+            # decode_imma.cu: x as fixed-point limbs (4 bytes a column), then each warp's ring of weight steps
+            nm = 2 if name == "gate_up" else 1
+            smem = in_pad * 4 + warps * _IMMA_STAGES * nm * r16 * 2 * 512
+            static = _IMMA_STATIC_SMEM * nm * r16 + 256
+            if T == 1 and fmt in _IMMA_FORMATS and smem + static <= self._smem_limit():
                 name = _IMMA[name]
                 fn = self._fn(name, fmt, 1, smem)
-                r16, warps = _imma_shape(name)
                 tiles, slots = -(-rows_grid // (16 * r16)), self._resident(fn, smem, warps) * self._sms
                 # one resident wave over all matrices, then as few blocks as give each the same tile count
                 per = -(-tiles // max(1, min(tiles, slots // n_mats)))

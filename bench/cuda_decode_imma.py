@@ -5,7 +5,8 @@ For each of ``--formats`` (per-row int4 / int8: the formats decode_imma.cu takes
 uploaded, then ``--rounds`` rounds time every variant in turn (interleaved, so drift and clock changes
 fall on all of them): ``gemv`` (``_IMMA_FORMATS`` emptied: matmul.cu's mm / gate_up with their
 ``_GEMV_TUNE`` settings) and each ``_VARIANTS`` setting of ``_IMMA_SHAPE`` (16-row subtiles per block tile
-and warps per block, gate/up and down) and ``_IMMA_MIN_BLOCKS`` (launch bounds). Kernel time is
+and warps per block, gate/up and down), ``_IMMA_MIN_BLOCKS`` (launch bounds) and ``_IMMA_STAGES`` (steps
+of each warp's weight ring). Kernel time is
 bench/cuda_expert_ffn.py's: the op with its kernels run twice, less once. Prints a table (median over
 rounds of the kernels' µs, fraction of the device-to-device copy rate, and the ratio to gemv of the
 same round); ``--out`` writes JSON.
@@ -36,15 +37,17 @@ _ffn = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_ffn)
 copy_gbps, ffn_rows, free_pool, upload_pool = _ffn.copy_gbps, _ffn.ffn_rows, _ffn.free_pool, _ffn.upload_pool
 
-# label -> (gate_up (R16, warps), mm (R16, warps), min blocks per SM); None: the GEMV kernels
+# label -> (gate_up (R16, warps), mm (R16, warps), min blocks of 8 warps per SM, ring stages); None: the
+# GEMV kernels
 _VARIANTS = {
     "gemv": None,
     "default": None,  # filled from the module's own settings at start
-    "gu1x4 mm2x4": ((1, 4), (2, 4), 2),
-    "gu2x8 mm4x8": ((2, 8), (4, 8), 2),
-    "gu1x8 mm1x8": ((1, 8), (1, 8), 2),
-    "gu1x8 mm2x8 mb3": ((1, 8), (2, 8), 3),
-    "gu1x4 mm1x4 mb3": ((1, 4), (1, 4), 3),
+    "st3": ((1, 8), (2, 8), 2, 3),
+    "st6": ((1, 8), (2, 8), 2, 6),
+    "gu1x4 mm2x4": ((1, 4), (2, 4), 2, 4),
+    "gu1x4 mm2x4 st6": ((1, 4), (2, 4), 2, 6),
+    "gu1x4 mm1x4 st8": ((1, 4), (1, 4), 2, 8),
+    "gu1x8 mm1x8": ((1, 8), (1, 8), 2, 4),
 }
 
 
@@ -53,10 +56,10 @@ def apply(mod, setting, imma_formats) -> None:
     if setting is None:
         mod._IMMA_FORMATS = frozenset()
         return
-    (gu, mm, mb) = setting
+    (gu, mm, mb, st) = setting
     mod._IMMA_FORMATS = imma_formats
     mod._IMMA_SHAPE = {"gate_up": gu, "mm": mm}
-    mod._IMMA_MIN_BLOCKS = mb
+    mod._IMMA_MIN_BLOCKS, mod._IMMA_STAGES = mb, st
 
 
 def main() -> int:
@@ -84,7 +87,7 @@ def main() -> int:
 
     imma = mod._IMMA_FORMATS
     settings = dict(_VARIANTS, default=(mod._IMMA_SHAPE["gate_up"], mod._IMMA_SHAPE["mm"],
-                                        mod._IMMA_MIN_BLOCKS))
+                                        mod._IMMA_MIN_BLOCKS, mod._IMMA_STAGES))
     be = cls.open(0)
     be.timing = True
     import cupy as cp

@@ -24,7 +24,9 @@ def test_grid_is_one_wave_with_equal_tile_counts(be, n_mats, rows, want_blocks):
     fn, grid, block, smem, _ = be._launcher("mm", "int4", n_mats, rows, rows, 2048, rows, 1)
     assert fn.__name__ == f"mm_imma<4,{cuda_mod._IMMA_SHAPE['mm'][0]}>"
     assert grid == (want_blocks, n_mats) and block == (32 * cuda_mod._IMMA_SHAPE["mm"][1],)
-    assert smem == 2048 * 4  # x as four 8-bit limbs per column
+    r16, warps = cuda_mod._IMMA_SHAPE["mm"]
+    # x as four 8-bit limbs a column, then each warp's ring: stages x (2 r16 words of 16 bytes) x 32 lanes
+    assert smem == 2048 * 4 + warps * cuda_mod._IMMA_STAGES * 2 * r16 * 16 * 32
 
 
 def test_choice_by_tokens_format_and_shared_memory(be):  # noqa: F811
@@ -36,7 +38,10 @@ def test_choice_by_tokens_format_and_shared_memory(be):  # noqa: F811
     assert name("mm", "int4-g32", 1, 64, 64, 256, 64, 1) == "mm"
     assert name("mm", "bf16", 1, 64, 64, 256, 64, 1) == "mm"
     assert name("mm", "int4", 1, 64, 64, 256, 64, 2) == "mm_tc"
-    fits = (227 * 1024 - cuda_mod._IMMA_STATIC_SMEM) // 4 // 128 * 128  # largest in_pad that fits
+    r16, warps = cuda_mod._IMMA_SHAPE["mm"]
+    ring = warps * cuda_mod._IMMA_STAGES * 2 * r16 * 512
+    static = cuda_mod._IMMA_STATIC_SMEM * r16 + 256
+    fits = (227 * 1024 - static - ring) // 4 // 128 * 128  # largest in_pad that fits
     assert name("mm", "int8", 1, 64, 64, fits, 64, 1) == "mm_imma"
     assert name("mm", "int8", 1, 64, 64, fits + 128, 64, 1) == "mm"
 

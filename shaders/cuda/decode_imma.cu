@@ -28,6 +28,9 @@
 #define IM_MIN_BLOCKS 2
 #endif
 #define IM_BOUNDS __launch_bounds__(32 * IM_WARPS, IM_MIN_BLOCKS)
+#ifndef IM_STAGES  // steps of weights per warp ring: IM_STAGES - 1 in flight (backends/cuda.py _IMMA_STAGES)
+#define IM_STAGES 4
+#endif
 
 #ifndef COLIBRI_HOST_MMA
 // c (16 x 8, int32) += A (16 x 32 s8: a0 / a2 row g at k 4t.. / 16 + 4t.., a1 / a3 row g + 8) . B (32 x 8:
@@ -46,6 +49,17 @@ __device__ __forceinline__ void mma_i8(int (&c)[4], unsigned a0, unsigned a1, un
                      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
                      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+// 16 bytes global -> shared, asynchronous (L2 only: the weights are read once); groups of them are
+// committed and waited for in issue order
+__device__ __forceinline__ void im_cp16(uint4 *dst, const uint4 *src) {
+    unsigned d;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void im_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void im_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(IM_STAGES - 1) : "memory"); }
+__device__ __forceinline__ void im_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 __device__ __forceinline__ unsigned im_max_u32(unsigned v) {  // over the warp
 #pragma unroll
@@ -88,6 +102,8 @@ __device__ __forceinline__ int im_stage(uint4 *xq, const float *x, int in_pad, i
     bad = m >= 0x7F800000u;
     // |x| < 2^E with E = biased exponent - 126 (subnormals: 2^-126); X = x 2^(30 - E), |X| < 2^30
     const int e = bad || m == 0 ? 0 : (int)(m >> 23) - 126 - 30;
+    // 2^-e as two factors, each a normal float (-e is in [-98, 155]): the products are exact
+    const float f1 = __int_as_float((127 + (-e >> 1)) << 23), f2 = __int_as_float((127 + (-e - (-e >> 1))) << 23);
     int s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     for (int i = threadIdx.x; i < in_pad / 8; i += blockDim.x) {
         const int t = i & 3, j = (i >> 2) % KS, seg = (i >> 2) / KS;
@@ -97,7 +113,7 @@ __device__ __forceinline__ int im_stage(uint4 *xq, const float *x, int in_pad, i
         unsigned X[8];
 #pragma unroll
         for (int k = 0; k < 8; k++) {
-            X[k] = bad ? 0u : (unsigned)__float2int_rn(ldexpf(f[k], -e));
+            X[k] = bad ? 0u : (unsigned)__float2int_rn(f[k] * f1 * f2);
             s0 += (int)(X[k] & 0xFFu);
             s1 += (int)((X[k] >> 8) & 0xFFu);
             s2 += (int)((X[k] >> 16) & 0xFFu);
@@ -132,36 +148,53 @@ __device__ __forceinline__ int im_stage(uint4 *xq, const float *x, int in_pad, i
 // One block's row tiles (16 R16 rows of NM matrices; gate and up share x) against one token x: emit(row,
 // v[NM]) gets each row's finished value (row scale applied) for rows row0 .. row0 + 16 R16 - 1 (rows past
 // `rows` read the last row: valid memory, emit decides). words: 16-byte words per row (in_pad / Cols).
+//
+// A warp's work is one stream of steps (tile k of the block, its segment w + s warps), IM_STAGES - 1 steps
+// of weights in flight ahead of the one being summed: cp.async copies each lane's 16-byte words into the
+// warp's ring in shared memory, and the lane reads back only its own words (no warp barrier). The sums
+// take few instructions, so a step lasts about one memory latency: bytes in flight, not arithmetic, set
+// the rate (with one step ahead in registers the kernels ran at half the GEMV kernels' rate on an H200).
 template <int FMT, int R16, int NM, class Emit>
 __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *const *S, int rows, int ntiles,
                                           int words, const float *x, int in_pad, Emit emit) {
-    constexpr int KS = Cols<FMT>::n / 8;
-    extern __shared__ uint4 xq[];  // [in_pad / 8][2] limb entries (P, Q)
-    __shared__ int red[2][IM_WARPS][NM * R16 * 64];  // [item parity][warp][(m, r, h, limb) x 8 rows g]
+    constexpr int KS = Cols<FMT>::n / 8, WS = NM * R16 * 2;  // k-steps per segment; words a lane per step
+    extern __shared__ uint4 dyn[];  // [in_pad / 8][2] limb entries (P, Q), then the warps' rings
+    __shared__ int red[2][IM_WARPS][NM * R16 * 64];  // [tile parity][warp][(m, r, h, limb) x 8 rows g]
     __shared__ int part[IM_WARPS][5];
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5,
               warps = blockDim.x >> 5, segs = words >> 2;
-    int tile = blockIdx.x;
-    if (tile >= ntiles) return;  // the whole block: no barrier is left waiting
-    uint4 cur[NM][R16][2], nxt[NM][R16][2];
-    // segment seg of tile `tl` (rows g and g + 8 of each subtile) into b
-    auto load = [&](uint4 (&b)[NM][R16][2], int tl, int seg) {
+    if ((int)blockIdx.x >= ntiles) return;  // the whole block: no barrier is left waiting
+    uint4 *xq = dyn, *ring = dyn + in_pad / 4 + w * IM_STAGES * WS * 32;  // ring [stage][word][lane]
+    const int ntk = (ntiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // this block's tiles
+    const int spw = w < segs ? (segs - w + warps - 1) / warps : 0;  // this warp's segments per tile
+    const int steps = spw * ntk;
+    // step p of this warp's stream into its ring slot (a commit group even when past the end: the waits
+    // count groups)
+    auto issue = [&](int p) {
+        if (p < steps) {
+            const int tl = (int)blockIdx.x + (p / spw) * (int)gridDim.x, seg = w + (p % spw) * warps;
+            uint4 *slot = ring + (p % IM_STAGES) * WS * 32 + lane;
 #pragma unroll
-        for (int m = 0; m < NM; m++)
+            for (int m = 0; m < NM; m++)
 #pragma unroll
-            for (int r = 0; r < R16; r++)
+                for (int r = 0; r < R16; r++)
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int row = min(tl * 16 * R16 + 16 * r + g + 8 * h, rows - 1);
-                    b[m][r][h] = __ldg(W[m] + (u64)row * words + 4 * seg + t);
-                }
+                    for (int h = 0; h < 2; h++) {
+                        const int row = min(tl * 16 * R16 + 16 * r + g + 8 * h, rows - 1);
+                        im_cp16(slot + ((m * R16 + r) * 2 + h) * 32, W[m] + (u64)row * words + 4 * seg + t);
+                    }
+        }
+        im_commit();
     };
-    int seg = w;
-    if (seg < segs) load(cur, tile, seg);  // in flight while x is staged
+#pragma unroll
+    for (int q = 0; q < IM_STAGES - 1; q++) issue(q);  // in flight while x is staged
     int sb[4];
     bool bad;
+    double scale;  // 2^e
     const int e = im_stage<FMT>(xq, x, in_pad, part, sb, bad);
-    for (int k = 0;; k++) {
+    scale = __longlong_as_double((long long)(1023 + e) << 52);
+    for (int k = 0; k < ntk; k++) {
+        const int tile = (int)blockIdx.x + k * (int)gridDim.x;
         int acc[NM][R16][4][4];
 #pragma unroll
         for (int m = 0; m < NM; m++)
@@ -171,14 +204,18 @@ __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *co
                 for (int l = 0; l < 4; l++)
 #pragma unroll
                     for (int c = 0; c < 4; c++) acc[m][r][l][c] = 0;
-        for (; seg < segs; seg += warps) {
-            int nseg = seg + warps, ntile = tile;
-            if (nseg >= segs) {
-                nseg = w;
-                ntile += gridDim.x;
-            }
-            const bool more = ntile < ntiles;
-            if (more) load(nxt, ntile, nseg);
+        for (int sg = 0; sg < spw; sg++) {
+            const int p = k * spw + sg, seg = w + sg * warps;
+            issue(p + IM_STAGES - 1);
+            im_wait();  // step p's group has landed (at most IM_STAGES - 1 newer ones pending)
+            const uint4 *slot = ring + (p % IM_STAGES) * WS * 32 + lane;
+            uint4 cur[NM][R16][2];
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < R16; r++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) cur[m][r][h] = slot[((m * R16 + r) * 2 + h) * 32];
 #pragma unroll
             for (int j = 0; j < KS; j++) {
                 const uint4 P = xq[2 * ((seg * KS + j) * 4 + t)], Q = xq[2 * ((seg * KS + j) * 4 + t) + 1];
@@ -205,15 +242,6 @@ __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *co
                         mma_i8<true>(acc[m][r][3], a0, a1, a2, a3, P.w, Q.w);
                     }
             }
-            if (more) {
-#pragma unroll
-                for (int m = 0; m < NM; m++)
-#pragma unroll
-                    for (int r = 0; r < R16; r++) {
-                        cur[m][r][0] = nxt[m][r][0];
-                        cur[m][r][1] = nxt[m][r][1];
-                    }
-            }
         }
         // column 0 (the token) is c0 (row g) and c2 (row g + 8) of the lanes t = 0
         int(*mine)[NM * R16 * 64] = red[k & 1];
@@ -225,7 +253,8 @@ __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *co
 #pragma unroll
                     for (int h = 0; h < 2; h++)
 #pragma unroll
-                        for (int l = 0; l < 4; l++) mine[w][(((m * R16 + r) * 2 + h) * 4 + l) * 8 + g] = acc[m][r][l][2 * h];
+                        for (int l = 0; l < 4; l++)
+                            mine[w][(((m * R16 + r) * 2 + h) * 4 + l) * 8 + g] = acc[m][r][l][2 * h];
         }
         __syncthreads();  // one barrier per tile: red alternates, so the next tile's writes go elsewhere
         if (w == k % warps) {
@@ -243,15 +272,13 @@ __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *co
                         d = d * 256.0 + (double)c;
                     }
                     const double s = (double)__ldg(S[m] + min(row, rows - 1));
-                    v[m] = bad ? __int_as_float(0x7FC00000) : (float)(ldexp(d, e) * s);
+                    v[m] = bad ? __int_as_float(0x7FC00000) : (float)(d * scale * s);
                 }
                 emit(row, v);
             }
         }
-        tile += gridDim.x;
-        if (tile >= ntiles) break;
-        seg = w;
     }
+    im_wait_all();  // no copy may still target the ring when the block's shared memory is handed on
 }
 
 // mm / mm_args for T = 1: entry W, S, x, y, T, rows, y_stride, 0 (matmul.cu's mm_entry); T = 0 writes nothing
