@@ -8,8 +8,8 @@ trunk + KV + the VRAM experts before anything is uploaded), builds the
 :class:`~colibri_plan.formats.report.RunReport` (the plan's ``predicted`` vocabulary): the tokens,
 prefill and per-token decode time split into the terms the cost model predicts (dense/attention outside
 the experts, expert compute per device, disk wait), hit rates per tier, disk bytes per token and peak
-RSS. Statistics cover decode only (the prefill is reported apart),
-because the plan predicts decode.
+RSS. Statistics cover decode only (the prefill is reported apart: its time, and the residency manager's
+figures of the prompt's forward pass in ``prefill_terms``), because the plan predicts decode.
 """
 
 from __future__ import annotations
@@ -181,6 +181,18 @@ def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def prefill_terms(st) -> dict | None:
+    """The RunReport's ``prefill_terms`` from the residency manager's statistics of the prefill (a
+    :class:`~colibri_plan.engine.tierstats.TierStats`; None: not collected -> None). Totals over the
+    prompt's forward pass (seconds, bytes), named as the decode terms and the plan's prefill terms."""
+    if st is None:
+        return None
+    return {"experts_s": st.layer_wall_s,
+            "expert_compute_s": {"cpu": st.cpu_compute_s, **st.device_compute_s},
+            "disk_wait_s": st.disk_wait_s, "disk_read_s": st.disk_read_s, "disk_busy_s": st.disk_busy_s,
+            "disk_bytes": st.disk_bytes, "hit_rate": st.hit_rates()}
+
+
 def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_tokens: int,
                   cpu_backend: str = "cpu", read_threads: int = 8, verify_checksums: bool = True,
                   progress: Callable[[str], None] | None = None, recorder=None,
@@ -242,12 +254,12 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
                       context_tokens=reserve if key is not None else 0)
         dev_trunk = model.trunk
         step_s: list[float] = []
-        marks = {"prefill": 0.0}
+        marks: dict = {"prefill": 0.0, "prefill_stats": None}
 
         def on_token(step: int, tok: int, seconds: float) -> None:
             if step == 0:
                 marks["prefill"] = seconds
-                rm.reset_stats()  # decode statistics start after the prefill
+                marks["prefill_stats"] = rm.reset_stats()  # decode statistics start after the prefill
                 if dev_trunk is not None:
                     dev_trunk.reset_stats()
             else:
@@ -283,7 +295,8 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
             disk_read_gbps=st.disk_bytes / st.disk_busy_s / 1e9 if st.disk_busy_s > 0 else None,
             expert_uses_per_token=st.expert_uses / n,
             peak_rss_bytes=peak_rss_bytes(), resident_bytes=rm.resident_bytes(),
-            o_direct=rm.o_direct, io_warning=rm.io_warning, placement=placement.summary())
+            o_direct=rm.o_direct, io_warning=rm.io_warning, placement=placement.summary(),
+            prefill_terms=prefill_terms(marks["prefill_stats"]))
         if rm.repinner is not None:
             report.repins, report.repin_bytes, report.repin_s = st.repins, st.repin_bytes, st.repin_s
         return report

@@ -92,3 +92,57 @@ def test_prefill_figures_in_range_or_null_are_accepted(tmp_path):
     rep["verdict"].update(prefill_ratio=None, prefill_ok=None)
     (tmp_path / "r.json").write_text(json.dumps(rep))
     assert load_report(tmp_path / "r.json")["verdict"]["prefill_ratio"] is None
+
+
+#: a prefill of 64 tokens: 0.5 s in the expert layers (0.3 s cpu compute, 0.1 s waiting for the disk),
+#: 4 reads of 1 MB
+PREFILL_TERMS = {"experts_s": 0.5, "expert_compute_s": {"cpu": 0.3}, "disk_wait_s": 0.1, "disk_read_s": 0.2,
+                 "disk_busy_s": 0.15, "disk_bytes": 4_000_000,
+                 "hit_rate": {"vram": 0.0, "ram_pinned": 0.75, "lru": 0.0, "disk": 0.25}}
+
+
+def test_prefill_terms_round_trip_through_a_report_file(tmp_path):
+    from colibri_plan.formats.report import RunReport, save_report
+
+    run = RunReport(tok_s=2.0, decode_s_per_token=0.5, prefill_s=0.8, prompt_tokens=64,
+                    prefill_terms=PREFILL_TERMS)
+    measured = run.to_dict()
+    assert measured["prefill_terms"] == PREFILL_TERMS and "prefill_terms" not in measured["terms"]
+    rep = toy_report()
+    rep["measured"] = measured
+    doc = load_report(save_report(rep, tmp_path / "r.verify.json"))
+    back = RunReport.from_dict(doc["measured"], "r", "measured")
+    assert back.prefill_terms == PREFILL_TERMS and back.prefill_s == 0.8
+
+
+def test_a_report_written_before_prefill_terms_still_loads(tmp_path):
+    from colibri_plan.formats.report import SCHEMA_VERSION, RunReport
+
+    rep = toy_report()                                   # a version-2 report without prefill_terms
+    assert SCHEMA_VERSION == 2 and "prefill_terms" not in rep["measured"]
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    doc = load_report(tmp_path / "r.json")
+    assert RunReport.from_dict(doc["measured"], "r", "measured").prefill_terms is None
+
+
+BAD_PREFILL_TERMS = [("experts_s", -0.5, "measured.prefill_terms.experts_s must be a finite number >= 0"),
+                     ("disk_wait_s", "slow", "measured.prefill_terms.disk_wait_s must be a finite number"),
+                     ("expert_compute_s", {"cpu": float("inf")},
+                      "measured.prefill_terms.expert_compute_s.cpu must be a finite number"),
+                     ("expert_compute_s", [0.3], "measured.prefill_terms.expert_compute_s must map devices"),
+                     ("disk_bytes", -1, "measured.prefill_terms.disk_bytes must be a finite number >= 0"),
+                     ("hit_rate", {"disk": 1.5}, "measured.prefill_terms.hit_rate must map vram")]
+
+
+@pytest.mark.parametrize("key, value, message", BAD_PREFILL_TERMS)
+def test_bad_prefill_terms_are_one_format_error(tmp_path, key, value, message):
+    rep = toy_report()
+    rep["measured"]["prefill_terms"] = dict(PREFILL_TERMS, **{key: value})
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    with pytest.raises(FormatError) as exc:
+        load_report(tmp_path / "r.json")
+    assert message in str(exc.value) and "re-run `colibri-plan verify`" in str(exc.value)
+    rep["measured"]["prefill_terms"] = "fast"
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    with pytest.raises(FormatError, match="measured.prefill_terms must be an object or null"):
+        load_report(tmp_path / "r.json")

@@ -39,6 +39,7 @@ def test_run_tokens_equal_engine_api(fx):
     assert doc["prompt_tokens"] == 5 and doc["decode_steps"] == 9
     assert doc["decode_s_per_token"] > 0 and doc["tok_s"] == pytest.approx(1 / doc["decode_s_per_token"])
     assert doc["prefill_s"] > 0 and doc["plan"] is None
+    assert doc["prefill_terms"]["experts_s"] > 0 and doc["prefill_terms"]["disk_bytes"] == 0
     # the same report as `run --plan`: the plan's vocabulary, every expert pinned in RAM
     assert set(doc["hit_rate"]) == {"vram", "ram_pinned", "lru", "disk"}
     assert doc["hit_rate"]["ram_pinned"] == 1
@@ -66,6 +67,12 @@ def test_run_without_plan_equals_run_with_a_plan(fx, tmp_path):
     planned = runner.generate(pack, PROMPT, 8, plan=plan, backend="numpy")
     assert plain.tokens == planned.tokens == Model(open_pack(fx)).generate(PROMPT, 8)
     assert planned.hit_rate["disk"] > 0 and plain.hit_rate["disk"] == 0
+    # the prefill's own figures: all pinned without a plan; with it the empty LRU reads whole experts
+    block = max(pack.expert_location(layer, 0)[1] for layer in a.moe_layers)
+    pre, pp = plain.prefill_terms, planned.prefill_terms
+    assert pre["disk_bytes"] == 0 and pre["hit_rate"]["ram_pinned"] == 1 and pre["experts_s"] > 0
+    assert pp["hit_rate"]["disk"] > 0 and pp["disk_bytes"] > 0 and pp["disk_bytes"] % block == 0
+    assert pp["experts_s"] >= pp["disk_wait_s"] >= 0
     assert set(plain.to_dict()["terms"]) == set(planned.to_dict()["terms"])
     assert set(plain.to_dict()) - {"disk_read_gbps"} == set(planned.to_dict()) - {"disk_read_gbps"}
     pack.close()
@@ -79,6 +86,21 @@ def test_prompt_file_and_human_output(fx, tmp_path):
     first = res.stdout.splitlines()[0].split()
     assert [int(t) for t in first] == Model(open_pack(fx)).generate(PROMPT, 4)
     assert "tok/s" in res.stdout and "prefill 5 tokens" in res.stdout
+    assert "prefill: experts " in res.stdout and "disk 0.0 MB read" in res.stdout   # every expert pinned
+
+
+def test_prefill_terms_are_the_residency_statistics_of_the_prefill():
+    from colibri_plan.engine.session import prefill_terms
+    from colibri_plan.engine.tierstats import TierStats
+
+    st = TierStats(disk_bytes=3_000_000, disk_read_s=0.03, disk_busy_s=0.02, disk_wait_s=0.01,
+                   cpu_compute_s=0.2, device_compute_s={"cuda:0": 0.05}, layer_wall_s=0.3)
+    st.uses.update(ram_pinned=6, disk=2)                 # 8 expert uses, 2 of them reads
+    assert prefill_terms(None) is None
+    assert prefill_terms(st) == {"experts_s": 0.3, "expert_compute_s": {"cpu": 0.2, "cuda:0": 0.05},
+                                 "disk_wait_s": 0.01, "disk_read_s": 0.03, "disk_busy_s": 0.02,
+                                 "disk_bytes": 3_000_000,
+                                 "hit_rate": {"vram": 0.0, "ram_pinned": 0.75, "lru": 0.0, "disk": 0.25}}
 
 
 def test_parse_prompt():

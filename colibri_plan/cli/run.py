@@ -30,6 +30,14 @@ def _check_gpu_backend(backend: str, device_index: int) -> None:
                                       "or --backend cpu")
 
 
+def _prefill_line(pt: dict | None) -> list[str]:
+    """The prefill's measured split (RunReport.prefill_terms: totals over the prompt), or nothing."""
+    if not pt:
+        return []
+    return [f"prefill: experts {pt['experts_s']:.3f} s (cpu {pt['expert_compute_s'].get('cpu', 0.0):.3f} s, "
+            f"disk wait {pt['disk_wait_s']:.3f} s), disk {pt['disk_bytes'] / 1e6:.1f} MB read"]
+
+
 def _human(rep, prompt_len: int, backend: str, pred: dict, written: dict) -> str:
     """The report for people: tokens, speed, the per-token split, hit rates, disk and memory."""
     dev = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rep.expert_compute_s_per_token.items()
@@ -51,6 +59,7 @@ def _human(rep, prompt_len: int, backend: str, pred: dict, written: dict) -> str
         f"per token: dense {ms(rep.dense_s_per_token)}, experts {ms(rep.expert_layers_s_per_token)} "
         f"(cpu {ms(rep.expert_compute_s_per_token.get('cpu'))}, disk wait {ms(rep.disk_wait_s_per_token)}, "
         f"devices: {dev})",
+        *_prefill_line(rep.prefill_terms),
         f"trunk on {rep.trunk_device}" + (f": attention {ms(rep.attention_s_per_token)}/token"
                                           if rep.attention_s_per_token is not None else ""),
         f"hit rates: {hr}; LRU hit rate {(rep.lru_hit_rate or 0.0):.1%}",

@@ -15,9 +15,11 @@ None and left out. Measured ``dense_s + attention_s`` is always everything outsi
 where the run times attention (a device trunk), ``dense_s`` is the rest without it.
 
 The verify report (JSON kind ``"verify-report"``, schema_version 2) holds a plan's ``predicted``
-section, the run's ``measured`` one (this layout), the comparison and the verdict. Version 1 reports
-(measured ``hit_rates`` with ``pinned``, ``expert_wall_s`` / ``expert_cpu_s`` / ``device_s``) are refused:
-re-run ``colibri-plan verify``.
+section, the run's ``measured`` one (this layout), the comparison and the verdict. ``measured`` may hold
+``prefill_terms`` (the prompt's forward pass, :class:`RunReport`); it is optional, so version 2 reports
+written before it load as they are (``prefill_terms`` None) and readers that predate it ignore it.
+Version 1 reports (measured ``hit_rates`` with ``pinned``, ``expert_wall_s`` / ``expert_cpu_s`` /
+``device_s``) are refused: re-run ``colibri-plan verify``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ TERM_KEYS = (("dense_s_per_token", "dense_s"), ("attention_s_per_token", "attent
              ("disk_busy_s_per_token", "disk_busy_s"), ("transfer_s_per_token", "transfer_s"),
              ("gpu_calls_per_token", "gpu_calls"))
 _TERM_FIELDS = dict(TERM_KEYS)
+#: the seconds of ``prefill_terms`` (totals over the prompt's forward pass); besides them it holds
+#: ``expert_compute_s`` (per device), ``disk_bytes`` and ``hit_rate``
+PREFILL_TERM_KEYS = ("experts_s", "disk_wait_s", "disk_read_s", "disk_busy_s")
 
 
 @dataclass
@@ -77,6 +82,12 @@ class RunReport:
         trunk_device: where the dense trunk, attention and KV cache ran ("cpu" or a device key like
             "cuda:0"; measured). trunk_bytes: {"dense": B, "kv": B} the device trunk held (measured,
             None on the CPU trunk).
+        prefill_terms: the residency manager's figures of the prompt's forward pass (measured; totals
+            over the whole prefill, not per token; None when the run did not collect them):
+            {"experts_s" (wall time inside the MoE layers' expert calls, as the plan's
+            ``predicted.prefill.terms.experts_s``), "expert_compute_s": {"cpu": s, "<device>": s},
+            "disk_wait_s", "disk_read_s", "disk_busy_s" (as the decode terms), "disk_bytes",
+            "hit_rate": {vram, ram_pinned, lru, disk}} (:data:`PREFILL_TERM_KEYS`).
     """
 
     # speed and its terms (seconds per decoded token)
@@ -118,6 +129,8 @@ class RunReport:
     # the trunk (measured)
     trunk_device: str | None = None
     trunk_bytes: dict | None = None
+    # the prompt's forward pass (measured totals; None when not collected)
+    prefill_terms: dict | None = None
 
     @property
     def memory_hit_rate(self) -> float:
@@ -206,11 +219,41 @@ def check_figures(d, where: str, section: str = "") -> None:
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise FormatError(f"{where}: {pre}prompt_tokens must be a whole number >= 1 or null, got {v!r}; "
                           "re-run `colibri-plan verify` to get a clean report")
-    hr = d.get("hit_rate")
+    _check_shares(d.get("hit_rate"), where, f"{pre}hit_rate")
+    _check_prefill_terms(d.get("prefill_terms"), where, f"{pre}prefill_terms")
+
+
+def _check_shares(hr, where: str, name: str) -> None:
     if hr is not None and (not isinstance(hr, dict)
                            or any(_bad_number(x) or x > 1 for x in hr.values())):
-        raise FormatError(f"{where}: {pre}hit_rate must map {', '.join(HIT_TIERS)} to shares in [0, 1], "
+        raise FormatError(f"{where}: {name} must map {', '.join(HIT_TIERS)} to shares in [0, 1], "
                           f"got {hr!r}; re-run `colibri-plan verify`")
+
+
+def _check_prefill_terms(pt, where: str, name: str) -> None:
+    """``prefill_terms`` absent or null (a report written before it existed, or a predicted section), or an
+    object of seconds (finite, >= 0, <= 1e6), ``expert_compute_s`` of such seconds per device,
+    ``disk_bytes`` a finite number >= 0 and ``hit_rate`` shares in [0, 1]."""
+    if pt is None:
+        return
+    again = "; re-run `colibri-plan verify` to get a clean report"
+    if not isinstance(pt, dict):
+        raise FormatError(f"{where}: {name} must be an object or null, got {pt!r}{again}")
+    seconds = [(k, pt.get(k)) for k in PREFILL_TERM_KEYS]
+    comp = pt.get("expert_compute_s") or {}
+    if not isinstance(comp, dict):
+        raise FormatError(f"{where}: {name}.expert_compute_s must map devices to seconds, got {comp!r}"
+                          + again)
+    seconds += [(f"expert_compute_s.{k}", v) for k, v in comp.items()]
+    for k, v in seconds:
+        if v is not None and _bad_number(v):
+            raise FormatError(f"{where}: {name}.{k} must be a finite number >= 0 and <= {MAX_S_PER_TOKEN:g} "
+                              f"(seconds) or null, got {v!r}{again}")
+    b = pt.get("disk_bytes")
+    if b is not None and not (_finite(b, null=False) and b >= 0):
+        raise FormatError(f"{where}: {name}.disk_bytes must be a finite number >= 0 or null, got {b!r}"
+                          + again)
+    _check_shares(pt.get("hit_rate"), where, f"{name}.hit_rate")
 
 
 def save_report(report: dict, path: str | os.PathLike) -> Path:
