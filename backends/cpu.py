@@ -1,8 +1,10 @@
 """The ``cpu`` backend: the engine's fast host path, numba kernels on all cores.
 
-int8, int4 and int4-gG weights run integer kernels: :mod:`colibri_plan.backends.cpu_qkernels` (int8,
-per-row int4, int4-g128) and :mod:`~colibri_plan.backends.cpu_q4t` (int4-g32/g64, transposed layout,
-explicit AVX-512 VNNI code of :mod:`~colibri_plan.backends.cpu_vnni`): activations quantized to int16
+int8, int4 and int4-gG weights run integer kernels: :mod:`colibri_plan.backends.cpu_qkernels` (int8;
+per-row int4 and int4-g128 of other lengths, blocked), :mod:`~colibri_plan.backends.cpu_q4t` (int4-g32,
+transposed layout) and :mod:`~colibri_plan.backends.cpu_q4g` (int4-g64; per-row int4 of 512·n bytes a
+row and int4-g128 of 16·n groups, transposed, each group's lanes summed in int32), both with explicit
+AVX-512 VNNI code of :mod:`~colibri_plan.backends.cpu_vnni`: activations quantized to int16
 once per call (one scale per token), int8/int4 × int16 products summed in int32 (``vpdpwssd`` on
 AVX-512 VNNI), the packed bytes unpacked in registers, never dequantized to memory. Tiles of rows run
 in parallel, every token of a batch per tile, so a GEMV streams each weight byte from RAM once and a
@@ -59,10 +61,16 @@ def _load_kernels():
     if _kernels is None:
         import types
 
-        from colibri_plan.backends import cpu_attention, cpu_kernels, cpu_q4t, cpu_qkernels  # heavy: numba
+        from colibri_plan.backends import (  # heavy: numba
+            cpu_attention,
+            cpu_kernels,
+            cpu_q4g,
+            cpu_q4t,
+            cpu_qkernels,
+        )
 
         ns = types.SimpleNamespace()
-        for mod in (cpu_kernels, cpu_qkernels, cpu_q4t, cpu_attention):
+        for mod in (cpu_kernels, cpu_qkernels, cpu_q4g, cpu_q4t, cpu_attention):  # public names differ
             ns.__dict__.update({k: v for k, v in vars(mod).items() if not k.startswith("__")})
         _kernels = ns
     return _kernels
@@ -109,6 +117,17 @@ class HostWeight(NamedTuple):
     kernel: object = None  # the parallel matmul kernel of this layout (chosen once, at upload)
     serial: object = None  # its single-thread twin (same bits) for small matmuls; None: always parallel
     key: tuple | None = None  # (format, data3 shape, fold): one key, one batched call; None: float/int2
+    experts: tuple | None = None  # the batched experts' (gate+up, down) kernels of this layout
+
+
+def _expert_kernels(k, hw: HostWeight) -> tuple:
+    """(gate+up, down) batched expert kernels for ``hw``'s layout: cpu_q4t (int4-g32), cpu_q4g (other
+    transposed int4) or cpu_qkernels (blocked)."""
+    if not hw.fold:
+        return k.experts_gate_up, k.experts_matmul
+    if hw.qt.fmt == "int4-g32":
+        return k.experts_gate_up_t, k.experts_matmul_t
+    return k.experts_gate_up_g, k.experts_matmul_g
 
 
 def _block(nbytes: int, sizes: tuple[int, ...]) -> tuple[int, int]:
@@ -127,26 +146,43 @@ def _padded(data: np.ndarray, nbytes: int, fill: int) -> np.ndarray:
     return p
 
 
+#: per-row int4 rows of a multiple of this many bytes take the transposed layout of cpu_q4g (16 bytes
+#: a lane when the row is a multiple of 1024 bytes, else 8: whole chunks of 64 lanes)
+ROW_BYTES_T = 512
+
+
 def int_layout(qt: QuantTensor, k) -> HostWeight:
-    """The blocked views of an int8 / int4 / int4-gG weight for the kernels of ``k`` (cpu_qkernels'
-    ``BLOCKS8``/``BLOCKS4``): no copy unless a row does not end on a whole block (then padded with the
-    zero code; group scales of padding groups are 0.0 already)."""
+    """The kernel layout of an int8 / int4 / int4-gG weight for the kernels of ``k``: blocked views
+    (cpu_qkernels' ``BLOCKS8``/``BLOCKS4``: int8, per-row int4 of other lengths, int4-g128 of other
+    group counts; no copy unless a row does not end on a whole block, then padded with the zero code;
+    group scales of padding groups are 0.0 already) or transposed copies (``fold`` > 0: int4-g32 for
+    cpu_q4t with per-lane scales; int4-g64, int4-g128 of 16·n groups, per-row int4 of 512·n bytes for
+    cpu_q4g with the scales as stored)."""
     out, nb = qt.data.shape
     if qt.fmt == "int8":
         bb, pb = _block(nb, k.BLOCKS8)
         return HostWeight(qt, _padded(qt.data, pb, 0).reshape(out, -1, bb), qt.scales.reshape(out, 1), pb, pb)
     g = group_size(qt.fmt)
-    if g is None:  # per-row int4: blocks of any size, one scale
-        bb, pb = _block(nb, k.BLOCKS4)
-        return HostWeight(qt, _padded(qt.data, pb, 0x88).reshape(out, -1, bb), qt.scales.reshape(out, 1),
+    scales = np.ascontiguousarray(qt.scales, dtype=np.float32)
+    if g is None:
+        if nb % ROW_BYTES_T == 0:  # per-row int4 transposed (cpu_q4g): one group of nb / J lanes
+            J = 16 if nb % (2 * ROW_BYTES_T) == 0 else 8
+            return HostWeight(qt, _lanes(qt.data, 1, nb // J, J), scales.reshape(out, 1), 2 * nb, 2 * nb,
+                              nb // J)
+        bb, pb = _block(nb, k.BLOCKS4)  # other rows: blocks of any size, one scale (cpu_qkernels)
+        return HostWeight(qt, _padded(qt.data, pb, 0x88).reshape(out, -1, bb), scales.reshape(out, 1),
                           2 * pb, 2 * pb)
-    groups, bg = qt.scales.shape[1], g // 2
+    groups, bg = scales.shape[1], g // 2
     data = _padded(qt.data, groups * bg, 0x88)
-    if g == 128:  # 64-byte groups vectorise as blocks
-        return HostWeight(qt, data.reshape(out, groups, bg), qt.scales, groups * g, g)
+    if g == 128:
+        if groups % 16 == 0:  # transposed, fold 4 (cpu_q4g): chunks of 64 lanes are 16 whole groups
+            return HostWeight(qt, _lanes(data, groups, 4, 16), scales, groups * g, g, 4)
+        return HostWeight(qt, data.reshape(out, groups, bg), scales, groups * g, g)  # blocks (cpu_qkernels)
     # g32/g64 transposed: wt[r, j, g·fold + s] = byte s·(bg/fold) + j of group g
     fold = _fold(groups, k.FOLDS[bg])
-    lane_scales = np.repeat(qt.scales, fold, axis=1) if fold > 1 else qt.scales  # [out, groups·fold]
+    if g == 64:  # cpu_q4g sums a group's lanes in int32: its own scales, [out, groups]
+        return HostWeight(qt, _lanes(data, groups, fold, bg // fold), scales, groups * g, g, fold)
+    lane_scales = np.repeat(scales, fold, axis=1) if fold > 1 else scales  # [out, groups·fold]
     return HostWeight(qt, _lanes(data, groups, fold, bg // fold), lane_scales, groups * g, g, fold)
 
 
@@ -234,15 +270,17 @@ class CpuBackend(CpuExperts, NumpyBackend):
         hw, k = int_layout(qt, self._k), self._k
         if qt.fmt == "int8":
             pair = (k.i8_matmul, k.i8_matmul_1)
-        elif hw.fold:
+        elif hw.fold and qt.fmt == "int4-g32":
             pair = (k.i4t_matmul, k.i4t_matmul_1)
-        elif hw.group == hw.cols:  # per-row int4
+        elif hw.fold:  # per-row int4, int4-g64, int4-g128 transposed: groups summed in int32
+            pair = (k.i4g_matmul, k.i4g_matmul_1)
+        elif hw.group == hw.cols:  # per-row int4 blocks
             pair = (k.i4r_matmul, k.i4r_matmul_1)
-        else:  # int4-g128: reassociating parallel kernel only (cpu_qkernels.i4r_matmul)
+        else:  # int4-g128 blocks: reassociating parallel kernel only (cpu_qkernels.i4r_matmul)
             pair = (k.i4_matmul, None)
         key = (qt.fmt, hw.data3.shape, hw.fold)
         key = self._layouts.setdefault(key, key)  # one object per layout: batches compare keys by identity
-        return hw._replace(kernel=pair[0], serial=pair[1], key=key)
+        return hw._replace(kernel=pair[0], serial=pair[1], key=key, experts=_expert_kernels(k, hw))
 
     def _xq(self, x: np.ndarray, hw: HostWeight):
         """Activations of x float32 [T, in] for ``hw``'s kernel: int8 (xq3 [T, blocks, bb], sx [T]);

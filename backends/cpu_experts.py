@@ -4,12 +4,13 @@
 ``_k`` kernel namespace, ``_xq`` activation quantization, ``_par`` parallel call and ``_offs1``
 decode offsets). Experts whose weights share one layout (``HostWeight.key``: format, blocked shape,
 fold) run ``cpu_qkernels.experts_gate_up`` (SiLU·mul fused) then ``experts_matmul`` on tuples of
-``EXPERTS`` arrays (int4-g32/g64: ``cpu_q4t.experts_gate_up_t`` / ``experts_matmul_t``); mixed layouts
-fall back to three matmuls per expert. :meth:`CpuExperts.expert_ffn_sum`
-is a decode step's whole routed sum in one call: the batch, then ``cpu_kernels.weighted_sum`` (the
-engine's float32 order, bit for bit), with the checks of ``expert_ffn`` made in the same pass over the
-experts that collects their arrays (a decode step touches each chosen expert's objects once: they are
-cold in the caches after the previous layer's weights streamed through).
+``EXPERTS`` arrays (``HostWeight.experts``: int4-g32 ``cpu_q4t.experts_gate_up_t``, other transposed
+int4 ``cpu_q4g.experts_gate_up_g``, and their down kernels); mixed layouts fall back to three
+matmuls per expert. :meth:`CpuExperts.expert_ffn_sum` is a decode step's whole routed sum in one
+call: the batch, then ``cpu_kernels.weighted_sum`` (the engine's float32 order, bit for bit), with
+the checks of ``expert_ffn`` made in the same pass over the experts that collects their arrays (a
+decode step touches each chosen expert's objects once: they are cold in the caches after the previous
+layer's weights streamed through).
 """
 
 from __future__ import annotations
@@ -91,11 +92,11 @@ class CpuExperts:
         pad = k.EXPERTS - n
         gw, gs, uw, us, dw, ds = (c + c[:1] * pad for c in zip(*packs))  # tuples of EXPERTS arrays
         h = np.empty((rows, g0.qt.out_features), np.float32)  # [ΣT, I]
-        gate_up = k.experts_gate_up_t if g0.fold else k.experts_gate_up
+        gate_up = g0.experts[0]
         self._par(self._expert_steps(h.shape[1], g0), gate_up, _kind(g0), gw, gs, uw, us,
                   *self._xq_any(x, g0), offs, h, chunks=EXPERT_CHUNKS)
         y = np.empty((rows, d0.qt.out_features), np.float32)  # [ΣT, H]
-        down = k.experts_matmul_t if d0.fold else k.experts_matmul
+        down = d0.experts[1]
         self._par(self._expert_steps(y.shape[1], d0), down, _kind(d0), dw, ds, *self._xq_any(h, d0), offs, y,
                   chunks=EXPERT_CHUNKS)
         return y, bounds

@@ -63,7 +63,7 @@ from colibri_plan.backends.cpu_vnni import (
 
 #: sha256 (16 hex digits) of backends/cpu_vnni.py as these kernels were compiled against: updating it
 #: with cpu_vnni makes numba recompile them (tests/test_backend_cpu_kernels.py compares)
-VNNI_SOURCE = "cdf2f23e44d6e61d"
+VNNI_SOURCE = "ad5506b9c5274d3a"
 #: tokens per weight from which rows are unpacked once into the scratch (2048x2048 on one core: 2 tokens
 #: 0.21 ms either way, 4 tokens 0.28 against 0.45 ms unpacking in registers per token)
 PREFILL_TOKENS = 2

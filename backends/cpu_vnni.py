@@ -246,3 +246,83 @@ def _vsum4(typingctx, sl, so, ai, ao, astep, n, out):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+# ---- grouped int4 (cpu_q4g): adjacent lanes of one group summed in int32 ------------------------
+# Per-row int4, int4-g64 and int4-g128 split each group over 2 or 4 adjacent lanes of the transposed
+# layout, so two neighbouring lanes may share a 32-bit sum: 32 bytes of one byte row (lanes k..k+31)
+# zero-extend to 32 int16 codes whose low nibbles pair with xe and high nibbles with xo as they lie
+# (``vpdpwssd`` adds lanes 2i and 2i + 1 into 32-bit lane i), 3 instructions of unpacking per 64
+# products where the int4-g32 pairs take 5 per 32. No activation pairs (x2) and no per-lane scales.
+
+W16 = W32  # <32 x i16>
+B32 = ir.VectorType(ir.IntType(8), 32)
+I64 = ir.IntType(64)
+
+
+def _c64(n: int):
+    return ir.Constant(I64, n)
+
+
+def group_dots(J: int, R: int, NT: int):
+    """Intrinsic ``(ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)``: the 64 lanes of one chunk
+    of J byte rows (w uint8 at wo + j·64 + k, lanes k; xe/xo int16 of token u at xoff + u·xstep + j·64 + k)
+    summed in int32 over groups of R adjacent lanes (R = 2: 32 sums, R = 4: 16), minus 8·xg (the groups'
+    Σ xq, xg int32 of token u at go + u·gstep), stored as ai[ao + u·astep + e] for NT tokens: exact
+    ``Σ (code − 8)·xq`` per group, the same integers for every NT. One token keeps 4 independent
+    sums (low and high nibbles apart) so the ``vpdpwssd`` chains overlap."""
+
+    @intrinsic
+    def dots(typingctx, ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep):
+        sig = types.void(ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)
+
+        def codegen(context, builder, sig, args):
+            ai_, ao_, astep_, w_, wo_, xe_, xo_, xoff_, xstep_, xg_, go_, gstep_ = args
+            pw = at(context, builder, sig.args[3], w_, wo_)
+            pe0, po0 = (at(context, builder, sig.args[i], args[i], xoff_) for i in (5, 6))
+            tok = [builder.mul(xstep_, ir.Constant(xstep_.type, u)) for u in range(NT)]
+            pe = [builder.gep(pe0, [t]) for t in tok]
+            po = [builder.gep(po0, [t]) for t in tok]
+            chains = 2 if NT == 1 else 1
+            acc = [[[splat(0)] * chains for _ in range(2)] for _ in range(NT)]  # [token][half][chain]
+            for j in range(J):
+                prefetch(builder, builder.gep(pw, [_c64(64 * j + PREFETCH_BYTES)]))
+                for h in range(2):  # lanes 32h .. 32h + 31
+                    off = _c64(64 * j + 32 * h)
+                    codes = builder.zext(load(builder, builder.gep(pw, [off]), B32), W16)
+                    lo = builder.and_(codes, splat(15, W16))
+                    hi = builder.lshr(codes, splat(4, W16))
+                    for u in range(NT):
+                        e = load(builder, builder.gep(pe[u], [off]), W16)
+                        o = load(builder, builder.gep(po[u], [off]), W16)
+                        if chains == 2:
+                            acc[u][h] = [vpdpwssd(builder, acc[u][h][0], lo, e),
+                                         vpdpwssd(builder, acc[u][h][1], hi, o)]
+                        else:
+                            acc[u][h] = [vpdpwssd(builder, vpdpwssd(builder, acc[u][h][0], lo, e), hi, o)]
+            pa, pg = at(context, builder, sig.args[0], ai_, ao_), at(context, builder, sig.args[9], xg_, go_)
+            even = ir.Constant(V16, [ir.Constant(I32, 2 * i) for i in range(16)])
+            odd = ir.Constant(V16, [ir.Constant(I32, 2 * i + 1) for i in range(16)])
+            for u in range(NT):
+                a = [builder.add(*acc[u][h]) if chains == 2 else acc[u][h][0] for h in range(2)]
+                if R == 4:  # lane pairs (2i, 2i + 1) of both halves: groups of 4 lanes, in order
+                    a = [builder.add(builder.shuffle_vector(a[0], a[1], even),
+                                     builder.shuffle_vector(a[0], a[1], odd))]
+                ou = builder.mul(astep_, ir.Constant(astep_.type, u))
+                gu = builder.mul(gstep_, ir.Constant(gstep_.type, u))
+                for q, v in enumerate(a):
+                    xs = load(builder, builder.gep(pg, [plus(builder, gu, 16 * q)]), V16)
+                    store(builder, builder.sub(v, builder.shl(xs, splat(3))),  # − 8·Σ xq
+                          builder.gep(pa, [plus(builder, ou, 16 * q)]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dots
+
+
+#: the grouped intrinsics by (J, R) and tokens: (16, 2) int4-g64 at fold 2; (16, 4) int4-g128 and
+#: per-row rows of 1024·n bytes; (8, 4) int4-g64 at fold 4 and per-row rows of 512·(2n + 1) bytes
+_g16r2x1, _g16r2x2, _g16r2x4 = (group_dots(16, 2, n) for n in (1, 2, 4))
+_g16r4x1, _g16r4x2, _g16r4x4 = (group_dots(16, 4, n) for n in (1, 2, 4))
+_g8r4x1, _g8r4x2, _g8r4x4 = (group_dots(8, 4, n) for n in (1, 2, 4))

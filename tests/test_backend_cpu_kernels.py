@@ -35,15 +35,17 @@ def _bound(x: np.ndarray, qt: quant.QuantTensor) -> np.ndarray:
     return 0.5 * sx * w.sum(axis=1)[None, :] + 1e-6 * ref_mag + 1e-30
 
 
-# (format, in_features, what the upload must choose): block bytes (int8/int4/g128) or (J, fold)
+# (format, in_features, what the upload must choose): block bytes (int8/int4/g128) or, transposed,
+# (J, fold) (int4 rows of 512·n bytes and int4-g128 of 16·n groups too: tests/test_backend_cpu_q4g.py)
 LAYOUTS = [
     ("int8", 512, 256), ("int8", 192, 64), ("int8", 48, 16), ("int8", 37, 16),
-    ("int4", 4096, 1024), ("int4", 1536, 256), ("int4", 384, 64), ("int4", 96, 16), ("int4", 67, 16),
+    ("int4", 4096, (16, 128)), ("int4", 1024, (8, 64)), ("int4", 1536, 256), ("int4", 384, 64),
+    ("int4", 96, 16), ("int4", 67, 16),
     ("int4-g32", 2048, (16, 1)), ("int4-g32", 6144, (16, 1)), ("int4-g32", 1024, (8, 2)),
     ("int4-g32", 512, (4, 4)),
     ("int4-g32", 67, (4, 4)),
     ("int4-g64", 4096, (16, 2)), ("int4-g64", 1024, (8, 4)), ("int4-g64", 131, (8, 4)),
-    ("int4-g128", 1024, 64), ("int4-g128", 300, 64),
+    ("int4-g128", 2048, (16, 4)), ("int4-g128", 1024, 64), ("int4-g128", 300, 64),
 ]
 
 
@@ -57,7 +59,7 @@ def test_layout_and_result(be, fmt, in_, layout):
     if isinstance(layout, tuple):
         J, fold = layout
         assert (hw.fold, hw.data3.shape[2]) == (fold, J)
-        lanes = qt.scales.shape[1] * fold
+        lanes = (qt.scales.shape[1] if qt.scales.ndim == 2 else 1) * fold  # per-row: one group
         assert hw.data3.shape[1] * hw.data3.shape[3] == lanes
         assert hw.data3.shape[3] == (64 if lanes % 64 == 0 else lanes)  # chunks of 64 lanes
     else:
