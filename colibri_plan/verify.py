@@ -14,20 +14,23 @@ row per term, and the verdict:
 
 Beside it, when the plan predicts the prefill (``predicted.prefill``) and the run timed one, a prefill
 verdict with the decode's tolerance: ``prefill_ratio`` = measured / predicted prefill tok/s at the run's
-prompt length (= predicted / measured seconds to first token; :func:`predicted_prefill_at`) and
-``prefill_ok`` (within ±25 %). The decode verdict stays the primary one: ``ok`` does not include the
-prefill (a short verify prompt's prefill is noisy and the prefill model is uncalibrated);
-``verify --strict`` fails on ``ok`` alone. Both are null without a prefill prediction (older plans).
+prompt length (:func:`prefill_tok_s_ratio`, = predicted / measured seconds to first token;
+:func:`predicted_prefill_at`) and ``prefill_ok`` (within ±25 %). The decode verdict stays the primary
+one: ``ok`` does not include the prefill (a short verify prompt's prefill is noisy and the prefill model
+is uncalibrated); ``verify --strict`` fails on ``ok`` alone. Both are null without a prefill prediction
+(older plans).
 
 Predicted and measured use the plan's keys (``docs/plan-format.md``), so every row pairs one key with
 itself. ``dense + attention`` compares everything outside the routed experts; where the run timed
 attention apart (a device trunk: measured ``attention_s``, ``dense_s`` then without it) and where the plan
 predicts the trunk (``predicted.trunk``: dense, attention and host round trip per token on its device),
 rows for dense and attention alone follow. Where the plan predicts the prefill (``predicted.prefill``) and
-the run timed it, a row compares the prefill (= time to first token) at the run's prompt length
-(:func:`predicted_prefill_at`; its own verdict, not part of ``ok``). Measured ``expert_compute_s[<device>]``
-includes the device's activation transfers. ``calibrate`` (:mod:`colibri_plan.planner.calibrate`) refits the
-cost model's coefficients from these reports.
+the run timed it, two rows compare the prefill at the run's prompt length (:func:`predicted_prefill_at`;
+its own verdict, not part of ``ok``): its tok/s, whose measured/predicted ratio is the verdict's
+``prefill_ratio``, and the time to first token in seconds beside it, without a ratio (it would be the
+inverse one). Measured ``expert_compute_s[<device>]`` includes the device's activation transfers.
+``calibrate`` (:mod:`colibri_plan.planner.calibrate`) refits the cost model's coefficients from these
+reports.
 """
 
 from __future__ import annotations
@@ -166,11 +169,29 @@ def predicted_prefill_at(predicted, prompt_tokens: int | None) -> float | None:
     return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
 
 
-def _prefill_rows(predicted, m: RunReport) -> list[tuple]:
+def prefill_tok_s_ratio(predicted_s: float | None, measured_s: float | None) -> float | None:
+    """The one prefill ratio verify reports (the comparison's prefill tok/s row and the verdict's
+    ``prefill_ratio``): measured / predicted prefill tok/s of one prompt, which is predicted / measured
+    seconds to the first token (the prompt length cancels). None when either time is missing or not > 0.
+    E.g. predicted 2.0 s, measured 2.5 s: 0.8 (the run prefilled at 0.8x the predicted speed)."""
+    if predicted_s is None or measured_s is None or predicted_s <= 0 or measured_s <= 0:
+        return None
+    return predicted_s / measured_s
+
+
+def _prefill_rows(predicted, m: RunReport) -> list[dict]:
+    """Two rows where the plan predicts the prefill and the run timed one: its tok/s at the run's prompt
+    length, whose ratio is :func:`prefill_tok_s_ratio` (the verdict's), and the time to first token in
+    seconds beside it, with no ratio of its own (it would be the inverse one)."""
     p_s = predicted_prefill_at(predicted, m.prompt_tokens)
-    if p_s is None or m.prefill_s is None:
+    if p_s is None or m.prefill_s is None or not m.prompt_tokens:
         return []
-    return [(f"prefill = time to first token ({m.prompt_tokens} prompt tokens)", "s", p_s, m.prefill_s)]
+    n = m.prompt_tokens
+    tok_s = lambda s: n / s if s > 0 else None   # noqa: E731
+    return [{"term": f"prefill tok/s ({n} prompt tokens)", "unit": "tok/s", "predicted": tok_s(p_s),
+             "measured": tok_s(m.prefill_s), "ratio": prefill_tok_s_ratio(p_s, m.prefill_s)},
+            {"term": "prefill time to first token", "unit": "s", "predicted": p_s, "measured": m.prefill_s,
+             "ratio": None}]
 
 
 def compare(predicted, measured) -> list[dict]:
@@ -192,10 +213,10 @@ def compare(predicted, measured) -> list[dict]:
     for key in sorted((set(pc) | set(mc)) - {"cpu"}):
         rows.append((f"expert compute {key}", "s", pc.get(key), mc.get(key, 0.0)))
     rows += [("disk wait", "s", p.disk_wait_s_per_token, m.disk_wait_s_per_token),
-             ("disk bytes/token", "B", p.disk_bytes_per_token, m.disk_bytes_per_token),
-             *_prefill_rows(predicted, m)]
+             ("disk bytes/token", "B", p.disk_bytes_per_token, m.disk_bytes_per_token)]
     out = [{"term": t, "unit": u, "predicted": a, "measured": b, "ratio": _ratio(a, b)}
            for t, u, a, b in rows]
+    out += _prefill_rows(predicted, m)
     hit_rows = [("hit rate (memory)", p.memory_hit_rate, m.memory_hit_rate)]
     hit_rows += [(f"share {k}", p.hit_rate[k], m.hit_rate[k]) for k in HIT_TIERS]
     hit_rows.append(("LRU hit rate (streamed)", p.lru_hit_rate or 0.0, m.lru_hit_rate or 0.0))
@@ -205,9 +226,9 @@ def compare(predicted, measured) -> list[dict]:
 
 
 def prefill_verdict(predicted, measured) -> tuple[float | None, bool | None]:
-    """(prefill_ratio, prefill_ok): measured / predicted prefill tok/s at the run's prompt length (=
-    predicted / measured seconds) and whether it is within the decode's ±25 %; (None, None) when the plan
-    has no prefill prediction (``predicted`` a RunReport or an older plan) or the run timed none.
+    """(prefill_ratio, prefill_ok): :func:`prefill_tok_s_ratio` (measured / predicted prefill tok/s) at the
+    run's prompt length and whether it is within the decode's ±25 %; (None, None) when the plan has no
+    prefill prediction (``predicted`` a RunReport or an older plan) or the run timed none.
     E.g. predicted 2.0 s, measured 2.4 s: ratio 0.833, within."""
     if not isinstance(predicted, dict):
         return None, None
@@ -215,7 +236,7 @@ def prefill_verdict(predicted, measured) -> tuple[float | None, bool | None]:
     p_s = predicted_prefill_at(predicted, m.prompt_tokens)
     if p_s is None or not m.prefill_s or m.prefill_s <= 0:
         return None, None
-    ratio = p_s / m.prefill_s
+    ratio = prefill_tok_s_ratio(p_s, m.prefill_s)
     return ratio, bool(abs(ratio - 1.0) <= TOK_S_TOLERANCE)
 
 
@@ -344,9 +365,6 @@ def verdict_line(v: dict) -> str:
     if v.get("prefill_ratio") is None:
         return line
     tol = 100 * (v.get("tolerances") or {}).get("prefill_tok_s", TOK_S_TOLERANCE)
-    # the comparison table shows the prefill in seconds (measured/predicted time, the inverse ratio):
-    # name both so the two do not read as a contradiction
-    r = v["prefill_ratio"]
-    time_x = f"time x{1 / r:.2f}; " if r > 0 else ""
-    return (f"{line}; prefill tok/s measured/predicted {r:.2f} ({time_x}"
-            f"{'within' if v['prefill_ok'] else 'outside'} +-{tol:.0f}%, not part of PASS/FAIL)")
+    # the same ratio as the comparison's "prefill tok/s" row (prefill_tok_s_ratio), named as decode's
+    return (f"{line}; prefill tok/s measured/predicted {v['prefill_ratio']:.2f} "
+            f"({'within' if v['prefill_ok'] else 'outside'} +-{tol:.0f}%, not part of PASS/FAIL)")

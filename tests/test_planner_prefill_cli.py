@@ -89,18 +89,24 @@ def test_verify_shows_prefill_row_outside_the_verdict(files):
     m = RunReport(tok_s=predicted["tok_s"], decode_s_per_token=predicted["decode_s_per_token"],
                   hit_rate=dict(predicted["hit_rate"]), prompt_tokens=40, prefill_s=2 * want)
     rows = compare(predicted, m)
-    row = next(r for r in rows if r["term"].startswith("prefill"))
-    assert row["term"] == "prefill = time to first token (40 prompt tokens)"
-    assert row["predicted"] == pytest.approx(want) and row["ratio"] == pytest.approx(2.0)
-    table = report_table({"comparison": rows})
-    assert any(r[0].startswith("prefill") and r[3] == "x2.00" for r in table)
+    speed, ttft = [r for r in rows if r["term"].startswith("prefill")]
+    # one prefill ratio everywhere: measured / predicted tok/s (40 tokens in twice the time: 0.5) ...
+    assert speed["term"] == "prefill tok/s (40 prompt tokens)" and speed["unit"] == "tok/s"
+    assert speed["predicted"] == pytest.approx(40 / want) and speed["measured"] == pytest.approx(20 / want)
+    assert speed["ratio"] == pytest.approx(0.5)
+    # ... and the time to first token beside it, in seconds, with no (inverse) ratio of its own
+    assert ttft["term"] == "prefill time to first token" and ttft["unit"] == "s"
+    assert (ttft["predicted"], ttft["measured"], ttft["ratio"]) == (pytest.approx(want), 2 * want, None)
+    table = {r[0]: r[3] for r in report_table({"comparison": rows})}
+    assert table["prefill tok/s (40 prompt tokens)"] == "x0.50"
+    assert table["prefill time to first token"] == "-"
     v = make_verdict(predicted, m, True)
     assert v["ok"]                                                 # a 2x prefill miss does not fail it ...
-    assert v["prefill_ratio"] == pytest.approx(0.5) and v["prefill_ok"] is False   # ... but has its verdict
+    assert v["prefill_ratio"] == speed["ratio"] and v["prefill_ok"] is False   # ... but has its verdict
     assert v["tolerances"]["prefill_tok_s"] == 0.25
     line = verdict_line(v)
     assert line.startswith("verdict: PASS") and line.endswith(
-        "prefill tok/s measured/predicted 0.50 (time x2.00; outside +-25%, not part of PASS/FAIL)")
+        "prefill tok/s measured/predicted 0.50 (outside +-25%, not part of PASS/FAIL)")
     near = dataclasses.replace(m, prefill_s=want / 1.2)               # 1.2x faster: within
     assert make_verdict(predicted, near, True)["prefill_ratio"] == pytest.approx(1.2)
     assert make_verdict(predicted, near, True)["prefill_ok"] is True
@@ -110,6 +116,16 @@ def test_verify_shows_prefill_row_outside_the_verdict(files):
     no_prefill = {k: v for k, v in predicted.items() if k != "prefill"}
     assert not any(r["term"].startswith("prefill") for r in compare(no_prefill, m))
     assert make_verdict(no_prefill, m, True)["prefill_ratio"] is None
+
+
+def test_prefill_ratio_is_measured_over_predicted_tok_s():
+    from colibri_plan.verify import prefill_tok_s_ratio
+
+    # 100 tokens predicted in 2.0 s (50 tok/s), measured in 2.5 s (40 tok/s): 40 / 50 = 0.8
+    assert prefill_tok_s_ratio(2.0, 2.5) == pytest.approx(0.8)
+    assert prefill_tok_s_ratio(2.0, 1.0) == pytest.approx(2.0)       # twice as fast as predicted
+    assert prefill_tok_s_ratio(None, 1.0) is None and prefill_tok_s_ratio(1.0, None) is None
+    assert prefill_tok_s_ratio(0.0, 1.0) is None and prefill_tok_s_ratio(1.0, 0.0) is None
 
 
 def test_run_prints_the_plans_prefill_beside_the_measured_one():
