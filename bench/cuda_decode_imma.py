@@ -48,14 +48,19 @@ _VARIANTS = {
     "gu1x4 mm2x4 st6": ((1, 4), (2, 4), 2, 6),
     "gu1x4 mm1x4 st8": ((1, 4), (1, 4), 2, 8),
     "gu1x8 mm1x8": ((1, 8), (1, 8), 2, 4),
+    "read-only": None,  # the default's loads, staging and barriers without the sums (wrong results)
 }
 
 
 def apply(mod, setting, imma_formats) -> None:
     """Set the module's decode kernels to ``setting`` (None: GEMV only)."""
+    mod._NVRTC_OPTIONS = tuple(o for o in mod._NVRTC_OPTIONS if o != "-DCOLIBRI_READ_ONLY")
     if setting is None:
         mod._IMMA_FORMATS = frozenset()
         return
+    if setting[0] == "read-only":  # ("read-only", the setting it runs)
+        mod._NVRTC_OPTIONS += ("-DCOLIBRI_READ_ONLY",)
+        setting = setting[1]
     (gu, mm, mb, st) = setting
     mod._IMMA_FORMATS = imma_formats
     mod._IMMA_SHAPE = {"gate_up": gu, "mm": mm}
@@ -86,8 +91,9 @@ def main() -> int:
     from colibri_plan.backends import cuda as mod
 
     imma = mod._IMMA_FORMATS
-    settings = dict(_VARIANTS, default=(mod._IMMA_SHAPE["gate_up"], mod._IMMA_SHAPE["mm"],
-                                        mod._IMMA_MIN_BLOCKS, mod._IMMA_STAGES))
+    default = (mod._IMMA_SHAPE["gate_up"], mod._IMMA_SHAPE["mm"], mod._IMMA_MIN_BLOCKS, mod._IMMA_STAGES)
+    settings = dict(_VARIANTS, default=default)
+    settings["read-only"] = ("read-only", default)
     be = cls.open(0)
     be.timing = True
     import cupy as cp

@@ -80,20 +80,68 @@ __device__ __forceinline__ unsigned im_limb(unsigned a, unsigned b, unsigned c, 
     return __byte_perm(__byte_perm(a, b, s), __byte_perm(c, d, s), 0x5410);
 }
 
-// x (in_pad floats, 16-byte aligned) -> the limb entries xq[2 e], xq[2 e + 1] (P, Q) of every (segment,
-// k-step j, t) e = (seg KS + j) 4 + t; returns e (X = rint(x 2^-e)) and sets sb[l] = SB_l (int4) and bad
-// (x holds an inf or NaN). Ends with a block barrier: xq is ready.
+// the 8 columns c0 .. c0 + 7 of limb entry i ((segment, k-step j, t) = ((i / 4) / KS, (i / 4) % KS, i % 4))
+template <int FMT>
+__device__ __forceinline__ int im_col0(int i) {
+    constexpr int KS = Cols<FMT>::n / 8;
+    return Cols<FMT>::n * (4 * ((i >> 2) / KS) + (i & 3)) + 8 * ((i >> 2) % KS);
+}
+
+// entry i's 8 activations (u, v) -> its limbs: xq[2 i] = P, xq[2 i + 1] = Q; adds the limbs to s
+template <int FMT>
+__device__ __forceinline__ void im_entry(uint4 *xq, int i, float4 u, float4 v, float f1, float f2, bool bad,
+                                         int (&s)[4]) {
+    const float f[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+    unsigned X[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        X[k] = bad ? 0u : (unsigned)__float2int_rn(f[k] * f1 * f2);
+        s[0] += (int)(X[k] & 0xFFu);
+        s[1] += (int)((X[k] >> 8) & 0xFFu);
+        s[2] += (int)((X[k] >> 16) & 0xFFu);
+        s[3] += (int)X[k] >> 24;
+    }
+    // int4: P the even columns (a0, low nibbles), Q the odd; int8: P columns 0..3 (a0), Q 4..7 (a2)
+    constexpr bool I4 = FMT == F_INT4;
+    constexpr int p0 = 0, p1 = I4 ? 2 : 1, p2 = I4 ? 4 : 2, p3 = I4 ? 6 : 3, q0 = I4 ? 1 : 4, q1 = I4 ? 3 : 5,
+                  q2 = I4 ? 5 : 6, q3 = 7;
+    xq[2 * i] = make_uint4(im_limb(X[p0], X[p1], X[p2], X[p3], 0), im_limb(X[p0], X[p1], X[p2], X[p3], 1),
+                           im_limb(X[p0], X[p1], X[p2], X[p3], 2), im_limb(X[p0], X[p1], X[p2], X[p3], 3));
+    xq[2 * i + 1] = make_uint4(im_limb(X[q0], X[q1], X[q2], X[q3], 0), im_limb(X[q0], X[q1], X[q2], X[q3], 1),
+                               im_limb(X[q0], X[q1], X[q2], X[q3], 2), im_limb(X[q0], X[q1], X[q2], X[q3], 3));
+}
+
+__device__ __forceinline__ unsigned im_abs_max(unsigned m, float4 v) {  // |x| bits: ordered as the values
+    return max(max(m, max(__float_as_uint(fabsf(v.x)), __float_as_uint(fabsf(v.y)))),
+               max(__float_as_uint(fabsf(v.z)), __float_as_uint(fabsf(v.w))));
+}
+
+#define IM_KEEP 6  // limb entries a thread keeps in registers between the two staging passes
+
+// x (in_pad floats, 16-byte aligned) -> the limb entries of every (segment, k-step, t); returns e (X =
+// rint(x 2^-e)) and sets sb[l] = SB_l (int4) and bad (x holds an inf or NaN). Ends with a block barrier:
+// xq is ready. The first pass keeps up to IM_KEEP entries a thread in registers, so the second reads x
+// again only for wider rows.
 template <int FMT>
 __device__ __forceinline__ int im_stage(uint4 *xq, const float *x, int in_pad, int (*part)[5], int (&sb)[4],
                                         bool &bad) {
-    constexpr int KS = Cols<FMT>::n / 8, CW = Cols<FMT>::n;  // k-steps per segment, columns per word
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, warps = blockDim.x >> 5, n = in_pad / 8;
     const float4 *x4 = reinterpret_cast<const float4 *>(x);
+    float4 keep[IM_KEEP][2];
     unsigned m = 0;  // |x| as bits: for non-negative floats (inf, NaN too) the integer order is the order
-    for (int i = threadIdx.x; i < in_pad / 4; i += blockDim.x) {
-        const float4 v = x4[i];
-        m = max(max(m, max(__float_as_uint(fabsf(v.x)), __float_as_uint(fabsf(v.y)))),
-                max(__float_as_uint(fabsf(v.z)), __float_as_uint(fabsf(v.w))));
+#pragma unroll
+    for (int a = 0; a < IM_KEEP; a++) {
+        const int i = threadIdx.x + a * (int)blockDim.x;
+        if (i < n) {
+            const int c0 = im_col0<FMT>(i);
+            keep[a][0] = x4[c0 / 4];
+            keep[a][1] = x4[c0 / 4 + 1];
+            m = im_abs_max(im_abs_max(m, keep[a][0]), keep[a][1]);
+        }
+    }
+    for (int i = threadIdx.x + IM_KEEP * (int)blockDim.x; i < n; i += blockDim.x) {
+        const int c0 = im_col0<FMT>(i);
+        m = im_abs_max(im_abs_max(m, x4[c0 / 4]), x4[c0 / 4 + 1]);
     }
     m = im_max_u32(m);
     if (lane == 0) part[w][0] = (int)m;
@@ -102,41 +150,22 @@ __device__ __forceinline__ int im_stage(uint4 *xq, const float *x, int in_pad, i
     bad = m >= 0x7F800000u;
     // |x| < 2^E with E = biased exponent - 126 (subnormals: 2^-126); X = x 2^(30 - E), |X| < 2^30
     const int e = bad || m == 0 ? 0 : (int)(m >> 23) - 126 - 30;
-    // 2^-e as two factors, each a normal float (-e is in [-98, 155]): the products are exact
+    // 2^-e as two factors, each a normal float (-e is in [-98, 156]): the products are exact
     const float f1 = __int_as_float((127 + (-e >> 1)) << 23), f2 = __int_as_float((127 + (-e - (-e >> 1))) << 23);
-    int s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    for (int i = threadIdx.x; i < in_pad / 8; i += blockDim.x) {
-        const int t = i & 3, j = (i >> 2) % KS, seg = (i >> 2) / KS;
-        const int c0 = CW * (4 * seg + t) + 8 * j;  // this entry's 8 columns c0 .. c0 + 7
-        const float4 u = x4[c0 / 4], v = x4[c0 / 4 + 1];
-        const float f[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
-        unsigned X[8];
+    int s[4] = {0, 0, 0, 0};
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            X[k] = bad ? 0u : (unsigned)__float2int_rn(f[k] * f1 * f2);
-            s0 += (int)(X[k] & 0xFFu);
-            s1 += (int)((X[k] >> 8) & 0xFFu);
-            s2 += (int)((X[k] >> 16) & 0xFFu);
-            s3 += (int)X[k] >> 24;
-        }
-        // int4: P the even columns (a0, low nibbles), Q the odd; int8: P columns 0..3 (a0), Q 4..7 (a2)
-        constexpr bool I4 = FMT == F_INT4;
-        constexpr int p0 = 0, p1 = I4 ? 2 : 1, p2 = I4 ? 4 : 2, p3 = I4 ? 6 : 3, q0 = I4 ? 1 : 4, q1 = I4 ? 3 : 5,
-                      q2 = I4 ? 5 : 6, q3 = 7;
-        xq[2 * i] = make_uint4(im_limb(X[p0], X[p1], X[p2], X[p3], 0), im_limb(X[p0], X[p1], X[p2], X[p3], 1),
-                               im_limb(X[p0], X[p1], X[p2], X[p3], 2), im_limb(X[p0], X[p1], X[p2], X[p3], 3));
-        xq[2 * i + 1] = make_uint4(im_limb(X[q0], X[q1], X[q2], X[q3], 0), im_limb(X[q0], X[q1], X[q2], X[q3], 1),
-                                   im_limb(X[q0], X[q1], X[q2], X[q3], 2), im_limb(X[q0], X[q1], X[q2], X[q3], 3));
+    for (int a = 0; a < IM_KEEP; a++) {
+        const int i = threadIdx.x + a * (int)blockDim.x;
+        if (i < n) im_entry<FMT>(xq, i, keep[a][0], keep[a][1], f1, f2, bad, s);
     }
-    s0 = im_sum_i32(s0);
-    s1 = im_sum_i32(s1);
-    s2 = im_sum_i32(s2);
-    s3 = im_sum_i32(s3);
-    if (lane == 0) {
-        part[w][1] = s0;
-        part[w][2] = s1;
-        part[w][3] = s2;
-        part[w][4] = s3;
+    for (int i = threadIdx.x + IM_KEEP * (int)blockDim.x; i < n; i += blockDim.x) {
+        const int c0 = im_col0<FMT>(i);
+        im_entry<FMT>(xq, i, x4[c0 / 4], x4[c0 / 4 + 1], f1, f2, bad, s);
+    }
+#pragma unroll
+    for (int l = 0; l < 4; l++) {
+        s[l] = im_sum_i32(s[l]);
+        if (lane == 0) part[w][1 + l] = s[l];
     }
     __syncthreads();
     sb[0] = sb[1] = sb[2] = sb[3] = 0;
@@ -193,8 +222,14 @@ __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *co
     double scale;  // 2^e
     const int e = im_stage<FMT>(xq, x, in_pad, part, sb, bad);
     scale = __longlong_as_double((long long)(1023 + e) << 52);
+    static_assert(R16 <= 2, "the tile's reduction gives each lane of one warp one row");
     for (int k = 0; k < ntk; k++) {
         const int tile = (int)blockIdx.x + k * (int)gridDim.x;
+        const bool reducer = w == k % warps;  // this warp finishes the tile: its lane i gets row i's scales now
+        float sc[NM];
+#pragma unroll
+        for (int m = 0; m < NM; m++)
+            sc[m] = reducer && lane < 16 * R16 ? __ldg(S[m] + min(tile * 16 * R16 + lane, rows - 1)) : 0.0f;
         int acc[NM][R16][4][4];
 #pragma unroll
         for (int m = 0; m < NM; m++)
@@ -216,6 +251,10 @@ __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *co
                 for (int r = 0; r < R16; r++)
 #pragma unroll
                     for (int h = 0; h < 2; h++) cur[m][r][h] = slot[((m * R16 + r) * 2 + h) * 32];
+#ifdef COLIBRI_READ_ONLY  // benchmarks only: the same loads and barriers without the sums (wrong results)
+            acc[0][0][0][0] += (int)(cur[0][0][0].x ^ cur[NM - 1][R16 - 1][1].w);
+            continue;
+#endif
 #pragma unroll
             for (int j = 0; j < KS; j++) {
                 const uint4 P = xq[2 * ((seg * KS + j) * 4 + t)], Q = xq[2 * ((seg * KS + j) * 4 + t) + 1];
@@ -257,25 +296,23 @@ __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *co
                             mine[w][(((m * R16 + r) * 2 + h) * 4 + l) * 8 + g] = acc[m][r][l][2 * h];
         }
         __syncthreads();  // one barrier per tile: red alternates, so the next tile's writes go elsewhere
-        if (w == k % warps) {
-            for (int i = lane; i < 16 * R16; i += 32) {  // row 16 r + 8 h + gg of the tile
-                const int r = i >> 4, h = (i >> 3) & 1, gg = i & 7, row = tile * 16 * R16 + i;
-                float v[NM];
+        if (reducer && lane < 16 * R16) {  // lane = row 16 r + 8 h + gg of the tile
+            const int r = lane >> 4, h = (lane >> 3) & 1, gg = lane & 7;
+            float v[NM];
 #pragma unroll
-                for (int m = 0; m < NM; m++) {
-                    double d = 0.0;
+            for (int m = 0; m < NM; m++) {
+                int c[4] = {0, 0, 0, 0};
 #pragma unroll
-                    for (int l = 3; l >= 0; l--) {
-                        int c = 0;
-                        for (int q = 0; q < warps; q++) c += mine[q][(((m * R16 + r) * 2 + h) * 4 + l) * 8 + gg];
-                        if (FMT == F_INT4) c -= 8 * sb[l];
-                        d = d * 256.0 + (double)c;
-                    }
-                    const double s = (double)__ldg(S[m] + min(row, rows - 1));
-                    v[m] = bad ? __int_as_float(0x7FC00000) : (float)(d * scale * s);
-                }
-                emit(row, v);
+                for (int q = 0; q < IM_WARPS; q++)  // unrolled: the loads are all in flight at once
+#pragma unroll
+                    for (int l = 0; l < 4; l++)
+                        if (q < warps) c[l] += mine[q][(((m * R16 + r) * 2 + h) * 4 + l) * 8 + gg];
+                double d = 0.0;
+#pragma unroll
+                for (int l = 3; l >= 0; l--) d = d * 256.0 + (double)(FMT == F_INT4 ? c[l] - 8 * sb[l] : c[l]);
+                v[m] = bad ? __int_as_float(0x7FC00000) : (float)(d * scale * (double)sc[m]);
             }
+            emit(tile * 16 * R16 + lane, v);
         }
     }
     im_wait_all();  // no copy may still target the ring when the block's shared memory is handed on
