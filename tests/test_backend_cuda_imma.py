@@ -257,7 +257,7 @@ def _x(rng, in_f, in_pad, wide=False):
 @pytest.mark.parametrize("fmt, rows, in_f, r16, blocks, warps, wide", [
     ("int4", 37, 700, 2, 1, 1, False), ("int4", 37, 700, 2, 1, 8, True), ("int8", 37, 700, 2, 1, 5, False),
     ("int8", 37, 700, 2, 2, 3, True), ("int4", 150, 700, 1, 2, 3, True), ("int8", 150, 700, 1, 3, 8, False),
-    ("int4", 20, 2000, 1, 1, 1, True), ("int8", 20, 2000, 2, 1, 1, False)])
+    ("int4", 20, 2000, 1, 1, 1, True), ("int8", 20, 2000, 2, 2, 1, False)])
 def test_mm_imma_on_the_host(harness, fmt, rows, in_f, r16, blocks, warps, wide):
     """mm_imma: rows x 700 columns (padded to 768: 6 (int4) or 12 (int8) 64-byte segments per row) in
     tiles of 16 r16 rows (37 rows at r16 2: two tiles, the second ragged; 150 at r16 1: ten tiles), fewer
@@ -265,8 +265,8 @@ def test_mm_imma_on_the_host(harness, fmt, rows, in_f, r16, blocks, warps, wide)
     reduction buffers), 1..8 warps splitting the segments (int4 at 8: two warps without any). x either
     Gaussian x 100 or of wide range (1e-9 .. 1e4, zeros, both signs), held to _ref_bound. 2000 columns
     (2048: 256 limb entries) on one warp: more than the IM_KEEP entries a thread keeps from staging's first
-    pass. Entry 1 of the launch takes its rows from the table (e[5] = rows - 5): the same values, its last
-    5 rows unwritten."""
+    pass; int8 there on 2 blocks for its one tile (the second has none). Entry 1 of the launch takes its
+    rows from the table (e[5] = rows - 5): the same values, its last 5 rows unwritten."""
     rng = np.random.default_rng([rows, in_f, r16, blocks, warps, wide])
     qt = quant.quantize(rng.standard_normal((rows, in_f), dtype=np.float32), fmt)
     x = _x(rng, in_f, -(-in_f // 128) * 128, wide)
