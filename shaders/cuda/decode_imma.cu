@@ -8,20 +8,21 @@
 //
 // Exact integer sums: each block turns x into 32-bit fixed point X = rint(x 2^-e), e from the largest
 // |x| (|X| < 2^30: every x within 2^-7 of the largest is exact, smaller ones are rounded at 2^e), and
-// splits X into its four bytes (limbs) X = b3 2^24 + b2 2^16 + b1 2^8 + b0 (b0..b2 unsigned, b3 signed).
-// One mma per limb (8-bit in, int32 accumulate, exact) takes the codes as A and the limb as B (32 x 8;
-// column 0 is the token, columns 1..7 are left over). int4 A holds the nibbles n (0..15); the -8 of the
-// codes is one exact integer per limb, SB_l = sum of b_l over the columns. The warps of a block add their
-// int32 sums (order-free, so deterministic), and the row's result is, in double,
+// splits X into four signed base-256 digits (limbs) X = b3 2^24 + b2 2^16 + b1 2^8 + b0, each in
+// [-128, 127]. One mma (s8 in, int32 accumulate, exact) takes the codes as A and the limbs as the columns
+// of B (32 x 8: column l is limb l, columns 4..7 are zero), so it sums all four limbs of 16 rows x 32
+// columns at once. int4 A holds the nibbles n (0..15); the -8 of the codes is one exact integer per limb,
+// SB_l = sum of b_l over the columns. The warps of a block add their int32 sums (order-free, so
+// deterministic), and the row's result is, in double,
 //   y[r] = s[r] 2^e sum_l 2^(8 l) (C_l[r] - 8 SB_l)   (int8: C_l[r] alone)
 //
 // Work shape: a block owns row tiles of 16 R16 rows (blocks stride over the tiles, one resident wave);
 // its warps split each tile's 64-byte row segments (lane g = lane / 4, t = lane % 4 loads 16 bytes of
 // rows g and g + 8 of each 16-row subtile: word 4 seg + t) and load the next segment, of this tile or the
 // next, while summing the current one. A k-step j of a segment takes from each lane 8 columns of one
-// row: int4 part j of its word (a0 / a2 = even / odd nibbles), int8 parts 2j, 2j + 1 (a0 / a2). The
-// limbs of those columns, P (b0 of limbs 0..3) and Q (b1), are one 32-byte shared entry per
-// (segment, k-step, t), so the four t of a k-step read 128 consecutive bytes (no bank conflicts).
+// row: int4 part j of its word (a0 / a2 = even / odd nibbles), int8 parts 2j, 2j + 1 (a0 / a2). Limb l of
+// those columns is B column l: lane (l, t) holds (P_l, Q_l) = (b0, b1), 8 bytes of the 32-byte shared entry
+// of (segment, k-step, t), so the 16 lanes l < 4 of a k-step read 128 consecutive bytes.
 
 #define IM_WARPS 8  // warps per block at most (backends/cuda.py _IMMA_SHAPE)
 #ifndef IM_MIN_BLOCKS  // resident blocks of IM_WARPS warps per SM the registers must allow (128 each at 2)
@@ -33,21 +34,15 @@
 #endif
 
 #ifndef COLIBRI_HOST_MMA
-// c (16 x 8, int32) += A (16 x 32 s8: a0 / a2 row g at k 4t.. / 16 + 4t.., a1 / a3 row g + 8) . B (32 x 8:
-// b0 k 4t.., b1 k 16 + 4t.. at column g, u8 or s8 (S8B)); byte i of a register is k + i
-template <bool S8B>
+// c (16 x 8, int32; c0 / c1 row g, columns 2t / 2t + 1, c2 / c3 row g + 8) += A (16 x 32 s8: a0 / a2 row g
+// at k 4t.. / 16 + 4t.., a1 / a3 row g + 8) . B (32 x 8 s8: b0 k 4t.., b1 k 16 + 4t.. at column g); byte i
+// of a register is k + i
 __device__ __forceinline__ void mma_i8(int (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                        unsigned b0, unsigned b1) {
-    if (S8B)
-        asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                     "{%8, %9}, {%0, %1, %2, %3};"
-                     : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    else
-        asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                     "{%8, %9}, {%0, %1, %2, %3};"
-                     : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // 16 bytes global -> shared, asynchronous (L2 only: the weights are read once); groups of them are
@@ -87,28 +82,32 @@ __device__ __forceinline__ int im_col0(int i) {
     return Cols<FMT>::n * (4 * ((i >> 2) / KS) + (i & 3)) + 8 * ((i >> 2) % KS);
 }
 
-// entry i's 8 activations (u, v) -> its limbs: xq[2 i] = P, xq[2 i + 1] = Q; adds the limbs to s
+// entry i's 8 activations (u, v) -> its limbs: xq[4 i + l] = (P_l, Q_l); adds the limbs to s
 template <int FMT>
-__device__ __forceinline__ void im_entry(uint4 *xq, int i, float4 u, float4 v, float f1, float f2, bool bad,
+__device__ __forceinline__ void im_entry(uint2 *xq, int i, float4 u, float4 v, float f1, float f2, bool bad,
                                          int (&s)[4]) {
     const float f[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
-    unsigned X[8];
+    unsigned X[8];  // the four signed digits of each, one per byte
 #pragma unroll
     for (int k = 0; k < 8; k++) {
-        X[k] = bad ? 0u : (unsigned)__float2int_rn(f[k] * f1 * f2);
-        s[0] += (int)(X[k] & 0xFFu);
-        s[1] += (int)((X[k] >> 8) & 0xFFu);
-        s[2] += (int)((X[k] >> 16) & 0xFFu);
-        s[3] += (int)X[k] >> 24;
+        int r = bad ? 0 : __float2int_rn(f[k] * f1 * f2);
+        unsigned packed = 0;
+#pragma unroll
+        for (int l = 0; l < 4; l++) {  // r = d + 256 r', d the low byte read as signed (exact: |X| < 2^30)
+            const int d = l < 3 ? (int)(r << 24) >> 24 : r;
+            s[l] += d;
+            packed |= ((unsigned)d & 0xFFu) << (8 * l);
+            r = (r - d) >> 8;
+        }
+        X[k] = packed;
     }
     // int4: P the even columns (a0, low nibbles), Q the odd; int8: P columns 0..3 (a0), Q 4..7 (a2)
     constexpr bool I4 = FMT == F_INT4;
     constexpr int p0 = 0, p1 = I4 ? 2 : 1, p2 = I4 ? 4 : 2, p3 = I4 ? 6 : 3, q0 = I4 ? 1 : 4, q1 = I4 ? 3 : 5,
                   q2 = I4 ? 5 : 6, q3 = 7;
-    xq[2 * i] = make_uint4(im_limb(X[p0], X[p1], X[p2], X[p3], 0), im_limb(X[p0], X[p1], X[p2], X[p3], 1),
-                           im_limb(X[p0], X[p1], X[p2], X[p3], 2), im_limb(X[p0], X[p1], X[p2], X[p3], 3));
-    xq[2 * i + 1] = make_uint4(im_limb(X[q0], X[q1], X[q2], X[q3], 0), im_limb(X[q0], X[q1], X[q2], X[q3], 1),
-                               im_limb(X[q0], X[q1], X[q2], X[q3], 2), im_limb(X[q0], X[q1], X[q2], X[q3], 3));
+#pragma unroll
+    for (int l = 0; l < 4; l++)
+        xq[4 * i + l] = make_uint2(im_limb(X[p0], X[p1], X[p2], X[p3], l), im_limb(X[q0], X[q1], X[q2], X[q3], l));
 }
 
 __device__ __forceinline__ unsigned im_abs_max(unsigned m, float4 v) {  // |x| bits: ordered as the values
@@ -123,7 +122,7 @@ __device__ __forceinline__ unsigned im_abs_max(unsigned m, float4 v) {  // |x| b
 // xq is ready. The first pass keeps up to IM_KEEP entries a thread in registers, so the second reads x
 // again only for wider rows.
 template <int FMT>
-__device__ __forceinline__ int im_stage(uint4 *xq, const float *x, int in_pad, int (*part)[5], int (&sb)[4],
+__device__ __forceinline__ int im_stage(uint2 *xq, const float *x, int in_pad, int (*part)[5], int (&sb)[4],
                                         bool &bad) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, warps = blockDim.x >> 5, n = in_pad / 8;
     const float4 *x4 = reinterpret_cast<const float4 *>(x);
@@ -187,13 +186,14 @@ template <int FMT, int R16, int NM, class Emit>
 __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *const *S, int rows, int ntiles,
                                           int words, const float *x, int in_pad, Emit emit) {
     constexpr int KS = Cols<FMT>::n / 8, WS = NM * R16 * 2;  // k-steps per segment; words a lane per step
-    extern __shared__ uint4 dyn[];  // [in_pad / 8][2] limb entries (P, Q), then the warps' rings
+    extern __shared__ uint4 dyn[];  // the limb entries (in_pad * 4 bytes), then the warps' rings
     __shared__ int red[2][IM_WARPS][NM * R16 * 64];  // [tile parity][warp][(m, r, h, limb) x 8 rows g]
     __shared__ int part[IM_WARPS][5];
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5,
               warps = blockDim.x >> 5, segs = words >> 2;
     if ((int)blockIdx.x >= ntiles) return;  // the whole block: no barrier is left waiting
-    uint4 *xq = dyn, *ring = dyn + in_pad / 4 + w * IM_STAGES * WS * 32;  // ring [stage][word][lane]
+    uint2 *xq = reinterpret_cast<uint2 *>(dyn);  // [in_pad / 8][4 limbs] (P_l, Q_l)
+    uint4 *ring = dyn + in_pad / 4 + w * IM_STAGES * WS * 32;  // [stage][word][lane]
     const int ntk = (ntiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // this block's tiles
     const int spw = w < segs ? (segs - w + warps - 1) / warps : 0;  // this warp's segments per tile
     const int steps = spw * ntk;
@@ -230,15 +230,13 @@ __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *co
 #pragma unroll
         for (int m = 0; m < NM; m++)
             sc[m] = reducer && lane < 16 * R16 ? __ldg(S[m] + min(tile * 16 * R16 + lane, rows - 1)) : 0.0f;
-        int acc[NM][R16][4][4];
+        int acc[NM][R16][4];  // columns 2t, 2t + 1 (limbs, t < 2) of rows g and g + 8
 #pragma unroll
         for (int m = 0; m < NM; m++)
 #pragma unroll
             for (int r = 0; r < R16; r++)
 #pragma unroll
-                for (int l = 0; l < 4; l++)
-#pragma unroll
-                    for (int c = 0; c < 4; c++) acc[m][r][l][c] = 0;
+                for (int c = 0; c < 4; c++) acc[m][r][c] = 0;
         for (int sg = 0; sg < spw; sg++) {
             const int p = k * spw + sg, seg = w + sg * warps;
             issue(p + IM_STAGES - 1);
@@ -252,12 +250,13 @@ __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *co
 #pragma unroll
                     for (int h = 0; h < 2; h++) cur[m][r][h] = slot[((m * R16 + r) * 2 + h) * 32];
 #ifdef COLIBRI_READ_ONLY  // benchmarks only: the same loads and barriers without the sums (wrong results)
-            acc[0][0][0][0] += (int)(cur[0][0][0].x ^ cur[NM - 1][R16 - 1][1].w);
+            acc[0][0][0] += (int)(cur[0][0][0].x ^ cur[NM - 1][R16 - 1][1].w);
             continue;
 #endif
 #pragma unroll
             for (int j = 0; j < KS; j++) {
-                const uint4 P = xq[2 * ((seg * KS + j) * 4 + t)], Q = xq[2 * ((seg * KS + j) * 4 + t) + 1];
+                uint2 b = make_uint2(0u, 0u);  // lanes g < 4: limb g of this lane's 8 columns; others zero
+                if (g < 4) b = xq[((seg * KS + j) * 4 + t) * 4 + g];
 #pragma unroll
                 for (int m = 0; m < NM; m++)
 #pragma unroll
@@ -275,25 +274,20 @@ __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *co
                             a1 = word_part(cur[m][r][1], 2 * j);
                             a3 = word_part(cur[m][r][1], 2 * j + 1);
                         }
-                        mma_i8<false>(acc[m][r][0], a0, a1, a2, a3, P.x, Q.x);
-                        mma_i8<false>(acc[m][r][1], a0, a1, a2, a3, P.y, Q.y);
-                        mma_i8<false>(acc[m][r][2], a0, a1, a2, a3, P.z, Q.z);
-                        mma_i8<true>(acc[m][r][3], a0, a1, a2, a3, P.w, Q.w);
+                        mma_i8(acc[m][r], a0, a1, a2, a3, b.x, b.y);
                     }
             }
         }
-        // column 0 (the token) is c0 (row g) and c2 (row g + 8) of the lanes t = 0
+        // limb l of row g (g + 8) is column l: c0 / c1 (c2 / c3) of the lanes t = l / 2
         int(*mine)[NM * R16 * 64] = red[k & 1];
-        if (t == 0) {
+        if (t < 2) {
 #pragma unroll
             for (int m = 0; m < NM; m++)
 #pragma unroll
                 for (int r = 0; r < R16; r++)
 #pragma unroll
-                    for (int h = 0; h < 2; h++)
-#pragma unroll
-                        for (int l = 0; l < 4; l++)
-                            mine[w][(((m * R16 + r) * 2 + h) * 4 + l) * 8 + g] = acc[m][r][l][2 * h];
+                    for (int c = 0; c < 4; c++)
+                        mine[w][(((m * R16 + r) * 2 + (c >> 1)) * 4 + 2 * t + (c & 1)) * 8 + g] = acc[m][r][c];
         }
         __syncthreads();  // one barrier per tile: red alternates, so the next tile's writes go elsewhere
         if (reducer && lane < 16 * R16) {  // lane = row 16 r + 8 h + gg of the tile
