@@ -59,6 +59,7 @@ _TC_WARPS: int | None = None
 # (IM_STAGES); bench/cuda_decode_imma.py times the alternatives
 _IMMA = {"mm": "mm_imma", "mm_args": "mm_args_imma", "gate_up": "gate_up_imma"}
 _IMMA_FORMATS = frozenset({"int4", "int8"})
+_IMMA_OPS = frozenset({"mm", "mm_args", "gate_up"})  # the kernels that take them (benchmarks narrow it)
 _IMMA_SHAPE = {"mm": (2, 8), "gate_up": (1, 8)}  # mm_args takes mm's
 _IMMA_MIN_BLOCKS = 2
 _IMMA_STAGES = 4
@@ -266,7 +267,7 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
             nm = 2 if name == "gate_up" else 1
             smem = in_pad * 4 + warps * _IMMA_STAGES * nm * r16 * 2 * 512
             static = _IMMA_STATIC_SMEM * nm * r16 + 256
-            if T == 1 and fmt in _IMMA_FORMATS and smem + static <= self._smem_limit():
+            if T == 1 and fmt in _IMMA_FORMATS and name in _IMMA_OPS and smem + static <= self._smem_limit():
                 name = _IMMA[name]
                 fn = self._fn(name, fmt, 1, smem)
                 tiles, slots = -(-rows_grid // (16 * r16)), self._resident(fn, smem, warps) * self._sms

@@ -4,9 +4,10 @@ GEMV kernels (matmul.cu), at GLM-5.2 shapes, in one run.
 For each of ``--formats`` (per-row int4 / int8: the formats decode_imma.cu takes) one pool of experts is
 uploaded, then ``--rounds`` rounds time every variant in turn (interleaved, so drift and clock changes
 fall on all of them): ``gemv`` (``_IMMA_FORMATS`` emptied: matmul.cu's mm / gate_up with their
-``_GEMV_TUNE`` settings) and each ``_VARIANTS`` setting of ``_IMMA_SHAPE`` (16-row subtiles per block tile
-and warps per block, gate/up and down), ``_IMMA_MIN_BLOCKS`` (launch bounds) and ``_IMMA_STAGES`` (steps
-of each warp's weight ring). Kernel time is
+``_GEMV_TUNE`` settings) and each ``_VARIANTS`` setting: ``_IMMA_SHAPE`` (16-row subtiles per block tile
+and warps per block, gate/up and down), ``_IMMA_MIN_BLOCKS`` (launch bounds), ``_IMMA_STAGES`` (steps of
+each warp's weight ring), ``_IMMA_OPS`` (one kernel on decode_imma.cu, the other on GEMV: how the pair's
+time splits) and read-only builds (the loads without the sums). Kernel time is
 bench/cuda_expert_ffn.py's: the op with its kernels run twice, less once. Prints a table (median over
 rounds of the kernels' µs, fraction of the device-to-device copy rate, and the ratio to gemv of the
 same round); ``--out`` writes JSON.
@@ -37,34 +38,33 @@ _ffn = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_ffn)
 copy_gbps, ffn_rows, free_pool, upload_pool = _ffn.copy_gbps, _ffn.ffn_rows, _ffn.free_pool, _ffn.upload_pool
 
-# label -> (gate_up (R16, warps), mm (R16, warps), min blocks of 8 warps per SM, ring stages); None: the
-# GEMV kernels
+# label -> overrides of the module's settings: "gate_up" / "mm" (R16, warps) of _IMMA_SHAPE, "mb"
+# _IMMA_MIN_BLOCKS, "st" _IMMA_STAGES, "ops" _IMMA_OPS (the kernels that take decode_imma.cu; the others
+# keep GEMV), "imma" False: the GEMV kernels only, "read_only": loads, staging and barriers without the
+# sums (COLIBRI_READ_ONLY, wrong results: the memory side alone)
 _VARIANTS = {
-    "gemv": None,
-    "default": None,  # filled from the module's own settings at start
-    "st3": ((1, 8), (2, 8), 2, 3),
-    "st6": ((1, 8), (2, 8), 2, 6),
-    "gu1x4 mm2x4": ((1, 4), (2, 4), 2, 4),
-    "gu1x4 mm2x4 st6": ((1, 4), (2, 4), 2, 6),
-    "gu1x4 mm1x4 st8": ((1, 4), (1, 4), 2, 8),
-    "gu1x8 mm1x8": ((1, 8), (1, 8), 2, 4),
-    "read-only": None,  # the default's loads, staging and barriers without the sums (wrong results)
+    "gemv": {"imma": False},
+    "default": {},
+    "st2": {"st": 2},
+    "st3": {"st": 3},
+    "mm2x4": {"mm": (2, 4)},
+    "mm1x4": {"mm": (1, 4)},
+    "gu2x8": {"gate_up": (2, 8)},
+    "gate_up only": {"ops": ("gate_up",)},
+    "down only": {"ops": ("mm", "mm_args")},
+    "read-only": {"read_only": True},
+    "gemv read-only": {"imma": False, "read_only": True},
 }
 
 
-def apply(mod, setting, imma_formats) -> None:
-    """Set the module's decode kernels to ``setting`` (None: GEMV only)."""
-    mod._NVRTC_OPTIONS = tuple(o for o in mod._NVRTC_OPTIONS if o != "-DCOLIBRI_READ_ONLY")
-    if setting is None:
-        mod._IMMA_FORMATS = frozenset()
-        return
-    if setting[0] == "read-only":  # ("read-only", the setting it runs)
-        mod._NVRTC_OPTIONS += ("-DCOLIBRI_READ_ONLY",)
-        setting = setting[1]
-    (gu, mm, mb, st) = setting
-    mod._IMMA_FORMATS = imma_formats
-    mod._IMMA_SHAPE = {"gate_up": gu, "mm": mm}
-    mod._IMMA_MIN_BLOCKS, mod._IMMA_STAGES = mb, st
+def apply(mod, over: dict, base: dict) -> None:
+    """Set the module's decode kernels to ``base`` updated with ``over`` (a _VARIANTS entry)."""
+    v = {**base, **over}
+    mod._NVRTC_OPTIONS = tuple(o for o in mod._NVRTC_OPTIONS if o != "-DCOLIBRI_READ_ONLY") + (
+        ("-DCOLIBRI_READ_ONLY",) if v.get("read_only") else ())
+    mod._IMMA_FORMATS = v["formats"] if v.get("imma", True) else frozenset()
+    mod._IMMA_SHAPE = {"gate_up": v["gate_up"], "mm": v["mm"]}
+    mod._IMMA_MIN_BLOCKS, mod._IMMA_STAGES, mod._IMMA_OPS = v["mb"], v["st"], frozenset(v["ops"])
 
 
 def main() -> int:
@@ -90,10 +90,10 @@ def main() -> int:
         return 1
     from colibri_plan.backends import cuda as mod
 
-    imma = mod._IMMA_FORMATS
-    default = (mod._IMMA_SHAPE["gate_up"], mod._IMMA_SHAPE["mm"], mod._IMMA_MIN_BLOCKS, mod._IMMA_STAGES)
-    settings = dict(_VARIANTS, default=default)
-    settings["read-only"] = ("read-only", default)
+    kept = mod._IMMA_FORMATS
+    base = {"formats": frozenset({"int4", "int8"}), "gate_up": mod._IMMA_SHAPE["gate_up"],
+            "mm": mod._IMMA_SHAPE["mm"], "mb": mod._IMMA_MIN_BLOCKS, "st": mod._IMMA_STAGES,
+            "ops": mod._IMMA_OPS}
     be = cls.open(0)
     be.timing = True
     import cupy as cp
@@ -105,19 +105,20 @@ def main() -> int:
         experts = upload_pool(be, fmt, args, rng)
         for rnd in range(args.rounds):
             for label in labels:
-                apply(mod, settings[label], imma)
+                apply(mod, _VARIANTS[label], base)
                 be._launchers.clear()  # launch shapes and captured graphs of the previous setting
                 be._graphs.clear()
                 t0 = time.perf_counter()
                 (r,) = ffn_rows(be, fmt, [1], args, rng, experts)
                 launch = be._launcher("gate_up", fmt, args.experts, 2048, 2048, 6144, 2048, 1)
-                rows.append({**r, "variant": label, "round": rnd, "setting": settings[label],
+                rows.append({**r, "variant": label, "round": rnd, "setting": _VARIANTS[label],
                              "gate_up_kernel": launch[0].__name__, "gate_up_grid": list(launch[1]),
                              "seconds": time.perf_counter() - t0})
                 print(f"{fmt} round {rnd} {label:18} kern {r['kernel_s'] * 1e6:6.1f} us "
                       f"{r['kernel_gbps'] / copy:.2f} of copy", file=sys.stderr, flush=True)
         free_pool(be, experts)
-    apply(mod, settings["default"], imma)
+    apply(mod, {}, base)
+    mod._IMMA_FORMATS = kept
     print(f"device-to-device copy: {copy:.0f} GB/s")
     print(f"{'fmt':5} {'variant':18} {'kern us':>8} {'of copy':>8} {'vs gemv':>8}")
     summary = []
