@@ -225,10 +225,13 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
             if fn is None:
                 mod = self.cp.RawModule(code=self._src, options=options, name_expressions=[key])
                 fn = self._fns[fkey] = mod.get_function(key)
-            if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
+            # past 48 KiB of static (decode_imma.cu's) and dynamic shared memory together a block must opt in
+            static = int(getattr(fn, "shared_size_bytes", 0) or 0)
+            if smem + static > 48 * 1024 and fn.max_dynamic_shared_size_bytes != smem:
                 limit = self._smem_limit()
-                if smem > limit:
-                    raise UnsupportedError(f"cuda: {name} needs {smem} B of shared memory, {limit} B allowed")
+                if smem + static > limit:
+                    raise UnsupportedError(f"cuda: {name} needs {smem + static} B of shared memory, "
+                                           f"{limit} B allowed")
                 fn.max_dynamic_shared_size_bytes = smem
         return fn
 

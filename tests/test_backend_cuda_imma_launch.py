@@ -74,3 +74,18 @@ def test_expert_ffn_tables_reach_the_imma_kernels(be, fmt, monkeypatch):  # noqa
     assert f"gate_up_imma<{kid},{cuda_mod._IMMA_SHAPE['gate_up'][0]}>" in names
     assert f"mm_imma<{kid},{cuda_mod._IMMA_SHAPE['mm'][0]}>" in names
     assert all(f"-DIM_MIN_BLOCKS={cuda_mod._IMMA_MIN_BLOCKS}" in o for (n,), o in seen if "imma" in n)
+
+
+def test_static_shared_memory_counts_toward_the_opt_in(be, monkeypatch):  # noqa: F811
+    """A launch whose dynamic shared memory alone is under 48 KiB but, with decode_imma.cu's static arrays,
+    over it gets the opt-in attribute (a GPU refuses the launch otherwise): mm at R16 2 with 8 warps and a
+    2-step ring is 32 KiB of ring plus 8 KiB of limbs for 2048 columns, and 8 KiB of its own."""
+    monkeypatch.setattr(cuda_mod, "_IMMA_STAGES", 2)
+    rng = np.random.default_rng(5)
+    qt = quant.quantize(rng.standard_normal((64, 2048), dtype=np.float32), "int4")
+    fn, _, _, smem, _ = be._launcher("mm", "int4", 1, 64, 64, 2048, 64, 1)
+    assert smem < 48 * 1024 < smem + fn.shared_size_bytes
+    assert fn.max_dynamic_shared_size_bytes == smem  # opted in (the simulated kernel asserts it at launch)
+    x = rng.standard_normal((1, 2048), dtype=np.float32)
+    ref = x.astype(np.float64) @ quant.dequantize(qt).astype(np.float64).T
+    np.testing.assert_allclose(be.matmul(x, be.upload(qt)), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

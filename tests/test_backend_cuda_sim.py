@@ -195,12 +195,18 @@ def fake_cupy(sim: Sim):
 
     class Kernel:
         def __init__(self, name, kinds):
-            self.__name__, self.max_dynamic_shared_size_bytes, self.kinds = name, 48 * 1024, kinds
+            # decode_imma.cu's static arrays (red: 4 KiB per 16-row subtile and matrix, part); the default
+            # dynamic limit is what 48 KiB leaves, more needs the opt-in attribute
+            r16 = int(name.split(",")[1].rstrip(">")) if "imma<" in name else 0
+            self.shared_size_bytes = 4096 * r16 * (2 if name.startswith("gate_up") else 1) + 160 if r16 else 0
+            self.__name__, self.kinds = name, kinds
+            self.max_dynamic_shared_size_bytes = 48 * 1024 - self.shared_size_bytes
             self.kernel = types.SimpleNamespace(ptr=id(self))
             sim.functions[id(self)] = self
 
         def __call__(self, grid, block, args, shared_mem=0):
             assert shared_mem <= self.max_dynamic_shared_size_bytes
+            assert shared_mem + self.shared_size_bytes <= 227 * 1024
             if self.__name__ == "rmsnorm":
                 x, w, y, H, eps = args
                 ms = np.mean(x.a.astype(np.float64) ** 2, axis=1, keepdims=True)
