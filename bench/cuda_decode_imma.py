@@ -47,6 +47,8 @@ _VARIANTS = {
     "default": {},
     "st2": {"st": 2},
     "st3": {"st": 3},
+    "st2 mb3": {"st": 2, "mb": 3},
+    "st2 mm2x4": {"st": 2, "mm": (2, 4)},
     "mm2x4": {"mm": (2, 4)},
     "mm1x4": {"mm": (1, 4)},
     "gu2x8": {"gate_up": (2, 8)},

@@ -115,15 +115,15 @@ __device__ __forceinline__ unsigned im_abs_max(unsigned m, float4 v) {  // |x| b
                max(__float_as_uint(fabsf(v.z)), __float_as_uint(fabsf(v.w))));
 }
 
-#define IM_KEEP 6  // limb entries a thread keeps in registers between the two staging passes
+#define IM_KEEP 3  // limb entries a thread keeps in registers between the two staging passes
 
 // x (in_pad floats, 16-byte aligned) -> the limb entries of every (segment, k-step, t); returns e (X =
 // rint(x 2^-e)) and sets sb[l] = SB_l (int4) and bad (x holds an inf or NaN). Ends with a block barrier:
 // xq is ready. The first pass keeps up to IM_KEEP entries a thread in registers, so the second reads x
-// again only for wider rows.
-template <int FMT>
+// again only for wider rows; then() runs once the first pass's loads are issued.
+template <int FMT, class Then>
 __device__ __forceinline__ int im_stage(uint2 *xq, const float *x, int in_pad, int (*part)[5], int (&sb)[4],
-                                        bool &bad) {
+                                        bool &bad, Then then) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, warps = blockDim.x >> 5, n = in_pad / 8;
     const float4 *x4 = reinterpret_cast<const float4 *>(x);
     float4 keep[IM_KEEP][2];
@@ -138,6 +138,7 @@ __device__ __forceinline__ int im_stage(uint2 *xq, const float *x, int in_pad, i
             m = im_abs_max(im_abs_max(m, keep[a][0]), keep[a][1]);
         }
     }
+    then();  // x's loads are on their way: now the caller's (the weights' first steps queue behind them)
     for (int i = threadIdx.x + IM_KEEP * (int)blockDim.x; i < n; i += blockDim.x) {
         const int c0 = im_col0<FMT>(i);
         m = im_abs_max(im_abs_max(m, x4[c0 / 4]), x4[c0 / 4 + 1]);
@@ -215,12 +216,13 @@ __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *co
         }
         im_commit();
     };
-#pragma unroll
-    for (int q = 0; q < IM_STAGES - 1; q++) issue(q);  // in flight while x is staged
     int sb[4];
     bool bad;
     double scale;  // 2^e
-    const int e = im_stage<FMT>(xq, x, in_pad, part, sb, bad);
+    const int e = im_stage<FMT>(xq, x, in_pad, part, sb, bad, [&] {
+#pragma unroll
+        for (int q = 0; q < IM_STAGES - 1; q++) issue(q);  // in flight while x is staged
+    });
     scale = __longlong_as_double((long long)(1023 + e) << 52);
     static_assert(R16 <= 2, "the tile's reduction gives each lane of one warp one row");
     for (int k = 0; k < ntk; k++) {
