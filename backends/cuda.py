@@ -53,16 +53,17 @@ _TC_MIN_TOKENS = 2  # benchmarks set 1 to time the tensor-core kernels at decode
 # None: enough for ~16 warps per SM over the grid (few blocks, e.g. one dense matrix: 8; the 8 experts of
 # a layer: 2-4, which ran 1.4-1.9x faster than 8 on an H200); benchmarks may fix it
 _TC_WARPS: int | None = None
-# T = 1, per-row int4 / int8: shaders/cuda/decode_imma.cu's integer tensor-core kernels (same tables) replace
-# the GEMV ones; (16-row subtiles per block tile, warps per block), the resident blocks of 8 warps per SM
-# their registers must allow (IM_MIN_BLOCKS: launch bounds) and the steps of each warp's weight ring
-# (IM_STAGES); bench/cuda_decode_imma.py times the alternatives
+# T = 1, per-row int4: shaders/cuda/decode_imma.cu's integer tensor-core kernels (same tables) replace the
+# GEMV ones; (16-row subtiles per block tile, warps per block), the resident blocks of 8 warps per SM their
+# registers must allow (IM_MIN_BLOCKS: launch bounds) and the steps of each warp's weight ring (IM_STAGES).
+# They take int8 too, but the int8 GEMV is faster (H200, 8-expert FFN kernels: int4 49.6 against 66.4 us,
+# int8 92-95 against 79-81 us: bench/cuda_decode_imma.py, bench/results/h200-cuda-ffn/decode-imma.json)
 _IMMA = {"mm": "mm_imma", "mm_args": "mm_args_imma", "gate_up": "gate_up_imma"}
-_IMMA_FORMATS = frozenset({"int4", "int8"})
+_IMMA_FORMATS = frozenset({"int4"})
 _IMMA_OPS = frozenset({"mm", "mm_args", "gate_up"})  # the kernels that take them (benchmarks narrow it)
 _IMMA_SHAPE = {"mm": (2, 8), "gate_up": (1, 8)}  # mm_args takes mm's
 _IMMA_MIN_BLOCKS = 2
-_IMMA_STAGES = 4
+_IMMA_STAGES = 3
 _IMMA_STATIC_SMEM = 4096  # decode_imma.cu's red array per 16-row subtile and matrix, bytes (+ 256: part)
 _SOURCES = ("matmul.cu", "prefill.cu", "decode_imma.cu")  # one NVRTC source, in this order
 _NVRTC_OPTIONS = ("--std=c++14",)  # benchmarks add -DCOLIBRI_READ_ONLY (loads without arithmetic)

@@ -349,9 +349,10 @@ def test_mm_args_imma_matches_mm_imma_bits(harness, fmt):
     assert np.array_equal(a, b, equal_nan=True) and not np.isnan(a[0]).any()
 
 
-def test_launcher_gives_the_kernels_their_shared_memory(be):  # noqa: F811 - the fixture
-    """At T = 1 the launcher (simulated GPU) picks the imma kernels for int4 and int8 and gives a block the
-    dynamic shared memory the host runs above check: _dyn_bytes at the launcher's shape."""
+def test_launcher_gives_the_kernels_their_shared_memory(be, monkeypatch):  # noqa: F811 - the fixture
+    """At T = 1 the launcher (simulated GPU) picks the imma kernels for int4 (and int8, when listed) and
+    gives a block the dynamic shared memory the host runs above check: _dyn_bytes at the launcher's shape."""
+    monkeypatch.setattr(cuda_mod, "_IMMA_FORMATS", frozenset({"int4", "int8"}))
     for name, nm in (("mm", 1), ("mm_args", 1), ("gate_up", 2)):
         r16, warps = cuda_mod._imma_shape(cuda_mod._IMMA[name])
         for fmt in ("int4", "int8"):

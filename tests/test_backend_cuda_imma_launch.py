@@ -1,4 +1,4 @@
-"""The launcher's choice and grid for shaders/cuda/decode_imma.cu (1-token per-row int4 / int8 on integer
+"""The launcher's choice and grid for shaders/cuda/decode_imma.cu (1-token per-row int4 (int8) on integer
 tensor cores), on the simulated GPU of test_backend_cuda_sim.py (4 SMs, 2 resident blocks, 227 KiB of
 shared memory a block). The kernels' arithmetic is tests/test_backend_cuda_imma.py (host-compiled) and, on
 a GPU, the oracle."""
@@ -29,10 +29,15 @@ def test_grid_is_one_wave_with_equal_tile_counts(be, n_mats, rows, want_blocks):
     assert smem == 2048 * 4 + warps * cuda_mod._IMMA_STAGES * 2 * r16 * 16 * 32
 
 
-def test_choice_by_tokens_format_and_shared_memory(be):  # noqa: F811
-    """T = 1 per-row int4 / int8 only; an x whose limbs would not fit in shared memory (with the kernel's
-    static arrays) keeps the GEMV kernel; mm_args (the device trunk's matmuls) takes the same path."""
+def test_choice_by_tokens_format_and_shared_memory(be, monkeypatch):  # noqa: F811
+    """T = 1 per-row int4 only (int8 when _IMMA_FORMATS lists it: the kernels take it, the int8 GEMV is
+    faster); an x whose limbs would not fit in shared memory (with the kernel's static arrays) keeps the
+    GEMV kernel; mm_args (the device trunk's matmuls) takes the same path."""
     name = lambda *a: be._launcher(*a)[0].__name__.split("<")[0]  # noqa: E731
+    assert name("gate_up", "int4", 8, 64, 64, 256, 64, 1) == "gate_up_imma"
+    assert name("gate_up", "int8", 8, 64, 64, 256, 64, 1) == "gate_up"
+    monkeypatch.setattr(cuda_mod, "_IMMA_FORMATS", frozenset({"int4", "int8"}))
+    assert name("gate_up", "int8", 8, 64, 64, 256, 64, 2) == "gate_up_tc"
     assert name("gate_up", "int8", 8, 64, 64, 256, 64, 1) == "gate_up_imma"
     assert name("mm_args", "int4", 3, 64, 64, 256, 64, 1) == "mm_args_imma"
     assert name("mm", "int4-g32", 1, 64, 64, 256, 64, 1) == "mm"
@@ -49,7 +54,8 @@ def test_choice_by_tokens_format_and_shared_memory(be):  # noqa: F811
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_expert_ffn_tables_reach_the_imma_kernels(be, fmt, monkeypatch):  # noqa: F811
     """A 1-token batch of 3 experts runs gate_up_imma then mm_imma (the simulated kernels compute each
-    entry from its table with numpy), with the NVRTC option that sets the launch bounds."""
+    entry from its table with numpy), with the NVRTC options that set the launch bounds and the ring."""
+    monkeypatch.setattr(cuda_mod, "_IMMA_FORMATS", frozenset({"int4", "int8"}))  # int8: its kernel path too
     seen = []
     base = be.cp.RawModule
 
@@ -73,7 +79,8 @@ def test_expert_ffn_tables_reach_the_imma_kernels(be, fmt, monkeypatch):  # noqa
     names = [n for (n,), _ in seen]
     assert f"gate_up_imma<{kid},{cuda_mod._IMMA_SHAPE['gate_up'][0]}>" in names
     assert f"mm_imma<{kid},{cuda_mod._IMMA_SHAPE['mm'][0]}>" in names
-    assert all(f"-DIM_MIN_BLOCKS={cuda_mod._IMMA_MIN_BLOCKS}" in o for (n,), o in seen if "imma" in n)
+    want = (f"-DIM_MIN_BLOCKS={cuda_mod._IMMA_MIN_BLOCKS}", f"-DIM_STAGES={cuda_mod._IMMA_STAGES}")
+    assert all(set(want) <= set(o) for (n,), o in seen if "imma" in n)
 
 
 def test_static_shared_memory_counts_toward_the_opt_in(be, monkeypatch):  # noqa: F811

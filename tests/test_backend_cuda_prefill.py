@@ -217,16 +217,17 @@ def test_launcher_sends_prefill_to_tensor_cores_and_decode_to_gemv(be):  # noqa:
     """The formats the tensor-core kernels take: int8 and int4 codes (exact in bf16, 4 columns of one
     32-bit part per k-step); the float formats and int2 keep the GEMV kernels at every T. The launcher
     (simulated GPU) picks mm_tc from T = 2, with one 8-token column tile up to T = 8 and two above; at
-    T = 1 per-row int8 / int4 take decode_imma.cu (its x limbs in shared memory), the group formats
+    T = 1 per-row int4 takes decode_imma.cu (its x limbs in shared memory), int8 and the group formats
     the GEMV kernels."""
     assert cuda_mod._TC_FORMATS == {"int8", "int4", "int4-g32", "int4-g64", "int4-g128"}
     assert cuda_mod._TC_MIN_TOKENS == 2
     assert set(cuda_mod._TC) == {"mm", "mm_args", "gate_up"}
-    for fmt, T, want in (("int8", 1, "mm_imma<"), ("int4", 1, "mm_imma<"), ("int4-g64", 1, "mm<"),
+    for fmt, T, want in (("int8", 1, "mm<"), ("int4", 1, "mm_imma<"), ("int4-g64", 1, "mm<"),
                          ("int8", 2, "mm_tc<"), ("int4-g64", 16, "mm_tc<"), ("f32", 16, "mm<")):
         fn, _, _, smem, _ = be._launcher("mm", fmt, 1, 64, 64, 256, 64, T)
         assert fn.__name__.startswith(want), (fmt, T, fn.__name__)
         assert (smem == 0) == (want == "mm_tc<")  # the tensor-core kernels stage no activations
+    assert cuda_mod._IMMA_FORMATS == {"int4"}
     for T, nt in ((8, 1), (9, 2)):
         fn = be._launcher("mm", "int8", 1, 64, 64, 256, 64, T)[0]
         assert fn.__name__.endswith(f",{cuda_mod._TC_R16['mm_tc']},{nt}>"), (T, fn.__name__)
