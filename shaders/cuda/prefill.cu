@@ -195,19 +195,6 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
         for4<NM, R16, NT, 4>([&](int m, int r, int n, int c) {
             acc[m][r][n][c] = part[m][r][n][c] = plo[m][r][n][c] = 0.0f;
         });
-        // the activations of part i of segment seg (token g of each column tile; int8 reads only v[n][0]):
-        // fetched one part ahead (L2 latency: 16 tokens of x outgrow L1), the sums wait only for the first
-        auto xload = [&](float4 (&v)[NT][2], int seg, int i) {
-            const int q = GR ? 16 * seg + 4 * i + t : 4 * (4 * seg + t) + i;  // 32-bit part of the row
-#pragma unroll
-            for (int n = 0; n < NT; n++) {
-                const float4 *xp = reinterpret_cast<const float4 *>(xr[n] + q * CPU);
-                v[n][0] = __ldg(xp);
-                if (CPU == 8) v[n][1] = __ldg(xp + 1);
-            }
-        };
-        float4 xa[NT][2], xb[NT][2];
-        if (spw > 0) xload(xa, w, 0);
         for (int sg = 0; sg < spw; sg++) {
             const int p = it * spw + sg, seg = w + sg * warps;
             issue(p + TC_STAGES - 1);
@@ -232,16 +219,14 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
             });
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                if (i < 3)
-                    xload(xb, seg, i + 1);
-                else if (sg + 1 < spw)
-                    xload(xb, seg + warps, 0);
+                const int q = GR ? 16 * seg + 4 * i + t : 4 * (4 * seg + t) + i;  // 32-bit part of the row
                 unsigned bh[NT][CPU / 2], bl[NT][CPU / 2];  // token g's activations, B pairs j, split
 #pragma unroll
                 for (int n = 0; n < NT; n++) {
-                    const float4 v = xa[n][0];
+                    const float *xp = xr[n] + q * CPU;
+                    const float4 v = __ldg(reinterpret_cast<const float4 *>(xp));
                     if (CPU == 8) {  // int4: pairs {j, j + 4}
-                        const float4 w = xa[n][1];
+                        const float4 w = __ldg(reinterpret_cast<const float4 *>(xp + 4));
                         split_bf16(v.x, w.x, bh[n][0], bl[n][0]);
                         split_bf16(v.y, w.y, bh[n][1 % (CPU / 2)], bl[n][1 % (CPU / 2)]);
                         split_bf16(v.z, w.z, bh[n][2 % (CPU / 2)], bl[n][2 % (CPU / 2)]);
@@ -273,13 +258,6 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
                         acc[m][r][n][c] = fmaf(v, gs[m][r][c >> 1][i], acc[m][r][n][c]);
                         part[m][r][n][c] = plo[m][r][n][c] = 0.0f;
                     });
-                }
-                if (i < 3 || sg + 1 < spw) {
-#pragma unroll
-                    for (int n = 0; n < NT; n++) {
-                        xa[n][0] = xb[n][0];
-                        xa[n][1] = xb[n][1];
-                    }
                 }
             }
         }
