@@ -136,6 +136,7 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
         self._capacity = int(free) - min(_RESERVE_BYTES, int(free) // 8)
         self._fns: dict[str, Any] = {}
         self._occupancy: dict[tuple, int] = {}
+        self._opted_in: dict[str, int] = {}  # kernel -> dynamic shared bytes it was allowed (above 48 KiB)
         self._launchers: dict[tuple, tuple] = {}
         self._graphs = Replays(64)  # work shape + buffers -> captured CUDA graph
         self._timed_run = False  # the events of the last op were recorded (timing on, through _run)
@@ -147,7 +148,7 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
 
     def _close(self) -> None:
         self._synchronize()
-        for cache in (self._work, self._pinned, self._fns, self._launchers, self._graphs):
+        for cache in (self._work, self._pinned, self._fns, self._opted_in, self._launchers, self._graphs):
             cache.clear()
         self.__dict__.pop("_dstate", None)  # the device ops' events and work buffers
 
@@ -228,12 +229,14 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
                 fn = self._fns[fkey] = mod.get_function(key)
             # past 48 KiB of static (decode_imma.cu's) and dynamic shared memory together a block must opt in
             static = int(getattr(fn, "shared_size_bytes", 0) or 0)
-            if smem + static > 48 * 1024 and fn.max_dynamic_shared_size_bytes != smem:
+            # set by us, and only ever raised: a cached launch of the same function may need more than this
+            # one (the attribute's default, 48 KiB less the static bytes or not, differs between stacks)
+            if smem + static > 48 * 1024 and self._opted_in.get(fkey, 0) < smem:
                 limit = self._smem_limit()
                 if smem + static > limit:
                     raise UnsupportedError(f"cuda: {name} needs {smem + static} B of shared memory, "
                                            f"{limit} B allowed")
-                fn.max_dynamic_shared_size_bytes = smem
+                fn.max_dynamic_shared_size_bytes = self._opted_in[fkey] = smem
         return fn
 
     def _resident(self, fn, smem: int, warps: int = _WARPS) -> int:
