@@ -19,7 +19,6 @@ import subprocess
 import numpy as np
 import pytest
 from test_backend_cuda import SOURCE, _host_build
-from test_backend_cuda_sim import be  # noqa: F401 - the simulated GPU's backend fixture
 
 from colibri_plan import quant
 from colibri_plan.backends import cuda as cuda_mod
@@ -192,17 +191,22 @@ int main() {
 """
 
 
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory):
+def _build(tmp_path_factory, stages: int):
+    """The host harness over prefill.cu at ring depth ``stages`` (TC_STAGES)."""
     src = PREFILL.read_text()
     assert len(DYN.findall(src)) == 1, f"{PREFILL.name}: the harness expects one `{DYN.pattern}`"
     text = HARNESS.replace("CP_ASYNC_HOST", CP_ASYNC_HOST).replace("MATMUL", str(SOURCE))
     text = text.replace("PREFILL_SOURCE", DYN.sub(r"uint4 *const \1 = host_dyn;", src))
-    exe, build = _host_build(tmp_path_factory, text, "-std=c++20", "-pthread", f"-DTC_STAGES={STAGES}")
+    exe, build = _host_build(tmp_path_factory, text, "-std=c++20", "-pthread", f"-DTC_STAGES={stages}")
     if build.returncode != 0 and "barrier" in build.stderr:
         pytest.skip(f"this g++ has no C++20 <barrier>: {build.stderr[:200]}")
     assert build.returncode == 0, build.stderr
     return exe
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    return _build(tmp_path_factory, STAGES)
 
 
 def _numbers(a) -> str:
@@ -247,7 +251,7 @@ def test_mm_tc_on_the_host(harness, fmt, T, nt, blocks, warps):
     assert np.array_equal(_mm_tc(harness, fmt, T, nt, blocks, warps, early=True)[0], got)
 
 
-def _mm_tc(harness, fmt, T, nt, blocks, warps, early=False):
+def _mm_tc(harness, fmt, T, nt, blocks, warps, early=False, stages=STAGES):
     """(y from the host-run mm_tc, float64 x . dequantize(W)^T), [T, 37]: test_mm_tc_on_the_host's case."""
     rows, in_f = 37, 700
     rng = np.random.default_rng([T, nt, blocks, warps])
@@ -257,7 +261,7 @@ def _mm_tc(harness, fmt, T, nt, blocks, warps, early=False):
     x[:, :in_f] = rng.standard_normal((T, in_f), dtype=np.float32) * np.float32(100.0)  # not bf16-exact
     g = quant.group_size(fmt) or 0
     head = f"0 {kernel_format(fmt)} {rows} {in_pad} 0 {g} {T} {nt} {T} {blocks} {warps}"
-    head += f" {_dyn_bytes(fmt, warps, 1, 2)}"
+    head += f" {_dyn_bytes(fmt, warps, 1, 2, stages)}"
     got = _run(harness, head, wtext + " " + _numbers(x), early).reshape(T, rows)
     return got, x[:, :in_f].astype(np.float64) @ quant.dequantize(qt).astype(np.float64).T
 
@@ -273,6 +277,16 @@ def test_mm_tc_streams_its_weights_across_items(harness, fmt, T, nt, blocks, war
     assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()
     early, _ = _mm_tc(harness, fmt, T, nt, blocks, warps, early=True)
     assert np.array_equal(got, early)
+
+
+@pytest.mark.parametrize("stages", sorted({2, 4} - {STAGES}))
+def test_mm_tc_ring_depth_changes_no_bits(harness, tmp_path_factory, stages):
+    """The bench's other ring depths (--tc-stages): the same bits as the launcher's, in their own bytes."""
+    other = _build(tmp_path_factory, stages)
+    for case in (("int4", 19, 1, 2, 3), ("int4-g64", 27, 1, 3, 2), ("int8", 10, 2, 2, 8)):
+        want = _mm_tc(harness, *case)[0]
+        assert np.array_equal(_mm_tc(other, *case, stages=stages)[0], want), case
+        assert np.array_equal(_mm_tc(other, *case, early=True, stages=stages)[0], want), case
 
 
 @pytest.mark.parametrize("fmt, T, nt", [("int4", 6, 1), ("int8", 13, 2), ("int4-g32", 17, 2)])
@@ -295,69 +309,17 @@ def test_gate_up_tc_routed_rows_on_the_host(harness, fmt, T, nt):
     assert np.abs(got[:, :I] - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
-def test_launcher_sends_prefill_to_tensor_cores_and_decode_to_gemv(be):  # noqa: F811 - the fixture
-    """The formats the tensor-core kernels take: int8 and int4 codes (exact in bf16, 4 columns of one
-    32-bit part per k-step); the float formats and int2 keep the GEMV kernels at every T. The launcher
-    (simulated GPU) picks mm_tc from T = 2, with one 8-token column tile up to T = 8 and two above; at
-    T = 1 per-row int4 takes decode_imma.cu (its x limbs in shared memory), int8 and the group formats
-    the GEMV kernels."""
-    assert cuda_mod._TC_FORMATS == {"int8", "int4", "int4-g32", "int4-g64", "int4-g128"}
-    assert cuda_mod._TC_MIN_TOKENS == 2
-    assert set(cuda_mod._TC) == {"mm", "mm_args", "gate_up"}
-    for fmt, T, want in (("int8", 1, "mm<"), ("int4", 1, "mm_imma<"), ("int4-g64", 1, "mm<"),
-                         ("int8", 2, "mm_tc<"), ("int4-g64", 16, "mm_tc<"), ("f32", 16, "mm<")):
-        fn, _, _, smem, _ = be._launcher("mm", fmt, 1, 64, 64, 256, 64, T)
-        assert fn.__name__.startswith(want), (fmt, T, fn.__name__)
-        assert smem > 0  # GEMV: x; decode_imma.cu: x's limbs, rings; prefill.cu: rings
-    assert cuda_mod._IMMA_FORMATS == {"int4"}
-    for T, nt in ((8, 1), (9, 2)):
-        fn = be._launcher("mm", "int8", 1, 64, 64, 256, 64, T)[0]
-        assert fn.__name__.endswith(f",{cuda_mod._TC_R16['mm_tc']},{nt}>"), (T, fn.__name__)
-
-
-@pytest.mark.parametrize("name, nm", [("mm", 1), ("mm_args", 1), ("gate_up", 2)])
-def test_launcher_gives_the_tensor_core_kernels_their_rings(be, name, nm):  # noqa: F811 - the fixture
-    """T > 1 (simulated GPU: 4 SMs, 227 KiB a block): the launcher gives each block _dyn_bytes at its warps
-    and the kernel's 16-row subtiles, the bytes the host runs above fill without passing them, and compiles
-    the kernel with its ring depth (-DTC_STAGES); the block fits with prefill.cu's static red."""
-    tc = cuda_mod._TC[name]
-    r16 = cuda_mod._TC_R16[tc]
-    for fmt in ("int4", "int8", "int4-g64"):
-        for T, nt in ((5, 1), (16, 2)):
-            fn, grid, block, smem, _ = be._launcher(name, fmt, 3, 256, 250, 1024, 256, T)
-            assert fn.__name__ == f"{tc}<{kernel_format(fmt)},{r16},{nt}>", fn.__name__
-            items = 256 // (16 * r16) * -(-T // (8 * nt))
-            # 16 warps per SM over the grid, 2..8 a block
-            assert grid == (items, 3) and block == (32 * min(8, max(2, round(16 * 4 / (3 * items)))),)
-            assert smem == _dyn_bytes(fmt, block[0] // 32, nm, r16)
-            assert smem + fn.shared_size_bytes <= 227 * 1024 and fn.shared_size_bytes == 4096 * nm * r16 * nt
-    assert any(f"-DTC_STAGES={STAGES}" in k for k in be._fns if k.startswith(tc + "<"))
-
-
-def test_launcher_fits_deep_rings_with_fewer_warps(be, monkeypatch):  # noqa: F811 - the fixture
-    """A ring too deep for 8 warps (group gate/up at 4 stages, 16 tokens: 32 KiB a warp, 32 KiB of red)
-    gets the warps that fit in 227 KiB (6), not a launch the GPU refuses; the kernel opts in to the bytes."""
-    monkeypatch.setattr(cuda_mod, "_TC_WARPS", 8)
-    monkeypatch.setattr(cuda_mod, "_TC_STAGES", 4)
-    fn, _, block, smem, _ = be._launcher("gate_up", "int4-g64", 1, 256, 250, 1024, 256, 16)
-    r16 = cuda_mod._TC_R16["gate_up_tc"]
-    assert block == (32 * ((227 * 1024 - 16384 * r16) // (16384 * r16)),)
-    assert smem == _dyn_bytes("int4-g64", block[0] // 32, 2, r16, stages=4) and smem > 48 * 1024
-    assert fn.max_dynamic_shared_size_bytes == smem
-    fn, _, block, _, _ = be._launcher("gate_up", "int4", 1, 256, 250, 1024, 256, 16)
-    assert block == (256,)  # per-row: 16 KiB a warp, 8 fit
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_prefill_kernels_compile_to_ptx(tmp_path):
-    """Every instance compiles to PTX with the bf16 mma and cp.async into the rings (16-byte copies for the
-    per-row formats, 4-byte ones for the group formats), at the launcher's ring depth; ptxas fits each
-    without spills."""
+    """Every instance the launcher asks for (its 16-row subtiles) compiles to PTX with the bf16 mma and
+    cp.async into the rings (16-byte copies for the per-row formats, 4-byte ones for the group formats), at
+    the launcher's ring depth; ptxas fits each without spills."""
     src = tmp_path / "inst.cu"
-    body = "".join(f"template __global__ void {k}<{f}, {r}, {nt}>({t}, int, int, int, int);\n"
+    r16 = cuda_mod._TC_R16
+    body = "".join(f"template __global__ void {k}<{f}, {r16[k]}, {nt}>({t}, int, int, int, int);\n"
                    for f in (3, 4, 6) for nt in (1, 2)
-                   for k, r, t in (("mm_tc", 2, "const u64 *"), ("mm_args_tc", 2, "const MMArgs"),
-                                   ("gate_up_tc", 1, "const u64 *")))
+                   for k, t in (("mm_tc", "const u64 *"), ("mm_args_tc", "const MMArgs"),
+                                ("gate_up_tc", "const u64 *")))
     src.write_text(f'#include "{SOURCE}"\n#include "{PREFILL}"\n{body}')
     ptx = tmp_path / "k.ptx"
     run = subprocess.run(["nvcc", "--ptx", "-std=c++14", "-arch=sm_90", f"-DTC_STAGES={STAGES}", "-o",
