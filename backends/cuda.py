@@ -90,9 +90,11 @@ def _gemv_shape(name: str, fmt: str) -> tuple[int, int, int, int, bool, bool]:
 def _tc_ring_bytes(name: str, fmt: str, nt: int) -> tuple[int, int]:
     """(ring bytes per warp, static shared bytes) of prefill.cu kernel ``name`` at ``nt`` 8-token tiles: the
     ring holds _TC_STAGES steps of 32 lanes' 16-byte words, one per row (g, g + 8 of each 16-row subtile)
-    and matrix, two in the group formats (four 32-bit parts, their group scales); red: 8 warps' sums."""
+    and matrix, two in the group formats (four 32-bit parts, their group scales), then the lane's token's
+    activations (int4: 8 words a tile, int8: 4); red: 8 warps' sums."""
     nm, r16 = (2 if name == "gate_up_tc" else 1), _TC_R16[name]
-    return _TC_STAGES * nm * r16 * (4 if group_size(fmt) else 2) * 512, 8 * nm * r16 * nt * 512
+    x_words = nt * (4 if fmt == "int8" else 8)
+    return _TC_STAGES * (nm * r16 * (4 if group_size(fmt) else 2) + x_words) * 512, 8 * nm * r16 * nt * 512
 
 
 def _imma_shape(name: str) -> tuple[int, int]:

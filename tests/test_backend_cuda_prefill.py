@@ -219,11 +219,12 @@ def _weight_text(qt) -> tuple[str, int]:
     return " ".join(map(str, data.reshape(-1).view(np.uint8).tolist())) + " " + _numbers(sc), in_pad
 
 
-def _dyn_bytes(fmt: str, warps: int, nm: int, r16: int, stages: int = STAGES) -> int:
+def _dyn_bytes(fmt: str, warps: int, nm: int, r16: int, nt: int, stages: int = STAGES) -> int:
     """The dynamic shared memory a block needs: each warp's ring of ``stages`` steps of 32 lanes' 16-byte
     words, one per row (2 per 16-row subtile) and matrix, two in the group formats (parts and group
-    scales)."""
-    return warps * stages * nm * r16 * 2 * (2 if quant.group_size(fmt) else 1) * 16 * 32
+    scales), then a lane's token's activations per 8-token tile (int4 32 columns: 8 words; int8 16: 4)."""
+    words = nm * r16 * 2 * (2 if quant.group_size(fmt) else 1) + nt * (4 if fmt == "int8" else 8)
+    return warps * stages * words * 16 * 32
 
 
 def _run(harness, head: str, body: str, early: bool = False) -> np.ndarray:
@@ -261,7 +262,7 @@ def _mm_tc(harness, fmt, T, nt, blocks, warps, early=False, stages=STAGES):
     x[:, :in_f] = rng.standard_normal((T, in_f), dtype=np.float32) * np.float32(100.0)  # not bf16-exact
     g = quant.group_size(fmt) or 0
     head = f"0 {kernel_format(fmt)} {rows} {in_pad} 0 {g} {T} {nt} {T} {blocks} {warps}"
-    head += f" {_dyn_bytes(fmt, warps, 1, 2, stages)}"
+    head += f" {_dyn_bytes(fmt, warps, 1, 2, nt, stages)}"
     got = _run(harness, head, wtext + " " + _numbers(x), early).reshape(T, rows)
     return got, x[:, :in_f].astype(np.float64) @ quant.dequantize(qt).astype(np.float64).T
 
@@ -301,7 +302,7 @@ def test_gate_up_tc_routed_rows_on_the_host(harness, fmt, T, nt):
     x[:, :H] = rng.standard_normal((nx, H), dtype=np.float32)
     idx = np.sort(rng.choice(nx, T, replace=False))
     g = quant.group_size(fmt) or 0
-    head = f"1 {kernel_format(fmt)} {I} {in_pad} {hs} {g} {T} {nt} {nx} 2 3 {_dyn_bytes(fmt, 3, 2, 1)}"
+    head = f"1 {kernel_format(fmt)} {I} {in_pad} {hs} {g} {T} {nt} {nx} 2 3 {_dyn_bytes(fmt, 3, 2, 1, nt)}"
     got = _run(harness, head, " ".join([gt, ut, _numbers(x), " ".join(map(str, idx))])).reshape(T, hs)
     xs = x[idx, :H].astype(np.float64)
     ref = silu_mul_ref(xs @ quant.dequantize(gq).astype(np.float64).T, xs @ quant.dequantize(uq).T)

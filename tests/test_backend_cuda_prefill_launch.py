@@ -47,20 +47,22 @@ def test_launcher_gives_the_tensor_core_kernels_their_rings(be, name, nm):  # no
             items = 256 // (16 * r16) * -(-T // (8 * nt))
             # 16 warps per SM over the grid, 2..8 a block
             assert grid == (items, 3) and block == (32 * min(8, max(2, round(16 * 4 / (3 * items)))),)
-            assert smem == _dyn_bytes(fmt, block[0] // 32, nm, r16)
+            assert smem == _dyn_bytes(fmt, block[0] // 32, nm, r16, nt)
             assert smem + fn.shared_size_bytes <= 227 * 1024 and fn.shared_size_bytes == 4096 * nm * r16 * nt
     assert any(f"-DTC_STAGES={STAGES}" in k for k in be._fns if k.startswith(tc + "<"))
 
 
 def test_launcher_fits_deep_rings_with_fewer_warps(be, monkeypatch):  # noqa: F811 - the fixture
-    """A ring too deep for 8 warps (group gate/up at 4 stages, 16 tokens: 32 KiB a warp, 32 KiB of red)
-    gets the warps that fit in 227 KiB (6), not a launch the GPU refuses; the kernel opts in to the bytes."""
+    """A ring too deep for 8 warps (gate/up at 4 stages, 16 tokens: weights and two token tiles of
+    activations, 64 KiB a warp in the group formats, 48 KiB per-row; 32 KiB of red) gets the warps that fit
+    in 227 KiB, not a launch the GPU refuses; the kernel opts in to the bytes."""
     monkeypatch.setattr(cuda_mod, "_TC_WARPS", 8)
     monkeypatch.setattr(cuda_mod, "_TC_STAGES", 4)
     fn, _, block, smem, _ = be._launcher("gate_up", "int4-g64", 1, 256, 250, 1024, 256, 16)
     r16 = cuda_mod._TC_R16["gate_up_tc"]
-    assert block == (32 * ((227 * 1024 - 16384 * r16) // (16384 * r16)),)
-    assert smem == _dyn_bytes("int4-g64", block[0] // 32, 2, r16, stages=4) and smem > 48 * 1024
+    per_warp = _dyn_bytes("int4-g64", 1, 2, r16, 2, stages=4)
+    assert block == (32 * ((227 * 1024 - 16384 * r16) // per_warp),)
+    assert smem == _dyn_bytes("int4-g64", block[0] // 32, 2, r16, 2, stages=4) and smem > 48 * 1024
     assert fn.max_dynamic_shared_size_bytes == smem
     fn, _, block, _, _ = be._launcher("gate_up", "int4", 1, 256, 250, 1024, 256, 16)
-    assert block == (256,)  # per-row: 16 KiB a warp, 8 fit
+    assert block == (32 * ((227 * 1024 - 16384 * r16) // _dyn_bytes("int4", 1, 2, r16, 2, stages=4)),)

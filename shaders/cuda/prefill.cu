@@ -141,7 +141,8 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
                                         int T, Emit emit) {
     constexpr int CPU = Cols<FMT>::n / 4;  // columns per 32-bit part
     constexpr bool GR = FMT == F_INT4G;
-    constexpr int WS = NM * R16 * 2 * (GR ? 2 : 1);  // ring words a lane per step
+    constexpr int WW = NM * R16 * 2 * (GR ? 2 : 1);  // ring words a lane per step: weights,
+    constexpr int XC = CPU, WS = WW + NT * XC;  // then token g's activations of its parts (XC words a tile)
     extern __shared__ uint4 tc_dyn[];  // the warps' rings
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warps = blockDim.x >> 5;
     const int npass = (T + 8 * NT - 1) / (8 * NT), items = ntiles * npass, segs = words >> 2;
@@ -175,6 +176,20 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
                     im_cp16(slot + q * 32, src + t);
                 }
             });
+            // the activations this lane's parts take (part i: words 2i, 2i + 1 of int4, word i of int8), token
+            // 8 n + g of the step's item
+            const int tok0 = (((int)blockIdx.x + (p / spw) * (int)gridDim.x) / ntiles) * 8 * NT;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                const int j = min(tok0 + 8 * n + g, T - 1);  // past the last token: a valid row, never stored
+                const uint4 *xs = reinterpret_cast<const uint4 *>(x + (u64)(idx ? idx[j] : j) * in_pad);
+#pragma unroll
+                for (int c = 0; c < XC; c++) {
+                    const int col = GR ? 8 * (16 * seg + 4 * (c >> 1) + t) + 4 * (c & 1)  // part c / 2's half
+                                       : 4 * CPU * (4 * seg + t) + 4 * c;
+                    im_cp16(slot + (WW + n * XC + c) * 32, xs + col / 4);
+                }
+            }
         }
         im_commit();
     };
@@ -183,12 +198,6 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
     for (int it = 0; it < nk; it++) {
         const int item = (int)blockIdx.x + it * (int)gridDim.x;
         const int tile = item % ntiles, tok0 = (item / ntiles) * 8 * NT, row0 = tile * 16 * R16;
-        const float *xr[NT];
-#pragma unroll
-        for (int n = 0; n < NT; n++) {
-            const int j = min(tok0 + 8 * n + g, T - 1);  // past the last token: a valid row, never stored
-            xr[n] = x + (u64)(idx ? idx[j] : j) * in_pad;
-        }
         // part / plo: the hi / lo halves' sums, two independent mma chains (each mma waits for the last
         // one into its accumulator)
         float acc[NM][R16][NT][4], part[NM][R16][NT][4], plo[NM][R16][NT][4];
@@ -219,14 +228,13 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
             });
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const int q = GR ? 16 * seg + 4 * i + t : 4 * (4 * seg + t) + i;  // 32-bit part of the row
                 unsigned bh[NT][CPU / 2], bl[NT][CPU / 2];  // token g's activations, B pairs j, split
 #pragma unroll
                 for (int n = 0; n < NT; n++) {
-                    const float *xp = xr[n] + q * CPU;
-                    const float4 v = __ldg(reinterpret_cast<const float4 *>(xp));
+                    const uint4 *xw = slot + (WW + n * XC + (CPU == 8 ? 2 * i : i)) * 32;
+                    const float4 v = reinterpret_cast<const float4 *>(xw)[0];
                     if (CPU == 8) {  // int4: pairs {j, j + 4}
-                        const float4 w = __ldg(reinterpret_cast<const float4 *>(xp + 4));
+                        const float4 w = reinterpret_cast<const float4 *>(xw + 32)[0];
                         split_bf16(v.x, w.x, bh[n][0], bl[n][0]);
                         split_bf16(v.y, w.y, bh[n][1 % (CPU / 2)], bl[n][1 % (CPU / 2)]);
                         split_bf16(v.z, w.z, bh[n][2 % (CPU / 2)], bl[n][2 % (CPU / 2)]);
