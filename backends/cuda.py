@@ -53,9 +53,6 @@ _TC_MIN_TOKENS = 2  # benchmarks set 1 to time the tensor-core kernels at decode
 # None: enough for ~16 warps per SM over the grid (few blocks, e.g. one dense matrix: 8; the 8 experts of
 # a layer: 2-4, which ran 1.4-1.9x faster than 8 on an H200); benchmarks may fix it
 _TC_WARPS: int | None = None
-# steps of weights in each warp's cp.async ring (prefill.cu TC_STAGES, TC_STAGES - 1 in flight; bench/
-# cuda_expert_ffn.py --tc-stages times the alternatives)
-_TC_STAGES = 3
 # T = 1, per-row int4: shaders/cuda/decode_imma.cu's integer tensor-core kernels (same tables) replace the
 # GEMV ones; (16-row subtiles per block tile, warps per block), the resident blocks of 8 warps per SM their
 # registers must allow (IM_MIN_BLOCKS: launch bounds) and the steps of each warp's weight ring (IM_STAGES).
@@ -85,16 +82,6 @@ def _gemv_shape(name: str, fmt: str) -> tuple[int, int, int, int, bool, bool]:
     r, u = t.get(key, _SHAPE[key])
     return (int(r), int(u), int(t.get("warps", _WARPS)), int(t.get("max_regs", 0)), bool(t.get("x_by_part")),
             bool(t.get("fit_wave")))
-
-
-def _tc_ring_bytes(name: str, fmt: str, nt: int) -> tuple[int, int]:
-    """(ring bytes per warp, static shared bytes) of prefill.cu kernel ``name`` at ``nt`` 8-token tiles: the
-    ring holds _TC_STAGES steps of 32 lanes' 16-byte words, one per row (g, g + 8 of each 16-row subtile)
-    and matrix, two in the group formats (four 32-bit parts, their group scales), then the lane's token's
-    activations (int4: 8 words a tile, int8: 4); red: 8 warps' sums."""
-    nm, r16 = (2 if name == "gate_up_tc" else 1), _TC_R16[name]
-    x_words = nt * (4 if fmt == "int8" else 8)
-    return _TC_STAGES * (nm * r16 * (4 if group_size(fmt) else 2) + x_words) * 512, 8 * nm * r16 * nt * 512
 
 
 def _imma_shape(name: str) -> tuple[int, int]:
@@ -224,7 +211,6 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
         options = _NVRTC_OPTIONS
         if name in _TC_R16:
             params = (_TC_R16[name], tc)
-            options += (f"-DTC_STAGES={_TC_STAGES}",)
         elif name in _IMMA.values():
             params = (_imma_shape(name)[0],)
             options += (f"-DIM_MIN_BLOCKS={_IMMA_MIN_BLOCKS}", f"-DIM_STAGES={_IMMA_STAGES}")
@@ -241,7 +227,7 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
             if fn is None:
                 mod = self.cp.RawModule(code=self._src, options=options, name_expressions=[key])
                 fn = self._fns[fkey] = mod.get_function(key)
-            # past 48 KiB of static (the red arrays) and dynamic shared memory together a block must opt in
+            # past 48 KiB of static (decode_imma.cu's) and dynamic shared memory together a block must opt in
             static = int(getattr(fn, "shared_size_bytes", 0) or 0)
             # set by us, and only ever raised: a cached launch of the same function may need more than this
             # one (the attribute's default, 48 KiB less the static bytes or not, differs between stacks)
@@ -277,15 +263,11 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
             if T >= _TC_MIN_TOKENS and fmt in _TC_FORMATS:  # prefill: tensor cores, each weight once per pass
                 name = _TC[name]
                 nt = 1 if T <= 8 else 2  # mma column tiles of 8 tokens per pass
+                fn = self._fn(name, fmt, nt, 0)
                 # a block per (row tile, token pass), its warps splitting the columns
                 items = -(-rows_grid // (16 * _TC_R16[name])) * -(-T // (8 * nt))
                 warps = _TC_WARPS or min(8, max(2, round(16 * self._sms / (items * n_mats))))
-                # each warp's weight ring in dynamic shared memory: no more warps than fit (group gate/up, 8
-                # warps, 4 stages: 256 KiB); _fn refuses a kernel whose one warp does not fit
-                ring, static = _tc_ring_bytes(name, fmt, nt)
-                warps = min(warps, max(1, (self._smem_limit() - static) // ring))
-                fn = self._fn(name, fmt, nt, warps * ring)
-                hit = self._launchers[key] = (fn, (items, n_mats), (32 * warps,), warps * ring, scalars)
+                hit = self._launchers[key] = (fn, (items, n_mats), (32 * warps,), 0, scalars)
                 return hit
             r16, warps = _imma_shape(_IMMA[name])
             # decode_imma.cu: x as fixed-point limbs (4 bytes a column), then each warp's ring of weight steps

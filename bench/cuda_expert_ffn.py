@@ -16,7 +16,6 @@ each of ``--formats`` in one run, on one uploaded pool per format, with each set
     .venv/bin/python bench/cuda_expert_ffn.py --out /tmp/cuda_ffn.json
     .venv/bin/python bench/cuda_expert_ffn.py --tune
     .venv/bin/python bench/cuda_expert_ffn.py --formats int4,int4-g64,int8 --gemv-sweep --out /tmp/sweep.json
-    .venv/bin/python bench/cuda_expert_ffn.py --formats int4,int8 --tokens 1,16 --tc-stages 4
 """
 
 from __future__ import annotations
@@ -199,9 +198,6 @@ def main() -> int:
     p.add_argument("--tc-rows", default=None,
                    help="16-row subtiles per warp tile of the tensor-core kernels, mm,gate_up (e.g. 2,1)")
     p.add_argument("--tc-warps", type=int, default=None, help="warps per block of the tensor-core kernels")
-    p.add_argument("--tc-stages", type=int, default=None,
-                   help="steps in each warp's weight ring of the tensor-core kernels (>= 2; TC_STAGES - 1 in "
-                        "flight)")
     p.add_argument("--out")
     args = p.parse_args()
     # refused here, before the GPU is opened, rather than as a traceback from inside the kernels' set-up
@@ -211,8 +207,6 @@ def main() -> int:
         p.error(f"--tokens: expected token counts >= 1, comma-separated (1,4,16), got {args.tokens!r}")
     if args.tc_rows and not re.fullmatch(r"[1-9]\d*,[1-9]\d*", args.tc_rows):
         p.error(f"--tc-rows: expected two counts >= 1, mm,gate_up (2,1), got {args.tc_rows!r}")
-    if args.tc_stages is not None and args.tc_stages < 2:
-        p.error(f"--tc-stages: expected 2 or more steps a ring (one in flight), got {args.tc_stages}")
     if min(args.experts, args.pool, args.calls) < 1:
         p.error("--experts, --pool and --calls must be >= 1")
     cls = get_backend("cuda")
@@ -224,8 +218,6 @@ def main() -> int:
         mod._TC_MIN_TOKENS = args.tc_from
     if args.tc_warps:
         mod._TC_WARPS = args.tc_warps
-    if args.tc_stages:
-        mod._TC_STAGES = args.tc_stages
     if args.tc_rows:
         mm, gu = (int(v) for v in args.tc_rows.split(","))
         mod._TC_R16.update(mm_tc=mm, mm_args_tc=mm, gate_up_tc=gu)
@@ -269,7 +261,6 @@ def main() -> int:
                                                 "gemv_prefill": args.gemv_prefill,
                                                 "tc_min_tokens": mod._TC_MIN_TOKENS,
                                                 "tc_rows": dict(mod._TC_R16), "tc_warps": mod._TC_WARPS,
-                                                "tc_stages": mod._TC_STAGES,
                                                 "gemv_tune": {k: {n: list(v) if isinstance(v, tuple) else v
                                                                   for n, v in t.items()}
                                                               for k, t in mod._GEMV_TUNE.items()},

@@ -18,7 +18,7 @@ import subprocess
 import numpy as np
 import pytest
 from test_backend_cuda import SOURCE, _host_build
-from test_backend_cuda_prefill import CP_ASYNC_HOST, PREFILL, _numbers, _weight_text
+from test_backend_cuda_prefill import PREFILL, _numbers, _weight_text
 from test_backend_cuda_sim import be  # noqa: F401 - the simulated GPU's backend fixture
 
 from colibri_plan import quant
@@ -110,7 +110,20 @@ static void mma_i8(int (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned 
   warp_wait();
 }
 static double __longlong_as_double(long long v) { double d; memcpy(&d, &v, 8); return d; }
-CP_ASYNC_HOST
+// cp.async: each lane's copies land as late as its waits allow (a read too early sees the slot's old words)
+static thread_local std::vector<std::pair<uint4 *, const uint4 *>> cp_open;
+static thread_local std::deque<std::vector<std::pair<uint4 *, const uint4 *>>> cp_groups;
+static void im_cp16(uint4 *dst, const uint4 *src) { cp_open.push_back({dst, src}); }
+static void im_commit() { cp_groups.push_back(cp_open); cp_open.clear(); }
+static void cp_land(size_t pending) {
+  for (; cp_groups.size() > pending; cp_groups.pop_front()) for (auto [d, s] : cp_groups.front()) *d = *s; }
+static void im_wait() { cp_land(IM_STAGES - 1); }
+static void im_wait_all() { im_commit(); cp_land(0); }
+static bool cp_in_flight() {  // a copy still pending when the lane is done
+  if (!cp_open.empty()) return true;
+  for (auto &gr : cp_groups) if (!gr.empty()) return true;
+  return false; }
+static std::atomic<bool> late_copy{false};
 static uint4 *host_dyn;  // this block's dynamic shared memory
 #include "MATMUL"
 #include "PREFILL"
@@ -185,8 +198,7 @@ int main() {
 def harness(tmp_path_factory):
     src = IMMA.read_text()
     assert len(DYN.findall(src)) == 1, f"{IMMA.name}: the harness expects one `{DYN.pattern}`"
-    text = HARNESS.replace("CP_ASYNC_HOST", CP_ASYNC_HOST).replace("MATMUL", str(SOURCE))
-    text = text.replace("PREFILL", str(PREFILL))
+    text = HARNESS.replace("MATMUL", str(SOURCE)).replace("PREFILL", str(PREFILL))
     text = text.replace("IMMA_SOURCE", DYN.sub(r"uint4 *const \1 = host_dyn;", src))
     exe, build = _host_build(tmp_path_factory, text, "-std=c++20", "-pthread", f"-DIM_STAGES={STAGES}")
     if build.returncode != 0 and "barrier" in build.stderr:

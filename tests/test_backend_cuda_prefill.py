@@ -3,22 +3,19 @@ GPU: nvcc compiles every instance the launcher can ask for, and g++ runs mm_tc a
 as a warp runs them (one OS thread per lane; ``mma.sync`` emulated from the 32 lanes' fragments between
 two barriers of the warp; bf16 conversions rounded to nearest even), against the quant-format semantics:
 the column order of each lane's k-steps, group scales per 32-column part, the hi/lo split of the
-activations, ragged row tiles and token passes, routed token rows (idx) and the zeroed h padding; the
-weights come through each warp's ``cp.async`` ring in the dynamic shared memory, emulated with copies that
-land as late as the lane's waits allow (or, in a second mode, at once), in a buffer of exactly the
-launcher's bytes, garbage at the start, then a guard that must come back untouched; ptxas must fit every
-instance without spills. On a GPU the oracle (``test_backends_oracle.py``, T > 1 rows) runs them for real.
+activations, ragged row tiles and token passes, routed token rows (idx) and the zeroed h padding.
+On a GPU the oracle (``test_backends_oracle.py``, T > 1 rows) runs them for real.
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
 from test_backend_cuda import SOURCE, _host_build
+from test_backend_cuda_sim import be  # noqa: F401 - the simulated GPU's backend fixture
 
 from colibri_plan import quant
 from colibri_plan.backends import cuda as cuda_mod
@@ -26,37 +23,9 @@ from colibri_plan.backends._shared import kernel_format, padded_layout
 from colibri_plan.backends.base import silu_mul_ref
 
 PREFILL = SOURCE.parent.joinpath("prefill.cu")
-STAGES = cuda_mod._TC_STAGES  # steps in each warp's ring of weights
-DYN = re.compile(r"extern __shared__ uint4 (\w+)\[\];")  # the dynamic shared memory: the host's buffer
-
-# cp.async on the host (this harness and test_backend_cuda_imma.py's): a lane's copies are held per commit
-# group and land as late as its waits allow, so a read before its step's wait, or a slot reused before
-# its read, sees stale bytes; with CP_EARLY set in the environment every group lands when committed (a
-# copy into a slot still to be read shows at once). A lane that ends with copies pending sets late_copy.
-CP_ASYNC_HOST = r"""
-struct CpCopy { void *dst; const void *src; size_t n; };
-static thread_local std::vector<CpCopy> cp_open;
-static thread_local std::deque<std::vector<CpCopy>> cp_groups;
-static const bool cp_early = getenv("CP_EARLY") != nullptr;
-static void im_cp16(uint4 *dst, const uint4 *src) { cp_open.push_back({dst, src, 16}); }
-static void im_cp4(unsigned *dst, const void *src) { cp_open.push_back({dst, src, 4}); }
-static void cp_land(size_t pending) {
-  for (; cp_groups.size() > pending; cp_groups.pop_front())
-    for (auto &c : cp_groups.front()) memcpy(c.dst, c.src, c.n); }
-static void im_commit() { cp_groups.push_back(cp_open); cp_open.clear(); if (cp_early) cp_land(0); }
-template <int N> static void im_wait_group() { cp_land(N); }
-static void im_wait_all() { im_commit(); cp_land(0); }
-static bool cp_in_flight() {  // a copy still pending when the lane is done
-  if (!cp_open.empty()) return true;
-  for (auto &gr : cp_groups) if (!gr.empty()) return true;
-  return false; }
-static std::atomic<bool> late_copy{false};
-"""
 
 HARNESS = r"""
-#include <atomic>
 #include <barrier>
-#include <deque>
 #include <thread>
 #include <vector>
 #include <cstdio>
@@ -120,18 +89,14 @@ static void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsig
   }
   warp_bar[wi]->arrive_and_wait();
 }
-CP_ASYNC_HOST
-static uint4 *host_dyn;  // this block's dynamic shared memory
 #include "MATMUL"
-PREFILL_SOURCE
-// reads: kind (0 mm, 1 gate_up) fmt rows in_pad h_stride G T NT n_x blocks warps, the dynamic shared
-// memory's bytes, then the weight bytes and scales of 1 (mm) or 2 (gate_up) matrices, n_x rows of x, T
-// token rows (gate_up: idx); prints y / h. Exit 7: a write past the dynamic shared memory; 8: a block
-// ended with copies into it pending.
+#include "PREFILL"
+// reads: kind (0 mm, 1 gate_up) fmt rows in_pad h_stride G T NT n_x blocks warps, then the weight bytes and
+// scales of 1 (mm) or 2 (gate_up) matrices, n_x rows of x, T token rows (gate_up: idx); prints y / h
 int main() {
-  int kind, fmt, rows, in_pad, hs, G, T, NT, nx, blocks, warps, dyn_bytes;
-  if (scanf("%d %d %d %d %d %d %d %d %d %d %d %d", &kind, &fmt, &rows, &in_pad, &hs, &G, &T, &NT, &nx,
-            &blocks, &warps, &dyn_bytes) != 12) return 2;
+  int kind, fmt, rows, in_pad, hs, G, T, NT, nx, blocks, warps;
+  if (scanf("%d %d %d %d %d %d %d %d %d %d %d", &kind, &fmt, &rows, &in_pad, &hs, &G, &T, &NT, &nx,
+            &blocks, &warps) != 11) return 2;
   const int bits = fmt <= 2 ? 16 : fmt == 3 ? 8 : 4, row_bytes = in_pad * bits / 8;
   const int ns = fmt == 6 ? rows * (in_pad / G) : fmt <= 2 ? 0 : rows;
   const int gshift = G == 64 ? 1 : G == 128 ? 2 : 0;
@@ -157,15 +122,8 @@ int main() {
     memcpy(e, g, sizeof e);
   }
   blockDim.x = 32 * warps; gridDim.x = blocks;
-  const int dyn = dyn_bytes / 16, guard = 64;  // the dynamic shared memory, as uint4
-  std::vector<uint4> smem(dyn + guard);
   for (unsigned b = 0; b < (unsigned)blocks; b++) {
     blockIdx = {b, 0, 0};
-    unsigned seed = 0x9E3779B9u * (b + 1);
-    for (auto &q : smem) {  // garbage: a stale or out-of-range read spoils the sums
-      unsigned *p = &q.x; for (int i = 0; i < 4; i++) p[i] = seed = seed * 1664525u + 1013904223u; }
-    const std::vector<uint4> tail(smem.end() - guard, smem.end());
-    host_dyn = smem.data();
     std::barrier<> bb(32 * warps); block_bar = &bb;
     warp_bar.clear();
     for (int w = 0; w < warps; w++) warp_bar.push_back(new std::barrier<>(32));
@@ -178,12 +136,9 @@ int main() {
         if (kind == 1 && NT == 1) gate_up_tc<F, 1, 1>(e, rows, in_pad, hs, gshift); \
         if (kind == 1 && NT == 2) gate_up_tc<F, 1, 2>(e, rows, in_pad, hs, gshift); }
       RUN(3) RUN(4) RUN(6)
-      if (cp_in_flight()) late_copy = true;
     });
     for (auto &t : ts) t.join();
     for (auto *p : warp_bar) delete p;
-    if (memcmp(tail.data(), smem.data() + dyn, guard * sizeof(uint4))) return 7;  // wrote past its end
-    if (late_copy) return 8;  // the block ended with copies into its shared memory in flight
   }
   for (float a : y) printf("%.9g\n", a);
   return 0;
@@ -191,22 +146,14 @@ int main() {
 """
 
 
-def _build(tmp_path_factory, stages: int):
-    """The host harness over prefill.cu at ring depth ``stages`` (TC_STAGES)."""
-    src = PREFILL.read_text()
-    assert len(DYN.findall(src)) == 1, f"{PREFILL.name}: the harness expects one `{DYN.pattern}`"
-    text = HARNESS.replace("CP_ASYNC_HOST", CP_ASYNC_HOST).replace("MATMUL", str(SOURCE))
-    text = text.replace("PREFILL_SOURCE", DYN.sub(r"uint4 *const \1 = host_dyn;", src))
-    exe, build = _host_build(tmp_path_factory, text, "-std=c++20", "-pthread", f"-DTC_STAGES={stages}")
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    text = HARNESS.replace("MATMUL", str(SOURCE)).replace("PREFILL", str(PREFILL))
+    exe, build = _host_build(tmp_path_factory, text, "-std=c++20", "-pthread")
     if build.returncode != 0 and "barrier" in build.stderr:
         pytest.skip(f"this g++ has no C++20 <barrier>: {build.stderr[:200]}")
     assert build.returncode == 0, build.stderr
     return exe
-
-
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    return _build(tmp_path_factory, STAGES)
 
 
 def _numbers(a) -> str:
@@ -219,21 +166,9 @@ def _weight_text(qt) -> tuple[str, int]:
     return " ".join(map(str, data.reshape(-1).view(np.uint8).tolist())) + " " + _numbers(sc), in_pad
 
 
-def _dyn_bytes(fmt: str, warps: int, nm: int, r16: int, nt: int, stages: int = STAGES) -> int:
-    """The dynamic shared memory a block needs: each warp's ring of ``stages`` steps of 32 lanes' 16-byte
-    words, one per row (2 per 16-row subtile) and matrix, two in the group formats (parts and group
-    scales), then a lane's token's activations per 8-token tile (int4 32 columns: 8 words; int8 16: 4)."""
-    words = nm * r16 * 2 * (2 if quant.group_size(fmt) else 1) + nt * (4 if fmt == "int8" else 8)
-    return warps * stages * words * 16 * 32
-
-
-def _run(harness, head: str, body: str, early: bool = False) -> np.ndarray:
-    """The harness's output for ``head`` (which ends with the dynamic shared bytes) and ``body``; ``early``:
-    cp.async copies land at their commit instead of at the last wait that allows."""
-    env = {"CP_EARLY": "1"} if early else {}
-    run = subprocess.run([str(harness)], input=head + " " + body, capture_output=True, text=True, timeout=300,
-                         env=env)
-    assert run.returncode == 0, (run.returncode, run.stderr)  # 7: wrote past shared memory; 8: copies left
+def _run(harness, head: str, body: str) -> np.ndarray:
+    run = subprocess.run([str(harness)], input=head + " " + body, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
     return np.array(run.stdout.split(), np.float64)
 
 
@@ -244,16 +179,7 @@ def test_mm_tc_on_the_host(harness, fmt, T, nt, blocks, warps):
     """mm_tc: 37 rows (two 32-row tiles, the second ragged) x 700 columns (padded to 768: 6 (int4) or 12
     (int8) 64-byte segments per row), T tokens in passes of 8 nt (partial last pass), one warp per block, the
     work items split over ``blocks`` blocks, each block's ``warps`` warps splitting the segments (8 warps:
-    some have none) and summing through shared memory; y = x . dequantize(W)^T. The same bits whether the
-    ring's copies land as late as the waits allow or at once (a slot refilled before it is read shows in
-    one, a read before its copy in the other)."""
-    got, ref = _mm_tc(harness, fmt, T, nt, blocks, warps)
-    assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()  # x to 2^-17 (bf16 hi + lo)
-    assert np.array_equal(_mm_tc(harness, fmt, T, nt, blocks, warps, early=True)[0], got)
-
-
-def _mm_tc(harness, fmt, T, nt, blocks, warps, early=False, stages=STAGES):
-    """(y from the host-run mm_tc, float64 x . dequantize(W)^T), [T, 37]: test_mm_tc_on_the_host's case."""
+    some have none) and summing through shared memory; y = x . dequantize(W)^T."""
     rows, in_f = 37, 700
     rng = np.random.default_rng([T, nt, blocks, warps])
     qt = quant.quantize(rng.standard_normal((rows, in_f), dtype=np.float32), fmt)
@@ -262,32 +188,9 @@ def _mm_tc(harness, fmt, T, nt, blocks, warps, early=False, stages=STAGES):
     x[:, :in_f] = rng.standard_normal((T, in_f), dtype=np.float32) * np.float32(100.0)  # not bf16-exact
     g = quant.group_size(fmt) or 0
     head = f"0 {kernel_format(fmt)} {rows} {in_pad} 0 {g} {T} {nt} {T} {blocks} {warps}"
-    head += f" {_dyn_bytes(fmt, warps, 1, 2, nt, stages)}"
-    got = _run(harness, head, wtext + " " + _numbers(x), early).reshape(T, rows)
-    return got, x[:, :in_f].astype(np.float64) @ quant.dequantize(qt).astype(np.float64).T
-
-
-@pytest.mark.parametrize("fmt, T, nt, blocks, warps", [
-    ("int4", 19, 1, 2, 3), ("int4-g64", 27, 1, 3, 2), ("int8", 19, 1, 4, 8), ("int4-g32", 40, 2, 2, 5)])
-def test_mm_tc_streams_its_weights_across_items(harness, fmt, T, nt, blocks, warps):
-    """Fewer blocks than work items (2 row tiles x 3 to 4 token passes over 2 to 4 blocks, some blocks one
-    item more than others): each warp's ring runs on from one item's segments into the next's. The sums are
-    right, and the same bits whether the copies land as late as the waits allow or at once (only where the
-    weights come from may depend on the ring; the sums and their order may not)."""
-    got, ref = _mm_tc(harness, fmt, T, nt, blocks, warps)
-    assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()
-    early, _ = _mm_tc(harness, fmt, T, nt, blocks, warps, early=True)
-    assert np.array_equal(got, early)
-
-
-@pytest.mark.parametrize("stages", sorted({2, 4} - {STAGES}))
-def test_mm_tc_ring_depth_changes_no_bits(harness, tmp_path_factory, stages):
-    """The bench's other ring depths (--tc-stages): the same bits as the launcher's, in their own bytes."""
-    other = _build(tmp_path_factory, stages)
-    for case in (("int4", 19, 1, 2, 3), ("int4-g64", 27, 1, 3, 2), ("int8", 10, 2, 2, 8)):
-        want = _mm_tc(harness, *case)[0]
-        assert np.array_equal(_mm_tc(other, *case, stages=stages)[0], want), case
-        assert np.array_equal(_mm_tc(other, *case, early=True, stages=stages)[0], want), case
+    got = _run(harness, head, wtext + " " + _numbers(x)).reshape(T, rows)
+    ref = x[:, :in_f].astype(np.float64) @ quant.dequantize(qt).astype(np.float64).T
+    assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()  # x to 2^-17 (bf16 hi + lo)
 
 
 @pytest.mark.parametrize("fmt, T, nt", [("int4", 6, 1), ("int8", 13, 2), ("int4-g32", 17, 2)])
@@ -302,7 +205,7 @@ def test_gate_up_tc_routed_rows_on_the_host(harness, fmt, T, nt):
     x[:, :H] = rng.standard_normal((nx, H), dtype=np.float32)
     idx = np.sort(rng.choice(nx, T, replace=False))
     g = quant.group_size(fmt) or 0
-    head = f"1 {kernel_format(fmt)} {I} {in_pad} {hs} {g} {T} {nt} {nx} 2 3 {_dyn_bytes(fmt, 3, 2, 1, nt)}"
+    head = f"1 {kernel_format(fmt)} {I} {in_pad} {hs} {g} {T} {nt} {nx} 2 3"
     got = _run(harness, head, " ".join([gt, ut, _numbers(x), " ".join(map(str, idx))])).reshape(T, hs)
     xs = x[idx, :H].astype(np.float64)
     ref = silu_mul_ref(xs @ quant.dequantize(gq).astype(np.float64).T, xs @ quant.dequantize(uq).T)
@@ -310,37 +213,43 @@ def test_gate_up_tc_routed_rows_on_the_host(harness, fmt, T, nt):
     assert np.abs(got[:, :I] - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+def test_launcher_sends_prefill_to_tensor_cores_and_decode_to_gemv(be):  # noqa: F811 - the fixture
+    """The formats the tensor-core kernels take: int8 and int4 codes (exact in bf16, 4 columns of one
+    32-bit part per k-step); the float formats and int2 keep the GEMV kernels at every T. The launcher
+    (simulated GPU) picks mm_tc from T = 2, with one 8-token column tile up to T = 8 and two above; at
+    T = 1 per-row int4 takes decode_imma.cu (its x limbs in shared memory), int8 and the group formats
+    the GEMV kernels."""
+    assert cuda_mod._TC_FORMATS == {"int8", "int4", "int4-g32", "int4-g64", "int4-g128"}
+    assert cuda_mod._TC_MIN_TOKENS == 2
+    assert set(cuda_mod._TC) == {"mm", "mm_args", "gate_up"}
+    for fmt, T, want in (("int8", 1, "mm<"), ("int4", 1, "mm_imma<"), ("int4-g64", 1, "mm<"),
+                         ("int8", 2, "mm_tc<"), ("int4-g64", 16, "mm_tc<"), ("f32", 16, "mm<")):
+        fn, _, _, smem, _ = be._launcher("mm", fmt, 1, 64, 64, 256, 64, T)
+        assert fn.__name__.startswith(want), (fmt, T, fn.__name__)
+        assert (smem == 0) == (want == "mm_tc<")  # the tensor-core kernels stage no activations
+    assert cuda_mod._IMMA_FORMATS == {"int4"}
+    for T, nt in ((8, 1), (9, 2)):
+        fn = be._launcher("mm", "int8", 1, 64, 64, 256, 64, T)[0]
+        assert fn.__name__.endswith(f",{cuda_mod._TC_R16['mm_tc']},{nt}>"), (T, fn.__name__)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_prefill_kernels_compile_to_ptx(tmp_path):
-    """Every instance the launcher asks for (its 16-row subtiles) compiles to PTX with the bf16 mma and
-    cp.async into the rings (16-byte copies for the per-row formats, 4-byte ones for the group formats), at
-    the launcher's ring depth; ptxas fits each without spills."""
     src = tmp_path / "inst.cu"
-    r16 = cuda_mod._TC_R16
-    body = "".join(f"template __global__ void {k}<{f}, {r16[k]}, {nt}>({t}, int, int, int, int);\n"
+    body = "".join(f"template __global__ void {k}<{f}, {r}, {nt}>({t}, int, int, int, int);\n"
                    for f in (3, 4, 6) for nt in (1, 2)
-                   for k, t in (("mm_tc", "const u64 *"), ("mm_args_tc", "const MMArgs"),
-                                ("gate_up_tc", "const u64 *")))
+                   for k, r, t in (("mm_tc", 2, "const u64 *"), ("mm_args_tc", 2, "const MMArgs"),
+                                   ("gate_up_tc", 1, "const u64 *")))
     src.write_text(f'#include "{SOURCE}"\n#include "{PREFILL}"\n{body}')
-    ptx = tmp_path / "k.ptx"
-    run = subprocess.run(["nvcc", "--ptx", "-std=c++14", "-arch=sm_90", f"-DTC_STAGES={STAGES}", "-o",
-                          str(ptx), str(src)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(["nvcc", "--ptx", "-std=c++14", "-arch=sm_90", "-o", str(tmp_path / "k.ptx"),
+                          str(src)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    text = ptx.read_text()
-    assert text.count(".entry") == 19  # 3 formats x 3 kernels x (8, 16 tokens per pass) + rmsnorm
-    assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 18
-    assert text.count("cp.async.cg.shared.global") >= 12 and text.count("cp.async.ca.shared.global") >= 6
-    assert text.count(f"cp.async.wait_group {STAGES - 1};") >= 18
+    ptx = (tmp_path / "k.ptx").read_text()
+    assert ptx.count(".entry") == 19  # 3 formats x 3 kernels x (8, 16 tokens per pass) + rmsnorm
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 18
     # the register arrays (acc, part, cur, ...) are indexed by constants only (for4's loops unrolled):
     # an array indexed at run time would live in local memory
-    assert ".local" not in text
-    run = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                          str(ptx)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    stats = r"function '(\w+)'.*?(\d+) bytes spill stores, (\d+) bytes spill loads"  # per entry
-    found = re.findall(stats, run.stderr, re.S)
-    assert len(found) == 19, run.stderr
-    assert all(st == ld == "0" for _, st, ld in found), found
+    assert ".local" not in ptx
 
 
 @pytest.fixture(params=["sim", "gpu"])

@@ -195,15 +195,10 @@ def fake_cupy(sim: Sim):
 
     class Kernel:
         def __init__(self, name, kinds):
-            # decode_imma.cu's static arrays (red: 4 KiB per 16-row subtile and matrix, part), prefill.cu's
-            # (red: 8 warps x 512 B per 16-row subtile, matrix and 8-token tile); the default dynamic limit
-            # is what 48 KiB leaves, more needs the opt-in attribute
-            r16 = int(name.split(",")[1].rstrip(">")) if "imma<" in name or "_tc<" in name else 0
-            nm = 2 if name.startswith("gate_up") else 1
-            if "_tc<" in name:
-                self.shared_size_bytes = 4096 * r16 * nm * int(name.split(",")[2].rstrip(">"))
-            else:
-                self.shared_size_bytes = 4096 * r16 * nm + 160 if r16 else 0
+            # decode_imma.cu's static arrays (red: 4 KiB per 16-row subtile and matrix, part); the default
+            # dynamic limit is what 48 KiB leaves, more needs the opt-in attribute
+            r16 = int(name.split(",")[1].rstrip(">")) if "imma<" in name else 0
+            self.shared_size_bytes = 4096 * r16 * (2 if name.startswith("gate_up") else 1) + 160 if r16 else 0
             self.__name__, self.kinds = name, kinds
             self.max_dynamic_shared_size_bytes = 48 * 1024 - self.shared_size_bytes
             self.kernel = types.SimpleNamespace(ptr=id(self))

@@ -58,7 +58,6 @@ FFN_CASES = [(["--formats", "int4,bogus", "--gemv-sweep"], "--formats: bogus not
              (["--tokens", "1,abc"], "--tokens: expected token counts >= 1"),
              (["--tokens", "0"], "--tokens: expected token counts >= 1"),
              (["--tc-rows", "x"], "--tc-rows: expected two counts >= 1"),
-             (["--tc-stages", "1"], "--tc-stages: expected 2 or more steps a ring"),
              (["--experts", "0"], "--experts, --pool and --calls must be >= 1")]
 
 

@@ -23,8 +23,6 @@
 // row: int4 part j of its word (a0 / a2 = even / odd nibbles), int8 parts 2j, 2j + 1 (a0 / a2). Limb l of
 // those columns is B column l: lane (l, t) holds (P_l, Q_l) = (b0, b1), 8 bytes of the 32-byte shared entry
 // of (segment, k-step, t), so the 16 lanes l < 4 of a k-step read 128 consecutive bytes.
-// The cp.async helpers (im_cp16, im_commit, im_wait_group, im_wait_all) are prefill.cu's: tc_rows there
-// streams its weights through such rings too.
 
 #define IM_WARPS 8  // warps per block at most (backends/cuda.py _IMMA_SHAPE)
 #ifndef IM_MIN_BLOCKS  // resident blocks of IM_WARPS warps per SM the registers must allow (128 each at 2)
@@ -46,6 +44,17 @@ __device__ __forceinline__ void mma_i8(int (&c)[4], unsigned a0, unsigned a1, un
                  : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+// 16 bytes global -> shared, asynchronous (L2 only: the weights are read once); groups of them are
+// committed and waited for in issue order
+__device__ __forceinline__ void im_cp16(uint4 *dst, const uint4 *src) {
+    unsigned d;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void im_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void im_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(IM_STAGES - 1) : "memory"); }
+__device__ __forceinline__ void im_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 __device__ __forceinline__ unsigned im_max_u32(unsigned v) {  // over the warp
 #pragma unroll
@@ -233,7 +242,7 @@ __device__ __forceinline__ void imma_rows(const uint4 *const *W, const float *co
         for (int sg = 0; sg < spw; sg++) {
             const int p = k * spw + sg, seg = w + sg * warps;
             issue(p + IM_STAGES - 1);
-            im_wait_group<IM_STAGES - 1>();  // step p's group has landed (IM_STAGES - 1 newer may be pending)
+            im_wait();  // step p's group has landed (at most IM_STAGES - 1 newer ones pending)
             const uint4 *slot = ring + (p % IM_STAGES) * WS * 32 + lane;
             uint4 cur[NM][R16][2];
 #pragma unroll

@@ -45,27 +45,6 @@ __device__ __forceinline__ unsigned bf16x2_minus136(unsigned p) {
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(p), "r"(0x3F803F80u), "r"(0xC308C308u));
     return d;
 }
-
-// cp.async, global -> shared, asynchronous (here and in decode_imma.cu: its weight rings); a thread's
-// copies are committed in groups and waited for in issue order
-__device__ __forceinline__ unsigned im_smem(const void *p) {  // a shared-memory address, 32-bit
-    unsigned d;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(p));
-    return d;
-}
-// 16 bytes (L2 only: the weights are read once)
-__device__ __forceinline__ void im_cp16(uint4 *dst, const uint4 *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(im_smem(dst)), "l"(src) : "memory");
-}
-// 4 bytes (4 and 8 bytes take .ca only)
-__device__ __forceinline__ void im_cp4(unsigned *dst, const void *src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(im_smem(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void im_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// until at most N of this thread's groups are pending (the older ones have landed)
-template <int N>
-__device__ __forceinline__ void im_wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void im_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 #endif
 
 // A pair (mma k 2t, 2t + 1 or 2t + 8, 2t + 9) j of 32-bit weight part v, as bf16x2 codes (scale later):
@@ -115,9 +94,6 @@ __device__ __forceinline__ void for2(F f) {
 #ifndef TC_SHARED
 #define TC_SHARED __shared__
 #endif
-#ifndef TC_STAGES  // steps of weights per warp ring: TC_STAGES - 1 in flight (backends/cuda.py _TC_STAGES)
-#define TC_STAGES 3
-#endif
 
 // One block's work items over the row tiles and token passes of one table entry: tile of 16 R16 rows of
 // NM matrices (gate and up share the activations) x pass of 8 NT tokens. The block's warps split the
@@ -126,115 +102,73 @@ __device__ __forceinline__ void for2(F f) {
 // order through shared memory (deterministic). emit(row0, tok0, acc), called by warp 0, gets the finished
 // sums, acc[m][r][n][c]: row row0 + 16 r + g + 8 (c / 2), token tok0 + 8 n + 2 t + c % 2.
 // x rows are in_pad floats, 16-byte aligned; token j reads row idx[j] when idx is given, else row j.
-//
-// Weights: a warp's work is one stream of steps p (item `it` of the block, its segment w + s warps), the
-// weights of TC_STAGES - 1 steps in flight ahead of the one being summed, across items too (a block often
-// has one item: its first loads would wait a whole memory latency). cp.async copies each lane's words
-// into the warp's ring in the dynamic shared memory, [stage][word][lane] of 16 bytes, WS words a lane per
-// step, and the lane reads back only its own (no warp barrier). Per-row formats: word (m, r, h) is the
-// lane's 16-byte word 4 seg + t of its row; group formats: word 2 (m, r, h) holds the lane's four 32-bit
-// parts 16 seg + 4 i + t (4-byte copies), word 2 (m, r, h) + 1 their four group scales. The launcher
-// gives warps x TC_STAGES x WS x 512 bytes (backends/cuda.py _tc_ring_bytes).
 template <int FMT, int R16, int NM, int NT, class Emit>
 __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *const *S, int rows, int ntiles,
                                         int words, int gshift, const float *x, const int *idx, int in_pad,
                                         int T, Emit emit) {
     constexpr int CPU = Cols<FMT>::n / 4;  // columns per 32-bit part
     constexpr bool GR = FMT == F_INT4G;
-    constexpr int WW = NM * R16 * 2 * (GR ? 2 : 1);  // ring words a lane per step: weights,
-    constexpr int XC = CPU, WS = WW + NT * XC;  // then token g's activations of its parts (XC words a tile)
-    extern __shared__ uint4 tc_dyn[];  // the warps' rings
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warps = blockDim.x >> 5;
     const int npass = (T + 8 * NT - 1) / (8 * NT), items = ntiles * npass, segs = words >> 2;
     const int ngroups = words >> gshift;
     const int w = threadIdx.x >> 5;
     TC_SHARED float red[TC_WARPS][NM * R16 * NT * 4][32];  // [warp][sum][lane]: a lane's sums, no conflicts
-    uint4 *ring = tc_dyn + w * TC_STAGES * WS * 32;  // [stage][word][lane]
-    const int nk = (int)blockIdx.x < items ? (items - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
-    const int spw = w < segs ? (segs - w + warps - 1) / warps : 0;  // this warp's segments per item
-    const int steps = spw * nk;
-    // step p of this warp's stream into its ring slot (a commit group even when past the end: the waits
-    // count groups)
-    auto issue = [&](int p) {
-        if (p < steps) {
-            const int tile = ((int)blockIdx.x + (p / spw) * (int)gridDim.x) % ntiles, seg = w + (p % spw) * warps;
-            uint4 *slot = ring + (p % TC_STAGES) * WS * 32 + lane;
-            for4<NM, R16, 2, 1>([&](int m, int r, int h, int) {
-                const int row = min(tile * 16 * R16 + 16 * r + g + 8 * h, rows - 1);  // past the end: valid
-                const uint4 *src = W[m] + (u64)row * words + 4 * seg;
-                const int q = (m * R16 + r) * 2 + h;
-                if (GR) {
-                    unsigned *dw = reinterpret_cast<unsigned *>(slot + 2 * q * 32);
-                    unsigned *ds = reinterpret_cast<unsigned *>(slot + (2 * q + 1) * 32);
-                    const float *sc = S[m] + (u64)row * ngroups;
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        im_cp4(dw + i, reinterpret_cast<const unsigned *>(src) + 4 * i + t);
-                        im_cp4(ds + i, sc + ((4 * seg + i) >> gshift));
-                    }
-                } else {
-                    im_cp16(slot + q * 32, src + t);
-                }
-            });
-            // the activations this lane's parts take (part i: words 2i, 2i + 1 of int4, word i of int8), token
-            // 8 n + g of the step's item
-            const int tok0 = (((int)blockIdx.x + (p / spw) * (int)gridDim.x) / ntiles) * 8 * NT;
-#pragma unroll
-            for (int n = 0; n < NT; n++) {
-                const int j = min(tok0 + 8 * n + g, T - 1);  // past the last token: a valid row, never stored
-                const uint4 *xs = reinterpret_cast<const uint4 *>(x + (u64)(idx ? idx[j] : j) * in_pad);
-#pragma unroll
-                for (int c = 0; c < XC; c++) {
-                    const int col = GR ? 8 * (16 * seg + 4 * (c >> 1) + t) + 4 * (c & 1)  // part c / 2's half
-                                       : 4 * CPU * (4 * seg + t) + 4 * c;
-                    im_cp16(slot + (WW + n * XC + c) * 32, xs + col / 4);
-                }
-            }
-        }
-        im_commit();
-    };
-#pragma unroll
-    for (int q = 0; q < TC_STAGES - 1; q++) issue(q);
-    for (int it = 0; it < nk; it++) {
-        const int item = (int)blockIdx.x + it * (int)gridDim.x;
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
         const int tile = item % ntiles, tok0 = (item / ntiles) * 8 * NT, row0 = tile * 16 * R16;
+        const uint4 *wr[NM][R16][2];
+        const float *sr[NM][R16][2];  // per-row formats: the row's scale; group formats: its group scales
+        for4<NM, R16, 2, 1>([&](int m, int r, int h, int) {
+            const int row = min(row0 + 16 * r + g + 8 * h, rows - 1);  // past the end: a valid row
+            wr[m][r][h] = W[m] + (u64)row * words;
+            sr[m][r][h] = S[m] + (GR ? (u64)row * ngroups : (u64)row);
+        });
+        const float *xr[NT];
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            const int j = min(tok0 + 8 * n + g, T - 1);  // past the last token: a valid row, never stored
+            xr[n] = x + (u64)(idx ? idx[j] : j) * in_pad;
+        }
         // part / plo: the hi / lo halves' sums, two independent mma chains (each mma waits for the last
         // one into its accumulator)
         float acc[NM][R16][NT][4], part[NM][R16][NT][4], plo[NM][R16][NT][4];
         for4<NM, R16, NT, 4>([&](int m, int r, int n, int c) {
             acc[m][r][n][c] = part[m][r][n][c] = plo[m][r][n][c] = 0.0f;
         });
-        for (int sg = 0; sg < spw; sg++) {
-            const int p = it * spw + sg, seg = w + sg * warps;
-            issue(p + TC_STAGES - 1);
-            im_wait_group<TC_STAGES - 1>();  // step p's group has landed (TC_STAGES - 1 newer may be pending)
-            const uint4 *slot = ring + (p % TC_STAGES) * WS * 32 + lane;
-            unsigned cur[NM][R16][2][4];
-            float gs[NM][R16][2][4];  // group formats: each part's group scale
+        unsigned cur[NM][R16][2][4], nxt[NM][R16][2][4];
+        float gs[NM][R16][2][4], gn[NM][R16][2][4];  // group formats: each part's group scale
+        // the loads of segment `seg` (64 bytes of each row) into w, s
+        auto load = [&](unsigned (&w)[NM][R16][2][4], float (&s)[NM][R16][2][4], int seg) {
             for4<NM, R16, 2, 1>([&](int m, int r, int h, int) {
-                const int q = (m * R16 + r) * 2 + h;
-                const uint4 v = slot[(GR ? 2 * q : q) * 32];
-                cur[m][r][h][0] = v.x;
-                cur[m][r][h][1] = v.y;
-                cur[m][r][h][2] = v.z;
-                cur[m][r][h][3] = v.w;
                 if (GR) {
-                    const uint4 f = slot[(2 * q + 1) * 32];
-                    gs[m][r][h][0] = __uint_as_float(f.x);
-                    gs[m][r][h][1] = __uint_as_float(f.y);
-                    gs[m][r][h][2] = __uint_as_float(f.z);
-                    gs[m][r][h][3] = __uint_as_float(f.w);
+                    const unsigned *p = reinterpret_cast<const unsigned *>(wr[m][r][h] + 4 * seg);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        w[m][r][h][i] = __ldg(p + 4 * i + t);
+                        s[m][r][h][i] = __ldg(sr[m][r][h] + ((4 * seg + i) >> gshift));
+                    }
+                } else {
+                    const uint4 v = __ldg(wr[m][r][h] + 4 * seg + t);
+                    w[m][r][h][0] = v.x;
+                    w[m][r][h][1] = v.y;
+                    w[m][r][h][2] = v.z;
+                    w[m][r][h][3] = v.w;
                 }
             });
+        };
+        if (w < segs) load(cur, gs, w);
+        for (int seg = w; seg < segs; seg += warps) {
+            const int nseg = seg + warps;
+            if (nseg < segs) load(nxt, gn, nseg);  // in flight while this segment is summed
 #pragma unroll
             for (int i = 0; i < 4; i++) {
+                const int q = GR ? 16 * seg + 4 * i + t : 4 * (4 * seg + t) + i;  // 32-bit part of the row
                 unsigned bh[NT][CPU / 2], bl[NT][CPU / 2];  // token g's activations, B pairs j, split
 #pragma unroll
                 for (int n = 0; n < NT; n++) {
-                    const uint4 *xw = slot + (WW + n * XC + (CPU == 8 ? 2 * i : i)) * 32;
-                    const float4 v = reinterpret_cast<const float4 *>(xw)[0];
+                    const float *xp = xr[n] + q * CPU;
+                    const float4 v = __ldg(reinterpret_cast<const float4 *>(xp));
                     if (CPU == 8) {  // int4: pairs {j, j + 4}
-                        const float4 w = reinterpret_cast<const float4 *>(xw + 32)[0];
+                        const float4 w = __ldg(reinterpret_cast<const float4 *>(xp + 4));
                         split_bf16(v.x, w.x, bh[n][0], bl[n][0]);
                         split_bf16(v.y, w.y, bh[n][1 % (CPU / 2)], bl[n][1 % (CPU / 2)]);
                         split_bf16(v.z, w.z, bh[n][2 % (CPU / 2)], bl[n][2 % (CPU / 2)]);
@@ -268,11 +202,16 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
                     });
                 }
             }
+            if (nseg < segs) {
+                for4<NM, R16, 2, 4>([&](int m, int r, int h, int i) {
+                    cur[m][r][h][i] = nxt[m][r][h][i];
+                    gs[m][r][h][i] = gn[m][r][h][i];
+                });
+            }
         }
         if (!GR) {  // per-row scales: a row's two scales loaded once, for all its tokens
             for2<NM, R16>([&](int m, int r) {
-                const float s0 = __ldg(S[m] + min(row0 + 16 * r + g, rows - 1)),
-                            s1 = __ldg(S[m] + min(row0 + 16 * r + g + 8, rows - 1));
+                const float s0 = __ldg(sr[m][r][0]), s1 = __ldg(sr[m][r][1]);
                 for2<NT, 4>([&](int n, int c) {
                     acc[m][r][n][c] = (part[m][r][n][c] + plo[m][r][n][c]) * (c < 2 ? s0 : s1);
                 });
@@ -293,7 +232,6 @@ __device__ __forceinline__ void tc_rows(const uint4 *const *W, const float *cons
         }
         __syncthreads();  // red is rewritten by the next item
     }
-    im_wait_all();  // no copy may still target the ring when the block's shared memory is handed on
 }
 
 // mm / mm_args on tensor cores: entry W, S, x, y, T, rows, y_stride, 0 (matmul.cu's mm_entry)
