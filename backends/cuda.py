@@ -220,7 +220,7 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
             options += ((f"--maxrregcount={max_regs}",) if max_regs else ()) + (
                 ("-DCOLIBRI_X_BY_PART",) if by_part else ())
         key = f"{name}<{sh.kernel_format(fmt)},{','.join(map(str, params))}>"
-        fkey = key if options == _NVRTC_OPTIONS else f"{key} {' '.join(options)}"
+        fkey = f"{key} {' '.join(options)}"  # the options too: benchmarks change _NVRTC_OPTIONS (read-only)
         fn = self._fns.get(fkey)
         # CuPy keeps functions per device, picked by the calling thread's current device (engine threads: 0)
         with self.dev:

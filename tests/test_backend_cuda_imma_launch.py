@@ -106,3 +106,22 @@ def test_opt_in_only_grows(be, monkeypatch):  # noqa: F811
     small = be._launcher("mm", "int4", 1, 64, 64, 2048, 64, 1)
     assert big[0] is small[0] and small[3] < big[3]
     assert big[0].max_dynamic_shared_size_bytes == big[3]
+
+
+def test_changed_nvrtc_options_compile_anew(be, monkeypatch):  # noqa: F811
+    """A kernel compiled under other NVRTC options (a benchmark's read-only build) is a different function,
+    not the cached one: the compiled-function cache is keyed by the options as well as the instance."""
+    seen = []
+    base = be.cp.RawModule
+
+    class Recorder(base):
+        def __init__(self, code, options, name_expressions=()):
+            seen.append((tuple(name_expressions), tuple(options)))
+            super().__init__(code, options, name_expressions)
+
+    monkeypatch.setattr(be.cp, "RawModule", Recorder)
+    first = be._launcher("mm", "int4-g32", 1, 64, 64, 256, 64, 1)[0]
+    monkeypatch.setattr(cuda_mod, "_NVRTC_OPTIONS", cuda_mod._NVRTC_OPTIONS + ("-DCOLIBRI_READ_ONLY",))
+    be._launchers.clear()
+    second = be._launcher("mm", "int4-g32", 1, 64, 64, 256, 64, 1)[0]
+    assert second is not first and len(seen) == 2 and "-DCOLIBRI_READ_ONLY" in seen[1][1]
