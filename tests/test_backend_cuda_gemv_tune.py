@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_backend_cuda import HARNESS, SOURCE, _host_build
-from test_backend_cuda_sim import be  # noqa: F401 - the simulated GPU's backend fixture
+from test_backend_cuda_sim import be, record_compiles  # noqa: F401 - the simulated GPU's backend fixture
 
 from colibri_plan import quant
 from colibri_plan.backends import cuda as cuda_mod
@@ -158,15 +158,7 @@ def test_launcher_takes_each_format_familys_settings(be, monkeypatch):  # noqa: 
     """A _GEMV_TUNE entry for "int4" sets the kernel instances (R, U), NVRTC options, block size and grid of
     int4 and int4-gG launches; int8, without an entry, keeps _SHAPE and _WARPS; results stay those of
     numpy on the simulated GPU."""
-    seen = []
-    base = be.cp.RawModule
-
-    class Recorder(base):
-        def __init__(self, code, options, name_expressions=()):
-            seen.append((tuple(name_expressions), tuple(options)))
-            super().__init__(code, options, name_expressions)
-
-    monkeypatch.setattr(be.cp, "RawModule", Recorder)
+    seen = record_compiles(be, monkeypatch)
     monkeypatch.setattr(cuda_mod, "_IMMA_FORMATS", frozenset())  # 1 token: GEMV kernels, not decode_imma
     monkeypatch.setattr(cuda_mod, "_GEMV_TUNE", {"int4": {"gate_up": (4, 2), "mm": (6, 1), "warps": 4,
                                                           "max_regs": 64, "x_by_part": True}})

@@ -17,6 +17,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from _cuda_host import HOST_PRELUDE
 from test_backend_cuda import SOURCE, _host_build
 from test_backend_cuda_prefill import PREFILL, _numbers, _weight_text
 from test_backend_cuda_sim import be  # noqa: F401 - the simulated GPU's backend fixture
@@ -29,51 +30,7 @@ IMMA = SOURCE.parent.joinpath("decode_imma.cu")
 STAGES = cuda_mod._IMMA_STAGES  # steps in each warp's ring of weights
 DYN = re.compile(r"extern __shared__ uint4 (\w+)\[\];")  # the dynamic shared memory: the host's buffer
 
-HARNESS = r"""
-#include <atomic>
-#include <barrier>
-#include <deque>
-#include <thread>
-#include <vector>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <cstdint>
-#include <cmath>
-#include <algorithm>
-using std::max;
-using std::min;
-#define __device__
-#define __forceinline__ inline
-#define __global__
-#define __restrict__
-#define __shared__
-#define __launch_bounds__(...)
-#define TC_SHARED static
-#define COLIBRI_HOST_MMA
-struct uint4 { unsigned x, y, z, w; };
-struct uint2 { unsigned x, y; };
-struct float4 { float x, y, z, w; };
-struct D3 { unsigned x, y, z; };
-static thread_local D3 threadIdx;
-static D3 blockIdx, blockDim, gridDim;
-static float __int_as_float(unsigned v) { float f; memcpy(&f, &v, 4); return f; }
-static float __uint_as_float(unsigned v) { return __int_as_float(v); }
-static unsigned __float_as_uint(float f) { unsigned v; memcpy(&v, &f, 4); return v; }
-static int __float2int_rn(float f) { return (int)std::nearbyint(f); }  // default mode: nearest even
-static unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // CUDA semantics: bytes of {y, x}
-  unsigned char in[8]; memcpy(in, &x, 4); memcpy(in + 4, &y, 4); unsigned r = 0;
-  for (int n = 0; n < 4; n++) r |= (unsigned)in[(s >> (4 * n)) & 7] << (8 * n);
-  return r; }
-static float __shfl_xor_sync(unsigned, float v, int) { return v; }
-static std::barrier<> *block_bar;
-static std::vector<std::barrier<> *> warp_bar;
-static void __syncthreads() { block_bar->arrive_and_wait(); }
-static float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
-template <class T> T __ldg(const T *p) { return *p; }
-static uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
-static uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
-#define asm(...) (f = 0.0f)
+HARNESS = HOST_PRELUDE + r"""
 // prefill.cu's device helpers (never called here)
 static void mma_bf16(float (&)[4], unsigned, unsigned, unsigned, unsigned, unsigned, unsigned) { abort(); }
 static unsigned pack_bf16(float, float) { abort(); }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_backend_cuda_sim import be  # noqa: F401 - the simulated GPU's backend fixture
+from test_backend_cuda_sim import be, record_compiles  # noqa: F401 - the simulated GPU's backend fixture
 
 from colibri_plan import quant
 from colibri_plan.backends import cuda as cuda_mod
@@ -57,15 +57,7 @@ def test_expert_ffn_tables_reach_the_imma_kernels(be, fmt, monkeypatch):  # noqa
     """A 1-token batch of 3 experts runs gate_up_imma then mm_imma (the simulated kernels compute each
     entry from its table with numpy), with the NVRTC options that set the launch bounds and the ring."""
     monkeypatch.setattr(cuda_mod, "_IMMA_FORMATS", frozenset({"int4", "int8"}))  # int8: its kernel path too
-    seen = []
-    base = be.cp.RawModule
-
-    class Recorder(base):
-        def __init__(self, code, options, name_expressions=()):
-            seen.append((tuple(name_expressions), tuple(options)))
-            super().__init__(code, options, name_expressions)
-
-    monkeypatch.setattr(be.cp, "RawModule", Recorder)
+    seen = record_compiles(be, monkeypatch)
     H, I, rng = 256, 96, np.random.default_rng(11)
     qs = [[quant.quantize(rng.standard_normal(s, dtype=np.float32), fmt) for s in ((I, H), (I, H), (H, I))]
           for _ in range(3)]
@@ -111,15 +103,7 @@ def test_opt_in_only_grows(be, monkeypatch):  # noqa: F811
 def test_changed_nvrtc_options_compile_anew(be, monkeypatch):  # noqa: F811
     """A kernel compiled under other NVRTC options (a benchmark's read-only build) is a different function,
     not the cached one: the compiled-function cache is keyed by the options as well as the instance."""
-    seen = []
-    base = be.cp.RawModule
-
-    class Recorder(base):
-        def __init__(self, code, options, name_expressions=()):
-            seen.append((tuple(name_expressions), tuple(options)))
-            super().__init__(code, options, name_expressions)
-
-    monkeypatch.setattr(be.cp, "RawModule", Recorder)
+    seen = record_compiles(be, monkeypatch)
     first = be._launcher("mm", "int4-g32", 1, 64, 64, 256, 64, 1)[0]
     monkeypatch.setattr(cuda_mod, "_NVRTC_OPTIONS", cuda_mod._NVRTC_OPTIONS + ("-DCOLIBRI_READ_ONLY",))
     be._launchers.clear()

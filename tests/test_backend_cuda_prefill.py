@@ -14,6 +14,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from _cuda_host import HOST_PRELUDE
 from test_backend_cuda import SOURCE, _host_build
 from test_backend_cuda_sim import be  # noqa: F401 - the simulated GPU's backend fixture
 
@@ -24,45 +25,7 @@ from colibri_plan.backends.base import silu_mul_ref
 
 PREFILL = SOURCE.parent.joinpath("prefill.cu")
 
-HARNESS = r"""
-#include <barrier>
-#include <thread>
-#include <vector>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <cstdint>
-#include <cmath>
-#include <algorithm>
-using std::min;
-#define __device__
-#define __forceinline__ inline
-#define __global__
-#define __restrict__
-#define __shared__
-#define TC_SHARED static
-#define COLIBRI_HOST_MMA
-struct uint4 { unsigned x, y, z, w; };
-struct float4 { float x, y, z, w; };
-struct float2 { float x, y; };
-struct D3 { unsigned x, y, z; };
-static thread_local D3 threadIdx;
-static D3 blockIdx, blockDim, gridDim;
-static float __int_as_float(unsigned v) { float f; memcpy(&f, &v, 4); return f; }
-static float __uint_as_float(unsigned v) { return __int_as_float(v); }
-static unsigned __float_as_uint(float f) { unsigned v; memcpy(&v, &f, 4); return v; }
-static unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // CUDA semantics: bytes of {y, x}
-  unsigned char in[8]; memcpy(in, &x, 4); memcpy(in + 4, &y, 4); unsigned r = 0;
-  for (int n = 0; n < 4; n++) r |= (unsigned)in[(s >> (4 * n)) & 7] << (8 * n);
-  return r; }
-static float __shfl_xor_sync(unsigned, float v, int) { return v; }
-static std::barrier<> *block_bar;
-static std::vector<std::barrier<> *> warp_bar;
-static void __syncthreads() { block_bar->arrive_and_wait(); }
-static float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
-template <class T> T __ldg(const T *p) { return *p; }
-static uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
-#define asm(...) (f = 0.0f)
+HARNESS = HOST_PRELUDE + r"""
 static unsigned frag[8][32][6];
 static float bf(unsigned h) { return __uint_as_float(h << 16); }  // a bf16 (low 16 bits) as float
 static unsigned to_bf(float f) {  // float -> bf16 bits, round to nearest even (finite values)

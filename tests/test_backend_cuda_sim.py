@@ -106,6 +106,19 @@ def _kernel_op(sim, name, grid, args):
             h[:, rows:] = 0.0
 
 
+def record_compiles(be, monkeypatch) -> list:
+    """Every NVRTC compile of the simulated backend ``be`` from now on, as (name expressions, options)."""
+    seen = []
+    base = be.cp.RawModule
+
+    class Recorder(base):
+        def __init__(self, code, options, name_expressions=()):
+            seen.append((tuple(name_expressions), tuple(options)))
+            super().__init__(code, options, name_expressions)
+
+    monkeypatch.setattr(be.cp, "RawModule", Recorder)
+    return seen
+
 def param_kinds(code: str, name: str) -> str:
     """Parameter kinds of kernel ``name`` (a template instance ``mm_args<3,4,1,1>`` too) read from its CUDA
     signature: p pointer, q 64-bit integer, i int, f float, t matmul.cu's MMArgs."""
