@@ -53,11 +53,10 @@ _TC_MIN_TOKENS = 2  # benchmarks set 1 to time the tensor-core kernels at decode
 # None: enough for ~16 warps per SM over the grid (few blocks, e.g. one dense matrix: 8; the 8 experts of
 # a layer: 2-4, which ran 1.4-1.9x faster than 8 on an H200); benchmarks may fix it
 _TC_WARPS: int | None = None
-# T = 1, per-row int4: shaders/cuda/decode_imma.cu's integer tensor-core kernels (same tables) replace the
-# GEMV ones; (16-row subtiles per block tile, warps per block), the resident blocks of 8 warps per SM their
-# registers must allow (IM_MIN_BLOCKS: launch bounds) and the steps of each warp's weight ring (IM_STAGES).
-# They take int8 too, but the int8 GEMV is faster (H200, 8-expert FFN kernels: int4 49.6 against 66.4 us,
-# int8 92-95 against 79-81 us: bench/cuda_decode_imma.py, bench/results/h200-cuda-ffn/decode-imma.json)
+# T = 1, per-row int4: decode_imma.cu's integer tensor-core kernels (same tables) replace the GEMV ones, with
+# (16-row subtiles, warps) a block, resident 8-warp blocks per SM (launch bounds) and weight-ring steps.
+# int8 runs them too, slower than its GEMV (H200 8-expert FFN kernels, h200-cuda-ffn/decode-imma.json:
+# int4 52.0 against 70.1 us, int8 91.7 against 79.2)
 _IMMA = {"mm": "mm_imma", "mm_args": "mm_args_imma", "gate_up": "gate_up_imma"}
 _IMMA_FORMATS = frozenset({"int4"})
 _IMMA_OPS = frozenset({"mm", "mm_args", "gate_up"})  # the kernels that take them (benchmarks narrow it)
