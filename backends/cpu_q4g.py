@@ -155,7 +155,8 @@ def _rows(wt, sg, ones, xe3, xo3, sx, xsl, xg, y, r0, r1, t0, t1, ai):
 
 @njit(fastmath=True, cache=True, inline="always")
 def _prep(wt, sg, xsl):
-    # (ones float32 [1, entries], xg int32 [T, entries]) of one call
+    # (ones float32 [1, entries], xg int32 [T, entries]) of one call, made in each parallel step (a few
+    # hundred integer adds a step): the steps then share no array made by the call, only its inputs
     R = _lanes_per_entry(wt, sg)
     ne = wt.shape[1] * wt.shape[3] // R
     return np.ones((1, ne), np.float32), _entry_sums(xsl, R)
@@ -167,8 +168,8 @@ def i4g_matmul(wt, sg, xe3, xo3, sx, xsl, y):
     (int4-g64/g128) or [out, 1] (per-row); xe3, xo3 int16 [T, C, J, L]; sx float32 [T]; xsl int32
     [T, C·L] (Σ xq per lane); y float32 [T, out] written in place."""
     T = xe3.shape[0]
-    ones, xg = _prep(wt, sg, xsl)
     for b in prange((wt.shape[0] + TILE_ROWS - 1) // TILE_ROWS):
+        ones, xg = _prep(wt, sg, xsl)  # per step (see _prep)
         ai = np.empty((NT, wt.shape[1] * wt.shape[3]), np.int32)
         r0 = b * TILE_ROWS
         _rows(wt, sg, ones, xe3, xo3, sx, xsl, xg, y, r0, min(r0 + TILE_ROWS, wt.shape[0]), 0, T, ai)
@@ -196,9 +197,9 @@ def experts_gate_up_g(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
     [ΣT, C·L]; offs int64 [EXPERTS + 1]; h float32 [ΣT, I] written in place; ``kind`` unused."""
     inter = gw[0].shape[0]
     tiles = (inter + TILE_ROWS - 1) // TILE_ROWS
-    ones, xg = _prep(gw[0], gs[0], xsum)
     g = np.empty_like(h)
     for i in prange(EXPERTS * tiles):
+        ones, xg = _prep(gw[0], gs[0], xsum)  # per step (see _prep)
         e = i // tiles
         r0 = (i - e * tiles) * TILE_ROWS
         r1 = min(r0 + TILE_ROWS, inter)
@@ -217,8 +218,8 @@ def experts_matmul_g(kind, ws_, ss, xa3, xb3, sx, xsum, offs, y):
     :func:`experts_gate_up_g`, y float32 written in place."""
     out = ws_[0].shape[0]
     tiles = (out + TILE_ROWS - 1) // TILE_ROWS
-    ones, xg = _prep(ws_[0], ss[0], xsum)
     for i in prange(EXPERTS * tiles):
+        ones, xg = _prep(ws_[0], ss[0], xsum)  # per step (see _prep)
         e = i // tiles
         r0 = (i - e * tiles) * TILE_ROWS
         ai = np.empty((NT, ws_[0].shape[1] * ws_[0].shape[3]), np.int32)
