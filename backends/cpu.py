@@ -24,7 +24,8 @@ Figures (``bench/cpu_gemv.py --repeats 7 --prefill 16``, ``bench/results/cpu-gem
 2-core AVX-512 VNNI VM): GEMVs at trunk / GLM-5.2 expert shapes read weights at 0.97-1.05 (int8),
 0.68-0.75 (int4), 0.81-0.83 (int4-g32), 0.72-0.77 (int4-g64), 0.60-0.64 (int4-g128) of the median RAM
 read bandwidth measured between them (31.1 GB/s); the 1-2 MB matrices of the peer model 0.45-0.77,
-where a call's fixed cost weighs more.
+where a call's fixed cost weighs more. The int4 / g64 / g128 figures are of the kernels before
+``cpu_q4g``; docs/backends.md ("Figures") has both, and the per-call cost that now holds them back.
 """
 
 from __future__ import annotations
