@@ -15,7 +15,8 @@ more than such a matmul gains from a second core.
 int2 and ``attention_absorb`` (MLA decode) run the float kernels of :mod:`~colibri_plan.backends.cpu_kernels`;
 ``d_attention`` (GQA over a KV cache) runs :mod:`~colibri_plan.backends.cpu_attention`. Float formats
 (f32/f16/bf16) use the numpy reference path (float32 BLAS, f16/bf16 converted a block of rows at a
-time). Weights stay in host memory, referenced, not copied (rows of odd length excepted: padded).
+time). Weights stay in host memory, referenced, not copied (rows of odd length excepted: padded),
+except the transposed int4 layouts: a copy, and the payload then holds no reference to the packed rows.
 
 Routed experts: all experts of a layer run in one parallel call per projection, and a decode step's
 weighted sum of them in one backend call (:mod:`~colibri_plan.backends.cpu_experts`).
@@ -119,6 +120,15 @@ class HostWeight(NamedTuple):
     serial: object = None  # its single-thread twin (same bits) for small matmuls; None: always parallel
     key: tuple | None = None  # (format, data3 shape, fold): one key, one batched call; None: float/int2
     experts: tuple | None = None  # the batched experts' (gate+up, down) kernels of this layout
+
+
+def _without_rows(qt: QuantTensor) -> QuantTensor:
+    """``qt`` with its data replaced by a read-only zero-stride view of its shape and dtype (no memory;
+    ``nbytes`` unchanged): the payload of a weight whose kernels read a transposed copy, so that the
+    packed rows are not held twice (an uploaded per-row int4 weight held its view of them, a
+    transposed one would hold both)."""
+    return QuantTensor(qt.fmt, qt.out_features, qt.in_features,
+                       np.broadcast_to(np.zeros((), qt.data.dtype), qt.data.shape), qt.scales)
 
 
 def _expert_kernels(k, hw: HostWeight) -> tuple:
@@ -281,7 +291,9 @@ class CpuBackend(CpuExperts, NumpyBackend):
             pair = (k.i4_matmul, None)
         key = (qt.fmt, hw.data3.shape, hw.fold)
         key = self._layouts.setdefault(key, key)  # one object per layout: batches compare keys by identity
-        return hw._replace(kernel=pair[0], serial=pair[1], key=key, experts=_expert_kernels(k, hw))
+        if hw.fold:  # the kernels read the transposed copy only: do not keep the packed rows alive too
+            qt = _without_rows(qt)
+        return hw._replace(qt=qt, kernel=pair[0], serial=pair[1], key=key, experts=_expert_kernels(k, hw))
 
     def _xq(self, x: np.ndarray, hw: HostWeight):
         """Activations of x float32 [T, in] for ``hw``'s kernel: int8 (xq3 [T, blocks, bb], sx [T]);

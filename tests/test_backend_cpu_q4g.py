@@ -58,6 +58,8 @@ def test_grouped_layout_batch_serial_parallel(be, fmt, in_, layout):
     groups = 1 if qt.scales.ndim == 1 else qt.scales.shape[1]
     assert hw.data3.shape[1] * 64 == groups * hw.fold  # chunks of 64 lanes
     assert hw.scales2.shape == (out, groups)  # the scales as stored, not one per lane
+    # the payload keeps the transposed copy only, not the packed rows too (same logical size)
+    assert hw.qt.data.strides == (0, 0) and hw.qt.nbytes == qt.nbytes == w.nbytes
     x = rng.standard_normal((7, in_), dtype=np.float32) * np.float32(3.0)
     x[2, 5] = -40.0  # one large activation: the int16 scale follows it
     batch = be.matmul(x, w)  # 7 tokens: weight loads of 4, 2 and 1 tokens
