@@ -228,15 +228,14 @@ def compare(predicted, measured) -> list[dict]:
 def prefill_verdict(predicted, measured) -> tuple[float | None, bool | None]:
     """(prefill_ratio, prefill_ok): :func:`prefill_tok_s_ratio` (measured / predicted prefill tok/s) at the
     run's prompt length and whether it is within the decode's ±25 %; (None, None) when the plan has no
-    prefill prediction (``predicted`` a RunReport or an older plan) or the run timed none.
-    E.g. predicted 2.0 s, measured 2.4 s: ratio 0.833, within."""
+    prefill prediction (``predicted`` a RunReport or an older plan), the run timed none, or either time
+    is not > 0 (as the comparison's row). E.g. predicted 2.0 s, measured 2.4 s: ratio 0.833, within."""
     if not isinstance(predicted, dict):
         return None, None
     m = _report(measured)
-    p_s = predicted_prefill_at(predicted, m.prompt_tokens)
-    if p_s is None or not m.prefill_s or m.prefill_s <= 0:
+    ratio = prefill_tok_s_ratio(predicted_prefill_at(predicted, m.prompt_tokens), m.prefill_s)
+    if ratio is None:  # no prediction, no timed prefill, or a time not > 0 (a curve clamped to 0 s)
         return None, None
-    ratio = prefill_tok_s_ratio(p_s, m.prefill_s)
     return ratio, bool(abs(ratio - 1.0) <= TOK_S_TOLERANCE)
 
 

@@ -128,6 +128,17 @@ def test_prefill_ratio_is_measured_over_predicted_tok_s():
     assert prefill_tok_s_ratio(0.0, 1.0) is None and prefill_tok_s_ratio(1.0, 0.0) is None
 
 
+def test_prefill_verdict_of_a_curve_clamped_to_zero_is_none():
+    from colibri_plan.verify import prefill_verdict
+
+    # a falling last segment extrapolates below 0 s: clamped to 0.0, no ratio (as the comparison's row)
+    pred = {"prefill": {"prompt_tokens": 8, "prefill_s": 0.1, "curve": [[4, 0.5]]}}
+    assert predicted_prefill_at(pred, 20) == 0.0
+    m = RunReport(tok_s=1.0, decode_s_per_token=1.0, prompt_tokens=20, prefill_s=1.0)
+    assert prefill_verdict(pred, m) == (None, None)
+    assert prefill_verdict(pred, dataclasses.replace(m, prompt_tokens=8)) == (pytest.approx(0.1), False)
+
+
 def test_run_prints_the_plans_prefill_beside_the_measured_one():
     from colibri_plan.cli.run import _human
 
