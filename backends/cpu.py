@@ -78,9 +78,9 @@ def _load_kernels():
     return _kernels
 
 
-#: dynamic chunks of an int4-g32/g64 matmul (cpu_q4t's 128-row steps): 16, the count its kernels were
-#: measured with; 64 chunks of 128 rows read RAM slower (8 weights of 8192x2048 from RAM, one token:
-#: 25.5 vs 26.8 GB/s, best of 15, three interleaved rounds, shared 2-core host)
+#: dynamic chunks of a transposed int4 matmul (cpu_q4t's / cpu_q4g's 128-row steps): 16, the count its
+#: kernels were measured with; 64 chunks of 128 rows read RAM slower (8 weights of 8192x2048 from RAM,
+#: one token: 25.5 vs 26.8 GB/s, best of 15, three interleaved rounds, shared 2-core host)
 Q4T_CHUNKS = 16
 
 
@@ -107,15 +107,17 @@ def _run_parallel(setchunk, chunk: int, kernel, *args) -> None:
 
 
 class HostWeight(NamedTuple):
-    """Payload of an uploaded weight: the packed QuantTensor plus the blocked views the integer kernels
-    take (``cpu_qkernels``)."""
+    """Payload of an uploaded weight: the packed QuantTensor (its rows a zero-stride stand-in for the
+    transposed layouts, :func:`_without_rows`) plus the layout the integer kernels take
+    (:func:`int_layout`) and those kernels (:func:`_layout_kernels`)."""
 
     qt: QuantTensor
-    data3: np.ndarray | None = None  # int8 / int4 [out, blocks, bb]; int4-g32/g64 [out, C, J, L]
-    scales2: np.ndarray | None = None  # float32 [out, groups] (int8/per-row int4: 1; transposed: per lane)
+    data3: np.ndarray | None = None  # blocked int8 / int4 [out, blocks, bb]; transposed int4 [out, C, J, L]
+    # float32 [out, groups] (int8 / per-row int4: 1; int4-g32 transposed: per lane, groups·fold)
+    scales2: np.ndarray | None = None
     cols: int = 0  # padded input columns the activations are quantized to
     group: int = 0  # int4: columns per zero-code group (per-row: ``cols``)
-    fold: int = 0  # int4-g32/g64: parts each group is split in (transposed layout); 0: blocked layout
+    fold: int = 0  # transposed int4: lanes each group (per-row: row) is split in; 0: blocked layout
     kernel: object = None  # the parallel matmul kernel of this layout (chosen once, at upload)
     serial: object = None  # its single-thread twin (same bits) for small matmuls; None: always parallel
     key: tuple | None = None  # (format, data3 shape, fold): one key, one batched call; None: float/int2
@@ -131,14 +133,21 @@ def _without_rows(qt: QuantTensor) -> QuantTensor:
                        np.broadcast_to(np.zeros((), qt.data.dtype), qt.data.shape), qt.scales)
 
 
-def _expert_kernels(k, hw: HostWeight) -> tuple:
-    """(gate+up, down) batched expert kernels for ``hw``'s layout: cpu_q4t (int4-g32), cpu_q4g (other
-    transposed int4) or cpu_qkernels (blocked)."""
-    if not hw.fold:
-        return k.experts_gate_up, k.experts_matmul
-    if hw.qt.fmt == "int4-g32":
-        return k.experts_gate_up_t, k.experts_matmul_t
-    return k.experts_gate_up_g, k.experts_matmul_g
+def _layout_kernels(k, hw: HostWeight) -> tuple:
+    """(parallel matmul, its serial twin or None, batched experts' gate+up, down) kernels of ``hw``'s
+    layout in the kernel namespace ``k``: cpu_qkernels (int8, blocked int4), cpu_q4t (int4-g32
+    transposed) or cpu_q4g (per-row int4, int4-g64, int4-g128 transposed: groups summed in int32)."""
+    fmt = hw.qt.fmt
+    if fmt == "int8":
+        return k.i8_matmul, k.i8_matmul_1, k.experts_gate_up, k.experts_matmul
+    if hw.fold:
+        if fmt == "int4-g32":
+            return k.i4t_matmul, k.i4t_matmul_1, k.experts_gate_up_t, k.experts_matmul_t
+        return k.i4g_matmul, k.i4g_matmul_1, k.experts_gate_up_g, k.experts_matmul_g
+    if hw.group == hw.cols:  # per-row int4 blocks
+        return k.i4r_matmul, k.i4r_matmul_1, k.experts_gate_up, k.experts_matmul
+    # int4-g128 blocks: reassociating parallel kernel only (cpu_qkernels.i4r_matmul)
+    return k.i4_matmul, None, k.experts_gate_up, k.experts_matmul
 
 
 def _block(nbytes: int, sizes: tuple[int, ...]) -> tuple[int, int]:
@@ -278,26 +287,18 @@ class CpuBackend(CpuExperts, NumpyBackend):
         qt = super()._upload(qt)
         if qt.fmt not in INT_FORMATS:
             return HostWeight(qt)
-        hw, k = int_layout(qt, self._k), self._k
-        if qt.fmt == "int8":
-            pair = (k.i8_matmul, k.i8_matmul_1)
-        elif hw.fold and qt.fmt == "int4-g32":
-            pair = (k.i4t_matmul, k.i4t_matmul_1)
-        elif hw.fold:  # per-row int4, int4-g64, int4-g128 transposed: groups summed in int32
-            pair = (k.i4g_matmul, k.i4g_matmul_1)
-        elif hw.group == hw.cols:  # per-row int4 blocks
-            pair = (k.i4r_matmul, k.i4r_matmul_1)
-        else:  # int4-g128 blocks: reassociating parallel kernel only (cpu_qkernels.i4r_matmul)
-            pair = (k.i4_matmul, None)
+        hw = int_layout(qt, self._k)
+        kernel, serial, gate_up, down = _layout_kernels(self._k, hw)
         key = (qt.fmt, hw.data3.shape, hw.fold)
         key = self._layouts.setdefault(key, key)  # one object per layout: batches compare keys by identity
         if hw.fold:  # the kernels read the transposed copy only: do not keep the packed rows alive too
             qt = _without_rows(qt)
-        return hw._replace(qt=qt, kernel=pair[0], serial=pair[1], key=key, experts=_expert_kernels(k, hw))
+        return hw._replace(qt=qt, kernel=kernel, serial=serial, key=key, experts=(gate_up, down))
 
     def _xq(self, x: np.ndarray, hw: HostWeight):
         """Activations of x float32 [T, in] for ``hw``'s kernel: int8 (xq3 [T, blocks, bb], sx [T]);
-        int4 (xe3, xo3 [T, blocks, bb] or, transposed, [T, C, J, L], sx [T], xsum [T, groups])."""
+        int4 blocked (xe3, xo3 [T, blocks, bb], sx [T], xsum int32 [T, groups]) or transposed (xe4, xo4
+        [T, C, J, L], sx [T], Σ xq per lane int32 [T, C·L])."""
         T = x.shape[0]
         blocks, bb = hw.data3.shape[1], hw.data3.shape[-1]
         sx = np.empty(T, np.float32)
@@ -365,8 +366,8 @@ class CpuBackend(CpuExperts, NumpyBackend):
 
     def _step_rows(self, hw: HostWeight) -> int:
         """Output rows one prange step of ``hw``'s kernels covers: cpu_q4t's TILE_ROWS (128) for the
-        transposed int4-g32/g64 layouts, cpu_qkernels' ROW_TILE (32) for the blocked ones; the chunk
-        count of :meth:`_par` holds only if its iterations are counted in the kernel's own steps."""
+        transposed int4 layouts (cpu_q4g's too), cpu_qkernels' ROW_TILE (32) for the blocked ones; the
+        chunk count of :meth:`_par` holds only if its iterations are counted in the kernel's own steps."""
         return self._k.TILE_ROWS if hw.fold else self._k.ROW_TILE
 
     def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
