@@ -177,6 +177,19 @@ def tune(cls, args, rng) -> list[dict]:
     return rows
 
 
+def check_out(p: argparse.ArgumentParser, out: str | None) -> None:
+    """A usage error, before the GPU runs, when ``--out`` cannot take the result (its folder missing, a
+    folder given, ...): the figures would otherwise be lost at the end of the run."""
+    from colibri_plan.errors import InputError
+    from colibri_plan.fileio import check_output_path
+
+    if out is not None:
+        try:
+            check_output_path(out)
+        except InputError as exc:
+            p.error(f"--out: {exc}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="int4,int4-g64,int8")
@@ -203,12 +216,19 @@ def main() -> int:
     # refused here, before the GPU is opened, rather than as a traceback from inside the kernels' set-up
     if bad := [f for f in args.formats.split(",") if f not in quant.FORMATS]:
         p.error(f"--formats: {', '.join(bad)} not a quant format ({', '.join(quant.FORMATS)})")
-    if not all(t.strip().isdigit() and int(t) >= 1 for t in args.tokens.split(",")):
+    if not all(re.fullmatch(r"\s*[0-9]+\s*", t) and int(t) >= 1 for t in args.tokens.split(",")):
         p.error(f"--tokens: expected token counts >= 1, comma-separated (1,4,16), got {args.tokens!r}")
     if args.tc_rows and not re.fullmatch(r"[1-9]\d*,[1-9]\d*", args.tc_rows):
         p.error(f"--tc-rows: expected two counts >= 1, mm,gate_up (2,1), got {args.tc_rows!r}")
     if min(args.experts, args.pool, args.calls) < 1:
         p.error("--experts, --pool and --calls must be >= 1")
+    # prefill.cu sums a block's warps in shared memory sized for TC_WARPS (8) of them: more would write past
+    # it; 0 would fall back to the automatic count unnoticed
+    if args.tc_warps is not None and not 1 <= args.tc_warps <= 8:
+        p.error(f"--tc-warps: expected warps per block in 1..8 (prefill.cu TC_WARPS), got {args.tc_warps}")
+    if args.tc_from is not None and args.tc_from < 1:
+        p.error(f"--tc-from: expected a token count >= 1, got {args.tc_from}")
+    check_out(p, args.out)
     cls = get_backend("cuda")
     from colibri_plan.backends import cuda as mod
 

@@ -1,0 +1,49 @@
+"""bench/cuda_decode_imma.py, bench/cuda_expert_ffn.py and bench/cpu_gemv.py refuse bad arguments with an
+argparse usage error (exit 2, naming the argument) before the GPU, the backend or the RAM probe is touched,
+and an --out that cannot take the result before the run rather than after it."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def usage_error(monkeypatch, capsys, name: str, argv: list[str]) -> str:
+    monkeypatch.setattr("sys.argv", [f"{name}.py", *argv])
+    with pytest.raises(SystemExit) as exc:
+        bench(name).main()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err and "cuda unavailable" not in err, err
+    return err
+
+
+CASES = [
+    ("cuda_expert_ffn", ["--tc-warps", "0"], "--tc-warps: expected warps per block in 1..8"),
+    ("cuda_expert_ffn", ["--tc-warps", "16"], "got 16"),
+    ("cuda_expert_ffn", ["--tc-warps=-2"], "got -2"),
+    ("cuda_expert_ffn", ["--tc-from", "0"], "--tc-from: expected a token count >= 1, got 0"),
+    ("cuda_expert_ffn", ["--tokens", "1,\u00b2"], "--tokens: expected token counts >= 1"),
+    ("cuda_expert_ffn", ["--out", "{tmp}/no/such/x.json"], "--out: cannot write"),
+    ("cuda_expert_ffn", ["--out", "{tmp}"], "it is a folder"),
+]
+
+
+@pytest.mark.parametrize("name,argv,message", CASES, ids=[f"{c[0]} {' '.join(c[1])}" for c in CASES])
+def test_bad_argument_is_a_usage_error_before_any_work(tmp_path, monkeypatch, capsys, name, argv, message):
+    def refuse(*a, **k):
+        raise AssertionError("the backend was looked up before the arguments were checked")
+
+    monkeypatch.setattr("colibri_plan.backends.get_backend", refuse)
+    err = usage_error(monkeypatch, capsys, name, [a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert message in err, err
+    assert list(tmp_path.iterdir()) == []   # nothing made, nothing written
+
