@@ -37,6 +37,7 @@ _spec = importlib.util.spec_from_file_location("cuda_expert_ffn",
 _ffn = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_ffn)
 copy_gbps, ffn_rows, free_pool, upload_pool = _ffn.copy_gbps, _ffn.ffn_rows, _ffn.free_pool, _ffn.upload_pool
+check_out = _ffn.check_out
 
 # label -> overrides of the module's settings: "gate_up" / "mm" (R16, warps) of _IMMA_SHAPE, "mb"
 # _IMMA_MIN_BLOCKS, "st" _IMMA_STAGES, "ops" _IMMA_OPS (the kernels that take decode_imma.cu; the others
@@ -69,6 +70,13 @@ def apply(mod, over: dict, base: dict) -> None:
     mod._IMMA_MIN_BLOCKS, mod._IMMA_STAGES, mod._IMMA_OPS = v["mb"], v["st"], frozenset(v["ops"])
 
 
+def speedup_vs_gemv(gemv: dict[int, float], mine: list[dict]) -> float | None:
+    """Median over rounds of gemv's kernel seconds / this variant's (``mine``: rows with "round" and
+    "kernel_s"); rounds whose gemv run failed (absent from ``gemv``) are left out; None without any."""
+    vs = [gemv[r["round"]] / r["kernel_s"] for r in mine if r["round"] in gemv]
+    return statistics.median(vs) if vs else None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="int4,int8")
@@ -80,12 +88,13 @@ def main() -> int:
     p.add_argument("--out")
     args = p.parse_args()
     if bad := [f for f in args.formats.split(",") if f not in ("int4", "int8")]:
-        p.error(f"--formats: {', '.join(bad)}: decode_imma.cu takes per-row int4 and int8 only")
+        p.error(f"--formats: {', '.join(map(repr, bad))}: decode_imma.cu takes per-row int4 and int8 only")
     labels = args.variants.split(",")
     if bad := [v for v in labels if v not in _VARIANTS]:
-        p.error(f"--variants: unknown {', '.join(bad)} (known: {', '.join(_VARIANTS)})")
+        p.error(f"--variants: unknown {', '.join(map(repr, bad))} (known: {', '.join(_VARIANTS)})")
     if min(args.experts, args.pool, args.calls, args.rounds) < 1:
         p.error("--experts, --pool, --calls and --rounds must be >= 1")
+    check_out(p, args.out)
     cls = get_backend("cuda")
     if (reason := cls.unavailable_reason()) is not None:
         print(f"cuda unavailable: {reason}", file=sys.stderr)
@@ -137,7 +146,7 @@ def main() -> int:
                 print(f"{fmt:5} {label:18} failed: {failed.get(label)}")
                 continue
             k_s = statistics.median(r["kernel_s"] for r in mine)
-            ratio = statistics.median(gemv[r["round"]] / r["kernel_s"] for r in mine) if gemv else None
+            ratio = speedup_vs_gemv(gemv, mine)
             gbps = mine[0]["kernel_gbps"] * mine[0]["kernel_s"] / k_s
             summary.append({"fmt": fmt, "variant": label, "kernel_s": k_s, "of_copy": gbps / copy,
                             "speedup_vs_gemv": ratio})

@@ -34,6 +34,10 @@ CASES = [
     ("cuda_expert_ffn", ["--tokens", "1,\u00b2"], "--tokens: expected token counts >= 1"),
     ("cuda_expert_ffn", ["--out", "{tmp}/no/such/x.json"], "--out: cannot write"),
     ("cuda_expert_ffn", ["--out", "{tmp}"], "it is a folder"),
+    ("cuda_decode_imma", ["--out", "{tmp}/no/such/x.json"], "does not exist; create it first"),
+    ("cuda_decode_imma", ["--variants", "gemv,"], "--variants: unknown ''"),
+    ("cuda_decode_imma", ["--formats", "int4,int4-g64"], "--formats: 'int4-g64': decode_imma.cu"),
+    ("cuda_decode_imma", ["--rounds", "0"], "--rounds must be >= 1"),
 ]
 
 
@@ -47,3 +51,11 @@ def test_bad_argument_is_a_usage_error_before_any_work(tmp_path, monkeypatch, ca
     assert message in err, err
     assert list(tmp_path.iterdir()) == []   # nothing made, nothing written
 
+
+
+def test_speedup_vs_gemv_skips_rounds_whose_gemv_failed():
+    mod = bench("cuda_decode_imma")
+    mine = [{"round": 0, "kernel_s": 2.0}, {"round": 1, "kernel_s": 4.0}, {"round": 2, "kernel_s": 1.0}]
+    assert mod.speedup_vs_gemv({0: 3.0, 2: 1.5}, mine) == pytest.approx((1.5 + 1.5) / 2)
+    assert mod.speedup_vs_gemv({0: 3.0, 1: 2.0, 2: 5.0}, mine) == pytest.approx(1.5)   # 1.5, 0.5, 5.0
+    assert mod.speedup_vs_gemv({}, mine) is None
