@@ -130,6 +130,7 @@ BAD_PREFILL_TERMS = [("experts_s", -0.5, "measured.prefill_terms.experts_s must 
                      ("expert_compute_s", {"cpu": float("inf")},
                       "measured.prefill_terms.expert_compute_s.cpu must be a finite number"),
                      ("expert_compute_s", [0.3], "measured.prefill_terms.expert_compute_s must map devices"),
+                     ("expert_compute_s", [], "measured.prefill_terms.expert_compute_s must map devices"),
                      ("disk_bytes", -1, "measured.prefill_terms.disk_bytes must be a finite number >= 0"),
                      ("hit_rate", {"disk": 1.5}, "measured.prefill_terms.hit_rate must map vram")]
 

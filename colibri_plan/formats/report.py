@@ -240,8 +240,9 @@ def _check_prefill_terms(pt, where: str, name: str) -> None:
     if not isinstance(pt, dict):
         raise FormatError(f"{where}: {name} must be an object or null, got {pt!r}{again}")
     seconds = [(k, pt.get(k)) for k in PREFILL_TERM_KEYS]
-    comp = pt.get("expert_compute_s") or {}
-    if not isinstance(comp, dict):
+    comp = pt.get("expert_compute_s")
+    comp = {} if comp is None else comp
+    if not isinstance(comp, dict):  # [] or 0 too: only null stands for "none"
         raise FormatError(f"{where}: {name}.expert_compute_s must map devices to seconds, got {comp!r}"
                           + again)
     seconds += [(f"expert_compute_s.{k}", v) for k, v in comp.items()]
