@@ -64,6 +64,30 @@ def time_pool(be, ws, x, repeats: int) -> list[float]:
     return passes
 
 
+def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse bad arguments with a usage error (exit 2) before the backend opens or RAM is probed, rather
+    than a KeyError / StatisticsError traceback after minutes of work; make --out's folder and check it."""
+    from colibri_plan import quant
+    from colibri_plan.errors import InputError
+    from colibri_plan.fileio import check_output_path
+
+    if bad := [f for f in a.formats.split(",") if f not in quant.FORMATS]:
+        ap.error(f"--formats: {', '.join(map(repr, bad))} not a quant format ({', '.join(quant.FORMATS)})")
+    if bad := [s for s in a.shapes.split(",") if s not in SHAPES]:
+        ap.error(f"--shapes: unknown {', '.join(map(repr, bad))} (known: {', '.join(SHAPES)})")
+    if a.repeats < 1 or a.prefill < 0 or a.pool_bytes < 1 or a.ram_bytes < 1:
+        ap.error(f"--repeats, --pool-bytes and --ram-bytes must be >= 1 and --prefill >= 0, got "
+                 f"--repeats {a.repeats}, --prefill {a.prefill}, --pool-bytes {a.pool_bytes}, "
+                 f"--ram-bytes {a.ram_bytes}")
+    if a.out is not None:
+        try:
+            if str(a.out).strip():
+                Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            check_output_path(a.out)
+        except (InputError, OSError) as exc:
+            ap.error(f"--out: {exc}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default=",".join(FORMATS))
@@ -76,6 +100,7 @@ def main() -> None:
                     help="also time each GEMV with the backend's serial path off (serial_bytes = 0)")
     ap.add_argument("--out", default=None, help="JSON output file")
     a = ap.parse_args()
+    check_args(ap, a)
     from colibri_plan.backends import get_backend
     from colibri_plan.fileio import atomic_write_text
 
@@ -139,7 +164,6 @@ def main() -> None:
                "ram": {"method": "colibri_plan.profiler.ram.probe_ram (numpy sum per core), 3 reps each",
                        "samples_gbps": ram, "median_gbps": ram_med},
                "args": vars(a), "rows": rows}
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(a.out), json.dumps(doc, indent=1) + "\n")
     be.close()
 

@@ -38,6 +38,12 @@ CASES = [
     ("cuda_decode_imma", ["--variants", "gemv,"], "--variants: unknown ''"),
     ("cuda_decode_imma", ["--formats", "int4,int4-g64"], "--formats: 'int4-g64': decode_imma.cu"),
     ("cuda_decode_imma", ["--rounds", "0"], "--rounds must be >= 1"),
+    ("cpu_gemv", ["--shapes", "bogus"], "--shapes: unknown 'bogus' (known: trunk 4096x4096"),
+    ("cpu_gemv", ["--formats", "int8,q9"], "--formats: 'q9' not a quant format"),
+    ("cpu_gemv", ["--repeats", "0"], "got --repeats 0"),
+    ("cpu_gemv", ["--prefill=-1"], "--prefill -1"),
+    ("cpu_gemv", ["--ram-bytes", "0"], "--ram-bytes 0"),
+    ("cpu_gemv", ["--out", "{tmp}"], "--out: cannot write"),
 ]
 
 
@@ -51,6 +57,16 @@ def test_bad_argument_is_a_usage_error_before_any_work(tmp_path, monkeypatch, ca
     assert message in err, err
     assert list(tmp_path.iterdir()) == []   # nothing made, nothing written
 
+
+def test_cpu_gemv_makes_the_out_folder_before_the_work(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "a" / "b.json"
+    err = usage_error(monkeypatch, capsys, "cpu_gemv", ["--out", str(out), "--repeats", "0"])
+    assert "--repeats" in err and not out.parent.exists()   # a bad argument first: no folder made
+    mod = bench("cpu_gemv")
+    args = mod.argparse.Namespace(formats="int8", shapes="trunk 4096x4096", repeats=1, prefill=0,
+                                  pool_bytes=1, ram_bytes=1, out=str(out))
+    mod.check_args(mod.argparse.ArgumentParser(), args)
+    assert out.parent.is_dir() and not out.exists()
 
 
 def test_speedup_vs_gemv_skips_rounds_whose_gemv_failed():
