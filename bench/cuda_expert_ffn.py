@@ -159,7 +159,8 @@ def sweep(be, mod, args, rng) -> list[dict]:
 def tune(cls, args, rng) -> list[dict]:
     from colibri_plan.backends import cuda as mod
 
-    rows, saved = [], (dict(mod._SHAPE), mod._WARPS)
+    rows, saved = [], (dict(mod._SHAPE), mod._WARPS, mod._IMMA_FORMATS)
+    mod._IMMA_FORMATS = frozenset()  # the GEMV kernels' shapes: per-row int4 would take decode_imma.cu
     for gu, dn, warps in (((2, 1), (4, 1), 8), ((1, 1), (2, 1), 8), ((2, 2), (4, 1), 8), ((1, 2), (2, 2), 8),
                           ((2, 1), (4, 2), 8), ((2, 1), (4, 1), 4), ((1, 2), (2, 2), 4)):
         mod._SHAPE.update(gate_up=gu, mm=dn)
@@ -173,7 +174,7 @@ def tune(cls, args, rng) -> list[dict]:
         print(f"gate-up R,U {gu}, down R,U {dn}, {warps} warps: kernels {r['kernel_gbps']:.0f} GB/s, "
               f"op {r['device_gbps']:.0f} GB/s, wall {r['wall_gbps']:.0f} GB/s", flush=True)
     mod._SHAPE.update(saved[0])
-    mod._WARPS = saved[1]
+    mod._WARPS, mod._IMMA_FORMATS = saved[1:]
     return rows
 
 

@@ -195,14 +195,20 @@ def test_fit_wave_keeps_the_grid_within_one_wave(be, monkeypatch):  # noqa: F811
         assert grid == (want, 8) and block == (256,)
 
 
-def test_bench_sweep_runs_every_setting_and_restores_the_defaults(be, monkeypatch, capsys):  # noqa: F811
-    """bench/cuda_expert_ffn.py --gemv-sweep on the simulated GPU (small shapes): a row per format and
-    _SWEEP setting, each with the launch shape that setting asked for; _GEMV_TUNE is left as it was."""
+def _bench(monkeypatch):
+    """bench/cuda_expert_ffn.py at small shapes (hidden 256, expert width 128) for the simulated GPU."""
     spec = importlib.util.spec_from_file_location("cuda_expert_ffn", ROOT / "bench" / "cuda_expert_ffn.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     monkeypatch.setattr(bench, "H", 256)
     monkeypatch.setattr(bench, "I", 128)
+    return bench
+
+
+def test_bench_sweep_runs_every_setting_and_restores_the_defaults(be, monkeypatch, capsys):  # noqa: F811
+    """bench/cuda_expert_ffn.py --gemv-sweep on the simulated GPU (small shapes): a row per format and
+    _SWEEP setting, each with the launch shape that setting asked for; _GEMV_TUNE is left as it was."""
+    bench = _bench(monkeypatch)
     # device time grows with the kernel passes, so the kernels' own time (2 passes less 1) is 10 ms
     monkeypatch.setattr(be.cp.cuda, "get_elapsed_time", lambda a, b: 10.0 * (1 + be.kernel_passes))
     be.timing = True
@@ -224,3 +230,24 @@ def test_bench_sweep_runs_every_setting_and_restores_the_defaults(be, monkeypatc
     assert got["int4-g64", "warps4+x_by_part+fit"]["blocks"] == 4  # 16 warps: 4 tiles each
     assert got["int4-g64", "warps4+x_by_part+fit"]["tiles_per_warp_max"] == 4
     assert "x_by_part+regs64+fit" in capsys.readouterr().out
+
+
+def test_bench_tune_times_the_gemv_shapes_and_restores_the_settings(be, monkeypatch):  # noqa: F811
+    """bench/cuda_expert_ffn.py --tune on the simulated GPU: each work shape it compares compiles the int4
+    GEMV kernels of that shape (per-row int4 at 1 token would otherwise take decode_imma.cu's, the same
+    kernels every time), and _SHAPE, _WARPS and _IMMA_FORMATS are left as they were."""
+    bench = _bench(monkeypatch)
+    seen = record_compiles(be, monkeypatch)
+    ticks = iter(range(1, 1 << 20))  # event times that grow, so the kernels' time (2 passes less 1) is > 0
+    monkeypatch.setattr(be.cp.cuda, "get_elapsed_time", lambda a, b: float(next(ticks)))
+    before = (dict(cuda_mod._SHAPE), cuda_mod._WARPS, cuda_mod._IMMA_FORMATS)
+    args = argparse.Namespace(experts=2, pool=3, calls=2)
+    rows = bench.tune(type(be), args, np.random.default_rng(0))
+    assert (cuda_mod._SHAPE, cuda_mod._WARPS, cuda_mod._IMMA_FORMATS) == before
+    assert len(rows) == 7 and all(r["kernel_s"] > 0 for r in rows)
+    names = {n for (n,), _ in seen}
+    want = set()
+    for r in rows:
+        gu, dn = r["gate_up_rows_words"], r["down_rows_words"]
+        want |= {f"gate_up<4,{gu[0]},{gu[1]},1>", f"mm<4,{dn[0]},{dn[1]},1>"}
+    assert names == want
