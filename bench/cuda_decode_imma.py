@@ -38,6 +38,7 @@ _ffn = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_ffn)
 copy_gbps, ffn_rows, free_pool, upload_pool = _ffn.copy_gbps, _ffn.ffn_rows, _ffn.free_pool, _ffn.upload_pool
 check_out = _ffn.check_out
+H, I = _ffn.H, _ffn.I  # hidden size, routed expert width
 
 # label -> overrides of the module's settings: "gate_up" / "mm" (R16, warps) of _IMMA_SHAPE, "mb"
 # _IMMA_MIN_BLOCKS, "st" _IMMA_STAGES, "ops" _IMMA_OPS (the kernels that take decode_imma.cu; the others
@@ -126,7 +127,7 @@ def main() -> int:
                     print(f"{fmt} round {rnd} {label}: failed: {exc}", file=sys.stderr, flush=True)
                     failed.setdefault(label, str(exc))
                     continue
-                launch = be._launcher("gate_up", fmt, args.experts, 2048, 2048, 6144, 2048, 1)
+                launch = be._launcher("gate_up", fmt, args.experts, I, I, H, I, 1)  # what ffn_rows ran
                 rows.append({**r, "variant": label, "round": rnd, "setting": _VARIANTS[label],
                              "gate_up_kernel": launch[0].__name__, "gate_up_grid": list(launch[1]),
                              "seconds": time.perf_counter() - t0})
