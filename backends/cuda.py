@@ -53,16 +53,15 @@ _TC_MIN_TOKENS = 2  # benchmarks set 1 to time the tensor-core kernels at decode
 # None: enough for ~16 warps per SM over the grid (few blocks, e.g. one dense matrix: 8; the 8 experts of
 # a layer: 2-4, which ran 1.4-1.9x faster than 8 on an H200); benchmarks may fix it
 _TC_WARPS: int | None = None
-# T = 1, per-row int4: decode_imma.cu's integer tensor-core kernels (same tables) replace the GEMV ones, with
-# (16-row subtiles, warps) a block, resident 8-warp blocks per SM (launch bounds) and weight-ring steps.
-# int8 runs them too, slower than its GEMV (H200 8-expert FFN kernels, h200-cuda-ffn/decode-imma.json:
+# T = 1, per-row int4: decode_imma.cu's integer tensor-core kernels (same tables) replace the GEMV ones.
+# They take int8 too, but its GEMV is faster (H200 8-expert FFN kernels, h200-cuda-ffn/decode-imma.json:
 # int4 52.0 against 70.1 us, int8 91.7 against 79.2)
 _IMMA = {"mm": "mm_imma", "mm_args": "mm_args_imma", "gate_up": "gate_up_imma"}
 _IMMA_FORMATS = frozenset({"int4"})
 _IMMA_OPS = frozenset({"mm", "mm_args", "gate_up"})  # the kernels that take them (benchmarks narrow it)
-_IMMA_SHAPE = {"mm": (2, 8), "gate_up": (1, 8)}  # mm_args takes mm's
-_IMMA_MIN_BLOCKS = 2
-_IMMA_STAGES = 3
+_IMMA_SHAPE = {"mm": (2, 8), "gate_up": (1, 8)}  # (16-row subtiles a tile, warps a block); mm_args: mm's
+_IMMA_MIN_BLOCKS = 2  # resident 8-warp blocks per SM the registers must allow (IM_MIN_BLOCKS: launch bounds)
+_IMMA_STAGES = 3  # steps of each warp's weight ring, 2 in flight (IM_STAGES; H200 49.6 us, 2: 51.1, 4: 55.9)
 _IMMA_STATIC_SMEM = 4096  # decode_imma.cu's red array per 16-row subtile and matrix, bytes (+ 256: part)
 _SOURCES = ("matmul.cu", "prefill.cu", "decode_imma.cu")  # one NVRTC source, in this order
 _NVRTC_OPTIONS = ("--std=c++14",)  # benchmarks add -DCOLIBRI_READ_ONLY (loads without arithmetic)
@@ -204,9 +203,10 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
         return int(self.dev.attributes.get("MaxSharedMemoryPerBlockOptin", 48 * 1024))
 
     def _fn(self, name: str, fmt: str, tc: int, smem: int):
-        """The kernel instance ``name<format, R, U, tc>`` (prefill.cu's ``name<format, R16, NT>``, tc = NT),
-        compiled by NVRTC on first use (one module each: only the formats a model uses are compiled; CuPy
-        caches the binaries on disk)."""
+        """The kernel instance ``name<format, R, U, tc>`` (prefill.cu's ``name<format, R16, NT>``, tc = NT;
+        decode_imma.cu's ``name<format, R16>``), compiled by NVRTC on first use (one module each: only the
+        formats a model uses are compiled; CuPy caches the binaries on disk), allowed ``smem`` bytes of
+        dynamic shared memory. Raises UnsupportedError when those and its static bytes pass the device's."""
         options = _NVRTC_OPTIONS
         if name in _TC_R16:
             params = (_TC_R16[name], tc)
@@ -270,6 +270,7 @@ class CUDABackend(CUDAExpertOps, CUDADeviceOps, GPUBackend):
                 return hit
             r16, warps = _imma_shape(_IMMA[name])
             # decode_imma.cu: x as fixed-point limbs (4 bytes a column), then each warp's ring of weight steps
+            # (a step: rows g and g + 8 of each subtile and matrix, a 16-byte word of each of 32 lanes)
             nm = 2 if name == "gate_up" else 1
             smem = in_pad * 4 + warps * _IMMA_STAGES * nm * r16 * 2 * 512
             static = _IMMA_STATIC_SMEM * nm * r16 + 256
