@@ -91,7 +91,7 @@ def test_static_shared_memory_counts_toward_the_opt_in(be, monkeypatch):  # noqa
     np.testing.assert_allclose(be.matmul(x, be.upload(qt)), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
-def test_opt_in_only_grows(be, monkeypatch):  # noqa: F811
+def test_opt_in_only_grows(be):  # noqa: F811
     """Two launch shapes of one compiled kernel: the larger one's opt-in stays when the smaller one is set
     up after it (a cached launch of the larger shape still runs)."""
     big = be._launcher("mm", "int4", 1, 64, 64, 8192, 64, 1)
