@@ -119,6 +119,7 @@ def record_compiles(be, monkeypatch) -> list:
     monkeypatch.setattr(be.cp, "RawModule", Recorder)
     return seen
 
+
 def param_kinds(code: str, name: str) -> str:
     """Parameter kinds of kernel ``name`` (a template instance ``mm_args<3,4,1,1>`` too) read from its CUDA
     signature: p pointer, q 64-bit integer, i int, f float, t matmul.cu's MMArgs."""
