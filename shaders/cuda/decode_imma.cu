@@ -30,7 +30,7 @@
 #endif
 #define IM_BOUNDS __launch_bounds__(32 * IM_WARPS, IM_MIN_BLOCKS)
 #ifndef IM_STAGES  // steps of weights per warp ring: IM_STAGES - 1 in flight (backends/cuda.py _IMMA_STAGES)
-#define IM_STAGES 4
+#define IM_STAGES 3
 #endif
 
 #ifndef COLIBRI_HOST_MMA

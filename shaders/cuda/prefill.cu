@@ -90,7 +90,7 @@ __device__ __forceinline__ void for2(F f) {
     for4<A, B, 1, 1>([&](int a, int b, int, int) { f(a, b); });
 }
 
-#define TC_WARPS 8  // warps per block (backends/cuda.py _WARPS)
+#define TC_WARPS 8  // warps per block at most (backends/cuda.py _TC_WARPS)
 #ifndef TC_SHARED
 #define TC_SHARED __shared__
 #endif
