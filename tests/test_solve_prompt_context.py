@@ -1,5 +1,6 @@
 """`solve --prompt-tokens N` longer than `--context`: the plan's KV budget would not hold the prompt, so solve
-warns (stderr and the --json document's warnings) and says what to pass; the default length stays quiet."""
+warns (stderr and the --json document's warnings) and says what to pass; the default length is 512 tokens, or
+the context when that is shorter, so it stays quiet."""
 
 import json
 
@@ -37,3 +38,10 @@ def test_no_warning_within_the_context_or_at_the_default_length(files):
     for extra in (("--context", "300", "--prompt-tokens", "300"), ("--context", "100")):
         r = solve(files, *extra)
         assert r.exit_code == 0 and "--prompt-tokens" not in r.stderr, r.stderr
+
+
+def test_the_default_prompt_fits_the_context(files):
+    for context, want in (("100", 100), ("4096", 512)):
+        doc = json.loads(solve(files, "--context", context, "--json").stdout)
+        assert doc["predicted"]["prefill"]["prompt_tokens"] == want
+        assert not [w for w in doc["warnings"] if "--prompt-tokens" in w]

@@ -52,8 +52,9 @@ def _queue_depth(_ctx, _param, value: str) -> str:
               help="Where the dense trunk, attention and KV cache run: 'auto' (the solver picks by predicted "
                    "decode time; their VRAM comes out of the experts'), 'cpu', a device key (cuda:0), or "
                    "'split' (layers over the GPUs when none holds them alone).")
-@click.option("--prompt-tokens", default=512, show_default=True, type=click.IntRange(1, 10_000_000),
-              help="Prompt length the plan predicts the prefill (time to first token) at.")
+@click.option("--prompt-tokens", default=None, type=click.IntRange(1, 10_000_000),
+              help="Prompt length the plan predicts the prefill (time to first token) at. [default: 512, or "
+                   "--context when that is shorter]")
 @click.option("--lru-slots", default="auto", show_default=True, help="'auto' or LRU slots per layer.")
 @click.option("--out", "out_path", default=None, help="Write the plan here.")
 @click.option("--target", type=click.Choice(["colibri-plan", "colibri"]), default="colibri-plan",
@@ -137,6 +138,9 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
             warn(f"{coef_path} was fitted on machine(s) {', '.join(coef_machines)}, but the profile is of "
                  f"machine {profile.fingerprint}: the coefficients may not hold here; calibrate from "
                  "verify reports measured on this machine")
+    given_prompt = prompt_tokens is not None
+    if not given_prompt:  # a prompt the plan's KV budget holds
+        prompt_tokens = max(1, min(512, context))
     progress(f"solving {spec.name}: {spec.n_routed_experts} experts of {spec.expert_bytes() / 1e6:.2f} MB "
              f"on {source}")
     with Steps("solving", counted=False):  # a spinner on a terminal; nothing more in a log
@@ -147,8 +151,7 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
                                      queue_depth=queue_depth, keep_host_copies=keep_host_copies,
                                      repin_every=repin_every, repin_window=repin_window, trunk=trunk,
                                      prompt_tokens=prompt_tokens)
-    if prompt_tokens > context and click.get_current_context().get_parameter_source(
-            "prompt_tokens") is not click.core.ParameterSource.DEFAULT:
+    if given_prompt and prompt_tokens > context:
         # the engine grows the KV cache past the plan's context: a prompt this long overruns the budget
         setup.warnings.append(f"--prompt-tokens {prompt_tokens} is longer than --context {context}: the plan "
                               f"budgets a KV cache of {context} tokens, so a prompt this long outgrows it; "
