@@ -12,15 +12,14 @@ options, occupancy per warps) runs on the simulated GPU of ``tests/test_backend_
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 from test_backend_cuda import HARNESS, SOURCE, _host_build
 from test_backend_cuda_sim import be, record_compiles  # noqa: F401 - the simulated GPU's backend fixture
+from test_bench_bad_args import bench as load_bench
 
 from colibri_plan import quant
 from colibri_plan.backends import cuda as cuda_mod
@@ -31,7 +30,6 @@ from colibri_plan.backends.base import silu_mul_ref
 CONFIGS = ((2, 2, 1, 1), (4, 1, 1, 1), (2, 2, 2, 1), (4, 1, 2, 1), (4, 2, 1, 1), (8, 1, 1, 1), (6, 1, 1, 1),
            (2, 2, 1, 2), (4, 1, 1, 4))
 GRIDS = ((2, 3), (1, 8), (3, 16))  # (blocks, warps per block)
-ROOT = Path(__file__).resolve().parent.parent
 TOKEN_SCALE = (1.0, -0.5, 0.25, 2.0)  # token j = TOKEN_SCALE[j] * x
 
 _PRELUDE = HARNESS.split('#include "SOURCE"')[0]
@@ -197,9 +195,7 @@ def test_fit_wave_keeps_the_grid_within_one_wave(be, monkeypatch):  # noqa: F811
 
 def _bench(monkeypatch):
     """bench/cuda_expert_ffn.py at small shapes (hidden 256, expert width 128) for the simulated GPU."""
-    spec = importlib.util.spec_from_file_location("cuda_expert_ffn", ROOT / "bench" / "cuda_expert_ffn.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("cuda_expert_ffn")
     monkeypatch.setattr(bench, "H", 256)
     monkeypatch.setattr(bench, "I", 128)
     return bench

@@ -2,19 +2,8 @@
 argparse usage error (exit 2, naming the argument) before the GPU, the backend or the RAM probe is touched,
 and an --out that cannot take the result before the run rather than after it."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from test_bench_bad_args import bench  # loads a bench script as a module
 
 
 def usage_error(monkeypatch, capsys, name: str, argv: list[str]) -> str:
