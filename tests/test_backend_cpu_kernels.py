@@ -26,6 +26,23 @@ def be():
     b.close()
 
 
+def without_vnni(module, anchor: str, tmp_path):
+    """A copy of numba kernel ``module`` compiled here with ``VNNI = False`` set at ``anchor`` (a line
+    after the imports, so it shadows cpu_vnni's) and no file cache: the loops a host without AVX-512 VNNI
+    runs. Raises AssertionError when ``anchor`` is not in the source."""
+    import importlib.util
+
+    src = open(module.__file__).read().replace("cache=True", "cache=False")
+    assert anchor in src
+    name = module.__name__.rsplit(".", 1)[-1] + "_plain"
+    path = tmp_path / f"{name}.py"
+    path.write_text(src.replace(anchor, "\nVNNI = False\n" + anchor))
+    spec = importlib.util.spec_from_file_location(name, path)
+    plain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plain)
+    return plain
+
+
 def _bound(x: np.ndarray, qt: quant.QuantTensor) -> np.ndarray:
     """Per-output bound [T, out] of int16 activation rounding: 0.5 · (max|x_t| / 32767) · Σ|w|, plus
     float32 accumulation slack."""
@@ -141,18 +158,9 @@ def test_serial_kernels_equal_parallel(be, fmt):
 def test_int4t_without_vnni_matches_bound(be, tmp_path):
     # hosts without AVX-512 VNNI compile cpu_q4t's numba loops instead of the vpdpwssd intrinsics
     # (cpu_q4t.VNNI is a compile-time constant): a copy of the module with it off, compiled here
-    import importlib.util
-
     from colibri_plan.backends import cpu_q4t
 
-    src = open(cpu_q4t.__file__).read().replace("cache=True", "cache=False")
-    anchor = "\n#: tokens per weight from which rows are unpacked"
-    assert anchor in src  # module constants follow the imports: VNNI = False shadows cpu_vnni's
-    path = tmp_path / "cpu_q4t_plain.py"
-    path.write_text(src.replace(anchor, "\nVNNI = False\n" + anchor))
-    spec = importlib.util.spec_from_file_location("cpu_q4t_plain", path)
-    plain = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plain)
+    plain = without_vnni(cpu_q4t, "\n#: tokens per weight from which rows are unpacked", tmp_path)
     rng = np.random.default_rng(7)
     qt = quant.quantize(rng.standard_normal((70, 2048), dtype=np.float32), "int4-g32")
     w = be.upload(qt)

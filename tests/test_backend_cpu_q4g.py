@@ -10,24 +10,12 @@ fallback of hosts without AVX-512 VNNI is compiled here and checked too.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 
 import numpy as np
 import pytest
+from test_backend_cpu_kernels import be, pytestmark, without_vnni  # noqa: F401 - fixture, skip reason
 
 from colibri_plan import quant
-from colibri_plan.backends import get_backend
-
-cpu_cls = get_backend("cpu")
-pytestmark = pytest.mark.skipif(cpu_cls.unavailable_reason() is not None,
-                                reason=str(cpu_cls.unavailable_reason()))
-
-
-@pytest.fixture(scope="module")
-def be():
-    b = cpu_cls.open(0)
-    yield b
-    b.close()
 
 
 def _ref_and_bound(x: np.ndarray, qt: quant.QuantTensor):
@@ -47,7 +35,7 @@ GROUPED = [
 
 
 @pytest.mark.parametrize("fmt,in_,layout", GROUPED, ids=lambda v: str(v))
-def test_grouped_layout_batch_serial_parallel(be, fmt, in_, layout):
+def test_grouped_layout_batch_serial_parallel(be, fmt, in_, layout):  # noqa: F811 - the fixture
     rng = np.random.default_rng([in_, len(fmt)])
     out = 150  # two 128-row steps, the second partial; RB = 4 does not divide it either
     qt = quant.quantize(rng.standard_normal((out, in_), dtype=np.float32), fmt)
@@ -83,7 +71,7 @@ def test_grouped_layout_batch_serial_parallel(be, fmt, in_, layout):
 
 @pytest.mark.parametrize("fmt,in_,blocks", [("int4", 1536, 256), ("int4", 67, 16), ("int4-g128", 1024, 64),
                                             ("int4-g128", 300, 64)])
-def test_other_lengths_keep_blocked_kernels(be, fmt, in_, blocks):
+def test_other_lengths_keep_blocked_kernels(be, fmt, in_, blocks):  # noqa: F811 - the fixture
     # rows not of 512·n bytes (per-row) or 16·n groups (g128) keep cpu_qkernels' blocked layout
     rng = np.random.default_rng(11)
     qt = quant.quantize(rng.standard_normal((40, in_), dtype=np.float32), fmt)
@@ -96,7 +84,7 @@ def test_other_lengths_keep_blocked_kernels(be, fmt, in_, blocks):
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int4-g128"])
-def test_every_code_and_full_scale_activations_are_exact(be, fmt):
+def test_every_code_and_full_scale_activations_are_exact(be, fmt):  # noqa: F811 - the fixture
     # all 16 codes with negative and positive scales against activations at ±32767 (xq's full range):
     # the int32 group sums must not wrap; 8192 columns per row is the longest the old blocks summed
     n, out = 8192, 32
@@ -119,7 +107,7 @@ def test_every_code_and_full_scale_activations_are_exact(be, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int4-g64", "int4-g128"])
-def test_batched_experts_bit_equal_per_token(be, fmt):
+def test_batched_experts_bit_equal_per_token(be, fmt):  # noqa: F811 - the fixture
     # the batched expert kernels (cpu_q4g.experts_*_g) run the same rows: each token's output alone
     # equals its row of a 5-token batch, and the result matches the float64 reference
     rng = np.random.default_rng(13)
@@ -146,19 +134,12 @@ def test_batched_experts_bit_equal_per_token(be, fmt):
     np.testing.assert_array_equal(s, np.float32(0.0) + y1 * gates[0] + y2 * gates[1])
 
 
-def test_grouped_without_vnni_matches_bound(be, tmp_path):
+def test_grouped_without_vnni_matches_bound(be, tmp_path):  # noqa: F811 - the fixture
     # hosts without AVX-512 VNNI compile cpu_q4g's numba loops (VNNI a compile-time constant): a copy
     # of the module with it off, compiled here, for every entry width (R = 4 per-row and g128, R = 2 g64)
     from colibri_plan.backends import cpu_q4g
 
-    src = open(cpu_q4g.__file__).read().replace("cache=True", "cache=False")
-    anchor = "\n#: sha256 (16 hex digits each)"
-    assert anchor in src  # module constants follow the imports: VNNI = False shadows cpu_vnni's
-    path = tmp_path / "cpu_q4g_plain.py"
-    path.write_text(src.replace(anchor, "\nVNNI = False\n" + anchor))
-    spec = importlib.util.spec_from_file_location("cpu_q4g_plain", path)
-    plain = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plain)
+    plain = without_vnni(cpu_q4g, "\n#: sha256 (16 hex digits each)", tmp_path)
     rng = np.random.default_rng(14)
     for fmt, n in (("int4", 2048), ("int4-g64", 2048), ("int4-g64", 1024), ("int4-g128", 2048)):
         qt = quant.quantize(rng.standard_normal((70, n), dtype=np.float32), fmt)
