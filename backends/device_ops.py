@@ -29,6 +29,8 @@ Ops (``x``, ``a``, ``b``, ... are DArrays unless said otherwise):
 | ``d_scale_rows(a, s)`` | a [N, d], s host float32 [N] | a[i] · s[i] |
 | ``d_rope(x, table, pos0, rd, interleave)`` | x [T, heads, d], table [P, rd/2, 2] | x rotated |
 | ``d_write_rows(dst, row0, src)`` | dst [C, ...], src [T, ...] | dst[row0:row0+T] = src (in place) |
+| ``d_write_rows(dst, row0, src, col0)`` | dst [C, D], src [T, W], col0 + W ≤ D | dst[row0:row0+T, col0:col0+W] = src |
+| ``d_head_matmul(x, w)`` | x [T, B, K], w [B, N, K] (a float32 DArray) | y[t, b] = w[b] · x[t, b], [T, B, N] |
 | ``d_attention(q, k, v, n_keys, pos0, scale, window)`` | q [T, Hq, d], k/v [C, Hkv, d] | [T, Hq·d] |
 | ``d_expert_ffn(x, experts, gates)`` | x [T, H], n ExpertWeights, host gates [n] | Σ_i g_i·FFN_i(x) [T, H] |
 
@@ -239,14 +241,38 @@ class DeviceOps:
                              f"{table.shape[0]} positions")
         return DArray(x.shape, self._d_rope(x, table, int(pos0), rd, bool(interleave)), id(self))
 
-    def d_write_rows(self, dst: DArray, row0: int, src: DArray) -> None:
-        """dst[row0 : row0 + T] = src, in place; dst [C, ...], src [T, ...] with the same trailing shape."""
+    def d_write_rows(self, dst: DArray, row0: int, src: DArray, col0: int = 0) -> None:
+        """dst[row0 : row0 + T] = src, in place; dst [C, ...], src [T, ...] with the same trailing shape.
+        With ``col0`` (or a narrower src), a block: dst [C, D] and src [T, W] 2-D, and
+        dst[row0 : row0 + T, col0 : col0 + W] = src (an MLA cache row is [k_rope | latent])."""
         self._d_check(dst)
         self._d_check(src)
-        if dst.shape[1:] != src.shape[1:] or row0 < 0 or row0 + src.shape[0] > dst.shape[0]:
-            raise InputError(f"d_write_rows: rows {row0}..{row0 + src.shape[0] - 1} of {src.shape} "
+        t = src.shape[0] if src.shape else 0
+        block = col0 != 0 or dst.shape[1:] != src.shape[1:]
+        if block and (len(dst.shape) != 2 or len(src.shape) != 2 or col0 < 0
+                      or col0 + src.shape[1] > dst.shape[1]):
+            raise InputError(f"d_write_rows: rows {row0}..{row0 + t - 1}, columns {col0}.. of {src.shape} "
                              f"do not fit {dst.shape}")
-        self._d_write_rows(dst, int(row0), src)
+        if row0 < 0 or row0 + t > dst.shape[0]:
+            raise InputError(f"d_write_rows: rows {row0}..{row0 + t - 1} of {src.shape} do not fit {dst.shape}")
+        if block:
+            self._d_write_block(dst, int(row0), int(col0), src)
+        else:
+            self._d_write_rows(dst, int(row0), src)
+
+    def d_head_matmul(self, x: DArray, w: DArray) -> DArray:
+        """Per-head matrices: y[t, b] = w[b] · x[t, b] for x [T, B, K] and w [B, N, K] (a float32 DArray,
+        e.g. MLA's absorbed key and value projections per head) -> [T, B, N].
+
+        Raises:
+            InputError: not 3-D DArrays of this backend, or B / K that differ.
+        """
+        self._d_check(x, ndim=3)
+        self._d_check(w, ndim=3)
+        if w.shape[0] != x.shape[1] or w.shape[2] != x.shape[2]:
+            raise InputError(f"d_head_matmul: x {x.shape} with per-head weights {w.shape}; want x [T, B, K] "
+                             "and w [B, N, K]")
+        return DArray((x.shape[0], x.shape[1], w.shape[1]), self._d_head_matmul(x, w), id(self))
 
     def d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
                     window: int = 0) -> DArray:
@@ -343,6 +369,14 @@ class DeviceOps:
 
     def _d_write_rows(self, dst: DArray, row0: int, src: DArray) -> None:
         self._host(dst)[row0: row0 + src.shape[0]] = self._host(src)
+
+    def _d_write_block(self, dst: DArray, row0: int, col0: int, src: DArray) -> None:
+        self._host(dst)[row0: row0 + src.shape[0], col0: col0 + src.shape[1]] = self._host(src)
+
+    def _d_head_matmul(self, x: DArray, w: DArray) -> Any:
+        # [B, T, K] · [B, K, N] -> [B, T, N], back to token-major [T, B, N]
+        y = np.matmul(self._host(x).transpose(1, 0, 2), self._host(w).transpose(0, 2, 1))
+        return np.ascontiguousarray(y.transpose(1, 0, 2), dtype=np.float32)
 
     def _d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
                      window: int) -> Any:
