@@ -119,13 +119,16 @@ class DeviceKVCache:
         Raises:
             InputError: the rows pass the capacity (call :meth:`reserve` first) or shapes differ.
         """
-        end = self.length + k.shape[0]
-        if end > self.capacity:
-            raise InputError(f"device KV cache: rows {self.length}..{end - 1} pass its {self.capacity} "
-                             "reserved rows; reserve() first")
+        self._check_rows(k.shape[0])
         self.backend.d_write_rows(self.k[layer], self.length, k)
         self.backend.d_write_rows(self.v[layer], self.length, v)
         return self.k[layer], self.v[layer]
+
+    def _check_rows(self, t: int) -> None:
+        end = self.length + t
+        if end > self.capacity:
+            raise InputError(f"device KV cache: rows {self.length}..{end - 1} pass its {self.capacity} "
+                             "reserved rows; reserve() first")
 
     def advance(self, n: int) -> None:
         """Mark ``n`` more tokens as cached (called by the trunk after all layers ran)."""
@@ -169,10 +172,7 @@ class DeviceLatentCache(DeviceKVCache):
         Raises:
             InputError: the rows pass the capacity (call :meth:`reserve` first) or shapes differ.
         """
-        end = self.length + latent.shape[0]
-        if end > self.capacity:
-            raise InputError(f"device latent cache: rows {self.length}..{end - 1} pass its {self.capacity} "
-                             "reserved rows; reserve() first")
+        self._check_rows(latent.shape[0])
         be, rows = self.backend, self.k[layer]
         flat = be.d_view(rows, (self.capacity, self.head_dim))  # [C, rope | rank]
         be.d_write_rows(flat, self.length, k_rope, 0)
