@@ -22,7 +22,8 @@ from colibri_plan.engine.text import TEXT_FILES, TOKENIZER_FILE, TextCodec, has_
 from colibri_plan.errors import FormatError, InputError, IntegrityError
 from colibri_plan.formats.pack_verify import file_crc32
 
-__all__ = ["copy_tokenizer", "open_text", "text_status", "no_tokenizer_reason", "pack_text_line"]
+__all__ = ["copy_tokenizer", "open_text", "text_status", "no_tokenizer_reason", "pack_text_line",
+           "encode_prompt"]
 
 
 def no_tokenizer_reason(folder) -> str:
@@ -128,3 +129,22 @@ def pack_text_line(pack_path, checkpoint) -> str:
     stops = ", ".join(str(i) for i in sec.get("stop_ids", [])) or "none"
     return (f"text: copied {', '.join(r[0] for r in sec['files'])} ({sec['vocab_size']} tokens, stop ids "
             f"{stops}, chat template {'yes' if sec.get('chat_template') else 'none'})")
+
+
+def encode_prompt(weights, text: str, chat: bool = False) -> tuple[list[int], TextCodec]:
+    """Token ids of a text prompt (with ``chat``: one user message through the chat template, ready for
+    the assistant's reply) and the model's codec (`run --prompt`).
+
+    Raises:
+        InputError: the model has no tokenizer (:func:`text_status` says why), or no chat template with
+            ``chat``, or the prompt has no tokens.
+        IntegrityError / FormatError: as :func:`open_text`.
+    """
+    codec = open_text(weights)
+    if codec is None:
+        raise InputError(f"a text prompt needs the model's tokenizer; {text_status(weights)}; give "
+                         "--prompt-ids instead, or pack the model from a checkpoint that has tokenizer.json")
+    ids = codec.encode_chat([{"role": "user", "content": text}]) if chat else codec.encode(text)
+    if not ids:
+        raise InputError("the prompt is empty (no tokens); give some text")
+    return ids, codec

@@ -22,7 +22,7 @@ import numpy as np
 
 from colibri_plan.errors import InputError
 
-__all__ = ["SamplingParams", "Sampler", "make_sampler", "MAX_TEMPERATURE"]
+__all__ = ["SamplingParams", "Sampler", "make_sampler", "tap", "MAX_TEMPERATURE"]
 
 #: the largest temperature accepted (OpenAI's API allows 0..2; past that the draw is close to uniform)
 MAX_TEMPERATURE = 2.0
@@ -125,6 +125,17 @@ class Sampler:
         cdf = np.cumsum(p)   # [V]
         u = self._rng.random() * cdf[-1]
         return int(min(np.searchsorted(cdf, u, side="right"), p.size - 1))
+
+
+def tap(sample: Callable[[np.ndarray], int] | None, on_choice: Callable[[int], None]
+        ) -> Callable[[np.ndarray], int]:
+    """A ``sample`` that chooses as ``sample`` does (None: argmax, the engine's greedy choice) and hands
+    each id to ``on_choice`` as soon as it is chosen (streaming the text of a run)."""
+    def choose(logits: np.ndarray) -> int:   # logits float32 [V]
+        tok = int(np.argmax(logits)) if sample is None else int(sample(logits))
+        on_choice(tok)
+        return tok
+    return choose
 
 
 def make_sampler(params: SamplingParams | None) -> Callable[[np.ndarray], int] | None:

@@ -126,3 +126,25 @@ def test_api_key_is_required_when_set(pack_dir):
         assert s.raw("GET", "/health")[0] == 200   # liveness needs no key
         r = s.client(api_key="s3cret").completions.create(model="keyed", prompt="x", max_tokens=2)
         assert r.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_tokens_equal_colibri_plan_run_with_the_same_prompt_and_seed(srv, pack_dir, chat):
+    import json
+
+    args = ["--prompt", "Plan the experts", "--tokens", 14, "--temperature", 0.7, "--top-p", 0.9,
+            "--seed", 77, *(["--chat"] if chat else [])]
+    r = invoke("--json", "run", "--model", pack_dir, "--backend", "numpy", *args)
+    assert r.exit_code == 0, r.output
+    want = json.loads(r.stdout)
+    c = srv.client()
+    kw = dict(model="tiny", max_tokens=14, temperature=0.7, top_p=0.9, seed=77)
+    if chat:
+        got = c.chat.completions.create(messages=[{"role": "user", "content": "Plan the experts"}], **kw)
+        text = got.choices[0].message.content
+    else:
+        got = c.completions.create(prompt="Plan the experts", **kw)
+        text = got.choices[0].text
+    assert text == want["text"] == srv.codec.decode(want["tokens"])
+    assert got.usage.completion_tokens == len(want["tokens"])
+    assert got.usage.prompt_tokens == want["prompt_tokens"]
