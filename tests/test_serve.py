@@ -148,3 +148,25 @@ def test_tokens_equal_colibri_plan_run_with_the_same_prompt_and_seed(srv, pack_d
     assert text == want["text"] == srv.codec.decode(want["tokens"])
     assert got.usage.completion_tokens == len(want["tokens"])
     assert got.usage.prompt_tokens == want["prompt_tokens"]
+
+
+def test_the_client_speed_bench_streams_and_compares_with_the_engine(srv, tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "serve_openai.py"
+    spec = importlib.util.spec_from_file_location("bench_serve_openai", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "serve.json"
+    assert mod.main(["--url", srv.base_url, "--prompt-ids", "5,6,7", "--tokens", "24", "--requests", "2",
+                     "--warmup", "0", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["model"] == "tiny" and len(doc["requests"]) == 2
+    assert all(r["tokens"] == r["usage"]["completion_tokens"] >= 2 for r in doc["requests"])
+    assert doc["client_tok_s_median"] > 0 and doc["engine_tok_s"] == doc["server_tok_s_median"] > 0
+    assert "client tok/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--tokens", "0"])
+    assert e.value.code == 2
