@@ -7,8 +7,9 @@ compare the client's tok/s with the engine's own measured decode rate (issue 28'
 
 Each request streams (``stream_options.include_usage``); the client's decode rate is (tokens - 1) over the
 time from the first streamed piece to the last, the prefill excluded as the engine's decode figure
-excludes it. The engine's rate is the verify report's measured ``tok_s`` when given, else the server's own
-``usage.decode_tok_s``. Prints one row per request and a summary; writes the JSON document to --out.
+excludes it. The engine's rate is the verify report's measured ``tok_s`` (or a `run --json` document's)
+when given, else the server's own ``usage.decode_tok_s``. Prints one row per request and a summary;
+writes the JSON document to --out.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--requests", type=_positive, default=5, help="timed requests, one after another [5]")
     ap.add_argument("--warmup", type=int, default=1, help="untimed requests first [1]")
     ap.add_argument("--verify-report", default=None,
-                    help="a verify report: its measured tok_s is the engine's rate")
+                    help="a verify report (or a `run --json` document): its measured tok_s is the "
+                         "engine's rate")
     ap.add_argument("--out", default=None, help="write the JSON document here")
     args = ap.parse_args(argv)
     if args.chat and args.prompt is None:
@@ -57,10 +59,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _prompt(args):
-    """Text or a list of ids."""
+def _prompt(args, report: dict | None):
+    """Text or a list of ids: the options', else the verify report's prompt (the one its tok_s was
+    measured on), else 8 ids."""
     if args.prompt is not None:
         return args.prompt
+    if args.prompt_ids is None and args.prompt_file is None and (report or {}).get("settings", {}).get(
+            "prompt_ids"):
+        return list(report["settings"]["prompt_ids"])
     text = args.prompt_ids if args.prompt_ids is not None else (
         Path(args.prompt_file).read_text(encoding="utf-8") if args.prompt_file else "1 2 3 4 5 6 7 8")
     items = text.replace(",", " ").split()
@@ -97,7 +103,8 @@ def main(argv=None) -> int:
 
     client = openai.OpenAI(base_url=args.url, api_key=args.api_key, max_retries=0, timeout=600)
     model = args.model or client.models.list().data[0].id
-    prompt = _prompt(args)
+    report = json.loads(Path(args.verify_report).read_text()) if args.verify_report else None
+    prompt = _prompt(args, report)
     for _ in range(max(0, args.warmup)):
         one_request(client, model, prompt, args.tokens, args.chat)
     rows = [one_request(client, model, prompt, args.tokens, args.chat) for _ in range(args.requests)]
@@ -109,12 +116,11 @@ def main(argv=None) -> int:
     client_rate = statistics.median([r["client_tok_s"] for r in rows if r["client_tok_s"]] or [0.0])
     server_rate = statistics.median([r["server_tok_s"] for r in rows if r["server_tok_s"]] or [0.0])
     engine, source = server_rate, "server usage.decode_tok_s"
-    if args.verify_report:
-        rep = json.loads(Path(args.verify_report).read_text())
-        engine = (rep.get("measured") or rep).get("tok_s") or engine
+    if report is not None:
+        engine = (report.get("measured") or report).get("tok_s") or engine
         source = f"verify report {args.verify_report} (measured tok_s)"
     ratio = client_rate / engine if engine else None
-    doc = {"url": args.url, "model": model, "tokens": args.tokens, "requests": rows,
+    doc = {"url": args.url, "model": model, "tokens": args.tokens, "prompt": prompt, "requests": rows,
            "client_tok_s_median": client_rate, "server_tok_s_median": server_rate,
            "engine_tok_s": engine, "engine_source": source, "client_over_engine": ratio,
            "within_10_percent": ratio is not None and ratio >= 0.9}
