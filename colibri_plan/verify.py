@@ -357,7 +357,9 @@ def verdict_line(v: dict) -> str:
     PASS/FAIL: the decode verdict is the primary one)."""
     exact = {True: "yes", False: "NO", None: "not checked"}[v["token_exact"]]
     ratio = "n/a" if v["tok_s_ratio"] is None else f"{v['tok_s_ratio']:.2f}"
-    line = (f"verdict: {'PASS' if v['ok'] else 'FAIL'} - token-exact {exact}; tok/s measured/predicted "
+    # --no-reference: a PASS without the token check must say so where it is read
+    word = ("PASS" if v["token_exact"] is not None else "PASS (tokens not checked)") if v["ok"] else "FAIL"
+    line = (f"verdict: {word} - token-exact {exact}; tok/s measured/predicted "
             f"{ratio} ({'within' if v['tok_s_ok'] else 'outside'} +-{100 * v['tolerances']['tok_s']:.0f}%); "
             f"hit rate {v['hit_rate_diff_points']:+.1f} pts ({'within' if v['hit_rate_ok'] else 'outside'} "
             f"+-{v['tolerances']['hit_rate_points']:.0f})")
