@@ -46,7 +46,8 @@ HIDDEN = {  # backend -> environment that hides it, and words of the reason it t
     "opencl": (lambda d: {"OCL_ICD_VENDORS": str(d)}, "no OpenCL platform found"),
     "vulkan": (lambda d: {"VK_ICD_FILENAMES": str(d / "none.json"), "VK_DRIVER_FILES": str(d / "none.json")},
                "found no driver"),
-    "vulkan-validation": (lambda d: {"VK_LAYER_PATH": str(d)}, "VK_LAYER_KHRONOS_validation is not installed"),
+    "vulkan-validation": (lambda d: {"VK_LAYER_PATH": str(d)},
+                          "VK_LAYER_KHRONOS_validation is not installed"),
 }
 
 

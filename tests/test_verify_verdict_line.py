@@ -24,4 +24,5 @@ def test_pass_without_the_token_check_says_so():
 def test_checked_pass_and_fails_keep_their_words():
     assert _line(11.0, True).startswith("verdict: PASS - token-exact yes; ")
     assert _line(11.0, False).startswith("verdict: FAIL - token-exact NO; ")  # wrong tokens: FAIL
-    assert _line(5.0, None).startswith("verdict: FAIL - token-exact not checked; tok/s measured/predicted 0.50")
+    assert _line(5.0, None).startswith(
+        "verdict: FAIL - token-exact not checked; tok/s measured/predicted 0.50")

@@ -96,7 +96,7 @@ def support(markdown):
     emit({"models": rows}, lambda: "\n".join([
         table([_cells(r) for r in rows], _header(rows)), "",
         "plan: `solve` from config.json, safetensors headers or GGUF; pack/run/verify: the bundled engine; "
-        "backends: where `run`/`verify` compute the experts (the dense trunk runs on the CPU or that device); "
+        "backends: where `run`/`verify` compute the experts (the dense trunk on the CPU or that device); "
         "tested: an engine test ran this model type there; inferred: never run there (the backend's kernels "
         "pass their oracle and the type runs elsewhere); unverified: the backend never ran",
         *(["", "plan only, because:", *_reasons(rows)] if any(r["plan_only_reason"] for r in rows) else [])]))
