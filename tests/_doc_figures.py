@@ -15,7 +15,8 @@ In a text file (``.txt``, ``.log``) the expression is a quoted string: the figur
 line that contains it. A figure matches when it equals the value rounded as printed (its own decimals).
 
 Performance figures (tok/s, GB/s, MB/s, µs, ms, ms/token, ×/x ratios) outside code blocks and code
-spans that no tag covers are *untagged*; a paragraph that says "unrecorded" declares its own.
+spans that no tag covers are *untagged*; a paragraph that says "unrecorded" declares its own, and
+``<!-- fig not measured: why -->`` covers those since the previous tag (a default, an example's input).
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 TAG = re.compile(r"<!--\s*fig\s+(?P<file>[^:\s][^:]*?)\s*:\s*(?P<exprs>.*?)\s*-->", re.S)
 #: a number as prose prints it: 1,090.1 / 0.53 / 42 (not inside a name such as int4-g32 or h200)
-NUMBER = re.compile(r"(?<![\w.\-/^])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(?![\w])")
+NUMBER = re.compile(r"(?<![\w.\-/^])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(?!\.\d)(?!(?!x(?!\w))\w)")  # 4.6x: a ratio
 _NUM = r"\d[\d,]*(?:\.\d+)?"
 PERF = re.compile(rf"(?:(?<![\w.]){_NUM}(?:\s*[–-]\s*{_NUM})?\s*(?:tok/s|GB/s|MB/s|µs|ms/token|ms)(?![\w/]))"
                   # a ratio 1.38× / ×0.79, not a shape 4096×4096
                   rf"|(?:(?<![\w.]){_NUM}[×x](?![\w]))|(?:(?<!\w)×{_NUM})")
 UNRECORDED = "unrecorded"
+#: ``<!-- fig not measured: why -->``: the figures since the previous tag are defaults or examples
+NOT_MEASURED = "not measured"
 
 
 class FigureError(Exception):
@@ -92,6 +95,10 @@ def scan(doc: Path) -> tuple[list[tuple[Figure, str, str]], list[Figure]]:
         used: set[int] = set()
         last = 0
         for m in TAG.finditer(para):
+            if " ".join(m.group("file").split()) == NOT_MEASURED:  # a default or an example: nothing to check
+                used.update(range(last, m.start()))
+                last = m.end()
+                continue
             exprs = [e.strip() for e in m.group("exprs").split(";") if e.strip()]
             want = sum(2 if e.startswith("range ") else 1 for e in exprs)
             nums = [n for n in NUMBER.finditer(masked, last, m.start())]
