@@ -16,7 +16,8 @@ line that contains it. A figure matches when it equals the value rounded as prin
 
 Performance figures (tok/s, GB/s, MB/s, µs, ms, ms/token, ×/x ratios) outside code blocks and code
 spans that no tag covers are *untagged*; a paragraph that says "unrecorded" declares its own, and
-``<!-- fig not measured: why -->`` covers those since the previous tag (a default, an example's input).
+``<!-- fig not measured: why -->`` covers those since the previous tag (a default, an example's input);
+``<!-- fig unrecorded: why -->`` anywhere in a doc declares all its untagged figures (one run's output).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ RESULTS = ROOT / "bench" / "results"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 TAG = re.compile(r"<!--\s*fig\s+(?P<file>[^:\s][^:]*?)\s*:\s*(?P<exprs>.*?)\s*-->", re.S)
-#: a number as prose prints it: 1,090.1 / 0.53 / 42 (not inside a name such as int4-g32 or h200)
-NUMBER = re.compile(r"(?<![\w.\-/^])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(?!\.\d)(?!(?!x(?!\w))\w)")  # 4.6x: a ratio
+#: a number as prose prints it: 1,090.1 / 0.53 / 42 / 4.6x (not inside a name such as int4-g32 or h200)
+NUMBER = re.compile(r"(?<![\w.\-/^])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(?!\.\d)(?!(?!x(?!\w))\w)")
 _NUM = r"\d[\d,]*(?:\.\d+)?"
 PERF = re.compile(rf"(?:(?<![\w.]){_NUM}(?:\s*[–-]\s*{_NUM})?\s*(?:tok/s|GB/s|MB/s|µs|ms/token|ms)(?![\w/]))"
                   # a ratio 1.38× / ×0.79, not a shape 4096×4096
@@ -90,12 +91,13 @@ def scan(doc: Path) -> tuple[list[tuple[Figure, str, str]], list[Figure]]:
     text = doc.read_text(encoding="utf-8")
     name = str(doc.relative_to(ROOT)) if doc.is_relative_to(ROOT) else doc.name
     tagged, untagged = [], []
+    whole_doc = re.search(r"<!--\s*fig\s+unrecorded\s*:", text) is not None  # one run's printed output
     for a, b in blocks(text):
         para, masked = text[a:b], _mask(text[a:b])
         used: set[int] = set()
         last = 0
         for m in TAG.finditer(para):
-            if " ".join(m.group("file").split()) == NOT_MEASURED:  # a default or an example: nothing to check
+            if " ".join(m.group("file").split()) in (NOT_MEASURED, UNRECORDED):  # nothing to check
                 used.update(range(last, m.start()))
                 last = m.end()
                 continue
@@ -114,7 +116,7 @@ def scan(doc: Path) -> tuple[list[tuple[Figure, str, str]], list[Figure]]:
                 tagged.append((fig, m.group("file").strip(), e))
                 used.update(range(take[0].start(), take[-1].end()))
             last = m.end()
-        if UNRECORDED in para.lower():
+        if whole_doc or UNRECORDED in para.lower():
             continue
         for m in PERF.finditer(masked):
             if not any(i in used for i in range(m.start(), m.end())):
