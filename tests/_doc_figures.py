@@ -6,19 +6,21 @@ The convention (bench/results/README.md, "Figures in the docs"): a measured figu
 
 an HTML comment (invisible once rendered; the prose names the file for the reader) that names a file
 under ``bench/results/`` and one expression per figure, separated by ``;``. The tag takes the last N
-numbers before it in its paragraph (N = its expressions), in order. An expression is a key path with an
-optional ``* k`` or ``/ other path`` chain (units, ratios); ``range PATH`` takes two numbers, the
-minimum and the maximum of what the path finds. A path is dot-separated keys, list indexes (``rows.0``),
-``*`` (every element) and selections (``rows[fmt=int4,tokens=1]``); ``"a.b"`` quotes a key with dots.
-A file name may hold ``{a,b,c}`` alternatives: the values of every file, then (``range``) their spread.
-In a text file (``.txt``, ``.log``) the expression is a quoted string: the figure must be a number on a
-line that contains it. A figure matches when it equals the value rounded as printed (its own decimals);
-a single figure over several values matches when every one prints as it.
+numbers before it in its paragraph (N = its expressions), in order. An expression is a key path with
+an optional chain of ``* k``, ``/ path``, ``+ path``, ``- path`` (spaced; left to right: units,
+ratios, sums); ``range PATH`` takes two numbers, the minimum and the maximum of what the path finds.
+A path is dot-separated keys, list indexes (``rows.0``), ``*`` (every element) and selections
+(``rows[fmt=int4,tokens=1]``); ``"a.b"`` quotes a key with dots. A file name may hold ``{a,b,c}``
+alternatives: the values of every file, then (``range``) their spread. In a text file (``.txt``,
+``.log``) the expression is a quoted string: the figure must be a number on a line that contains it.
+A figure matches when it equals the value rounded as printed (its own decimals); a single figure over
+several values matches when every one prints as it.
 
 Performance figures (tok/s, GB/s, MB/s, µs, ms, ms/token, ×/x ratios) outside code blocks and code
 spans that no tag covers are *untagged*; a paragraph that says "unrecorded" declares its own, and
-``<!-- fig not measured: why -->`` covers those since the previous tag (a default, an example's input);
-``<!-- fig unrecorded: why -->`` anywhere in a doc declares all its untagged figures (one run's output).
+``<!-- fig not measured: why -->`` covers those since the previous tag (a default, an example's input),
+``<!-- fig unrecorded: why -->`` those held by no file, and ``<!-- figs unrecorded: why -->`` anywhere in
+a doc declares all its untagged figures (one run's printed output).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def scan(doc: Path) -> tuple[list[tuple[Figure, str, str]], list[Figure]]:
     text = doc.read_text(encoding="utf-8")
     name = str(doc.relative_to(ROOT)) if doc.is_relative_to(ROOT) else doc.name
     tagged, untagged = [], []
-    whole_doc = re.search(r"<!--\s*fig\s+unrecorded\s*:", text) is not None  # one run's printed output
+    whole_doc = re.search(r"<!--\s*figs\s+unrecorded\s*:", text) is not None  # one run's printed output
     for a, b in blocks(text):
         para, masked = text[a:b], _mask(text[a:b])
         used: set[int] = set()
@@ -102,7 +104,7 @@ def scan(doc: Path) -> tuple[list[tuple[Figure, str, str]], list[Figure]]:
                 used.update(range(last, m.start()))
                 last = m.end()
                 continue
-            exprs = [e.strip() for e in m.group("exprs").split(";") if e.strip()]
+            exprs = [" ".join(e.split()) for e in m.group("exprs").split(";") if e.strip()]
             want = sum(2 if e.startswith("range ") else 1 for e in exprs)
             nums = [n for n in NUMBER.finditer(masked, last, m.start())]
             if len(nums) < want:
@@ -184,9 +186,9 @@ def resolve(doc: object, path: str, where: str) -> list[float]:
 
 
 def evaluate(files: list[Path], expr: str) -> list[float]:
-    """The values of ``expr`` (``[range ]TERM ((*|/) TERM)*``) over ``files``."""
+    """The values of ``expr`` (``[range ]TERM ((*|/|+|-) TERM)*``, left to right) over ``files``."""
     expr = expr.removeprefix("range ").strip()
-    parts = re.split(r"\s+([*/])\s+", expr)
+    parts = re.split(r"\s+([*/+-])\s+", expr)
     out = []
     for f in files:
         doc = json.loads(f.read_text(encoding="utf-8"))
@@ -203,7 +205,9 @@ def evaluate(files: list[Path], expr: str) -> list[float]:
                 if len(vals) != len(acc):
                     raise FigureError(f"{where}: {expr}: {len(acc)} values against {len(vals)}")
                 op = parts[i - 1]
-                acc = [a * b if op == "*" else a / b for a, b in zip(acc, vals)]
+                fn = {"*": lambda a, b: a * b, "/": lambda a, b: a / b, "+": lambda a, b: a + b,
+                      "-": lambda a, b: a - b}[op]
+                acc = [fn(a, b) for a, b in zip(acc, vals)]
         out += acc
     return out
 
@@ -246,13 +250,3 @@ def check(fig: Figure, file: str, expr: str) -> str | None:
         got = ", ".join(f"{v:.6g}" for v in vals)
     return None if ok else f"{fig.text} but {file}: {expr} holds {got}"
 
-
-def untagged_lines() -> list[str]:
-    """``doc<TAB>figure`` of every untagged performance figure, in doc order (tests/untagged_figures.txt)."""
-    return [f"{f.doc}\t{f.text}" for doc in DOCS for f in scan(doc)[1]]
-
-
-if __name__ == "__main__":  # python tests/_doc_figures.py > tests/untagged_figures.txt (after review)
-    print("# Performance figures in README.md and docs/*.md that no result-file tag covers yet")
-    print("# (tests/test_doc_figures.py keeps this list exact: tag a figure, then remove its line).")
-    print("\n".join(untagged_lines()))
