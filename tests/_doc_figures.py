@@ -119,7 +119,7 @@ def scan(doc: Path) -> tuple[list[tuple[Figure, str, str]], list[Figure]]:
                 tagged.append((fig, m.group("file").strip(), e))
                 used.update(range(take[0].start(), take[-1].end()))
             last = m.end()
-        if whole_doc or UNRECORDED in para.lower():
+        if whole_doc or UNRECORDED in masked.lower():  # the word in the prose, not inside a tag
             continue
         for m in PERF.finditer(masked):
             if not any(i in used for i in range(m.start(), m.end())):
