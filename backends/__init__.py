@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 
+from colibri_plan.backends.device_ops import DArray, rope_table  # noqa: F401 - the engine's import surface
 from colibri_plan.errors import UnsupportedError
 
 #: backend name -> module under colibri_plan.backends holding a class ``BACKEND``.

@@ -48,16 +48,6 @@ class ExpertProvider(Protocol):
         ...
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    """SiLU x·sigmoid(x), float32."""
-    return x / (1.0 + np.exp(-x))
-
-
-def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
-    """Dense SwiGLU MLP: down(SiLU(x·gateᵀ) · x·upᵀ); x [T, H], gate/up [I, H], down [H, I] -> [T, H]."""
-    return (silu(x @ gate.T) * (x @ up.T)) @ down.T
-
-
 def route(logits: np.ndarray, arch: ArchConfig, bias: np.ndarray | None = None
           ) -> tuple[np.ndarray, np.ndarray]:
     """Choose top-k experts per token.
@@ -351,20 +341,3 @@ def routed_experts(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str,
         return scatter_sum(x, tok_of, experts.run(layer, uniq, [x1] * len(uniq), gates))
     xs = [np.ascontiguousarray(x[t]) for t in tok_of]  # [T_i, H] per expert
     return scatter_sum(x, tok_of, experts.run(layer, uniq, xs, gates))
-
-
-def moe_block(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, np.ndarray],
-              experts: ExpertProvider, recorder: RoutingRecorder | None = None) -> np.ndarray:
-    """Routed experts + shared experts of one MoE layer; x float32 [T, H] (post-norm) -> [T, H].
-
-    Raises:
-        InputError: the provider returned outputs of the wrong number or shape.
-    """
-    p = f"layers.{layer}."
-    out = routed_experts(x, layer, arch, dense, experts, recorder)
-    if arch.shared_intermediate_size:
-        shared = swiglu(x, dense[p + "shared.gate"], dense[p + "shared.up"], dense[p + "shared.down"])
-        if arch.shared_expert_gate:  # Qwen2-MoE: sigmoid(x · w) scales the shared expert per token
-            shared = shared / (1.0 + np.exp(-(x @ dense[p + "shared_gate"].T)))  # [T, 1] broadcast
-        out += shared
-    return out.astype(np.float32, copy=False)

@@ -193,66 +193,75 @@ def prefill_terms(st) -> dict | None:
             "disk_bytes": st.disk_bytes, "hit_rate": st.hit_rates()}
 
 
-def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_tokens: int,
-                  cpu_backend: str = "cpu", read_threads: int = 8, verify_checksums: bool = True,
-                  progress: Callable[[str], None] | None = None, recorder=None,
-                  trunk: TrunkPlacement | None = None) -> RunReport:
-    """Generate ``n_tokens`` new ids greedily from ``prompt_ids`` with experts placed as ``placement`` says.
-
-    The first new id comes from the prefill, so ``n_tokens - 1`` decode steps are timed (none for one
-    token: the decode figures are then 0.0). A caller that wants N timed decode steps asks for N + 1.
+class EngineSession:
+    """A pack opened with a placement, ready to generate many times: the devices, the residency manager and
+    the model are set up once (the checks of :func:`run_placement` first, before any upload).
 
     Args:
-        pack: an open PackedModel, or weights held in memory (a checkpoint folder's ModelWeights) with
-            every expert resident in the placement.
-        cpu_backend: backend for CPU-resident and streamed experts ("cpu", else "numpy").
-        progress: optional ``fn(message)`` called once per token.
-        recorder: a RoutingRecorder to record routing into (prefill and decode), e.g. for --stats-out.
-        trunk: where the dense trunk, attention and the KV cache run (the plan's ``trunk`` section,
-            :func:`colibri_plan.formats.plan_trunk.parse_trunk`); None = ``placement.trunk``; None there
-            or device "cpu" = the host path.
-            On a device its KV cache reserves ``context_tokens`` (at least the run's prompt + tokens are
-            checked to fit) and grows by whole pages past it.
+        pack, placement, cpu_backend, read_threads, verify_checksums, recorder, trunk: as
+            :func:`run_placement`.
+        context_tokens: tokens the trunk's cache reserves (a device trunk's bytes are checked against its
+            device for at least this many); the plan's ``trunk.kv.context_tokens`` where it has one.
+
+    Attributes:
+        model (:class:`~colibri_plan.engine.forward.Model`), rm (the residency manager), key (the trunk's
+        device key, None for the CPU trunk), load_s (seconds to load the experts' tiers).
 
     Raises:
-        InputError: ``n_tokens`` < 1 or bad prompt ids. BudgetError: the placement's RAM exceeds
-        MemAvailable (:func:`check_ram_fits`). UnsupportedError: a split trunk, or a KV cache away from the
-        trunk. BackendUnavailableError: the trunk's device does not exist here (the devices that do are
-        named). DeviceOutOfMemoryError: trunk + KV + VRAM experts pass the device's capacity. All before
-        any upload. The ResidencyManager's errors (capacity, integrity).
+        As :func:`run_placement`, at open.
     """
-    from colibri_plan.backends import get_backend
-    from colibri_plan.engine.trunk import trunk_dense_bytes, trunk_kv_bytes
 
-    if int(n_tokens) < 1:
-        raise InputError(f"--tokens must be >= 1, got {n_tokens}")
-    trunk = trunk or getattr(placement, "trunk", None) or TrunkPlacement()
-    check_trunk_plan(trunk)
-    key = trunk.device if trunk.on_device else None
-    cache_tokens = min(len(prompt_ids) + int(n_tokens), 4096)   # the cache's first reservation; it grows
-    if key is not None:
-        reserve = trunk.context_tokens or cache_tokens   # the plan's context, else as the host cache
-        ctx = max(reserve, len(prompt_ids) + int(n_tokens))   # a run past the plan's context grows the cache
-        dense_b, kv_b = trunk_dense_bytes(pack.arch, pack.dense, ctx), trunk_kv_bytes(pack.arch, ctx)
-        check_trunk_device(key, dense_b + kv_b)
-    if hasattr(pack, "expert_location"):   # in-memory weights hold their experts already
-        check_ram_fits(pack, placement)  # before any device is opened or any expert allocated
-    devices = open_devices(placement, () if key is None else (key,))
-    cpu = None
-    rm = None
-    model = None
-    try:
+    def __init__(self, pack, placement: Placement, cpu_backend: str = "cpu", read_threads: int = 8,
+                 verify_checksums: bool = True, recorder=None, trunk: TrunkPlacement | None = None,
+                 context_tokens: int = 4096):
+        from colibri_plan.backends import get_backend
+        from colibri_plan.engine.trunk import trunk_dense_bytes, trunk_kv_bytes
+
+        self.pack, self.placement = pack, placement
+        trunk = trunk or getattr(placement, "trunk", None) or TrunkPlacement()
+        check_trunk_plan(trunk)
+        self.key = key = trunk.device if trunk.on_device else None
+        self.context_tokens = int(context_tokens)
+        reserve = 0
         if key is not None:
-            check_trunk_fits(devices[key], key, dense_b, kv_b, expert_bytes_on(pack, placement, key), ctx)
-        cpu_cls = get_backend(cpu_backend)
-        cpu = cpu_cls.open(0) if cpu_cls.is_available() else get_backend("numpy").open(0)
-        t_load = time.perf_counter()
-        rm = ResidencyManager(pack, placement, cpu, devices=devices, read_threads=read_threads,
-                              verify_checksums=verify_checksums)
-        load_s = time.perf_counter() - t_load
-        model = Model(pack, experts=rm, recorder=recorder, trunk_backend=devices.get(key),
-                      context_tokens=reserve if key is not None else 0)
-        dev_trunk = model.trunk
+            reserve = trunk.context_tokens or min(self.context_tokens, 4096)  # the plan's, else the run's
+            ctx = max(reserve, self.context_tokens)   # a run past the plan's context grows the cache
+            dense_b, kv_b = trunk_dense_bytes(pack.arch, pack.dense, ctx), trunk_kv_bytes(pack.arch, ctx)
+            check_trunk_device(key, dense_b + kv_b)
+        if hasattr(pack, "expert_location"):   # in-memory weights hold their experts already
+            check_ram_fits(pack, placement)  # before any device is opened or any expert allocated
+        self.devices = open_devices(placement, () if key is None else (key,))
+        self.cpu = self.rm = self.model = None
+        try:
+            if key is not None:
+                check_trunk_fits(self.devices[key], key, dense_b, kv_b, expert_bytes_on(pack, placement, key),
+                                 ctx)
+            cpu_cls = get_backend(cpu_backend)
+            self.cpu = cpu_cls.open(0) if cpu_cls.is_available() else get_backend("numpy").open(0)
+            t_load = time.perf_counter()
+            self.rm = ResidencyManager(pack, placement, self.cpu, devices=self.devices,
+                                       read_threads=read_threads, verify_checksums=verify_checksums)
+            self.load_s = time.perf_counter() - t_load
+            self.model = Model(pack, experts=self.rm, recorder=recorder, trunk_backend=self.devices.get(key),
+                               context_tokens=reserve)
+        except BaseException:
+            self.close()
+            raise
+
+    def generate(self, prompt_ids: Sequence[int], n_tokens: int,
+                 progress: Callable[[str], None] | None = None) -> RunReport:
+        """Generate ``n_tokens`` >= 1 new ids greedily from ``prompt_ids`` in a fresh cache and measure the
+        run (:func:`run_placement`'s report; statistics cover this call only).
+
+        Raises:
+            InputError: ``n_tokens`` < 1 or bad prompt ids.
+        """
+        if int(n_tokens) < 1:
+            raise InputError(f"--tokens must be >= 1, got {n_tokens}")
+        model, rm = self.model, self.rm
+        trunk = model.trunk
+        rm.reset_stats()
+        trunk.reset_stats()
         step_s: list[float] = []
         marks: dict = {"prefill": 0.0, "prefill_stats": None}
 
@@ -260,31 +269,34 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
             if step == 0:
                 marks["prefill"] = seconds
                 marks["prefill_stats"] = rm.reset_stats()  # decode statistics start after the prefill
-                if dev_trunk is not None:
-                    dev_trunk.reset_stats()
+                trunk.reset_stats()
             else:
                 step_s.append(seconds)
             if progress:
                 progress(f"token {step + 1}/{n_tokens}: id {tok} ({seconds * 1e3:.0f} ms)")
 
         # step 0 is the prefill's token; steps 1..n_tokens-1 are the timed decode steps
-        cache = model.new_cache(cache_tokens)   # grows as it fills
+        cache = model.new_cache(min(len(prompt_ids) + int(n_tokens), 4096))   # grows as it fills
         tokens = model.generate(list(prompt_ids), int(n_tokens), cache=cache, on_token=on_token)
+        return self._report(tokens, len(prompt_ids), step_s, marks, cache)
+
+    def _report(self, tokens: list[int], n_prompt: int, step_s: list[float], marks: dict, cache) -> RunReport:
+        rm, key, trunk = self.rm, self.key, self.model.trunk
         st = rm.stats
         n = max(1, len(step_s))
         decode_s = sum(step_s) / n
-        attn = None   # timed by the device trunk (every step on a host backend, sampled on a GPU)
-        if dev_trunk is not None and dev_trunk.attention_steps:
-            attn = dev_trunk.attention_s / dev_trunk.attention_steps
+        attn = None   # timed by a device trunk (every step on a host backend, sampled on a GPU)
+        if key is not None and trunk.attention_steps:
+            attn = trunk.attention_s / trunk.attention_steps
         report = RunReport(
-            tokens=tokens, prompt_tokens=len(prompt_ids), decode_steps=len(step_s), load_s=load_s,
+            tokens=tokens, prompt_tokens=n_prompt, decode_steps=len(step_s), load_s=self.load_s,
             prefill_s=marks["prefill"], decode_s_per_token=decode_s,
             decode_s_median=statistics.median(step_s) if step_s else 0.0,
             tok_s=1.0 / decode_s if decode_s > 0 else 0.0,
             dense_s_per_token=max(0.0, decode_s - st.layer_wall_s / n - (attn or 0.0)),
             attention_s_per_token=attn, trunk_device=key or "cpu",
-            trunk_bytes=None if dev_trunk is None else {
-                "dense": dev_trunk.dense_bytes, "kv": int(getattr(cache, "reserved_bytes", 0))},
+            trunk_bytes=None if key is None else {"dense": trunk.dense_bytes,
+                                                  "kv": int(cache.reserved_bytes)},
             expert_layers_s_per_token=st.layer_wall_s / n,
             expert_compute_s_per_token={"cpu": st.cpu_compute_s / n,
                                         **{k: v / n for k, v in st.device_compute_s.items()}},
@@ -295,18 +307,66 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
             disk_read_gbps=st.disk_bytes / st.disk_busy_s / 1e9 if st.disk_busy_s > 0 else None,
             expert_uses_per_token=st.expert_uses / n,
             peak_rss_bytes=peak_rss_bytes(), resident_bytes=rm.resident_bytes(),
-            o_direct=rm.o_direct, io_warning=rm.io_warning, placement=placement.summary(),
+            o_direct=rm.o_direct, io_warning=rm.io_warning, placement=self.placement.summary(),
             prefill_terms=prefill_terms(marks["prefill_stats"]))
         if rm.repinner is not None:
             report.repins, report.repin_bytes, report.repin_s = st.repins, st.repin_bytes, st.repin_s
         return report
-    finally:
-        if model is not None:
-            model.close()   # the device trunk's uploads; the backends close below
-        if rm is not None:
-            rm.close()
-        for b in devices.values():
-            b.close()
-        if cpu is not None:
-            cpu.close()
 
+    def close(self) -> None:
+        """Release the model's uploads, the residency manager and the backends. Safe to call twice."""
+        if self.model is not None:
+            self.model.close()   # the trunk's uploads; the backends close below
+            self.model = None
+        if self.rm is not None:
+            self.rm.close()
+            self.rm = None
+        for b in self.devices.values():
+            b.close()
+        self.devices = {}
+        if self.cpu is not None:
+            self.cpu.close()
+            self.cpu = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_tokens: int,
+                  cpu_backend: str = "cpu", read_threads: int = 8, verify_checksums: bool = True,
+                  progress: Callable[[str], None] | None = None, recorder=None,
+                  trunk: TrunkPlacement | None = None) -> RunReport:
+    """Generate ``n_tokens`` new ids greedily from ``prompt_ids`` with experts placed as ``placement`` says
+    (one :class:`EngineSession`, opened and closed around one generation).
+
+    The first new id comes from the prefill, so ``n_tokens - 1`` decode steps are timed (none for one
+    token: the decode figures are then 0.0). A caller that wants N timed decode steps asks for N + 1.
+
+    Args:
+        pack: an open PackedModel, or weights held in memory (a checkpoint folder's ModelWeights) with
+            every expert resident in the placement.
+        cpu_backend: backend for CPU-resident and streamed experts and the CPU trunk ("cpu", else "numpy").
+        progress: optional ``fn(message)`` called once per token.
+        recorder: a RoutingRecorder to record routing into (prefill and decode), e.g. for --stats-out.
+        trunk: where the dense trunk, attention and the KV cache run (the plan's ``trunk`` section,
+            :func:`colibri_plan.formats.plan_trunk.parse_trunk`); None = ``placement.trunk``; None there
+            or device "cpu" = the CPU trunk (on the ``cpu_backend``).
+            On a device its KV cache reserves ``context_tokens`` (at least the run's prompt + tokens are
+            checked to fit) and grows by whole pages past it.
+
+    Raises:
+        InputError: ``n_tokens`` < 1 or bad prompt ids. BudgetError: the placement's RAM exceeds
+        MemAvailable (:func:`check_ram_fits`). UnsupportedError: a split trunk, or a KV cache away from the
+        trunk. BackendUnavailableError: the trunk's device does not exist here (the devices that do are
+        named). DeviceOutOfMemoryError: trunk + KV + VRAM experts pass the device's capacity. All before
+        any upload. The ResidencyManager's errors (capacity, integrity).
+    """
+    if int(n_tokens) < 1:
+        raise InputError(f"--tokens must be >= 1, got {n_tokens}")
+    with EngineSession(pack, placement, cpu_backend=cpu_backend, read_threads=read_threads,
+                       verify_checksums=verify_checksums, recorder=recorder, trunk=trunk,
+                       context_tokens=len(prompt_ids) + int(n_tokens)) as session:
+        return session.generate(prompt_ids, n_tokens, progress=progress)

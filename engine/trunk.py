@@ -1,40 +1,38 @@
-"""The dense trunk on a device: the residual stream stays on one backend's device across layers.
+"""The decoder stack, written once against the backend's device ops: the host is a device like any other.
 
-:class:`DeviceTrunk` runs :meth:`Model.hidden_states` / :meth:`Model.forward` of a GQA model (mixtral,
-qwen2_moe, qwen3_moe, olmoe, glm4_moe) on the device ops of one backend
-(:mod:`colibri_plan.backends.device_ops`). At open it uploads, once: the trunk matrices (attention q/k/v/o,
-shared experts, dense FFN layers, the LM head) with ``backend.upload`` (a pack's quantized
-:class:`~colibri_plan.engine.dense_quant.QuantLinear` as its QuantTensor, a float array as an f32
-QuantTensor); norms and biases with ``d_put``; a RoPE table for the planned context. The embedding,
-routers, router biases and Qwen2-MoE's shared-expert gate stay on the host (gathered, or used by the
-host's routing).
+:class:`Trunk` runs :meth:`Model.hidden_states` / :meth:`Model.forward` of every supported family on the
+device ops of one backend (:mod:`colibri_plan.backends.device_ops`): a GPU (CUDA, Vulkan, OpenCL, Metal)
+or a host backend ("cpu", "numpy"), whose "device" arrays are numpy arrays in RAM. `run --trunk cpu` and
+`run --trunk device` are this same code on two devices. What it uploads is
+:mod:`colibri_plan.engine.trunk_weights`.
 
-Per decoder layer (same order and semantics as :mod:`colibri_plan.engine.forward`, ``attention`` and
-``moe``): RMSNorm; q/k/v (+ bias; q/k RMSNorm per head or over the projection; clip_qkv through a host
-round trip, a rare option); RoPE; K/V appended to the :class:`~colibri_plan.engine.kv_device.DeviceKVCache`;
-``d_attention`` (sliding-window layers too); o-proj (+ bias); residual add. A MoE layer brings the normed x
-down once (``d_get``) for the router and top-k, which run on the host with exactly the CPU path's routing
-code (:func:`~colibri_plan.engine.moe.route_tokens`), so routing decisions match. At decode (T = 1), when
-the provider is a residency manager, the chosen experts it holds in VRAM on this very backend run on the
-device x (``d_expert_ffn``, queued before the host work, so the device computes them while the host runs
-the rest); the others (pinned RAM, LRU, disk, another device) run through the manager as on the CPU path
-and their sum goes up once (``d_put``) to be added on the device. When every chosen expert is local,
-nothing but x crosses. At prefill (T > 1) on a backend with ``d_expert_ffn_rows`` (CUDA), the local
-experts run the same way, each on its own tokens' rows of the device x (timed as a whole, bracketed by
-synchronizations). Otherwise (other providers, a prefill on other backends) all routed experts run
-through the provider and their sum goes up. Shared experts (Qwen2-MoE's sigmoid gate from the
-downloaded x, applied with ``d_scale_rows``) and dense FFN layers run on the device. Final norm and LM
-head run on the device; only the logits come down (at decode, one row).
+Each decoder layer is pre-norm, ``h += attn(rmsnorm(h)); h += ffn(rmsnorm(h))``, then a final RMSNorm and
+the LM head, as in the transformers modeling code of every supported family:
+
+- GQA attention: q/k/v (+ bias; q/k RMSNorm per head or over the projection; clip_qkv through a host
+  round trip, a rare option); RoPE of the first ``rotary_dim`` channels (rotate_half or interleaved
+  pairs, YaRN's attention factor in the table); K/V appended to the
+  :class:`~colibri_plan.engine.kv_device.DeviceKVCache`; causal ``d_attention`` (sliding-window layers
+  too); o-proj (+ bias).
+- MLA attention (DeepSeek-V2/V3/V3.2, Kimi-K2, GLM-5), weight-absorbed at every length: q (through the
+  normed q_a when ``q_lora_rank``); the latent (kv_a's latent rows, RMSNorm) and the rope key (kv_a's rope
+  rows, RoPE) written as one cache row [k_rope | latent] of the
+  :class:`~colibri_plan.engine.kv_device.DeviceLatentCache`; the query [q_rope | W_ukᵀ q_nope] from one
+  ``d_head_matmul``; ``d_attention`` over the cache rows as keys and values of one kv head (the absorbed
+  core: q_abs·latent + q_rope·k_rope, Σ p · latent); W_uv per head (``d_head_matmul``); o-proj. Same
+  numbers as transformers' expanded ``DeepseekV3Attention`` up to float32 summation order.
+- MoE layers: the normed x comes down once (``d_get``; on a host backend, no copy) for the router and top-k
+  (:func:`~colibri_plan.engine.moe.route_tokens`, exactly the transformers routing of each family). On a
+  host backend the routed experts run through the provider (:func:`~colibri_plan.engine.moe.routed_experts`:
+  one fused call per decode step on the cpu backend). On a GPU, with a residency manager as provider, the
+  chosen experts it holds in VRAM on this very backend run on the device x (``d_expert_ffn``; at prefill
+  ``d_expert_ffn_rows`` where the backend has it), queued before the host's work; the others run through
+  the manager and their sum goes up once (``d_put``). Shared experts (Qwen2-MoE's sigmoid gate from the
+  host's x, applied with ``d_scale_rows``) and dense FFN layers run on the device.
 
 Local experts are accounted as the manager's own: a "vram" use each, and their seconds charged to that
-device's expert compute and to the experts' layer wall time — measured (bracketed by synchronizations)
-every step on a host backend and on one decode step in :data:`GPU_ATTENTION_SAMPLE` on a GPU, where the
-other steps are charged the measured seconds per local expert.
-
-MLA families (DeepSeek-V2/V3/V3.2, Kimi-K2, GLM-5) keep attention on the host through
-:mod:`colibri_plan.engine.mla` with the host :class:`~colibri_plan.engine.mla.LatentCache` (x down,
-attention on the host, the result up), so a plan with a device trunk still runs them; their norms, shared
-experts, dense FFN layers and LM head run on the device.
+device's expert compute and to the experts' layer wall time — measured (bracketed by synchronizations) on
+one decode step in :data:`GPU_ATTENTION_SAMPLE`, the other steps charged the measured seconds per expert.
 """
 
 from __future__ import annotations
@@ -43,113 +41,91 @@ import time
 
 import numpy as np
 
-from colibri_plan.backends import HOST_BACKENDS
-from colibri_plan.backends.device_ops import DArray, rope_table
+from colibri_plan.backends import HOST_BACKENDS, DArray, rope_table
 from colibri_plan.engine.dense_quant import QuantLinear
-from colibri_plan.engine.kv_device import DeviceKVCache, device_kv_bytes
-from colibri_plan.engine.mla import LatentCache, check_dsa_context, mla_attention
+from colibri_plan.engine.kv_device import DeviceKVCache, DeviceLatentCache
+from colibri_plan.engine.mla import LATENT_NORM_EPS, check_dsa_context
 from colibri_plan.engine.moe import route_tokens, routed_experts, scatter_sum
+from colibri_plan.engine.trunk_weights import (
+    absorbed_weights,
+    rope_positions,
+    trunk_dense_bytes,
+    trunk_kv_bytes,
+    trunk_tensors,
+)
 from colibri_plan.errors import ColibriError, InputError
-from colibri_plan.families.rope import attention_factor
-from colibri_plan.formats.plan_trunk import PAGE_TOKENS
+from colibri_plan.families.rope import attention_factor, mla_softmax_scale
 from colibri_plan.quant import quantize
 
-__all__ = ["DeviceTrunk", "trunk_dense_bytes", "trunk_kv_bytes", "HOST_BACKENDS"]
+__all__ = ["Trunk", "trunk_dense_bytes", "trunk_kv_bytes", "HOST_BACKENDS"]
 
 #: on a GPU backend, attention is timed (two synchronizations per layer) on one decode step of this many
 GPU_ATTENTION_SAMPLE = 8
 
 
-def _trunk_tensors(arch, dense: dict) -> list[tuple[str, str, bool]]:
-    """(key on the device, name in ``dense``, is a matrix) of every tensor the device trunk holds."""
-    out = []
-    for i in range(arch.n_layers):
-        p = f"layers.{i}."
-        names = [p + "attn_norm", p + "ffn_norm"]
-        if arch.attention != "mla":
-            names += [p + f"attn.{n}" for n in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias",
-                                                 "q_norm", "k_norm")]
-        names += [p + f"{g}.{n}" for g in ("shared", "ffn") for n in ("gate", "up", "down")]
-        out += [(n, n, dense[n].ndim == 2) for n in names if n in dense]
-    out.append(("final_norm", "final_norm", False))
-    out.append(("lm_head", "embed" if arch.tie_word_embeddings else "lm_head", True))
-    return out
-
-
-def _rope_positions(tokens: int) -> int:
-    return max(1, -(-int(tokens) // PAGE_TOKENS)) * PAGE_TOKENS
-
-
-def trunk_dense_bytes(arch, dense: dict, context_tokens: int = 0) -> int:
-    """Device bytes a :class:`DeviceTrunk` uploads for ``dense`` (matrices in their stored format — a
-    float array at f32 —, norms and biases at f32, and the RoPE table of ``context_tokens`` positions in
-    whole 64-token pages); the embedding, routers and the shared-expert gate stay on the host."""
-    total = 0
-    for _, name, _ in _trunk_tensors(arch, dense):
-        v = dense[name]
-        total += v.nbytes if isinstance(v, QuantLinear) else 4 * int(np.prod(v.shape))
-    if arch.attention != "mla" and arch.rotary_dim:
-        total += _rope_positions(context_tokens) * arch.rotary_dim * 4  # [P, rd/2, 2] float32
-    return total
-
-
-def trunk_kv_bytes(arch, context_tokens: int) -> int:
-    """Device bytes of the KV cache a :class:`DeviceTrunk` reserves for ``context_tokens`` (0 for MLA,
-    whose latent cache stays on the host)."""
-    if arch.attention == "mla":
-        return 0
-    return device_kv_bytes(arch.n_layers, arch.n_kv_heads, arch.head_dim, context_tokens)
-
-
-class DeviceTrunk:
-    """A model's trunk on one backend's device (see the module docstring).
+class Trunk:
+    """A model's decoder stack on one backend's device (see the module docstring).
 
     Args:
         model: the :class:`~colibri_plan.engine.forward.Model` (arch, dense tensors, expert provider,
-            routing recorder, RoPE frequencies, MLA absorb core).
+            routing recorder, RoPE frequencies).
         backend: an open backend; its ``d_*`` ops and ``upload`` hold the trunk.
-        context_tokens: tokens the KV cache and RoPE table reserve at open (the plan's
+        context_tokens: tokens the cache and RoPE table reserve at open (the plan's
             ``trunk.kv.context_tokens``); a longer run grows both by whole pages.
+        measure: time attention and the local experts (a trunk placed on a device: the run report's
+            terms); the CPU trunk of a run does not.
 
     Attributes:
-        dense_bytes: device bytes uploaded (matrices, vectors, RoPE table). attention_s,
-        attention_steps: attention seconds (KV append + ``d_attention``, all layers) summed over the timed
-        forward calls, and how many were timed (every call on a host backend, one in
-        :data:`GPU_ATTENTION_SAMPLE` on a GPU backend, bracketed by synchronizations).
+        dense_bytes: bytes uploaded (matrices, vectors, MLA's absorbed weights, RoPE table).
+        attention_s, attention_steps: with ``measure``, attention seconds (cache append + ``d_attention``,
+            all layers) summed over the timed forward calls (every call on a host backend, one in
+            :data:`GPU_ATTENTION_SAMPLE` on a GPU, bracketed by synchronizations), and how many were timed.
 
     Raises:
         InputError: a dense tensor the trunk needs is missing. DeviceOutOfMemoryError /
         BackendUnavailableError: from the uploads (nothing stays uploaded).
     """
 
-    def __init__(self, model, backend, context_tokens: int = 0):
+    def __init__(self, model, backend, context_tokens: int = 0, measure: bool = True):
         self.model, self.be, self.arch = model, backend, model.arch
         self.context_tokens = max(0, int(context_tokens))
         self._mla = self.arch.attention == "mla"
-        self.time_attention = True
+        self.time_attention = bool(measure)
         self.attention_every = 1 if getattr(backend, "name", "") in HOST_BACKENDS else GPU_ATTENTION_SAMPLE
+        # a residency manager's experts held on this very device run on its x (d_expert_ffn)
+        held = any(d is backend for d in getattr(model.experts, "devices", {}).values())
+        self._split = getattr(model.experts, "local_experts", None) if held else None
         self.reset_stats()
         self._weights: list = []
         self.w: dict[str, object] = {}
         self.dense_bytes = 0
         self._rope, self._rope_rows = None, 0
         try:
-            for key, name, matrix in _trunk_tensors(self.arch, model.dense):
-                v = model.dense[name]
-                if matrix:
-                    qt = v.qt if isinstance(v, QuantLinear) else quantize(np.asarray(v, np.float32), "f32")
-                    w = backend.upload(qt)
-                    self._weights.append(w)
-                    self.dense_bytes += qt.nbytes
-                else:
-                    w = backend.d_put(np.asarray(v, np.float32))
-                    self.dense_bytes += w.nbytes
-                self.w[key] = w
-            if not self._mla and self.arch.rotary_dim:
-                self._grow_rope(self.context_tokens)
+            self._upload(model.dense)
         except BaseException:
             self.close()
             raise
+
+    def _upload(self, dense: dict) -> None:
+        be, a = self.be, self.arch
+        for key, v, matrix in trunk_tensors(a, dense):
+            if matrix:
+                qt = v.qt if isinstance(v, QuantLinear) else quantize(np.asarray(v, np.float32), "f32")
+                w = be.upload(qt)
+                self._weights.append(w)
+                self.dense_bytes += qt.nbytes
+            else:
+                w = be.d_put(np.asarray(v, np.float32))
+                self.dense_bytes += w.nbytes
+            self.w[key] = w
+        if self._mla:
+            for i in range(a.n_layers):
+                p = f"layers.{i}.attn."
+                for name, arr in zip(("absorb_q", "absorb_o"), absorbed_weights(a, dense[p + "kv_b"])):
+                    self.w[p + name] = be.d_put(arr)  # [nh, dr + R, dn + dr], [nh, dv, dr + R]
+                    self.dense_bytes += arr.nbytes
+        if a.rotary_dim:
+            self._grow_rope(self.context_tokens)
 
     # ---- state -----------------------------------------------------------------------------------
     def reset_stats(self) -> None:
@@ -158,47 +134,61 @@ class DeviceTrunk:
         self._local_s, self._local_n = 0.0, 0  # measured seconds of local experts, and how many
 
     def _grow_rope(self, tokens: int) -> None:
-        rows = _rope_positions(tokens)
+        rows = rope_positions(tokens)
         if rows <= self._rope_rows:
             return
         a = self.arch
-        table = rope_table(self.model._inv_freq, rows, attention_factor(a), a.rope_scaling_factor)
+        table = rope_table(self.model.inv_freq, rows, attention_factor(a), a.rope_scaling_factor)
         old = self._rope
         self._rope, self._rope_rows = self.be.d_put(table), rows  # [P, rd/2, 2]
-        if old is None:
-            self.dense_bytes += self._rope.nbytes
-        else:
-            self.dense_bytes += self._rope.nbytes - old.nbytes
+        self.dense_bytes += self._rope.nbytes - (0 if old is None else old.nbytes)
 
-    def new_cache(self, capacity: int = 256) -> DeviceKVCache | LatentCache:
-        """An empty cache: a :class:`DeviceKVCache` reserving max(context_tokens, capacity) tokens in whole
-        pages (GQA), or a host LatentCache (MLA)."""
-        a = self.arch
+    def new_cache(self, capacity: int = 256) -> DeviceKVCache:
+        """An empty cache reserving max(context_tokens, capacity) tokens in whole pages: a
+        :class:`DeviceKVCache` (GQA) or a :class:`DeviceLatentCache` (MLA)."""
+        a, n = self.arch, max(self.context_tokens, int(capacity))
         if self._mla:
-            return LatentCache(a.n_layers, a.kv_lora_rank, a.qk_rope_head_dim)
-        return DeviceKVCache(self.be, a.n_layers, a.n_kv_heads, a.head_dim,
-                             max(self.context_tokens, int(capacity)))
+            return DeviceLatentCache(self.be, a.n_layers, a.qk_rope_head_dim, a.kv_lora_rank, n)
+        return DeviceKVCache(self.be, a.n_layers, a.n_kv_heads, a.head_dim, n)
 
-    def _check_cache(self, cache):
-        want = LatentCache if self._mla else DeviceKVCache
-        if not isinstance(cache, want) or (not self._mla and cache.backend is not self.be):
-            raise InputError(f"the device trunk needs a cache from Model.new_cache() ({want.__name__} on "
+    def _check_cache(self, cache) -> None:
+        want = DeviceLatentCache if self._mla else DeviceKVCache
+        if not isinstance(cache, want) or cache.backend is not self.be:
+            raise InputError(f"the trunk needs a cache from Model.new_cache() ({want.__name__} on "
                              f"{getattr(self.be, 'name', 'its backend')}), got {type(cache).__name__}")
 
-    # ---- the forward pass ------------------------------------------------------------------------
+    # ---- layers ----------------------------------------------------------------------------------
+    def _bias(self, y: DArray, key: str) -> DArray:
+        b = self.w.get(key)
+        return y if b is None else self.be.d_add(y, b)
+
     def _swiglu(self, x: DArray, prefix: str) -> DArray:
         be, w = self.be, self.w
         g, u = be.d_matmul_many(x, [w[prefix + "gate"], w[prefix + "up"]])  # [T, I] each, one launch on GPUs
         return be.d_matmul(be.d_silu_mul(g, u), w[prefix + "down"])  # [T, H]
 
-    def _attention(self, x: DArray, i: int, cache: DeviceKVCache, timed: bool) -> DArray:
-        """GQA self-attention of the normed x [T, H] on the device -> [T, H] (engine/attention.py)."""
+    def _attend(self, q: DArray, cache, i: int, k: DArray, v: DArray, scale: float, window: int,
+                timed: bool) -> DArray:
+        """Append this call's cache rows, then causal attention of q [T, Hq, d] -> [T, Hq·d] (timed on a
+        sampled GPU step)."""
+        be, t, pos0 = self.be, q.shape[0], cache.length
+        if timed:
+            be.synchronize()
+            t0 = time.perf_counter()
+        keys, values = cache.append(i, k, v)  # [C, Hkv, d] each, rows < pos0 + T valid
+        o = be.d_attention(q, keys, values, pos0 + t, pos0, scale, window)  # [T, Hq·d]
+        if timed:
+            be.synchronize()
+            self.attention_s += time.perf_counter() - t0
+        return o
+
+    def _gqa(self, x: DArray, i: int, cache: DeviceKVCache, timed: bool) -> DArray:
+        """GQA self-attention of the normed x [T, H] -> [T, H]."""
         be, a, w = self.be, self.arch, self.w
         p = f"layers.{i}.attn."
         t, nh, nkv, d, eps = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim, a.rms_norm_eps
         q, k, v = be.d_matmul_many(x, [w[p + n] for n in "qkv"])  # [T, nh·d], [T, nkv·d], [T, nkv·d]
-        q, k, v = (be.d_add(m, w[p + n + "_bias"]) if p + n + "_bias" in w else m
-                   for m, n in zip((q, k, v), "qkv"))
+        q, k, v = (self._bias(m, p + n + "_bias") for m, n in zip((q, k, v), "qkv"))
         if a.qk_norm == "full":  # OLMoE: one RMSNorm over the whole projection
             q, k = be.d_rmsnorm(q, w[p + "q_norm"], eps), be.d_rmsnorm(k, w[p + "k_norm"], eps)
         if a.clip_qkv is not None:  # rare option: a host round trip keeps the device ops few
@@ -208,30 +198,54 @@ class DeviceTrunk:
             q = be.d_rmsnorm(be.d_view(q, (t * nh, d)), w[p + "q_norm"], eps)
             k = be.d_rmsnorm(be.d_view(k, (t * nkv, d)), w[p + "k_norm"], eps)
         q, k, v = be.d_view(q, (t, nh, d)), be.d_view(k, (t, nkv, d)), be.d_view(v, (t, nkv, d))
-        pos0 = cache.length
         if a.rotary_dim:
-            q = be.d_rope(q, self._rope, pos0, a.rotary_dim, a.rope_interleave)
-            k = be.d_rope(k, self._rope, pos0, a.rotary_dim, a.rope_interleave)
+            q = be.d_rope(q, self._rope, cache.length, a.rotary_dim, a.rope_interleave)
+            k = be.d_rope(k, self._rope, cache.length, a.rotary_dim, a.rope_interleave)
         window = a.sliding_window if a.sliding_window and i in a.sliding_layers else 0
-        if timed:
-            be.synchronize()
-            t0 = time.perf_counter()
-        keys, values = cache.append(i, k, v)  # [C, nkv, d] each, rows < pos0 + T valid
-        o = be.d_attention(q, keys, values, pos0 + t, pos0, d ** -0.5, window)  # [T, nh·d]
-        if timed:
-            be.synchronize()
-            self.attention_s += time.perf_counter() - t0
-        y = be.d_matmul(o, w[p + "o"])  # [T, H]
-        return be.d_add(y, w[p + "o_bias"]) if p + "o_bias" in w else y
+        o = self._attend(q, cache, i, k, v, d ** -0.5, window, timed)  # [T, nh·d]
+        return self._bias(be.d_matmul(o, w[p + "o"]), p + "o_bias")  # [T, H]
+
+    def _mla_attn(self, x: DArray, i: int, cache: DeviceLatentCache, timed: bool) -> DArray:
+        """Weight-absorbed MLA self-attention of the normed x [T, H] -> [T, H] (module docstring)."""
+        be, a, w = self.be, self.arch, self.w
+        p = f"layers.{i}.attn."
+        t, nh, dn, dr, dv, r = (x.shape[0], a.n_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim,
+                                a.kv_lora_rank)
+        if a.q_lora_rank:  # q_a, the latent and the rope key read the same x: one launch on GPUs
+            qa, lat, kr = be.d_matmul_many(x, [w[p + "q_a"], w[p + "kv_a.latent"], w[p + "kv_a.rope"]])
+            qa = be.d_rmsnorm(self._bias(qa, p + "q_a_bias"), w[p + "q_a_norm"], LATENT_NORM_EPS)  # [T, Rq]
+            q = be.d_matmul(qa, w[p + "q_b"])  # [T, nh·(dn + dr)]
+        else:
+            q, lat, kr = be.d_matmul_many(x, [w[p + "q"], w[p + "kv_a.latent"], w[p + "kv_a.rope"]])
+        lat = be.d_rmsnorm(self._bias(lat, p + "kv_a.latent_bias"), w[p + "kv_a_norm"], LATENT_NORM_EPS)
+        kr = be.d_view(self._bias(kr, p + "kv_a.rope_bias"), (t, 1, dr))
+        kr = be.d_rope(kr, self._rope, cache.length, dr, a.rope_interleave)  # [T, 1, dr]: one key, all heads
+        query = be.d_head_matmul(be.d_view(q, (t, nh, dn + dr)), w[p + "absorb_q"])  # [T, nh, dr + R]
+        query = be.d_rope(query, self._rope, cache.length, dr, a.rope_interleave)
+        o = self._attend(query, cache, i, be.d_view(kr, (t, dr)), lat, mla_softmax_scale(a), 0, timed)
+        o = be.d_head_matmul(be.d_view(o, (t, nh, dr + r)), w[p + "absorb_o"])  # [T, nh, dv]: W_uv o_lat
+        return self._bias(be.d_matmul(be.d_view(o, (t, nh * dv)), w[p + "o"]), p + "o_bias")  # [T, H]
+
+    def _moe(self, x: DArray, i: int, sampled: bool) -> DArray:
+        """Routed + shared experts of MoE layer ``i`` on the normed x [T, H] -> [T, H]."""
+        be, a, m = self.be, self.arch, self.model
+        p = f"layers.{i}."
+        xh = be.d_get(x)  # [T, H] down once (a view on a host backend): router and top-k on the host
+        # the shared expert is queued first: a GPU runs it while the host runs the routed ones
+        shared = self._swiglu(x, p + "shared.") if a.shared_intermediate_size else None
+        if shared is not None and a.shared_expert_gate:  # Qwen2-MoE: sigmoid(x · w) per token
+            z = (xh @ m.dense[p + "shared_gate"].T)[:, 0]  # [T]
+            shared = be.d_scale_rows(shared, 1.0 / (1.0 + np.exp(-z)))
+        out = self._routed(x, xh, i, sampled)  # [T, H]
+        return out if shared is None else be.d_add(out, shared)
 
     def _routed(self, x: DArray, xh: np.ndarray, i: int, sampled: bool) -> DArray:
-        """The routed experts' weighted sum of MoE layer ``i`` on the device [T, H] (module docstring): x
-        [T, H] the normed hidden state on the device, xh its host copy."""
+        """The routed experts' weighted sum of MoE layer ``i`` on the device [T, H] (module docstring)."""
         be, a, m = self.be, self.arch, self.model
-        split = getattr(m.experts, "local_experts", None)
+        split = self._split
         T = x.shape[0]
         rows_op = getattr(be, "d_expert_ffn_rows", None)  # prefill's routed rows on the device (CUDA)
-        if split is None or (T != 1 and rows_op is None):  # all on the host
+        if split is None or (T != 1 and rows_op is None):  # all through the provider
             return be.d_put(routed_experts(xh, i, a, m.dense, m.experts, m.routing))
         uniq, tok_of, gates = route_tokens(xh, i, a, m.dense, m.routing)  # decode: tok_of[j] == [0]
         xs = [xh] * len(uniq) if T == 1 else [np.ascontiguousarray(xh[t]) for t in tok_of]  # [T_j, H] each
@@ -263,41 +277,25 @@ class DeviceTrunk:
             y = host if y is None else be.d_add(y, host)
         return y
 
+    # ---- the forward pass ------------------------------------------------------------------------
     def _run(self, ids: np.ndarray, cache) -> DArray:
-        """The decoder layers and the final norm on the device: final hidden states DArray [T, H]."""
+        """The decoder layers and the final norm: final hidden states DArray [T, H]."""
         be, a, m, w = self.be, self.arch, self.model, self.w
         self._check_cache(cache)
         t, eps = len(ids), a.rms_norm_eps
         check_dsa_context(a, cache.length, t)  # DSA beyond index_topk: refused before any work
-        if not self._mla:
-            cache.reserve(cache.length + t)  # whole pages, before layer 0 writes
-            if a.rotary_dim:
-                self._grow_rope(cache.capacity)
+        cache.reserve(cache.length + t)  # whole pages, before layer 0 writes
+        if a.rotary_dim:
+            self._grow_rope(cache.capacity)
         sampled = self._calls % self.attention_every == 0  # this call's device work is timed
-        timed = self.time_attention and not self._mla and sampled
+        timed = self.time_attention and sampled
+        attn = self._mla_attn if self._mla else self._gqa
         h = be.d_put(m.dense["embed"][ids])  # [T, H]: the embedding is gathered on the host
         for i in range(a.n_layers):
             p = f"layers.{i}."
-            xa = be.d_rmsnorm(h, w[p + "attn_norm"], eps)  # [T, H]
-            if self._mla:  # attention on the host (module docstring)
-                y = be.d_put(mla_attention(be.d_get(xa), i, a, m.dense, cache, m._inv_freq, m._absorb))
-            else:
-                y = self._attention(xa, i, cache, timed)
-            h = be.d_add(h, y)
+            h = be.d_add(h, attn(be.d_rmsnorm(h, w[p + "attn_norm"], eps), i, cache, timed))
             x = be.d_rmsnorm(h, w[p + "ffn_norm"], eps)  # [T, H]
-            if a.is_moe_layer(i):
-                xh = be.d_get(x)  # [T, H] down once: router and top-k on the host
-                # the shared expert is queued first: the device runs it while the host runs the routed ones
-                shared = self._swiglu(x, p + "shared.") if a.shared_intermediate_size else None
-                if shared is not None and a.shared_expert_gate:  # Qwen2-MoE: sigmoid(x · w) per token
-                    z = (xh @ m.dense[p + "shared_gate"].T)[:, 0]  # [T], from the host's x
-                    shared = be.d_scale_rows(shared, 1.0 / (1.0 + np.exp(-z)))
-                out = self._routed(x, xh, i, sampled)  # [T, H]
-                if shared is not None:
-                    out = be.d_add(out, shared)
-                h = be.d_add(h, out)
-            else:
-                h = be.d_add(h, self._swiglu(x, p + "ffn."))
+            h = be.d_add(h, self._moe(x, i, sampled) if a.is_moe_layer(i) else self._swiglu(x, p + "ffn."))
         cache.advance(t)
         if timed:
             self.attention_steps += 1

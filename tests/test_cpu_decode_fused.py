@@ -1,7 +1,7 @@
 """The CPU decode path's one-call shortcuts give the bits of the numpy formulas they replace: the cpu
-backend's ``rmsnorm_rows`` (numpy's pairwise Σx²), ``expert_ffn_sum`` (the experts' weighted sum in
-scatter_sum's float32 order), ``RamExperts.run_sum``, the stacked q/k head norms of ``attention`` and
-the one-token routing of ``routed_experts``."""
+backend's ``rmsnorm_rows`` (the numpy backend's ``d_rmsnorm``: numpy's pairwise Σx²), ``expert_ffn_sum``
+(the experts' weighted sum in scatter_sum's float32 order), ``RamExperts.run_sum`` and the one-token
+routing of ``routed_experts``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from colibri_plan.backends import get_backend
-from colibri_plan.engine.attention import KVCache, attention, rmsnorm, rope_inv_freq, stacked_qk_norm
 from colibri_plan.engine.moe import RamExperts, route_tokens, routed_experts, scatter_sum
 from colibri_plan.errors import InputError
 from colibri_plan.formats.arch import ArchConfig
@@ -30,13 +29,25 @@ def cpu():
     be.close()
 
 
+def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """The numpy backend's d_rmsnorm of x [N, H] with weight [H] or per row [N, H] (row by row)."""
+    be = get_backend("numpy").open(0)
+    try:
+        if w.ndim == 1:
+            return be.d_get(be.d_rmsnorm(be.d_put(x), be.d_put(w), eps))
+        return np.concatenate([be.d_get(be.d_rmsnorm(be.d_put(x[i:i + 1]), be.d_put(w[i]), eps))
+                               for i in range(x.shape[0])])
+    finally:
+        be.close()
+
+
 @pytest.mark.parametrize("hidden", [7, 8, 128, 129, 1000, 2048, 5120])
 def test_rmsnorm_rows_is_the_numpy_rmsnorm_bit_for_bit(cpu, hidden):
     rng = np.random.default_rng(hidden)
     x = (rng.standard_normal((5, hidden)) * 30).astype(np.float32)
     for shape in ((hidden,), (5, hidden)):
         w = rng.standard_normal(shape).astype(np.float32)
-        assert np.array_equal(_bits(cpu.rmsnorm_rows(x, w, 1e-6)), _bits(rmsnorm(x, w, 1e-6)))
+        assert np.array_equal(_bits(cpu.rmsnorm_rows(x, w, 1e-6)), _bits(_rmsnorm(x, w, 1e-6)))
     with pytest.raises(InputError, match="rmsnorm_rows"):
         cpu.rmsnorm_rows(x, np.ones(hidden + 1, np.float32), 1e-6)
 
@@ -118,23 +129,3 @@ def test_one_token_routed_experts_match_the_grouped_path(backend):
         with_sum.close()
     assert np.array_equal(_bits(got), _bits(want)) and np.abs(want).max() > 0
     assert uniq == sorted(uniq) and len(uniq) == 3
-
-
-@pytest.mark.parametrize("tokens", [1, 4])
-def test_stacked_qk_head_norms_give_the_per_projection_numbers(tokens):
-    arch = _arch(n_layers=1)
-    rng = np.random.default_rng(tokens)
-    d = {f"layers.0.attn.{n}": (rng.standard_normal(s) * 0.1).astype(np.float32)
-         for n, s in (("q", (256, 256)), ("k", (128, 256)), ("v", (128, 256)), ("o", (256, 256)),
-                      ("q_norm", (64,)), ("k_norm", (64,)))}
-    x0, x = (rng.standard_normal((n, 256)).astype(np.float32) for n in (1, tokens))
-    inv = rope_inv_freq(arch)
-    outs = []
-    for w in (None, stacked_qk_norm(arch, d, 0)):
-        cache = KVCache(1, 2, 64, 8)
-        attention(x0, 0, arch, d, cache, inv, None, w)
-        cache.advance(1)  # one earlier token, then this call's
-        outs.append((attention(x, 0, arch, d, cache, inv, None, w), cache.k[0][:, : 1 + tokens].copy()))
-    (y0, k0), (y1, k1) = outs
-    assert np.array_equal(_bits(y0), _bits(y1)) and np.array_equal(_bits(k0), _bits(k1))
-    assert stacked_qk_norm(_arch(qk_norm=None), d, 0) is None

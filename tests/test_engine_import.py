@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from colibri_plan.engine.forward import Model
-from colibri_plan.engine.moe import RamExperts, RoutingRecorder, moe_block, route
+from colibri_plan.engine.moe import RamExperts, RoutingRecorder, route, routed_experts
 from colibri_plan.engine.weights import InMemoryWeights, load_checkpoint
 from colibri_plan.errors import FormatError, InputError, UnsupportedError
 from colibri_plan.families import arch_from_config
@@ -95,10 +95,24 @@ class _Experts:
                 quantize(self.down[e], "f32"))
 
 
+def _swiglu(x, gate, up, down):
+    """The shared experts' SwiGLU through the numpy backend's device ops (what the trunk runs)."""
+    from colibri_plan.backends import get_backend
+    from colibri_plan.quant import quantize
+
+    be = get_backend("numpy").open(0)
+    try:
+        g, u = be.d_matmul_many(be.d_put(x), [be.upload(quantize(m, "f32")) for m in (gate, up)])
+        return be.d_get(be.d_matmul(be.d_silu_mul(g, u), be.upload(quantize(down, "f32"))))
+    finally:
+        be.close()
+
+
 @pytest.mark.parametrize("version", ["v3", "v2"])
 def test_deepseek_moe_block_matches_transformers(version):
     """Router (sigmoid + bias + groups, or softmax + group max) and the whole MoE block with shared
-    experts, against DeepseekV3MoE / DeepseekV2Moe on random inputs."""
+    experts (the engine's routed experts + the shared SwiGLU on device ops, summed as the trunk does),
+    against DeepseekV3MoE / DeepseekV2Moe on random inputs."""
     torch, tf = _torch()
     kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
               num_hidden_layers=2, num_attention_heads=2, n_shared_experts=2, num_experts_per_tok=3,
@@ -137,7 +151,9 @@ def test_deepseek_moe_block_matches_transformers(version):
                                np.take_along_axis(w_ref.numpy(), order, 1), rtol=1e-5)
     experts = RamExperts(_Experts(arch, g["experts.gate_up_proj"], g["experts.down_proj"]))
     rec = RoutingRecorder(arch)
-    y = moe_block(x[0].numpy(), layer, arch, dense, experts, rec)
+    xs = x[0].numpy()
+    shared = [dense[f"layers.{layer}.shared.{r}"] for r in ("gate", "up", "down")]
+    y = routed_experts(xs, layer, arch, dense, experts, rec) + _swiglu(xs, *shared)
     assert np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref) < 1e-5
     assert rec.counts.sum() == 24 * 3
 

@@ -5,8 +5,9 @@ Tiny seeded checkpoints (``_tiny_models.MLA_FAMILIES``; random weights, router g
 every token of the sequences compared, re-seeded otherwise): 32 greedy tokens identical, logits within
 1e-4 on the prefill and on every cached decode step (the weight-absorbed path), identical top-k per MoE
 layer; int8 packs identical in routing to their dequantized reference; YaRN; FP8 block-scaled
-checkpoints against their dequantized reference; the paged latent cache; the absorbed core; DSA contexts
-beyond index_topk refused before any work; the DSA indexer tensors packed as dense.
+checkpoints against their dequantized reference; the paged latent cache on the trunk's device; the
+absorbed weights against the expanded attention; DSA contexts beyond index_topk refused before any work;
+the DSA indexer tensors packed as dense.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import pytest
 from _tiny_models import MLA_FAMILIES, build_mla, greedy, logits, min_router_gap, record_router_ids
 
 from colibri_plan.engine.forward import Model
-from colibri_plan.engine.mla import PAGE_TOKENS, LatentCache, attention_absorb_ref, select_absorb
+from colibri_plan.engine.kv_device import DeviceLatentCache, latent_kv_bytes
+from colibri_plan.engine.trunk_weights import absorbed_weights
 from colibri_plan.engine.weights import InMemoryWeights, load_checkpoint
 from colibri_plan.errors import UnsupportedError
 from colibri_plan.families import plan_geometry
+from colibri_plan.formats.plan_trunk import PAGE_TOKENS
 from colibri_plan.quant import dequantize, quantize
 
 pytest.importorskip("torch", reason="torch is needed to build the reference models")
@@ -74,7 +77,7 @@ def _check_parity(hf, folder, want, family):
         cache = model.new_cache()
         got = np.concatenate([model.forward(seq[:16], cache)]
                              + [model.forward([t], cache) for t in seq[16:-1]])  # decode: absorbed path
-        assert isinstance(cache, LatentCache) and cache.length == len(seq) - 1
+        assert isinstance(cache, DeviceLatentCache) and cache.length == len(seq) - 1
         diff = float(np.abs(got - ref).max())
         assert diff < TOL, f"{family}: logits differ by {diff:.2e}"
         assert len(calls) == w.arch.n_moe_layers
@@ -156,57 +159,52 @@ def test_paged_latent_cache_crosses_pages_and_matches_the_planner(tiny):
     w = load_checkpoint(folder)
     a = w.arch
     with Model(w) as model:
-        cache = model.new_cache()
+        cache = model.new_cache(40)  # one 64-token page reserved, a second one added past it
         parts = [model.forward(seq[:40], cache)]
-        first_page = cache.pages[0][0]
+        assert cache.capacity == PAGE_TOKENS and cache.grown_pages == 0
         parts += [model.forward([t], cache) for t in seq[40:]]
     assert float(np.abs(np.concatenate(parts) - ref).max()) < TOL
-    assert cache.length == 90 and [len(p) for p in cache.pages] == [2] * a.n_layers  # 64-token pages
-    assert cache.pages[0][0] is first_page  # pages are appended, never reallocated
+    assert cache.length == 90 and cache.capacity == 2 * PAGE_TOKENS and cache.grown_pages == 1
     values = a.kv_lora_rank + a.qk_rope_head_dim
+    assert cache.k[0].shape == (2 * PAGE_TOKENS, 1, values) and cache.v is cache.k  # one row array: K = V
     assert cache.nbytes() == a.n_layers * 90 * values * 4
-    assert cache.allocated_bytes() == a.n_layers * 2 * PAGE_TOKENS * values * 4
+    assert cache.reserved_bytes == a.n_layers * 2 * PAGE_TOKENS * values * 4 == latent_kv_bytes(
+        a.n_layers, a.qk_rope_head_dim, a.kv_lora_rank, 90)
     geo = plan_geometry(json.loads((folder / "config.json").read_text()))
     assert geo.kv_values_per_layer == values == a.kv_values_per_token  # what the planner charges, per layer
 
 
-def test_absorbed_core_equals_the_expanded_attention():
+def test_absorbed_weights_equal_the_expanded_attention():
+    """[q_rope | W_ukᵀ q_nope] scored against rows [k_rope | latent] by d_attention (one kv head), then
+    W_uv per head: the expanded per-head keys and values, on the numpy backend's device ops."""
+    from types import SimpleNamespace
+
+    from colibri_plan.backends import get_backend
+
     rng = np.random.default_rng(1)
     nh, dn, dv, r, dr, t = 3, 6, 5, 7, 4, 9
-    w_uk, w_uv = rng.standard_normal((nh, dn, r)), rng.standard_normal((nh, dv, r))
-    q_nope, q_rope = rng.standard_normal((nh, dn)), rng.standard_normal((nh, dr))
+    arch = SimpleNamespace(n_heads=nh, qk_nope_head_dim=dn, qk_rope_head_dim=dr, v_head_dim=dv,
+                           kv_lora_rank=r)
+    kv_b = rng.standard_normal((nh * (dn + dv), r)).astype(np.float32)
+    w_uk, w_uv = kv_b.reshape(nh, dn + dv, r)[:, :dn], kv_b.reshape(nh, dn + dv, r)[:, dn:]
+    q = rng.standard_normal((1, nh, dn + dr)).astype(np.float32)  # one query token at position t - 1
     latent, k_rope = rng.standard_normal((t, r)), rng.standard_normal((t, dr))
     k_nope, v = np.einsum("hdr,tr->htd", w_uk, latent), np.einsum("hvr,tr->htv", w_uv, latent)
-    s = 0.3 * (np.einsum("hd,htd->ht", q_nope, k_nope) + q_rope @ k_rope.T)
+    s = 0.3 * (np.einsum("hd,htd->ht", q[0, :, :dn], k_nope) + q[0, :, dn:] @ k_rope.T)
     p = np.exp(s - s.max(1, keepdims=True))
     want = np.einsum("ht,htv->hv", p / p.sum(1, keepdims=True), v)  # expanded: per-head keys and values
-    q_abs = np.einsum("hd,hdr->hr", q_nope, w_uk)
-    o_lat = attention_absorb_ref(q_abs.astype(np.float32), q_rope.astype(np.float32),
-                                 latent.astype(np.float32), k_rope.astype(np.float32), 0.3)
-    assert o_lat.dtype == np.float32 and o_lat.shape == (nh, r)
-    np.testing.assert_allclose(np.einsum("hvr,hr->hv", w_uv, o_lat), want, rtol=1e-4, atol=1e-5)
-
-
-def test_absorbed_core_comes_from_the_backend_when_it_has_one():
-    calls = []
-
-    class Kernel:
-        def attention_absorb(self, *args):
-            calls.append(args)
-            return attention_absorb_ref(*args)
-
-    class NoKernel:
-        def attention_absorb(self, *args):
-            raise UnsupportedError("no attention_absorb kernel")
-
-    class Wrong:
-        def attention_absorb(self, q_abs, *args):
-            return np.zeros_like(q_abs)
-
-    kernel = Kernel()
-    assert select_absorb(kernel) == kernel.attention_absorb and calls  # probed once, then used
-    for backend in (None, object(), NoKernel(), Wrong()):
-        assert select_absorb(backend) is attention_absorb_ref
+    aq, ao = absorbed_weights(arch, kv_b)
+    assert aq.shape == (nh, dr + r, dn + dr) and ao.shape == (nh, dv, dr + r)
+    be = get_backend("numpy").open(0)
+    try:
+        query = be.d_head_matmul(be.d_put(q), be.d_put(aq))  # [1, nh, dr + R]
+        np.testing.assert_array_equal(be.d_get(query)[0, :, :dr], q[0, :, dn:])  # the rope part, exactly
+        rows = be.d_put(np.concatenate([k_rope, latent], axis=1)[:, None, :])  # [T, 1, dr + R]
+        o = be.d_attention(query, rows, rows, t, t - 1, 0.3)  # [1, nh·(dr + R)]
+        got = be.d_get(be.d_head_matmul(be.d_view(o, (1, nh, dr + r)), be.d_put(ao)))[0]  # [nh, dv]
+    finally:
+        be.close()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_int8_pack_routes_as_its_dequantized_reference(tiny, tmp_path):
@@ -289,8 +287,9 @@ def test_fp8_dequantization_of_128_blocks_matches_torch():
     np.testing.assert_array_equal(dequant_blocks(w8.view(torch.uint8).numpy(), scale.numpy()), want.numpy())
 
 
-def test_decode_runs_on_the_cpu_backend_absorb_kernel(tiny):
-    """With experts on the compiled "cpu" backend, MLA decode calls its attention_absorb kernel."""
+def test_mla_runs_on_the_cpu_backend_trunk(tiny):
+    """With experts on the compiled "cpu" backend, the trunk (MLA attention and its latent cache) runs on
+    that same backend's device ops (its numba attention kernel), matching transformers."""
     from colibri_plan.backends import get_backend
 
     reason = get_backend("cpu").unavailable_reason()
@@ -300,8 +299,9 @@ def test_decode_runs_on_the_cpu_backend_absorb_kernel(tiny):
     seq = PROMPT[:16] + want
     ref = logits(hf, seq[:-1])
     with Model(load_checkpoint(folder), backend_name="cpu") as model:
-        assert getattr(model._absorb, "__self__", None) is model.experts.backend  # the kernel, not the ref
+        assert model.trunk.be is model.experts.backend and model.trunk.be.name == "cpu"
         cache = model.new_cache()
+        assert cache.backend is model.experts.backend
         got = np.concatenate([model.forward(seq[:16], cache)]
                              + [model.forward([t], cache) for t in seq[16:-1]])
         assert float(np.abs(got - ref).max()) < TOL

@@ -121,16 +121,20 @@ def test_a_host_cache_is_refused_by_the_device_trunk(models):
             model.forward(PROMPT, host.new_cache())
 
 
-def test_mla_runs_with_attention_on_the_host(tmp_path):
+def test_mla_runs_with_attention_and_its_latent_cache_on_the_device(tmp_path):
     seed, router_std = MLA_SEEDS["deepseek_v3"]
     build_mla("deepseek_v3", tmp_path, seed=seed, router_std=router_std)
     w = load_checkpoint(tmp_path)
+    a = w.arch
     with Model(w) as ref:
         want_ids, want_logits = ref.generate(PROMPT, N_TOKENS), ref.forward(PROMPT)
     be = get_backend("numpy").open(0)
-    with Model(w, trunk_backend=be) as model:
-        assert trunk_kv_bytes(w.arch, 4096) == 0   # the latent cache stays on the host
-        assert not any(k.endswith(("attn.kv_a", "attn.q_a")) for k in model.trunk.w)
+    with Model(w, trunk_backend=be, context_tokens=8) as model:
+        # the latent cache [k_rope | latent] lives on the trunk's device: 64 rows per layer at 4 B a value
+        assert trunk_kv_bytes(a, 8) == a.n_layers * 64 * (a.qk_rope_head_dim + a.kv_lora_rank) * 4
+        assert all(f"layers.{i}.attn.{n}" in model.trunk.w for i in range(a.n_layers)
+                   for n in ("kv_a.latent", "kv_a.rope", "absorb_q", "absorb_o", "o"))
+        assert model.trunk.dense_bytes == trunk_dense_bytes(a, w.dense, 8)
         assert model.generate(PROMPT, N_TOKENS) == want_ids
         _close(model.forward(PROMPT), want_logits)
 

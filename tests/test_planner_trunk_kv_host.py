@@ -1,7 +1,6 @@
-"""What a KV cache in RAM costs as the engine holds it (a CPU trunk's, and an MLA latent cache kept on the
-host): float32, through the one constant the engine builds its host caches' dtype from
-(formats/plan_trunk.py ``HOST_KV_BYTES_PER_VALUE``, engine/attention.py, engine/mla.py,
-planner/budgets.py, planner/trunk.py). Every figure below is worked out by hand in its comment."""
+"""What a KV cache in RAM costs as the engine holds it (a CPU trunk's: the trunk's DeviceKVCache /
+DeviceLatentCache on a host backend, float32), priced with formats/plan_trunk.py ``HOST_KV_BYTES_PER_VALUE``
+(planner/budgets.py, planner/trunk.py). Every figure below is worked out by hand in its comment."""
 
 from __future__ import annotations
 
@@ -10,8 +9,8 @@ import dataclasses
 import numpy as np
 from _solver_fixtures import toy_profile, toy_spec
 
-from colibri_plan.engine.attention import HOST_KV_DTYPE, KVCache
-from colibri_plan.engine.mla import LatentCache
+from colibri_plan.backends import get_backend
+from colibri_plan.engine.kv_device import DeviceKVCache, DeviceLatentCache
 from colibri_plan.formats.coefficients import Coefficients
 from colibri_plan.formats.plan_trunk import HOST_KV_BYTES_PER_VALUE, host_kv_bytes_per_token
 from colibri_plan.planner.budgets import ram_budget, ram_kv_bytes_per_token, resources_from_profile
@@ -20,28 +19,33 @@ from colibri_plan.planner.trunk import device_figures, trunk_options
 
 
 def _cache_bytes(arrays) -> int:
-    return sum(a.nbytes for a in arrays)
+    return sum(a.buf.nbytes for a in {id(a): a for a in arrays}.values())  # each array once
+
+
+def _host():
+    return get_backend("numpy").open(0)
 
 
 def test_gqa_host_cache_bytes_per_token_match_the_planners_price():
     # 3 layers, 2 kv heads of dim 8: a bf16 spec counts 2 (K, V) · 3 · 2 · 8 · 2 B = 192 B per token;
     # the engine's float32 cache holds 2 · 3 · 2 · 8 · 4 B = 384 B
-    assert HOST_KV_BYTES_PER_VALUE == 4 and HOST_KV_DTYPE.itemsize == HOST_KV_BYTES_PER_VALUE
+    cache = DeviceKVCache(_host(), n_layers=3, n_kv_heads=2, head_dim=8, context_tokens=10)
+    assert HOST_KV_BYTES_PER_VALUE == 4 and cache.k[0].buf.dtype.itemsize == HOST_KV_BYTES_PER_VALUE
     assert host_kv_bytes_per_token(192) == 384
     assert host_kv_bytes_per_token(192, "gguf: /m.gguf") == 384
     assert host_kv_bytes_per_token(192, "catalogue: m") == 384
     assert host_kv_bytes_per_token(384, "pack: /tmp/fixture") == 384      # an arch-built spec is float32
-    cache = KVCache(n_layers=3, n_kv_heads=2, head_dim=8, capacity=10)
-    assert _cache_bytes(cache.k + cache.v) == 10 * 384                    # 10 tokens of capacity
+    assert _cache_bytes(cache.k + cache.v) == 64 * 384                    # one 64-token page of capacity
 
 
 def test_mla_latent_cache_bytes_per_token_match_the_planners_price():
     # 2 layers, kv_lora_rank 16 + rope dim 4: a bf16 spec counts 2 · (16 + 4) · 2 B = 80 B per token;
     # the engine's float32 latent pages hold 2 · (16 + 4) · 4 B = 160 B
-    cache = LatentCache(n_layers=2, kv_lora_rank=16, rope_dim=4, page_tokens=64)
+    be = _host()
+    cache = DeviceLatentCache(be, n_layers=2, rope_dim=4, rank=16, context_tokens=1, page_tokens=64)
     for layer in range(2):
-        cache.append(layer, np.ones((1, 16), np.float32), np.ones((1, 4), np.float32))   # one token
-    held = _cache_bytes([p for pages in cache.pages + cache.rope_pages for p in pages])
+        cache.append(layer, be.d_put(np.ones((1, 4), np.float32)), be.d_put(np.ones((1, 16), np.float32)))
+    held = _cache_bytes(cache.k + cache.v)                                 # K and V are one array
     assert held == 64 * 160                                                # one 64-token page per layer
     assert host_kv_bytes_per_token(80) == 160
 
