@@ -52,6 +52,7 @@ from colibri_plan.model import load_model_spec
 from colibri_plan.planner.baselines import fit_layers, hot_first
 from colibri_plan.planner.calibrate import fit_coefficients
 from colibri_plan.planner.make import build_setup, cost_of, plan_document
+from colibri_plan.planner.options import SolveOptions
 from colibri_plan.planner.solve import solve_placement, validate_placement
 from colibri_plan.verify import compare
 
@@ -65,8 +66,8 @@ def log(msg: str) -> None:
 
 def plans_at(profile, spec, heat, ram_gb: float, coef, context: int) -> tuple:
     """(setup, {name: plan}) at one RAM budget: ours and the baselines, same setup for all."""
-    setup = build_setup(profile, spec, heat, ram=f"{ram_gb:g}", dense_fmt="f32", context_tokens=context,
-                        coef=coef)
+    setup = build_setup(profile, spec, heat, SolveOptions(ram=f"{ram_gb:g}", dense_fmt="f32",
+                                                          context_tokens=context, coef=coef))
     sol = solve_placement(setup.problem)
     out = {"ours": plan_document(setup, profile, sol.tiers, sol.lru_slots,
                                  {"status": sol.status, "method": sol.method, "seconds": sol.seconds})}

@@ -96,14 +96,16 @@ def test_options_are_priced_from_the_measured_layer_when_the_profile_has_one():
 def test_experts_on_the_trunks_own_gpu_need_no_transfer():
     from colibri_plan.planner.costmodel import GpuResource, transfer_seconds
     from colibri_plan.planner.make import make_plan
+    from colibri_plan.planner.options import SolveOptions
 
     g = GpuResource("cuda:0", 100.0, 25.0, 25.0, link_latency_s=10e-6)
     assert transfer_seconds(g, 8192) == pytest.approx(2 * 8192 / 25e9 + 2 * 10e-6)
     assert transfer_seconds(GpuResource("cuda:0", 100.0, 25.0, 25.0, holds_trunk=True), 8192) == 0.0
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
     prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": 2_300_000_000}], ram_available_bytes=3 * 10**9)
-    on_cpu, _, _ = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="cpu")
-    on_gpu, _, setup = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="cuda:0")
+    on_cpu, _, _ = make_plan(prof, spec, None, SolveOptions(ram="2", context_tokens=100, trunk="cpu"))
+    on_gpu, _, setup = make_plan(prof, spec, None,
+                                 SolveOptions(ram="2", context_tokens=100, trunk="cuda:0"))
     assert on_cpu.doc["predicted"]["terms"]["transfer_s"] > 0          # the GPU holds experts of layers
     assert on_gpu.doc["predicted"]["terms"]["transfer_s"] == 0.0
     assert [g.holds_trunk for g in setup.res.gpus] == [True]

@@ -51,6 +51,7 @@ from colibri_plan.planner.costmodel import (
     miss_seconds,
     verify_seconds,
 )
+from colibri_plan.planner.options import DEFAULTS
 from colibri_plan.planner.path_rows import gpu_expert_seconds, solver_host_seconds
 from colibri_plan.planner.quiet import no_native_stdout
 
@@ -312,14 +313,13 @@ def _solve_large(problem: Problem, miss: np.ndarray, time_limit_s: float):
     return tiers, slots, cost, "feasible (count-and-mass bound)", g
 
 
-def solve_placement(problem: Problem, time_limit_s: float = 30.0, gap: float = 1e-9,
-                    lru_iterations: int = 2, method: str = "auto") -> Solution:
+def solve_placement(problem: Problem, time_limit_s: float = DEFAULTS.time_limit_s, gap: float = 1e-9,
+                    lru_iterations: int = 2, method: str = DEFAULTS.method) -> Solution:
     """Minimise expected decode seconds per token over placements within the budgets.
 
-    ``method``: "exact" (expert-level MILP), "aggregate" (count-and-mass LP + realisation, with a
-    certified gap; :mod:`colibri_plan.planner.aggregate`) or "auto" (exact up to
-    EXACT_MAX_BINARIES binaries; when HiGHS stops at the time limit, the count-and-mass placement too,
-    keeping the better).
+    ``method``: "exact" (expert-level MILP), "aggregate" (count-and-mass LP + realisation, with a certified
+    gap; :mod:`colibri_plan.planner.aggregate`) or "auto" (exact up to EXACT_MAX_BINARIES binaries; when
+    HiGHS stops at the time limit, the count-and-mass placement too, keeping the better).
 
     Returns a :class:`Solution` whose placement passed :func:`validate_placement`.
 
