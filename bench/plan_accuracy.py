@@ -54,6 +54,7 @@ from colibri_plan.planner.calibrate import fit_coefficients
 from colibri_plan.planner.make import build_setup, cost_of, plan_document
 from colibri_plan.planner.options import SolveOptions
 from colibri_plan.planner.solve import solve_placement, validate_placement
+from colibri_plan.run_options import RunOptions
 from colibri_plan.verify import compare
 
 PLACEMENTS = {"ours": None, "hot-first": hot_first, "fit-layers": fit_layers}
@@ -86,7 +87,7 @@ def placement_key(plan) -> str:
 
 def measure(pack, plan, prompt, tokens: int) -> dict:
     # + the prefill token; reads with the plan's queue depth, as `run --plan` does
-    return generate(pack, prompt, tokens + 1, plan=plan, backend="cpu").to_dict()
+    return generate(pack, prompt, RunOptions(tokens=tokens + 1, backend="cpu"), plan=plan).to_dict()
 
 
 def step_tok_s(run: dict) -> float:
