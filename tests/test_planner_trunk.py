@@ -24,18 +24,19 @@ from colibri_plan.planner.trunk import (
     trunk_options,
     trunk_seconds,
 )
+from colibri_plan.planner.trunk_layer import TrunkWork
 
 GPU = {"gbps": 60.0, "free_bytes": 2_060_000_000}
 
 
 def test_trunk_seconds_by_hand():
     fig = TrunkFigures("cuda:0", dense_gbps=100.0, op_s=1e-6, roundtrip_s=20e-6, kv_gbps=((0, 50.0),))
-    dense, attn, rt = trunk_seconds(fig, 10**9, n_layers=10, n_moe_layers=5, context_tokens=1000,
-                                    kv_bytes_per_token=1000, ops_per_layer=10)
+    work = TrunkWork(10**9, n_layers=10, n_moe_layers=5, context_tokens=1000, kv_bytes_per_token=1000)
+    dense, attn, rt = trunk_seconds(fig, work, ops_per_layer=10)
     assert rt == pytest.approx(5 * 20e-6)                         # 5 MoE layers x one round trip
     assert dense == pytest.approx(0.01 + 10 * 10 * 1e-6 + 1e-4)   # 1 GB at 100 GB/s + 100 ops + round trips
     assert attn == pytest.approx(1000 * 1000 / 50e9)
-    d2, a2, _ = trunk_seconds(fig, 10**9, 10, 5, 1000, 1000, 10, c_dense=2.0, c_attention=3.0)
+    d2, a2, _ = trunk_seconds(fig, TrunkWork(10**9, 10, 5, 1000, 1000), 10, c_dense=2.0, c_attention=3.0)
     assert d2 == pytest.approx(0.02 + 1e-4 + 1e-4) and a2 == pytest.approx(3 * attn)
 
 

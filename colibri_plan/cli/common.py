@@ -36,27 +36,30 @@ def json_option(f):
                         help="Print one JSON document on stdout.")(f)
 
 
-def options_arg(cls, name: str = "opts"):
-    """Decorator of a click command (put it next to ``def``): the parameters whose names are fields of the
-    frozen dataclass ``cls`` reach the command as one ``cls`` argument ``name``; the others as themselves.
-    Click options name their destination after the field (``--context`` -> ``context_tokens``) and take
-    their default from ``cls()``, or are None when left out: the field then keeps its default. So each
-    default is written once, in ``cls``."""
-    import dataclasses
+def collect_arg(names, name: str, build: Callable):
+    """Decorator of a click command (put it next to ``def``): the parameters named in ``names`` reach the
+    command as one argument ``name`` = ``build(**those not None)``; the others as themselves."""
     import functools
-
-    names = {f.name for f in dataclasses.fields(cls)}
 
     def wrap(fn):
         @functools.wraps(fn)
         def command(**given):
             own = {k: given.pop(k) for k in list(given) if k in names}
-            own = {k: v for k, v in own.items() if v is not None}   # left out: the field's default
-            return fn(**{name: cls(**own)}, **given)
+            return fn(**{name: build(**{k: v for k, v in own.items() if v is not None})}, **given)
 
         return command
 
     return wrap
+
+
+def options_arg(cls, name: str = "opts"):
+    """:func:`collect_arg` for the frozen dataclass ``cls``: its fields' parameters reach the command as one
+    ``cls``. Click options name their destination after the field (``--context`` -> ``context_tokens``)
+    and take their default from ``cls()``, or are None when left out: the field then keeps its default.
+    So each default is written once, in ``cls``."""
+    import dataclasses
+
+    return collect_arg({f.name for f in dataclasses.fields(cls)}, name, cls)
 
 
 def get_ctx() -> Ctx:
