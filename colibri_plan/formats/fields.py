@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -108,8 +109,9 @@ def shown(value: Any, limit: int = 60, python: bool = False) -> str:
 
 
 def is_number(v: Any) -> bool:
-    """A finite JSON number: int or float, not a bool, not NaN or infinite (an int beyond a float is not)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    """A finite number: a JSON int or float (a numpy one too), not a bool, not NaN or infinite (an integer
+    too large for a float is not)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
         return False
     try:
         return math.isfinite(v)
@@ -118,10 +120,11 @@ def is_number(v: Any) -> bool:
 
 
 def is_whole(v: Any, integral_floats: bool = False) -> bool:
-    """A JSON whole number: an int (not a bool), or with ``integral_floats`` a finite float like 3.0."""
+    """A whole number: an int (a numpy one too; not a bool), or with ``integral_floats`` a finite float
+    like 3.0."""
     if isinstance(v, bool):
         return False
-    return isinstance(v, int) or (integral_floats and isinstance(v, float) and v.is_integer())
+    return isinstance(v, numbers.Integral) or (integral_floats and isinstance(v, float) and v.is_integer())
 
 
 def _get(container, key, at: At, optional: bool):
