@@ -39,6 +39,7 @@ import dataclasses
 from datetime import datetime, timezone
 
 from colibri_plan.fileio import fingerprint
+from colibri_plan.formats.fields import is_number, is_whole
 from colibri_plan.formats.report import (  # noqa: F401 - the report file's readers, re-exported
     HIT_TIERS,
     KIND,
@@ -99,7 +100,7 @@ def context_warning(plan, context_tokens: int) -> str | None:
     past the bytes the plan set aside (in VRAM for a GPU trunk). None when it fits or the plan says none."""
     kv = (plan.doc.get("trunk") or {}).get("kv") or {}
     planned = kv.get("context_tokens", (plan.doc.get("budgets") or {}).get("context_tokens"))
-    if not isinstance(planned, int) or isinstance(planned, bool) or context_tokens <= planned:
+    if not is_whole(planned) or context_tokens <= planned:
         return None
     where = kv.get("device") or "cpu"
     return (f"this run's context ({context_tokens} tokens: prompt + new tokens) passes the {planned} the "
@@ -134,7 +135,7 @@ def predicted_trunk(predicted) -> dict | None:
 
 
 def _num(v) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return float(v) if is_number(v) else None
 
 
 def _trunk_rows(predicted, p: RunReport, m: RunReport) -> list[tuple]:
