@@ -9,7 +9,8 @@ An :class:`At` is a place in a document (``at / "disk" / "random" / 2`` is ``dis
 readers take the container, the key and the container's place, return the value, and raise
 :class:`~colibri_plan.errors.FormatError`. JSON rules: a bool is never a number, NaN and the
 infinities are never finite (nor an integer too large for a float), and a value is shown as JSON
-(``NaN``, ``true``, ``"x"``, ``null``), cut at 60 characters.
+(``NaN``, ``true``, ``"x"``, ``null``; or as Python's ``repr`` where a document's messages always did),
+cut at 60 characters.
 """
 
 from __future__ import annotations
