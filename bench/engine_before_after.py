@@ -86,10 +86,9 @@ class Worker:
     """One warm engine process of an install, answering one JSON request per line."""
 
     def __init__(self, python: str, pack: Path, backend: str, context: int):
-        env = dict(os.environ)
-        env.pop("PYTHONPATH", None)  # each install imports its own colibri_plan
+        # cwd "/": each install imports its own colibri_plan, not the source tree's
         self.p = subprocess.Popen([python, "-c", WORKER, str(pack.resolve()), backend, str(context)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd="/")
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
         self.info = json.loads(self.p.stdout.readline())
 
     def ask(self, req: dict) -> dict:

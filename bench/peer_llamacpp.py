@@ -10,7 +10,9 @@ Steps (files cached under ``--work``):
    tokenizer (llama.cpp's GGUF needs one; prompts are token ids, so the tokenizer is never used);
 2. GGUF f16 with llama.cpp's converter, then Q8_0 and Q4_0 with ``llama_cpp.llama_model_quantize``
    (``pure``: every matrix in the type, as ours); our packs: int8 experts + int8 dense, int4-g32 experts
-   + int4-g32 dense (Q4_0 is int4 in blocks of 32 with one scale per block);
+   + int4-g32 dense (Q4_0 is int4 in blocks of 32 with one scale per block). Stored bits per weight
+   (``bits_per_weight``, printed and written per pair): int8 8.021 (8 + a float32 scale per row) against
+   Q8_0 8.5, int4-g32 5.0 (a float32 scale per 32) against Q4_0 4.5 (a float16 scale per 32);
 3. per format pair, two warm worker processes (ours in this venv on the ``cpu`` backend, llama.cpp in
    ``--lcp-python`` with ``n_threads = n_threads_batch = --threads``; both ``OMP_WAIT_POLICY=passive``;
    ``OPENBLAS_NUM_THREADS=--threads`` for both unless ``--ours-blas-threads``: the engine itself holds
@@ -43,6 +45,30 @@ SIZES = dict(vocab_size=8192, hidden_size=2048, num_hidden_layers=8, num_attenti
              num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=1024,
              num_experts=32, num_experts_per_tok=8)
 PAIRS = {"int8": ("int8", "Q8_0"), "int4": ("int4-g32", "Q4_0")}  # ours (experts = dense) vs llama.cpp
+#: llama.cpp block formats: bytes per block of 32 weights (32 codes + one float16 scale)
+GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}
+
+
+def quantized_shapes(sizes: dict = SIZES) -> list[tuple[int, int]]:
+    """[out, in] of every matrix our pack stores in the pair's format (dense_format = expert format):
+    per layer q/k/v/o and each expert's gate/up/down, then the LM head; the embedding, norms and routers
+    stay float32 (engine/dense_quant.py)."""
+    h, i, hd = sizes["hidden_size"], sizes["moe_intermediate_size"], sizes["head_dim"]
+    q, kv = sizes["num_attention_heads"] * hd, sizes["num_key_value_heads"] * hd
+    layer = [(q, h), (kv, h), (kv, h), (h, q)] + [(i, h), (i, h), (h, i)] * sizes["num_experts"]
+    return layer * sizes["num_hidden_layers"] + [(sizes["vocab_size"], h)]
+
+
+def bits_per_weight(fmt: str, sizes: dict = SIZES) -> float:
+    """Stored bits per weight of ``fmt`` over :func:`quantized_shapes`: ours from ``quant.tensor_bytes``
+    (codes plus float32 scales: int8 one per row, so 8 + 32/in; int4-g32 one per 32 weights, 5.0), a GGUF
+    block format from its block (Q8_0 34 B / 32 = 8.5, Q4_0 18 B / 32 = 4.5)."""
+    if fmt in GGUF_BLOCK_BYTES:
+        return 8 * GGUF_BLOCK_BYTES[fmt] / 32
+    from colibri_plan.quant import tensor_bytes
+
+    shapes = quantized_shapes(sizes)
+    return 8 * sum(tensor_bytes(fmt, o, c) for o, c in shapes) / sum(o * c for o, c in shapes)
 
 
 def log(msg: str) -> None:
@@ -305,6 +331,8 @@ def run_pair(a, key: str, pack: Path, gguf: Path, prompts: dict, env: dict) -> d
         ours.close()
         theirs.close()
     res: dict = {"ours_format": PAIRS[key][0], "llama_format": PAIRS[key][1],
+                 "bits_per_weight": {"ours": bits_per_weight(PAIRS[key][0]),
+                                     "llama": bits_per_weight(PAIRS[key][1])},
                  "ours_worker": {k: v for k, v in ours.info.items() if k != "ready"},
                  "ours_pack_bytes": sum(f.stat().st_size for f in pack.rglob("*") if f.is_file()),
                  "llama_gguf_bytes": gguf.stat().st_size, "metrics": {}}
@@ -408,6 +436,8 @@ def report(results: dict, ref: dict, a, load0, load1) -> None:
             ratios = " ".join(f"{x:.2f}" for x in mm["ratio"]["runs"])
             print(f"{name:16} {m.replace('_s', '').replace('_tok', ''):12} {fmt(mm['ours']):>22} "
                   f"{fmt(mm['llama']):>22}   {mm['ratio']['median']:.2f} ({ratios})")
+        print(f"{'':16} bits per weight (quantized matrices): ours {bits_per_weight(r['ours_format']):.3f}, "
+              f"llama.cpp {bits_per_weight(r['llama_format']):.3f}")
         ag = r["agreement_with_transformers"]
         print(f"{'':16} greedy tokens vs transformers fp32 (first {a.check_tokens}): ours "
               f"{ag['ours']['same']} same, {ag['ours']['leading']} leading; llama.cpp "

@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 mode=${1:-runtime}
 PY=${PYTHON:-python3}
 
-debs=(pocl-opencl-icd ocl-icd-libopencl1 mesa-vulkan-drivers libvulkan1 glslang-tools fio)
+# vulkan-validationlayers: the Khronos layer the Vulkan synchronization-validation test runs under
+debs=(pocl-opencl-icd ocl-icd-libopencl1 mesa-vulkan-drivers libvulkan1 vulkan-validationlayers glslang-tools fio)
 # headless Chromium renders the `colibri-plan report` page in tests/test_report_page.py (tests only)
 if [ "$mode" = test ]; then debs+=(chromium); fi
 command -v "$PY" >/dev/null 2>&1 || debs+=(python3)
@@ -25,9 +26,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   else
     echo "setup: missing Debian packages: ${missing[*]}" >&2
     echo "setup: without pocl-opencl-icd/ocl-icd-libopencl1 the OpenCL backend is unavailable;" \
-         "without mesa-vulkan-drivers/libvulkan1 the Vulkan backend is; without glslang-tools the" \
+         "without mesa-vulkan-drivers/libvulkan1 the Vulkan backend is; without vulkan-validationlayers" \
+         "the Vulkan synchronization-validation test skips; without glslang-tools the" \
          "SPIR-V check is skipped; without fio bench/profile_vs_fio.py cannot run; without chromium" \
-         "the report page's browser check is skipped." >&2
+         "the report page's browser check is skipped. Under CI=true (or COLIBRI_REQUIRE_BACKENDS) the" \
+         "tests fail instead of skipping a missing OpenCL/Vulkan backend or the validation layer." >&2
   fi
 fi
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from _cli_fixtures import good_plan, tiny_pack_folder, toy_plan
+from _require import pytest_sessionstart  # noqa: F401 - the hook: CI fails on a missing required backend
 
 
 @pytest.fixture(scope="module")

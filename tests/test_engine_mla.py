@@ -107,6 +107,7 @@ DSA = ("deepseek_v32", "glm_moe_dsa")
 @pytest.mark.parametrize("name", DSA)
 def test_dsa_context_beyond_index_topk_is_refused_before_any_work(tmp_path, name):
     from colibri_plan.engine.runner import generate
+    from colibri_plan.run_options import RunOptions
 
     build_mla(name, tmp_path, index_topk=8)
     w = load_checkpoint(tmp_path)
@@ -125,7 +126,7 @@ def test_dsa_context_beyond_index_topk_is_refused_before_any_work(tmp_path, name
         assert len(seen) == 4  # contexts 5..8 ran: 5 prompt + 3 fed tokens, 4 new tokens
         assert model.generate(PROMPT[:5], 4) == seen  # within index_topk: runs
     with pytest.raises(UnsupportedError, match="use contexts up to 8"):  # run / verify: prompt + tokens
-        generate(w, PROMPT[:5], 4, backend="numpy")
+        generate(w, PROMPT[:5], RunOptions(tokens=4, backend="numpy"))
 
 
 def test_dsa_indexer_is_packed_as_dense(tiny, tmp_path):

@@ -12,6 +12,7 @@ from _text_models import train_tokenizer, write_text_checkpoint
 from colibri_plan.engine import runner
 from colibri_plan.engine.pack_text import open_text
 from colibri_plan.engine.sampling import SamplingParams, make_sampler
+from colibri_plan.run_options import RunOptions
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed (pip install -e '.[test]')")
 
@@ -39,7 +40,7 @@ def engine_text(pack_dir, ids, n, params=SamplingParams()):
     w = runner.open_weights(pack_dir)
     try:
         codec = open_text(w)
-        rep = runner.generate(w, ids, n, backend="numpy", sample=make_sampler(params),
+        rep = runner.generate(w, ids, RunOptions(tokens=n, backend="numpy"), sample=make_sampler(params),
                               stop_ids=codec.stop_ids)
         return codec.decode(rep.tokens), rep.tokens
     finally:

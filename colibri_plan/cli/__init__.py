@@ -29,6 +29,7 @@ COMMANDS = {
     "heat": ("heat", "heat", "Routing statistics (expert heat)."),
     "plan": ("plan", "plan", "Inspect plan files."),
     "export": ("export", "export", "Export a plan for colibri or llama.cpp."),
+    "ep": ("ep", "ep", "Expert placement over GPUs and nodes for SGLang / vLLM expert parallelism."),
     "report": ("report", "report", "Write a self-contained HTML page about a plan and its verify reports."),
     "backends": ("backends", "backends", "List compute backends and their devices."),
 }

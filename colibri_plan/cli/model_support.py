@@ -11,10 +11,27 @@ import click
 
 from colibri_plan.cli.common import emit, json_option, table
 
-#: how far each backend has been checked for an engine family (docs/backends.md): "yes" = the oracle and
-#: engine tests pass on it here or on an H200 host; Metal has never run (no macOS machine)
-BACKEND_STATUS = {"numpy": "yes", "cpu": "yes", "opencl": "yes", "vulkan": "yes", "cuda": "yes",
-                  "metal": "unverified"}
+#: (model type -> backends) an engine test has run: every GQA family's device trunk on every backend
+#: (tests/test_engine_trunk.py; cuda on an H200 host, bench/results/h200-trunk/gpu-tests.txt), each
+#: MLA/DSA type against transformers on numpy (tests/test_engine_mla.py), deepseek_v3 decode on cpu
+_GQA_TESTED = ("numpy", "cpu", "opencl", "vulkan", "cuda")
+TESTED = {**{mt: _GQA_TESTED for mt in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")},
+          **{mt: ("numpy",) for mt in ("deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa",
+                                       "glm4_moe_lite")},
+          "deepseek_v3": ("numpy", "cpu")}
+#: cell markers: run per backend, inferred (the backend's kernel oracle passes and the type runs on
+#: another backend, but this pair never ran), never run at all (Metal: no macOS machine)
+TESTED_MARK, INFERRED_MARK, UNVERIFIED_MARK = "tested", "inferred", "unverified"
+
+
+def backend_status(model_type: str, backend: str) -> str:
+    """The support-matrix cell of an engine model type on a backend: :data:`TESTED_MARK`,
+    :data:`INFERRED_MARK`, or :data:`UNVERIFIED_MARK` for Metal."""
+    if backend == "metal":
+        return UNVERIFIED_MARK
+    return TESTED_MARK if backend in TESTED.get(model_type, ()) else INFERRED_MARK
+
+
 #: README markers around the generated matrix
 BEGIN, END = "<!-- support-matrix:begin (colibri-plan model support --markdown) -->", \
     "<!-- support-matrix:end -->"
@@ -32,7 +49,7 @@ def support_matrix() -> list[dict]:
         why = module.REFUSE.get(mt) if isinstance(module.REFUSE, dict) else module.REFUSE  # per type or all
         rows.append({"model_type": mt, "family": module.__name__.rsplit(".", 1)[-1], "plan": True,
                      "pack": runs, "run": runs, "verify": runs, "text": runs,   # text: engine/text.py
-                     "backends": {b: BACKEND_STATUS.get(b, "yes") if runs else None for b in BACKEND_NAMES},
+                     "backends": {b: backend_status(mt, b) if runs else None for b in BACKEND_NAMES},
                      "plan_only_reason": None if runs else str(why)})
     return rows
 
@@ -79,5 +96,7 @@ def support(markdown):
     emit({"models": rows}, lambda: "\n".join([
         table([_cells(r) for r in rows], _header(rows)), "",
         "plan: `solve` from config.json, safetensors headers or GGUF; pack/run/verify: the bundled engine; "
-        "backends: where `run`/`verify` compute the experts (the dense trunk runs on the CPU)",
+        "backends: where `run`/`verify` compute the experts (the dense trunk on the CPU or that device); "
+        "tested: an engine test ran this model type there; inferred: never run there (the backend's kernels "
+        "pass their oracle and the type runs elsewhere); unverified: the backend never ran",
         *(["", "plan only, because:", *_reasons(rows)] if any(r["plan_only_reason"] for r in rows) else [])]))

@@ -8,7 +8,18 @@ from __future__ import annotations
 
 import click
 
-from colibri_plan.cli.common import Steps, emit, json_option, parse_prompt, progress, read_prompt, warn
+from colibri_plan.cli.common import (
+    Steps,
+    emit,
+    json_option,
+    options_arg,
+    parse_prompt,
+    progress,
+    read_prompt,
+    warn,
+)
+from colibri_plan.run_options import DEFAULTS as D
+from colibri_plan.run_options import RunOptions
 
 __all__ = ["parse_prompt", "run"]
 
@@ -119,21 +130,21 @@ def _read_prompt(prompt_ids, prompt_file, prompt_text) -> tuple[list[int] | None
 @click.option("--prompt-ids", default=None, help="Prompt token ids, e.g. 1,2,3.")
 @click.option("--prompt-file", default=None, type=click.Path(),
               help="File of token ids (spaces/commas), or of prompt text when it is not ids.")
-@click.option("--tokens", "n_tokens", type=click.IntRange(1, 1_000_000), default=16, show_default=True,
+@click.option("--tokens", type=click.IntRange(1, 1_000_000), default=D.tokens, show_default=True,
               help="Tokens to generate.")
-@click.option("--backend", default="auto", show_default=True,
+@click.option("--backend", default=D.backend, show_default=True,
               help="Backend for the experts: auto (cpu if usable, else numpy), cpu, numpy, opencl, ...")
-@click.option("--device", "device_index", type=click.IntRange(0), default=0, show_default=True,
+@click.option("--device", "device_index", type=click.IntRange(0), default=D.device_index, show_default=True,
               help="Backend device index (a GPU backend without --plan holds every expert there).")
-@click.option("--quant", default=None,
+@click.option("--quant", default=D.quant,
               help="Expert format when --model is a checkpoint [default: f32]; a pack keeps its own.")
 @click.option("--plan", "plan_path", type=click.Path(), default=None,
               help="Place experts as this plan says (VRAM / pinned RAM / LRU / O_DIRECT disk); needs a pack.")
-@click.option("--trunk", type=click.Choice(["cpu", "device"]), default=None,
+@click.option("--trunk", type=click.Choice(["cpu", "device"]), default=D.trunk,
               help="Where the dense trunk, attention and KV cache run without --plan: device (the "
                    "--backend device; default for a GPU backend) or cpu (default for cpu/numpy). With --plan "
                    "the plan's trunk section decides; --trunk cpu runs it on the host instead.")
-@click.option("--read-threads", type=click.IntRange(1, 64), default=None,
+@click.option("--read-threads", type=click.IntRange(1, 64), default=D.read_threads,
               help="Concurrent O_DIRECT expert reads with --plan (queue depth) [default: the plan's "
                    "resources.disk_queue_depth, else 8].")
 @click.option("--stats-out", type=click.Path(), default=None, help="Write routing counts (heat JSON).")
@@ -141,8 +152,8 @@ def _read_prompt(prompt_ids, prompt_file, prompt_text) -> tuple[list[int] | None
               help="Write routing counts (colibrì usage text).")
 @_text_options
 @json_option
-def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, quant, plan_path, trunk,
-        read_threads, stats_out, usage_out, text):
+@options_arg(RunOptions)
+def run(opts, model_path, prompt_ids, prompt_file, plan_path, stats_out, usage_out, text):
     """Greedy generation: prints the new token ids, tok/s, prefill and decode time.
 
     Without --plan every expert is resident (pinned RAM on cpu/numpy, VRAM on a GPU backend); with --plan
@@ -152,6 +163,8 @@ def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, qu
     machine's available memory are refused before anything is allocated (COLIBRI_PLAN_NO_RAM_CHECK=1 runs
     it anyway). A text prompt (--prompt, --chat) streams the answer to stdout (the report goes to stderr)
     and ends at the model's EOS; --temperature > 0 samples (--top-p, --top-k, --seed)."""
+    import dataclasses
+
     from colibri_plan.engine import runner
     from colibri_plan.engine.moe import RoutingRecorder
     from colibri_plan.errors import UnsupportedError
@@ -170,17 +183,18 @@ def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, qu
                                                  text["seed"]))
     codec, pieces = None, []
     try:
-        backend = runner.resolve_backend(backend)  # before the weights load and any progress line
+        backend = runner.resolve_backend(opts.backend)  # before the weights load and any progress line
     except UnsupportedError as exc:
         raise click.BadParameter(str(exc), param_hint="--backend") from None
+    opts = dataclasses.replace(opts, backend=backend)
     if plan_path is None and backend not in runner.HOST_BACKENDS:
-        _check_gpu_backend(backend, device_index)
+        _check_gpu_backend(backend, opts.device_index)
     plan = None
     if plan_path is not None:
         from colibri_plan.formats.plan import load_plan
 
         plan = load_plan(plan_path)
-    weights = runner.open_weights(model_path, quant)
+    weights = runner.open_weights(model_path, opts.quant)
     try:
         if text_in is not None:
             from colibri_plan.engine.pack_text import encode_prompt
@@ -205,17 +219,16 @@ def run(model_path, prompt_ids, prompt_file, n_tokens, backend, device_index, qu
             runner.check_plan(plan, weights)
             warnings = (machine_warning(plan, this_machine_fingerprint()),
                         dense_format_warning(plan, weights.path),
-                        context_warning(plan, len(prompt) + n_tokens))
+                        context_warning(plan, len(prompt) + opts.tokens))
             for w in warnings:
                 if w:
                     warn(w)
         else:
             progress(f"loading {weights.arch.n_moe_layers * weights.arch.n_experts} experts to {backend}")
         recorder = RoutingRecorder(weights.arch)
-        with Steps("run", total=n_tokens) as bar:  # one step per generated token
-            rep = runner.generate(weights, prompt, n_tokens, plan=plan, backend=backend,
-                                  device_index=device_index, read_threads=read_threads, recorder=recorder,
-                                  trunk=trunk, sample=sampler, stop_ids=codec.stop_ids if codec else (),
+        with Steps("run", total=opts.tokens) as bar:  # one step per generated token
+            rep = runner.generate(weights, prompt, opts, plan=plan, recorder=recorder, sample=sampler,
+                                  stop_ids=codec.stop_ids if codec else (),
                                   progress=None if codec and not get_ctx().json else
                                   lambda m: bar.say(m, verbose_only=True, advance=1))
         if codec is not None:

@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass, field
 
 from colibri_plan.errors import FormatError, MismatchError
+from colibri_plan.formats import fields as f
+from colibri_plan.formats.fields import At
 from colibri_plan.quant import FORMATS
 
 CPU = "cpu"
@@ -57,6 +59,8 @@ MLA_FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2
                           "glm4_moe_lite"})
 #: what every refusal of a malformed section advises
 _REDO = "; re-create the plan with `colibri-plan solve`"
+#: the section's place in messages ("trunk.kv.page_tokens must be ..."; values as Python shows them)
+TRUNK = At("", _REDO[2:], ("trunk",), integer="an integer", repr_values=True)
 
 
 def kv_bytes(context_tokens: int, bytes_per_token: int, page_tokens: int = PAGE_TOKENS) -> int:
@@ -129,13 +133,6 @@ class TrunkPlacement:
         return out
 
 
-def _int(sec: dict, key: str, where: str, minimum: int = 0) -> int:
-    v = sec.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise FormatError(f"{where}.{key} must be an integer ≥ {minimum}, got {v!r}{_REDO}")
-    return v
-
-
 def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) -> TrunkPlacement:
     """The trunk placement of a plan document (a CPU trunk when the section is absent).
 
@@ -148,46 +145,40 @@ def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) 
             KV bytes that do not match pages × bytes per token, a split that is not a cover of the layers,
             or ``kv.host`` true on a CPU trunk or for a model family (``model.family``) that is not MLA.
     """
-    sec = doc.get("trunk")
+    sec = f.mapping(doc, "trunk", At("", _REDO[2:]), optional=True)
     if sec is None:
         return TrunkPlacement()
-    if not isinstance(sec, dict):
-        raise FormatError(f"plan trunk section must be an object{_REDO}")
     known = [CPU, *device_keys]
 
-    def dev(v, where):
-        if v not in known:
-            raise FormatError(f"{where} is {v!r}; the plan knows {', '.join(known)}: solve the plan again "
-                              "for this machine (--trunk cpu, or one of the profile's GPUs)")
-        return v
+    def dev(d, key, at):
+        if d.get(key) not in known:
+            (at / key).refuse(f"is {d.get(key)!r}; the plan knows {', '.join(known)}: solve the plan again "
+                              "for this machine (--trunk cpu, or one of the profile's GPUs)", hint="")
+        return d[key]
 
-    device = dev(sec.get("device"), "trunk.device")
-    fmt = sec.get("dense_format")
-    if fmt is not None and fmt not in FORMATS:
-        raise FormatError(f"trunk.dense_format must be a format name ({', '.join(FORMATS)}), got {fmt!r}"
-                          + _REDO)
-    kv = sec.get("kv")
-    if not isinstance(kv, dict):
-        raise FormatError("trunk.kv must be an object with device, context_tokens, page_tokens, "
-                          "bytes_per_token, bytes" + _REDO)
-    kv_dev = dev(kv.get("device"), "trunk.kv.device")
-    page = _int(kv, "page_tokens", "trunk.kv", 1)
-    ctx, bpt = _int(kv, "context_tokens", "trunk.kv"), _int(kv, "bytes_per_token", "trunk.kv")
-    total = _int(kv, "bytes", "trunk.kv")
+    device = dev(sec, "device", TRUNK)
+    fmt = f.text(sec, "dense_format", TRUNK, optional=True, choices=FORMATS,
+                 want=f"a format name ({', '.join(FORMATS)})")
+    kv = f.mapping(sec, "kv", TRUNK, want="an object with device, context_tokens, page_tokens, "
+                                          "bytes_per_token, bytes")
+    kv_at = TRUNK / "kv"
+    kv_dev = dev(kv, "device", kv_at)
+    page = f.whole(kv, "page_tokens", kv_at, lo=1)
+    ctx, bpt = f.whole(kv, "context_tokens", kv_at, lo=0), f.whole(kv, "bytes_per_token", kv_at, lo=0)
+    total = f.whole(kv, "bytes", kv_at, lo=0)
     if total != kv_bytes(ctx, bpt, page):
         raise FormatError(f"trunk.kv.bytes is {total}, but {ctx} tokens in {page}-token pages of "
                           f"{bpt} B per token take {kv_bytes(ctx, bpt, page)}{_REDO}")
     split = []
     parts = sec.get("split") or []
     if not isinstance(parts, list):
-        raise FormatError(f"trunk.split must be a list of {{first_layer, last_layer, device}}, got "
-                          f"{type(parts).__name__}{_REDO}")
+        (TRUNK / "split").refuse(f"must be a list of {{first_layer, last_layer, device}}, got "
+                                 f"{type(parts).__name__}")
     for i, part in enumerate(parts):
-        if not isinstance(part, dict):
-            raise FormatError(f"trunk.split[{i}] must be an object{_REDO}")
-        split.append((_int(part, "first_layer", f"trunk.split[{i}]"),
-                      _int(part, "last_layer", f"trunk.split[{i}]"),
-                      dev(part.get("device"), f"trunk.split[{i}].device")))
+        at = TRUNK / "split" / i
+        f.mapping(parts, i, TRUNK / "split")
+        split.append((f.whole(part, "first_layer", at, lo=0), f.whole(part, "last_layer", at, lo=0),
+                      dev(part, "device", at)))
     if split:
         want = 0
         for a, b, _ in split:
@@ -197,9 +188,9 @@ def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) 
             want = b + 1
         if n_layers is not None and want != n_layers:
             raise FormatError(f"trunk.split covers layers 0..{want - 1}; the model has {n_layers}{_REDO}")
-    host = kv.get("host", False)
-    if not isinstance(host, bool):
-        raise FormatError(f"trunk.kv.host must be true or false, got {host!r}{_REDO}")
+    host = kv.get("host", False)   # absent: false (null is refused)
+    if "host" in kv:
+        f.flag(kv, "host", kv_at)
     # true only where the engine keeps the cache on the host although the trunk is on a GPU: a stray true
     # would take the KV's bytes out of the VRAM check while the engine puts the cache on the device
     family = doc["model"].get("family") if isinstance(doc.get("model"), dict) else None
@@ -210,8 +201,8 @@ def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) 
         raise FormatError(f"trunk.kv.host is true but model family {family!r} is not MLA (the engine "
                           f"keeps its KV cache on the trunk's device, {device}): it is only for "
                           f"{', '.join(sorted(MLA_FAMILIES))}{_REDO}")
-    return TrunkPlacement(device, fmt, _int(sec, "dense_bytes", "trunk"), kv_dev, ctx, page, bpt, total,
-                          tuple(split), host)
+    return TrunkPlacement(device, fmt, f.whole(sec, "dense_bytes", TRUNK, lo=0), kv_dev, ctx, page, bpt,
+                          total, tuple(split), host)
 
 
 def check_trunk_budgets(doc: dict, trunk: TrunkPlacement) -> None:
@@ -225,10 +216,9 @@ def check_trunk_budgets(doc: dict, trunk: TrunkPlacement) -> None:
     """
     b = doc.get("budgets") or {}
     took = b.get("trunk_vram_bytes") or {}
-    if not isinstance(took, dict) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
-                                         for v in took.values()):
-        raise FormatError(f"budgets.trunk_vram_bytes must map devices to bytes (integers ≥ 0), got {took!r}"
-                          + _REDO)
+    if not isinstance(took, dict) or not all(f.is_whole(v) and v >= 0 for v in took.values()):
+        At("", _REDO[2:], ("budgets", "trunk_vram_bytes"), repr_values=True).refuse(
+            f"must map devices to bytes (whole numbers >= 0), got {f.shown(took, python=True)}")
     devices = [d for d in doc.get("devices") or [] if isinstance(d, dict)]
     discrete = {d.get("key") for d in devices if not d.get("unified")}
     if trunk.on_device and trunk.device in discrete and not took:
@@ -240,8 +230,7 @@ def check_trunk_budgets(doc: dict, trunk: TrunkPlacement) -> None:
                           f"{trunk.dense_bytes} B dense + {kv_vram} B KV{_REDO}")
     vram = b.get("vram_budget_bytes") or {}
     for k in took:
-        if k not in {d.get("key") for d in devices} or not isinstance(vram.get(k), (int, float)) \
-                or vram[k] < 0:
+        if k not in {d.get("key") for d in devices} or not f.is_number(vram.get(k)) or vram[k] < 0:
             raise FormatError(f"plan budgets.trunk_vram_bytes names {k}, whose expert budget is missing or "
                               f"negative{_REDO}")
 

@@ -239,8 +239,7 @@ def predicted_trunk(setup) -> dict:
                                  int(opt.kv_bytes_per_token or setup.spec.kv_bytes_per_token))}
 
 
-def check_forced_kv(profile, spec, choice: str, context_tokens: int, vram: str = "auto",
-                    reserve_bytes: int = 2 * 10**9) -> None:
+def check_forced_kv(profile, spec, choice: str, context_tokens: int, vram: str, reserve_bytes: int) -> None:
     """Before any budget is worked out: refuse a trunk forced onto a discrete GPU (``choice`` a device
     key) or split over the discrete GPUs (``choice`` "split") whose budgets (free - reserve, or ``--vram``;
     for a split all of them together) cannot hold the KV cache of ``context_tokens`` (the RAM budget would

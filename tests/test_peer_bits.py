@@ -1,0 +1,22 @@
+"""bench/peer_llamacpp.py states the stored bits per weight of each side: ours from the quant module's
+bytes (codes + float32 scales) over the matrices the benchmark's pack quantizes, llama.cpp's from its
+block formats."""
+
+from __future__ import annotations
+
+import pytest
+from test_bench_bad_args import bench
+
+
+def test_bits_per_weight_of_each_side():
+    peer = bench("peer_llamacpp")
+    shapes = peer.quantized_shapes()
+    s = peer.SIZES
+    assert len(shapes) == s["num_hidden_layers"] * (4 + 3 * s["num_experts"]) + 1
+    weights = sum(o * c for o, c in shapes)
+    rows = sum(o for o, _ in shapes)
+    # int8: one byte a weight plus one float32 scale per row
+    assert peer.bits_per_weight("int8") == pytest.approx((8 * weights + 32 * rows) / weights, rel=1e-12)
+    assert round(peer.bits_per_weight("int8"), 3) == 8.021            # the figure the docs quote
+    assert peer.bits_per_weight("int4-g32") == 5.0                     # 4 + 32 bits per 32 weights
+    assert (peer.bits_per_weight("Q8_0"), peer.bits_per_weight("Q4_0")) == (8.5, 4.5)
