@@ -54,8 +54,12 @@ class Job:
 
     def put(self, kind: str, value) -> None:
         """Hand an event to the job's reader (from the engine thread)."""
-        if self.loop is not None and not self.loop.is_closed():
+        if self.loop is None:
+            return
+        try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:   # the event loop closed (the server stopped): nobody reads this job
+            self.cancel.set()
 
 
 class EngineWorker:

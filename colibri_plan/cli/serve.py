@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import click
 
-from colibri_plan.cli.common import emit, get_ctx, json_option, progress, warn
+from colibri_plan.cli.common import collect_arg, emit, get_ctx, json_option, options_arg, progress, warn
+from colibri_plan.run_options import DEFAULTS as D
+from colibri_plan.run_options import RunOptions
 
 #: the default port (vLLM's; llama.cpp's server takes 8080)
 DEFAULT_PORT = 8000
 #: the environment variable read for --api-key (keeps the key out of the process list)
 API_KEY_ENV = "COLIBRI_PLAN_API_KEY"
+#: the server's own options, handed to the command as one ``net`` dict
+_NET = ("host", "port", "api_key", "model_name", "context_tokens", "max_queue", "max_body_bytes")
 
 
 def _socket(host: str, port: int):
@@ -80,17 +84,18 @@ def _context(plan, asked: int | None) -> int:
               help="Requests that may wait while one decodes; past that, 429 with Retry-After.")
 @click.option("--max-body-bytes", type=click.IntRange(1024, 2**30), default=4 * 2**20, show_default=True,
               help="Largest request body (413 past it).")
-@click.option("--backend", default="auto", show_default=True,
+@click.option("--backend", default=D.backend, show_default=True,
               help="Backend for the experts: auto (cpu if usable, else numpy), cpu, numpy, opencl, ...")
-@click.option("--device", "device_index", type=click.IntRange(0), default=0, show_default=True,
+@click.option("--device", "device_index", type=click.IntRange(0), default=D.device_index, show_default=True,
               help="Backend device index (a GPU backend without --plan holds every expert there).")
-@click.option("--trunk", type=click.Choice(["cpu", "device"]), default=None,
+@click.option("--trunk", type=click.Choice(["cpu", "device"]), default=D.trunk,
               help="Where the dense trunk, attention and KV cache run (as `run --trunk`).")
-@click.option("--read-threads", type=click.IntRange(1, 64), default=None,
+@click.option("--read-threads", type=click.IntRange(1, 64), default=D.read_threads,
               help="Concurrent O_DIRECT expert reads with --plan [the plan's queue depth, else 8].")
 @json_option
-def serve(model_path, plan_path, host, port, api_key, model_name, context_tokens, max_queue, max_body_bytes,
-          backend, device_index, trunk, read_threads):
+@collect_arg(set(_NET), "net", dict)
+@options_arg(RunOptions)
+def serve(opts, net, model_path, plan_path):
     """Serve the model over the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions, /health).
 
     One request decodes at a time; up to --max-queue wait, more get 429. Requests decode greedily unless
@@ -109,8 +114,11 @@ def serve(model_path, plan_path, host, port, api_key, model_name, context_tokens
     from colibri_plan.engine.session import EngineSession
     from colibri_plan.errors import UnsupportedError
 
+    host, port, api_key = net["host"], net["port"], net.get("api_key")
+    max_queue = net["max_queue"]
+    device_index, trunk, read_threads = opts.device_index, opts.trunk, opts.read_threads
     try:
-        backend = runner.resolve_backend(backend)
+        backend = runner.resolve_backend(opts.backend)
     except UnsupportedError as exc:
         raise click.BadParameter(str(exc), param_hint="--backend") from None
     plan = None
@@ -134,7 +142,7 @@ def serve(model_path, plan_path, host, port, api_key, model_name, context_tokens
                 warn(w)
         codec = open_text(weights)
         progress(text_status(weights))
-        ctx = _context(plan, context_tokens)
+        ctx = _context(plan, net.get("context_tokens"))
         arch = weights.arch
         placement = runner.placement_for(weights, plan, backend, device_index)
         where = runner.trunk_placement(weights, plan, trunk, backend, device_index)
@@ -148,9 +156,9 @@ def serve(model_path, plan_path, host, port, api_key, model_name, context_tokens
         progress(f"serve: opening {model_path} on {backend}" + (f" with plan {plan_path}" if plan else ""))
         worker = EngineWorker(open_session, max_queue=max_queue)
         worker.start()
-        name = model_name or Path(model_path).resolve().name
+        name = net.get("model_name") or Path(model_path).resolve().name
         settings = ServeSettings(model_name=name, context_tokens=ctx, vocab_size=arch.vocab_size,
-                                 api_key=api_key, max_body_bytes=max_body_bytes)
+                                 api_key=api_key, max_body_bytes=net["max_body_bytes"])
         app = create_app(worker, settings, codec, lambda n, m: runner.check_context(arch, n, m))
         addr = sock.getsockname()
         shown = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
