@@ -77,6 +77,6 @@ def test_cpu_trunk_and_its_attention_priced_at_the_host_cache():
     assert (spec_bpt.kv_bytes_per_token, spec_bpt.kv_bytes) == (1024, 100 * 1024)
     # attention reads the cache: twice the bytes, twice the seconds at the same KV GB/s
     assert ours.attention_s == 2 * spec_bpt.attention_s > 0
-    mla = dataclasses.replace(spec, family="deepseek_v3")
-    host = trunk_options(figs, mla, "int4", 100, {"cuda:0": 10**9}, Coefficients())[1]
-    assert host.kv_on_host and (host.kv_bytes_per_token, host.kv_bytes) == (2048, 100 * 2048)
+    mla = dataclasses.replace(spec, family="deepseek_v3")   # MLA's latent cache: on the GPU, as GQA's K/V
+    dev = trunk_options(figs, mla, "int4", 100, {"cuda:0": 10**9}, Coefficients())[1]
+    assert (dev.kv_bytes_per_token, dev.kv_bytes) == (2048, 2 * 64 * 2048)   # float32, 2 pages of 64

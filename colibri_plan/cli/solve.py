@@ -255,8 +255,7 @@ def trunk_lines(tr: dict) -> list[str]:
     cpu = next((r for r in tr["options"] if r["option"] == "cpu"), None)
     if chosen["option"] != "cpu" and cpu is not None and cpu["tok_s"] is not None:
         n = sum(chosen["vram_trunk_bytes"].values())
-        kv = (f"; its KV cache, {_gb(chosen['kv_bytes'])}, stays in RAM with the MLA attention"
-              if chosen.get("kv_on_host") else f" + KV {_gb(chosen['kv_bytes'])}")
+        kv = f" + KV {_gb(chosen['kv_bytes'])}"
         out.append(f"  The trunk on {chosen['option']} takes {_gb(n)} of VRAM from experts (dense "
                    f"{_gb(chosen['dense_bytes'])}{kv}); predicted "
                    f"{chosen['tok_s']:.3f} tok/s against {cpu['tok_s']:.3f} with it on the CPU")

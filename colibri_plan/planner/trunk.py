@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from colibri_plan import quant
 from colibri_plan.errors import InputError
-from colibri_plan.formats.plan_trunk import CPU, device_kv_bytes_per_token, kv_bytes, kv_on_host
+from colibri_plan.formats.plan_trunk import CPU, device_kv_bytes_per_token, kv_bytes
 from colibri_plan.formats.plan_trunk import host_kv_bytes_per_token as host_kv_bytes
 from colibri_plan.formats.profile_trunk import (
     attention_kv_table,
@@ -227,10 +227,10 @@ class TrunkOption:
         sources: device key -> figure sources.
         kv_bytes_per_token: the KV cache's bytes per context token as priced (a single GPU: the engine's
             float32 device cache, :func:`~colibri_plan.formats.plan_trunk.device_kv_bytes_per_token`;
-            the CPU and an MLA cache on the host: the engine's float32 host cache,
+            the CPU: the engine's float32 host cache,
             :func:`~colibri_plan.formats.plan_trunk.host_kv_bytes_per_token`; a split: the model spec's
-            figure, as llama.cpp's 16-bit cache). kv_on_host: an MLA trunk on a GPU, whose
-            attention and latent cache the engine keeps on the host (KV bytes stay in the RAM budget).
+            figure, as llama.cpp's 16-bit cache). MLA's latent cache is priced like GQA's K and V: it
+            lives on the trunk's device with its attention.
         expert_call_s: host seconds per routed expert run on this GPU's own hidden state (the device's
             small-op seconds: the engine launches them from the host each layer; 0 on the CPU and split).
     """
@@ -247,7 +247,6 @@ class TrunkOption:
     ram_freed_bytes: int = 0
     sources: dict = field(default_factory=dict)
     kv_bytes_per_token: int = 0
-    kv_on_host: bool = False
     expert_call_s: float = 0.0
 
     @property
@@ -271,8 +270,8 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
     Args:
         figs: :func:`device_figures`. vram_budget: key -> the device's expert budget with the trunk on the
             CPU (free - reserve). context_tokens: the KV cache's context.
-        host_kv_bytes_per_token: bytes per context token of a KV cache in RAM (a CPU trunk's, an MLA
-            cache kept on the host) as the RAM budget charged it
+        host_kv_bytes_per_token: bytes per context token of a KV cache in RAM (a CPU trunk's) as the RAM
+            budget charged it
             (:func:`~colibri_plan.planner.budgets.ram_kv_bytes_per_token`: the engine's float32 host
             cache); None: that of our engine (colibri-plan).
 
@@ -297,19 +296,10 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
     for key, f in figs.items():
         if key == CPU:
             continue
-        if kv_on_host(spec.family, key):   # MLA: attention + latent cache on the host, x down and up a layer
-            d_s, _, rt = price(f)
-            _, a_s, _ = price(figs[CPU])
-            hop = spec.n_layers * f.roundtrip_s
-            priced, kv_dev, kv_b = (d_s + hop, a_s, rt + hop), 0, kv_ram
-            back = dense
-        else:
-            priced, kv_dev, kv_b = price(f, bpt_dev), kv_bytes(context_tokens, bpt_dev), None
-            back = ram_charged
-        out.append(TrunkOption(key, key, (), *priced, dense, kv_dev if kv_b is None else kv_b,
-                               {key: dense + kv_dev} if f.discrete else {}, back if f.discrete else 0,
-                               {key: f.sources}, bpt_host if kv_b is not None else bpt_dev,
-                               kv_b is not None, f.op_s))
+        kv_dev = kv_bytes(context_tokens, bpt_dev)  # GQA's K and V or MLA's latent rows, on the device
+        out.append(TrunkOption(key, key, (), *price(f, bpt_dev), dense, kv_dev,
+                               {key: dense + kv_dev} if f.discrete else {}, ram_charged if f.discrete else 0,
+                               {key: f.sources}, bpt_dev, f.op_s))
     discrete = {k: int(v) for k, v in vram_budget.items() if k in figs and figs[k].discrete}
     need = dense + kv_paged
     if len(discrete) > 1 and all(v < need for v in discrete.values()) and sum(discrete.values()) >= need:
