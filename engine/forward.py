@@ -156,7 +156,8 @@ class Model:
             on_token: optional ``fn(step, token_id, seconds)`` after each new token; step 0's seconds
                 include the prefill.
             sample: ``fn(logits float32 [V]) -> token id`` choosing each new token (None = argmax, greedy;
-                engine/sampling.py). An exception it raises ends the generation (e.g. a cancelled request).
+                colibri_plan/text/sampling.py). An exception it raises ends the generation (e.g. a
+                cancelled request).
             stop_ids: ids that end the generation once emitted (EOS); the stop id is returned.
 
         Returns:

@@ -1,7 +1,7 @@
 """A pack's tokenizer files: copied from the checkpoint and checked by `model pack`, checked again when read.
 
-`model pack` copies the checkpoint's text files (:data:`~colibri_plan.engine.text.TEXT_FILES`) into the
-pack folder beside ``pack.json`` after reading them as a run will (:class:`~colibri_plan.engine.text.
+`model pack` copies the checkpoint's text files (:data:`~colibri_plan.text.codec.TEXT_FILES`) into the
+pack folder beside ``pack.json`` after reading them as a run will (:class:`~colibri_plan.text.codec.
 TextCodec`: the tokenizer parses, its ids fit the model's vocabulary, the JSON files and the chat template
 parse) and records them in the index's ``tokenizer`` section::
 
@@ -18,9 +18,9 @@ import os
 import shutil
 from pathlib import Path
 
-from colibri_plan.engine.text import TEXT_FILES, TOKENIZER_FILE, TextCodec, has_tokenizer
 from colibri_plan.errors import FormatError, InputError, IntegrityError
 from colibri_plan.formats.pack_verify import file_crc32
+from colibri_plan.text.codec import TEXT_FILES, TOKENIZER_FILE, TextCodec, has_tokenizer
 
 __all__ = ["copy_tokenizer", "open_text", "text_status", "no_tokenizer_reason", "pack_text_line",
            "encode_prompt"]

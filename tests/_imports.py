@@ -17,7 +17,8 @@ LAYER_RULES = (
     ("", "leaf"),
     ("formats", "formats"), ("backends", "backends"), ("families", "families"), ("model", "model"),
     ("heatsynth", "heatsynth"), ("profiler", "profiler"), ("planner", "planner"), ("engine", "engine"),
-    ("verify", "verify"), ("report_page", "report"), ("report_plots", "report"), ("cli", "cli"),
+    ("verify", "verify"), ("report_page", "report"), ("report_plots", "report"), ("text", "text"),
+    ("serve", "serve"), ("cli", "cli"),
     ("__main__", "cli"),
 )
 
@@ -31,9 +32,11 @@ ALLOWED = {
     "heatsynth": {"leaf", "formats"},
     "profiler": {"leaf", "formats", "backends", "model", "profiler"},
     "planner": {"leaf", "formats", "heatsynth", "planner"},
-    "engine": {"leaf", "formats", "families", "backends", "heatsynth", "engine"},
+    "text": {"leaf", "formats", "text"},
+    "engine": {"leaf", "formats", "families", "backends", "heatsynth", "text", "engine"},
     "verify": {"leaf", "formats", "engine", "profiler", "verify"},
     "report": {"leaf", "formats", "planner", "report"},
+    "serve": {"leaf", "formats", "engine", "text", "serve"},
     "cli": None,
 }
 

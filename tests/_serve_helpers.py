@@ -12,9 +12,9 @@ import time
 from colibri_plan.engine import runner
 from colibri_plan.engine.moe import RoutingRecorder
 from colibri_plan.engine.pack_text import open_text
-from colibri_plan.engine.serve_app import ServeSettings, create_app
-from colibri_plan.engine.serve_worker import EngineWorker
 from colibri_plan.engine.session import EngineSession
+from colibri_plan.serve.app import ServeSettings, create_app
+from colibri_plan.serve.worker import EngineWorker
 
 
 class LiveServer:

@@ -11,8 +11,8 @@ from _text_models import train_tokenizer, write_text_checkpoint
 
 from colibri_plan.engine import runner
 from colibri_plan.engine.pack_text import open_text
-from colibri_plan.engine.sampling import SamplingParams, make_sampler
 from colibri_plan.run_options import RunOptions
+from colibri_plan.text.sampling import SamplingParams, make_sampler
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed (pip install -e '.[test]')")
 

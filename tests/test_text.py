@@ -1,5 +1,5 @@
-"""Text in, text out: the tokenizer files (engine/text.py), chat templates (engine/chat.py), streaming
-detokenization and stop strings (engine/text_stream.py) and sampling (engine/sampling.py)."""
+"""Text in, text out: the tokenizer files (colibri_plan/text/codec.py), chat templates (colibri_plan/text/chat.py), streaming
+detokenization and stop strings (colibri_plan/text/stream.py) and sampling (colibri_plan/text/sampling.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from _text_models import CHATML, train_tokenizer, write_text_files
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colibri_plan.engine.chat import ChatTemplate
-from colibri_plan.engine.sampling import Sampler, SamplingParams, make_sampler
-from colibri_plan.engine.text import TextCodec
-from colibri_plan.engine.text_stream import StopStrings, StreamDecoder
 from colibri_plan.errors import FormatError, InputError
+from colibri_plan.text.chat import ChatTemplate
+from colibri_plan.text.codec import TextCodec
+from colibri_plan.text.sampling import Sampler, SamplingParams, make_sampler
+from colibri_plan.text.stream import StopStrings, StreamDecoder
 
 MESSAGES = [{"role": "system", "content": "You plan experts."},
             {"role": "user", "content": "Where does expert 7 live? ü – 🐦"}]

@@ -13,8 +13,8 @@ from colibri_plan.engine.fixture import FixtureConfig, build_fixture
 from colibri_plan.engine.forward import Model
 from colibri_plan.engine.pack import open_pack
 from colibri_plan.engine.pack_text import open_text, text_status
-from colibri_plan.engine.sampling import Sampler, SamplingParams
 from colibri_plan.errors import FormatError, IntegrityError
+from colibri_plan.text.sampling import Sampler, SamplingParams
 
 
 @pytest.fixture(scope="module")

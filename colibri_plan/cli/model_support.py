@@ -48,7 +48,7 @@ def support_matrix() -> list[dict]:
         runs = mt in ENGINE_FAMILIES
         why = module.REFUSE.get(mt) if isinstance(module.REFUSE, dict) else module.REFUSE  # per type or all
         rows.append({"model_type": mt, "family": module.__name__.rsplit(".", 1)[-1], "plan": True,
-                     "pack": runs, "run": runs, "verify": runs, "text": runs,   # text: engine/text.py
+                     "pack": runs, "run": runs, "verify": runs, "text": runs,   # text: colibri_plan/text
                      "backends": {b: backend_status(mt, b) if runs else None for b in BACKEND_NAMES},
                      "plan_only_reason": None if runs else str(why)})
     return rows

@@ -177,7 +177,7 @@ def run(opts, model_path, prompt_ids, prompt_file, plan_path, stats_out, usage_o
     if text["chat"] and text_in is None:
         raise click.UsageError("--chat needs a text prompt (--prompt TEXT or a --prompt-file of text)")
     from colibri_plan.cli.common import get_ctx
-    from colibri_plan.engine.sampling import SamplingParams, make_sampler, tap
+    from colibri_plan.text.sampling import SamplingParams, make_sampler, tap
 
     sampler = base = make_sampler(SamplingParams(text["temperature"], text["top_p"], text["top_k"],
                                                  text["seed"]))

@@ -1,8 +1,8 @@
 """`colibri-plan serve`: an OpenAI-compatible HTTP server over the engine, with a plan in force.
 
 The model (and plan) are opened as `run` opens them; the engine runs in one thread of its own
-(engine/serve_worker.py) behind the FastAPI app of engine/serve_app.py, on uvicorn. Loopback only unless
-``--host`` names another interface.
+(colibri_plan/serve/worker.py) behind the FastAPI app of colibri_plan/serve/app.py, on uvicorn. Loopback
+only unless ``--host`` names another interface.
 """
 
 from __future__ import annotations
@@ -109,10 +109,10 @@ def serve(opts, net, model_path, plan_path):
     from colibri_plan.engine import runner
     from colibri_plan.engine.moe import RoutingRecorder
     from colibri_plan.engine.pack_text import open_text, text_status
-    from colibri_plan.engine.serve_app import ServeSettings, create_app
-    from colibri_plan.engine.serve_worker import EngineWorker
     from colibri_plan.engine.session import EngineSession
     from colibri_plan.errors import UnsupportedError
+    from colibri_plan.serve.app import ServeSettings, create_app
+    from colibri_plan.serve.worker import EngineWorker
 
     host, port, api_key = net["host"], net["port"], net.get("api_key")
     max_queue = net["max_queue"]

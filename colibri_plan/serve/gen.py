@@ -1,8 +1,8 @@
 """One request's generation as the HTTP side sees it: the engine's token ids turned into text pieces,
 cut at stop strings, with the finish reason and the usage figures at the end.
 
-The engine thread (engine/serve_worker.py) sends token ids; this runs on the server's event loop,
-detokenizes them incrementally (:class:`~colibri_plan.engine.text_stream.StreamDecoder`, or the ids as
+The engine thread (colibri_plan/serve/worker.py) sends token ids; this runs on the server's event loop,
+detokenizes them incrementally (:class:`~colibri_plan.text.stream.StreamDecoder`, or the ids as
 text for a pack without a tokenizer) and ends the job early when a stop string matched or the client
 went away.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from colibri_plan.engine.serve_schema import ApiError
-from colibri_plan.engine.serve_worker import Job
-from colibri_plan.engine.text_stream import IdText, StopStrings
 from colibri_plan.errors import ColibriError, InputError, UnsupportedError
+from colibri_plan.serve.schema import ApiError
+from colibri_plan.serve.worker import Job
+from colibri_plan.text.stream import IdText, StopStrings
 
 __all__ = ["Generation", "ClientGone"]
 
@@ -28,8 +28,8 @@ class Generation:
     """Text pieces of one job (:meth:`pieces`), then ``finish_reason`` and :meth:`usage`.
 
     Args:
-        job: a submitted :class:`~colibri_plan.engine.serve_worker.Job`.
-        codec: the model's :class:`~colibri_plan.engine.text.TextCodec`, or None (ids as text).
+        job: a submitted :class:`~colibri_plan.serve.worker.Job`.
+        codec: the model's :class:`~colibri_plan.text.codec.TextCodec`, or None (ids as text).
         stops: the request's stop strings.
     """
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from colibri_plan.engine.sampling import SamplingParams, make_sampler
+from colibri_plan.text.sampling import SamplingParams, make_sampler
 
 __all__ = ["Job", "EngineWorker", "Cancelled"]
 

@@ -3,10 +3,10 @@
 Routes: ``GET /health`` (no key needed), ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /v1/completions`` and ``POST /v1/chat/completions``, each streamed as server-sent events
 (``"stream": true``: ``data: {chunk}`` lines, then ``data: [DONE]``) or answered whole. Every error is an
-OpenAI-style body (engine/serve_schema.py): 400 bad request, 401 missing or wrong key, 404 unknown model
+OpenAI-style body (colibri_plan/serve/schema.py): 400 bad request, 401 missing or wrong key, 404 unknown model
 or route, 413 body too large, 429 queue full (with ``Retry-After``), 500 engine failure.
 
-One request decodes at a time (engine/serve_worker.py); sampling defaults to greedy, like `run`.
+One request decodes at a time (colibri_plan/serve/worker.py); sampling defaults to greedy, like `run`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from colibri_plan.engine.sampling import SamplingParams
-from colibri_plan.engine.serve_gen import ClientGone, Generation
-from colibri_plan.engine.serve_schema import ApiError, ChatRequest, CompletionRequest, error_body, parse_body
-from colibri_plan.engine.serve_worker import EngineWorker, Job
-from colibri_plan.engine.text_stream import StopStrings
 from colibri_plan.errors import InputError, UnsupportedError
+from colibri_plan.serve.gen import ClientGone, Generation
+from colibri_plan.serve.schema import ApiError, ChatRequest, CompletionRequest, error_body, parse_body
+from colibri_plan.serve.worker import EngineWorker, Job
+from colibri_plan.text.sampling import SamplingParams
+from colibri_plan.text.stream import StopStrings
 
 __all__ = ["ServeSettings", "create_app"]
 
@@ -210,7 +210,7 @@ class _Api:
 
 
 def create_app(worker: EngineWorker, settings: ServeSettings, codec=None, check_context=None) -> FastAPI:
-    """The FastAPI app over a started :class:`~colibri_plan.engine.serve_worker.EngineWorker`.
+    """The FastAPI app over a started :class:`~colibri_plan.serve.worker.EngineWorker`.
 
     Args:
         settings: :class:`ServeSettings`. codec: the model's TextCodec, or None (token-id prompts only;

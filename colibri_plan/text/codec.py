@@ -94,7 +94,7 @@ class TextCodec:
         stop_ids: frozenset of ids that end a generation (generation_config's ``eos_token_id`` and the
             tokenizer's ``eos_token``).
         special_tokens: ``{"bos_token": str, ...}`` of the names the files define.
-        chat: a :class:`~colibri_plan.engine.chat.ChatTemplate`, or None without a template.
+        chat: a :class:`~colibri_plan.text.chat.ChatTemplate`, or None without a template.
         where: the folder the files were read from.
     """
 
@@ -118,7 +118,7 @@ class TextCodec:
         """
         from tokenizers import Tokenizer
 
-        from colibri_plan.engine.chat import ChatTemplate
+        from colibri_plan.text.chat import ChatTemplate
 
         folder = Path(folder)
         path = folder / TOKENIZER_FILE
@@ -197,8 +197,8 @@ class TextCodec:
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
     def stream(self):
-        """A fresh :class:`~colibri_plan.engine.text_stream.StreamDecoder` over this codec."""
-        from colibri_plan.engine.text_stream import StreamDecoder
+        """A fresh :class:`~colibri_plan.text.stream.StreamDecoder` over this codec."""
+        from colibri_plan.text.stream import StreamDecoder
 
         return StreamDecoder(self.decode)
 
