@@ -1,5 +1,6 @@
-"""Text in, text out: the tokenizer files (colibri_plan/text/codec.py), chat templates (colibri_plan/text/chat.py), streaming
-detokenization and stop strings (colibri_plan/text/stream.py) and sampling (colibri_plan/text/sampling.py)."""
+"""Text in, text out: the tokenizer files (colibri_plan/text/codec.py), chat templates
+(colibri_plan/text/chat.py), streaming detokenization and stop strings (colibri_plan/text/stream.py) and
+sampling (colibri_plan/text/sampling.py)."""
 
 from __future__ import annotations
 
