@@ -43,6 +43,7 @@ from colibri_plan.errors import UnsupportedError
 _THREADS = 256  # threads per block of the elementwise, norm and attention kernels
 _ATT_TILE = 256  # attention.cu ATT_TILE: keys per tile
 _GQA_HEADS = 8  # attention.cu GQA_HEADS: query heads per block
+ATT_MAX_HEAD_DIM = 608  # widest head_dim whose attention_gqa block fits 48 KiB of shared memory (d threads)
 _ATT_MIN_KEYS = 64  # fewest keys per split of a query row's key range (below that, merging costs more)
 _PUT_SLOTS = 8  # pinned staging slots of d_put, reused round-robin (an event says when a slot is free)
 _PUT_RING_BYTES = 1 << 20  # larger uploads (weights, tables) go through the chunked, synchronous staging
@@ -214,6 +215,43 @@ class CUDADeviceOps:
             self.rt.memcpyAsync(self._ptr(dst) + row0 * row_bytes, self._ptr(src), n,
                                 self.rt.memcpyDeviceToDevice, self.stream.ptr)
 
+    def _d_write_block(self, dst: DArray, row0: int, col0: int, src: DArray) -> None:
+        (t, w), d = src.shape, dst.shape[1]
+        if t and w:  # one cudaMemcpy2DAsync: T rows of W floats into rows of D floats from column col0
+            self._d_go()
+            self.rt.memcpy2DAsync(self._ptr(dst) + 4 * (row0 * d + col0), 4 * d, self._ptr(src), 4 * w, 4 * w,
+                                  t, self.rt.memcpyDeviceToDevice, self.stream.ptr)
+
+    def _d_head_matmul(self, x: DArray, w: DArray) -> Any:
+        """y[t, b] = w[b] · x[t, b] as one cuBLAS strided-batched SGEMM over the B heads, written straight
+        in y's [T, B, N] layout: column-major C_b (N x T, ld B·N) = W_b^T-op (N x K) · X_b (K x T, ld B·K)."""
+        (T, B, K), N = x.shape, w.shape[1]
+        self._d_go()
+        y = self._d_empty(T * B * N)
+        if y.size:
+            st = self._dstate
+            blas, handle = st.get("cublas") or self._d_cublas()
+            blas.setStream(handle, st["sptr"])
+            blas.sgemmStridedBatched(handle, blas.CUBLAS_OP_T, blas.CUBLAS_OP_N, N, T, K, st["one"],
+                                     self._ptr(w), K, N * K, self._ptr(x), B * K, K, st["zero"], y.data.ptr,
+                                     B * N, N, B)
+        return y
+
+    def _d_cublas(self):
+        """(CuPy's cuBLAS module, this device's handle in host pointer mode), made once; alpha 1 and beta 0
+        as host floats whose addresses the calls pass."""
+        import importlib
+
+        cp, st = self.cp, self._dstate
+        blas = getattr(cp.cuda, "cublas", None) or importlib.import_module("cupy_backends.cuda.libs.cublas")
+        with self.dev:
+            handle = cp.cuda.device.get_cublas_handle()
+        blas.setPointerMode(handle, blas.CUBLAS_POINTER_MODE_HOST)
+        st["scalars"] = np.array([1.0, 0.0], np.float32)  # kept alive with the state
+        st["one"], st["zero"] = st["scalars"].ctypes.data, st["scalars"].ctypes.data + 4
+        st["cublas"] = (blas, handle)
+        return st["cublas"]
+
     # ---- kernels ---------------------------------------------------------------------------------
     # (the hot path: a decode layer is ~15 of these, each a few µs of Python around one driver call)
     def _d_launch(self, name: str, n_out: int, grid: int, yi: int, *args):
@@ -316,14 +354,18 @@ class CUDADeviceOps:
         if T == 0:
             self._d_go()
             return self._d_empty(0)
-        if d > _THREADS:
-            raise UnsupportedError(f"cuda d_attention: head_dim {d} > {_THREADS} is not supported")
+        # a thread per channel: 256 up to head_dim 256, else d in whole warps (MLA's 64 + 512 = 576; the
+        # kernel's 64 registers a thread allow 1024), as long as a block's smem stays in 48 KiB (no opt-in)
+        threads = _THREADS if d <= _THREADS else -(-d // 32) * 32
+        smem = 4 * (_GQA_HEADS * (d + _ATT_TILE + threads) + 3 * _GQA_HEADS)
+        if d > ATT_MAX_HEAD_DIM:
+            raise UnsupportedError(f"cuda d_attention: head_dim {d} is over {ATT_MAX_HEAD_DIM}, the most a "
+                                   "block's 48 KiB of shared memory holds; run it on another backend")
         chunks = -(-(hq // hkv) // _GQA_HEADS)
         keys = min(pos0 + T, window) if window > 0 else pos0 + T  # the longest query row's key range
         base = T * hkv * chunks
         # split the keys when (row, kv head) blocks alone would leave SMs idle (decode at long contexts)
         splits = max(1, min(-(-keys // _ATT_MIN_KEYS), -(-4 * self._sms // base), 1024))
-        smem = 4 * (_GQA_HEADS * (d + _ATT_TILE + _THREADS) + 3 * _GQA_HEADS)  # < 48 KiB: no opt-in
         gqa = self._d_kernel("attention_gqa")
         combine = self._d_kernel("attention_combine") if splits > 1 else None
         self._d_go()
@@ -332,7 +374,7 @@ class CUDADeviceOps:
         yp = y.data.ptr
         # splits > 1: slices into part [T * Hq, splits, d + 2], merged into y by attention_combine
         part = self._d_work("att_part", 4 * T * hq * splits * (d + 2)) if combine else 0
-        gqa(T, hkv * chunks, splits, _THREADS, smem, sptr, self._ptr(q), self._ptr(k), self._ptr(v),
+        gqa(T, hkv * chunks, splits, threads, smem, sptr, self._ptr(q), self._ptr(k), self._ptr(v),
             0 if combine else yp, part, hq, hkv, d, pos0, window, scale, splits)
         if combine is not None:
             combine(T * hq, 1, 1, 128, 0, sptr, part, yp, d, splits)

@@ -29,8 +29,8 @@ Ops (``x``, ``a``, ``b``, ... are DArrays unless said otherwise):
 | ``d_scale_rows(a, s)`` | a [N, d], s host float32 [N] | a[i] · s[i] |
 | ``d_rope(x, table, pos0, rd, interleave)`` | x [T, heads, d], table [P, rd/2, 2] | x rotated |
 | ``d_write_rows(dst, row0, src)`` | dst [C, ...], src [T, ...] | dst[row0:row0+T] = src (in place) |
-| ``d_write_rows(dst, row0, src, col0)`` | dst [C, D], src [T, W], col0 + W ≤ D | dst[row0:row0+T, col0:col0+W] = src |
-| ``d_head_matmul(x, w)`` | x [T, B, K], w [B, N, K] (a float32 DArray) | y[t, b] = w[b] · x[t, b], [T, B, N] |
+| ``d_write_rows(dst, row0, src, col0)`` | dst [C, D], src [T, W], col0 + W ≤ D | the block written |
+| ``d_head_matmul(x, w)`` | x [T, B, K], w [B, N, K] (a DArray) | y[t, b] = w[b] · x[t, b], [T, B, N] |
 | ``d_attention(q, k, v, n_keys, pos0, scale, window)`` | q [T, Hq, d], k/v [C, Hkv, d] | [T, Hq·d] |
 | ``d_expert_ffn(x, experts, gates)`` | x [T, H], n ExpertWeights, host gates [n] | Σ_i g_i·FFN_i(x) [T, H] |
 
@@ -254,7 +254,8 @@ class DeviceOps:
             raise InputError(f"d_write_rows: rows {row0}..{row0 + t - 1}, columns {col0}.. of {src.shape} "
                              f"do not fit {dst.shape}")
         if row0 < 0 or row0 + t > dst.shape[0]:
-            raise InputError(f"d_write_rows: rows {row0}..{row0 + t - 1} of {src.shape} do not fit {dst.shape}")
+            raise InputError(f"d_write_rows: rows {row0}..{row0 + t - 1} of {src.shape} do not fit "
+                             f"{dst.shape}")
         if block:
             self._d_write_block(dst, int(row0), int(col0), src)
         else:

@@ -69,7 +69,8 @@ class MetalBackend(GPUBackend):
         self.mtl = Metal
         self.dev = _mtl_devices()[self.device.index]
         self.queue = self.dev.newCommandQueue()
-        src = sh.kernel_source("metal", "matmul.metal") + sh.kernel_source("metal", "attention.metal")
+        src = "".join(sh.kernel_source("metal", f) for f in ("matmul.metal", "attention.metal",
+                                                                "trunk.metal"))
         self.lib, err = self.dev.newLibraryWithSource_options_error_(src, None, None)
         if self.lib is None:
             raise BackendUnavailableError(f"metal: the kernels do not compile: {err}")
@@ -206,6 +207,25 @@ class MetalBackend(GPUBackend):
         enc.endEncoding()
         self._commit(cb)
         return self._view(ob, q_abs.nbytes).reshape(H, R).copy()  # [H, R]
+
+    def _d_head_matmul(self, x, w) -> np.ndarray:
+        # device arrays here are the reference hooks' host arrays (shared memory): staged per call
+        (T, B, K), N = x.shape, w.shape[1]
+        if not (T and B and N):
+            return np.zeros((T, B, N), np.float32)
+        xb, wb = self._buffer(self._host(x), x.nbytes), self._buffer(self._host(w), w.nbytes)
+        yb = self._work(4 * T * B * N)
+        cb = self.queue.commandBuffer()
+        enc = cb.computeCommandEncoder()
+        enc.setComputePipelineState_(self._pipe("head_matmul"))
+        for i, b in enumerate((xb, wb, yb)):
+            enc.setBuffer_offset_atIndex_(b, 0, i)
+        enc.setBytes_length_atIndex_(struct.pack("<4I", T, B, N, K), 16, 3)
+        enc.dispatchThreadgroups_threadsPerThreadgroup_(self.mtl.MTLSizeMake(-(-N // 64), B, T),
+                                                        self.mtl.MTLSizeMake(64, 1, 1))  # a thread per output
+        enc.endEncoding()
+        self._commit(cb)
+        return self._view(yb, 4 * T * B * N).reshape(T, B, N).copy()
 
 
 BACKEND = MetalBackend

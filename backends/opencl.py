@@ -29,14 +29,15 @@ from colibri_plan.quant import QuantTensor, group_size
 # kernels without a weight format
 _SOURCES = {"rmsnorm": "norm.cl", "attention_absorb": "attention.cl", "attention_gqa": "attention.cl",
             "attention_combine": "attention.cl",
-            **dict.fromkeys(("add", "silu_mul", "scale_rows", "rope", "pad_rows", "expert_sum"), "trunk.cl")}
+            **dict.fromkeys(("add", "silu_mul", "scale_rows", "rope", "pad_rows", "expert_sum",
+                             "head_matmul"), "trunk.cl")}
 # argument types per kernel (b: buffer or local memory, I: uint, Q: ulong, f: float): typed scalar
 # arguments take plain Python numbers and cost ~0.5 us per launch where untyped numpy scalars cost ~60 us
 _ARGS = {"matmul": "bbbIbIIIII", "matmul_many": "bbbbbbbbbIbbbbIIIIII", "expert_sum": "bQbbI",
          "gate_up": "bbbbbIbIIIII", "rmsnorm": "bbbIf",
          "attention_absorb": "bbIIIIIIf", "add": "bQbQbQII", "silu_mul": "bQbQbQ", "scale_rows": "bQbQbI",
          "rope": "bQbQbQIIIII", "pad_rows": "bQbQII", "attention_gqa": "bQbQbQbIIIIIfIIIbbb",
-         "attention_combine": "bbIII"}
+         "attention_combine": "bbIII", "head_matmul": "bbQbQIIII"}
 _DTYPES = {"I": np.uint32, "Q": np.uint64, "f": np.float32}
 _MAGIC = b"CPCLPB01"  # cache files: magic, sha256 of the program binary, the binary
 

@@ -170,6 +170,24 @@ class OpenCLDeviceOps:
             self.cl.enqueue_copy(self.queue, dst.buf, src.buf, byte_count=src.nbytes,
                                  src_offset=4 * src.offset, dst_offset=4 * (dst.offset + row0 * row))
 
+    def _d_write_block(self, dst: DArray, row0: int, col0: int, src: DArray) -> None:
+        (t, w), d = src.shape, dst.shape[1]
+        if t and w:  # one rectangular copy (clEnqueueCopyBufferRect): T rows of W floats into rows of D
+            so, do = 4 * src.offset, 4 * (dst.offset + row0 * d + col0)  # origins as (byte in row, row)
+            self.cl.enqueue_copy(self.queue, dst.buf, src.buf, src_origin=(so % (4 * w), so // (4 * w), 0),
+                                 dst_origin=(do % (4 * d), do // (4 * d), 0), region=(4 * w, t, 1),
+                                 src_pitches=(4 * w, 4 * w * t), dst_pitches=(4 * d, 4 * d * t))
+
+    def _d_head_matmul(self, x: DArray, w: DArray) -> Any:
+        (T, B, K), N = x.shape, w.shape[1]
+        y = self._alloc(4 * T * B * N)  # [T, B, N]
+        if T and B and N:
+            tt = 1 if T == 1 else 16  # tokens per work-group (trunk.cl HM_T): decode wastes no items
+            knl = self._kernel("head_matmul", None, extra=(f"-DHM_T={tt}",))
+            knl(self.queue, (-(-N // 16) * 16, -(-T // tt) * tt, B), (16, tt, 1), y, x.buf, x.offset, w.buf,
+                w.offset, T, B, N, K)
+        return y
+
     def _d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
                      window: int) -> Any:
         cl, (T, hq, d), ls = self.cl, q.shape, self.ls

@@ -26,9 +26,10 @@ once, arrays back to the pool by ``VkArray.__del__`` (a ``weakref.finalize`` per
 padded length (a multiple of 128 floats), else from a zero-padded copy (op 5 of ``elementwise.comp``);
 ``rmsnorm.comp`` with ``WBIND = 1`` (the weight in its own buffer); ``elementwise.comp`` for add (also
 1-D broadcast), SiLU·mul, row scales, RoPE and the routed experts' gated sum (``vulkan_experts``);
-``attention_gqa.comp`` for attention (head_dim ≤ 256; a workgroup per query row and group of up to 8
-query heads of one kv head, which share its K/V reads; a row's keys cut into slices merged by a second
-dispatch when that leaves the device short of work).
+``attention_gqa.comp`` for attention (head_dim ≤ 256, or up to 1024 with a wider MAXD; a workgroup
+per query row and group of up to 8 query heads of one kv head, which share its K/V reads; a row's keys
+cut into slices merged by a second dispatch when that leaves the device short of work);
+``head_matmul.comp`` for per-head matrices (tiles of 16 outputs by 16 tokens, or by 1 at decode).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ UPDATE_BYTES = 65536  # vkCmdUpdateBuffer's limit per command
 INLINE_BYTES = 1 << 18  # host data up to this size is recorded into the batch instead of staged
 POOL_KEEP_BYTES = 256 << 20  # freed activation buffers kept for reuse, at most
 POOL_MAX_BUFFER = 16 << 20  # larger freed buffers (KV cache pages) are released, not kept
-ATT_WG, ATT_TILE, MAX_HEAD_DIM = 128, 64, 256  # attention_gqa.comp: invocations, keys per tile, MAXD
+ATT_WG, ATT_TILE = 128, 64  # attention_gqa.comp: invocations, keys per tile
+ATT_MAXD, MAX_HEAD_DIM = 256, 1024  # its MAXD up to head_dim 256 (wider: d in whole ATT_WG), the widest
 ATT_MIN_KEYS = 64  # fewest keys per slice of a query row's keys (below that, merging costs more)
-ATT_MAX_HG = 8  # query heads of one kv head per workgroup, at most (registers: HG x 256 / ATT_WG)
+ATT_MAX_HG = 8  # query heads of one kv head per workgroup, at most (registers: HG x MAXD / ATT_WG <= 16)
 MAX_GROUPS = 65535  # workgroups per grid dimension every device offers (maxComputeWorkGroupCount)
 _AT_EXIT = [False]  # set when the interpreter exits: arrays collected then do nothing
 atexit.register(_AT_EXIT.__setitem__, 0, True)
@@ -341,6 +343,31 @@ class VulkanDeviceOps:
         self.vk.lib.vkCmdCopyBuffer(cb, src.buf.b.buf, dst.buf.b.buf, 1, region)
         self._op_done()
 
+    def _d_write_block(self, dst: DArray, row0: int, col0: int, src: DArray) -> None:
+        (t, w), d = src.shape, dst.shape[1]
+        if not (t and w):
+            return
+        # one copy command, a region per row: src row i -> dst row row0 + i from column col0 (bytes)
+        so, do = 4 * src.offset, 4 * (dst.offset + row0 * d + col0)
+        rows = [(so + 4 * i * w, do + 4 * i * d, 4 * w) for i in range(t)]
+        regions = self.vk.ffi.new("VkBufferCopy[]", rows)
+        cb = self._cb(dst.buf, src.buf)
+        self._d.barrier(cb)  # earlier writes of src, reads and writes of dst -> this copy
+        self.vk.lib.vkCmdCopyBuffer(cb, src.buf.b.buf, dst.buf.b.buf, t, regions)
+        self._op_done()
+
+    def _d_head_matmul(self, x: DArray, w: DArray) -> VkArray:
+        (t, b, k), n = x.shape, w.shape[1]
+        out = self._take(4 * t * b * n)  # [T, B, N]
+        if t and b and n:
+            if max(b, -(-t // 16)) > MAX_GROUPS:
+                raise UnsupportedError(f"vulkan d_head_matmul: {b} heads x {t} tokens; at most {MAX_GROUPS} "
+                                       "heads and 16 x that many tokens per call")
+            tt = 1 if t == 1 else 16  # tokens per workgroup (head_matmul.comp TT): decode idles none
+            self._dispatch(self._d.pipeline("head_matmul", (tt,)), [x.buf, w.buf], out, [t, b, n, k],
+                           -(-n // 16), -(-t // tt), b)
+        return out
+
     def _d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
                      window: int) -> Any:
         t, hq, d = q.shape
@@ -350,18 +377,20 @@ class VulkanDeviceOps:
         if max(t, hq) > MAX_GROUPS:
             raise UnsupportedError(f"vulkan d_attention: {t} query rows x {hq} heads; at most 65535 of each "
                                    "per call (pass fewer tokens)")
-        g = hq // k.shape[1]
-        hg = max(n for n in range(1, min(g, ATT_MAX_HG) + 1) if g % n == 0)  # heads sharing K/V reads
+        g, maxd = hq // k.shape[1], ATT_MAXD if d <= ATT_MAXD else -(-d // ATT_WG) * ATT_WG
+        most = max(1, ATT_MAX_HG * ATT_MAXD // maxd)  # the accumulators' registers bound heads x MAXD
+        hg = max(n for n in range(1, min(g, most) + 1) if g % n == 0)  # heads sharing K/V reads
         keys = min(n_keys, window) if window else n_keys  # the most keys a query row sees
         want = self.d_att_workgroups.get(self.device.kind, 512)
         splits = max(1, min(-(-keys // ATT_MIN_KEYS), -(-want // (t * hq // hg)), 1024))
         out = self._take(4 * t * hq * d)
         pc = [hq, k.shape[1], d, pos0, window, int(np.float32(scale).view(np.uint32)), splits]
-        pipe = self._d.pipeline("attention_gqa", (ATT_WG, ATT_TILE, 0, hg))
+        pipe = self._d.pipeline("attention_gqa", (ATT_WG, ATT_TILE, 0, hg, maxd))
         if splits == 1:
             self._dispatch(pipe, [q.buf, k.buf, v.buf], out, pc, hq // hg, t)
             return out
         part = self._take(4 * t * hq * splits * (d + 2))  # [T * Hq, splits, d + 2]: sums, max, sum
         self._dispatch(pipe, [q.buf, k.buf, v.buf], part, pc, hq // hg, t, splits)
-        self._dispatch(self._d.pipeline("attention_gqa", (ATT_WG, ATT_TILE, 1, 1)), [part], out, pc, t * hq)
+        self._dispatch(self._d.pipeline("attention_gqa", (ATT_WG, ATT_TILE, 1, 1, ATT_MAXD)), [part], out, pc,
+                       t * hq)
         return out

@@ -178,6 +178,22 @@ def test_attention_kernel_compiles_to_ptx(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_attention_registers_allow_blocks_of_the_widest_head(tmp_path):
+    """attention_gqa runs a thread per channel past head_dim 256 (MLA's 576): its registers per thread
+    times the widest head's threads (cuda_device.ATT_MAX_HEAD_DIM) must fit an SM's 65536, or the launch
+    fails on the GPU."""
+    from colibri_plan.backends.cuda_device import ATT_MAX_HEAD_DIM
+
+    cmd = ["nvcc", "--cubin", "-std=c++14", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "a.cubin"),
+           str(ATT_SOURCE)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    info = run.stderr.split("entry function 'attention_gqa'")[1].split("entry function")[0]
+    regs = int(info.split(" registers")[0].split()[-1])
+    assert regs * -(-ATT_MAX_HEAD_DIM // 32) * 32 <= 65536, info
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_trunk_kernels_compile_to_ptx(tmp_path):
     from colibri_plan.backends.cuda_device import _TRUNK_KERNELS
 

@@ -4,8 +4,9 @@ The numbers of every op on every backend are checked by the cross-backend oracle
 (test_backends_device_ops.py); here: that a Vulkan DArray is a Vulkan buffer, that a chain of ops is
 one submission, the device-only memory path (update, staging and read-back, as on a discrete GPU)
 exercised on whatever device is present, buffer reuse, batches past their op limit, freeing a weight a
-recorded op reads, the attention shader's edges (head_dim 256, tile boundaries, windows, long prefill,
-key slices), and a chain of every op under the Khronos validation layer with synchronization validation.
+recorded op reads, the attention shader's edges (head_dim 256 and 576, tile boundaries, windows, long
+prefill, key slices), and a chain of every op under the Khronos validation layer with synchronization
+validation.
 Skipped with the reason when no Vulkan device (lavapipe counts) or no validation layer is there.
 """
 
@@ -245,6 +246,8 @@ def test_d_matmul_with_and_without_the_padded_copy(be, out, in_, t):
     (1, 12, 1, 64, 100, 0),    # 12 query heads per kv head: 2 workgroups of 6
     (2, 32, 2, 128, 70, 0),    # 16 per kv head: 2 workgroups of 8 (the most) per kv head
     (3, 6, 2, 67, 40, 16),     # groups of 3, odd head_dim, a window
+    (2, 16, 1, 576, 90, 0),    # MLA's 64 + 512 on one kv head: MAXD 640, 2 heads a workgroup
+    (1, 3, 1, 1024, 70, 0),    # the widest head_dim, 3 heads of it (1 a workgroup)
 ])
 def test_d_attention_edges(be, t, hq, hkv, d, pos0, window):
     n_keys = pos0 + t
@@ -258,8 +261,8 @@ def test_d_attention_edges(be, t, hq, hkv, d, pos0, window):
 
 
 def test_unsupported_head_dim_and_a_closed_backend_are_refused(be):
-    q = be.d_put(np.zeros((1, 1, 257), np.float32))
-    with pytest.raises(UnsupportedError, match="head_dim 257"):
+    q = be.d_put(np.zeros((1, 1, vd.MAX_HEAD_DIM + 1), np.float32))
+    with pytest.raises(UnsupportedError, match=f"head_dim {vd.MAX_HEAD_DIM + 1}"):
         be.d_attention(q, q, q, 1, 0, 1.0)
     be.close()
     with pytest.raises(InputError, match="closed"):
@@ -315,6 +318,12 @@ for mapped in (True, False):
     kc = be.d_zeros((8, 2, 16))
     be.d_write_rows(kc, 2, be.d_put(rng.standard_normal((3, 2, 16), np.float32)))
     be.d_get(be.d_attention(q, kc, kc, 5, 2, 0.25))
+    be.d_write_rows(be.d_view(kc, (8, 32)), 6, be.d_put(rng.standard_normal((2, 8), np.float32)), 24)
+    be.d_get(be.d_head_matmul(q, be.d_put(rng.standard_normal((4, 5, 16), np.float32))))
+    ml = be.d_view(be.d_zeros((8, 1, 40)), (8, 40))  # an MLA latent cache: attention over MAXD 640
+    be.d_write_rows(ml, 0, be.d_put(rng.standard_normal((3, 40), np.float32)))
+    be.d_get(be.d_attention(be.d_put(rng.standard_normal((1, 2, 300), np.float32)),
+                            *[be.d_put(rng.standard_normal((4, 1, 300), np.float32))] * 2, 4, 3, 0.1))
     be.d_get(be.d_put(rng.standard_normal(300000).astype(np.float32)))  # staged when device-only
     ex = [be.upload_expert(*(quant.quantize(rng.standard_normal(s, np.float32), "int8") for s in
                              ((40, 100), (40, 100), (100, 40)))) for _ in range(2)]
