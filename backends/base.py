@@ -165,17 +165,12 @@ class Backend(DeviceOps):
     # ---- composition ---------------------------------------------------------------------------
     def bind(self, part: Any, names: Sequence[str] | None = None) -> Any:
         """Bind ``part``'s methods ``names`` (default: its ``HOOKS``) to this instance under the same
-        names, once at open: a call then costs one instance lookup, as a method of the class would.
+        names, once at open: a call then costs one instance lookup, as a method of the class would (a
+        ``__getattr__`` fallback here would slow every attribute access of the hot path: none is kept).
         Returns ``part``."""
         for n in part.HOOKS if names is None else names:
             setattr(self, n, getattr(part, n))
         return part
-
-    def __getattr__(self, name: str):
-        # only reached for names nothing defined: a device-op hook no part of this backend binds
-        if name.startswith("_d_"):
-            raise UnsupportedError(f"{self.name} has no device op {name[3:]}: its parts bind no {name}")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _oom(self, what: str, requested_bytes: int) -> DeviceOutOfMemoryError:
         """The typed error of an allocation the device refused; ``what`` says which and why."""

@@ -96,11 +96,8 @@ class NumpyBackend(Backend):
         return None  # numpy is a hard dependency
 
     @classmethod
-    def list_devices(cls) -> list[DeviceInfo]:
-        try:
-            return [host_device(cls.name, cls.formats, f"numpy {np.__version__}{_blas()}")]
-        except Exception:  # noqa: BLE001 - discovery never raises
-            return []
+    def _devices(cls) -> list[DeviceInfo]:
+        return [host_device(cls.name, cls.formats, f"numpy {np.__version__}{_blas()}")]
 
     def capacity_bytes(self) -> int | None:
         return self._capacity_bytes

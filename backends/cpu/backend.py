@@ -130,16 +130,11 @@ class CpuBackend(Backend):
         return None
 
     @classmethod
-    def list_devices(cls) -> list[DeviceInfo]:
-        if cls.unavailable_reason() is not None:
-            return []
-        try:
-            threads = os.environ.get("NUMBA_NUM_THREADS") or str(os.cpu_count() or 1)
-            driver = (f"numba {package_version('numba')}, llvmlite {package_version('llvmlite')}, "
-                      f"{threads} threads")
-            return [host_device(cls.name, cls.formats, driver)]
-        except Exception:  # noqa: BLE001 - discovery never raises
-            return []
+    def _devices(cls) -> list[DeviceInfo]:
+        threads = os.environ.get("NUMBA_NUM_THREADS") or str(os.cpu_count() or 1)
+        versions = f"numba {package_version('numba')}, llvmlite {package_version('llvmlite')}"
+        driver = f"{versions}, {threads} threads"
+        return [host_device(cls.name, cls.formats, driver)]
 
     def __init__(self, device: DeviceInfo, capacity_bytes: int | None = None):
         self._capacity_bytes = capacity_bytes
