@@ -1,7 +1,7 @@
 """Integer GEMM kernels of the ``cpu`` backend: int8, per-row int4 and int4-g128 weights times
 activations quantized to int16, accumulated in int32, and the batched routed-expert kernels of these
 layouts (imported only when that backend is opened). The activation quantizers here serve every integer
-format, ``quant_x4t`` the transposed int4-g32/g64 kernels of :mod:`~colibri_plan.backends.cpu_q4t`.
+format, ``quant_x4t`` the transposed int4-g32/g64 kernels of :mod:`~colibri_plan.backends.cpu.q4t`.
 
 Why integers: written as ``acc = int32(acc + int32(w[j]) * int32(x[j]))`` over int8/uint8 weights and
 int16 activations, LLVM turns the reduction into ``vpmaddwd`` / ``vpdpwssd`` (AVX-512 VNNI): 32
@@ -22,7 +22,7 @@ block of ``K4`` bytes at most 1024·2·15·32767 < 2³¹; blocks are summed in f
 Weights are cut in blocks of fixed size (``data3`` [out, blocks, bb]), with constant trip counts so the
 inner loop vectorises without a tail; a row whose length is not a whole number of blocks is padded with
 zeros (int8) or the zero code (int4) at upload, by ``cpu.py``. The kernels here run tiles of
-``ROW_TILE`` rows in parallel (``prange``; cpu_q4t steps 128) and, inside a tile, every token of the
+``ROW_TILE`` rows in parallel (``prange``; q4t steps 128) and, inside a tile, every token of the
 batch: the tile stays in L2 while it is reused, so a prefill batch reads each weight from RAM once. The
 ``_1`` kernels are single-thread twins (same bits) for matmuls of at most ``SERIAL_BYTES``.
 """
@@ -34,7 +34,7 @@ import os
 import numpy as np
 from numba import njit, prange
 
-# see cpu_kernels: sleeping OpenMP workers on a shared host (set before numba starts its pool)
+# see kernels: sleeping OpenMP workers on a shared host (set before numba starts its pool)
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 #: a matmul reading at most this many weight bytes × tokens runs the ``_1`` kernels on the calling
@@ -52,7 +52,7 @@ _QMAX = np.float32(32767.0)
 #: fast-math without reassociation for the int8 and per-row int4 matmul kernels: their serial and
 #: parallel kernels (compiled apart) then round alike, bit for bit (with ``reassoc`` LLVM regrouped the
 #: scale products differently in each; decode speed the same, the dot products are integer). The
-#: transposed int4 kernels (cpu_q4t) keep it and write their float sum out explicitly instead
+#: transposed int4 kernels (q4t) keep it and write their float sum out explicitly instead
 #: (tests/test_backend_cpu_kernels.py checks serial/parallel bit-equality for every format)
 _FM = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
 
@@ -280,14 +280,14 @@ def _silu_mul(g, u):
 # ---- routed experts, batched: every expert of a layer in one parallel call --------------------------
 # (beside the row functions they inline: numba's disk cache keys a kernel by its own file only, so a
 # kernel inlining row functions of another file would keep stale code after they change; the
-# int4-g32/g64 kernels of the transposed layout, decode and prefill loop shapes, are in cpu_q4t.)
+# int4-g32/g64 kernels of the transposed layout, decode and prefill loop shapes, are in q4t.)
 # Decode routes one token to k experts: 2k GEMVs of a few MB, and one parallel region each costs a
 # thread wake-up (tens of µs with sleeping workers) and a load-imbalanced tail. Here the gate+up pass
 # of all experts is one ``prange`` over (expert, row tile), and the down pass another. Experts come as
 # tuples of ``EXPERTS`` arrays (one compiled specialisation; shorter batches are padded with experts
 # given no tokens); expert e owns rows offs[e]:offs[e + 1] of the concatenated activations and results.
 # The blocked kernel runs a gate row and an up row in turn (int8 was 1.05x slower split in tiles as
-# cpu_q4t does, int4 0.98x). ``kind``: 0 int8, 1 int4 blocks (per-row, int4-g128). int8 ignores
+# q4t does, int4 0.98x). ``kind``: 0 int8, 1 int4 blocks (per-row, int4-g128). int8 ignores
 # ``xb3``/``xsum`` (pass any int16 3-D / int32 2-D array).
 
 #: experts per batched call (tuples of this length)
@@ -302,6 +302,13 @@ def _row_any(kind, w3, r, s2, xa3, xb3, t, xsum):
     return _row4(w3, r, s2, xa3, xb3, t, xsum)
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def _expert_tile(i, tiles, rows):
+    # (expert e, its rows r0:r1) of parallel step i: ROW_TILE rows of one expert a step
+    r0 = (i % tiles) * ROW_TILE
+    return i // tiles, r0, min(r0 + ROW_TILE, rows)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def experts_gate_up(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
     """h [ΣT, I] = SiLU(x·Gₑᵀ)·(x·Uₑᵀ) for the rows of each expert e.
@@ -312,11 +319,9 @@ def experts_gate_up(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
     [EXPERTS + 1]; h float32 [ΣT, I] written in place.
     """
     inter = gw[0].shape[0]
-    tiles = (inter + ROW_TILE - 1) // ROW_TILE
+    tiles = -(-inter // ROW_TILE)  # row tiles of each expert
     for i in prange(EXPERTS * tiles):
-        e = i // tiles
-        r0 = (i - e * tiles) * ROW_TILE
-        r1 = min(r0 + ROW_TILE, inter)
+        e, r0, r1 = _expert_tile(i, tiles, inter)
         g3, u3, g2, u2 = gw[e], uw[e], gs[e], us[e]
         for t in range(offs[e], offs[e + 1]):  # this expert's tokens: its tile stays in L2
             for r in range(r0, r1):
@@ -330,11 +335,9 @@ def experts_matmul(kind, ws, ss, xa3, xb3, sx, xsum, offs, y):
     """y [ΣT, out] = x · Wₑᵀ for the rows of each expert e (the down projections); arguments as
     :func:`experts_gate_up`, y float32 written in place."""
     out = ws[0].shape[0]
-    tiles = (out + ROW_TILE - 1) // ROW_TILE
+    tiles = -(-out // ROW_TILE)  # row tiles of each expert
     for i in prange(EXPERTS * tiles):
-        e = i // tiles
-        r0 = (i - e * tiles) * ROW_TILE
-        r1 = min(r0 + ROW_TILE, out)
+        e, r0, r1 = _expert_tile(i, tiles, out)
         w3, s2 = ws[e], ss[e]
         for t in range(offs[e], offs[e + 1]):
             for r in range(r0, r1):

@@ -1,16 +1,16 @@
 """Routed experts of the ``cpu`` backend: every expert of a layer in one parallel call per projection.
 
-:class:`CpuExperts` is a mixin of :class:`~colibri_plan.backends.cpu.CpuBackend` (it uses the backend's
-``_k`` kernel namespace, ``_xq`` activation quantization, ``_par`` parallel call and ``_offs1``
-decode offsets). Experts whose weights share one layout (``HostWeight.key``: format, blocked shape,
-fold) run ``cpu_qkernels.experts_gate_up`` (SiLU·mul fused) then ``experts_matmul`` on tuples of
-``EXPERTS`` arrays (``HostWeight.experts``: int4-g32 ``cpu_q4t.experts_gate_up_t``, other transposed
-int4 ``cpu_q4g.experts_gate_up_g``, and their down kernels); mixed layouts fall back to three
-matmuls per expert. :meth:`CpuExperts.expert_ffn_sum` is a decode step's whole routed sum in one
-call: the batch, then ``cpu_kernels.weighted_sum`` (the engine's float32 order, bit for bit), with
-the checks of ``expert_ffn`` made in the same pass over the experts that collects their arrays (a
-decode step touches each chosen expert's objects once: they are cold in the caches after the previous
-layer's weights streamed through).
+:class:`CpuExperts` is a part of :class:`~colibri_plan.backends.cpu.backend.CpuBackend` (it uses the
+backend's ``_k`` kernel namespace, ``_xq`` activation quantization, ``_par`` parallel call and the checks
+of ``expert_ffn``), bound at open as the ``_expert_ffn`` hook and the optional op ``expert_ffn_sum``.
+Experts whose weights share one layout (``HostWeight.key``: format, blocked shape, fold) run
+``qkernels.experts_gate_up`` (SiLU·mul fused) then ``experts_matmul`` on tuples of ``EXPERTS`` arrays
+(``HostWeight.experts``: int4-g32 ``q4t.experts_gate_up_t``, other transposed int4
+``q4g.experts_gate_up_g``, and their down kernels); mixed layouts fall back to three matmuls per expert.
+:meth:`CpuExperts.expert_ffn_sum` is a decode step's whole routed sum in one call: the batch, then
+``kernels.weighted_sum`` (the engine's float32 order, bit for bit), with the checks of ``expert_ffn``
+made in the same pass over the experts that collects their arrays (a decode step touches each chosen
+expert's objects once: they are cold in the caches after the previous layer's weights streamed through).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from colibri_plan.backends.base import DeviceWeight, ExpertWeights
+from colibri_plan.backends.batched import three_matmuls
+from colibri_plan.backends.handles import DeviceWeight, ExpertWeights
 from colibri_plan.errors import InputError
 
 #: dynamic chunks per batched expert call: numba hands the tuples of expert arrays to every chunk it
@@ -31,16 +32,26 @@ EXPERT_CHUNKS = 16
 
 
 class CpuExperts:
-    """Batched routed experts (mixin of ``CpuBackend``; see the module docstring)."""
+    """Batched routed experts, a part of ``CpuBackend`` (see the module docstring).
+
+    Args:
+        backend: the open cpu backend (its kernels, activation quantization and parallel call).
+    """
+
+    def __init__(self, backend):
+        self.be, self._k, self._xq, self._par = backend, backend._k, backend._xq, backend._par
+        self._step_rows = backend._step_rows
+        # offsets of n experts of one token each (decode), padded to EXPERTS (read-only use)
+        e = self._k.EXPERTS
+        self._offs1 = [np.minimum(np.arange(e + 1, dtype=np.int64), n) for n in range(e + 1)]
 
     def _expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
         packs = _batch_arrays(experts)
-        if packs is None:  # mixed formats or layouts: one expert at a time
-            one = super()._expert_ffn  # three matmuls (Backend._expert_ffn on this backend's _matmul)
-            return [one([x], [e])[0] for x, e in zip(xs, experts)]
+        if packs is None:  # mixed formats or layouts: one expert at a time, three matmuls each
+            return three_matmuls(self.be._matmul, xs, experts)
         n, g0, d0 = self._k.EXPERTS, experts[0].gate.payload, experts[0].down.payload
         out: list[np.ndarray] = []
-        for c in range(0, len(xs), n):  # all experts of a layer in one call per projection (cpu_qkernels)
+        for c in range(0, len(xs), n):  # all experts of a layer in one call per projection (qkernels)
             y, bounds = self._experts_batch(xs[c:c + n], packs[c:c + n], g0, d0)
             out.extend(y[bounds[i]: bounds[i + 1]] for i in range(len(bounds) - 1))
         return out
@@ -54,11 +65,11 @@ class CpuExperts:
         Raises:
             InputError: as :meth:`expert_ffn`; ``gates`` not of length n.
         """
-        n = len(experts)
+        n, be = len(experts), self.be
         g = np.ascontiguousarray(gates, dtype=np.float32).reshape(-1)  # [n]
-        packs = None if self.closed or not 0 < n <= self._k.EXPERTS else _ready_packs(x, experts, id(self))
+        packs = None if be.closed or not 0 < n <= self._k.EXPERTS else _ready_packs(x, experts, id(be))
         if packs is None:  # not a ready decode batch: expert_ffn's checks (and errors) first
-            xs = self._check_experts([x] * n, experts)
+            xs = be._check_experts([x] * n, experts)
             x = xs[0] if xs else x
         if g.shape[0] != n:
             raise InputError(f"expert_ffn_sum: {g.shape[0]} gates for {n} experts")
@@ -103,7 +114,7 @@ class CpuExperts:
 
     def _expert_steps(self, rows: int, hw) -> int:
         """prange steps of a batched expert kernel over ``rows`` output rows: EXPERTS × row blocks of
-        ``_step_rows(hw)`` rows."""
+        ``_step_rows(hw)`` rows (the backend's)."""
         return self._k.EXPERTS * -(-rows // self._step_rows(hw))
 
     def _xq_any(self, x: np.ndarray, hw):

@@ -3,13 +3,14 @@
 Kernels are ``shaders/opencl/*.cl``, compiled at run time once per (format, work shape) and cached as
 program binaries per device and driver under ``<cache>/opencl/<sha256>.bin`` (``<cache>`` is
 ``$COLIBRI_PLAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/colibri-plan`` or ``~/.cache/colibri-plan``: see
-``_shared.cache_dir``), with a checksum; a cached binary that fails to load is rebuilt from source.
-Weights use the padded layout of :func:`colibri_plan.backends._shared.padded_layout`. Work shape: on CPU
+``programs.cache_dir``), with a checksum; a cached binary that fails to load is rebuilt from source.
+Weights use the padded layout of :func:`colibri_plan.backends.staging.padded_layout`. Work shape: on CPU
 devices one work-item per row (measured fastest for int4 GEMV on PoCL), on GPUs one work-group of 64 per
 row with a local-memory reduction.
 
-Device activations (``d_*``, routed experts on the device x included) are the hooks of
-:class:`colibri_plan.backends.opencl_device.OpenCLDeviceOps`, mixed in here.
+Parts bound at open: the device activations (``d_*``, routed experts on the device x included) of
+:class:`~colibri_plan.backends.opencl.device.OpenCLDeviceOps`, and the batched expert FFN of
+:class:`~colibri_plan.backends.batched.BatchedExperts` over this file's ``_ffn_batch``.
 """
 
 from __future__ import annotations
@@ -20,23 +21,26 @@ from typing import Any
 
 import numpy as np
 
-from colibri_plan.backends import _shared as sh
-from colibri_plan.backends._shared import GPUBackend, PaddedWeight, WorkBuffers
-from colibri_plan.backends.base import DeviceInfo
-from colibri_plan.backends.opencl_device import OpenCLDeviceOps, is_oom
+from colibri_plan.backends import programs, staging
+from colibri_plan.backends.base import Backend, DeviceInfo
+from colibri_plan.backends.batched import BatchedExperts
+from colibri_plan.backends.opencl.device import OpenCLDeviceOps, is_oom
+from colibri_plan.backends.pools import WorkBuffers
+from colibri_plan.backends.staging import PaddedWeight
 from colibri_plan.quant import QuantTensor, group_size
 
 # kernels without a weight format
 _SOURCES = {"rmsnorm": "norm.cl", "attention_absorb": "attention.cl", "attention_gqa": "attention.cl",
             "attention_combine": "attention.cl",
-            **dict.fromkeys(("add", "silu_mul", "scale_rows", "rope", "pad_rows", "expert_sum"), "trunk.cl")}
+            **dict.fromkeys(("add", "silu_mul", "scale_rows", "rope", "pad_rows", "expert_sum",
+                             "head_matmul"), "trunk.cl")}
 # argument types per kernel (b: buffer or local memory, I: uint, Q: ulong, f: float): typed scalar
 # arguments take plain Python numbers and cost ~0.5 us per launch where untyped numpy scalars cost ~60 us
 _ARGS = {"matmul": "bbbIbIIIII", "matmul_many": "bbbbbbbbbIbbbbIIIIII", "expert_sum": "bQbbI",
          "gate_up": "bbbbbIbIIIII", "rmsnorm": "bbbIf",
          "attention_absorb": "bbIIIIIIf", "add": "bQbQbQII", "silu_mul": "bQbQbQ", "scale_rows": "bQbQbI",
          "rope": "bQbQbQIIIII", "pad_rows": "bQbQII", "attention_gqa": "bQbQbQbIIIIIfIIIbbb",
-         "attention_combine": "bbIII"}
+         "attention_combine": "bbIII", "head_matmul": "bbQbQIIII"}
 _DTYPES = {"I": np.uint32, "Q": np.uint64, "f": np.float32}
 _MAGIC = b"CPCLPB01"  # cache files: magic, sha256 of the program binary, the binary
 
@@ -70,23 +74,24 @@ def _check(cl) -> str | None:
     return None if _cl_devices() else "OpenCL platforms have no devices"
 
 
-class OpenCLBackend(OpenCLDeviceOps, GPUBackend):
-    """Quantized matmul, fused expert FFN, rmsnorm and absorbed MLA attention through pyopencl (see the
-    module docstring)."""
+class OpenCLBackend(Backend):
+    """Quantized matmul, fused expert FFN, rmsnorm, absorbed MLA attention and the device-activation ops
+    through pyopencl (see the module docstring)."""
 
     name = "opencl"
+    optional_ops = frozenset({"attention_absorb"})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        return sh.import_problem("pyopencl", "pyopencl is not installed (pip install 'colibri-plan[opencl]')",
-                                 _check, "no OpenCL platform found ({exc}); install an ICD such as "
-                                 "pocl-opencl-icd")
+        return programs.import_problem(
+            "pyopencl", "pyopencl is not installed (pip install 'colibri-plan[opencl]')", _check,
+            "no OpenCL platform found ({exc}); install an ICD such as pocl-opencl-icd")
 
     @classmethod
     def _devices(cls) -> list[DeviceInfo]:
         import pyopencl as cl
 
-        return [cls._info(i, d.name.strip(), _kind(cl, d), d.global_mem_size, None,
+        return [cls.device_info(i, d.name.strip(), _kind(cl, d), d.global_mem_size, None,
                           f"{' '.join(p.version.split(',')[0].split())}; driver {d.driver_version.strip()}")
                 for i, (p, d) in enumerate(_cl_devices())]
 
@@ -113,6 +118,8 @@ class OpenCLBackend(OpenCLDeviceOps, GPUBackend):
         self._inflight: deque = deque()  # events of non-blocking uploads: they own the host copies
         # grow-only work buffers (activations, outputs) reused between calls
         self._scratch = WorkBuffers(self._scratch_alloc, grow=lambda n: max(n, 4096))
+        self.bind(BatchedExperts(self, self._ffn_batch))
+        self.bind(OpenCLDeviceOps(self))
 
     def _close(self) -> None:
         self.queue.finish()
@@ -133,10 +140,10 @@ class OpenCLBackend(OpenCLDeviceOps, GPUBackend):
     def _build(self, source_name: str, options: list[str]):
         """Program from the binary cache, else compiled from source and cached."""
         cl = self.cl
-        src = sh.kernel_source("opencl", source_name)
-        path = sh.cache_file("opencl", self.platform.name, self.platform.version, self.dev.name,
+        src = programs.kernel_source("opencl", source_name)
+        path = programs.cache_file("opencl", self.platform.name, self.platform.version, self.dev.name,
                              self.dev.driver_version, self.dev.version, " ".join(options), src)
-        blob, state = sh.read_cache_file(path, _MAGIC)
+        blob, state = programs.read_cache_file(path, _MAGIC)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", cl.CompilerWarning)  # PoCL notes are not errors
             if state == "loaded":
@@ -147,7 +154,8 @@ class OpenCLBackend(OpenCLDeviceOps, GPUBackend):
                 except cl.Error:
                     pass  # a binary this driver refuses: rebuild below and overwrite
             prg = cl.Program(self.ctx, src).build(options=options)
-        sh.write_cache_file(path, _MAGIC, prg.get_info(cl.program_info.BINARIES)[0])  # unwritable: rebuilt
+        binary = prg.get_info(cl.program_info.BINARIES)[0]
+        programs.write_cache_file(path, _MAGIC, binary)  # unwritable: rebuilt next time
         return prg
 
     def _kernel(self, name: str, fmt: str | None, tpi: int = 1, extra: tuple[str, ...] = ()):
@@ -158,7 +166,7 @@ class OpenCLBackend(OpenCLDeviceOps, GPUBackend):
             else:
                 g = group_size(fmt)
                 src = "matmul.cl"
-                opts = [f"-DFMT={sh.kernel_format(fmt)}", f"-DLS={self.ls}", f"-DTPI={tpi}"]
+                opts = [f"-DFMT={programs.kernel_format(fmt)}", f"-DLS={self.ls}", f"-DTPI={tpi}"]
                 opts += [f"-DGROUP={g}"] if g else []
             pkey = (src, tuple(opts))
             if pkey not in self._programs:
@@ -178,7 +186,7 @@ class OpenCLBackend(OpenCLDeviceOps, GPUBackend):
 
     def _upload(self, qt: QuantTensor) -> PaddedWeight:
         cl = self.cl
-        data, scales, in_pad = sh.padded_layout(qt)
+        data, scales, in_pad = staging.padded_layout(qt)
         made = []
         try:
             for host in (data, scales):
@@ -214,7 +222,7 @@ class OpenCLBackend(OpenCLDeviceOps, GPUBackend):
     def _put_x(self, xs: list[np.ndarray], in_pad: int) -> tuple[Any, np.ndarray]:
         """Copy activations x_i [T_i, in], stacked and zero-padded to [Σ T_i, in_pad]; returns the buffer
         and the host array, which must stay alive until the queue has read it."""
-        host = sh.stage_rows(xs, in_pad, np.empty((sum(x.shape[0] for x in xs), in_pad), np.float32))
+        host = staging.stage_rows(xs, in_pad, np.empty((sum(x.shape[0] for x in xs), in_pad), np.float32))
         buf = self._scratch.get("x", host.nbytes)
         self.cl.enqueue_copy(self.queue, buf, host, is_blocking=False)
         return buf, host
@@ -242,17 +250,21 @@ class OpenCLBackend(OpenCLDeviceOps, GPUBackend):
         hb = self._scratch.get("h", b.tok[-1] * b.Ip * 4)  # h_i [T_i, I_pad], zero-padded by gate_up
         yb = self._scratch.get("y", b.tok[-1] * b.H * 4)
         for e, T, t0 in zip(experts, b.counts, b.tok):  # all enqueued back to back, one read at the end
-            tpi, g, u, d = self._tpi(T), e.gate.payload, e.up.payload, e.down.payload
-            # h [T, I_pad] = SiLU(x . gate^T) * (x . up^T)
-            self._launch(self._kernel("gate_up", e.gate.fmt, tpi), b.Ip, T, tpi, g.data, g.scales, u.data,
-                         u.scales, xb, t0 * b.Hp, hb, t0 * b.Ip, b.Hp, T, b.Ip, b.I)
-            # y [T, H] = h [T, I_pad] . down^T
-            self._launch(self._kernel("matmul", e.down.fmt, tpi), b.H, T, tpi, d.data, d.scales, hb,
-                         t0 * b.Ip, yb, t0 * b.H, b.Ip, T, b.H, b.H)
+            self._ffn_launches(e, T, xb, t0 * b.Hp, hb, t0 * b.Ip, yb, t0 * b.H)
         y = np.empty((b.tok[-1], b.H), np.float32)
         self.cl.enqueue_copy(self.queue, y, yb, is_blocking=True)
         del keep
         return y
+
+    def _ffn_launches(self, e, T: int, xb, xo: int, hb, ho: int, yb, yo: int) -> None:
+        """One expert's two launches: h [T, I_pad] = SiLU(x·gateᵀ) ⊙ (x·upᵀ) at float ``ho`` of ``hb`` (zero
+        in its padding), then y [T, H] = h·downᵀ at ``yo`` of ``yb``; x rows of H_pad floats at ``xo``."""
+        tpi, g, u, d = self._tpi(T), e.gate.payload, e.up.payload, e.down.payload
+        Hp, Ip, H = g.in_pad, d.in_pad, e.down.out_features
+        self._launch(self._kernel("gate_up", e.gate.fmt, tpi), Ip, T, tpi, g.data, g.scales, u.data, u.scales,
+                     xb, xo, hb, ho, Hp, T, Ip, e.gate.out_features)
+        self._launch(self._kernel("matmul", e.down.fmt, tpi), H, T, tpi, d.data, d.scales, hb, ho, yb, yo,
+                     Ip, T, H, H)
 
     def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         cl, (T, H) = self.cl, x.shape
@@ -267,7 +279,7 @@ class OpenCLBackend(OpenCLDeviceOps, GPUBackend):
 
     def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
         cl, (H, R), (T, Dr) = self.cl, q_abs.shape, k_rope.shape
-        host, (_, qr, lat, kr) = sh.pack((q_abs, q_rope, latent, k_rope))  # one buffer, four offsets
+        host, (_, qr, lat, kr) = staging.pack((q_abs, q_rope, latent, k_rope))  # one buffer, four offsets
         ib, ob = self._scratch.get("ax", host.nbytes), self._scratch.get("ay", q_abs.nbytes)
         cl.enqueue_copy(self.queue, ib, host, is_blocking=False)
         knl = self._kernel("attention_absorb", None)  # a work-group per head

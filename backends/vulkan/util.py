@@ -1,9 +1,9 @@
 """Driver plumbing of the Vulkan backend: struct boilerplate, instance and device discovery, memory
-types per role, buffers, the pipeline-cache header; the device's fixed objects are ``vulkan_objects.Device``.
+types per role, buffers, the pipeline-cache header; the device's fixed objects are ``objects.Device``.
 
-Only :mod:`colibri_plan.backends.vulkan` and its ``vulkan_device`` mixin use this module. Functions take
-the imported ``vulkan`` module as ``vk`` so that nothing here imports it at load time. Generic logic
-(cache folders and files, staging, batching, replays) is in ``_shared``.
+Only the modules of :mod:`colibri_plan.backends.vulkan` use this one. Functions take the imported
+``vulkan`` module as ``vk`` so that nothing here imports it at load time. Generic logic (cache folders
+and files, staging, batching, replays) is in the shared parts (``programs``, ``staging``, ``pools``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace as NS
 
-from colibri_plan.backends import _shared as sh
+from colibri_plan.backends import programs
 
 MAXE, WG, ROWS = 8, 64, 4  # matmul.comp: experts per dispatch (its MAXE), invocations, rows per workgroup
 COMPUTE, STORAGE = 0x20, 7  # VK_SHADER_STAGE_COMPUTE_BIT, VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
@@ -27,7 +27,7 @@ _V11, _V12 = (1 << 22) | (1 << 12), (1 << 22) | (2 << 12)  # VK_MAKE_API_VERSION
 _PROBE: list = []  # [reason, [(physical index, facts)]], computed once per process
 _INSTANCE: list = []  # [VkInstance, VkPhysicalDevice array, pid] of this process, made on first use
 _LOCK = threading.Lock()
-_LIVE = [0]  # VkDevices created and not yet destroyed, in this process (vulkan_objects.Device)
+_LIVE = [0]  # VkDevices created and not yet destroyed, in this process (objects.Device)
 
 
 def check(vk, res: int) -> None:
@@ -72,7 +72,7 @@ def instance(vk) -> tuple:
 
     One per process because drivers do not promise any number of them: an NVIDIA driver refuses new
     instances with VK_ERROR_INCOMPATIBLE_DRIVER after a few dozen have been created in one process, even
-    destroyed ones. Each backend's VkDevice is its own (``vulkan_objects.Device``).
+    destroyed ones. Each backend's VkDevice is its own (``objects.Device``).
 
     Raises:
         vk.VkError: vkCreateInstance failed (e.g. VkErrorIncompatibleDriver: no driver).
@@ -172,18 +172,18 @@ def probe() -> tuple[str | None, list]:
 
 
 def cache_path(facts: NS) -> Path:
-    """``_shared.cache_dir("vulkan") / <device uuid>.bin``."""
-    return sh.cache_dir("vulkan") / f"{facts.uuid.hex()}.bin"
+    """``programs.cache_dir("vulkan") / <device uuid>.bin``."""
+    return programs.cache_dir("vulkan") / f"{facts.uuid.hex()}.bin"
 
 
 def read_cache(path: Path, facts: NS) -> tuple[bytes, str]:
     """(driver blob, state) where state is "loaded", "absent" or "corrupt: why" (blob then b"").
 
-    After our checksum (``_shared.read_cache_file``), checks the VkPipelineCacheHeaderVersionOne the blob
+    After our checksum (``programs.read_cache_file``), checks the VkPipelineCacheHeaderVersionOne the blob
     starts with (header length 32, version 1, vendorID, deviceID, pipelineCacheUUID), so a blob from
     another driver never reaches it.
     """
-    blob, state = sh.read_cache_file(path, CACHE_MAGIC)
+    blob, state = programs.read_cache_file(path, CACHE_MAGIC)
     if state != "loaded":
         return blob, state
     head = [int.from_bytes(blob[i:i + 4], "little") for i in range(0, 16, 4)]

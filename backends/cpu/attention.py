@@ -14,7 +14,7 @@ import os
 import numpy as np
 from numba import njit, prange
 
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # see cpu_kernels
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # see kernels
 
 
 @njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)

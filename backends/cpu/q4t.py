@@ -12,7 +12,7 @@ into ``fold`` parts of J bytes side by side (k = g·fold + s); int4-g64 always f
 Scales come one per lane (sl[r, k] = s[r, k // fold], repeated at upload: a k // fold index makes LLVM
 gather them), and so do the activation sums that remove the zero code.
 
-Arithmetic (the activations are those of ``cpu_qkernels.quant_x4t``: int16, one scale per token):
+Arithmetic (the activations are those of ``qkernels.quant_x4t``: int16, one scale per token):
 each lane's dot product is an exact int32 ``a_k = Σ code·xq − 8·Σ xq = Σ (code − 8)·xq`` (at most
 32·2·15·32767 < 2³¹), then ``y = sx · Σ_k sl[k]·float32(a_k)``. The lane dots go to a small int32
 scratch and one float32 sum per layout makes y from them for every loop shape, so a token gives the
@@ -38,11 +38,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-# EXPERTS is a compile-time constant of these kernels, and cpu_vnni's intrinsics write part of their
+# EXPERTS is a compile-time constant of these kernels, and vnni's intrinsics write part of their
 # code: numba's cache keys a kernel by the contents of its own file only, so a change there must change
 # this file too (VNNI_SOURCE below; a test checks it)
-from colibri_plan.backends.cpu_qkernels import EXPERTS
-from colibri_plan.backends.cpu_vnni import (
+from colibri_plan.backends.cpu.qkernels import EXPERTS
+from colibri_plan.backends.cpu.vnni import (
     VNNI,
     _pk4,
     _pk8,
@@ -61,18 +61,18 @@ from colibri_plan.backends.cpu_vnni import (
     _vsum4,
 )
 
-#: sha256 (16 hex digits) of backends/cpu_vnni.py as these kernels were compiled against: updating it
-#: with cpu_vnni makes numba recompile them (tests/test_backend_cpu_kernels.py compares)
-VNNI_SOURCE = "ad5506b9c5274d3a"
+#: sha256 (16 hex digits) of backends/cpu/vnni.py as these kernels were compiled against: updating it
+#: with vnni makes numba recompile them (tests/test_backend_cpu_kernels.py compares)
+VNNI_SOURCE = "545ddce21112fada"
 #: tokens per weight from which rows are unpacked once into the scratch (2048x2048 on one core: 2 tokens
 #: 0.21 ms either way, 4 tokens 0.28 against 0.45 ms unpacking in registers per token)
 PREFILL_TOKENS = 2
-#: rows per parallel step (cpu_qkernels' ROW_TILE is 32): longer runs of memory per step read RAM
+#: rows per parallel step (qkernels' ROW_TILE is 32): longer runs of memory per step read RAM
 #: faster, measured from RAM on a shared 2-core host (best of 15-30, interleaved): 8 int4-g32 experts'
 #: decode 21 against 15 GB/s gate+up, 17-19 against 13 down; GEMV 2048x2048 17.6 against 13.4 GB/s,
 #: 8192x2048 22.9 against 18.0. A prefill step unpacks RB rows at a time within its tile as before
 TILE_ROWS = 128
-#: the batched expert kernels' step (cpu_experts sizes their parallel chunks by it)
+#: the batched expert kernels' step (experts sizes their parallel chunks by it)
 EXPERT_ROWS = TILE_ROWS
 #: parts per group (fold) of the transposed layouts cpu.py makes, by group bytes: int4-g32 folds 1, 2
 #: or 4 (J = 16, 8, 4 bytes per lane); int4-g64 folds 2 or 4 (J = 16, 8)
@@ -126,7 +126,7 @@ def _dots1(wt, r, xe3, xo3, t, xsl, ai):
         _d1_4(wt, r, xe3, xo3, t, xsl, ai)
 
 
-# ---- AVX-512 VNNI (the intrinsics: cpu_vnni) -----------------------------------------------------
+# ---- AVX-512 VNNI (the intrinsics: vnni) -----------------------------------------------------
 #: tokens per weight load of the prefill loop shape (a batch runs in groups of 4, then 2, then 1)
 NT = 4
 #: rows unpacked at a time: RB unpacked rows and NT tokens' activations stay in L1 (2048 columns:
@@ -135,38 +135,37 @@ NT = 4
 RB = 4
 
 
-@njit(fastmath=True, cache=True, inline="always")
-def _pk(J, ai, ao, w, wo, x2, xo, step, xsl, so):
-    if J == 16:
-        _pk16(ai, ao, w, wo, x2, xo, step, xsl, so)
-    elif J == 8:
-        _pk8(ai, ao, w, wo, x2, xo, step, xsl, so)
-    else:
-        _pk4(ai, ao, w, wo, x2, xo, step, xsl, so)
+def _pick(a: int, b: int, fa, fb, fc):
+    """A dispatch numba inlines: ``fa(...)`` when its key is ``a``, ``fb(...)`` when ``b``, else ``fc(...)``,
+    over the nine arguments of the vnni intrinsics (the keys and functions are closure constants)."""
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def run(key, p0, p1, p2, p3, p4, p5, p6, p7, p8):
+        if key == a:
+            fa(p0, p1, p2, p3, p4, p5, p6, p7, p8)
+        elif key == b:
+            fb(p0, p1, p2, p3, p4, p5, p6, p7, p8)
+        else:
+            fc(p0, p1, p2, p3, p4, p5, p6, p7, p8)
+
+    return run
+
+
+# _pk(J, ai, ao, w, wo, x2, xo, step, xsl, so): the one-token shape at J = 16, 8 or 4 bytes a lane;
+# _sc(J, n, ai, ao, astep, ws, wo, x2, xo, xstep, step): the prefill shape of n = 4, 2 or 1 tokens
+_pk = _pick(16, 8, _pk16, _pk8, _pk4)
+_sc16, _sc8, _sc4 = (_pick(4, 2, f4, f2, f1) for f4, f2, f1 in (
+    (_s16x4, _s16x2, _s16x1), (_s8x4, _s8x2, _s8x1), (_s4x4, _s4x2, _s4x1)))
 
 
 @njit(fastmath=True, cache=True, inline="always")
 def _sc(J, n, ai, ao, astep, ws, wo, x2, xo, xstep, step):
-    if n == 4:
-        if J == 16:
-            _s16x4(ai, ao, astep, ws, wo, x2, xo, xstep, step)
-        elif J == 8:
-            _s8x4(ai, ao, astep, ws, wo, x2, xo, xstep, step)
-        else:
-            _s4x4(ai, ao, astep, ws, wo, x2, xo, xstep, step)
-    elif n == 2:
-        if J == 16:
-            _s16x2(ai, ao, astep, ws, wo, x2, xo, xstep, step)
-        elif J == 8:
-            _s8x2(ai, ao, astep, ws, wo, x2, xo, xstep, step)
-        else:
-            _s4x2(ai, ao, astep, ws, wo, x2, xo, xstep, step)
-    elif J == 16:
-        _s16x1(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+    if J == 16:
+        _sc16(n, ai, ao, astep, ws, wo, x2, xo, xstep, step)
     elif J == 8:
-        _s8x1(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+        _sc8(n, ai, ao, astep, ws, wo, x2, xo, xstep, step)
     else:
-        _s4x1(ai, ao, astep, ws, wo, x2, xo, xstep, step)
+        _sc4(n, ai, ao, astep, ws, wo, x2, xo, xstep, step)
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -293,7 +292,23 @@ def _silu_mul(g, u):
     return g / (np.float32(1.0) + np.exp(-g)) * u
 
 
-# ---- routed experts, batched (see cpu_qkernels): every expert of a layer in one parallel call -------
+@njit(fastmath=True, cache=True, inline="always")
+def _tile(i, tiles, rows):
+    # (expert e, its rows r0:r1) of parallel step i of a batched expert kernel: TILE_ROWS rows a step
+    e = i // tiles
+    r0 = (i - e * tiles) * TILE_ROWS
+    return e, r0, min(r0 + TILE_ROWS, rows)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _silu_rows(g, h, t0, t1, r0, r1):
+    # the tile's h[t, r] = SiLU(g[t, r]) · h[t, r]: its gate results times its up rows, in place
+    for t in range(t0, t1):
+        for r in range(r0, r1):
+            h[t, r] = _silu_mul(g[t, r], h[t, r])
+
+
+# ---- routed experts, batched (see qkernels): every expert of a layer in one parallel call -------
 # gate+up runs a tile of gate rows, then the tile of up rows (not a gate row and an up row in turn):
 # 8 int4-g32 gate+up pairs of 1.3 MB from RAM, 1 token, 0.82x the time (4 tokens 0.90x). An expert with
 # PREFILL_TOKENS or more tokens runs the unpacked-row loop shape; the gate tile's results wait in g
@@ -315,17 +330,13 @@ def experts_gate_up_t(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
     g = np.empty_like(h)  # gate results of each tile
     C, J, L = gw[0].shape[1], gw[0].shape[2], gw[0].shape[3]
     for i in prange(EXPERTS * tiles):
-        e = i // tiles
-        r0 = (i - e * tiles) * TILE_ROWS
-        r1 = min(r0 + TILE_ROWS, inter)
+        e, r0, r1 = _tile(i, tiles, inter)
         t0, t1 = offs[e], offs[e + 1]
         ws = _rows_scratch(C, J, L, t1 - t0)
         ai = np.empty((NT, C * L), np.int32)
         _rows(gw[e], gs[e], xa3, xb3, x2, sx, xsum, g, r0, r1, t0, t1, ws, ai)
         _rows(uw[e], us[e], xa3, xb3, x2, sx, xsum, h, r0, r1, t0, t1, ws, ai)
-        for t in range(t0, t1):
-            for r in range(r0, r1):
-                h[t, r] = _silu_mul(g[t, r], h[t, r])
+        _silu_rows(g, h, t0, t1, r0, r1)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -337,9 +348,7 @@ def experts_matmul_t(kind, ws_, ss, xa3, xb3, sx, xsum, offs, y):
     x2 = _x2_for(xa3, xb3, ws_[0])
     C, J, L = ws_[0].shape[1], ws_[0].shape[2], ws_[0].shape[3]
     for i in prange(EXPERTS * tiles):
-        e = i // tiles
-        r0 = (i - e * tiles) * TILE_ROWS
+        e, r0, r1 = _tile(i, tiles, out)
         ws = _rows_scratch(C, J, L, offs[e + 1] - offs[e])
         ai = np.empty((NT, C * L), np.int32)
-        r1 = min(r0 + TILE_ROWS, out)
         _rows(ws_[e], ss[e], xa3, xb3, x2, sx, xsum, y, r0, r1, offs[e], offs[e + 1], ws, ai)

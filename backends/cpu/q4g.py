@@ -1,5 +1,5 @@
 """Per-row int4, int4-g64 and int4-g128 kernels of the ``cpu`` backend on the transposed layout of
-``cpu_q4t`` (imported only when that backend is opened).
+``q4t`` (imported only when that backend is opened).
 
 Layout (cpu.py ``int_layout``): wt uint8 [out, C, J, L], lane k of a row holding bytes k·J .. k·J + J − 1
 (columns 2·k·J ..), chunks of L = 64 lanes; the activations are ``quant_x4t``'s xe/xo int16 [T, C, J, L]
@@ -10,11 +10,11 @@ every lane and is summed in "entries" of R = 4 lanes (128 columns at J = 16), it
 Arithmetic: each entry e (a group, or 4 lanes of a row) is the exact int32 ``a_e = Σ (code − 8)·xq``
 (|a_e| ≤ 128·8·32767 < 2³¹); then ``y = sx · Σ_e s_e·float32(a_e)`` for groups (scales float32
 [out, groups], as stored: no per-lane copies to read), ``y = sx · (s · Σ_e float32(a_e))`` per row.
-The float sum is ``cpu_vnni._vsum`` (fixed order), so a token gives the same bits alone, in a batch,
+The float sum is ``vnni._vsum`` (fixed order), so a token gives the same bits alone, in a batch,
 serially or in parallel (tests/test_backend_cpu_q4g.py).
 
-Loop shapes (AVX-512 VNNI, chunks of 64 lanes; else the numba loop of ``cpu_q4t._dots1`` with the
-lanes summed into entries): ``cpu_vnni.group_dots`` unpacks 32 bytes into 32 int16 codes whose low
+Loop shapes (AVX-512 VNNI, chunks of 64 lanes; else the numba loop of ``q4t._dots1`` with the
+lanes summed into entries): ``vnni.group_dots`` unpacks 32 bytes into 32 int16 codes whose low
 and high nibbles meet xe and xo as they lie, and ``vpdpwssd`` sums the lane pairs. One token per weight
 load for decode; 4, 2, 1 tokens per weight load for a batch, RB rows at a time so the rows and the
 token group's activations stay in L1.
@@ -25,11 +25,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-# numba's cache keys a kernel by the contents of its own file: cpu_vnni's intrinsics and the cpu_q4t
+# numba's cache keys a kernel by the contents of its own file: vnni's intrinsics and the q4t
 # functions inlined here are compiled into these kernels, so a change of either file must change this
 # one too (KERNEL_SOURCES below; tests/test_backend_cpu_q4g.py checks it)
-from colibri_plan.backends.cpu_q4t import EXPERTS, NT, RB, TILE_ROWS, _dots1, _lane_sum, _silu_mul
-from colibri_plan.backends.cpu_vnni import (
+from colibri_plan.backends.cpu.q4t import EXPERTS, NT, RB, TILE_ROWS, _dots1, _lane_sum, _silu_rows, _tile
+from colibri_plan.backends.cpu.vnni import (
     VNNI,
     _g8r4x1,
     _g8r4x2,
@@ -44,36 +44,42 @@ from colibri_plan.backends.cpu_vnni import (
     _vsum4,
 )
 
-#: sha256 (16 hex digits each) of backends/cpu_vnni.py and backends/cpu_q4t.py as these kernels were
+#: sha256 (16 hex digits each) of backends/cpu/vnni.py and backends/cpu/q4t.py as these kernels were
 #: compiled against: updating it with them makes numba recompile this file's kernels
-KERNEL_SOURCES = ("ad5506b9c5274d3a", "ca8b4eba95e1ca15")
+KERNEL_SOURCES = ("545ddce21112fada", "6214d2b56133ba63")
 #: lanes per per-row entry (the int32 sums of a per-row weight before the float sum)
 ROW_ENTRY_LANES = 4
 
 
+def _by_tokens(f4, f2, f1):
+    """A dispatch numba inlines over the token count m (4, 2 or 1) of one vnni.group_dots(J, R, m)
+    family, the intrinsics' twelve arguments passed on (the functions are closure constants)."""
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def run(m, p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11):
+        if m == 4:
+            f4(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11)
+        elif m == 2:
+            f2(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11)
+        else:
+            f1(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11)
+
+    return run
+
+
+_gd16r2, _gd16r4, _gd8r4 = (_by_tokens(*f) for f in (
+    (_g16r2x4, _g16r2x2, _g16r2x1), (_g16r4x4, _g16r4x2, _g16r4x1), (_g8r4x4, _g8r4x2, _g8r4x1)))
+
+
 @njit(fastmath=True, cache=True, inline="always")
 def _gd(J, R, m, ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep):
-    # m tokens (4, 2 or 1) of one chunk: cpu_vnni.group_dots(J, R, m)
+    # m tokens (4, 2 or 1) of one chunk: vnni.group_dots(J, R, m)
     if R == 2:  # J == 16: int4-g64 at fold 2
-        if m == 4:
-            _g16r2x4(ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)
-        elif m == 2:
-            _g16r2x2(ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)
-        else:
-            _g16r2x1(ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)
+        _gd16r2(m, ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)
     elif J == 16:
-        if m == 4:
-            _g16r4x4(ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)
-        elif m == 2:
-            _g16r4x2(ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)
-        else:
-            _g16r4x1(ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)
-    elif m == 4:
-        _g8r4x4(ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)
-    elif m == 2:
-        _g8r4x2(ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)
+        _gd16r4(m, ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)
     else:
-        _g8r4x1(ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)
+        _gd8r4(m, ai, ao, astep, w, wo, xe, xo, xoff, xstep, xg, go, gstep)
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -186,7 +192,7 @@ def i4g_matmul_1(wt, sg, xe3, xo3, sx, xsl, y):
         _rows(wt, sg, ones, xe3, xo3, sx, xsl, xg, y, r0, min(r0 + TILE_ROWS, wt.shape[0]), 0, T, ai)
 
 
-# ---- routed experts, batched (as cpu_q4t's: a tile of gate rows, then the same tile of up rows) ----
+# ---- routed experts, batched (as q4t's: a tile of gate rows, then the same tile of up rows) ----
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -200,16 +206,12 @@ def experts_gate_up_g(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
     g = np.empty_like(h)
     for i in prange(EXPERTS * tiles):
         ones, xg = _prep(gw[0], gs[0], xsum)  # per step (see _prep)
-        e = i // tiles
-        r0 = (i - e * tiles) * TILE_ROWS
-        r1 = min(r0 + TILE_ROWS, inter)
+        e, r0, r1 = _tile(i, tiles, inter)
         t0, t1 = offs[e], offs[e + 1]
         ai = np.empty((NT, gw[0].shape[1] * gw[0].shape[3]), np.int32)
         _rows(gw[e], gs[e], ones, xa3, xb3, sx, xsum, xg, g, r0, r1, t0, t1, ai)
         _rows(uw[e], us[e], ones, xa3, xb3, sx, xsum, xg, h, r0, r1, t0, t1, ai)
-        for t in range(t0, t1):
-            for r in range(r0, r1):
-                h[t, r] = _silu_mul(g[t, r], h[t, r])
+        _silu_rows(g, h, t0, t1, r0, r1)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -220,8 +222,6 @@ def experts_matmul_g(kind, ws_, ss, xa3, xb3, sx, xsum, offs, y):
     tiles = (out + TILE_ROWS - 1) // TILE_ROWS
     for i in prange(EXPERTS * tiles):
         ones, xg = _prep(ws_[0], ss[0], xsum)  # per step (see _prep)
-        e = i // tiles
-        r0 = (i - e * tiles) * TILE_ROWS
+        e, r0, r1 = _tile(i, tiles, out)
         ai = np.empty((NT, ws_[0].shape[1] * ws_[0].shape[3]), np.int32)
-        _rows(ws_[e], ss[e], ones, xa3, xb3, sx, xsum, xg, y, r0, min(r0 + TILE_ROWS, out), offs[e],
-              offs[e + 1], ai)
+        _rows(ws_[e], ss[e], ones, xa3, xb3, sx, xsum, xg, y, r0, r1, offs[e], offs[e + 1], ai)

@@ -1,5 +1,6 @@
-"""Device activations of the CUDA backend: the ``_d_*`` hooks of :mod:`colibri_plan.backends.device_ops`
-as driver calls, mixed into :class:`colibri_plan.backends.cuda.CUDABackend`.
+"""Device activations of the CUDA backend: :class:`CudaDeviceOps`, the part whose ``_d_*`` hooks
+(:mod:`colibri_plan.backends.device_ops`) :class:`~colibri_plan.backends.cuda.backend.CUDABackend` binds at
+open, as driver calls.
 
 A :class:`~colibri_plan.backends.device_ops.DArray` of this backend holds a 1-D CuPy float32 array
 (``buf``, allocated from CuPy's memory pool on the backend's stream) and an element ``offset``; its device
@@ -10,7 +11,8 @@ in stream order, so dropping a DArray while kernels still read it is safe.
 
 Kernels: ``shaders/cuda/trunk.cu`` (add, SiLU·mul, row scales, RoPE, row padding), ``matmul.cu``
 (``mm_args``: the quantized weight kernels of the host path with their table entries as a kernel argument;
-``rmsnorm``) and ``attention.cu`` (``attention_gqa``, ``attention_combine``).
+``rmsnorm``) and ``attention.cu`` (``attention_gqa``, ``attention_combine``); ``d_head_matmul`` is one
+cuBLAS strided-batched SGEMM and the block write of ``d_write_rows`` one ``cudaMemcpy2DAsync``.
 
 Host cost per op is what bounds decode (a layer is ~15 ops of a few µs of GPU time each), so an op is
 a pool allocation and a direct ``cuLaunchKernel`` with a parameter block made once per kernel and
@@ -36,20 +38,19 @@ from typing import Any
 
 import numpy as np
 
-from colibri_plan.backends import _shared as sh
-from colibri_plan.backends.device_ops import DArray
+from colibri_plan.backends.handles import DArray
+from colibri_plan.backends.pools import WorkBuffers
 from colibri_plan.errors import UnsupportedError
 
 _THREADS = 256  # threads per block of the elementwise, norm and attention kernels
 _ATT_TILE = 256  # attention.cu ATT_TILE: keys per tile
 _GQA_HEADS = 8  # attention.cu GQA_HEADS: query heads per block
+ATT_MAX_HEAD_DIM = 608  # widest head_dim whose attention_gqa block fits 48 KiB of shared memory (d threads)
 _ATT_MIN_KEYS = 64  # fewest keys per split of a query row's key range (below that, merging costs more)
 _PUT_SLOTS = 8  # pinned staging slots of d_put, reused round-robin (an event says when a slot is free)
 _PUT_RING_BYTES = 1 << 20  # larger uploads (weights, tables) go through the chunked, synchronous staging
 _MM_ARGS_MAX = 4  # matmul.cu MM_ARGS_MAX: matrices per mm_args launch
 _ZEROS = (0,) * (8 * _MM_ARGS_MAX)  # the table entries an mm_args launch leaves unused
-_TRUNK_KERNELS = ("tr_add", "tr_silu_mul", "tr_scale_rows", "tr_rope", "tr_pad_rows", "tr_expert_sum",
-                  "tr_expert_scatter")
 # parameter kinds of each kernel, in the order of its CUDA signature: p pointer / u64, i int, f float,
 # t matmul.cu's MMArgs (8 · _MM_ARGS_MAX u64 by value)
 _SIGNATURES = {"tr_add": "pppqii", "tr_silu_mul": "pppq", "tr_scale_rows": "ppfpqi", "tr_rope": "pppqiiiii",
@@ -91,22 +92,38 @@ class _Launch:
         self._launch(self.fptr, gx, gy, gz, block, 1, 1, smem, stream, self._pptr, 0)
 
 
-class CUDADeviceOps:
-    """The ``_d_*`` hooks on CuPy memory; see the module docstring. Needs the backend's ``cp``, ``rt``,
-    ``dev``, ``stream``, ``_sms``, ``_fns``, ``_pinned``, ``_launcher`` and ``_h2d``."""
+class CudaDeviceOps:
+    """The ``_d_*`` hooks on CuPy memory (see the module docstring).
+
+    Args:
+        backend: the open CUDA backend (its device, stream, pinned staging, kernels and launch shapes).
+    """
+
+    HOOKS = ("_d_put", "_d_get", "_d_zeros", "_d_write_rows", "_d_write_block", "_d_head_matmul", "_d_add",
+             "_d_silu_mul", "_d_scale_rows", "_d_rope", "_d_rmsnorm", "_d_matmul", "_d_matmul_many",
+             "_d_attention")
+
+    def __init__(self, backend):
+        b = self.be = backend
+        self.cp, self.rt, self.dev, self.stream, self._sms = b.cp, b.rt, b.dev, b.stream, b._sms
+        self._pinned, self._h2d, self._launcher = b._pinned, b._h2d, b._launcher
+        self._module_fn, self._index, self._dstate = b._module_fn, int(b.device.index), None
+
+    def close(self) -> None:
+        self._dstate = None  # its events, work buffers and launches
 
     # ---- state -----------------------------------------------------------------------------------
     def _d_state(self):
-        """Lazily made per-backend state (the simulated and real backends open without it)."""
-        st = self.__dict__.get("_dstate")
+        """Lazily made state (the simulated and real backends open without it)."""
+        st = self._dstate
         if st is None:
             cp = self.cp
             with self.dev:
                 events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(_PUT_SLOTS)]
             st = self._dstate = {"slot": 0, "events": events, "pending": [False] * _PUT_SLOTS,
                                  "names": tuple(f"dput{i}" for i in range(_PUT_SLOTS)),
-                                 "work": sh.WorkBuffers(lambda name, n: cp.empty(n, cp.uint8)),
-                                 "launches": {}, "index": int(self.device.index), "sptr": self.stream.ptr,
+                                 "work": WorkBuffers(lambda name, n: cp.empty(n, cp.uint8)),
+                                 "launches": {}, "index": self._index, "sptr": self.stream.ptr,
                                  "token": next(_TOKENS), "ndarray": cp.ndarray, "f32": cp.float32}
         return st
 
@@ -117,35 +134,20 @@ class CUDADeviceOps:
         cudaGetDevice (which catches another device made current behind our back); the switch happens
         once per thread, and again after another CUDA backend's device op on it. (``with`` blocks of
         the host-staged ops restore this state on exit.)"""
-        st = self.__dict__.get("_dstate") or self._d_state()
+        st = self._dstate or self._d_state()
         if getattr(_CURRENT, "token", 0) != st["token"] or self.rt.getDevice() != st["index"]:
             self.dev.use()
             self.stream.use()
             _CURRENT.token = st["token"]
 
-    def _d_fn(self, name: str):
-        """Kernel ``name`` of trunk.cu / attention.cu / matmul.cu (rmsnorm), a CuPy RawKernel, compiled by
-        NVRTC once per source file on first use (CuPy caches the binaries on disk)."""
-        fn = self._fns.get(name)
-        if fn is None:
-            source = ("trunk.cu" if name in _TRUNK_KERNELS else "matmul.cu" if name == "rmsnorm"
-                      else "attention.cu")
-            with self.dev:
-                mod = self._fns.get(source)
-                if mod is None:
-                    mod = self._fns[source] = self.cp.RawModule(code=sh.kernel_source("cuda", source),
-                                                                options=("--std=c++14",))  # cuda.py's
-                fn = self._fns[name] = mod.get_function(name)
-        return fn
-
     def _d_kernel(self, name: str, fn=None) -> _Launch:
-        """The :class:`_Launch` of kernel ``name`` (:meth:`_d_fn`), or of ``fn``, a matmul.cu instance of
-        kernel ``name`` from the backend's launcher."""
+        """The :class:`_Launch` of kernel ``name`` (``Launcher.module_fn``), or of ``fn``, a matmul.cu
+        instance of kernel ``name`` from the backend's launcher."""
         launches = self._d_state()["launches"]
         key = name if fn is None else id(fn)
         k = launches.get(key)
         if k is None:
-            fn = self._d_fn(name) if fn is None else fn
+            fn = self._module_fn(name) if fn is None else fn
             with self.dev:  # kernel.ptr: the CUfunction of this device
                 k = launches[key] = _Launch(fn, _SIGNATURES[name], self.cp.cuda.driver.launchKernel)
         return k
@@ -213,6 +215,43 @@ class CUDADeviceOps:
             self._d_go()
             self.rt.memcpyAsync(self._ptr(dst) + row0 * row_bytes, self._ptr(src), n,
                                 self.rt.memcpyDeviceToDevice, self.stream.ptr)
+
+    def _d_write_block(self, dst: DArray, row0: int, col0: int, src: DArray) -> None:
+        (t, w), d = src.shape, dst.shape[1]
+        if t and w:  # one cudaMemcpy2DAsync: T rows of W floats into rows of D floats from column col0
+            self._d_go()
+            self.rt.memcpy2DAsync(self._ptr(dst) + 4 * (row0 * d + col0), 4 * d, self._ptr(src), 4 * w, 4 * w,
+                                  t, self.rt.memcpyDeviceToDevice, self.stream.ptr)
+
+    def _d_head_matmul(self, x: DArray, w: DArray) -> Any:
+        """y[t, b] = w[b] · x[t, b] as one cuBLAS strided-batched SGEMM over the B heads, written straight
+        in y's [T, B, N] layout: column-major C_b (N x T, ld B·N) = W_b^T-op (N x K) · X_b (K x T, ld B·K)."""
+        (T, B, K), N = x.shape, w.shape[1]
+        self._d_go()
+        y = self._d_empty(T * B * N)
+        if y.size:
+            st = self._dstate
+            blas, handle = st.get("cublas") or self._d_cublas()
+            blas.setStream(handle, st["sptr"])
+            blas.sgemmStridedBatched(handle, blas.CUBLAS_OP_T, blas.CUBLAS_OP_N, N, T, K, st["one"],
+                                     self._ptr(w), K, N * K, self._ptr(x), B * K, K, st["zero"], y.data.ptr,
+                                     B * N, N, B)
+        return y
+
+    def _d_cublas(self):
+        """(CuPy's cuBLAS module, this device's handle in host pointer mode), made once; alpha 1 and beta 0
+        as host floats whose addresses the calls pass."""
+        import importlib
+
+        cp, st = self.cp, self._dstate
+        blas = getattr(cp.cuda, "cublas", None) or importlib.import_module("cupy_backends.cuda.libs.cublas")
+        with self.dev:
+            handle = cp.cuda.device.get_cublas_handle()
+        blas.setPointerMode(handle, blas.CUBLAS_POINTER_MODE_HOST)
+        st["scalars"] = np.array([1.0, 0.0], np.float32)  # kept alive with the state
+        st["one"], st["zero"] = st["scalars"].ctypes.data, st["scalars"].ctypes.data + 4
+        st["cublas"] = (blas, handle)
+        return st["cublas"]
 
     # ---- kernels ---------------------------------------------------------------------------------
     # (the hot path: a decode layer is ~15 of these, each a few µs of Python around one driver call)
@@ -316,14 +355,18 @@ class CUDADeviceOps:
         if T == 0:
             self._d_go()
             return self._d_empty(0)
-        if d > _THREADS:
-            raise UnsupportedError(f"cuda d_attention: head_dim {d} > {_THREADS} is not supported")
+        # a thread per channel: 256 up to head_dim 256, else d in whole warps (MLA's 64 + 512 = 576; the
+        # kernel's 64 registers a thread allow 1024), as long as a block's smem stays in 48 KiB (no opt-in)
+        threads = _THREADS if d <= _THREADS else -(-d // 32) * 32
+        smem = 4 * (_GQA_HEADS * (d + _ATT_TILE + threads) + 3 * _GQA_HEADS)
+        if d > ATT_MAX_HEAD_DIM:
+            raise UnsupportedError(f"cuda d_attention: head_dim {d} is over {ATT_MAX_HEAD_DIM}, the most a "
+                                   "block's 48 KiB of shared memory holds; run it on another backend")
         chunks = -(-(hq // hkv) // _GQA_HEADS)
         keys = min(pos0 + T, window) if window > 0 else pos0 + T  # the longest query row's key range
         base = T * hkv * chunks
         # split the keys when (row, kv head) blocks alone would leave SMs idle (decode at long contexts)
         splits = max(1, min(-(-keys // _ATT_MIN_KEYS), -(-4 * self._sms // base), 1024))
-        smem = 4 * (_GQA_HEADS * (d + _ATT_TILE + _THREADS) + 3 * _GQA_HEADS)  # < 48 KiB: no opt-in
         gqa = self._d_kernel("attention_gqa")
         combine = self._d_kernel("attention_combine") if splits > 1 else None
         self._d_go()
@@ -332,7 +375,7 @@ class CUDADeviceOps:
         yp = y.data.ptr
         # splits > 1: slices into part [T * Hq, splits, d + 2], merged into y by attention_combine
         part = self._d_work("att_part", 4 * T * hq * splits * (d + 2)) if combine else 0
-        gqa(T, hkv * chunks, splits, _THREADS, smem, sptr, self._ptr(q), self._ptr(k), self._ptr(v),
+        gqa(T, hkv * chunks, splits, threads, smem, sptr, self._ptr(q), self._ptr(k), self._ptr(v),
             0 if combine else yp, part, hq, hkv, d, pos0, window, scale, splits)
         if combine is not None:
             combine(T * hq, 1, 1, 128, 0, sptr, part, yp, d, splits)

@@ -2,17 +2,20 @@
 
 UNVERIFIED: no macOS machine was available to us, so this file and ``shaders/metal/*.metal`` have never
 been compiled or run; they follow the same contract, layout
-(:func:`colibri_plan.backends._shared.padded_layout`) and kernel structure as the OpenCL backend, which is
+(:func:`colibri_plan.backends.staging.padded_layout`) and kernel structure as the OpenCL backend, which is
 tested. Off macOS, :meth:`MetalBackend.unavailable_reason` says so and every test skips with that reason.
 
 The ``.metal`` source is compiled at run time (``newLibraryWithSource``). Weights live in
 ``MTLResourceStorageModeShared`` buffers: on Apple silicon the GPU reads them from the memory the CPU
 wrote, with no transfer. One command buffer per op; an expert batch is one command buffer with two
 dispatches per expert (gate/up fused with SiLU·up, then down), which run in order in a serial encoder.
+Device activations are host arrays in shared memory (``reference.HostArrays``, whose ``d_matmul`` runs this
+backend's matmul); ``d_head_matmul`` is a kernel of ``shaders/metal/trunk.metal``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import struct
 import sys
@@ -20,9 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from colibri_plan.backends import _shared as sh
-from colibri_plan.backends._shared import GPUBackend, PaddedWeight
-from colibri_plan.backends.base import DeviceInfo
+from colibri_plan.backends import programs, staging
+from colibri_plan.backends.base import Backend, DeviceInfo
+from colibri_plan.backends.batched import BatchedExperts
+from colibri_plan.backends.reference import HostArrays
+from colibri_plan.backends.staging import PaddedWeight
 from colibri_plan.errors import BackendUnavailableError
 from colibri_plan.quant import QuantTensor, group_size
 
@@ -40,17 +45,18 @@ def _mtl_devices() -> list:
     return devs
 
 
-class MetalBackend(GPUBackend):
+class MetalBackend(Backend):
     """Quantized matmul, fused expert FFN, rmsnorm and absorbed MLA attention through Metal (unverified;
     see the module docstring)."""
 
     name = "metal"
+    optional_ops = frozenset({"attention_absorb"})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
         if sys.platform != "darwin":
             return _NEEDS
-        return sh.import_problem("Metal", _NEEDS, lambda _: None if _mtl_devices() else
+        return programs.import_problem("Metal", _NEEDS, lambda _: None if _mtl_devices() else
                                  "no Metal device found", _NEEDS + ": {exc}")
 
     @classmethod
@@ -58,8 +64,8 @@ class MetalBackend(GPUBackend):
         out = []
         for i, d in enumerate(_mtl_devices()):
             total, kind = int(d.recommendedMaxWorkingSetSize()), "igpu" if d.hasUnifiedMemory() else "gpu"
-            out.append(cls._info(i, str(d.name()), kind, total, max(0, total - int(d.currentAllocatedSize())),
-                                 f"macOS {platform.mac_ver()[0]}"))
+            free = max(0, total - int(d.currentAllocatedSize()))
+            out.append(cls.device_info(i, str(d.name()), kind, total, free, f"macOS {platform.mac_ver()[0]}"))
         return out
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -69,12 +75,15 @@ class MetalBackend(GPUBackend):
         self.mtl = Metal
         self.dev = _mtl_devices()[self.device.index]
         self.queue = self.dev.newCommandQueue()
-        src = sh.kernel_source("metal", "matmul.metal") + sh.kernel_source("metal", "attention.metal")
+        src = "".join(programs.kernel_source("metal", f) for f in ("matmul.metal", "attention.metal",
+                                                                "trunk.metal"))
         self.lib, err = self.dev.newLibraryWithSource_options_error_(src, None, None)
         if self.lib is None:
             raise BackendUnavailableError(f"metal: the kernels do not compile: {err}")
         self._pipes: dict[str, Any] = {}
         self._shared = Metal.MTLResourceStorageModeShared
+        self.bind(BatchedExperts(self, self._ffn_batch))
+        self.bind(HostArrays(self), [h for h in HostArrays.HOOKS if h != "_d_head_matmul"])
 
     def _close(self) -> None:
         self._pipes.clear()
@@ -101,7 +110,7 @@ class MetalBackend(GPUBackend):
         return self.dev.newBufferWithBytes_length_options_(raw, n, self._shared)
 
     def _upload(self, qt: QuantTensor) -> PaddedWeight:
-        data, scales, in_pad = sh.padded_layout(qt)
+        data, scales, in_pad = staging.padded_layout(qt)
         bufs = [self._buffer(a, a.nbytes) for a in (data, scales)]
         if any(b is None for b in bufs):  # Metal answers nil when it cannot allocate
             raise self._oom(f"could not allocate {qt.nbytes} B", qt.nbytes)
@@ -135,6 +144,15 @@ class MetalBackend(GPUBackend):
         enc.dispatchThreadgroups_threadsPerThreadgroup_(self.mtl.MTLSizeMake(groups, 1, 1),
                                                         self.mtl.MTLSizeMake(32 * _SIMDGROUPS, 1, 1))
 
+    @contextlib.contextmanager
+    def _encoder(self):
+        """A compute encoder of a new command buffer, ended, committed and waited for on leaving."""
+        cb = self.queue.commandBuffer()
+        enc = cb.computeCommandEncoder()
+        yield enc
+        enc.endEncoding()
+        self._commit(cb)
+
     def _commit(self, cb) -> None:
         cb.commit()
         cb.waitUntilCompleted()
@@ -145,67 +163,72 @@ class MetalBackend(GPUBackend):
         """One shared buffer holding every x_i, stacked and zero-padded to [Σ T_i, in_pad] (zero copy)."""
         rows = sum(x.shape[0] for x in xs)
         buf = self._work(rows * in_pad * 4)
-        sh.stage_rows(xs, in_pad, self._view(buf, rows * in_pad * 4).reshape(rows, in_pad))
+        staging.stage_rows(xs, in_pad, self._view(buf, rows * in_pad * 4).reshape(rows, in_pad))
         return buf
 
     def _matmul(self, x: np.ndarray, w) -> np.ndarray:
         p, T, out = w.payload, x.shape[0], w.out_features
         xb = self._stage_x([x], p.in_pad)
         yb = self._work(T * out * 4)
-        cb = self.queue.commandBuffer()
-        enc = cb.computeCommandEncoder()
-        # y [T, out] = x [T, in_pad] . W [out, in_pad]^T
-        self._dispatch(enc, f"mm_{sh.kernel_format(w.fmt)}", [(p.data, 0), (p.scales, 0), (xb, 0), (yb, 0)],
-                       self._params(w.fmt, p.in_pad, out, T, out, 0, 0), out)
-        enc.endEncoding()
-        self._commit(cb)
+        with self._encoder() as enc:
+            # y [T, out] = x [T, in_pad] . W [out, in_pad]^T
+            bufs = [(p.data, 0), (p.scales, 0), (xb, 0), (yb, 0)]
+            self._dispatch(enc, f"mm_{programs.kernel_format(w.fmt)}", bufs,
+                           self._params(w.fmt, p.in_pad, out, T, out, 0, 0), out)
         return self._view(yb, T * out * 4).reshape(T, out).copy()
 
     def _ffn_batch(self, xs, experts, b) -> np.ndarray:
         xb = self._stage_x(xs, b.Hp)
         hb = self._work(b.tok[-1] * b.Ip * 4)  # h_i [T_i, I_pad], zero-padded by gate_up
         yb = self._work(b.tok[-1] * b.H * 4)
-        cb = self.queue.commandBuffer()
-        enc = cb.computeCommandEncoder()  # serial: each dispatch sees the previous one's writes
-        for e, T, t0 in zip(experts, b.counts, b.tok):
-            g, u, d = e.gate.payload, e.up.payload, e.down.payload
-            self._dispatch(enc, f"gate_up_{sh.kernel_format(e.gate.fmt)}",
-                           [(g.data, 0), (g.scales, 0), (u.data, 0), (u.scales, 0), (xb, 0), (hb, 0)],
-                           self._params(e.gate.fmt, b.Hp, b.I, T, b.Ip, t0 * b.Hp, t0 * b.Ip), b.Ip)
-            self._dispatch(enc, f"mm_{sh.kernel_format(e.down.fmt)}",
-                           [(d.data, 0), (d.scales, 0), (hb, 0), (yb, 0)],
-                           self._params(e.down.fmt, b.Ip, b.H, T, b.H, t0 * b.Ip, t0 * b.H), b.H)
-        enc.endEncoding()
-        self._commit(cb)
+        with self._encoder() as enc:  # serial: each dispatch sees the previous one's writes
+            for e, T, t0 in zip(experts, b.counts, b.tok):
+                g, u, d = e.gate.payload, e.up.payload, e.down.payload
+                self._dispatch(enc, f"gate_up_{programs.kernel_format(e.gate.fmt)}",
+                               [(g.data, 0), (g.scales, 0), (u.data, 0), (u.scales, 0), (xb, 0), (hb, 0)],
+                               self._params(e.gate.fmt, b.Hp, b.I, T, b.Ip, t0 * b.Hp, t0 * b.Ip), b.Ip)
+                self._dispatch(enc, f"mm_{programs.kernel_format(e.down.fmt)}",
+                               [(d.data, 0), (d.scales, 0), (hb, 0), (yb, 0)],
+                               self._params(e.down.fmt, b.Ip, b.H, T, b.H, t0 * b.Ip, t0 * b.H), b.H)
         return self._view(yb, b.tok[-1] * b.H * 4).reshape(b.tok[-1], b.H).copy()
 
     def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         T, H = x.shape
         xb, wb, yb = self._buffer(x, x.nbytes), self._buffer(weight, weight.nbytes), self._work(x.nbytes)
-        cb = self.queue.commandBuffer()
-        enc = cb.computeCommandEncoder()
-        enc.setComputePipelineState_(self._pipe("rmsnorm"))
-        for i, b in enumerate((xb, wb, yb)):
-            enc.setBuffer_offset_atIndex_(b, 0, i)
-        enc.setBytes_length_atIndex_(struct.pack("<I", H), 4, 3)
-        enc.setBytes_length_atIndex_(struct.pack("<f", eps), 4, 4)
-        enc.dispatchThreadgroups_threadsPerThreadgroup_(self.mtl.MTLSizeMake(T, 1, 1),
-                                                        self.mtl.MTLSizeMake(256, 1, 1))
-        enc.endEncoding()
-        self._commit(cb)
+        with self._encoder() as enc:
+            enc.setComputePipelineState_(self._pipe("rmsnorm"))
+            for i, b in enumerate((xb, wb, yb)):
+                enc.setBuffer_offset_atIndex_(b, 0, i)
+            enc.setBytes_length_atIndex_(struct.pack("<I", H), 4, 3)
+            enc.setBytes_length_atIndex_(struct.pack("<f", eps), 4, 4)
+            enc.dispatchThreadgroups_threadsPerThreadgroup_(self.mtl.MTLSizeMake(T, 1, 1),
+                                                            self.mtl.MTLSizeMake(256, 1, 1))
         return self._view(yb, x.nbytes).reshape(T, H).copy()
 
     def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
         (H, R), (T, Dr) = q_abs.shape, k_rope.shape
-        host, (_, qr, lat, kr) = sh.pack((q_abs, q_rope, latent, k_rope))  # one shared buffer, offsets
+        host, (_, qr, lat, kr) = staging.pack((q_abs, q_rope, latent, k_rope))  # one shared buffer, offsets
         ib, ob = self._buffer(host, host.nbytes), self._work(q_abs.nbytes)
-        cb = self.queue.commandBuffer()
-        enc = cb.computeCommandEncoder()  # a threadgroup of _SIMDGROUPS simdgroups per head
-        self._dispatch(enc, "attention_absorb", [(ib, 0), (ob, 0)],
-                       struct.pack("<6If", R, Dr, T, qr, lat, kr, scale), H * _SIMDGROUPS)
-        enc.endEncoding()
-        self._commit(cb)
+        with self._encoder() as enc:  # a threadgroup of _SIMDGROUPS simdgroups per head
+            self._dispatch(enc, "attention_absorb", [(ib, 0), (ob, 0)],
+                           struct.pack("<6If", R, Dr, T, qr, lat, kr, scale), H * _SIMDGROUPS)
         return self._view(ob, q_abs.nbytes).reshape(H, R).copy()  # [H, R]
+
+    def _d_head_matmul(self, x, w) -> np.ndarray:
+        # device arrays here are the reference hooks' host arrays (shared memory): staged per call
+        (T, B, K), N = x.shape, w.shape[1]
+        if not (T and B and N):
+            return np.zeros((T, B, N), np.float32)
+        xb, wb = self._buffer(HostArrays._host(x), x.nbytes), self._buffer(HostArrays._host(w), w.nbytes)
+        yb = self._work(4 * T * B * N)
+        with self._encoder() as enc:
+            enc.setComputePipelineState_(self._pipe("head_matmul"))
+            for i, b in enumerate((xb, wb, yb)):
+                enc.setBuffer_offset_atIndex_(b, 0, i)
+            enc.setBytes_length_atIndex_(struct.pack("<4I", T, B, N, K), 16, 3)
+            enc.dispatchThreadgroups_threadsPerThreadgroup_(self.mtl.MTLSizeMake(-(-N // 64), B, T),
+                                                            self.mtl.MTLSizeMake(64, 1, 1))  # one per output
+        return self._view(yb, 4 * T * B * N).reshape(T, B, N).copy()
 
 
 BACKEND = MetalBackend

@@ -1,10 +1,10 @@
 """AVX-512 VNNI code for the ``cpu`` backend's numba kernels: llvmlite helpers of the intrinsics that write
 ``vpdpwssd`` (16 lanes of two int16 products each) where LLVM's vectorisation of numba loops gets one
 product per 32-bit lane (the codes zero-extended) and does not form the pairs (interleaved loads come
-out as shifts and ``vpmulld``). Imported by ``cpu_q4t`` only when the backend is opened.
+out as shifts and ``vpmulld``). Imported by ``q4t`` only when the backend is opened.
 
 Numba's disk cache keys a kernel by the contents of its own file: a change here must come with
-cpu_q4t.VNNI_SOURCE set to this file's new hash (tests/test_backend_cpu_kernels.py checks), or its
+q4t.VNNI_SOURCE set to this file's new hash (tests/test_backend_cpu_kernels.py checks), or its
 kernels keep the old code. ``VNNI`` is a compile-time constant of the kernels:
 False leaves the intrinsic branches dead (never selected on hosts without the instructions).
 """
@@ -94,36 +94,40 @@ _I32, _V16, _W32, _B16 = I32, V16, W32, B16
 _at, _load, _store, _splat, _vpdpwssd, _c = at, load, store, splat, vpdpwssd, plus
 
 
+def _void9(codegen):
+    """A numba intrinsic of nine arguments that returns nothing, its code written by ``codegen``."""
+
+    @intrinsic
+    def op(typingctx, a0, a1, a2, a3, a4, a5, a6, a7, a8):
+        return types.void(a0, a1, a2, a3, a4, a5, a6, a7, a8), codegen
+
+    return op
+
+
 def _packed_dots(J: int, CH: int):
     """Intrinsic ``(ai, ao, w, wo, x2, xo, step, xsl, so)``: 16·CH lanes of ``ai[ao:] = Σ_j code·x −
     8·xsl`` from the packed bytes w[wo + j·step] (uint8, unpacked in registers) and the pairs
     x2[xo + j·step] (int32), xsl[so:] int32: the one-token loop shape (CH independent sums)."""
 
-    @intrinsic
-    def dots(typingctx, ai, ao, w, wo, x2, xo, step, xsl, so):
-        sig = types.void(ai, ao, w, wo, x2, xo, step, xsl, so)
-
-        def codegen(context, builder, sig, args):
-            ai_, ao_, w_, wo_, x_, xo_, step_, s_, so_ = args
-            pw, px = _at(context, builder, sig.args[2], w_, wo_), _at(context, builder, sig.args[4], x_, xo_)
-            acc = [_splat(0)] * CH
-            for j in range(J):
-                line = builder.mul(step_, ir.Constant(step_.type, j))
-                prefetch(builder, builder.gep(pw, [_c(builder, line, PREFETCH_BYTES)]))
-                for ch in range(CH):
-                    off = _c(builder, line, 16 * ch)
-                    pair = nibble_pairs(builder, builder.gep(pw, [off]))
-                    acc[ch] = _vpdpwssd(builder, acc[ch], pair, _load(builder, builder.gep(px, [off]), _V16))
-            ps, pa = _at(context, builder, sig.args[7], s_, so_), _at(context, builder, sig.args[0], ai_, ao_)
+    def codegen(context, builder, sig, args):
+        ai_, ao_, w_, wo_, x_, xo_, step_, s_, so_ = args
+        pw, px = _at(context, builder, sig.args[2], w_, wo_), _at(context, builder, sig.args[4], x_, xo_)
+        acc = [_splat(0)] * CH
+        for j in range(J):
+            line = builder.mul(step_, ir.Constant(step_.type, j))
+            prefetch(builder, builder.gep(pw, [_c(builder, line, PREFETCH_BYTES)]))
             for ch in range(CH):
-                xs = _load(builder, builder.gep(ps, [ir.Constant(so_.type, 16 * ch)]), _V16)
-                dst = builder.gep(pa, [ir.Constant(ao_.type, 16 * ch)])
-                _store(builder, builder.sub(acc[ch], builder.shl(xs, _splat(3))), dst)  # − 8·Σ xq
-            return context.get_dummy_value()
+                off = _c(builder, line, 16 * ch)
+                pair = nibble_pairs(builder, builder.gep(pw, [off]))
+                acc[ch] = _vpdpwssd(builder, acc[ch], pair, _load(builder, builder.gep(px, [off]), _V16))
+        ps, pa = _at(context, builder, sig.args[7], s_, so_), _at(context, builder, sig.args[0], ai_, ao_)
+        for ch in range(CH):
+            xs = _load(builder, builder.gep(ps, [ir.Constant(so_.type, 16 * ch)]), _V16)
+            dst = builder.gep(pa, [ir.Constant(ao_.type, 16 * ch)])
+            _store(builder, builder.sub(acc[ch], builder.shl(xs, _splat(3))), dst)  # − 8·Σ xq
+        return context.get_dummy_value()
 
-        return sig, codegen
-
-    return dots
+    return _void9(codegen)
 
 
 def _scratch_dots(J: int, NT: int, CH: int):
@@ -132,32 +136,26 @@ def _scratch_dots(J: int, NT: int, CH: int):
     x2[xo + u·xstep + j·step] (int32 each): the prefill loop shape, one weight load for NT tokens
     (NT·CH independent sums: 64 lanes at once were 1.3-1.4x as fast as 16 at 4 and 16 tokens)."""
 
-    @intrinsic
-    def dots(typingctx, ai, ao, astep, ws, wo, x2, xo, xstep, step):
-        sig = types.void(ai, ao, astep, ws, wo, x2, xo, xstep, step)
-
-        def codegen(context, builder, sig, args):
-            ai_, ao_, astep_, w_, wo_, x_, xo_, xstep_, step_ = args
-            pw, px = _at(context, builder, sig.args[3], w_, wo_), _at(context, builder, sig.args[5], x_, xo_)
-            pa = _at(context, builder, sig.args[0], ai_, ao_)
-            acc = [[_splat(0)] * NT for _ in range(CH)]
-            for j in range(J):
-                for ch in range(CH):
-                    off = _c(builder, builder.mul(step_, ir.Constant(step_.type, j)), 16 * ch)
-                    wv = _load(builder, builder.gep(pw, [off]), _V16)
-                    for u in range(NT):
-                        xoff = builder.add(off, builder.mul(xstep_, ir.Constant(xstep_.type, u)))
-                        acc[ch][u] = _vpdpwssd(builder, acc[ch][u], wv,
-                                               _load(builder, builder.gep(px, [xoff]), _V16))
+    def codegen(context, builder, sig, args):
+        ai_, ao_, astep_, w_, wo_, x_, xo_, xstep_, step_ = args
+        pw, px = _at(context, builder, sig.args[3], w_, wo_), _at(context, builder, sig.args[5], x_, xo_)
+        pa = _at(context, builder, sig.args[0], ai_, ao_)
+        acc = [[_splat(0)] * NT for _ in range(CH)]
+        for j in range(J):
             for ch in range(CH):
+                off = _c(builder, builder.mul(step_, ir.Constant(step_.type, j)), 16 * ch)
+                wv = _load(builder, builder.gep(pw, [off]), _V16)
                 for u in range(NT):
-                    dst = _c(builder, builder.mul(astep_, ir.Constant(astep_.type, u)), 16 * ch)
-                    _store(builder, acc[ch][u], builder.gep(pa, [dst]))
-            return context.get_dummy_value()
+                    xoff = builder.add(off, builder.mul(xstep_, ir.Constant(xstep_.type, u)))
+                    acc[ch][u] = _vpdpwssd(builder, acc[ch][u], wv,
+                                           _load(builder, builder.gep(px, [xoff]), _V16))
+        for ch in range(CH):
+            for u in range(NT):
+                dst = _c(builder, builder.mul(astep_, ir.Constant(astep_.type, u)), 16 * ch)
+                _store(builder, acc[ch][u], builder.gep(pa, [dst]))
+        return context.get_dummy_value()
 
-        return sig, codegen
-
-    return dots
+    return _void9(codegen)
 
 
 #: the intrinsics by (J, tokens), each over a whole chunk of L = 64 lanes (4 vectors: 1.3-1.4x as fast
@@ -248,7 +246,7 @@ def _vsum4(typingctx, sl, so, ai, ao, astep, n, out):
     return sig, codegen
 
 
-# ---- grouped int4 (cpu_q4g): adjacent lanes of one group summed in int32 ------------------------
+# ---- grouped int4 (q4g): adjacent lanes of one group summed in int32 ------------------------
 # Per-row int4, int4-g64 and int4-g128 split each group over 2 or 4 adjacent lanes of the transposed
 # layout, so two neighbouring lanes may share a 32-bit sum: 32 bytes of one byte row (lanes k..k+31)
 # zero-extend to 32 int16 codes whose low nibbles pair with xe and high nibbles with xo as they lie

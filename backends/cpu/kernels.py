@@ -1,5 +1,5 @@
 """Float numba kernels of the ``cpu`` backend: int2 GEMM, MLA decode attention and the RAM probe
-(imported only when that backend is opened; int8/int4 are in ``cpu_qkernels``).
+(imported only when that backend is opened; int8/int4 are in ``qkernels``).
 
 Every kernel is ``parallel=True`` over output rows (one contiguous block of rows per core) and
 ``fastmath=True`` so LLVM vectorises the inner byte loop (AVX2/AVX-512 where the CPU has it). Compiled

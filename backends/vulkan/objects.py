@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace as NS
 
-from colibri_plan.backends import _shared as sh
-from colibri_plan.backends import vulkan_util as vu
-from colibri_plan.backends.vulkan_util import CACHE_MAGIC, COMPUTE, FENCE_TIMEOUT_NS, STORAGE, check, new
+from colibri_plan.backends import programs
+from colibri_plan.backends.vulkan import util as vu
+from colibri_plan.backends.vulkan.util import CACHE_MAGIC, COMPUTE, FENCE_TIMEOUT_NS, STORAGE, check, new
 from colibri_plan.errors import ColibriError
 
 PUSH_DESCRIPTOR = "VK_KHR_push_descriptor"
@@ -74,8 +74,8 @@ class Device:
             self.dpool = self.make(lib.vkCreateDescriptorPool, "VkDescriptorPool", new(
                 vk, "VkDescriptorPoolCreateInfo", flags=1, maxSets=1024, poolSizeCount=1, pPoolSizes=sizes))
             self.mods = {}
-            for shader in ("matmul", "rmsnorm", "attention", "attention_gqa", "elementwise"):
-                code = sh.kernel_source("vulkan", f"{shader}.spv", binary=True)
+            for shader in ("matmul", "rmsnorm", "attention", "attention_gqa", "elementwise", "head_matmul"):
+                code = programs.kernel_source("vulkan", f"{shader}.spv", binary=True)
                 words = ffi.cast("uint32_t*", ffi.from_buffer(code))
                 self.mods[shader] = self.make(lib.vkCreateShaderModule, "VkShaderModule", new(
                     vk, "VkShaderModuleCreateInfo", codeSize=len(code), pCode=words))
@@ -237,7 +237,7 @@ class Device:
         if lib.vkGetPipelineCacheData(self.dev, self.pcache, n, buf) == 0:
             blob = ffi.buffer(buf, n[0])[:]
             if blob != old_blob:
-                sh.write_cache_file(path, CACHE_MAGIC, blob)
+                programs.write_cache_file(path, CACHE_MAGIC, blob)
 
     def close(self) -> None:
         """Wait for the device, destroy the buffers left and every object; closing twice does nothing."""
