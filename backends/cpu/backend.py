@@ -151,9 +151,9 @@ class CpuBackend(Backend):
             self.serial_bytes = self._k.SERIAL_BYTES
         except Exception as exc:  # a broken numba/llvmlite install: say why, do not crash later
             raise BackendUnavailableError(f"cpu backend unavailable: numba failed to import: {exc}") from exc
-        # parts: host arrays as device activations (this backend's matmul; attention overridden below),
-        # the batched routed experts (expert_ffn's hook and the one-call decode sum)
-        self.bind(HostArrays(self), [h for h in HostArrays.HOOKS if h != "_d_attention"])
+        # parts: host arrays as device activations (this backend's matmul; attention and RMSNorm are its
+        # kernels, below), the batched routed experts (expert_ffn's hook and the one-call decode sum)
+        self.bind(HostArrays(self), [h for h in HostArrays.HOOKS if h not in ("_d_attention", "_d_rmsnorm")])
         self.bind(CpuExperts(self), ("_expert_ffn", "expert_ffn_sum"))
 
     def capacity_bytes(self) -> int | None:
@@ -248,6 +248,12 @@ class CpuBackend(Backend):
     def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
         out = np.empty_like(q_abs)  # [H, R], one head per parallel step
         self._par(64, self._k.attention_absorb, q_abs, q_rope, latent, k_rope, np.float32(scale), out)
+        return out
+
+    def _d_rmsnorm(self, x, weight, eps: float):
+        # one kernel call for every row, the numpy formula's bits (rmsnorm_rows)
+        out = np.empty(x.shape, np.float32)  # [N, d]
+        self._k.rms_norm(HostArrays._host(x), HostArrays._host(weight).reshape(1, -1), np.float32(eps), out)
         return out
 
     def _d_attention(self, q, k, v, n_keys: int, pos0: int, scale: float, window: int):
