@@ -151,9 +151,9 @@ class CpuBackend(Backend):
             self.serial_bytes = self._k.SERIAL_BYTES
         except Exception as exc:  # a broken numba/llvmlite install: say why, do not crash later
             raise BackendUnavailableError(f"cpu backend unavailable: numba failed to import: {exc}") from exc
-        # parts: host arrays as device activations (this backend's matmul; attention overridden below),
-        # the batched routed experts (expert_ffn's hook and the one-call decode sum)
-        self.bind(HostArrays(self), [h for h in HostArrays.HOOKS if h != "_d_attention"])
+        # parts: host arrays as device activations (this backend's matmul; attention and RMSNorm are its
+        # kernels, below), the batched routed experts (expert_ffn's hook and the one-call decode sum)
+        self.bind(HostArrays(self), [h for h in HostArrays.HOOKS if h not in ("_d_attention", "_d_rmsnorm")])
         self.bind(CpuExperts(self), ("_expert_ffn", "expert_ffn_sum"))
 
     def capacity_bytes(self) -> int | None:
@@ -244,6 +244,12 @@ class CpuBackend(Backend):
         transposed int4 layouts (q4g's too), qkernels' ROW_TILE (32) for the blocked ones; the
         chunk count of :meth:`_par` holds only if its iterations are counted in the kernel's own steps."""
         return self._k.TILE_ROWS if hw.fold else self._k.ROW_TILE
+
+    def _d_rmsnorm(self, x, weight, eps: float):
+        # one kernel call for every row, the numpy formula's bits (rmsnorm_rows)
+        out = np.empty(x.shape, np.float32)  # [N, d]
+        self._k.rms_norm(HostArrays._host(x), HostArrays._host(weight).reshape(1, -1), np.float32(eps), out)
+        return out
 
     def _d_attention(self, q, k, v, n_keys: int, pos0: int, scale: float, window: int):
         qq, kk, vv = (HostArrays._host(a) for a in (q, k, v))  # [T, Hq, d], [C, Hkv, d] x2
