@@ -32,8 +32,8 @@ bench)
     --out "$OUT/h200-before-after-cuda.json" 2>&1 | tee "$OUT/h200-before-after-cuda.txt"
   ;;
 tests)
-  { python3 -m pytest -q -p no:cacheprovider -rs tests/test_engine_mla.py -k device_trunk
-    python3 -m pytest -q -p no:cacheprovider -rs tests/test_engine_trunk.py tests/test_engine_trunk_experts.py \
+  { python3 -P -m pytest -q -p no:cacheprovider -rs tests/test_engine_mla.py -k device_trunk
+    python3 -P -m pytest -q -p no:cacheprovider -rs tests/test_engine_trunk.py tests/test_engine_trunk_experts.py \
       tests/test_backends_device_ops.py tests/test_backends_oracle.py tests/test_backend_cuda.py \
       tests/test_backend_cuda_prefill.py tests/test_backend_opencl.py tests/test_backend_vulkan_device.py \
       tests/test_multi_device.py; } 2>&1 | tee "$OUT/h200-gpu-tests.txt" | grep -E "passed|failed|FAILED|Error" 

@@ -18,7 +18,9 @@ _GQA_TESTED = ("numpy", "cpu", "opencl", "vulkan", "cuda")
 TESTED = {**{mt: _GQA_TESTED for mt in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")},
           **{mt: ("numpy",) for mt in ("deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa",
                                        "glm4_moe_lite")},
-          "deepseek_v3": ("numpy", "cpu")}
+          # tests/test_engine_mla.py's device-trunk test, every backend (CUDA on an H200 host:
+          # bench/results/h200-onepass/h200-gpu-tests.txt)
+          **{mt: _GQA_TESTED for mt in ("deepseek_v2", "deepseek_v3", "glm_moe_dsa")}}
 #: cell markers: run per backend, inferred (the backend's kernel oracle passes and the type runs on
 #: another backend, but this pair never ran), never run at all (Metal: no macOS machine)
 TESTED_MARK, INFERRED_MARK, UNVERIFIED_MARK = "tested", "inferred", "unverified"
