@@ -42,7 +42,7 @@ from colibri_plan.errors import FormatError, InputError, UnsupportedError
 from colibri_plan.families import arch_from_config, plan_geometry, tensor_names
 from colibri_plan.fileio import read_json_object
 from colibri_plan.formats.arch import ArchConfig
-from colibri_plan.formats.st_header import extra_layers, tensor_files
+from colibri_plan.formats.st_header import extra_layers, regular_file, tensor_files
 from colibri_plan.quant import QuantTensor, check_format, quantize
 
 
@@ -291,7 +291,7 @@ def load_checkpoint(path, expert_format: str = "f32") -> ModelWeights:
     check_format(expert_format)
     folder = Path(path)
     cfg_path = folder / "config.json"
-    if not folder.is_dir() or not cfg_path.is_file():
+    if not folder.is_dir() or not regular_file(cfg_path, "config.json"):
         raise InputError(f"{folder}: not a Hugging Face checkpoint folder (config.json missing)")
     config = read_json_object(cfg_path, "Hugging Face config.json")
     arch = arch_from_config(config, where=str(cfg_path))
