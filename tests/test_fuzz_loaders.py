@@ -213,7 +213,8 @@ def _every_checkpoint_reader(folder, tmp_path):
         res = check_outcome(bounded(fn, folder), str(folder))
         out.append(res)
     res = invoke("model", "show", folder)
-    assert res.exit_code == 1 and res.output.count("Error:") == 1, res.output
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
+    assert res.exit_code == 1 and len(errors) == 1, res.output
     out.append({"message": res.output})
     return out
 
