@@ -18,6 +18,7 @@ from colibri_plan.errors import FormatError, InputError, MismatchError
 from colibri_plan.fileio import read_document, write_document
 from colibri_plan.formats import fields as f
 from colibri_plan.formats.fields import At
+from colibri_plan.formats.plan_checks import check_finite, check_resources, check_sizes
 from colibri_plan.formats.plan_model import check_model  # noqa: F401 - re-exported
 from colibri_plan.formats.plan_prefill import check_prefill
 from colibri_plan.formats.plan_trunk import check_trunk_budgets, parse_trunk
@@ -244,7 +245,10 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
         at.fail(f"missing {', '.join(missing)}")
     for path, kind, limits in _FIELDS:
         _check_field(doc, path, kind, limits, at, predictions)
+    check_finite(doc, at)   # formats/plan_checks.py: NaN / Infinity in a field the table does not list
     _check_values(doc, where)
+    check_resources(doc, at)
+    check_sizes(doc, at)
     check_prefill(doc["predicted"], at / "predicted")   # formats/plan_prefill.py
     for k in doc["budgets"]["vram_budget_bytes"]:
         f.number(doc["budgets"]["vram_budget_bytes"], k, at / "budgets" / "vram_budget_bytes", lo=0)

@@ -16,13 +16,32 @@ def check_model(plan, spec, where: str | None = None) -> None:
     (:func:`~colibri_plan.formats.plan_trunk.check_trunk_kv_figure`). ``plan`` is a
     :class:`~colibri_plan.formats.plan.Plan`; ``where`` names the pack the spec came from, for the message.
 
+    The placement must also cover the model: the same MoE layers, each with the model's expert count.
+
     Raises:
-        MismatchError: naming both fingerprints (or both formats, or both KV figures with the bytes).
+        MismatchError: naming both fingerprints (or both formats, or both KV figures with the bytes, or
+            the layers the placement leaves out).
     """
     held = f"{where} holds {spec.name}" if where else spec.name
     if plan.model_fingerprint != spec.fingerprint():
         raise MismatchError(f"plan was made for {plan.doc['model']['name']} (model fingerprint "
                             f"{plan.model_fingerprint}), but {held} ({spec.fingerprint()}); "
+                            "solve a plan for this model")
+    # the fingerprint is a stored string: an edited layer list keeps it, so the placement itself must cover
+    # the model (a layer left out would silently stream from disk)
+    want, have = [int(x) for x in spec.moe_layers], plan.layer_ids
+    if have != want or plan.n_experts != spec.n_experts:
+        lost, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+        if lost:
+            what = f"leaves out MoE layer(s) {lost[:8]}"
+        elif extra:
+            what = f"places layer(s) {extra[:8]} the model does not route"
+        elif plan.n_experts != spec.n_experts:
+            what = f"places {plan.n_experts} experts per layer"
+        else:
+            what = "lists the MoE layers out of order"
+        raise MismatchError(f"plan {what} ({held}: MoE layers {want[:4]}{'...' if len(want) > 4 else ''}, "
+                            f"{spec.n_experts} experts each); the plan was edited or made for another model: "
                             "solve a plan for this model")
     fmt = plan.doc.get("expert_format")
     if fmt and fmt != spec.expert_format:
