@@ -335,7 +335,12 @@ def load_checkpoint(path, expert_format: str = "f32") -> ModelWeights:
         raise FormatError(f"{folder}: {len(unknown)} tensor(s) this {arch.family} importer does not "
                           f"understand, e.g. {', '.join(unknown[:3])}")
     check_dense(arch, dense, f"{folder}")
-    _check_expert_names(arch, experts, tensors, folder)
+    unused = sorted(set(dense) - set(expected_dense_shapes(arch, set(dense))))
+    if unused:   # weights of a known role the config gives no place (n_shared_experts: 0 over shared ones)
+        raise FormatError(f"{folder}: the weights hold {len(unused)} tensor(s) config.json leaves unused, "
+                          f"e.g. {', '.join(unused[:3])} (engine names); running without them gives other "
+                          "outputs: the config does not belong to these weights (check n_shared_experts and "
+                          "the layer fields), fix config.json")
     weights = CheckpointWeights(folder, arch, tensors, dense, experts, expert_format)
     if mtp:  # named, never dropped silently
         weights.source += (f" (MTP layer(s) {', '.join(map(str, mtp))} not loaded: the decoder does not "

@@ -18,7 +18,6 @@ from _solver_fixtures import toy_profile, toy_spec
 from colibri_plan.errors import FormatError
 from colibri_plan.formats.profile import MachineProfile
 
-
 # ---- item 13: profile figures that contradict each other or the probe -----------------------------
 
 def _trunk_row(backend: str, path: str) -> dict:
@@ -42,3 +41,148 @@ def test_available_ram_above_total_ram_is_refused():
     doc["machine"]["ram_available_bytes"] = 950_000 * 10**9
     with pytest.raises(FormatError, match="ram_available_bytes 950,000,000,000,000 is more than ram_total"):
         MachineProfile(doc)
+
+
+# ---- items 5, 6, 10, 14: hand-edited plans -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    from colibri_plan.formats.heat import Heat
+    from colibri_plan.formats.plan import save_plan
+    from colibri_plan.planner.make import make_plan
+    from colibri_plan.planner.options import SolveOptions
+
+    prof = toy_profile(gpus=[{"gbps": 60.0, "free_bytes": 4 * 10**9}], ram_available_bytes=8 * 10**9)
+    heat = Heat(n_experts=8, layers=(1, 2, 3), counts=np.array([[3, 1, 0, 0, 2, 0, 1, 1]] * 3), top_k=2,
+                tokens=4, n_model_layers=4)
+    plan, _, _ = make_plan(prof, toy_spec(n_experts=8), heat, SolveOptions(ram="4", context_tokens=100,
+                                                                          trunk="cpu"))
+    return save_plan(plan, tmp_path_factory.mktemp("plan") / "plan.json")
+
+
+def _edited(plan_file, tmp_path, edit):
+    doc = json.loads(plan_file.read_text())
+    edit(doc)
+    out = tmp_path / "edited.json"
+    out.write_text(json.dumps(doc))   # NaN / Infinity as the JSON literals a hand edit leaves
+    return out
+
+
+def _refused(path, match):
+    from _cli_fixtures import invoke
+
+    from colibri_plan.formats.plan import load_plan
+
+    with pytest.raises(FormatError, match=match):
+        load_plan(path)
+    for args in (("plan", "show", path), ("export", path, "--to", "llama.cpp")):
+        res = invoke(*args)
+        lines = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
+        assert res.exit_code == 1 and len(lines) == 1 and "Traceback" not in res.output, res.output
+
+
+def _set(*path_value):
+    *path, value = path_value
+
+    def edit(doc):
+        node = doc
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+    return edit
+
+
+@pytest.mark.parametrize("path", [("predicted", "per_layer_s", 1), ("knobs", "cache_model", "lru_slots_mean"),
+                                  ("solver", "trunk", "options", 0, "dense_s"), ("heat", "nan_note")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_or_infinity_anywhere_in_a_plan_is_refused_on_load(plan_file, tmp_path, path, value):
+    _refused(_edited(plan_file, tmp_path, _set(*path, value)), r"must be a finite number, got (NaN|Infinity)")
+
+
+@pytest.mark.parametrize("path, value", [
+    (("resources", "gpus", 0, "h2d_gbps"), "25"), (("resources", "gpus", 0, "key"), 7),
+    (("resources", "gpus", 0, "unified"), "no"), (("resources", "gpus", 0, "matmul_gbps"), -1),
+    (("resources", "gpus", 0), "cuda:0"), (("resources", "gpus", 0, "extra"), 1),
+    (("resources", "cpu_matmul_gbps"), "20"), (("resources", "ram_read_gbps"), 0),
+    (("resources", "disk_queue_depth"), 0.5), (("resources", "page_cache_pool_bytes"), -3),
+    (("resources", "disk_depth_gbps"), [[1]]), (("resources", "compute"), [["ram_pinned", 3]]),
+    (("resources", "cpu_call_s"), None), (("resources", "gpu_count"), 1),
+    (("model", "n_layers"), None), (("model", "top_k"), None), (("predicted", "trunk"), "cpu"),
+    (("predicted", "trunk", "kv_bytes"), "big"),
+])
+def test_malformed_hand_edited_fields_are_refused_on_load(plan_file, tmp_path, path, value):
+    _refused(_edited(plan_file, tmp_path, _set(*path, value)), r"plan .*(must be|unknown key|is null)")
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_set("predicted", "hit_rate", "disk", 1.0), "shares sum to 2"),
+    (_set("budgets", "kv_bytes", 844_425 * 10**9), "more than the profiled machine's RAM"),
+    (_set("budgets", "kv_bytes", 2**62), "more than any machine's memory"),
+    (_set("budgets", "trunk_vram_bytes", {"cuda:0": 2**62}), "more than any machine's memory"),
+    (_set("predicted", "trunk", "kv_bytes", 2**62), "more than any machine's memory"),
+])
+def test_contradicting_sizes_are_refused_and_never_exported(plan_file, tmp_path, edit, match):
+    from _cli_fixtures import invoke
+
+    path = _edited(plan_file, tmp_path, edit)
+    _refused(path, match)
+    res = invoke("export", path, "--to", "colibri", "--out", tmp_path / "x.coli_usage")
+    assert res.exit_code == 1 and "RAM_GB" not in res.output and not (tmp_path / "x.coli_usage").exists()
+
+
+def test_a_placement_that_leaves_out_a_moe_layer_is_refused_against_the_model(plan_file, tmp_path):
+    from colibri_plan.errors import MismatchError
+    from colibri_plan.formats.plan import check_model, load_plan
+
+    def drop_layer_2(doc):
+        doc["layers"] = [e for e in doc["layers"] if e["layer"] != 2]
+        doc["model"]["moe_layers"] = [1, 3]
+
+    plan = load_plan(_edited(plan_file, tmp_path, drop_layer_2))   # consistent in itself
+    check_model(load_plan(plan_file), toy_spec(n_experts=8))
+    with pytest.raises(MismatchError, match=r"leaves out MoE layer\(s\) \[2\]"):
+        check_model(plan, toy_spec(n_experts=8))
+
+
+# ---- items 8, 11: stored formats and weights the config leaves unused ---------------------------------
+
+def test_a_pack_index_whose_stored_format_was_edited_fails_model_verify_and_run(tmp_path):
+    import dataclasses
+
+    from _cli_fixtures import invoke
+
+    from colibri_plan.engine.fixture import FixtureConfig, build_fixture
+    from colibri_plan.engine.pack import open_pack
+    from colibri_plan.formats.pack_verify import verify_pack
+
+    cfg = dataclasses.replace(FixtureConfig.small(layers=2, experts=4, top_k=2, hidden=32, width=16,
+                                                  vocab=48, head_dim=8), dense_format="int8")
+    pack = tmp_path / "fx"
+    build_fixture(pack, cfg)
+    assert verify_pack(pack)["ok"]
+    doc = json.loads((pack / "pack.json").read_text())
+    assert doc["format"]["dense_tensors"]["lm_head"] == "int8"
+    doc["format"]["dense_tensors"]["lm_head"] = "f32"
+    (pack / "pack.json").write_text(json.dumps(doc))
+    problems = verify_pack(pack)["problems"]
+    assert any("lm_head is stored as I8 but the index says f32" in p for p in problems), problems
+    res = invoke("model", "verify", pack)
+    assert res.exit_code == 1 and "every checksum matches" not in res.output, res.output
+    with pytest.raises(FormatError, match="lm_head.scales but the index stores lm_head as f32"):
+        open_pack(pack)
+
+
+def test_shared_expert_weights_under_a_config_without_shared_experts_are_refused(tmp_path):
+    pytest.importorskip("transformers")
+    from _tiny_models import build
+
+    from colibri_plan.engine.weights import load_checkpoint
+
+    folder = tmp_path / "glm"
+    build("glm4_moe", folder)
+    load_checkpoint(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["n_shared_experts"] = 0
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FormatError, match=r"tensor\(s\) config.json leaves unused, e.g. layers.1.shared"):
+        load_checkpoint(folder)

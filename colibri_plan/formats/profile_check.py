@@ -238,7 +238,8 @@ def _check_trunk(doc: dict) -> None:
             if name == "trunk_layer":
                 f.text(e, "path", w, choices=LAYER_PATHS)
                 want = "host" if e["backend"] in HOST_ONLY_BACKENDS else "device"
-                if e["path"] != want and e["backend"] not in EITHER_PATH_BACKENDS:   # a relabelled row would price one trunk with another's figures
+                # a relabelled row would price one trunk with another path's figures
+                if e["path"] != want and e["backend"] not in EITHER_PATH_BACKENDS:
                     w.fail(f"path {e['path']!r} on backend {e['backend']!r}: the probe measures a "
                            f"{e['backend']} row on the {want} path only; re-measure with `colibri-plan "
                            "profile` or restore the path")
