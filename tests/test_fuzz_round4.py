@@ -186,3 +186,44 @@ def test_shared_expert_weights_under_a_config_without_shared_experts_are_refused
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(FormatError, match=r"tensor\(s\) config.json leaves unused, e.g. layers.1.shared"):
         load_checkpoint(folder)
+
+
+# ---- item 12: calibrate on impossible reports ------------------------------------------------------------
+
+def test_calibrate_refuses_a_part_longer_than_its_decode_step():
+    from _reports import toy_report
+
+    from colibri_plan.planner.calibrate import fit_coefficients
+
+    good = [toy_report(layers=True), toy_report(cpu=0.1, disk=0.2, layers=True)]
+    fit_coefficients(good)
+    bad = copy.deepcopy(good[0])
+    bad["measured"]["decode_s_per_token"], bad["measured"]["tok_s"] = 0.004, 250.0
+    bad["measured"]["terms"].update(dense_s=1.0, expert_compute_s={"cpu": 0.001}, disk_wait_s=0.001,
+                                    expert_layers_s=0.002)
+    with pytest.raises(FormatError, match=r"measured.dense_s_per_token 1 s is longer than the decode step"):
+        fit_coefficients([bad, good[1]], names=["bad.verify.json", "good.verify.json"])
+
+
+def test_calibrate_refuses_emptied_per_layer_parts():
+    from _reports import toy_report
+
+    from colibri_plan.planner.calibrate import fit_coefficients
+
+    rep = toy_report(layers=True)
+    rep["predicted"]["cpu_path_layers"] = {k: [] for k in rep["predicted"]["cpu_path_layers"]}
+    with pytest.raises(FormatError, match="cpu_path_layers is malformed .*no MoE layer"):
+        fit_coefficients([rep])
+
+
+def test_calibrate_warns_when_a_coefficient_lands_far_from_the_roofline():
+    from _reports import toy_report
+
+    from colibri_plan.planner.calibrate import fit_coefficients
+
+    rep = toy_report(layers=True)
+    rep["measured"]["terms"]["dense_s"] = 0.9   # inside the 1 s step, but (0.9 - 0.01) / 0.02 = 44.5x
+    rep["predicted"]["terms"]["dense_s"] = 0.02
+    coef, detail = fit_coefficients([rep])
+    assert coef.dense > 20
+    assert any("dense" in w and "fitted far from 1" in w for w in detail["warnings"]), detail["warnings"]
