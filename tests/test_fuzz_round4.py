@@ -227,3 +227,68 @@ def test_calibrate_warns_when_a_coefficient_lands_far_from_the_roofline():
     coef, detail = fit_coefficients([rep])
     assert coef.dense > 20
     assert any("dense" in w and "fitted far from 1" in w for w in detail["warnings"]), detail["warnings"]
+
+
+# ---- items 9, 15: a routing trace against its counts and the solver's time limit ------------------------
+
+def _traced_heat(tokens: int = 64, seed: int = 0):
+    from colibri_plan.formats.heat import Heat
+    from colibri_plan.formats.heat_trace import RoutingTrace
+    from colibri_plan.heatsynth import sample_trace
+
+    p = np.array([0.30, 0.20, 0.15, 0.10, 0.10, 0.07, 0.05, 0.03])
+    rows = [sample_trace(p, tokens, 2, seed + i) for i in range(3)]
+    trace = RoutingTrace((1, 2, 3), 2, (8,) + (1,) * (tokens - 8),
+                         np.stack(rows).astype(np.int32))
+    counts = np.stack([np.bincount(r.ravel(), minlength=8) for r in rows])
+    heat = Heat(n_experts=8, layers=(1, 2, 3), counts=counts, top_k=2, tokens=tokens, n_model_layers=4)
+    heat.trace = trace
+    return heat
+
+
+def test_a_trace_that_contradicts_the_heat_counts_is_refused(tmp_path):
+    from colibri_plan.formats.heat import load_heat, save_heat
+
+    path = save_heat(_traced_heat(), tmp_path / "heat.json")
+    assert load_heat(path).trace is not None
+    doc = json.loads(path.read_text())
+    ids = doc["trace"]["ids"][1]
+    doc["trace"]["ids"][1] = [0 if i % 2 == 0 else 1 for i in range(len(ids))]   # routing of another run
+    path.write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match=r"trace: layer 2 selects expert 0 \d+ times, more than its count"):
+        load_heat(path)
+
+
+def test_a_partial_trace_may_hold_fewer_selections_than_the_counts(tmp_path):
+    from colibri_plan.formats.heat import load_heat, save_heat
+
+    heat = _traced_heat()
+    heat.counts = heat.counts * 2    # as if the run went on past the trace's size bound
+    heat.tokens *= 2
+    heat.trace.dropped_steps = 56
+    assert load_heat(save_heat(heat, tmp_path / "heat.json")).trace.dropped_steps == 56
+    heat.trace.dropped_steps = 0
+    with pytest.raises(FormatError, match="no call was dropped, so they must be equal"):
+        load_heat(save_heat(heat, tmp_path / "heat2.json"))
+
+
+def test_the_trace_model_stops_at_the_time_limit_and_says_so(monkeypatch):
+    from colibri_plan.planner import make
+    from colibri_plan.planner.cache_model import TraceHits, che_hit_rates, lru_hit_rates
+    from colibri_plan.planner.options import SolveOptions
+
+    heat = _traced_heat()
+    hits = TraceHits(heat.trace, heat.layers, deadline_s=0.0)
+    on_disk = np.array([False, False] + [True] * 6)
+    p = heat.probabilities()[0]
+    assert hits.expired and hits.time_limited
+    np.testing.assert_array_equal(lru_hit_rates(p, on_disk, 2, 0, hits),
+                                  che_hit_rates(np.where(on_disk, p, 0.0), 2))
+    assert not TraceHits(heat.trace, heat.layers, deadline_s=60.0).expired
+    prof = toy_profile(ram_available_bytes=8 * 10**9)
+    opts = SolveOptions(ram="0.50032", context_tokens=100, trunk="cpu", time_limit_s=5.0)   # 40 KB: LRU
+    plan, _, _ = make.make_plan(prof, toy_spec(n_experts=8), heat, opts)
+    assert plan.doc["knobs"]["cache_model"]["trace_time_limited"] is False
+    monkeypatch.setattr(make, "TraceHits", lambda t, layers, _limit: TraceHits(t, layers, 0.0))
+    plan, _, _ = make.make_plan(prof, toy_spec(n_experts=8), heat, opts)
+    assert plan.doc["knobs"]["cache_model"]["trace_time_limited"] is True

@@ -199,7 +199,7 @@ def build_setup(profile, spec, heat=None, opts: SolveOptions = DEFAULTS, *,
     fixed = (dense_seconds(dense_read_bytes(spec, dense_fmt), res, coef)
              + attention_seconds(o.context_tokens, kv_bpt, res, coef))
     trace = getattr(h, "trace", None)
-    hits = TraceHits(trace, h.layers) if trace is not None and trace.steps else None
+    hits = TraceHits(trace, h.layers, o.time_limit_s) if trace is not None and trace.steps else None
     problem = Problem(probs=probs, weights=weights, expert_bytes=spec.expert_bytes(), res=res,
                       ram_budget_bytes=max(0, ram_bytes), lru_slots=slots, coef=coef,
                       activation_bytes=spec.hidden_size * 4, fixed_cost_s=fixed,
