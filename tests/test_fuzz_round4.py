@@ -292,3 +292,21 @@ def test_the_trace_model_stops_at_the_time_limit_and_says_so(monkeypatch):
     monkeypatch.setattr(make, "TraceHits", lambda t, layers, _limit: TraceHits(t, layers, 0.0))
     plan, _, _ = make.make_plan(prof, toy_spec(n_experts=8), heat, opts)
     assert plan.doc["knobs"]["cache_model"]["trace_time_limited"] is True
+
+
+# ---- item 16: grouped routing with fewer eligible experts than top-k -------------------------------------
+
+def test_grouped_routing_that_leaves_fewer_candidates_than_top_k_is_refused(tmp_path):
+    from test_fuzz_documents import CONFIGS
+
+    from colibri_plan.families import arch_from_config
+    from colibri_plan.formats.arch import ArchConfig
+
+    cfg = dict(CONFIGS["deepseek_v3"])             # 8 experts in 2 groups, top-2 of the best group
+    arch = arch_from_config(cfg, where="config.json")
+    bad = {**cfg, "n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}   # 1 group of 2 experts < 3
+    with pytest.raises(FormatError, match="leaves 2 eligible experts, fewer than top_k 3"):
+        arch_from_config(bad, where="config.json")
+    index_arch = {**arch.to_dict(), "n_group": 4, "topk_group": 1, "top_k": 3}   # as an edited pack.json
+    with pytest.raises(FormatError, match="leaves 2 eligible experts, fewer than top_k 3"):
+        ArchConfig.from_dict(index_arch)

@@ -210,6 +210,11 @@ class ArchConfig:
         if self.n_group < 1 or self.n_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
             problems.append(f"n_group {self.n_group} must divide n_experts {self.n_experts} and "
                             f"topk_group {self.topk_group} be in 1..n_group")
+        elif self.n_group > 1 and self.topk_group * (self.n_experts // self.n_group) < self.top_k:
+            # fewer eligible experts than top-k: the router would pick masked ones (other outputs)
+            eligible = self.topk_group * (self.n_experts // self.n_group)
+            problems.append(f"topk_group {self.topk_group} of n_group {self.n_group} leaves {eligible} "
+                            f"eligible experts, fewer than top_k {self.top_k} (raise topk_group)")
         if self.qk_norm not in (None, "head", "full"):
             problems.append(f"qk_norm {self.qk_norm!r} must be None, 'head' or 'full'")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
