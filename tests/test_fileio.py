@@ -113,24 +113,22 @@ def test_a_write_that_fails_part_way_is_one_line_and_leaves_the_old_file(monkeyp
     assert path.read_text() == '{"old": 1}' and [p.name for p in tmp_path.iterdir()] == ["x.json"]
 
 
-def test_run_and_verify_fail_on_a_full_disk_before_generating(monkeypatch, tmp_path):
-    from _cli_fixtures import invoke
+def test_run_and_verify_fail_on_a_full_disk_before_generating(monkeypatch, tmp_path_factory):
+    from _cli_fixtures import invoke, pack_and_profile
 
-    from colibri_plan.engine.fixture import FixtureConfig, build_fixture
-
-    pack = tmp_path / "fx"
-    build_fixture(pack, FixtureConfig.small(layers=2, experts=4, top_k=2, hidden=32, width=16, vocab=48,
-                                            head_dim=8))
+    d = pack_and_profile(tmp_path_factory, "full-disk", plan=True)
+    before = sorted(p.name for p in d.iterdir())
     _fill_disk(monkeypatch)
-    for args in (("run", "--model", pack, "--prompt-ids", "1,2", "--tokens", "2", "--backend", "numpy",
-                  "--stats-out", tmp_path / "heat.json"),
-                 ("verify", "--model", pack, "--tokens", "2", "--report", tmp_path / "r.verify.json")):
+    for args in (("run", "--model", d / "fx", "--prompt-ids", "1,2", "--tokens", "2", "--backend", "numpy",
+                  "--stats-out", d / "heat.json"),
+                 ("verify", "--plan", d / "plan.json", "--model", d / "fx", "--tokens", "2",
+                  "--report", d / "r.verify.json")):
         res = invoke(*args)
         assert res.exit_code != 0 and "Traceback" not in res.output, res.output
         lines = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
         assert len(lines) == 1 and "free some space" in lines[0], res.output
         assert "tok/s" not in res.output   # refused before the generation, not after it
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fx"]
+    assert sorted(p.name for p in d.iterdir()) == before
 
 
 def test_stale_temporaries_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):

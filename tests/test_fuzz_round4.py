@@ -310,3 +310,65 @@ def test_grouped_routing_that_leaves_fewer_candidates_than_top_k_is_refused(tmp_
     index_arch = {**arch.to_dict(), "n_group": 4, "topk_group": 1, "top_k": 3}   # as an edited pack.json
     with pytest.raises(FormatError, match="leaves 2 eligible experts, fewer than top_k 3"):
         ArchConfig.from_dict(index_arch)
+
+
+# ---- item 1: long prompts: tiled host attention, a memory pre-check, max_position_embeddings -----------
+
+def test_host_attention_works_in_tiles_with_the_same_numbers(monkeypatch):
+    import tracemalloc
+
+    import colibri_plan.backends.reference as ref
+
+    rng = np.random.default_rng(0)
+    t, hq, hkv, d = 3000, 4, 2, 16
+    q = rng.standard_normal((t, hq, d)).astype(np.float32)
+    k, v = (rng.standard_normal((t, hkv, d)).astype(np.float32) for _ in range(2))
+    whole = ref._attention_tile(q, k, v, t, 0, 0.25, 0)          # one pass: [2, 2, 3000, 3000] float64
+    tracemalloc.start()
+    tiled = ref.attention_ref(q, k, v, t, 0, 0.25, 0)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    np.testing.assert_array_equal(tiled, whole)
+    # a tile's scores, masked scores and exponentials; one pass would hold 3 x 288 MB of them
+    assert peak < 4 * ref.ATTENTION_TILE_BYTES < 8 * hq * t * t, peak
+    monkeypatch.setattr(ref, "ATTENTION_TILE_BYTES", 8 * hq * t * 5)   # 5-row tiles, a sliding window
+    np.testing.assert_array_equal(ref.attention_ref(q[:40], k, v, 140, 100, 0.25, 7),
+                                  ref._attention_tile(q[:40], k, v, 140, 100, 0.25, 7))
+
+
+def test_the_prefill_memory_estimate_and_its_refusal():
+    from colibri_plan.engine.prompt_limits import check_prefill_memory, prefill_host_bytes
+    from colibri_plan.errors import BudgetError
+    from colibri_plan.formats.arch import ArchConfig
+
+    arch = ArchConfig(family="mixtral", vocab_size=100, hidden_size=64, n_layers=2, n_heads=4,
+                      n_kv_heads=2, head_dim=16, n_experts=4, top_k=2, moe_intermediate_size=32,
+                      moe_layers=(0, 1), max_position_embeddings=64)
+    need = prefill_host_bytes(arch, 20_000, 20_008)
+    assert need["kv_bytes"] == 2 * 2 * 16 * 4 * 20_008 * 2                 # K and V, float32, 2 layers
+    assert need["activation_bytes"] == 20_000 * (3 * 64 + 2 * 64 + 2 * 32 + 3 * 32 + 4 + 4 * 64) * 4
+    check_prefill_memory(arch, 20_000, 20_008, available=need["total_bytes"])
+    with pytest.raises(BudgetError, match=r"prefill of a 20,000-token prompt needs about 0\.2\d GB"):
+        check_prefill_memory(arch, 20_000, 20_008, available=need["total_bytes"] - 1)
+
+
+def test_a_prompt_beyond_max_position_embeddings_is_refused_before_the_prefill(tmp_path):
+    from _cli_fixtures import invoke
+
+    from colibri_plan.engine.fixture import FixtureConfig, build_fixture
+
+    pack = tmp_path / "fx"
+    build_fixture(pack, FixtureConfig.small(layers=2, experts=4, top_k=2, hidden=32, width=16, vocab=48,
+                                            head_dim=8))
+    ok = invoke("run", "--model", pack, "--prompt-ids", ",".join(["1"] * 10), "--tokens", "2",
+                "--backend", "numpy")
+    assert ok.exit_code == 0, ok.output
+    doc = json.loads((pack / "pack.json").read_text())
+    doc["arch"]["max_position_embeddings"] = 8
+    (pack / "pack.json").write_text(json.dumps(doc))
+    res = invoke("run", "--model", pack, "--prompt-ids", ",".join(["1"] * 10), "--tokens", "2",
+                 "--backend", "numpy")
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
+    assert res.exit_code == 1 and len(lines) == 1, res.output
+    assert "needs 12 positions, beyond the model's max_position_embeddings 8" in lines[0]
+    assert "tok/s" not in res.output
