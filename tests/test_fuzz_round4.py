@@ -372,3 +372,22 @@ def test_a_prompt_beyond_max_position_embeddings_is_refused_before_the_prefill(t
     assert res.exit_code == 1 and len(lines) == 1, res.output
     assert "needs 12 positions, beyond the model's max_position_embeddings 8" in lines[0]
     assert "tok/s" not in res.output
+
+
+# ---- item 17 (rest): profile --quick --model PACK measures the pack's own format first -------------------
+
+def test_the_models_expert_format_is_profiled_first(tmp_path):
+    import dataclasses
+
+    from colibri_plan.engine.fixture import FixtureConfig, build_fixture
+    from colibri_plan.profiler.options import ProfileOptions
+    from colibri_plan.profiler.run import run_profile
+
+    pack = tmp_path / "fx"
+    cfg = FixtureConfig.small(layers=2, experts=4, top_k=2, hidden=32, width=16, vocab=48, head_dim=8)
+    build_fixture(pack, dataclasses.replace(cfg, quant="int8"))
+    fmt = json.loads((pack / "pack.json").read_text())["format"]["expert_format"]
+    assert fmt not in ("int4", "int4-g64")   # the default formats, which used to come first
+    prof = run_profile(ProfileOptions(model=str(pack), quick=True, probes=("ram",), ram_bytes=1 << 20))
+    # a quick mode's per-device budget that runs out skips the last formats: the pack's is never last
+    assert prof.doc["settings"]["formats"] == [fmt, "int4", "int4-g64"]
