@@ -133,7 +133,8 @@ def check_sizes(doc: dict, at: At) -> None:
             f.number(pred["trunk"], k, at / "predicted" / "trunk", lo=0)
     hr = pred.get("hit_rate") or {}
     shares = [hr.get(k) for k in ("vram", "ram_pinned", "lru", "disk")]
-    if all(f.is_number(s) for s in shares) and abs(sum(shares) - 1.0) > 1e-3:
+    # 0 in all: a plan without selections to serve (no decode layer); else they split every selection
+    if all(f.is_number(s) for s in shares) and abs(sum(shares) - 1.0) > 1e-3 and sum(shares) != 0:
         (at / "predicted" / "hit_rate").refuse(
             f"shares sum to {sum(shares):.6g}; every selection is served by exactly one tier, so they sum to "
             "1")
