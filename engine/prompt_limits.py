@@ -16,6 +16,8 @@ import os
 from colibri_plan.errors import BudgetError, InputError
 from colibri_plan.formats.arch import ArchConfig
 
+#: set to 1 to skip the memory checks (this one and engine/session.py's check_ram_fits, which imports it)
+NO_RAM_CHECK_ENV = "COLIBRI_PLAN_NO_RAM_CHECK"
 #: bytes the host attention's tiles take at most (scores, their exponentials, the mask: 3 x the tile)
 _TILE_BYTES = 3 * (64 << 20)
 #: live [T, width] float32 buffers of one layer's prefill beyond the named ones (temporaries, residual)
@@ -69,7 +71,6 @@ def check_prefill_memory(arch: ArchConfig, n_prompt: int, context_tokens: int,
         BudgetError: with the estimate's parts and the memory available.
     """
     from colibri_plan import meminfo
-    from colibri_plan.engine.session import NO_RAM_CHECK_ENV
 
     if os.environ.get(NO_RAM_CHECK_ENV) == "1":
         return

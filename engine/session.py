@@ -24,7 +24,7 @@ import numpy as np
 from colibri_plan import meminfo
 from colibri_plan.engine.forward import Model
 from colibri_plan.engine.placement import Placement
-from colibri_plan.engine.prompt_limits import check_positions, check_prefill_memory
+from colibri_plan.engine.prompt_limits import NO_RAM_CHECK_ENV, check_positions, check_prefill_memory
 from colibri_plan.engine.residency import ResidencyManager
 from colibri_plan.errors import BackendUnavailableError, DeviceOutOfMemoryError, InputError, UnsupportedError
 from colibri_plan.formats.plan_trunk import TrunkPlacement
@@ -133,10 +133,6 @@ def check_trunk_plan(trunk: TrunkPlacement) -> None:
     if trunk.kv_device != trunk.device:
         raise UnsupportedError(f"the plan puts the KV cache on {trunk.kv_device} and the trunk on "
                                f"{trunk.device}; the engine keeps them together: solve the plan again")
-
-
-#: set to 1 to skip the check that a placement's RAM fits this machine's available memory
-NO_RAM_CHECK_ENV = "COLIBRI_PLAN_NO_RAM_CHECK"
 
 
 def mem_available_bytes() -> int | None:
