@@ -292,6 +292,7 @@ def test_the_trace_model_stops_at_the_time_limit_and_says_so(monkeypatch):
     monkeypatch.setattr(make, "TraceHits", lambda t, layers, _limit: TraceHits(t, layers, 0.0))
     plan, _, _ = make.make_plan(prof, toy_spec(n_experts=8), heat, opts)
     assert plan.doc["knobs"]["cache_model"]["trace_time_limited"] is True
+    assert any("--time-limit 5 s passed" in w for w in plan.doc["heat"]["warnings"]), plan.doc["heat"]
 
 
 # ---- item 16: grouped routing with fewer eligible experts than top-k -------------------------------------

@@ -245,7 +245,6 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
         at.fail(f"missing {', '.join(missing)}")
     for path, kind, limits in _FIELDS:
         _check_field(doc, path, kind, limits, at, predictions)
-    check_finite(doc, at)   # formats/plan_checks.py: NaN / Infinity in a field the table does not list
     _check_values(doc, where)
     check_resources(doc, at)
     check_sizes(doc, at)
@@ -282,6 +281,7 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
         at.fail(f"layers {ids[:4]}... do not match the model's MoE layers {model['moe_layers'][:4]}...")
     for i, e in enumerate(layers):
         _check_layer(e, n, keys, at / "layers" / i, at)
+    check_finite(doc, at)   # last (the named checks say more): NaN / Infinity anywhere else
 
 
 def _check_layer(e: dict, n: int, keys: list[str], here: At, at: At) -> None:
