@@ -341,6 +341,7 @@ def load_checkpoint(path, expert_format: str = "f32") -> ModelWeights:
                           f"e.g. {', '.join(unused[:3])} (engine names); running without them gives other "
                           "outputs: the config does not belong to these weights (check n_shared_experts and "
                           "the layer fields), fix config.json")
+    _check_expert_names(arch, experts, tensors, folder)
     weights = CheckpointWeights(folder, arch, tensors, dense, experts, expert_format)
     if mtp:  # named, never dropped silently
         weights.source += (f" (MTP layer(s) {', '.join(map(str, mtp))} not loaded: the decoder does not "
