@@ -54,10 +54,33 @@ def rope_ref(x: np.ndarray, table: np.ndarray, pos0: int, rotary_dim: int, inter
     return out
 
 
+#: bytes of float64 scores one attention_ref tile may hold: a long prompt's [Hkv, g, T, S] scores for the
+#: whole prompt took 5.96 GiB at 20,000 tokens; tiles of query rows keep it near this
+ATTENTION_TILE_BYTES = 64 << 20
+
+
 def attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_keys: int, pos0: int, scale: float,
                   window: int = 0) -> np.ndarray:
     """``d_attention`` in float64, cast to float32: q [T, Hq, d], k/v [C, Hkv, d] -> [T, Hq·d]; query row t
-    at position pos0 + t sees keys lo..pos0+t (lo = pos0 + t − window + 1 when window > 0, else 0)."""
+    at position pos0 + t sees keys lo..pos0+t (lo = pos0 + t − window + 1 when window > 0, else 0).
+
+    Query rows are taken in tiles whose scores [Hkv, g, rows, keys] stay within
+    :data:`ATTENTION_TILE_BYTES` (each row's softmax is its own: the same numbers as one pass); a tile
+    sees only the keys its last row may (causal), so early tiles are cheaper too."""
+    t, hq = q.shape[0], q.shape[1]
+    rows = max(1, ATTENTION_TILE_BYTES // (8 * hq * max(1, n_keys)))
+    if t <= rows:
+        return _attention_tile(q, k, v, n_keys, pos0, scale, window)
+    out = np.empty((t, hq * q.shape[2]), np.float32)
+    for r0 in range(0, t, rows):
+        r1 = min(t, r0 + rows)
+        out[r0:r1] = _attention_tile(q[r0:r1], k, v, pos0 + r1, pos0 + r0, scale, window)  # [rows, Hq·d]
+    return out
+
+
+def _attention_tile(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_keys: int, pos0: int, scale: float,
+                    window: int) -> np.ndarray:
+    """:func:`attention_ref` of one tile of query rows, all at once."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv

@@ -8,9 +8,12 @@ else looks at it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -74,7 +77,81 @@ def check_output_path(path: str | os.PathLike, inputs: Iterable[str | os.PathLik
         raise InputError(f"cannot write {path}: folder {folder} does not exist; create it first")
     if not os.access(folder, os.W_OK):
         raise InputError(f"cannot write {path}: folder {folder} is not writable")
+    check_free_space(folder, MIN_FREE_BYTES, str(path))   # a full disk fails here, before the work
     return path
+
+
+#: check_output_path refuses a folder with less free space than this (a full disk fails before the work)
+MIN_FREE_BYTES = 1 << 20
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 10**7 else f"{n:,} B"
+
+
+def check_free_space(folder: str | os.PathLike, need_bytes: int, what: str) -> None:
+    """Refuse to start writing ``need_bytes`` into ``folder`` when its filesystem has less free space
+    (``what`` names the output in the message). A filesystem that cannot say is not refused.
+
+    Raises:
+        InputError: "cannot write <what>: <folder> has <free> free, it needs <need>; free space ...".
+    """
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if free < need_bytes:
+        raise InputError(f"cannot write {what}: the disk holding {folder} has {_gb(free)} free and this "
+                         f"needs {_gb(int(need_bytes))}; free some space or write to another disk")
+
+
+def write_failed(what: str, exc: OSError) -> InputError:
+    """The one-line error of a write that failed part-way (a full disk, a quota, an I/O error); the
+    caller has removed its temporary, so nothing was written."""
+    why = exc.strerror or str(exc)
+    hint = ("free some space or write to another disk" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            else "check the disk and try again")
+    return InputError(f"cannot write {what}: {why}; nothing was written; {hint}")
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process with this id exists on this machine (one we may not signal counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def clean_stale(folder: str | os.PathLike, prefix: str, suffix: str = "") -> list[Path]:
+    """Remove the temporaries a killed process of ours left in ``folder``: entries named
+    ``<prefix><pid>-<anything><suffix>`` whose ``pid`` is no longer alive (files, or folders such as a
+    half-written pack). Entries of a live process, and anything else, stay. Returns what was removed;
+    errors (a read-only folder) are ignored: cleaning is a courtesy, never a reason to fail.
+    """
+    pat = re.compile(re.escape(prefix) + r"(\d+)-.*" + re.escape(suffix) + "$", re.S)
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for e in entries:
+        m = pat.match(e.name)
+        if not m or pid_alive(int(m.group(1))) or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path)
+            else:
+                os.unlink(e.path)
+            removed.append(Path(e.path))
+        except OSError:
+            pass
+    return removed
 
 
 def check_input_file(path: str | os.PathLike, what: str) -> Path:
@@ -97,17 +174,21 @@ def check_input_file(path: str | os.PathLike, what: str) -> Path:
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, kind: str | None = None) -> Path:
     """Write ``data`` to ``path`` atomically; returns the path. The file gets the usual mode
-    (0666 less the umask), like a plain ``open``.
+    (0666 less the umask), like a plain ``open``. The temporary is ``.<name>.<pid>-<random>.tmp``; those
+    of processes that died before their rename are removed first (:func:`clean_stale`).
 
     Raises:
-        InputError: see :func:`check_output_path`.
+        InputError: see :func:`check_output_path`; too little free space for ``data``, or the write
+            failed (disk full, I/O error): one line, and the temporary is removed.
     """
     path = check_output_path(path, kind=kind)
     folder = path.parent if str(path.parent) else Path(".")
+    clean_stale(folder, f".{path.name}.", ".tmp")
+    check_free_space(folder, len(data) + 4096, str(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}-", suffix=".tmp", dir=folder)
     except OSError as exc:
-        raise InputError(f"cannot write {path}: {exc.strerror}") from exc
+        raise write_failed(str(path), exc) from None
     umask = os.umask(0)
     os.umask(umask)
     try:
@@ -117,11 +198,13 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, kind: str | None = 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(exc, OSError):
+            raise write_failed(str(path), exc) from None
         raise
     fsync_dir(folder)  # make the rename itself durable
     return path

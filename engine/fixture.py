@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri_plan.engine.pack import PackWriter
+from colibri_plan.engine.pack_target import check_pack_space
 from colibri_plan.errors import InputError
 from colibri_plan.formats.arch import ArchConfig
 from colibri_plan.quant import FLOAT_FORMATS, check_format, data_shape, quantize, scales_shape
@@ -238,6 +239,7 @@ def build_fixture(out_dir, cfg: FixtureConfig | None = None, overwrite: bool = F
     with PackWriter(out_dir, arch, cfg.quant, name=name, source="synthetic fixture",
                     overwrite=overwrite) as w:
         total = cfg.layers * cfg.experts
+        check_pack_space(w.out, total * w.layout.block_bytes, 0)   # a full disk fails before the experts
         for layer in range(cfg.layers):
             for e in range(cfg.experts):
                 erng = np.random.default_rng([cfg.seed, 100 + layer, e])

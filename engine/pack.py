@@ -7,14 +7,14 @@ fetches a whole expert) and ``dense.safetensors`` (float32 dense tensors under c
 
 Packs are written atomically: everything goes to a hidden temp folder next to ``OUT``; files are
 fsynced, then the folder is renamed to ``OUT``. A failure (or Ctrl-C) removes the temp folder, so a
-half-written pack never exists under ``OUT``.
+half-written pack never exists under ``OUT``; a killed writer's temp folder (its pid is in the name) is
+removed by the next writer of ``OUT``.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import uuid
 import zlib
 from pathlib import Path
 
@@ -22,11 +22,11 @@ import numpy as np
 
 from colibri_plan import __version__
 from colibri_plan.engine.dense_quant import decode_dense, encode_dense
-from colibri_plan.engine.pack_target import check_pack_output  # noqa: F401 - re-exported
+from colibri_plan.engine.pack_target import check_pack_output, check_pack_space, replace_pack, temp_folder
 from colibri_plan.engine.pack_text import copy_tokenizer
 from colibri_plan.engine.weights import ModelWeights
 from colibri_plan.errors import FormatError, InputError, IntegrityError
-from colibri_plan.fileio import fsync_dir, write_document
+from colibri_plan.fileio import fsync_dir, write_document, write_failed
 from colibri_plan.formats.arch import ArchConfig
 from colibri_plan.formats.pack_index import (
     BLOCK_ALIGN,
@@ -59,7 +59,8 @@ class PackWriter:
             w.commit()                           # rename into place; without it nothing appears
 
     Raises:
-        InputError: see :func:`check_pack_output`; the parent folder is not writable.
+        InputError: see :func:`check_pack_output`; the parent folder is not writable; a write failed
+            part-way (a full disk: an OSError inside the ``with`` becomes this, the temp folder removed).
         FormatError: an expert of the wrong format/shape, out of order, or missing at commit.
     """
 
@@ -75,7 +76,7 @@ class PackWriter:
         self._entries: list[list[int]] = []
         self._dense_info: dict | None = None
         self._dense_params, self.tokenizer = 0, None   # tokenizer: the index's section (pack_text.py)
-        self.tmp = parent / f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}"
+        self.tmp = temp_folder(self.out)   # .OUT.tmp-<pid>-*: a killed writer's are removed on the next run
         try:
             self.tmp.mkdir()
         except OSError as exc:  # read-only/immutable folder, /proc, no space...
@@ -92,9 +93,11 @@ class PackWriter:
     def __enter__(self):
         return self
 
-    def __exit__(self, exc_type, *exc):
+    def __exit__(self, exc_type, exc, tb):
         if not self.committed:
             self.abort()
+        if exc_type is not None and issubclass(exc_type, OSError):   # a full disk part-way: one line
+            raise write_failed(f"pack {self.out}", exc) from None
 
     def abort(self) -> None:
         """Delete the temp folder (nothing is left behind)."""
@@ -203,21 +206,8 @@ class PackWriter:
             os.chmod(f, 0o666 & ~mask)
         os.chmod(self.tmp, 0o777 & ~mask)
         fsync_dir(self.tmp)
-        check_pack_output(self.out, self._overwrite)  # again: OUT may have changed during the writing
-        old = None
-        try:
-            if self.out.exists():  # overwrite: move the old pack aside first, delete it after the rename
-                old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(self.out, old)
-            os.replace(self.tmp, self.out)
-        except OSError as exc:
-            if old is not None and old.exists():  # put the previous pack back
-                os.replace(old, self.out)
-            raise InputError(f"cannot write pack {self.out}: {exc.strerror}") from exc
-        fsync_dir(self.out.parent)
+        replace_pack(self.tmp, self.out, self._overwrite)   # engine/pack_target.py
         self.committed = True
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
         return self.out
 
 
@@ -230,7 +220,9 @@ def write_pack(weights: ModelWeights, out_dir, fmt: str, overwrite: bool = False
 
     Raises:
         InputError: ``out_dir`` refused by :func:`check_pack_output` (exists without ``overwrite``, not a
-            pack), or its parent missing / not writable. UnsupportedError: unknown format. FormatError:
+            pack), or its parent missing / not writable; too little free space (checked before the first
+            expert) or a write that failed part-way (nothing is left). UnsupportedError: unknown format.
+            FormatError:
             tokenizer files that do not parse or fit.
     """
     check_format(fmt)
@@ -238,6 +230,8 @@ def write_pack(weights: ModelWeights, out_dir, fmt: str, overwrite: bool = False
     keys = [(l, e) for l in arch.moe_layers for e in range(arch.n_experts)]
     with PackWriter(out_dir, arch, fmt, name=Path(out_dir).name,
                     source=getattr(weights, "source", ""), overwrite=overwrite) as w:
+        check_pack_space(w.out, len(keys) * w.layout.block_bytes,
+                         sum(int(np.size(v)) * 4 for v in weights.dense.values()))
         if getattr(weights, "folder", None) is not None:   # a checkpoint's text files, checked first
             w.tokenizer = copy_tokenizer(weights.folder, w.tmp, arch.vocab_size)
         for i, (layer, e) in enumerate(keys):

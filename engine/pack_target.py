@@ -90,3 +90,56 @@ def check_pack_output(out_dir, overwrite: bool = False, inputs=()) -> Path:
     if not os.access(parent, os.W_OK):
         raise InputError(f"cannot write pack {out}: folder {parent} is not writable")
     return out
+
+
+def temp_folder(out: Path) -> Path:
+    """The hidden temp folder a pack is written into, ``.<OUT>.tmp-<pid>-<random>`` next to ``out``,
+    after removing those a killed ``model pack`` / ``model fixture`` left (their pid is gone:
+    :func:`colibri_plan.fileio.clean_stale`). Not created here."""
+    import uuid
+
+    from colibri_plan.fileio import clean_stale
+
+    clean_stale(out.parent, f".{out.name}.tmp-")
+    return out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def check_pack_space(out: Path, expert_bytes: int, dense_bytes: int) -> None:
+    """Refuse, before any expert is written, a pack that cannot fit the free space of ``out``'s disk:
+    ``expert_bytes`` (experts.bin) + ``dense_bytes`` (dense.safetensors, float32) + 1 MiB for the rest.
+
+    Raises:
+        InputError: with the free and needed bytes.
+    """
+    from colibri_plan.fileio import check_free_space
+
+    check_free_space(out.parent, int(expert_bytes) + int(dense_bytes) + (1 << 20), f"pack {out}")
+
+
+def replace_pack(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished temp folder ``tmp`` to ``out`` (checked again: it may have changed during the
+    writing); with ``overwrite`` the old pack is moved aside first and deleted after the rename (put
+    back if the rename fails).
+
+    Raises:
+        InputError: ``out`` refused by :func:`check_pack_output`, or a rename failed.
+    """
+    import shutil
+    import uuid
+
+    from colibri_plan.fileio import fsync_dir
+
+    check_pack_output(out, overwrite)
+    old = None
+    try:
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+    except OSError as exc:
+        if old is not None and old.exists():
+            os.replace(old, out)
+        raise InputError(f"cannot write pack {out}: {exc.strerror}") from exc
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -24,6 +24,7 @@ import numpy as np
 from colibri_plan import meminfo
 from colibri_plan.engine.forward import Model
 from colibri_plan.engine.placement import Placement
+from colibri_plan.engine.prompt_limits import NO_RAM_CHECK_ENV, check_positions, check_prefill_memory
 from colibri_plan.engine.residency import ResidencyManager
 from colibri_plan.errors import BackendUnavailableError, DeviceOutOfMemoryError, InputError, UnsupportedError
 from colibri_plan.formats.plan_trunk import TrunkPlacement
@@ -134,10 +135,6 @@ def check_trunk_plan(trunk: TrunkPlacement) -> None:
                                f"{trunk.device}; the engine keeps them together: solve the plan again")
 
 
-#: set to 1 to skip the check that a placement's RAM fits this machine's available memory
-NO_RAM_CHECK_ENV = "COLIBRI_PLAN_NO_RAM_CHECK"
-
-
 def mem_available_bytes() -> int | None:
     """MemAvailable in bytes, None where the OS does not say (the one reader: :mod:`colibri_plan.meminfo`)."""
     return meminfo.mem_available_bytes()
@@ -222,6 +219,9 @@ class EngineSession:
         self.pack, self.placement = pack, placement
         trunk = trunk or getattr(placement, "trunk", None) or TrunkPlacement()
         check_trunk_plan(trunk)
+        if trunk.context_tokens:   # the plan's --context: positions the model never trained for
+            check_positions(pack.arch, trunk.context_tokens, f"the plan's context (solve --context "
+                            f"{trunk.context_tokens})", "solve the plan again with a smaller --context")
         self.key = key = trunk.device if trunk.on_device else None
         self.context_tokens = int(context_tokens)
         reserve = 0
@@ -259,10 +259,17 @@ class EngineSession:
         as :meth:`Model.generate <colibri_plan.engine.forward.Model.generate>` (None: greedy).
 
         Raises:
-            InputError: ``n_tokens`` < 1 or bad prompt ids.
+            InputError: ``n_tokens`` < 1, bad prompt ids, or more positions than the model's
+                ``max_position_embeddings``. BudgetError: a CPU trunk's prefill that MemAvailable cannot
+                hold (engine/prompt_limits.py).
         """
         if int(n_tokens) < 1:
             raise InputError(f"--tokens must be >= 1, got {n_tokens}")
+        n_ctx = len(prompt_ids) + int(n_tokens)   # before any allocation: engine/prompt_limits.py
+        check_positions(self.pack.arch, n_ctx, f"the prompt ({len(prompt_ids):,} tokens) + --tokens "
+                        f"{n_tokens}", "give a shorter prompt or fewer --tokens")
+        if self.key is None:   # a CPU trunk's prefill lives in host memory (a device trunk's: checked there)
+            check_prefill_memory(self.pack.arch, len(prompt_ids), n_ctx)
         model, rm = self.model, self.rm
         trunk = model.trunk
         rm.reset_stats()

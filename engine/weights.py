@@ -42,7 +42,7 @@ from colibri_plan.errors import FormatError, InputError, UnsupportedError
 from colibri_plan.families import arch_from_config, plan_geometry, tensor_names
 from colibri_plan.fileio import read_json_object
 from colibri_plan.formats.arch import ArchConfig
-from colibri_plan.formats.st_header import extra_layers, tensor_files
+from colibri_plan.formats.st_header import extra_layers, regular_file, tensor_files
 from colibri_plan.quant import QuantTensor, check_format, quantize
 
 
@@ -291,7 +291,7 @@ def load_checkpoint(path, expert_format: str = "f32") -> ModelWeights:
     check_format(expert_format)
     folder = Path(path)
     cfg_path = folder / "config.json"
-    if not folder.is_dir() or not cfg_path.is_file():
+    if not folder.is_dir() or not regular_file(cfg_path, "config.json"):
         raise InputError(f"{folder}: not a Hugging Face checkpoint folder (config.json missing)")
     config = read_json_object(cfg_path, "Hugging Face config.json")
     arch = arch_from_config(config, where=str(cfg_path))
@@ -335,6 +335,12 @@ def load_checkpoint(path, expert_format: str = "f32") -> ModelWeights:
         raise FormatError(f"{folder}: {len(unknown)} tensor(s) this {arch.family} importer does not "
                           f"understand, e.g. {', '.join(unknown[:3])}")
     check_dense(arch, dense, f"{folder}")
+    unused = sorted(set(dense) - set(expected_dense_shapes(arch, set(dense))))
+    if unused:   # weights of a known role the config gives no place (n_shared_experts: 0 over shared ones)
+        raise FormatError(f"{folder}: the weights hold {len(unused)} tensor(s) config.json leaves unused, "
+                          f"e.g. {', '.join(unused[:3])} (engine names); running without them gives other "
+                          "outputs: the config does not belong to these weights (check n_shared_experts and "
+                          "the layer fields), fix config.json")
     _check_expert_names(arch, experts, tensors, folder)
     weights = CheckpointWeights(folder, arch, tensors, dense, experts, expert_format)
     if mtp:  # named, never dropped silently

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from _cli_fixtures import invoke, pack_and_profile, refused
 
-from colibri_plan.cli.common import to_json
+from colibri_plan.cli.common import parse_prompt, to_json
 
 
 def test_json_output_never_holds_nan(capsys):
@@ -163,3 +163,43 @@ def test_json_stdout_is_one_document_with_or_without_a_terminal(files, tmp_path)
             assert _shape(json.loads(tty_out)) == _shape(json.loads(plain_out)), name
         if name in ("solve", "verify", "fixture", "run"):  # a long step drew its bar on the terminal
             assert "━" in tty_err and "ETA" in tty_err, (name, tty_err[-500:])
+
+
+# ---- round 4 (issue 30): numbers as people type them, and options a backend cannot use ----------------
+
+@pytest.mark.parametrize("value", ["1_0", "١٠", "１０", "²", "0x10", "1,5"])
+def test_a_gb_figure_is_ascii_digits_only(value):
+    from colibri_plan.errors import InputError
+    from colibri_plan.planner.budgets import parse_gb
+
+    with pytest.raises(InputError, match="digits 0-9"):
+        parse_gb(value, "--ram")
+    assert parse_gb(" 1.5 ", "--ram") == 1.5 and parse_gb("2e0", "--ram") == 2.0
+
+
+@pytest.mark.parametrize("args, words", [
+    (("solve", "--ram", "1_0"), ["--ram", "digits 0-9", "'1_0'"]),
+    (("solve", "--ram", "١٠"), ["--ram", "digits 0-9"]),
+    (("solve", "--ram", "4", "--vram", "１,0"), ["--vram", "digits 0-9"]),
+    (("solve", "--ram", "4", "--queue-depth", "²"), ["--queue-depth", "1..64"]),
+])
+def test_solve_refuses_grouped_and_unicode_digits(toy, args, words):
+    d = toy
+    res = invoke(args[0], "--profile", d / "profile.json", "--model", d / "model.json", *args[1:])
+    assert res.exit_code in (1, 2) and "Traceback" not in res.output, res.output
+    assert all(w in res.output for w in words), res.output
+
+
+@pytest.mark.parametrize("value", ["٣", "1_0"])
+def test_prompt_ids_are_ascii_digits(value):
+    from colibri_plan.errors import InputError
+
+    with pytest.raises(InputError, match="is not a token id"):
+        parse_prompt(f"1, {value}", "--prompt-ids")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "numpy"])
+def test_run_device_on_a_host_backend_is_a_usage_error(tmp_path, backend):
+    res = invoke("run", "--model", tmp_path / "nothing-needed", "--prompt-ids", "1", "--backend", backend,
+                 "--device", "5")
+    assert res.exit_code == 2 and "--device" in res.output and "runs on the host" in res.output, res.output

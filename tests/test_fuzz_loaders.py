@@ -14,6 +14,7 @@ tests/_fuzz.py.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 
@@ -201,3 +202,41 @@ def test_model_pack_and_verify_cli(checkpoint, pack, tmp_path):
         check_outcome(bounded(_cli, "model", "verify", bad), f"verify {m!r:.200}")
 
     case()
+
+
+# ---- round 4 (issue 30): special files and impossible names in a checkpoint -----------------------
+
+def _every_checkpoint_reader(folder, tmp_path):
+    """What `model show`, `solve --model`, `run --model` and `model pack` open: each gives one typed error."""
+    out = []
+    for fn in (load_model_spec, lambda f: load_checkpoint(f, expert_format="f32")):
+        res = check_outcome(bounded(fn, folder), str(folder))
+        out.append(res)
+    res = invoke("model", "show", folder)
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
+    assert res.exit_code == 1 and len(errors) == 1, res.output
+    out.append({"message": res.output})
+    return out
+
+
+@pytest.mark.parametrize("name", [SHARD, "config.json"])
+def test_a_named_pipe_in_place_of_a_checkpoint_file_is_refused_without_blocking(checkpoint, tmp_path, name):
+    work = _copy(checkpoint, tmp_path / "ck")
+    (work / name).unlink()
+    os.mkfifo(work / name)   # opening it would block until a writer comes: bounded() times out at 10 s
+    for res in _every_checkpoint_reader(work, tmp_path):
+        assert "named pipe, not a regular file" in res["message"], res
+        assert "missing" not in res["message"], res
+
+
+def test_a_shard_name_longer_than_the_filesystem_allows_is_a_format_error(checkpoint, tmp_path):
+    work = _copy(checkpoint, tmp_path / "ck")
+    index = json.loads((work / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: ("s" * 400 + ".safetensors" if v == SHARD else v)
+                           for k, v in index["weight_map"].items()}
+    (work / "model.safetensors.index.json").write_text(json.dumps(index))
+    for res in _every_checkpoint_reader(work, tmp_path):
+        assert "longer than the filesystem allows" in res["message"], res
+    res = invoke("model", "pack", work, tmp_path / "out", "--quant", "int8")
+    assert res.exit_code == 1 and "longer than the filesystem allows" in res.output, res.output
+    assert not (tmp_path / "out").exists()

@@ -272,7 +272,7 @@ def parse_prompt(text: str, where: str) -> list[int]:
     if not items:
         raise InputError(f"{where}: the prompt is empty; give at least one token id")
     for t in items:
-        if not re.fullmatch(r"\d+", t):
+        if not re.fullmatch(r"\d+", t, re.ASCII):   # \d alone matches Unicode digits too
             raise InputError(f"{where}: {t!r} is not a token id (non-negative integers separated by "
                              "spaces or commas)")
     return [int(t) for t in items]

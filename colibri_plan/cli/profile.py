@@ -32,10 +32,11 @@ def parse_bytes(text: str | None) -> int | None:
 def _ints(text: str | None) -> list[int] | None:
     if text is None:
         return None
-    try:
-        vals = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise InputError(f"{text!r} is not a comma-separated list of integers") from None
+    from colibri_plan.formats.fields import whole_text
+
+    vals = [whole_text(v) for v in text.split(",") if v.strip()]
+    if None in vals:   # int() would take "1_0" and Unicode digits
+        raise InputError(f"{text!r} is not a comma-separated list of integers (digits 0-9)")
     if not vals or min(vals) < 1:
         raise InputError(f"{text!r}: give positive integers, e.g. 1,4,8")
     return vals

@@ -187,6 +187,10 @@ def run(opts, model_path, prompt_ids, prompt_file, plan_path, stats_out, usage_o
     except UnsupportedError as exc:
         raise click.BadParameter(str(exc), param_hint="--backend") from None
     opts = dataclasses.replace(opts, backend=backend)
+    if backend in runner.HOST_BACKENDS and opts.device_index != 0:   # was ignored without a word
+        raise click.BadParameter(f"{opts.device_index}: the {backend} backend runs on the host and has no "
+                                 "devices to choose; leave --device out, or give a GPU --backend",
+                                 param_hint="--device")
     if plan_path is None and backend not in runner.HOST_BACKENDS:
         _check_gpu_backend(backend, opts.device_index)
     plan = None

@@ -30,7 +30,10 @@ def _gb(x) -> str:
 
 def _queue_depth(_ctx, _param, value: str) -> str:
     """Option callback: 'auto' or a whole number in 1..64 (a usage error otherwise, like --lru-slots)."""
-    if value != "auto" and not (value.isdigit() and 1 <= int(value) <= 64):
+    from colibri_plan.formats.fields import whole_text
+
+    n = whole_text(value)   # str.isdigit() takes "²", which int() then refuses with a traceback
+    if value != "auto" and not (n is not None and 1 <= n <= 64):
         raise click.BadParameter(f"must be 'auto' or a whole number in 1..64, got {value!r}")
     return value
 

@@ -208,7 +208,8 @@ def attention_fields(c: ConfigReader, default_prf: float = 1.0,
     hidden_size (H), n_layers (``num_hidden_layers``), n_heads (``num_attention_heads``), n_kv_heads
     (``num_key_value_heads``, default n_heads), head_dim (``head_dim``, default H / n_heads), the RoPE
     fields (:func:`rope`; ``default_prf`` when the config gives no partial_rotary_factor),
-    rms_norm_eps, tie_word_embeddings, hidden_act and top_k (the first of ``top_k_keys``)."""
+    rms_norm_eps, tie_word_embeddings, hidden_act, top_k (the first of ``top_k_keys``) and
+    max_position_embeddings (0 when the config has none)."""
     hidden = c.need_int("hidden_size")
     n_heads = c.need_int("num_attention_heads")
     r = rope(c)
@@ -220,7 +221,8 @@ def attention_fields(c: ConfigReader, default_prf: float = 1.0,
         partial_rotary_factor=default_prf if r.partial_rotary_factor is None else r.partial_rotary_factor,
         rms_norm_eps=c.opt_float("rms_norm_eps", 1e-6),
         tie_word_embeddings=c.opt_bool("tie_word_embeddings", False),
-        hidden_act=str(c.cfg.get("hidden_act") or "silu"), top_k=c.need_int(*top_k_keys))
+        hidden_act=str(c.cfg.get("hidden_act") or "silu"), top_k=c.need_int(*top_k_keys),
+        max_position_embeddings=c.opt_int("max_position_embeddings", 0))
 
 
 def sliding_layers(c: ConfigReader, n_layers: int) -> tuple[int, ...]:

@@ -102,6 +102,8 @@ class ArchConfig:
             indexer keeps the top ``index_topk`` context tokens per query, with ``index_n_heads`` heads of
             ``index_head_dim`` channels; 0 = no indexer. Up to index_topk context tokens DSA is plain MLA.
         architecture: the HF architecture class name, when known.
+        max_position_embeddings: the longest context the model was trained for (config.json; 0 =
+            unknown: packs and fixtures made before the field); the engine refuses prompts beyond it.
     """
 
     family: str
@@ -158,6 +160,7 @@ class ArchConfig:
     index_topk: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
+    max_position_embeddings: int = 0
 
     def __post_init__(self):
         _check_types(self)
@@ -210,6 +213,14 @@ class ArchConfig:
         if self.n_group < 1 or self.n_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
             problems.append(f"n_group {self.n_group} must divide n_experts {self.n_experts} and "
                             f"topk_group {self.topk_group} be in 1..n_group")
+        elif self.n_group > 1 and self.topk_group * (self.n_experts // self.n_group) < self.top_k:
+            # fewer eligible experts than top-k: the router would pick masked ones (other outputs)
+            eligible = self.topk_group * (self.n_experts // self.n_group)
+            problems.append(f"topk_group {self.topk_group} of n_group {self.n_group} leaves {eligible} "
+                            f"eligible experts, fewer than top_k {self.top_k} (raise topk_group)")
+        if self.max_position_embeddings < 0:
+            problems.append(f"max_position_embeddings {self.max_position_embeddings} must be >= 0 "
+                            "(0: unknown)")
         if self.qk_norm not in (None, "head", "full"):
             problems.append(f"qk_norm {self.qk_norm!r} must be None, 'head' or 'full'")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
@@ -286,7 +297,8 @@ _INT_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
                "top_k", "moe_intermediate_size", "dense_intermediate_size", "n_shared_experts",
                "shared_intermediate_size", "first_k_dense_replace", "n_group", "topk_group",
                "yarn_original_max_position", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-               "qk_rope_head_dim", "v_head_dim", "index_topk", "index_n_heads", "index_head_dim")
+               "qk_rope_head_dim", "v_head_dim", "index_topk", "index_n_heads", "index_head_dim",
+               "max_position_embeddings")
 _FLOAT_FIELDS = ("rope_theta", "partial_rotary_factor", "rope_scaling_factor", "rms_norm_eps",
                  "routed_scaling_factor", "yarn_factor", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
                  "yarn_mscale_all_dim")

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import numbers
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -126,6 +127,27 @@ def is_whole(v: Any, integral_floats: bool = False) -> bool:
     if isinstance(v, bool):
         return False
     return isinstance(v, numbers.Integral) or (integral_floats and isinstance(v, float) and v.is_integer())
+
+
+#: a decimal number as people type it on a command line: ASCII digits, one optional sign, point and
+#: exponent; no "1_0" (Python's digit grouping), no Unicode digits ("١٠", "１０"), no "nan" / "inf"
+DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+WHOLE = re.compile(r"\d+", re.ASCII)
+
+
+def decimal_text(text: Any) -> float | None:
+    """The value of ``text`` when it is a plain ASCII decimal number (:data:`DECIMAL`, blanks around it
+    allowed), else None. Python's ``float`` would also take "1_0" as 10 and Unicode digits."""
+    if not isinstance(text, str) or not DECIMAL.fullmatch(text.strip()):
+        return None
+    return float(text.strip())
+
+
+def whole_text(text: Any) -> int | None:
+    """The value of ``text`` when it is ASCII digits only (blanks around allowed), else None."""
+    if not isinstance(text, str) or not WHOLE.fullmatch(text.strip()):
+        return None
+    return int(text.strip())
 
 
 def _get(container, key, at: At, optional: bool):

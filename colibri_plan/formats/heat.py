@@ -35,7 +35,7 @@ from colibri_plan.fileio import (
 from colibri_plan.formats import fields as f
 from colibri_plan.formats.arch import MAX_ROUTED_EXPERTS
 from colibri_plan.formats.heat_fields import MAX_COUNT, MAX_EXPERTS, check_count_table, heat_at, whole_counts
-from colibri_plan.formats.heat_trace import RoutingTrace
+from colibri_plan.formats.heat_trace import RoutingTrace, check_against_counts
 
 HEAT_KIND = "heat"
 HEAT_SCHEMA_VERSION = 1
@@ -185,7 +185,7 @@ class Heat:
             n_model = f.whole(d, "n_model_layers", lo=1, hi=2**31 - 1, optional=True, **whole)
             if n_model is not None and layers and max(layers) > n_model:
                 at.fail(f"layer {max(layers)} is beyond n_model_layers = {n_model}")
-            return cls(n_experts=n, layers=tuple(layers),
+            heat = cls(n_experts=n, layers=tuple(layers),
                        counts=np.asarray(d["counts"], dtype=np.float64).reshape(len(layers), -1)
                        if layers else np.zeros((0, n)),
                        top_k=f.whole(d, "top_k", lo=1, hi=n, optional=True, **whole),
@@ -194,6 +194,9 @@ class Heat:
                        model_fingerprint=d.get("model_fingerprint"), n_model_layers=n_model,
                        engine_id=f.whole(d, "engine_id", lo=0, hi=2**32 - 1, optional=True, **whole),
                        trace=None if d.get("trace") is None else RoutingTrace.from_dict(d["trace"], n, where))
+            if heat.trace is not None:   # the token totals are checked against the counts: the trace too
+                check_against_counts(heat.trace, heat.layers, heat.counts, heat.top_k, heat.tokens, where)
+            return heat
         except KeyError as exc:
             raise FormatError(f"{where} has no {exc.args[0]}; re-create it") from exc
         except (TypeError, ValueError) as exc:

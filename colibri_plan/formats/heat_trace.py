@@ -110,3 +110,36 @@ class RoutingTrace:
             out[i] = a.reshape(n, k)
         dropped = f.whole(d, "dropped_steps", at, lo=0) if "dropped_steps" in d else 0
         return cls(tuple(layers), int(k), tuple(steps), out, int(dropped))
+
+
+def check_against_counts(trace: RoutingTrace, layers, counts: np.ndarray, top_k: int | None,
+                         tokens: int | None, where: str) -> None:
+    """A trace is the recorded ids the counts were summed from: the same top-k, layers among the heat's,
+    no more tokens than it counts, and per (layer, expert) at most the count — exactly the count when no
+    call was dropped. A trace edited apart from its counts would price the LRU from other routing
+    (+24% predicted tok/s) while the pins follow the counts.
+
+    Raises:
+        FormatError: naming the layer and expert that disagree, and what to do.
+    """
+    at = At(where, "the trace does not belong to these counts: re-record both with `colibri-plan run "
+                   "--stats-out`", ("trace",), repr_values=True)
+    if top_k is not None and trace.top_k != top_k:
+        at.fail(f"top_k {trace.top_k} is not the heat's top_k {top_k}")
+    stray = [x for x in trace.layers if x not in layers]
+    if stray:
+        at.fail(f"layers {stray[:4]} are not among the heat's layers")
+    n = sum(trace.steps)
+    if tokens is not None and n > tokens:
+        at.fail(f"holds {n} tokens, more than the heat's tokens {tokens}")
+    for i, layer in enumerate(trace.layers):
+        row = counts[list(layers).index(layer)]
+        seen = np.bincount(trace.ids[i].ravel(), minlength=row.size)[:row.size]
+        bad = np.flatnonzero(seen > row + 1e-9) if trace.dropped_steps else np.flatnonzero(
+            np.abs(seen - row) > 1e-9)
+        if bad.size:
+            e = int(bad[0])
+            rel = "more than" if seen[e] > row[e] else "not"
+            at.fail(f"layer {layer} selects expert {e} {int(seen[e])} times, {rel} its count {row[e]:.0f} "
+                    f"({bad.size} expert(s) of this layer disagree"
+                    f"{'' if trace.dropped_steps else '; no call was dropped, so they must be equal'})")

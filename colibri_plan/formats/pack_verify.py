@@ -122,8 +122,51 @@ def trunk_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+_ST_DTYPE = {"float32": "F32", "float16": "F16", "uint16": "U16", "int8": "I8", "uint8": "U8"}
+
+
+def stored_dtype(fmt: str) -> str:
+    """The safetensors dtype a dense tensor stored in ``fmt`` has (F32, F16, U16 for bf16 bits, the
+    integer formats' data dtype: engine/dense_quant.py's table)."""
+    import numpy as np
+
+    from colibri_plan.quant import FLOAT_FORMATS, quantize
+
+    if fmt in FLOAT_FORMATS:
+        return {"f32": "F32", "f16": "F16", "bf16": "U16"}.get(fmt, "F32")
+    return _ST_DTYPE[str(quantize(np.zeros((1, 256), np.float32), fmt).data.dtype)]
+
+
+def _format_problems(table: dict, formats: dict) -> list[str]:
+    """The stored formats (``format.dense_tensors``) against the tensors: each tensor's dtype is its
+    format's (F32 where none is listed), a ``.scales`` tensor belongs to an integer-format tensor. An
+    index edited from ``lm_head: "int8"`` to ``"f32"`` would otherwise run int8 codes as float weights."""
+    from colibri_plan.quant import FLOAT_FORMATS, FORMATS
+
+    bad = [f"{n}: {f!r}" for n, f in formats.items() if f not in FORMATS]
+    if bad:
+        return [f"format.dense_tensors names unknown formats ({', '.join(bad[:3])})"]
+    out = []
+    for name, t in table.items():
+        base = name[:-len(".scales")] if name.endswith(".scales") else None
+        if base is not None and base in table:
+            if formats.get(base) in FLOAT_FORMATS or base not in formats:
+                out.append(f"{DENSE_NAME} holds {name} but the index stores {base} as "
+                           f"{formats.get(base, 'f32')} (no scales): the index's formats do not match the "
+                           "tensors")
+            elif t["dtype"] != "F32":
+                out.append(f"{DENSE_NAME}: {name} is {t['dtype']}, scales are F32")
+            continue
+        want = stored_dtype(formats.get(name, "f32"))
+        if t["dtype"] != want:
+            out.append(f"{DENSE_NAME}: {name} is stored as {t['dtype']} but the index says "
+                       f"{formats.get(name, 'f32')} ({want}): the index's formats do not match the tensors")
+    return out[:3]
+
+
 def trunk_problems(dense_path: Path, arch: ArchConfig, formats: dict | None = None) -> list[str]:
-    """What ``run`` would refuse in the dense file: a corrupt safetensors header, or a trunk tensor of
+    """What ``run`` would refuse in the dense file: a corrupt safetensors header, a tensor whose stored
+    dtype is not the format the index records for it (:func:`_format_problems`), or a trunk tensor of
     :func:`trunk_shapes` missing or of another shape than the index's architecture needs. ``formats``
     (``format.dense_tensors``): name -> stored format; quantized tensors have their data shape and a
     ``<name>.scales`` tensor."""
@@ -143,7 +186,7 @@ def trunk_problems(dense_path: Path, arch: ArchConfig, formats: dict | None = No
     missing = [n for n in want if n not in table]
     wrong = [f"{n} {tuple(table[n]['shape'])} (the index's arch needs {want[n]})" for n in want
              if n in table and tuple(table[n]["shape"]) != want[n]]
-    out = []
+    out = _format_problems(table, formats or {})
     if missing:
         out.append(f"{DENSE_NAME} lacks {len(missing)} tensor(s) the model needs, e.g. "
                    f"{', '.join(missing[:3])}")

@@ -18,6 +18,7 @@ from colibri_plan.errors import FormatError, InputError, MismatchError
 from colibri_plan.fileio import read_document, write_document
 from colibri_plan.formats import fields as f
 from colibri_plan.formats.fields import At
+from colibri_plan.formats.plan_checks import check_finite, check_resources, check_sizes
 from colibri_plan.formats.plan_model import check_model  # noqa: F401 - re-exported
 from colibri_plan.formats.plan_prefill import check_prefill
 from colibri_plan.formats.plan_trunk import check_trunk_budgets, parse_trunk
@@ -245,6 +246,8 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
     for path, kind, limits in _FIELDS:
         _check_field(doc, path, kind, limits, at, predictions)
     _check_values(doc, where)
+    check_resources(doc, at)
+    check_sizes(doc, at)
     check_prefill(doc["predicted"], at / "predicted")   # formats/plan_prefill.py
     for k in doc["budgets"]["vram_budget_bytes"]:
         f.number(doc["budgets"]["vram_budget_bytes"], k, at / "budgets" / "vram_budget_bytes", lo=0)
@@ -278,6 +281,7 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
         at.fail(f"layers {ids[:4]}... do not match the model's MoE layers {model['moe_layers'][:4]}...")
     for i, e in enumerate(layers):
         _check_layer(e, n, keys, at / "layers" / i, at)
+    check_finite(doc, at)   # last (the named checks say more): NaN / Infinity anywhere else
 
 
 def _check_layer(e: dict, n: int, keys: list[str], here: At, at: At) -> None:

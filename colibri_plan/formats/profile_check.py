@@ -94,6 +94,10 @@ def validate_profile(doc: dict) -> dict:
                                 "fingerprint"), at)
     for key in ("cores", "ram_total_bytes", "ram_available_bytes"):
         f.whole(m, key, at, lo=1 if key == "cores" else 0)
+    if m["ram_available_bytes"] > m["ram_total_bytes"]:   # a hand edit: a budget beyond the machine
+        at.fail(f"ram_available_bytes {m['ram_available_bytes']:,} is more than ram_total_bytes "
+                f"{m['ram_total_bytes']:,}; a machine cannot have more memory free than it has: re-measure "
+                "with `colibri-plan profile` or fix the figure")
     if not _unavailable(doc, "disk", PROFILE):
         at = PROFILE / "disk"
         disk = _entry(doc["disk"], ("path", "filesystem", "o_direct", "page_cache_method", "block_bytes",
@@ -205,6 +209,10 @@ TRUNK_STATS = {"dense_gemv": ("seconds", "weight_gbps"), "device_ops": ("op_seco
 TRUNK_FMT = ("dense_gemv", "trunk_layer")
 #: ``trunk_layer.path``: the device trunk's d_* ops, or the CPU trunk's host path
 LAYER_PATHS = ("device", "host")
+#: trunk_layer rows the probe writes on one path only: the cpu backend is the CPU trunk's host path, a
+#: GPU backend's the device trunk's (numpy, the reference, runs both: its device ops are the oracle's)
+HOST_ONLY_BACKENDS = ("cpu",)
+EITHER_PATH_BACKENDS = ("numpy",)
 
 
 def _check_trunk(doc: dict) -> None:
@@ -229,6 +237,12 @@ def _check_trunk(doc: dict) -> None:
                 f.text(e, k, w, nonempty=True)
             if name == "trunk_layer":
                 f.text(e, "path", w, choices=LAYER_PATHS)
+                want = "host" if e["backend"] in HOST_ONLY_BACKENDS else "device"
+                # a relabelled row would price one trunk with another path's figures
+                if e["path"] != want and e["backend"] not in EITHER_PATH_BACKENDS:
+                    w.fail(f"path {e['path']!r} on backend {e['backend']!r}: the probe measures a "
+                           f"{e['backend']} row on the {want} path only; re-measure with `colibri-plan "
+                           "profile` or restore the path")
             if name == "trunk_layer" and "attention_long_seconds" in e:  # optional: the growth per token
                 _check_stat(e, "attention_long_seconds", w, positive=True)
                 f.whole(e, "long_context_tokens", w, lo=1)

@@ -15,7 +15,10 @@ a tensor that two shards hold or that sits in another shard than the map says.
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import stat
 import struct
 from pathlib import Path
 
@@ -43,19 +46,49 @@ def _whole(v) -> bool:
     return is_whole(v) and v >= 0
 
 
+def regular_file(path: Path, what: str) -> bool:
+    """True when ``path`` is a regular file (a link to one counts), False when it does not exist.
+
+    Only regular files are ever opened: a named pipe would block ``open`` forever, a device never ends.
+
+    Raises:
+        InputError: it exists but is a folder, a pipe, a socket or a device.
+        FormatError: its name is longer than the filesystem allows (or it cannot be looked up).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise FormatError(f"{what} name {path.name[:60]!r}{'...' if len(path.name) > 60 else ''} "
+                              f"({len(path.name)} characters) is longer than the filesystem allows; the "
+                              "file list is corrupt: re-download it") from None
+        if exc.errno == errno.ENOTDIR:
+            return False
+        raise InputError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if stat.S_ISREG(mode):
+        return True
+    kind = ("a folder" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device or other special file")
+    raise InputError(f"{what} {path} is {kind}, not a regular file; put the real file there")
+
+
 def read_header(path: str | Path) -> tuple[dict, int]:
     """The tensor table of one safetensors file and the absolute offset of its data section:
     ``({name: {"dtype", "shape", "data_offsets"}}, 8 + N)`` (``__metadata__`` dropped). Reads only the
     header.
 
     Raises:
-        InputError: the file cannot be opened.
+        InputError: the file cannot be opened or is not a regular file (a pipe, a device).
         FormatError: truncated, header not a JSON object, an entry whose dtype, shape or offsets are
             malformed, whose size disagrees with its shape, or tensors that overlap, leave gaps, run past
             the end or leave trailing bytes; non-string metadata. The message names the tensor and says
             to re-download the file.
     """
     path = Path(path)
+    if not regular_file(path, "safetensors file"):
+        raise InputError(f"safetensors file {path} does not exist")
     try:
         with open(path, "rb") as f:
             head = f.read(8)
@@ -123,7 +156,7 @@ def checkpoint_shards(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     folder = Path(folder)
     index = folder / INDEX_NAME
     weight_map = None
-    if index.is_file():
+    if regular_file(index, "safetensors index"):
         try:
             text = index.read_bytes()
         except OSError as exc:
@@ -138,12 +171,14 @@ def checkpoint_shards(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
         if bad:
             raise FormatError(f"{index}: shard {bad[0][:80]!r} is not a plain file name inside {folder}")
         shards = [folder / s for s in names]
-        missing = [s.name for s in shards if not s.is_file()]
+        missing = [s.name for s in shards if not regular_file(s, f"shard named in {INDEX_NAME}:")]
         if missing:
             raise InputError(f"{folder}: shard(s) named in {INDEX_NAME} are missing: "
                              f"{', '.join(missing[:5])}")
     else:
         shards = sorted(folder.glob("*.safetensors"))
+        for s in shards:
+            regular_file(s, "safetensors file")
     if not shards:
         raise InputError(f"{folder} holds no *.safetensors files (save the model with safe_serialization, "
                          "or pass a .gguf file)")

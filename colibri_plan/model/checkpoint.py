@@ -36,7 +36,7 @@ from colibri_plan.errors import FormatError, InputError, UnsupportedError
 from colibri_plan.families import plan_geometry
 from colibri_plan.fileio import read_json_object
 from colibri_plan.formats.model_spec import ModelSpec
-from colibri_plan.formats.st_header import extra_layers, numel, read_header, tensor_files
+from colibri_plan.formats.st_header import extra_layers, numel, read_header, regular_file, tensor_files
 
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
@@ -124,7 +124,8 @@ def checkpoint_spec(folder: str | Path) -> ModelSpec:
     folder without any ``*.safetensors`` file is sized from config.json alone (:func:`config_only_spec`).
 
     Raises:
-        InputError: the folder or its config.json is missing, or a shard named in the index is missing.
+        InputError: the folder or its config.json is missing, or a shard named in the index is missing;
+            config.json or a shard is not a regular file (a named pipe would block forever).
         UnsupportedError: config.json describes a model without routed experts.
         FormatError: corrupt config/header, or the headers disagree with config.json (layers, expert
             count, widths) — the message names the tensor and the config field.
@@ -133,7 +134,7 @@ def checkpoint_spec(folder: str | Path) -> ModelSpec:
     if not folder.is_dir():
         raise InputError(f"checkpoint folder {folder} does not exist")
     cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
+    if not regular_file(cfg_path, "config.json"):
         raise InputError(f"{folder} has no config.json; is it a Hugging Face checkpoint folder?")
     cfg = read_json_object(cfg_path, "Hugging Face config.json")
     geo = plan_geometry(cfg, str(cfg_path))

@@ -80,11 +80,14 @@ class Budgets:
 
 
 def parse_gb(value: str, what: str) -> float:
-    """Parse a decimal GB figure; InputError if it is not a finite number, BudgetError if negative."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise InputError(f"{what}: expected 'auto' or a number of GB, got {value!r}") from None
+    """Parse a decimal GB figure (ASCII digits: "1_0" and Unicode digits are refused, as Python's float
+    would read them); InputError if it is not a finite number, BudgetError if negative."""
+    from colibri_plan.formats.fields import decimal_text
+
+    v = value if isinstance(value, (int, float)) and not isinstance(value, bool) else decimal_text(value)
+    if v is None:
+        raise InputError(f"{what}: expected 'auto' or a finite number of GB written with the digits 0-9 "
+                         f"(such as 1.5), got {value!r}")
     if not math.isfinite(v):
         raise InputError(f"{what}: expected a finite number of GB, got {value!r}")
     if v < 0:

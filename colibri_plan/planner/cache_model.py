@@ -179,14 +179,30 @@ class TraceHits:
     Args:
         trace: a :class:`~colibri_plan.formats.heat_trace.RoutingTrace`.
         layer_ids: the MoE layer id of each problem row (rows without a trace fall back to Che).
+        deadline_s: seconds from now after which :attr:`expired` turns true and :func:`lru_hit_rates`
+            uses Che instead (``solve --time-limit``: a trace at the size bound took 25 s of stack
+            distances with a 1 s limit); None: no limit.
     """
 
-    def __init__(self, trace, layer_ids):
+    def __init__(self, trace, layer_ids, deadline_s: float | None = None):
+        import time
+
+        self._deadline = None if deadline_s is None else time.monotonic() + float(deadline_s)
+        self.time_limited = False   # set once the deadline passed: the rest was priced with Che
         self.trace = trace
         self.layer_ids = [int(x) for x in layer_ids]
         self.counted = counted_calls(trace.steps)
         self._unions: dict[int, list[np.ndarray]] = {}
         self._memo: dict[tuple, tuple] = {}
+
+    @property
+    def expired(self) -> bool:
+        """The deadline passed (then stays so): callers price with Che from here on."""
+        import time
+
+        if not self.time_limited and self._deadline is not None and time.monotonic() > self._deadline:
+            self.time_limited = True
+        return self.time_limited
 
     def covers(self, row: int) -> bool:
         """The trace has this row's layer (and at least one counted call)."""
@@ -236,6 +252,6 @@ def lru_hit_rates(p: np.ndarray, on_disk: np.ndarray, slots: int, row: int | Non
     """Per-expert LRU hit rates ``[E]`` of one row's disk-tier experts: the trace model when
     ``trace_hits`` covers ``row``, else Che on the disk experts' probabilities."""
     on_disk = np.asarray(on_disk, dtype=bool)
-    if trace_hits is not None and row is not None and trace_hits.covers(row):
+    if trace_hits is not None and row is not None and trace_hits.covers(row) and not trace_hits.expired:
         return trace_hits.hit_rates(row, on_disk, slots)
     return che_hit_rates(np.where(on_disk, p, 0.0), slots)

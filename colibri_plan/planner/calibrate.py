@@ -86,6 +86,7 @@ def report_terms(report: dict, where: str = "report") -> dict:
                           "re-run `colibri-plan verify`")
     pred = RunReport.from_dict(report["predicted"], where, "predicted")
     meas = RunReport.from_dict(report["measured"], where, "measured")
+    _check_possible(meas, where)
     try:
         old = Coefficients.from_dict((report.get("plan") or {}).get("coefficients"),
                                      where=f"{where}: plan.coefficients")
@@ -114,6 +115,8 @@ def report_terms(report: dict, where: str = "report") -> dict:
                                col("disk_s") / c_disk, verify], axis=1)
             if layers.ndim != 2 or not np.all(np.isfinite(layers)) or np.any(layers < 0):
                 raise ValueError("its figures must be finite numbers >= 0 in lists of one length")
+            if layers.shape[0] == 0 or not np.any(layers[:, 0] > 0):   # an emptied section fits nothing
+                raise ValueError("it has no MoE layer with a weight > 0")
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"{where}: predicted.cpu_path_layers is malformed ({exc}); re-solve the "
                               "plan and re-run `colibri-plan verify`") from exc
@@ -262,6 +265,32 @@ def check_sources(reports: list[dict], names: list[str]) -> tuple[list[str], lis
     return machines, warnings
 
 
+#: a measured wall-time part of a decode step may pass the step's own time by this share (timer edges)
+PART_SLACK = 0.10
+#: fitted coefficients outside this range are far from any roofline: the reports are suspect (a warning)
+PLAUSIBLE = (0.05, 20.0)
+
+
+def _check_possible(meas, where: str) -> None:
+    """Refuse a measured section whose wall-time parts do not fit in its decode step: dense, attention,
+    the MoE layers and the disk wait are each part of the step (a 1 s dense time inside a 4 ms token fitted
+    a dense coefficient of 437). Skipped when no decode step was timed.
+
+    Raises:
+        FormatError: naming the part, both times and what to do.
+    """
+    step = meas.decode_s_per_token or 0.0
+    if step <= 0:
+        return
+    for key in ("dense_s_per_token", "attention_s_per_token", "expert_layers_s_per_token",
+                "disk_wait_s_per_token"):
+        v = getattr(meas, key) or 0.0
+        if v > step * (1 + PART_SLACK) + 1e-4:
+            raise FormatError(f"{where}: measured.{key} {v:.6g} s is longer than the decode step it is part "
+                              f"of (measured.decode_s_per_token {step:.6g} s): the report is impossible; "
+                              "re-run `colibri-plan verify` to get a clean report")
+
+
 def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = None) -> tuple:
     """Fit the coefficients (module docstring) over ``reports``.
 
@@ -333,6 +362,13 @@ def fit_coefficients(reports: list[dict], base=None, names: list[str] | None = N
         warnings.append(f"{', '.join(zero)} fitted to 0: the reports do not determine "
                         f"{'it' if len(zero) == 1 else 'them'} (plans solved with these coefficients would "
                         "treat that time as free); add reports that exercise it, or start from --base")
+    lo, hi = PLAUSIBLE
+    odd = [f"{k} {values[k]:.3g}" for k in ("cpu_expert", "disk", "dense", "gpu_expert")
+           if detail.get(k, {}).get("fitted") and values[k] > 0 and not lo <= values[k] <= hi]
+    if odd:
+        warnings.append(f"{', '.join(odd)} fitted far from 1 (outside {PLAUSIBLE[0]:g}..{PLAUSIBLE[1]:g} "
+                        "times the profile's roofline): check that the reports come from clean runs on this "
+                        "machine before solving with them")
     detail["machine_fingerprints"] = machines
     detail["warnings"] = warnings
     try:

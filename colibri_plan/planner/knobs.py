@@ -156,7 +156,9 @@ def knobs_section(setup, tiers: np.ndarray, slots: np.ndarray, cost: dict) -> di
         steps = th.trace.steps
         trace = {"trace_layers": th.rows_covered(), "trace_calls": len(steps),
                  "trace_decode_calls": int(sum(1 for s in steps if s == 1)),
-                 "trace_dropped_calls": int(th.trace.dropped_steps)}
+                 "trace_dropped_calls": int(th.trace.dropped_steps),
+                 # --time-limit passed during the stack distances: the rest was priced with Che
+                 "trace_time_limited": bool(th.time_limited)}
     slot_rows = slots[pr.weights > 0] if np.any(pr.weights > 0) else slots
     return {
         "target": k["target"],

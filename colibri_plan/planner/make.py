@@ -199,7 +199,7 @@ def build_setup(profile, spec, heat=None, opts: SolveOptions = DEFAULTS, *,
     fixed = (dense_seconds(dense_read_bytes(spec, dense_fmt), res, coef)
              + attention_seconds(o.context_tokens, kv_bpt, res, coef))
     trace = getattr(h, "trace", None)
-    hits = TraceHits(trace, h.layers) if trace is not None and trace.steps else None
+    hits = TraceHits(trace, h.layers, o.time_limit_s) if trace is not None and trace.steps else None
     problem = Problem(probs=probs, weights=weights, expert_bytes=spec.expert_bytes(), res=res,
                       ram_budget_bytes=max(0, ram_bytes), lru_slots=slots, coef=coef,
                       activation_bytes=spec.hidden_size * 4, fixed_cost_s=fixed,
@@ -331,6 +331,11 @@ def make_plan(profile, spec, heat=None, opts: SolveOptions = DEFAULTS,
             raise
 
     setup, sol, report = choose_trunk(profile, setup, spec, trunk, solve, auto_lru_slots)
+    th = setup.problem.trace_hits
+    if th is not None and th.time_limited:   # said once, on stderr and in the plan's heat.warnings
+        setup.warnings.append(f"--time-limit {opts.time_limit_s:g} s passed while the routing trace's LRU "
+                              "model ran: the rest of the solve priced the LRU with Che's approximation; "
+                              "give a longer --time-limit to use the whole trace")
     solver = {"status": sol.status, "gap": sol.gap, "seconds": round(sol.seconds, 3), "method": sol.method,
               "iterations": sol.iterations, "trunk": report}
     plan = plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source)

@@ -36,6 +36,7 @@ from colibri_plan.directio import (  # noqa: F401 - ALIGN, RAM_FILESYSTEMS re-ex
     read_full,
 )
 from colibri_plan.errors import InputError
+from colibri_plan.fileio import clean_stale
 from colibri_plan.formats.profile import stat
 from colibri_plan.profiler.machine import filesystem_of
 
@@ -195,7 +196,8 @@ def probe_disk(path: str | os.PathLike | None = None, block_bytes: int = DEFAULT
         raise InputError(f"--path {target} does not exist; give a folder or a file on the disk to probe")
     created = None
     if target.is_dir():
-        fd_tmp, name = tempfile.mkstemp(prefix=".colibri-probe-", suffix=".bin", dir=target)
+        clean_stale(target, ".colibri-probe-", ".bin")   # a killed profile's test file (its pid is gone)
+        fd_tmp, name = tempfile.mkstemp(prefix=f".colibri-probe-{os.getpid()}-", suffix=".bin", dir=target)
         os.close(fd_tmp)
         created = Path(name)
         probe_file = created

@@ -120,7 +120,9 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
     hidden = opts.hidden or model["hidden"]
     width = opts.width or model["width"]
     block = disk_mod.align_up(opts.block_bytes or model["expert_bytes"])
-    formats = list(dict.fromkeys([*opts.formats, model["expert_format"]]))
+    # the model's own format first: a mode's per-device budget that runs out skips the last formats, and
+    # `solve` needs this one (profile --quick --model PACK left it out on a slow machine)
+    formats = list(dict.fromkeys([model["expert_format"], *opts.formats]))
     settings = {**st, "block_bytes": block, "hidden": hidden, "width": width, "formats": formats,
                 "file_bytes": opts.file_bytes or st["file_bytes"],
                 "queue_depths": list(opts.queue_depths or st["queue_depths"]),
