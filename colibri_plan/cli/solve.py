@@ -148,6 +148,10 @@ def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_i
         opts.target == "llama.cpp" or compare) else None
     if opts.target == "llama.cpp":
         plan.doc["llamacpp"] = llama
+    if opts.target == "colibri-plan":   # our engine's reads, priced (planner/reads.py)
+        from colibri_plan.planner.reads import reads_section
+
+        plan.doc["reads"] = reads_section(setup, sol.tiers, sol.lru_slots)
     for w in setup.warnings:
         warn(w)
     if out_path:
@@ -157,7 +161,8 @@ def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_i
               "solver": plan.doc["solver"], "knobs": plan.doc.get("knobs"),
               "compute": plan.doc.get("compute"), "compute_explain": plan.doc.get("compute_explain"),
               "repin": plan.doc.get("repin"), "trunk": {**plan.doc["trunk"], **plan.doc["solver"]["trunk"]},
-              "warnings": setup.warnings, **({"llamacpp": llama} if opts.target == "llama.cpp" else {})}
+              "warnings": setup.warnings, **({"llamacpp": llama} if opts.target == "llama.cpp" else {}),
+              **({"reads": plan.doc["reads"]} if "reads" in plan.doc else {})}
     if compare:
         from colibri_plan.planner.compare import compare_placements
 
@@ -239,6 +244,10 @@ def _human(result: dict, plan) -> str:
     out.append(f"Solver: {s['method']}; {s['status']}; gap {gap}; {s['seconds']:.2f} s")
     out += knob_lines(result.get("knobs"), compute=result.get("compute"),
                       compute_explain=result.get("compute_explain"), repin=result.get("repin"))
+    if result.get("reads"):
+        from colibri_plan.planner.reads import reads_line
+
+        out.append(reads_line(result["reads"]))
     if result.get("plan_file"):
         out.append(f"Plan written to {result['plan_file']}")
     if result.get("llamacpp"):
