@@ -1,10 +1,13 @@
 """`calibrate --engine llama.cpp` on replay JSON, and `solve --target llama.cpp` / `export --to llama.cpp`.
 
-The replays in tests/data are two runs of bench/replay_llamacpp.py placements on a 2-core VM
-(AMD EPYC, 24 GB, cgroup v1 memory limit), trimmed to the fields the calibration reads: the random
-8-layer Qwen3-MoE of bench/peer_llamacpp.py at Q4_0 under a 4 GB limit (it fits in RAM) and at Q8_0
-under a 1.5 GB limit (1.84 GB of GGUF: llama.cpp's mmap faults), one llama-bench repeat per placement,
-with the quick profiles the replay took of the same machine.
+The replays in tests/data are runs of bench/replay_llamacpp.py placements on a 2-core VM (AMD EPYC,
+24 GB, cgroup v1 memory limit), trimmed to the fields the calibration reads, with the quick profiles the
+replay took of the same machine; the model is the random 8-layer Qwen3-MoE of bench/peer_llamacpp.py:
+
+* ``*-r3``: 3 interleaved llama-bench rounds per placement (pp512 / tg64): Q8_0 under a 4 GB limit and
+  Q4_0 under 1.5 GB (both fit in RAM);
+* the debug runs (one round, pp64 / tg16): Q4_0 under 4 GB and Q8_0 under 1.5 GB (1.84 GB of GGUF:
+  llama.cpp's mmap faults).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from colibri_plan.planner import llamacpp_calibrate as lc
 
 DATA = Path(__file__).parent / "data"
 Q4, Q8 = DATA / "replay-llamacpp-q4-4gb.json", DATA / "replay-llamacpp-q8-1.5gb.json"
+R8, R4 = DATA / "replay-llamacpp-q8-4gb-r3.json", DATA / "replay-llamacpp-q4-1.5gb-r3.json"
 PROFILES = ["--profile", DATA / "replay-profile-int4-g32.json", "--profile",
             DATA / "replay-profile-int8.json"]
 MODEL = ["--model", DATA / "replay-qwen3-8l.spec.json"]
@@ -30,6 +34,23 @@ MODEL = ["--model", DATA / "replay-qwen3-8l.spec.json"]
 def _calibrate(tmp_path, *extra):
     return cli_run("calibrate", "--engine", "llama.cpp", Q4, Q8, *PROFILES, *MODEL, "--out",
                    tmp_path / "llc.json", *extra)
+
+
+def test_calibrated_on_three_round_replays_every_placement_is_within_20_percent(tmp_path):
+    r = cli_run("calibrate", "--engine", "llama.cpp", R8, R4, "--profile", PROFILES[3], "--profile",
+                PROFILES[1], *MODEL, "--out", tmp_path / "r3.json", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    rows = doc["detail"]["rows"]
+    assert len(rows) == 16                                  # 8 placements x 2 replays
+    for row in rows:
+        for k in ("decode_tok_s", "prefill_tok_s"):
+            assert abs(row[k]["predicted"] / row[k]["measured"] - 1) <= 0.2, (row["placement"], k, row[k])
+    # --no-repack of Q4_0 (the CPU computes the file's layout, not the repacked one) is its own term
+    slow = next(x for x in rows if x["placement"] == "no-repack" and "q4" in x["file"])
+    assert slow["decode_tok_s"]["measured"] < 0.7 * next(
+        x for x in rows if x["placement"] == "default" and "q4" in x["file"])["decode_tok_s"]["measured"]
+    assert doc["coefficients"]["c_norepack"] > 0
 
 
 def test_calibrate_fits_the_replays_and_predicts_the_rows_that_fit_in_ram_within_15_percent(tmp_path):

@@ -101,6 +101,15 @@ def test_gpu_buffers_over_the_vram_budget_are_refused():
     assert predict(G, m, LlamaPlacement(ngl=3), ONE)["infeasible"] == why
 
 
+def test_no_repack_of_a_repacked_quant_adds_its_cpu_seconds_once():
+    g = dataclasses.replace(G, repackable=True)
+    t = raw_terms(g, M, LlamaPlacement(ngl=0, repack=False))
+    assert t["norepack_s"] == pytest.approx(15e-3) and t["pp_norepack_s"] == pytest.approx(1.5e-3)
+    assert raw_terms(G, M, LlamaPlacement(ngl=0, repack=False))["norepack_s"] == 0   # not repacked anyway
+    c = dataclasses.replace(ONE, c_norepack=0.5)
+    assert decode_seconds(t, c) == pytest.approx(15e-3 * 1.5)
+
+
 def test_heat_of_another_shape_is_refused():
     import numpy as np
 

@@ -8,10 +8,11 @@ that ``regex_search``-matches wins; ``--cpu-moe``, ``--n-cpu-moe N``, ``-ngl``, 
 priced raw (:func:`~.llamacpp_cost.raw_terms`) with the profile's figures, and the measured seconds per
 token are fitted:
 
-* decode: ``1 / tg tok/s ≈ c_cpu · cpu_s + c_gpu · gpu_s + c_fault · fault_s + split_s · splits + graph_s``
-  by non-negative least squares (``scipy.optimize.nnls``); a term that is zero in every row keeps its base
-  value, and a design that cannot tell its columns apart (smallest over largest singular value of the
-  column-scaled design < :data:`COLLINEAR_TOL`) drops ``graph_s``, then ``split_s`` (base values kept).
+* decode: ``1 / tg tok/s ≈ c_cpu · cpu_s + c_gpu · gpu_s + c_fault · fault_s + split_s · splits + graph_s
+  + c_norepack · norepack_s`` by non-negative least squares (``scipy.optimize.nnls``); a term that is
+  zero in every row keeps its base value, and a design that cannot tell its columns apart (smallest
+  over largest singular value of the column-scaled design < :data:`COLLINEAR_TOL`) drops ``graph_s``,
+  then ``split_s`` (base values kept).
 * prefill: ``1 / pp tok/s − (c_fault · pp_fault_s + split_s · pp_splits + graph_s · pp_graph)`` ≈
   ``c_pp_cpu · pp_cpu_s + c_pp_gpu · pp_gpu_s + c_xfer · xfer_s``, the same way.
 
@@ -90,7 +91,8 @@ def _placement(row: dict, at: At, n_layers: int, settings: dict, has_gpu: bool) 
     return LlamaPlacement(ngl=ngl, cpu_experts=host_projections(overrides, n_layers, bool(row.get("cpu_moe")),
                                                                 ncm),
                           context=int(settings["context"]), ubatch=int(settings["ubatch"]),
-                          threads=int(settings["threads"]), load="no-mmap" if lm == "none" else "mmap")
+                          threads=int(settings["threads"]), load="no-mmap" if lm == "none" else "mmap",
+                          repack=row.get("repack") is not False)
 
 
 def replay_rows(doc: dict, name: str, geometry, machine) -> list[dict]:
@@ -147,8 +149,9 @@ def _nnls(cols: list[str], rows: list[dict], y: np.ndarray, drop_order: tuple) -
 
 
 DECODE_COEF = {"cpu_s": "c_cpu", "gpu_s": "c_gpu", "fault_s": "c_fault", "splits": "split_s",
-               "graph": "graph_s"}
-PREFILL_COEF = {"pp_cpu_s": "c_pp_cpu", "pp_gpu_s": "c_pp_gpu", "xfer_s": "c_xfer"}
+               "graph": "graph_s", "norepack_s": "c_norepack"}
+PREFILL_COEF = {"pp_cpu_s": "c_pp_cpu", "pp_gpu_s": "c_pp_gpu", "xfer_s": "c_xfer",
+                "pp_norepack_s": "c_pp_norepack"}
 
 
 def fit(rows: list[dict], fitted_on: list[str], base: LlamaCoefficients | None = None) -> tuple:
@@ -279,7 +282,7 @@ def calibrate_replays(paths: list[str], profiles: list[str], models: list[str],
             raise InputError(f"{prof_path}: no CPU matmul row; profile the machine the replay ran on")
         res = resources_from_profile(profile, spec.with_format(fmt) if fmt != spec.expert_format else spec,
                                      {}, fmt=fmt)
-        g = geometry(spec, float(bpw))
+        g = geometry(spec, float(bpw), quant)
         got = replay_rows(doc, path, g, machine(profile, res, int(limit), 0))
         rows += got
         names.append(fitted_on_line(doc, path, len(got)))

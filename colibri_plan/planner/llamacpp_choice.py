@@ -99,6 +99,7 @@ def llama_args(pl: LlamaPlacement, n_layers: int) -> list[str]:
     out += [] if pl.kv_on_gpu else ["-nkvo"]
     out += ["-c", str(pl.context), "-ub", str(pl.ubatch)]
     out += ["-t", str(pl.threads)] if pl.threads else []
+    out += [] if pl.repack else ["--no-repack"]
     return out + {"mmap": [], "no-mmap": ["--no-mmap"], "mlock": ["--mlock"]}[pl.load]
 
 

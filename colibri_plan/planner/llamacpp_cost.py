@@ -9,6 +9,7 @@ exceeds the RAM left to them; ``--no-mmap`` reads them into anonymous memory (th
 do not fit); ``--mlock`` pins the mapped pages. Per decode token (seconds)::
 
     decode_s  = c_cpu · cpu_s + c_gpu · gpu_s + c_fault · fault_s + split_s · splits + graph_s
+                + c_norepack · cpu_s (only with --no-repack of a quant llama.cpp repacks for the CPU)
     cpu_s     = (host bytes read per token) / CPU GB/s      (dense of CPU layers + top-k experts of the
                                                              host expert tensors + KV of CPU layers)
     gpu_s     = (GPU bytes read per token) / GPU GB/s
@@ -59,6 +60,8 @@ class LlamaGeometry:
         head_bytes: the output head (read every token; on the GPU once -ngl exceeds n_layers).
         kv_bytes_per_token_layer: KV bytes of one context token in one layer (f16 as llama.cpp keeps it).
         hidden_size, vocab_size: for the compute buffers and the split copies.
+        repackable: the quant has a CPU-specific layout llama.cpp repacks host weights into at load
+            (Q4_0, Q4_K, IQ4_NL on x86; the replay's Q8_0 on a 2-core EPYC stayed ``CPU_Mapped``).
     """
 
     n_layers: int
@@ -71,6 +74,7 @@ class LlamaGeometry:
     kv_bytes_per_token_layer: int
     hidden_size: int
     vocab_size: int
+    repackable: bool = False
 
     @property
     def model_bytes(self) -> int:
@@ -108,7 +112,7 @@ class LlamaPlacement:
     {layer: projections kept in host buffers} from ``-ot ...=CPU`` (a layer not on the GPU keeps all its
     tensors on the CPU anyway); kv_on_gpu: the KV cache of GPU layers on the GPU (llama.cpp's default;
     ``-nkvo`` keeps it on the host); context, ubatch, threads: ``-c``, ``-ub``, ``-t``; load: "mmap",
-    "no-mmap" or "mlock"."""
+    "no-mmap" or "mlock"; repack: False is ``--no-repack`` (the CPU computes the file's layout)."""
 
     ngl: int = 0
     cpu_experts: dict = field(default_factory=dict)
@@ -117,6 +121,7 @@ class LlamaPlacement:
     ubatch: int = 512
     threads: int = 0
     load: str = "mmap"
+    repack: bool = True
 
     def on_gpu(self, layer: int, n_layers: int) -> bool:
         """Layer ``layer`` (``n_layers``: the output head) runs on the GPU: it is among the last -ngl."""
@@ -143,6 +148,8 @@ class LlamaCoefficients:
     c_pp_cpu: float = 1.0
     c_pp_gpu: float = 1.0
     c_xfer: float = 1.0
+    c_norepack: float = 0.0       # extra CPU seconds per raw CPU second without the repacked layout
+    c_pp_norepack: float = 0.0
     fitted_on: tuple = ()
 
     def to_dict(self) -> dict:
@@ -156,8 +163,8 @@ class LlamaCoefficients:
         return "; ".join(self.fitted_on) if self.fitted_on else "uncalibrated"
 
 
-DECODE_TERMS = ("cpu_s", "gpu_s", "fault_s", "splits", "graph")
-PREFILL_TERMS = ("pp_cpu_s", "pp_gpu_s", "xfer_s", "pp_fault_s", "pp_splits", "pp_graph")
+DECODE_TERMS = ("cpu_s", "gpu_s", "fault_s", "splits", "graph", "norepack_s")
+PREFILL_TERMS = ("pp_cpu_s", "pp_gpu_s", "xfer_s", "pp_fault_s", "pp_splits", "pp_graph", "pp_norepack_s")
 
 
 def memory(g: LlamaGeometry, pl: LlamaPlacement) -> dict:
@@ -276,12 +283,15 @@ def raw_terms(g: LlamaGeometry, m: LlamaMachine, pl: LlamaPlacement, probs: np.n
     # prefill: all touched experts' pages once per micro-batch; a batch of u touches 1-(1-p)^u of them
     touched = 1.0 - (1.0 - np.clip(p, 0, 1)) ** u
     pp_fault = float(np.sum(touched * share * g.expert_bytes * (1 - hit))) / u
+    plain = g.repackable and not pl.repack                       # --no-repack of a repacked quant
+    pp_cpu = (dense_host + (0.0 if offload else float(host_exp.sum()))) / (m.cpu_batch_gbps * 1e9)
     return {
         "cpu_s": host_bytes / (m.cpu_gbps * 1e9),
         "gpu_s": gpu_bytes / (m.gpu_gbps * 1e9) if gpu_bytes and m.gpu_gbps > 0 else 0.0,
         "fault_s": fault_bytes / (m.fault_gbps * 1e9) if fault_bytes and m.fault_gbps else 0.0,
         "splits": float(splits), "graph": 1.0,
-        "pp_cpu_s": (dense_host + (0.0 if offload else float(host_exp.sum()))) / (m.cpu_batch_gbps * 1e9),
+        "pp_cpu_s": pp_cpu, "norepack_s": host_bytes / (m.cpu_gbps * 1e9) if plain else 0.0,
+        "pp_norepack_s": pp_cpu if plain else 0.0,
         "pp_gpu_s": ((gpu_bytes + (float(host_exp.sum()) if offload else 0.0)) / (m.gpu_batch_gbps * 1e9)
                      if gpu and m.gpu_batch_gbps > 0 else 0.0),
         "xfer_s": host_exp_tensor / (u * m.h2d_gbps * 1e9) if offload else 0.0,
@@ -294,13 +304,14 @@ def raw_terms(g: LlamaGeometry, m: LlamaMachine, pl: LlamaPlacement, probs: np.n
 def decode_seconds(t: dict, c: LlamaCoefficients) -> float:
     """Seconds per decode token from :func:`raw_terms` ``t`` and coefficients ``c``."""
     return (c.c_cpu * t["cpu_s"] + c.c_gpu * t["gpu_s"] + c.c_fault * t["fault_s"] + c.split_s * t["splits"]
-            + c.graph_s * t["graph"])
+            + c.graph_s * t["graph"] + c.c_norepack * t["norepack_s"])
 
 
 def prefill_seconds(t: dict, c: LlamaCoefficients) -> float:
     """Seconds per prompt token (prefill) from :func:`raw_terms` ``t`` and coefficients ``c``."""
     return (c.c_pp_cpu * t["pp_cpu_s"] + c.c_pp_gpu * t["pp_gpu_s"] + c.c_xfer * t["xfer_s"]
-            + c.c_fault * t["pp_fault_s"] + c.split_s * t["pp_splits"] + c.graph_s * t["pp_graph"])
+            + c.c_fault * t["pp_fault_s"] + c.split_s * t["pp_splits"] + c.graph_s * t["pp_graph"]
+            + c.c_pp_norepack * t["pp_norepack_s"])
 
 
 def predict(g: LlamaGeometry, m: LlamaMachine, pl: LlamaPlacement, c: LlamaCoefficients,

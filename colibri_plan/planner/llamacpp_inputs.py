@@ -36,8 +36,14 @@ def bits_per_weight(spec, quant: str | None = None) -> tuple[float, str]:
                           "per weight)")
 
 
-def geometry(spec, bpw: float) -> LlamaGeometry:
-    """:class:`LlamaGeometry` of ``spec`` at ``bpw`` bits per weight (MTP rows are not llama.cpp layers)."""
+#: llama.cpp types it repacks into a CPU layout at load on x86 (ggml-cpu's repack buffer type)
+REPACKED = ("Q4_0", "Q4_K", "IQ4_NL")
+
+
+def geometry(spec, bpw: float, quant: str | None = None) -> LlamaGeometry:
+    """:class:`LlamaGeometry` of ``spec`` at ``bpw`` bits per weight (MTP rows are not llama.cpp layers);
+    ``quant``: the llama.cpp type (None: the one nearest the spec's format)."""
+    quant = (quant or FOR_OURS.get(spec.expert_format, "")).upper()
     head = spec.vocab_size * spec.hidden_size
     # the token embedding is looked up, not read whole, per token: out of the dense bytes read
     per_layer = max(0, spec.dense_params - 2 * head) / max(1, spec.n_layers)
@@ -46,7 +52,8 @@ def geometry(spec, bpw: float) -> LlamaGeometry:
                          expert_bytes=int(spec.expert_params * bpw / 8),
                          layer_dense_bytes=int(per_layer * bpw / 8), head_bytes=int(head * bpw / 8),
                          kv_bytes_per_token_layer=int(spec.kv_bytes_per_token // max(1, spec.n_layers)),
-                         hidden_size=spec.hidden_size, vocab_size=spec.vocab_size)
+                         hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
+                         repackable=quant in REPACKED)
 
 
 def _batched_gbps(profile, backend: str, index: int, one_token_gbps: float) -> float:
