@@ -102,7 +102,8 @@ def test_compare_rows_carry_the_knobs_each_engine_runs_with():
     rows = compare_placements(setup, sol, host_copy_toggle=False)
     names = [r["placement"] for r in rows]
     assert names == ["colibri-plan (optimised)", "colibri hot-first", "colibri hot-first (DIRECT=0)",
-                     "llama.cpp --fit layers", "uniform", "colibri hot-first (DIRECT=0, beyond --ram)"]
+                     "llama.cpp --fit layers", "uniform", "colibri hot-first (DIRECT=0, beyond --ram)",
+                     "llama.cpp (colibri-plan choice)"]
     by = dict(zip(names, rows))
     assert by["colibri hot-first"]["knobs"]["vram_overhead_bytes_per_expert"] == COLIBRI_VRAM_OVERHEAD_BYTES
     assert by["colibri hot-first"]["knobs"]["o_direct"] and not by["colibri hot-first (DIRECT=0)"]["knobs"][

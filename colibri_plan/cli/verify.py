@@ -178,7 +178,9 @@ def _calibrate_llama(replays, out_path, base_path, profiles, models) -> None:
 
     check_output_path(out_path, (*replays, base_path, *profiles))
     base = lc.load(base_path) if base_path else None
-    coef, detail = lc.calibrate_replays(list(replays), list(profiles), list(models), base)
+    from colibri_plan.model import load_model_spec
+
+    coef, detail = lc.calibrate_replays(list(replays), list(profiles), list(models), load_model_spec, base)
     path = lc.save(coef, out_path, detail, list(replays))
     doc = {"engine": "llama.cpp", "coefficients": coef.to_dict(), "detail": detail, "out": str(path),
            "replays": list(replays)}

@@ -236,19 +236,20 @@ def load(path: str) -> LlamaCoefficients:
     return LlamaCoefficients(**{k: v for k, v in vals.items() if v is not None}, fitted_on=tuple(on))
 
 
-def calibrate_replays(paths: list[str], profiles: list[str], models: list[str],
+def calibrate_replays(paths: list[str], profiles: list[str], models: list[str], load_spec,
                       base: LlamaCoefficients | None = None) -> tuple:
     """Fit llama.cpp's coefficients on replay files: (coefficients, detail).
 
     ``profiles`` / ``models``: one for every replay, one for all, or none (then each replay's own
     ``ours.profile`` and ``model.gguf``); the model gives the geometry, its bytes at the replay's GGUF type.
+    ``load_spec``: ``fn(path) -> ModelSpec`` (the CLI passes ``colibri_plan.model.load_model_spec``: the
+    planner does not read checkpoints itself).
 
     Raises:
         InputError: counts that do not match, a replay naming no profile/model that exists; FormatError:
         a replay that is not one.
     """
     from colibri_plan.formats.profile import resolve_profile
-    from colibri_plan.model import load_model_spec
     from colibri_plan.planner.budgets import resources_from_profile
     from colibri_plan.planner.llamacpp_inputs import GGUF_BITS, geometry, machine, profile_format
 
@@ -272,7 +273,7 @@ def calibrate_replays(paths: list[str], profiles: list[str], models: list[str],
         if not prof_path or not model_path:
             raise InputError(f"{path}: name the profile and model it was measured with (--profile, --model)")
         profile, _ = resolve_profile(prof_path)
-        spec = load_model_spec(model_path)
+        spec = load_spec(model_path)
         quant = str(model.get("quant") or "")
         bpw = model.get("block_bits_per_weight") or GGUF_BITS.get(quant.upper())
         if not isinstance(bpw, (int, float)) or isinstance(bpw, bool) or not 1 <= bpw <= 32:
