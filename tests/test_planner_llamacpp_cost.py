@@ -110,6 +110,18 @@ def test_no_repack_of_a_repacked_quant_adds_its_cpu_seconds_once():
     assert decode_seconds(t, c) == pytest.approx(15e-3 * 1.5)
 
 
+def test_two_gpus_pool_their_vram_with_a_compute_buffer_each_and_one_more_split():
+    g = dataclasses.replace(G, vocab_size=1000)               # compute buffer 4 B x 512 x 1000 = 2.048 MB
+    pl = LlamaPlacement(ngl=3, context=512, ubatch=512)
+    one = dataclasses.replace(M, vram_bytes=30 * MB)
+    two = dataclasses.replace(M, vram_bytes=30 * MB, n_gpus=2)
+    assert memory(g, pl)["gpu_total"] == 27 * MB + 2_048_000   # 2 + 1 + 24 MB of weights
+    assert check_placement(g, one, pl) is None
+    assert check_placement(g, two, pl) is not None            # + a second 2.048 MB buffer > 30 MB
+    big = dataclasses.replace(two, vram_bytes=40 * MB)
+    assert raw_terms(g, big, pl)["splits"] == raw_terms(g, one, pl)["splits"] + 1
+
+
 def test_heat_of_another_shape_is_refused():
     import numpy as np
 

@@ -91,7 +91,9 @@ class LlamaMachine:
     weight-rows GB/s of a batched CPU matmul (weight GB/s x rows); fault_gbps: disk read GB/s at queue
     depth 1 (page faults), None: no disk figure; gpu_gbps / gpu_batch_gbps: the same on the GPU (0: none);
     h2d_gbps: host-to-device copy GB/s; ram_limit_bytes: memory the process and its page cache may use
-    (the cgroup limit, or --ram); vram_bytes: the GPU's bytes for llama.cpp (0: no GPU)."""
+    (the cgroup limit, or --ram); vram_bytes: the GPUs' bytes for llama.cpp (0: no GPU); n_gpus: over
+    how many GPUs llama.cpp splits its GPU layers (its default ``-sm layer``: whole layers per GPU, the
+    VRAM pooled; each GPU holds its own compute buffer, each boundary between them is one more split)."""
 
     cpu_gbps: float
     cpu_batch_gbps: float
@@ -101,6 +103,7 @@ class LlamaMachine:
     h2d_gbps: float = 0.0
     ram_limit_bytes: int = 0
     vram_bytes: int = 0
+    n_gpus: int = 1
 
 
 @dataclass(frozen=True)
@@ -203,8 +206,9 @@ def check_placement(g: LlamaGeometry, m: LlamaMachine, pl: LlamaPlacement) -> st
     """Why llama.cpp cannot run ``pl`` within the budgets (None when it can): its GPU buffers over the
     VRAM, or (no-mmap / mlock) its host weights and buffers over the RAM limit."""
     mem = memory(g, pl)
-    if pl.ngl > 0 and mem["gpu_total"] > m.vram_bytes:
-        return (f"GPU buffers {mem['gpu_total'] / 2**20:.0f} MiB exceed the VRAM budget "
+    gpu_total = mem["gpu_total"] + (max(1, m.n_gpus) - 1) * mem["compute"]   # a compute buffer per GPU
+    if pl.ngl > 0 and gpu_total > m.vram_bytes:
+        return (f"GPU buffers {gpu_total / 2**20:.0f} MiB exceed the VRAM budget "
                 f"{m.vram_bytes / 2**20:.0f} MiB")
     held = mem["anon_host"] + (mem["host_model"] if pl.load == "mlock" else 0)   # no-mmap: in anon_host
     if pl.load != "mmap" and m.ram_limit_bytes and held > m.ram_limit_bytes:
@@ -275,7 +279,7 @@ def raw_terms(g: LlamaGeometry, m: LlamaMachine, pl: LlamaPlacement, probs: np.n
             hp = pl.host_projections(lay, g.n_layers)
             seq += ["cpu"] * bool(hp) + ["gpu"] * (len(hp) < len(PROJECTIONS))
     seq.append("gpu" if head_gpu else "cpu")
-    splits = sum(1 for a, b in zip(seq, seq[1:]) if a != b)
+    splits = sum(1 for a, b in zip(seq, seq[1:]) if a != b) + (max(1, m.n_gpus) - 1) * ("gpu" in seq)
     u = max(1, min(pl.ubatch, pl.context or pl.ubatch))
     gpu = m.gpu_gbps > 0 and pl.ngl > 0
     offload = gpu and u >= OFFLOAD_MIN_BATCH and m.h2d_gbps > 0

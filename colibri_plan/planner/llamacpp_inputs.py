@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from colibri_plan.planner.llamacpp_cost import LlamaGeometry, LlamaMachine
@@ -116,18 +117,23 @@ def from_setup(setup, profile=None, quant: str | None = None) -> dict:
     -ub 512, -t the profile's cores), "probs", "bits", "ram_limit_bytes", "vram_bytes", "vram_device"}.
 
     The budgets are the solve's, in llama.cpp's terms: the RAM limit is the whole process's (the expert
-    budget + dense + KV + working buffers: what ``--ram`` gave our engine), the VRAM the first discrete
-    GPU's budget before the trunk took its share."""
+    budget + dense + KV + working buffers: what ``--ram`` gave our engine), the VRAM the discrete GPUs'
+    budgets (before the trunk took its share) pooled, as llama.cpp's layer split uses them; the rates
+    are the first GPU's."""
     from colibri_plan.planner.llamacpp_cost import LlamaPlacement
 
     spec, b = setup.spec, setup.budgets
     bpw, bits_from = bits_per_weight(spec, quant)
     g = geometry(spec, bpw)
     ram = int(b.ram_budget_bytes + b.dense_bytes + b.kv_bytes + b.working_bytes)
-    gpu = next((x for x in setup.res.gpus if not x.unified), None)
-    vram = int(b.vram_budget_bytes.get(gpu.key, 0) + (b.trunk_vram_bytes or {}).get(gpu.key, 0)) if gpu else 0
+    discrete = [x for x in setup.res.gpus if not x.unified]
+    gpu = discrete[0] if discrete else None
+    # llama.cpp splits whole layers over every GPU it sees: their budgets pooled (before the trunk's share)
+    vram = sum(int(b.vram_budget_bytes.get(x.key, 0) + (b.trunk_vram_bytes or {}).get(x.key, 0))
+               for x in discrete)
+    n_gpus = max(1, sum(1 for x in discrete if b.vram_budget_bytes.get(x.key, 0) > 0))
     if profile is not None:
-        m = machine(profile, setup.res, ram, vram)
+        m = dataclasses.replace(machine(profile, setup.res, ram, vram), n_gpus=n_gpus)
         cores = int(profile.doc["machine"].get("cores") or 0)
     else:
         from colibri_plan.planner.llamacpp_cost import LlamaMachine
@@ -137,7 +143,8 @@ def from_setup(setup, profile=None, quant: str | None = None) -> dict:
         m = LlamaMachine(cpu_gbps=res.cpu_gbps, cpu_batch_gbps=res.cpu_gbps, fault_gbps=fault,
                          gpu_gbps=gpu.matmul_gbps if gpu else 0.0,
                          gpu_batch_gbps=gpu.matmul_gbps if gpu else 0.0,
-                         h2d_gbps=gpu.h2d_gbps if gpu else 0.0, ram_limit_bytes=ram, vram_bytes=vram)
+                         h2d_gbps=gpu.h2d_gbps if gpu else 0.0, ram_limit_bytes=ram, vram_bytes=vram,
+                         n_gpus=n_gpus)
         cores = 0
     base = LlamaPlacement(context=max(1, int(b.context_tokens)), ubatch=512, threads=cores)
     return {"geometry": g, "machine": m, "base": base, "probs": heat_rows(setup, g.n_layers, g.n_experts),
