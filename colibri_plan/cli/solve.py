@@ -91,13 +91,13 @@ def _queue_depth(_ctx, _param, value: str) -> str:
 @click.option("--coefficients", "coef_path", default=None,
               help="Cost-model coefficients from `colibri-plan calibrate` (default: all 1.0); "
                    "recorded in the plan.")
-@click.option("--llama-coefficients", "llama_coef_path", default=None,
+@click.option("--llama-coefficients", default=None, expose_value=False,
+              callback=lambda c, _p, v: c.meta.__setitem__("llama_coef_path", v),
               help="llama.cpp's coefficients from `colibri-plan calibrate --engine llama.cpp` (default: "
                    "uncalibrated).")
 @json_option
 @options_arg(SolveOptions)
-def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_if_kind, png_path, coef_path,
-          llama_coef_path):
+def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_if_kind, png_path, coef_path):
     """Solve where every expert lives (VRAM per GPU, pinned RAM, LRU cache, disk) to minimise predicted
     decode time per token within the memory budgets; write a plan file."""
     import dataclasses
@@ -108,6 +108,7 @@ def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_i
     from colibri_plan.model import load_model_spec
     from colibri_plan.planner.make import make_plan
 
+    llama_coef_path = click.get_current_context().meta.get("llama_coef_path")   # --llama-coefficients
     if png_path and not what_if_kind:
         raise InputError("--png needs --what-if ram|vram|nvme")
     inputs = [p for p in (profile_path, model_name, heat, coef_path, llama_coef_path)
