@@ -180,7 +180,7 @@ def test_compare_tables_show_every_row_and_knob(good):
     names = [r["placement"] for r in doc["compare"]]
     assert names == ["colibri-plan (optimised)", "colibri hot-first", "colibri hot-first (DIRECT=0)",
                      "llama.cpp --fit layers", "uniform", "colibri-plan (host copies kept)",
-                     "colibri hot-first (DIRECT=0, beyond --ram)", "llama.cpp (colibri-plan choice)"]
+                     "colibri DIRECT=0 (beyond --ram)", "llama.cpp (colibri-plan choice)"]
     r = _good_solve(good, "--compare", "--trunk", "cpu")
     assert r.exit_code == 0, r.output
     out = r.stdout

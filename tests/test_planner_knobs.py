@@ -102,7 +102,7 @@ def test_compare_rows_carry_the_knobs_each_engine_runs_with():
     rows = compare_placements(setup, sol, host_copy_toggle=False)
     names = [r["placement"] for r in rows]
     assert names == ["colibri-plan (optimised)", "colibri hot-first", "colibri hot-first (DIRECT=0)",
-                     "llama.cpp --fit layers", "uniform", "colibri hot-first (DIRECT=0, beyond --ram)",
+                     "llama.cpp --fit layers", "uniform", "colibri DIRECT=0 (beyond --ram)",
                      "llama.cpp (colibri-plan choice)"]
     by = dict(zip(names, rows))
     assert by["colibri hot-first"]["knobs"]["vram_overhead_bytes_per_expert"] == COLIBRI_VRAM_OVERHEAD_BYTES
@@ -122,7 +122,7 @@ def test_direct0_row_keeps_its_page_cache_inside_the_budget_and_the_one_beyond_i
 
     _, sol, setup = _plan()
     by = {r["placement"]: r for r in compare_placements(setup, sol, host_copy_toggle=False)}
-    inside, beyond = by["colibri hot-first (DIRECT=0)"], by["colibri hot-first (DIRECT=0, beyond --ram)"]
+    inside, beyond = by["colibri hot-first (DIRECT=0)"], by["colibri DIRECT=0 (beyond --ram)"]
     budget = setup.problem.ram_budget_bytes
     b = setup.problem.expert_bytes
     # the budget holds the row's pins, its LRU slots and what is left for the page cache

@@ -11,7 +11,7 @@ it (:mod:`colibri_plan.planner.knobs`), and carries those knobs so they can be p
   a second-level cache, sized by the memory-pressure model of :mod:`colibri_plan.planner.page_cache`
   *inside the same budget* (``--ram``'s expert bytes less the row's pins and twice its LRU slots), as
   every other row is. When the machine has memory beyond the budget, the same fill with the page cache
-  over all of it follows the baselines as ``colibri hot-first (DIRECT=0, beyond --ram)``
+  over all of it follows the baselines as ``colibri DIRECT=0 (beyond --ram)``
   (``outside_budget``: true, with a note; it is never the "best baseline": it uses memory the others
   were not given, and it is why more ``--ram`` can be slower for colibrì).
 * ``colibri hot-first (CUDA_DENSE=1 COLI_CUDA_ATTN=1)`` — the same fill (``DIRECT=1``) with the dense
@@ -53,7 +53,7 @@ from colibri_plan.planner.options import DEFAULTS
 #: colibrì's knobs that put the dense trunk (round-robin over its GPUs) and attention on the GPU
 GPU_TRUNK_KNOBS = "CUDA_DENSE=1 COLI_CUDA_ATTN=1"
 #: colibrì's DIRECT=0 fill with the machine's whole page cache, beyond the budget (shown apart)
-OUTSIDE_ROW = "colibri hot-first (DIRECT=0, beyond --ram)"
+OUTSIDE_ROW = "colibri DIRECT=0 (beyond --ram)"
 #: llama.cpp reads CPU-layer experts by page faults on its mmap: one read in flight per faulting thread
 LLAMA_QUEUE_DEPTH = 1
 
