@@ -102,7 +102,8 @@ def test_compare_rows_carry_the_knobs_each_engine_runs_with():
     rows = compare_placements(setup, sol, host_copy_toggle=False)
     names = [r["placement"] for r in rows]
     assert names == ["colibri-plan (optimised)", "colibri hot-first", "colibri hot-first (DIRECT=0)",
-                     "llama.cpp --fit layers", "uniform"]
+                     "llama.cpp --fit layers", "uniform", "colibri DIRECT=0 (beyond --ram)",
+                     "llama.cpp (colibri-plan choice)"]
     by = dict(zip(names, rows))
     assert by["colibri hot-first"]["knobs"]["vram_overhead_bytes_per_expert"] == COLIBRI_VRAM_OVERHEAD_BYTES
     assert by["colibri hot-first"]["knobs"]["o_direct"] and not by["colibri hot-first (DIRECT=0)"]["knobs"][
@@ -114,6 +115,22 @@ def test_compare_rows_carry_the_knobs_each_engine_runs_with():
         assert set(r["knobs"]) >= {"queue_depth", "disk_read_gbps", "o_direct", "page_cache_hit_rate",
                                    "pinned_experts", "lru_slots_max", "keep_host_copies", "cache_model"}
     assert np.isclose(rows[0]["tok_s"], sol.cost["tok_s"])
+
+
+def test_direct0_row_keeps_its_page_cache_inside_the_budget_and_the_one_beyond_it_is_apart():
+    from colibri_plan.planner.compare import compare_placements
+
+    _, sol, setup = _plan()
+    by = {r["placement"]: r for r in compare_placements(setup, sol, host_copy_toggle=False)}
+    inside, beyond = by["colibri hot-first (DIRECT=0)"], by["colibri DIRECT=0 (beyond --ram)"]
+    budget = setup.problem.ram_budget_bytes
+    b = setup.problem.expert_bytes
+    # the budget holds the row's pins, its LRU slots and what is left for the page cache
+    assert inside["knobs"]["page_cache_bytes"] <= max(0, budget - inside["knobs"]["pinned_experts"] * b)
+    assert beyond["outside_budget"] and beyond["vs_best_baseline"] is None
+    assert beyond["knobs"]["page_cache_bytes"] > budget and "beyond" in beyond["note"]
+    assert beyond["tok_s"] >= inside["tok_s"]
+    assert "outside_budget" not in inside
 
 
 def test_ram_equal_to_all_available_memory_keeps_headroom_and_warns():

@@ -62,10 +62,11 @@ def _queue_depth(_ctx, _param, value: str) -> str:
                    f"{DEFAULT_PROMPT_TOKENS}, or --context when that is shorter]")
 @click.option("--lru-slots", default=D.lru_slots, show_default=True, help="'auto' or LRU slots per layer.")
 @click.option("--out", "out_path", default=None, help="Write the plan here.")
-@click.option("--target", type=click.Choice(["colibri-plan", "colibri"]), default=D.target,
+@click.option("--target", type=click.Choice(["colibri-plan", "colibri", "llama.cpp"]), default=D.target,
               show_default=True,
-              help="Engine the plan is for: ours, or colibrì (reads at queue depth 1-2, 0.741 MiB of VRAM "
-                   "overhead per expert).")
+              help="Engine the plan is for: ours, colibrì (reads at queue depth 1-2, 0.741 MiB of VRAM "
+                   "overhead per expert), or llama.cpp (priced as it runs; the plan's llamacpp section "
+                   "holds the placement it can express, or 'keep --fit').")
 @click.option("--queue-depth", default=D.queue_depth, show_default=True, callback=_queue_depth,
               help="Expert reads the engine has in flight (1..64): the disk figure priced; 'auto': the "
                    "target engine's.")
@@ -93,6 +94,10 @@ def _queue_depth(_ctx, _param, value: str) -> str:
 @click.option("--coefficients", "coef_path", default=None,
               help="Cost-model coefficients from `colibri-plan calibrate` (default: all 1.0); "
                    "recorded in the plan.")
+@click.option("--llama-coefficients", default=None, expose_value=False,
+              callback=lambda c, _p, v: c.meta.__setitem__("llama_coef_path", v),
+              help="llama.cpp's coefficients from `colibri-plan calibrate --engine llama.cpp` (default: "
+                   "uncalibrated).")
 @json_option
 @options_arg(SolveOptions)
 def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_if_kind, png_path, coef_path):
@@ -106,9 +111,11 @@ def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_i
     from colibri_plan.model import load_model_spec
     from colibri_plan.planner.make import make_plan
 
+    llama_coef_path = click.get_current_context().meta.get("llama_coef_path")   # --llama-coefficients
     if png_path and not what_if_kind:
         raise InputError("--png needs --what-if ram|vram|nvme")
-    inputs = [p for p in (profile_path, model_name, heat, coef_path) if p and Path(p).exists()]
+    inputs = [p for p in (profile_path, model_name, heat, coef_path, llama_coef_path)
+              if p and Path(p).exists()]
     for p in (out_path, png_path):  # before the solve, not after it
         if p is not None:
             check_output_path(p, inputs)
@@ -141,6 +148,14 @@ def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_i
         setup.warnings.append(f"--prompt-tokens {prompt_tokens} is longer than --context {context}: the plan "
                               f"budgets a KV cache of {context} tokens, so a prompt this long outgrows it; "
                               f"solve with --context {prompt_tokens} or more")
+    llama = _llama_section(setup, profile, opts, llama_coef_path, quant) if (
+        opts.target == "llama.cpp" or compare) else None
+    if opts.target == "llama.cpp":
+        plan.doc["llamacpp"] = llama
+    if opts.target == "colibri-plan":   # our engine's reads, priced (planner/reads.py)
+        from colibri_plan.planner.reads import reads_section
+
+        plan.doc["reads"] = reads_section(setup, sol.tiers, sol.lru_slots)
     for w in setup.warnings:
         warn(w)
     if out_path:
@@ -150,16 +165,21 @@ def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_i
               "solver": plan.doc["solver"], "knobs": plan.doc.get("knobs"),
               "compute": plan.doc.get("compute"), "compute_explain": plan.doc.get("compute_explain"),
               "repin": plan.doc.get("repin"), "trunk": {**plan.doc["trunk"], **plan.doc["solver"]["trunk"]},
-              "warnings": setup.warnings}
+              "warnings": setup.warnings, **({"llamacpp": llama} if opts.target == "llama.cpp" else {}),
+              **({"reads": plan.doc["reads"]} if "reads" in plan.doc else {})}
     if compare:
         from colibri_plan.planner.compare import compare_placements
 
+        ours_on = f"--coefficients {coef_path}" if coef_path else "uncalibrated"
+
         with Steps("comparing with other engines' placements", counted=False):
             try:
-                result["compare"] = compare_placements(setup, sol, time_limit_s=opts.time_limit_s)
+                result["compare"] = compare_placements(setup, sol, time_limit_s=opts.time_limit_s,
+                                                       llama=llama, calibrated_on=ours_on)
             except ColibriError as exc:   # the re-solve with the other host-copy setting failed
                 warn(f"--compare: no row with the other --keep-host-copies setting ({exc})")
-                result["compare"] = compare_placements(setup, sol, host_copy_toggle=False)
+                result["compare"] = compare_placements(setup, sol, host_copy_toggle=False, llama=llama,
+                                                       calibrated_on=ours_on)
     if what_if_kind:
         from colibri_plan.planner.whatif import plot, what_if
 
@@ -169,6 +189,17 @@ def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_i
         if png_path:
             plot(rows, what_if_kind, png_path, title=f"{spec.name} on {source}")
     emit(result, lambda: _human(result, plan))
+
+
+def _llama_section(setup, profile, opts, coef_path: str | None, quant: str | None) -> dict:
+    """The plan's ``llamacpp`` section (planner/llamacpp_inputs.py), with llama.cpp's coefficients."""
+    from colibri_plan.planner import llamacpp_calibrate, llamacpp_inputs
+
+    coef = llamacpp_calibrate.load(coef_path) if coef_path else None
+    if coef is not None:
+        progress(f"llama.cpp coefficients from {coef_path}: fitted on {coef.calibrated_on}")
+    q = quant if quant and quant.upper() in llamacpp_inputs.GGUF_BITS else None
+    return llamacpp_inputs.section(setup, profile, coef, q)
 
 
 def _coefficients(coef_path: str, profile):
@@ -217,10 +248,20 @@ def _human(result: dict, plan) -> str:
     out.append(f"Solver: {s['method']}; {s['status']}; gap {gap}; {s['seconds']:.2f} s")
     out += knob_lines(result.get("knobs"), compute=result.get("compute"),
                       compute_explain=result.get("compute_explain"), repin=result.get("repin"))
+    if result.get("reads"):
+        from colibri_plan.planner.reads import reads_line
+
+        out.append(reads_line(result["reads"]))
     if result.get("plan_file"):
         out.append(f"Plan written to {result['plan_file']}")
+    if result.get("llamacpp"):
+        from colibri_plan.planner.llamacpp_report import llama_lines
+
+        out += ["", *llama_lines(result["llamacpp"])]
     if "compare" in result:
-        out += ["", *compare_tables(result["compare"])]
+        from colibri_plan.planner.llamacpp_report import compare_notes
+
+        out += ["", *compare_tables(result["compare"]), *compare_notes(result["compare"])]
     if "what_if" in result:
         w = result["what_if"]
         rows = [[f"{r['value']:.3g} {r['unit']}", f"{r['tok_s']:.3f}", f"{r['hot_first_tok_s']:.3f}",

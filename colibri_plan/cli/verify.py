@@ -109,13 +109,27 @@ def verify(opts, plan_path, model_path, prompt_ids, prompt_file, reference, repo
 @click.option("--out", "out_path", required=True, type=click.Path(), help="Coefficients file to write.")
 @click.option("--base", "base_path", type=click.Path(), default=None,
               help="Start from these coefficients (terms without data keep them); default all 1.0.")
+@click.option("--engine", type=click.Choice(["colibri-plan", "llama.cpp"]), default="colibri-plan",
+              show_default=True, help="Whose cost model: ours (REPORTS are verify reports) or llama.cpp's "
+                                      "(REPORTS are bench/replay_llamacpp.py replay JSON).")
+@click.option("--profile", "profiles", multiple=True, type=click.Path(),
+              help="llama.cpp: the profile of the replay's machine (once, or once per replay; default: "
+                   "the replay's own).")
+@click.option("--model", "models", multiple=True,
+              help="llama.cpp: the replayed model (GGUF, checkpoint, spec file; once or once per replay; "
+                   "default: the replay's GGUF).")
 @json_option
-def calibrate(reports, out_path, base_path):
+def calibrate(reports, out_path, base_path, engine, profiles, models):
     """Refit the cost model's per-term coefficients from verify REPORTS and write them to --out: least
     squares on the CPU path (cpu_expert, disk, and overlap when a report has compute and reads in one
     layer), ratio of sums for dense and GPU terms, GPU time beyond the kernel rate as gpu_call_s
-    (docs/calibration.md). Use them with `colibri-plan solve --coefficients FILE`."""
+    (docs/calibration.md). Use them with `colibri-plan solve --coefficients FILE`. With --engine
+    llama.cpp: llama.cpp's own coefficients from replay JSON (docs/planner.md), for `solve
+    --llama-coefficients FILE`."""
     from colibri_plan.fileio import check_output_path
+
+    if engine == "llama.cpp":
+        return _calibrate_llama(reports, out_path, base_path, profiles, models)
     from colibri_plan.formats.coefficients import load_coefficients, save_coefficients
     from colibri_plan.formats.report import load_report
     from colibri_plan.planner.calibrate import fit_coefficients
@@ -153,5 +167,37 @@ def calibrate(reports, out_path, base_path):
                          f"{d['calls_sum']:.0f} GPU layer calls"])
         return "\n".join([table(rows, ["term", "coefficient", "fitted by"]),
                           f"wrote {path}; use it with: colibri-plan solve ... --coefficients {path}"])
+
+    emit(doc, human)
+
+
+def _calibrate_llama(replays, out_path, base_path, profiles, models) -> None:
+    """``calibrate --engine llama.cpp``: fit, write, print the rows predicted beside measured."""
+    from colibri_plan.fileio import check_output_path
+    from colibri_plan.planner import llamacpp_calibrate as lc
+
+    check_output_path(out_path, (*replays, base_path, *profiles))
+    base = lc.load(base_path) if base_path else None
+    from colibri_plan.model import load_model_spec
+
+    coef, detail = lc.calibrate_replays(list(replays), list(profiles), list(models), load_model_spec, base)
+    path = lc.save(coef, out_path, detail, list(replays))
+    doc = {"engine": "llama.cpp", "coefficients": coef.to_dict(), "detail": detail, "out": str(path),
+           "replays": list(replays)}
+
+    def human() -> str:
+        def tok(d):
+            return "-" if d["measured"] is None else f"{d['measured']:.1f} / {d['predicted']:.1f}"
+        rows = [[r["file"].rsplit("/", 1)[-1], r["placement"], tok(r["decode_tok_s"]),
+                 tok(r["prefill_tok_s"])] for r in detail["rows"]]
+        c = coef.to_dict()
+        err = detail["max_rel_error"]
+        return "\n".join([
+            "llama.cpp coefficients: " + ", ".join(f"{k} {v:.3g}" for k, v in c.items() if k != "fitted_on"),
+            table(rows, ["replay", "placement", "decode tok/s measured / predicted",
+                         "prefill tok/s measured / predicted"]),
+            "largest error: " + ", ".join(f"{k} {v:.0%}" for k, v in err.items() if v is not None),
+            f"wrote {path}; use it with: colibri-plan solve ... --target llama.cpp "
+            f"--llama-coefficients {path}"])
 
     emit(doc, human)

@@ -9,16 +9,20 @@ it (:mod:`colibri_plan.planner.knobs`), and carries those knobs so they can be p
   fit), reads at queue depth 1–2, no checksums, the LRU raised with leftover RAM.
 * ``colibri hot-first (DIRECT=0)`` — the same with colibrì's default buffered reads: the OS page cache is
   a second-level cache, sized by the memory-pressure model of :mod:`colibri_plan.planner.page_cache`
-  (what the machine has beyond the process: it can beat an O_DIRECT plan when ``--ram`` leaves much
-  memory unused, and it is why more ``--ram`` can be slower for colibrì).
+  *inside the same budget* (``--ram``'s expert bytes less the row's pins and twice its LRU slots), as
+  every other row is. When the machine has memory beyond the budget, the same fill with the page cache
+  over all of it follows the baselines as ``colibri DIRECT=0 (beyond --ram)``
+  (``outside_budget``: true, with a note; it is never the "best baseline": it uses memory the others
+  were not given, and it is why more ``--ram`` can be slower for colibrì).
 * ``colibri hot-first (CUDA_DENSE=1 COLI_CUDA_ATTN=1)`` — the same fill (``DIRECT=1``) with the dense
   trunk and attention on the GPU, priced with the GPU trunk option the solve priced (its VRAM out of the
   experts' budget, :mod:`colibri_plan.planner.trunk`); present when such an option fitted. colibrì spreads
   the dense tensors round-robin over its GPUs; the row prices them on the option's device. The two rows
   above always have the trunk on the CPU (colibrì's default ``CUDA_DENSE=0``).
-* ``llama.cpp --fit layers`` — whole layers to the GPUs (:func:`~colibri_plan.planner.baselines.
-  fit_layers`); every CPU layer is read through ``mmap``: no pins, no LRU, the page cache is the only
-  expert cache, page faults at queue depth 1.
+* ``llama.cpp --fit layers`` — llama.cpp's ``--fit`` priced as llama.cpp runs it
+  (:mod:`colibri_plan.planner.llamacpp_compare`: its own cost model and coefficients, ``calibrated_on``);
+  its our-engine column is whole layers to the GPUs (:func:`~colibri_plan.planner.baselines.fit_layers`).
+  ``llama.cpp (colibri-plan choice)`` follows when the llama.cpp pick beats ``--fit``.
 * ``uniform`` — the heat-blind split on our engine.
 * ``colibri-plan (host copies kept)`` / ``(host copies released)`` — the plan re-solved with the other
   ``--keep-host-copies`` setting, when a discrete GPU holds experts: what keeping them costs.
@@ -48,16 +52,20 @@ from colibri_plan.planner.options import DEFAULTS
 
 #: colibrì's knobs that put the dense trunk (round-robin over its GPUs) and attention on the GPU
 GPU_TRUNK_KNOBS = "CUDA_DENSE=1 COLI_CUDA_ATTN=1"
+#: colibrì's DIRECT=0 fill with the machine's whole page cache, beyond the budget (shown apart)
+OUTSIDE_ROW = "colibri DIRECT=0 (beyond --ram)"
 #: llama.cpp reads CPU-layer experts by page faults on its mmap: one read in flight per faulting thread
 LLAMA_QUEUE_DEPTH = 1
 
 
 def _engine_setup(setup, *, depth: int | None = None, page_cache: bool = False, overhead: int = 0,
-                  checksums: bool = True):
-    """A copy of ``setup`` whose problem prices placements as another engine runs them."""
+                  checksums: bool = True, pool_bytes: int | None = None):
+    """A copy of ``setup`` whose problem prices placements as another engine runs them; ``pool_bytes``:
+    the page cache's pool (default: the machine's, beyond the budget)."""
     res = setup.res if depth is None else setup.res.at_queue_depth(depth)
-    res = dataclasses.replace(res, page_cache_pool_bytes=int(setup.knobs.get("page_cache_pool_bytes", 0))
-                              if page_cache else 0, checksum_gbps=res.checksum_gbps if checksums else None)
+    pool = int(setup.knobs.get("page_cache_pool_bytes", 0)) if pool_bytes is None else int(pool_bytes)
+    res = dataclasses.replace(res, page_cache_pool_bytes=pool if page_cache else 0,
+                              checksum_gbps=res.checksum_gbps if checksums else None)
     pr = dataclasses.replace(setup.problem, res=res, vram_overhead_bytes=overhead)
     return dataclasses.replace(setup, res=res, problem=pr)
 
@@ -103,15 +111,20 @@ def trunk_setups(setup):
 
 
 def compare_placements(setup, sol, *, host_copy_toggle: bool = True,
-                       time_limit_s: float = DEFAULTS.time_limit_s) -> list:
+                       time_limit_s: float = DEFAULTS.time_limit_s, llama: dict | None = None,
+                       calibrated_on: str = "uncalibrated") -> list:
     """Rows for ``solve --compare`` (module docstring): ours first, then the baselines, then (with a
-    discrete GPU holding experts) ours with the other host-copy setting; each row has ``vs_best_baseline``
-    (tok/s over the fastest baseline's)."""
+    discrete GPU holding experts) ours with the other host-copy setting, the llama.cpp pick and the
+    page-cache row outside the budget; each row has ``vs_best_baseline`` (tok/s over the fastest
+    baseline's) and ``calibrated_on`` (our rows: ``calibrated_on``; llama.cpp's: its coefficients').
+    ``llama``: the plan's ``llamacpp`` section (:func:`~.llamacpp_inputs.section`; default: priced here
+    from the setup, uncalibrated)."""
     rows = [row("colibri-plan (optimised)", setup, sol.tiers, sol.lru_slots, "colibri-plan")]
     cpu_trunk, gpu_trunk = trunk_setups(setup)
-    for direct in (True, False):
+    budget = int(setup.problem.ram_budget_bytes)
+    for direct in (True, False):   # DIRECT=0: the page cache inside the same budget as every row
         colibri = _engine_setup(cpu_trunk, depth=COLIBRI_QUEUE_DEPTH, page_cache=not direct,
-                                overhead=COLIBRI_VRAM_OVERHEAD_BYTES, checksums=False)
+                                overhead=COLIBRI_VRAM_OVERHEAD_BYTES, checksums=False, pool_bytes=budget)
         rows.append(row("colibri hot-first" + ("" if direct else " (DIRECT=0)"), colibri,
                         *hot_first(colibri.problem), f"colibri (DIRECT={int(direct)})", cpu_trunk))
     if gpu_trunk is not None:     # the same with the trunk and attention on the GPU (colibrì's knobs)
@@ -119,10 +132,10 @@ def compare_placements(setup, sol, *, host_copy_toggle: bool = True,
                                 checksums=False)
         rows.append(row(f"colibri hot-first ({GPU_TRUNK_KNOBS})", colibri, *hot_first(colibri.problem),
                         f"colibri (DIRECT=1 {GPU_TRUNK_KNOBS})", gpu_trunk))
-    llama = _engine_setup(setup, depth=LLAMA_QUEUE_DEPTH, page_cache=True, checksums=False)
+    mmap = _engine_setup(setup, depth=LLAMA_QUEUE_DEPTH, page_cache=True, checksums=False, pool_bytes=budget)
     t, _ = fit_layers(setup.problem)
     t = np.where(t == TIER_RAM, TIER_DISK, t)       # mmap: CPU layers are page-cache pages, not pins
-    rows.append(row("llama.cpp --fit layers", llama, t, np.zeros(len(t), dtype=np.int64), "llama.cpp (mmap)",
+    rows.append(row("llama.cpp --fit layers", mmap, t, np.zeros(len(t), dtype=np.int64), "llama.cpp (mmap)",
                     setup))
     rows.append(row("uniform", setup, *uniform(setup.problem), "colibri-plan", setup))
     n_base = len(rows)
@@ -138,14 +151,38 @@ def compare_placements(setup, sol, *, host_copy_toggle: bool = True,
     rows[0]["tok_s_our_engine"] = rows[0]["tok_s"]
     for r in rows[n_base:]:
         r["tok_s_our_engine"] = r["tok_s"]
+    _outside_budget_row(rows, cpu_trunk, budget)
     for r in rows:
         r["trunk"] = r.pop("_trunk")
+        r.setdefault("calibrated_on", calibrated_on)
+    from colibri_plan.planner import llamacpp_compare, llamacpp_inputs
+
+    llama = llama or llamacpp_inputs.section(setup)
+    llamacpp_compare.apply(rows, llama, llamacpp_inputs.from_setup(setup)["geometry"])
     best = max(r["tok_s"] for r in rows[1:n_base])
     same = max(r["tok_s_our_engine"] for r in rows[1:n_base])
-    for r in rows:
-        r["vs_best_baseline"] = r["tok_s"] / best if best > 0 else None
-        r["vs_best_baseline_our_engine"] = r["tok_s_our_engine"] / same if same > 0 else None
+    for r in rows:   # a row beyond the budget is not comparable: no ratio
+        r["vs_best_baseline"] = r["tok_s"] / best if best > 0 and not r.get("outside_budget") else None
+        r["vs_best_baseline_our_engine"] = (r["tok_s_our_engine"] / same if same > 0
+                                            and not r.get("outside_budget") else None)
     return rows
+
+
+def _outside_budget_row(rows: list, cpu_trunk, budget: int) -> None:
+    """Append colibrì's DIRECT=0 fill with the machine's whole page cache (beyond ``--ram``), apart and
+    explained, when the machine has more than the budget for it."""
+    pool = int(cpu_trunk.knobs.get("page_cache_pool_bytes", 0))
+    if pool <= budget:
+        return
+    colibri = _engine_setup(cpu_trunk, depth=COLIBRI_QUEUE_DEPTH, page_cache=True,
+                            overhead=COLIBRI_VRAM_OVERHEAD_BYTES, checksums=False)
+    r = row(OUTSIDE_ROW, colibri, *hot_first(colibri.problem),
+            "colibri (DIRECT=0)", cpu_trunk)
+    r["tok_s_our_engine"] = r["tok_s"]
+    r["outside_budget"] = True
+    r["note"] = (f"uses up to {(pool - budget) / 1e9:.2f} GB of page cache beyond the {budget / 1e9:.2f} GB "
+                 "expert budget every other row keeps to: not comparable, shown apart")
+    rows.append(r)
 
 
 def colibri_ram_sweep(setup, ram_bytes: list[int], pin_bytes: int) -> list[dict]:

@@ -340,10 +340,15 @@ def export_llama_cpp(plan: Plan) -> dict:
                      "split over the GPUs) in VRAM, which the plan's expert budgets do not count: if a GPU "
                      "runs out of memory, move its coldest layer to CPU (or solve with --trunk auto)")
     args = " ".join([*head, *(f'-ot "{p}"' for p in patterns)])
-    return {"args": args, "patterns": patterns, "layers": by_dev, "moved_experts": moved, "ngl": ngl,
-            "tensor_split": split,
-            "moved_device_experts": moved_dev, "gpu_share": {"plan": share_plan, "export": share_export},
-            "notes": notes}
+    out = {"args": args, "patterns": patterns, "layers": by_dev, "moved_experts": moved, "ngl": ngl,
+           "tensor_split": split,
+           "moved_device_experts": moved_dev, "gpu_share": {"plan": share_plan, "export": share_export},
+           "notes": notes}
+    if "llamacpp" in plan.doc:   # solved with --target llama.cpp: its priced pick (planner/llamacpp_choice)
+        from colibri_plan.planner.llamacpp_choice import export_hook
+
+        out = export_hook(out, plan.doc["llamacpp"])
+    return out
 
 
 def _llama_trunk(plan: Plan, n_layers: int) -> tuple[list[str], int | None, str | None]:

@@ -35,7 +35,9 @@ from colibri_plan.planner.page_cache import page_cache_experts
 COLIBRI_VRAM_OVERHEAD_BYTES = int(0.741 * 2**20)
 #: queue depth colibrì's expert reads reach (issue #16: it reads at depth 1–2)
 COLIBRI_QUEUE_DEPTH = 2
-TARGETS = ("colibri-plan", "colibri")
+#: llama.cpp: the placement is solved as for ours, and the plan's ``llamacpp`` section prices llama.cpp
+#: as it runs (planner/llamacpp_cost.py) and picks what it can express (planner/llamacpp_choice.py)
+TARGETS = ("colibri-plan", "colibri", "llama.cpp")
 #: at most this many LRU slot counts are tried by the trace-driven search
 MAX_SLOT_CANDIDATES = 7
 #: default re-pinning window, in multiples of ``--repin-every`` (bench/repin_domain_shift.py: 8 and 32)
