@@ -4,6 +4,7 @@
 #
 #   OUT=/tmp/h200-trunk bash bench/h200_trunk.sh
 #   LAYERS=24 VRAM_GB=2.5 TOKENS=32 OUT=/tmp/x bash bench/h200_trunk.sh
+#   PLANS=gpu ... bash bench/h200_trunk.sh    # the GPU-trunk plan alone (serve's acceptance, bench/h200_serve.sh)
 #
 # Makes a fixture whose trunk matters (bench/h200_trunk.py fixture: Qwen3-30B-A3B widths - hidden 2048, 32
 # heads of 128, 4 kv heads, expert width 768 -, LAYERS layers, EXPERTS experts top-8, int8 trunk and
@@ -51,7 +52,7 @@ run $CP run --model "$WORK/fixture" --backend cpu --prompt-file "$WORK/prompt-st
 common=(--profile "$OUT/profile.json" --model "$WORK/fixture" --heat "$WORK/heat.json" --ram auto
         --context "$CONTEXT")
 [ -z "$VRAM_GB" ] || common+=(--vram "$VRAM_GB")   # VRAM_GB= (empty): a unified-memory GPU has none
-for T in cpu gpu; do
+for T in ${PLANS:-cpu gpu}; do  # PLANS=gpu: the GPU-trunk plan alone (no summary)
   dev=cpu; [ "$T" = gpu ] && dev=$DEV
   say "solve --trunk $dev (VRAM ${VRAM_GB:-no} GB budget)"
   run $CP solve "${common[@]}" --trunk "$dev" --out "$OUT/plan-$T.json"
@@ -60,5 +61,6 @@ for T in cpu gpu; do
     --report "$OUT/verify-$T.json"
 done
 
+[ -f "$OUT/verify-cpu.json" ] || exit 0
 say "summary"
 $PY bench/h200_trunk.py summary "$OUT/verify-cpu.json" "$OUT/verify-gpu.json" | tee "$OUT/summary.txt"
