@@ -133,11 +133,6 @@ class Backend(DeviceOps):
         """Default: three matmuls per expert (a backend binds fused kernels: ``batched.BatchedExperts``)."""
         return three_matmuls(self._matmul, xs, experts)
 
-    def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        """Default host rmsnorm in float32 (x [T, H], weight [H])."""
-        ms = np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True)
-        return (x / np.sqrt(ms + eps)).astype(np.float32) * weight.astype(np.float32)
-
     def _free(self, w: DeviceWeight) -> None:
         """Release the payload's device memory."""
 
@@ -252,17 +247,8 @@ class Backend(DeviceOps):
             self._check_weight(e.down)
         return checked
 
-    def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-        """RMSNorm: x / sqrt(mean(x²) + eps) · weight; x [T, H] float32, weight [H] float32."""
-        self._check_open()
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        weight = np.ascontiguousarray(weight, dtype=np.float32)
-        if x.ndim != 2 or weight.shape != (x.shape[1],):
-            raise InputError(f"rmsnorm: x must be [T, H] and weight [H]; got {x.shape}, {weight.shape}")
-        return self._timed_op(self._rmsnorm(x, weight, float(eps)))
-
     # ---- timed calls ---------------------------------------------------------------------------
-    def timed(self, op: Callable, *args, repeats: int = 5) -> list[float]:
+    def _timed_calls(self, op: Callable, *args, repeats: int = 5) -> list[float]:
         """Seconds per call of ``op(*args)``, a public op of this backend (``self.matmul``,
         ``self.expert_ffn``), ``repeats`` times after one warm-up (host wall clock, synchronized after
         each call): the code path inference uses, so the profiler measures what will run."""
@@ -277,16 +263,16 @@ class Backend(DeviceOps):
         return times
 
     def time_matmul(self, x: np.ndarray, w: DeviceWeight, repeats: int = 5) -> list[float]:
-        """Seconds per :meth:`matmul` call (see :meth:`timed`)."""
-        return self.timed(self.matmul, x, w, repeats=repeats)
+        """Seconds per :meth:`matmul` call (see :meth:`_timed_calls`)."""
+        return self._timed_calls(self.matmul, x, w, repeats=repeats)
 
     def time_expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights],
                         repeats: int = 5) -> list[float]:
-        """Seconds per :meth:`expert_ffn` call over the same batch (see :meth:`timed`)."""
-        return self.timed(self.expert_ffn, xs, experts, repeats=repeats)
+        """Seconds per :meth:`expert_ffn` call over the same batch (see :meth:`_timed_calls`)."""
+        return self._timed_calls(self.expert_ffn, xs, experts, repeats=repeats)
 
     def last_gpu_seconds(self) -> float | None:
-        """Device time of the last op (matmul, expert_ffn, rmsnorm, ...), without the host's share; None when
+        """Device time of the last op (matmul, expert_ffn, ...), without the host's share; None when
         this backend or device does not measure it (CUDA: only with ``timing`` on)."""
         return self._device_seconds()
 

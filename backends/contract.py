@@ -49,7 +49,7 @@ engine's float32 order (0 + y_0·g_0 + y_1·g_1 ...).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -62,7 +62,6 @@ from colibri_plan.quant import QuantTensor
 OPTIONAL_OPS = {
     "d_expert_ffn_rows": "a prefill's routed experts on the device x, each on its own tokens' rows (CUDA)",
     "expert_ffn_sum": "a decode step's routed sum in one call on host arrays (cpu)",
-    "rmsnorm_rows": "the engine's float32 RMSNorm of each row, bit for bit, in one call (cpu)",
 }
 
 
@@ -86,8 +85,6 @@ class ComputeBackend(Protocol):
     def matmul(self, x: np.ndarray, w: DeviceWeight) -> np.ndarray: ...  # [T, in] -> [T, out]
     # each x_i [T_i, H] -> down_i(SiLU(gate_i x_i) · up_i x_i) [T_i, H]; gate/up [I, H], down [H, I]
     def expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]: ...
-    def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float = 1e-6) -> np.ndarray: ...  # [T, H], [H]
-    def timed(self, op: Callable, *args, repeats: int = 5) -> list[float]: ...  # seconds a call, synced
     def last_gpu_seconds(self) -> float | None: ...  # the device's time of the last op, if measured
     def free(self, w: DeviceWeight) -> None: ...
     def memory_used(self) -> int: ...  # bytes of weights held

@@ -1,6 +1,5 @@
 """Staging shared by the GPU backends: the row-padded weight layout their kernels read, activations
-zero-padded straight into pinned, mapped or shared memory, several inputs of one op packed into one
-buffer, and uploads through a bounded staging chunk.
+zero-padded straight into pinned, mapped or shared memory, and uploads through a bounded staging chunk.
 """
 
 from __future__ import annotations
@@ -61,23 +60,6 @@ def padded_layout(qt: QuantTensor, multiple: int = 128) -> tuple[np.ndarray, np.
         scales = np.zeros((out_f, in_pad // g), np.float32)
         scales[:, : qt.scales.shape[1]] = qt.scales
     return data, scales, in_pad
-
-
-def pack(arrays: Sequence[np.ndarray], alloc: Callable[[int], np.ndarray] | None = None
-         ) -> tuple[np.ndarray, list[int]]:
-    """Several host inputs of one op in one float32 buffer (one copy to the device, one binding; kernels
-    get the offsets): float32 ``arrays`` one after another, each at a 16-byte boundary. ``alloc(n)``
-    gives the float32 view to fill, of n floats (mapped or shared memory); default a new array. Gaps are
-    left as they are. Returns (the view, float offsets)."""
-    offs, n = [], 0
-    for a in arrays:
-        n = -(-n // 4) * 4
-        offs.append(n)
-        n += a.size
-    out = (alloc or (lambda k: np.empty(k, np.float32)))(n)
-    for a, o in zip(arrays, offs):
-        out[o:o + a.size] = a.reshape(-1)
-    return out, offs
 
 
 def stage_rows(xs: Sequence[np.ndarray], in_pad: int, out: np.ndarray) -> np.ndarray:

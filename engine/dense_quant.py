@@ -15,8 +15,8 @@ LM head). Kept float32: the embedding (gathered by row), norms, biases, routers 
 gate (small; routing must stay stable), and MLA projections (a later step).
 
 At load, float formats are widened to float32 arrays; integer formats become :class:`QuantLinear`
-objects that stand in for the float array in ``x @ W.T``: the product runs through a host backend's
-``matmul`` with the uploaded :class:`~colibri_plan.quant.QuantTensor`.
+objects holding their :class:`~colibri_plan.quant.QuantTensor`, which the trunk uploads to its device
+as it is (its ``d_matmul`` runs the format's kernel).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 from colibri_plan.errors import FormatError
 from colibri_plan.quant import FLOAT_FORMATS, QuantTensor, check_format, dequantize, quantize
 
-__all__ = ["DENSE_FORMATS", "QuantLinear", "bind_dense", "decode_dense", "encode_dense",
+__all__ = ["DENSE_FORMATS", "QuantLinear", "decode_dense", "encode_dense",
            "is_quantizable", "SCALES_SUFFIX"]
 
 #: formats ``model pack --dense-quant`` accepts
@@ -115,18 +115,15 @@ def decode_dense(raw: dict[str, np.ndarray], formats: dict[str, str], where: str
 
 
 class QuantLinear:
-    """A quantized weight W [out, in] standing in for its float32 array in ``x @ W.T``.
-
-    ``x @ ql.T`` (x float32 [T, in]) returns float32 [T, out] through ``backend.matmul`` with the
-    uploaded QuantTensor (``__array_ufunc__ = None`` makes numpy hand ``@`` to :meth:`__rmatmul__`).
-    The backend is the one :func:`bind_dense` gave, else the "cpu" backend (numba), else "numpy".
+    """A quantized weight W [out, in] standing in for its float32 array in the loaded dense dict: the
+    trunk uploads its QuantTensor as it is (``trunk.Trunk``); ``np.asarray(ql)`` dequantizes.
+    ``__array_ufunc__ = None`` keeps numpy from silently running a float product on it.
 
     Attributes:
         qt: the QuantTensor. shape: (out, in). nbytes: stored bytes (data + scales).
     """
 
     __array_ufunc__ = None
-    _default_backend = None
 
     def __init__(self, qt: QuantTensor):
         self.qt = qt
@@ -134,31 +131,6 @@ class QuantLinear:
         self.ndim, self.dtype = 2, np.dtype(np.float32)
         self.size = qt.out_features * qt.in_features
         self.nbytes = int(qt.data.nbytes + (0 if qt.scales is None else qt.scales.nbytes))
-        self._backend = None
-        self._handle = None
-
-    @property
-    def T(self) -> _Transposed:  # noqa: N802 - mirrors ndarray.T
-        return _Transposed(self)
-
-    def bind(self, backend) -> None:
-        """Run on ``backend`` (an open host backend); the weight is uploaded on first use."""
-        if backend is not self._backend:
-            self._backend, self._handle = backend, None
-
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        """x float32 [T, in] (or [in]) -> x · Wᵀ float32 [T, out] (or [out])."""
-        if self._backend is None:
-            self._backend = _shared_backend()
-        if self._handle is None:
-            self._handle = self._backend.upload(self.qt)
-        if type(x) is np.ndarray and x.ndim == 2 and x.dtype == np.float32 and x.flags.c_contiguous:
-            # the trunk's own [T, in] activations (~70 calls a decode token): no reshapes or copies
-            return np.asarray(self._backend.matmul(x, self._handle), dtype=np.float32)  # [T, out]
-        x = np.asarray(x, dtype=np.float32)
-        flat = x.reshape(-1, self.shape[1])
-        y = self._backend.matmul(np.ascontiguousarray(flat), self._handle)
-        return np.asarray(y, dtype=np.float32).reshape(*x.shape[:-1], self.shape[0])
 
     def dequantize(self) -> np.ndarray:
         """W as float32 [out, in]."""
@@ -167,36 +139,3 @@ class QuantLinear:
     def __array__(self, dtype=None, copy=None):
         w = self.dequantize()
         return w if dtype is None else w.astype(dtype)
-
-
-class _Transposed:
-    """``QuantLinear.T``: the right operand of ``x @ W.T``."""
-
-    __array_ufunc__ = None
-
-    def __init__(self, ql: QuantLinear):
-        self.ql = ql
-        self.shape = (ql.shape[1], ql.shape[0])
-
-    def __rmatmul__(self, x):
-        return self.ql.matmul(x)
-
-
-def _shared_backend():
-    if QuantLinear._default_backend is None:
-        from colibri_plan.backends import get_backend
-
-        cls = get_backend("cpu")
-        QuantLinear._default_backend = (cls if cls.is_available() else get_backend("numpy")).open(0)
-    return QuantLinear._default_backend
-
-
-def bind_dense(dense: dict, backend) -> int:
-    """Bind every :class:`QuantLinear` of ``dense`` to ``backend`` (None: leave the default). Returns
-    how many there are."""
-    qls = [v for v in dense.values() if isinstance(v, QuantLinear)]
-    if backend is not None:
-        for q in qls:
-            q.bind(backend)
-    return len(qls)
-

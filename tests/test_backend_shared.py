@@ -18,17 +18,6 @@ def test_stage_rows_pads_with_zeros_and_stacks():
     assert batched.token_offsets([2, 1, 4]) == [0, 2, 3, 7]
 
 
-def test_pack_places_inputs_at_aligned_offsets():
-    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.full(5, 7.0, np.float32)
-    out, offs = staging.pack((a, b))
-    assert offs == [0, 8] and out.size == 13 and out.dtype == np.float32  # b at the 16-byte boundary after a
-    np.testing.assert_array_equal(out[0:6], a.ravel())
-    np.testing.assert_array_equal(out[8:13], b)
-    got = []
-    view, offs2 = staging.pack((b,), lambda n: got.append(n) or np.zeros(n, np.float32))
-    assert got == [5] and offs2 == [0] and view.tolist() == [7.0] * 5
-
-
 def test_copy_in_chunks_moves_every_byte():
     src, dst, stage = np.arange(1000, dtype=np.uint16), bytearray(2000), np.zeros(300, np.uint8)
 

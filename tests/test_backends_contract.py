@@ -146,7 +146,7 @@ def test_wrong_shapes_and_inputs(backend_cls):
         with pytest.raises(InputError, match="gate/up"):
             be.expert_ffn([np.ones((1, 32), np.float32)], [ExpertWeights(gate, up, gate)])
         with pytest.raises(InputError):
-            be.rmsnorm(np.ones((2, 8), np.float32), np.ones(7, np.float32))
+            be.d_rmsnorm(be.d_put(np.ones((2, 8), np.float32)), be.d_put(np.ones(7, np.float32)), 1e-6)
         # activations of another dtype are converted, not rejected
         y = be.matmul(np.ones((2, 32), np.float64), w)
         assert y.dtype == np.float32 and y.shape == (2, 16)
@@ -207,7 +207,7 @@ def test_every_backend_is_one_class_over_the_base_and_declares_its_optional_ops(
     from colibri_plan.backends.device_ops import DeviceOps
 
     assert {"d_add", "d_head_matmul", "d_write_rows", "matmul", "upload", "close"} <= REQUIRED_OPS
-    assert set(OPTIONAL_OPS) == {"d_expert_ffn_rows", "expert_ffn_sum", "rmsnorm_rows"}
+    assert set(OPTIONAL_OPS) == {"d_expert_ffn_rows", "expert_ffn_sum"}
     declared = {}
     for name in BACKEND_NAMES:
         cls = get_backend(name)
@@ -217,7 +217,6 @@ def test_every_backend_is_one_class_over_the_base_and_declares_its_optional_ops(
         assert declared[name] == set(cls.optional_ops)
     assert [n for n in BACKEND_NAMES if "d_expert_ffn_rows" in declared[n]] == ["cuda"]
     assert [n for n in BACKEND_NAMES if "expert_ffn_sum" in declared[n]] == ["cpu"]
-    assert [n for n in BACKEND_NAMES if "rmsnorm_rows" in declared[n]] == ["cpu"]
     assert not any(Backend.supports(op) for op in OPTIONAL_OPS)  # the base declares none
     with pytest.raises(InputError, match="'d_ad' is not an op"):
         get_backend("numpy").supports("d_ad")
@@ -237,7 +236,7 @@ def test_an_open_backend_has_what_it_declares_and_its_hooks_bound(name, tmp_path
         pytest.skip(f"{name}: {cls.unavailable_reason() or 'no devices found'}")
     with cls.open(0) as be:
         assert isinstance(be, ComputeBackend)
-        for op in ("d_expert_ffn_rows", "expert_ffn_sum", "rmsnorm_rows"):
+        for op in ("d_expert_ffn_rows", "expert_ffn_sum"):
             assert callable(getattr(be, op, None)) == be.supports(op), op
         hooks = ("_d_add", "_d_matmul", "_d_attention", "_d_head_matmul", "_d_write_block")
         assert all(h in vars(be) or h in vars(cls) for h in hooks)  # bound at open, or the class's own

@@ -1,5 +1,5 @@
 """The CPU decode path's one-call shortcuts give the bits of the numpy formulas they replace: the cpu
-backend's ``rmsnorm_rows`` (the numpy backend's ``d_rmsnorm``: numpy's pairwise Σx²), ``expert_ffn_sum``
+backend's ``d_rmsnorm`` (the numpy backend's ``d_rmsnorm``: numpy's pairwise Σx²), ``expert_ffn_sum``
 (the experts' weighted sum in scatter_sum's float32 order), ``RamExperts.run_sum`` and the one-token
 routing of ``routed_experts``."""
 
@@ -30,26 +30,23 @@ def cpu():
 
 
 def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """The numpy backend's d_rmsnorm of x [N, H] with weight [H] or per row [N, H] (row by row)."""
+    """The numpy backend's d_rmsnorm of x [N, H] with weight [H]."""
     be = get_backend("numpy").open(0)
     try:
-        if w.ndim == 1:
-            return be.d_get(be.d_rmsnorm(be.d_put(x), be.d_put(w), eps))
-        return np.concatenate([be.d_get(be.d_rmsnorm(be.d_put(x[i:i + 1]), be.d_put(w[i]), eps))
-                               for i in range(x.shape[0])])
+        return be.d_get(be.d_rmsnorm(be.d_put(x), be.d_put(w), eps))
     finally:
         be.close()
 
 
 @pytest.mark.parametrize("hidden", [7, 8, 128, 129, 1000, 2048, 5120])
-def test_rmsnorm_rows_is_the_numpy_rmsnorm_bit_for_bit(cpu, hidden):
+def test_cpu_d_rmsnorm_is_the_numpy_rmsnorm_bit_for_bit(cpu, hidden):
     rng = np.random.default_rng(hidden)
     x = (rng.standard_normal((5, hidden)) * 30).astype(np.float32)
-    for shape in ((hidden,), (5, hidden)):
-        w = rng.standard_normal(shape).astype(np.float32)
-        assert np.array_equal(_bits(cpu.rmsnorm_rows(x, w, 1e-6)), _bits(_rmsnorm(x, w, 1e-6)))
-    with pytest.raises(InputError, match="rmsnorm_rows"):
-        cpu.rmsnorm_rows(x, np.ones(hidden + 1, np.float32), 1e-6)
+    w = rng.standard_normal(hidden).astype(np.float32)
+    got = cpu.d_get(cpu.d_rmsnorm(cpu.d_put(x), cpu.d_put(w), 1e-6))
+    assert np.array_equal(_bits(got), _bits(_rmsnorm(x, w, 1e-6)))
+    with pytest.raises(InputError, match="d_rmsnorm"):
+        cpu.d_rmsnorm(cpu.d_put(x), cpu.d_put(np.ones(hidden + 1, np.float32)), 1e-6)
 
 
 def _experts(be, fmt: str, n: int, hidden: int = 256, inter: int = 128, seed: int = 0):

@@ -102,7 +102,7 @@ def test_corrupt_pipeline_cache_is_replaced(vk_backend):
         be2 = type(be).open(0)
         try:
             assert be2.pipeline_cache_state.startswith("corrupt") and why in be2.pipeline_cache_state
-            be2.rmsnorm(np.ones((1, 5), np.float32), np.ones(5, np.float32))
+            be2.d_rmsnorm(be2.d_put(np.ones((1, 5), np.float32)), be2.d_put(np.ones(5, np.float32)), 1e-6)
         finally:
             be2.close()
         assert vu.read_cache(path, be2.facts)[1] == "loaded"  # rewritten valid on close

@@ -49,7 +49,7 @@ from colibri_plan.backends.cpu.layout import (
 )
 from colibri_plan.backends.numpy_ref import host_device, host_tensor, matmul_blocks, package_version
 from colibri_plan.backends.reference import HostArrays
-from colibri_plan.errors import BackendUnavailableError, InputError
+from colibri_plan.errors import BackendUnavailableError
 from colibri_plan.quant import FORMATS, QuantTensor
 
 # numba's "workqueue" threading layer (used when OpenMP and TBB are missing) must not be entered from
@@ -115,7 +115,7 @@ class CpuBackend(Backend):
 
     name = "cpu"
     formats = FORMATS
-    optional_ops = frozenset({"expert_ffn_sum", "rmsnorm_rows"})
+    optional_ops = frozenset({"expert_ffn_sum"})
     #: weight bytes × tokens up to which an integer matmul runs serially (qkernels.SERIAL_BYTES;
     #: 0: always parallel, as bench/cpu_gemv.py --compare-parallel measures)
     serial_bytes: int = 2 << 20
@@ -220,25 +220,6 @@ class CpuBackend(Backend):
         halves on an idle 2-core host)."""
         _run_parallel(self._setchunk, max(1, iterations // chunks), kernel, *args)
 
-    def rmsnorm_rows(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        """The engine's float32 RMSNorm (``engine/attention.rmsnorm``: x / sqrt(Σx²/H + eps) · weight,
-        Σx² in numpy's pairwise order) of each row of x float32 [R, H] in one kernel call
-        (``kernels.rms_norm``), bit for bit; weight float32 [H], [1, H] or [R, H]. Returns a new
-        float32 [R, H].
-
-        Raises:
-            InputError: x not 2-D, or a weight that does not broadcast over its rows.
-        """
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        w = np.ascontiguousarray(weight, dtype=np.float32)
-        w = w.reshape(1, -1) if w.ndim == 1 else w
-        if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1] or w.shape[0] not in (1, x.shape[0]):
-            raise InputError(f"rmsnorm_rows: x must be [R, H] and weight [H], [1, H] or [R, H]; got "
-                             f"{np.shape(x)}, {np.shape(weight)}")
-        out = np.empty_like(x)
-        self._k.rms_norm(x, w, np.float32(eps), out)
-        return out
-
     def _step_rows(self, hw: HostWeight) -> int:
         """Output rows one prange step of ``hw``'s kernels covers: q4t's TILE_ROWS (128) for the
         transposed int4 layouts (q4g's too), qkernels' ROW_TILE (32) for the blocked ones; the
@@ -246,7 +227,7 @@ class CpuBackend(Backend):
         return self._k.TILE_ROWS if hw.fold else self._k.ROW_TILE
 
     def _d_rmsnorm(self, x, weight, eps: float):
-        # one kernel call for every row, the numpy formula's bits (rmsnorm_rows)
+        # one kernel call for every row, the numpy formula's bits
         out = np.empty(x.shape, np.float32)  # [N, d]
         self._k.rms_norm(HostArrays._host(x), HostArrays._host(weight).reshape(1, -1), np.float32(eps), out)
         return out

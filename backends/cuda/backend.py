@@ -226,18 +226,6 @@ class CUDABackend(Backend):
                     (self._launcher("mm", e0.down.fmt, n, H, H, Ip, H, Tm), 64 * n)]  # y_i = h_i . down^T
         return self._run(nbytes, launches, y, tok[-1] * H * 4).reshape(tok[-1], H)
 
-    def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        """matmul.cu's rmsnorm on host arrays, a block of 256 threads per token; untimed."""
-        cp, self._timed_run = self.cp, False
-        fn = self._module_fn("rmsnorm")  # NVRTC, on first use
-        with self.dev, self.stream:
-            xd, wd = cp.asarray(x), cp.asarray(weight)  # x [T, H], weight [H] up
-            yd = cp.empty(x.shape, cp.float32)  # [T, H]
-            fn((x.shape[0],), (256,), (xd, wd, yd, np.int32(x.shape[1]), np.float32(eps)))
-            y = cp.asnumpy(yd, stream=self.stream)
-            self.stream.synchronize()
-        return y
-
     # ---- optional ops --------------------------------------------------------------------------
     def d_expert_ffn_rows(self, x: DArray, experts, rows, gates) -> DArray:
         """Routed experts of a prefill on the device x: y [T, H] with y[t] = Σ_i gates[i][k] ·

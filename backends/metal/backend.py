@@ -190,19 +190,6 @@ class MetalBackend(Backend):
                                self._params(e.down.fmt, b.Ip, b.H, T, b.H, t0 * b.Ip, t0 * b.H), b.H)
         return self._view(yb, b.tok[-1] * b.H * 4).reshape(b.tok[-1], b.H).copy()
 
-    def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        T, H = x.shape
-        xb, wb, yb = self._buffer(x, x.nbytes), self._buffer(weight, weight.nbytes), self._work(x.nbytes)
-        with self._encoder() as enc:
-            enc.setComputePipelineState_(self._pipe("rmsnorm"))
-            for i, b in enumerate((xb, wb, yb)):
-                enc.setBuffer_offset_atIndex_(b, 0, i)
-            enc.setBytes_length_atIndex_(struct.pack("<I", H), 4, 3)
-            enc.setBytes_length_atIndex_(struct.pack("<f", eps), 4, 4)
-            enc.dispatchThreadgroups_threadsPerThreadgroup_(self.mtl.MTLSizeMake(T, 1, 1),
-                                                            self.mtl.MTLSizeMake(256, 1, 1))
-        return self._view(yb, x.nbytes).reshape(T, H).copy()
-
     def _d_head_matmul(self, x, w) -> np.ndarray:
         # device arrays here are the reference hooks' host arrays (shared memory): staged per call
         (T, B, K), N = x.shape, w.shape[1]

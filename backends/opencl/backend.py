@@ -263,16 +263,5 @@ class OpenCLBackend(Backend):
         self._launch(self._kernel("matmul", e.down.fmt, tpi), H, T, tpi, d.data, d.scales, hb, ho, yb, yo,
                      Ip, T, H, H)
 
-    def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        cl, (T, H) = self.cl, x.shape
-        xb, wb = self._scratch.get("nx", x.nbytes), self._scratch.get("nw", weight.nbytes)
-        yb = self._scratch.get("ny", x.nbytes)
-        cl.enqueue_copy(self.queue, xb, x, is_blocking=False)
-        cl.enqueue_copy(self.queue, wb, weight, is_blocking=False)
-        self._kernel("rmsnorm", None)(self.queue, (T * self.ls,), (self.ls,), xb, wb, yb, H, eps)
-        y = np.empty_like(x)
-        cl.enqueue_copy(self.queue, y, yb, is_blocking=True)
-        return y
-
 
 BACKEND = OpenCLBackend

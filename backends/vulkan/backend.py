@@ -223,14 +223,6 @@ class VulkanBackend(Backend):
                   {id(p) for trip in ps for p in trip}, steps)
         return self._get_y(T, H)  # [T, H]: expert i's rows tok[i] .. tok[i+1]-1
 
-    def _rmsnorm(self, x, weight, eps):
-        (T, H), (_, offs) = x.shape, staging.pack((x, weight), self._x_view)  # x [T, H], then weight [H]
-        xb, yb = self._io["x"], self._io.get("y", 4 * T * H)
-        pc = [H, offs[1], int(np.float32(eps).view(np.uint32)), T]
-        self._run(("rms", T, H, pc[2]), set(), lambda: [
-            (self._d.pipeline("rmsnorm", (vu.WG,)), [xb], [xb], xb, yb, pc, T, 1)])
-        return self._get_y(T, H)
-
     # ---- command buffers -----------------------------------------------------------------------------
     def _run(self, key, owners: set, steps) -> None:
         """Replay the command buffer recorded for ``key`` (recording it from ``steps()`` once) and wait."""
