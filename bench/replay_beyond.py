@@ -47,11 +47,12 @@ def prepare(a, work: Path, colibri: str, log) -> dict:
     """Checkpoint -> our pack and the Q8_0 GGUF (cached); the checkpoint is deleted afterwards unless
     ``--keep-checkpoint``. Refuses to start when the disk cannot hold the three at once."""
     sz = sizes(a)
-    tag = f"glm-l{a.layers}-e{a.experts}-skew{a.skew:g}"
+    tag = f"glm-l{a.layers}-e{a.experts}-skew{a.skew:g}-out{a.out_std:g}-emb1"
     work = work / tag
     work.mkdir(parents=True, exist_ok=True)
     ckpt, pack, gguf = work / "ckpt", work / "pack-int8", work / "model-Q8_0.gguf"
-    info = {"tag": tag, "sizes": sz, "skew": a.skew, "expected_bytes": expected_bytes(sz)}
+    info = {"tag": tag, "sizes": sz, "skew": a.skew, "out_std": a.out_std, "embed_std": 1.0,
+            "expected_bytes": expected_bytes(sz)}
     if (pack / "pack.json").exists() and gguf.exists():
         return {**info, "work": work, "pack": pack, "gguf": gguf}
     need = sum(info["expected_bytes"].values())
@@ -61,7 +62,7 @@ def prepare(a, work: Path, colibri: str, log) -> dict:
                          f"GGUF), {free / 1e9:.1f} GB free; use fewer --layers/--experts")
     if not (ckpt / "config.json").exists():
         log(f"writing the GLM checkpoint ({info['expected_bytes']['checkpoint'] / 1e9:.1f} GB bf16) ...")
-        built = rm.build_glm(ckpt, sz, a.skew)
+        built = rm.build_glm(ckpt, sz, a.skew, out_std=a.out_std)
         (work / "rank-orders.json").write_text(json.dumps(built["rank_orders"]))
     if not (pack / "pack.json").exists():
         log("packing ours (int8 experts and trunk) ...")
@@ -82,18 +83,21 @@ def run(a, m) -> dict:
     work, pack, gguf = prep["work"], prep["pack"], prep["gguf"]
     ctx = a.n_prompt + a.n_gen + 1
     prof = ro.profile(colibri, pack, "int8", work, a.profile)
-    heat = ro.heat(colibri, pack, work)
+    vocab = sizes(a)["vocab_size"]   # prompts over the whole vocabulary, as llama-bench's random tokens
+    heat = ro.heat(colibri, pack, work, n_prompt=512, vocab_hi=vocab)
+    heat_b = ro.heat(colibri, pack, work, n_prompt=512, vocab_hi=vocab, seed=8)   # does heat carry over?
     plan, hot = work / f"plan-{a.ram_gb:g}gb.json", work / f"plan-hot-first-{a.ram_gb:g}gb.json"
     solved = ro.solve(colibri, prof, pack, heat, a.ram_gb, ctx, plan, a.n_prompt)
     hot_line = ro.hot_first_plan(prof, pack, heat, a.ram_gb, ctx, hot)
-    ids = ro.prompt_ids(a.n_prompt)
+    ids = ro.prompt_ids(a.n_prompt, vocab_hi=vocab)
     doc = {"kind": "replay-llamacpp", "mode": "beyond-ram", "schema_version": 1,
            "created_utc": m.datetime.now(m.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "machine": m.machine(),
            "llama_cpp": {"bin": a.llama_bin, "version": m.llama_version(Path(a.llama_bin))},
            "model": {**{k: v for k, v in prep.items() if k not in ("work", "pack", "gguf")},
                      "pack": str(pack), "gguf": str(gguf), "pack_bytes": _bytes(pack),
-                     "gguf_bytes": _bytes(gguf), "heat": str(heat), "heat_shares": rm.heat_shares(heat)},
+                     "gguf_bytes": _bytes(gguf), "heat": str(heat), "heat_shares": rm.heat_shares(heat),
+                     "heat_transfer_top_20pct": rm.heat_transfer(heat, heat_b)},
            "budget": {"ram_gb": a.ram_gb, "limit_bytes": limit, "limit_mib": limit / ll.MiB,
                       "model_over_limit_bytes": _bytes(gguf) - limit},
            "settings": {"threads": a.threads, "n_prompt": a.n_prompt, "n_gen": a.n_gen, "context": ctx,

@@ -101,6 +101,8 @@ def parser() -> argparse.ArgumentParser:
     br.add_argument("--layers", type=_count, default=17, help="decoder layers (the first one dense)")
     br.add_argument("--experts", type=_count, default=64)
     br.add_argument("--skew", type=_fraction, default=0.12, help="router correction bias -skew*ln(rank)")
+    br.add_argument("--out-std", type=_fraction, default=0.002,
+                    help="std of the output projections (o_proj, down_proj): small keeps routing per token")
     br.add_argument("--n-prompt", type=_count, default=32)
     br.add_argument("--n-gen", type=_count, default=16)
     br.add_argument("--keep-checkpoint", action="store_true", help="keep the bf16 checkpoint (disk)")
@@ -260,8 +262,12 @@ def run_placements(a) -> dict:
 
 
 def prepare_qwen3(a, work: Path, rm, colibri: str) -> tuple[Path, Path]:
-    """The random Qwen3-MoE (cached): checkpoint, f16 GGUF, ``--quant`` GGUF and our matching pack."""
+    """The random Qwen3-MoE (cached): checkpoint, f16 GGUF, ``--quant`` GGUF and our matching pack (the
+    checkpoint and the f16 GGUF may be deleted once both are made)."""
     work.mkdir(parents=True, exist_ok=True)
+    gguf, pack = work / f"model-{a.quant}.gguf", work / f"pack-{rm.OURS_FOR[a.quant]}"
+    if gguf.exists() and (pack / "pack.json").exists():
+        return gguf, pack
     ckpt = work / "ckpt"
     if not (ckpt / "config.json").exists():
         log("building the random Qwen3-MoE checkpoint ...")
@@ -270,15 +276,12 @@ def prepare_qwen3(a, work: Path, rm, colibri: str) -> tuple[Path, Path]:
     if not f16.exists():
         log("converting to GGUF f16 (llama.cpp's converter) ...")
         rm.convert(rm.llama_src(Path(a.work), a.llama_src), ckpt, f16)
-    gguf = work / f"model-{a.quant}.gguf"
     if not gguf.exists():
         log(f"quantizing to {a.quant} (llama-quantize --pure) ...")
         rm.quantize(Path(a.llama_bin), f16, gguf, a.quant, a.threads)
-    fmt = rm.OURS_FOR[a.quant]
-    pack = work / f"pack-{fmt}"
     if not (pack / "pack.json").exists():
-        log(f"packing ours ({fmt}) ...")
-        rm.pack(ckpt, pack, fmt, colibri)
+        log(f"packing ours ({rm.OURS_FOR[a.quant]}) ...")
+        rm.pack(ckpt, pack, rm.OURS_FOR[a.quant], colibri)
     return gguf, pack
 
 

@@ -53,11 +53,13 @@ def profile(colibri: str, pack: Path, formats: str, work: Path, given: str | Non
     return str(out)
 
 
-def heat(colibri: str, pack: Path, work: Path, n_prompt: int = 256, n_tokens: int = 8) -> Path:
-    """Routing heat of an all-RAM run (``run --stats-out``) on an ``n_prompt``-token seeded prompt."""
-    out = work / f"heat-{Path(pack).name}.json"
+def heat(colibri: str, pack: Path, work: Path, n_prompt: int = 256, n_tokens: int = 8,
+         vocab_hi: int = 500, seed: int = 7) -> Path:
+    """Routing heat of an all-RAM run (``run --stats-out``) on an ``n_prompt``-token prompt of ids below
+    ``vocab_hi`` drawn with ``seed``."""
+    out = work / f"heat-{Path(pack).name}{'' if seed == 7 else f'-seed{seed}'}.json"
     if not out.exists():
-        ids = ",".join(map(str, prompt_ids(n_prompt, seed=7)))
+        ids = ",".join(map(str, prompt_ids(n_prompt, seed=seed, vocab_hi=vocab_hi)))
         cli_json(colibri, "run", "--model", pack, "--backend", "cpu", "--prompt-ids", ids, "--tokens",
                  n_tokens, "--stats-out", out)
     return out
