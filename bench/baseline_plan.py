@@ -21,6 +21,7 @@ from colibri_plan.formats.profile import resolve_profile
 from colibri_plan.model import load_model_spec
 from colibri_plan.planner.baselines import fit_layers, hot_first, uniform
 from colibri_plan.planner.make import build_setup, plan_document
+from colibri_plan.planner.options import DEFAULTS, SolveOptions
 from colibri_plan.planner.solve import validate_placement
 
 BASELINES = {"hot-first": hot_first, "fit-layers": fit_layers, "uniform": uniform}
@@ -31,12 +32,12 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--heat", default=None)
-    ap.add_argument("--ram", default="auto")
-    ap.add_argument("--vram", default="auto")
-    ap.add_argument("--vram-reserve", type=float, default=2.0, help="GB kept free per GPU under --vram auto "
-                    "(as `colibri-plan solve --vram-reserve`)")
+    ap.add_argument("--ram", default=DEFAULTS.ram)
+    ap.add_argument("--vram", default=DEFAULTS.vram)
+    ap.add_argument("--vram-reserve", type=float, default=DEFAULTS.vram_reserve_gb,
+                    help="GB kept free per GPU under --vram auto (as `colibri-plan solve --vram-reserve`)")
     ap.add_argument("--dense-format", default=None)
-    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--context", type=int, default=DEFAULTS.context_tokens)
     ap.add_argument("--coefficients", default=None)
     ap.add_argument("--baseline", choices=sorted(BASELINES), default="hot-first")
     ap.add_argument("--out", required=True)
@@ -44,9 +45,9 @@ def main(argv=None) -> int:
     profile, source = resolve_profile(a.profile)
     spec = load_model_spec(a.model)
     coef = load_coefficients(a.coefficients) if a.coefficients else None
-    setup = build_setup(profile, spec, load_heat_arg(a.heat), ram=a.ram, vram=a.vram,
-                        context_tokens=a.context, dense_fmt=a.dense_format, coef=coef,
+    opts = SolveOptions(ram=a.ram, vram=a.vram, context_tokens=a.context, dense_fmt=a.dense_format, coef=coef,
                         vram_reserve_gb=a.vram_reserve)
+    setup = build_setup(profile, spec, load_heat_arg(a.heat), opts)
     tiers, slots = BASELINES[a.baseline](setup.problem)
     validate_placement(setup.problem, tiers, slots)
     plan = plan_document(setup, profile, tiers, slots, {"status": "baseline", "method": a.baseline},

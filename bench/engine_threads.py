@@ -57,10 +57,12 @@ def _engine_child(args) -> dict:
     from colibri_plan.engine.pack import open_pack
     from colibri_plan.engine.runner import generate
     from colibri_plan.formats.plan import load_plan
+    from colibri_plan.run_options import RunOptions
 
     plan = load_plan(args.plan)
     with open_pack(args.model) as pack:
-        rep = generate(pack, [1, 2, 3, 4], args.tokens + 1, plan=plan, backend="cpu", read_threads=8)
+        rep = generate(pack, [1, 2, 3, 4], RunOptions(tokens=args.tokens + 1, backend="cpu", read_threads=8),
+                       plan=plan)
     comp = rep.expert_compute_s_per_token
     return {"decode_ms": rep.decode_s_median * 1e3, "cpu_expert_ms": comp.get("cpu", 0.0) * 1e3,
             "device_ms": sum(v for k, v in comp.items() if k != "cpu") * 1e3,

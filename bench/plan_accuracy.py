@@ -52,7 +52,9 @@ from colibri_plan.model import load_model_spec
 from colibri_plan.planner.baselines import fit_layers, hot_first
 from colibri_plan.planner.calibrate import fit_coefficients
 from colibri_plan.planner.make import build_setup, cost_of, plan_document
+from colibri_plan.planner.options import SolveOptions
 from colibri_plan.planner.solve import solve_placement, validate_placement
+from colibri_plan.run_options import RunOptions
 from colibri_plan.verify import compare
 
 PLACEMENTS = {"ours": None, "hot-first": hot_first, "fit-layers": fit_layers}
@@ -65,8 +67,8 @@ def log(msg: str) -> None:
 
 def plans_at(profile, spec, heat, ram_gb: float, coef, context: int) -> tuple:
     """(setup, {name: plan}) at one RAM budget: ours and the baselines, same setup for all."""
-    setup = build_setup(profile, spec, heat, ram=f"{ram_gb:g}", dense_fmt="f32", context_tokens=context,
-                        coef=coef)
+    setup = build_setup(profile, spec, heat, SolveOptions(ram=f"{ram_gb:g}", dense_fmt="f32",
+                                                          context_tokens=context, coef=coef))
     sol = solve_placement(setup.problem)
     out = {"ours": plan_document(setup, profile, sol.tiers, sol.lru_slots,
                                  {"status": sol.status, "method": sol.method, "seconds": sol.seconds})}
@@ -85,7 +87,7 @@ def placement_key(plan) -> str:
 
 def measure(pack, plan, prompt, tokens: int) -> dict:
     # + the prefill token; reads with the plan's queue depth, as `run --plan` does
-    return generate(pack, prompt, tokens + 1, plan=plan, backend="cpu").to_dict()
+    return generate(pack, prompt, RunOptions(tokens=tokens + 1, backend="cpu"), plan=plan).to_dict()
 
 
 def step_tok_s(run: dict) -> float:

@@ -78,6 +78,7 @@ def measure(pack, plan, prompt: list[int], repeats: int) -> list[dict]:
     they are snapshotted at that reset)}."""
     from colibri_plan.engine import residency
     from colibri_plan.engine.runner import generate
+    from colibri_plan.run_options import RunOptions
 
     seen: list = []
     reset = residency.ResidencyManager.reset_stats
@@ -92,7 +93,7 @@ def measure(pack, plan, prompt: list[int], repeats: int) -> list[dict]:
     try:
         for _ in range(repeats):
             seen.clear()
-            run = generate(pack, prompt, 1, plan=plan, backend="cpu")
+            run = generate(pack, prompt, RunOptions(tokens=1, backend="cpu"), plan=plan)
             st = seen[0] if seen else None
             out.append({"prefill_s": float(run.prefill_s), "load1": os.getloadavg()[0],
                         **{k: (float(getattr(st, k)) if st is not None else None) for k in PREFILL_STATS}})

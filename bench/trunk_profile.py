@@ -29,6 +29,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from colibri_plan.engine.fixture import FixtureConfig, build_fixture, fixture_prompt
     from colibri_plan.engine.runner import generate, open_weights
+    from colibri_plan.run_options import RunOptions
 
     path = Path(args.work) / f"fixture-{args.layers}x{args.experts}"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -39,10 +40,10 @@ def main(argv=None) -> int:
         build_fixture(str(path), cfg)
     weights = open_weights(str(path))
     prompt = fixture_prompt(32000, 8)
-    generate(weights, prompt, 4, backend=args.backend, trunk="device")  # warm-up: kernels, caches
+    generate(weights, prompt, RunOptions(tokens=4, backend=args.backend, trunk="device"))  # warm-up
     prof = cProfile.Profile()
     prof.enable()
-    rep = generate(weights, prompt, args.tokens, backend=args.backend, trunk="device")
+    rep = generate(weights, prompt, RunOptions(tokens=args.tokens, backend=args.backend, trunk="device"))
     prof.disable()
     d = rep.to_dict() if hasattr(rep, "to_dict") else vars(rep)
     print({k: d.get(k) for k in ("tok_s", "decode_s_per_token", "terms")})

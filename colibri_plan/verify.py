@@ -35,9 +35,11 @@ reports.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timezone
 
 from colibri_plan.fileio import fingerprint
+from colibri_plan.formats.fields import is_number, is_whole
 from colibri_plan.formats.report import (  # noqa: F401 - the report file's readers, re-exported
     HIT_TIERS,
     KIND,
@@ -46,6 +48,7 @@ from colibri_plan.formats.report import (  # noqa: F401 - the report file's read
     load_report,
     save_report,
 )
+from colibri_plan.run_options import VERIFY_DEFAULTS, RunOptions
 
 #: verdict tolerances (issue 8): tok/s ratio band and hit-rate points
 TOK_S_TOLERANCE = 0.25
@@ -97,7 +100,7 @@ def context_warning(plan, context_tokens: int) -> str | None:
     past the bytes the plan set aside (in VRAM for a GPU trunk). None when it fits or the plan says none."""
     kv = (plan.doc.get("trunk") or {}).get("kv") or {}
     planned = kv.get("context_tokens", (plan.doc.get("budgets") or {}).get("context_tokens"))
-    if not isinstance(planned, int) or isinstance(planned, bool) or context_tokens <= planned:
+    if not is_whole(planned) or context_tokens <= planned:
         return None
     where = kv.get("device") or "cpu"
     return (f"this run's context ({context_tokens} tokens: prompt + new tokens) passes the {planned} the "
@@ -132,7 +135,7 @@ def predicted_trunk(predicted) -> dict | None:
 
 
 def _num(v) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return float(v) if is_number(v) else None
 
 
 def _trunk_rows(predicted, p: RunReport, m: RunReport) -> list[tuple]:
@@ -265,15 +268,17 @@ def plan_coefficients(plan) -> dict | None:
     return None
 
 
-def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", cpu_backend: str = "cpu",
+def verify_plan(plan, pack, prompt_ids, opts: RunOptions = VERIFY_DEFAULTS, *, plan_path: str = "",
                 reference: bool = True, machine_fp: str | None = None, progress=None,
                 warn=None) -> dict:
     """Run ``plan`` on ``pack`` and build the verify report (see the module docstring).
 
     Args:
         plan: a loaded :class:`colibri_plan.formats.plan.Plan`; pack: an open PackedModel.
-        prompt_ids: prompt token ids; n_tokens: decode steps to time (>= 1): n_tokens + 1 new ids are
-            generated, the first by the prefill.
+        prompt_ids: prompt token ids.
+        opts: ``tokens``: decode steps to time (>= 1): tokens + 1 new ids are generated, the first by the
+            prefill; ``backend``: the host backend of RAM-resident and streamed experts (cpu or numpy);
+            the rest as :func:`~colibri_plan.engine.runner.generate` reads it.
         reference: also run the all-RAM CPU reference for token-exactness (``token_exact`` is None
             otherwise).
         machine_fp: this machine's fingerprint (for the other-machine warning).
@@ -287,6 +292,7 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
     """
     from colibri_plan.engine.runner import generate
 
+    n_tokens, cpu_backend = opts.tokens, opts.backend
     say = progress or (lambda _m: None)
     check_plan_model(plan, pack)
     w = machine_warning(plan, machine_fp)  # the report's machine.warning
@@ -296,12 +302,12 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
             warn(note)
     # n_tokens decode steps are timed: the first of the n_tokens + 1 new ids comes from the prefill
     say(f"running the plan: {n_tokens} decode step{'s' if n_tokens != 1 else ''} ({n_tokens + 1} tokens)")
-    run = generate(pack, prompt_ids, n_tokens + 1, plan=plan, backend=cpu_backend,
-                   progress=lambda m: say(f"  plan {m}"))
+    run_opts = dataclasses.replace(opts, tokens=n_tokens + 1)
+    run = generate(pack, prompt_ids, run_opts, plan=plan, progress=lambda m: say(f"  plan {m}"))
     ref = None
     if reference:
         say("running the all-RAM CPU reference")
-        ref_run = generate(pack, prompt_ids, n_tokens + 1, backend=cpu_backend, trunk="cpu",
+        ref_run = generate(pack, prompt_ids, dataclasses.replace(run_opts, trunk="cpu"),
                            progress=lambda m: say(f"  reference {m}"))
         ref = {"tokens": ref_run.tokens, "tok_s": ref_run.tok_s,
                "decode_s_per_token": ref_run.decode_s_per_token}
@@ -320,7 +326,7 @@ def verify_plan(plan, pack, prompt_ids, n_tokens: int, *, plan_path: str = "", c
         "machine": {"fingerprint": machine_fp, "plan_profile_fingerprint": plan.profile_fingerprint,
                     "warning": w},
         "settings": {"tokens": int(n_tokens), "prompt_ids": list(map(int, prompt_ids)),
-                     "cpu_backend": cpu_backend, "read_threads": plan.read_threads,
+                     "cpu_backend": cpu_backend, "read_threads": opts.read_threads or plan.read_threads,
                      "trunk_device": run.trunk_device,
                      "predicted_trunk_device": (predicted_trunk(plan.doc["predicted"]) or {}).get("device")},
         "predicted": predicted, "measured": run.to_dict(), "reference": ref,

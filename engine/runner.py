@@ -26,6 +26,7 @@ from colibri_plan.backends import HOST_BACKENDS
 from colibri_plan.engine.placement import Placement
 from colibri_plan.errors import InputError
 from colibri_plan.formats.report import RunReport
+from colibri_plan.run_options import DEFAULTS, RunOptions
 
 
 def open_weights(model_path: str | Path, quant: str | None = None):
@@ -150,47 +151,50 @@ def trunk_placement(weights, plan=None, trunk: str | None = None, backend: str =
     return TrunkPlacement(device=key, kv_device=key)
 
 
-def generate(weights, prompt: Sequence[int], n_tokens: int, *, plan=None, backend: str = "cpu",
-             device_index: int = 0, read_threads: int | None = None, recorder=None,
-             progress: Callable[[str], None] | None = None, trunk: str | None = None) -> RunReport:
-    """Generate ``n_tokens`` new ids greedily from ``prompt`` and measure the run (module docstring).
+def generate(weights, prompt: Sequence[int], opts: RunOptions = DEFAULTS, *, plan=None, recorder=None,
+             progress: Callable[[str], None] | None = None, sample: Callable | None = None,
+             stop_ids: Sequence[int] = ()) -> RunReport:
+    """Generate ``opts.tokens`` new ids greedily from ``prompt`` and measure the run (module docstring).
 
     Args:
-        weights: from :func:`open_weights`; a plan needs an expert pack.
-        prompt: token ids (checked against the vocabulary); n_tokens >= 1 (the first comes from the
-            prefill: ``n_tokens - 1`` decode steps are timed).
+        weights: from :func:`open_weights` (``opts.quant`` is read there); a plan needs an expert pack.
+        prompt: token ids (checked against the vocabulary).
+        opts: :class:`~colibri_plan.run_options.RunOptions`: ``tokens`` >= 1 (the first comes from the
+            prefill: ``tokens - 1`` decode steps are timed); ``backend`` (resolved by
+            :func:`resolve_backend`): with a plan a host backend (the plan names its GPUs), without one
+            a GPU backend holds every expert on ``device_index``; ``read_threads`` concurrent O_DIRECT
+            reads (None: the plan's, else 8); ``trunk`` None, "cpu" or "device" (:func:`trunk_placement`).
         plan: a loaded plan (already checked with :func:`check_plan`), or None for all experts resident.
-        backend: a resolved backend name (:func:`resolve_backend`). With a plan it must be a host
-            backend (the plan names its GPUs); without, a GPU backend holds every expert on
-            ``device_index``.
-        read_threads: concurrent O_DIRECT reads (default: the plan's, else 8).
         recorder: a RoutingRecorder that records routing (e.g. for routing statistics).
         progress: optional ``fn(message)`` once per token.
-        trunk: None, "cpu" or "device" (:func:`trunk_placement`).
+        sample, stop_ids: ``fn(logits float32 [V]) -> id`` and the ids that end the run
+            (:meth:`~colibri_plan.engine.forward.Model.generate`); None, (): greedy, ``opts.tokens`` ids.
 
     Returns:
         A RunReport (tokens, prefill, load, decode terms, hit rates, disk bytes, peak RSS).
 
     Raises:
         InputError: a bad prompt, a plan with a GPU ``backend`` or on a checkpoint folder.
-        UnsupportedError: prompt + n_tokens passes a DSA model's index_topk (:func:`check_context`); a
-            split trunk.
+        UnsupportedError: an unknown backend; prompt + tokens passes a DSA model's index_topk
+            (:func:`check_context`); a split trunk.
         The engine's errors: BudgetError (RAM), DeviceOutOfMemoryError, BackendUnavailableError,
         IntegrityError.
     """
     from colibri_plan.engine.session import run_placement
 
+    backend, device_index, n_tokens = resolve_backend(opts.backend), opts.device_index, opts.tokens
     check_prompt(prompt, weights.arch.vocab_size)
     check_context(weights.arch, len(prompt), n_tokens)
     if plan is not None and backend not in HOST_BACKENDS:
         raise InputError(f"--backend {backend}: with a plan, CPU-resident and streamed experts run on a "
                          "host backend (cpu or numpy); GPU experts use the devices the plan names")
     placement = placement_for(weights, plan, backend, device_index)
-    where = trunk_placement(weights, plan, trunk, backend, device_index)
-    threads = read_threads or (plan.read_threads if plan is not None else 8)
+    where = trunk_placement(weights, plan, opts.trunk, backend, device_index)
+    threads = opts.read_threads or (plan.read_threads if plan is not None else 8)
     cpu = backend if backend in HOST_BACKENDS else "cpu"
     return run_placement(weights, placement, list(prompt), n_tokens, cpu_backend=cpu, read_threads=threads,
-                         recorder=recorder, progress=progress, trunk=where)
+                         recorder=recorder, progress=progress, trunk=where, sample=sample,
+                         stop_ids=stop_ids)
 
 
 def write_stats(recorder, weights, stats_out: str | None, usage_out: str | None) -> dict:

@@ -21,6 +21,7 @@ from colibri_plan.formats.plan import save_plan
 from colibri_plan.formats.profile import save_profile
 from colibri_plan.model import save_model_spec
 from colibri_plan.planner.make import make_plan
+from colibri_plan.planner.options import SolveOptions
 from colibri_plan.verify import save_report
 
 TINY = dict(layers=1, experts=8, top_k=2)
@@ -50,7 +51,7 @@ def good_plan(tmp_path_factory):
     save_profile(prof, d / "profile.json")
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024)
     save_model_spec(spec, d / "model.json")
-    plan, _, _ = make_plan(prof, spec, None, ram="0.58", context_tokens=100)
+    plan, _, _ = make_plan(prof, spec, None, SolveOptions(ram="0.58", context_tokens=100, trunk="cpu"))
     save_plan(plan, d / "plan.json")
     return d, json.loads((d / "plan.json").read_text()), prof
 

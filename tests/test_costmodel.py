@@ -11,6 +11,7 @@ from colibri_plan.planner.costmodel import (
     Coefficients,
     GpuResource,
     Resources,
+    TokenBytes,
     che_hit_rates,
     decode_cost,
     layer_terms,
@@ -58,7 +59,7 @@ def test_gpu_call_overhead_is_paid_per_layer_the_gpu_holds_experts_of():
     assert t0["transfer_s"] == [0.0] and t0["gpu_calls"] == 0 and t0["time_s"] == pytest.approx(0.01)
     # two layers, one with GPU experts: one call per token
     d = decode_cost(np.stack([p, p]), np.array([[0, 0, TIER_RAM], [TIER_RAM] * 3]), np.zeros(2, int), B, RES,
-                    coef, activation_bytes=ACT)
+                    coef, token=TokenBytes(activation_bytes=ACT))
     assert d["terms"]["gpu_calls"] == pytest.approx(1.0)
     assert d["terms"]["transfer_s"] == pytest.approx(2e-4 + 0.004)
 
@@ -99,9 +100,9 @@ def test_cpu_path_overlaps_reads_with_resident_compute():
 def test_decode_cost_by_hand():
     probs = np.array([[0.5, 0.3, 0.2], [0.6, 0.2, 0.2]])
     tiers = np.array([[0, TIER_RAM, TIER_DISK], [TIER_RAM, TIER_RAM, TIER_RAM]])
-    c = decode_cost(probs, tiers, np.zeros(2, int), B, RES, dense_read_bytes=2_000_000_000,
-                    context_tokens=1000, kv_bytes_per_token=10_000, activation_bytes=ACT,
-                    layer_weights=np.array([1.0, 0.0]))
+    token = TokenBytes(dense_read_bytes=2_000_000_000, context_tokens=1000, kv_bytes_per_token=10_000,
+                       activation_bytes=ACT)
+    c = decode_cost(probs, tiers, np.zeros(2, int), B, RES, token=token, layer_weights=np.array([1.0, 0.0]))
     t = c["terms"]
     assert t["dense_s"] == pytest.approx(0.2)                     # 2 GB / 10 GB/s
     assert t["attention_s"] == pytest.approx(1e7 / 20e9)

@@ -19,6 +19,7 @@ from colibri_plan.errors import FormatError
 from colibri_plan.formats.plan import Plan, check_structure
 from colibri_plan.formats.report import RunReport
 from colibri_plan.planner.make import make_plan
+from colibri_plan.planner.options import SolveOptions
 from tests._solver_fixtures import toy_profile, toy_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +91,7 @@ def test_plan_repin_section_is_checked_and_defaults_off():
                 {"enabled": True, "every_tokens": 4, "window_tokens": 8, "bogus": 1}):
         with pytest.raises(FormatError):
             RepinPolicy.from_doc(bad)
-    doc = json.loads(json.dumps(make_plan(toy_profile(), toy_spec())[0].doc))
+    doc = json.loads(json.dumps(make_plan(toy_profile(), toy_spec(), None, SolveOptions(trunk="cpu"))[0].doc))
     doc["repin"] = {"enabled": True, "every_tokens": 16, "window_tokens": 64}
     check_structure(doc, predictions=True)
     assert Placement.from_plan(Plan(doc)).repin.enabled

@@ -24,6 +24,7 @@ from colibri_plan.planner.baselines import hot_first
 from colibri_plan.planner.compute import choose_compute, host_seconds
 from colibri_plan.planner.costmodel import GpuResource, Resources
 from colibri_plan.planner.make import build_setup, make_plan
+from colibri_plan.planner.options import SolveOptions
 from tests._solver_fixtures import toy_profile
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -49,7 +50,7 @@ def _vulkan_profile(gbps: float = 60.0):
 
 def _ram(spec, n_experts: int) -> str:
     """A --ram (GB) that leaves ``n_experts`` experts' bytes for pins and slots at --context 16."""
-    b = build_setup(_vulkan_profile(), spec, context_tokens=16).budgets
+    b = build_setup(_vulkan_profile(), spec, None, SolveOptions(context_tokens=16)).budgets
     return f"{(b.dense_bytes + b.kv_bytes + b.working_bytes + n_experts * spec.expert_bytes()) / 1e9:.9f}"
 
 
@@ -74,8 +75,9 @@ def test_choose_compute_picks_the_faster_processor_and_charges_the_upload():
 def test_plan_from_a_unified_profile_computes_streamed_experts_on_the_gpu(fixture_dir, tmp_path):
     with open_pack(fixture_dir) as pack:
         spec = pack.spec()
-    plan = make_plan(_vulkan_profile(), spec, ram=_ram(spec, 12), context_tokens=16, vram="0",
-                     headroom=0, lru_slots="1")[0]
+    plan = make_plan(_vulkan_profile(), spec, None, SolveOptions(ram=_ram(spec, 12), context_tokens=16,
+                                                                 vram="0", headroom=0, lru_slots="1",
+                                                                 trunk="cpu"))[0]
     assert plan.doc["compute"]["disk"] == "vulkan:0" and plan.doc["compute"]["lru"] == "vulkan:0"
     assert plan.doc["compute_explain"]["disk"]["vulkan:0"] < plan.doc["compute_explain"]["disk"]["cpu"]
     assert plan.counts()["disk"] > 0
@@ -111,8 +113,9 @@ def test_plan_compute_runs_through_the_engine(fixture_dir):
     """The solved plan (unified vulkan:0 computing the host tiers) run by the engine: token-exact."""
     with open_pack(fixture_dir) as pack:
         spec, arch = pack.spec(), pack.arch
-        plan = make_plan(_vulkan_profile(), spec, ram=_ram(spec, 12), context_tokens=16, vram="0",
-                         headroom=0, lru_slots="1")[0]
+        plan = make_plan(_vulkan_profile(), spec, None, SolveOptions(ram=_ram(spec, 12), context_tokens=16,
+                                                                     vram="0", headroom=0, lru_slots="1",
+                                                                     trunk="cpu"))[0]
         pl = Placement.from_plan(plan)
         assert pl.compute["disk"] == "vulkan:0" and pl.device_keys() == ["vulkan:0"]
         ref = run_placement(pack, Placement.all_ram(arch.moe_layers, arch.n_experts), PROMPT, 8,
@@ -127,8 +130,9 @@ def test_hot_first_uses_unified_gpus(fixture_dir):
     pins to a unified GPU too (least-loaded in seconds), so --compare's baseline is not handicapped."""
     with open_pack(fixture_dir) as pack:
         spec = pack.spec()
-    setup = build_setup(_vulkan_profile(gbps=25.0), spec, ram=_ram(spec, 20), context_tokens=16,
-                        vram="0", headroom=0, lru_slots="1")
+    setup = build_setup(_vulkan_profile(gbps=25.0), spec, None, SolveOptions(ram=_ram(spec, 20),
+                                                                             context_tokens=16, vram="0",
+                                                                             headroom=0, lru_slots="1"))
     assert dict(setup.res.compute)["ram_pinned"] == "vulkan:0"   # 25 > 20 GB/s: the GPU takes the pins
     tiers, _ = hot_first(setup.problem)
     assert np.sum(tiers == -1) > 0   # pins (computed on vulkan:0 through compute)
@@ -140,8 +144,9 @@ def test_hot_first_uses_unified_gpus(fixture_dir):
 def test_plan_checks_compute_and_tier_compute_refuses_discrete(fixture_dir):
     with open_pack(fixture_dir) as pack:
         spec = pack.spec()
-    plan = make_plan(_vulkan_profile(), spec, ram=_ram(spec, 12), context_tokens=16, vram="0",
-                     headroom=0, lru_slots="1")[0]
+    plan = make_plan(_vulkan_profile(), spec, None, SolveOptions(ram=_ram(spec, 12), context_tokens=16,
+                                                                 vram="0", headroom=0, lru_slots="1",
+                                                                 trunk="cpu"))[0]
     doc = json.loads(json.dumps(plan.doc))
     doc["compute"]["disk"] = "cuda:3"
     with pytest.raises(FormatError, match="compute.disk"):

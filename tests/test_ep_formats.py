@@ -20,15 +20,14 @@ from colibri_plan.formats.ep_placement import EpPlacement, load_ep_placement, sa
 from colibri_plan.formats.heat_align import align_heat
 from colibri_plan.heatsynth import synth_heat
 from colibri_plan.model import load_model_spec
-from colibri_plan.planner.ep_make import build_placement, slot_memory
+from colibri_plan.planner.ep_make import EpSettings, build_placement, slot_memory
 
 
 def _placement(gpus=8, nodes=1, redundant=8, name="olmoe-1b-7b"):
     spec = load_model_spec(name)
     heat = align_heat(synth_heat(spec, seed=1), spec)
     mem = slot_memory(spec, len(spec.decode_moe_layers), None, "not checked")
-    return build_placement(spec, heat, n_gpus=gpus, n_nodes=nodes, n_redundant=redundant, n_group=1,
-                           topk_group=1, memory=mem, trace_tokens=128), spec
+    return build_placement(spec, heat, EpSettings(gpus, nodes, redundant, trace_tokens=128), mem), spec
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from colibri_plan.formats.profile import load_profile, save_profile
 from colibri_plan.formats.report import load_report
 from colibri_plan.model import load_model_spec, save_model_spec
 from colibri_plan.planner.make import make_plan
+from colibri_plan.planner.options import SolveOptions
 
 N = 60  # examples per reader (x ~10 readers: the whole module runs in well under a minute on 2 cores)
 
@@ -45,7 +46,7 @@ def good(tmp_path_factory):
     spec = toy_spec(n_experts=8)
     heat = Heat(n_experts=8, layers=(1, 2, 3), counts=np.array([[3, 1, 0, 0, 2, 0, 1, 1]] * 3), top_k=2,
                 tokens=4, n_model_layers=4)
-    plan, _, _ = make_plan(prof, spec, heat, ram="4", context_tokens=100)
+    plan, _, _ = make_plan(prof, spec, heat, SolveOptions(ram="4", context_tokens=100, trunk="cpu"))
     files = {"profile": save_profile(prof, d / "profile.json"), "spec": save_model_spec(spec, d / "m.json"),
              "heat": save_heat(heat, d / "heat.json"), "usage": write_usage_text(heat, d / "usage.txt"),
              "plan": save_plan(plan, d / "plan.json"), "coefficients": coef_file(d, cpu_expert=1.2),

@@ -30,6 +30,7 @@ from colibri_plan.engine.runner import generate, open_weights
 from colibri_plan.engine.weights import load_checkpoint
 from colibri_plan.formats.pack_verify import verify_pack
 from colibri_plan.model import load_model_spec
+from colibri_plan.run_options import RunOptions
 
 N = 50
 
@@ -48,7 +49,7 @@ def _use_pack(folder):
         for layer in p.arch.moe_layers:
             p.expert(layer, 0)
     w = open_weights(folder)
-    generate(w, [1, 2], 1, backend="numpy")
+    generate(w, [1, 2], RunOptions(tokens=1, backend="numpy"))
     w.close()
 
 
@@ -102,7 +103,7 @@ def _use_checkpoint(folder, out):
     finally:
         leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
         assert not leftovers, f"temp folders left: {leftovers}"
-    generate(open_weights(out), [1, 2], 1, backend="numpy")
+    generate(open_weights(out), [1, 2], RunOptions(tokens=1, backend="numpy"))
 
 
 def _checkpoint_case(checkpoint, tmp_path, edit, case):

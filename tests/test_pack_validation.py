@@ -19,6 +19,7 @@ from colibri_plan.formats.plan import load_plan
 from colibri_plan.formats.profile import validate_profile
 from colibri_plan.planner.calibrate import fit_coefficients
 from colibri_plan.planner.make import make_plan
+from colibri_plan.planner.options import SolveOptions
 from colibri_plan.verify import load_report, save_report
 
 
@@ -120,7 +121,7 @@ def test_untouched_pack_still_verifies_and_runs(pack):
 def plan_doc():
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024)          # 3.15 MB experts, 48 in all
     prof = toy_profile(ram_available_bytes=3 * 10**9)
-    plan, _, _ = make_plan(prof, spec, None, ram="0.58", context_tokens=100)
+    plan, _, _ = make_plan(prof, spec, None, SolveOptions(ram="0.58", context_tokens=100, trunk="cpu"))
     return plan.doc
 
 

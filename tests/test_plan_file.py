@@ -15,6 +15,7 @@ from colibri_plan.formats.plan import TIER_DISK, TIER_RAM, check_model, load_pla
 from colibri_plan.planner.baselines import BASELINES, fit_layers, hot_first, uniform
 from colibri_plan.planner.exports import export_colibri, export_llama_cpp, fnv1a32
 from colibri_plan.planner.make import build_setup, make_plan
+from colibri_plan.planner.options import SolveOptions
 from colibri_plan.planner.solve import validate_placement
 
 GPU = {"gbps": 60.0, "free_bytes": 2_060_000_000}   # 60 MB of experts after the 2 GB reserve
@@ -24,7 +25,8 @@ GPU = {"gbps": 60.0, "free_bytes": 2_060_000_000}   # 60 MB of experts after the
 def planned():
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024)          # 3.15 MB experts, 48 in all
     prof = toy_profile(gpus=[GPU], ram_available_bytes=3 * 10**9)
-    plan, sol, setup = make_plan(prof, spec, None, ram="0.58", context_tokens=100)   # ~21 experts in RAM
+    plan, sol, setup = make_plan(prof, spec, None, SolveOptions(ram="0.58", context_tokens=100,
+                                                                trunk="cpu"))   # ~21 experts in RAM
     return spec, prof, plan, sol, setup
 
 
@@ -165,7 +167,8 @@ def test_plan_records_the_queue_depth_the_engine_reads_with():
     prof.doc["disk"]["random"][2]["read_gbps"] = {"median": 3.0}
     assert best_queue_depth(prof, top_k=8) == 8
     spec = toy_spec(n_experts=16, top_k=4, hidden=2048, inter=1024)
-    plan, _, setup = make_plan(toy_profile(), spec, None, ram="0.58", context_tokens=100)
+    plan, _, setup = make_plan(toy_profile(), spec, None, SolveOptions(ram="0.58", context_tokens=100,
+                                                                       trunk="cpu"))
     assert setup.res.disk_queue_depth == 4 and setup.res.disk_read_gbps == pytest.approx(2.0)
     assert plan.doc["resources"]["disk_queue_depth"] == 4 and plan.read_threads == 4
     doc = json.loads(json.dumps(plan.doc))

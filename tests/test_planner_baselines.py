@@ -18,6 +18,7 @@ from colibri_plan.formats.plan import Plan, validate_plan
 from colibri_plan.planner import solve as solve_mod
 from colibri_plan.planner.baselines import BASELINES, hot_first
 from colibri_plan.planner.make import build_setup, make_plan, plan_document
+from colibri_plan.planner.options import SolveOptions
 from colibri_plan.planner.solve import solve_placement, validate_placement
 
 _GPU = {"gbps": 60.0, "free_bytes": 2_060_000_000}
@@ -26,8 +27,8 @@ _SPEC = dict(n_experts=16, hidden=2048, inter=1024)
 
 def _tight(keep: bool = True):
     prof = toy_profile(gpus=[_GPU], ram_available_bytes=3 * 10**9)
-    return prof, toy_spec(**_SPEC), build_setup(prof, toy_spec(**_SPEC), None, ram="0.58",
-                                                keep_host_copies=keep)
+    opts = SolveOptions(ram="0.58", keep_host_copies=keep)
+    return prof, toy_spec(**_SPEC), build_setup(prof, toy_spec(**_SPEC), None, opts)
 
 
 def test_hot_first_counts_host_copies_against_ram():
@@ -42,7 +43,8 @@ def test_hot_first_counts_host_copies_against_ram():
 def test_solve_with_host_copies_and_tight_ram():
     """The CLI case of the report: toy GPU profile, --ram 0.58, default --context 4096."""
     prof, spec, _ = _tight()
-    plan, sol, setup = make_plan(prof, spec, None, ram="0.58", keep_host_copies=True)
+    plan, sol, setup = make_plan(prof, spec, None, SolveOptions(ram="0.58", keep_host_copies=True,
+                                                                trunk="cpu"))
     validate_plan(plan)
     assert plan.doc["knobs"]["keep_host_copies"] is True and plan.counts()["cuda:0"] > 0
 
@@ -77,8 +79,9 @@ def test_every_baseline_passes_validate_plan(gpus, keep):
                                                  ("auto", "0", "3")):
         prof = toy_profile(gpus=_GPUS[gpus], ram_available_bytes=3 * 10**9)
         try:
-            setup = build_setup(prof, toy_spec(**_SPEC), None, ram=ram, context_tokens=context,
-                                lru_slots=slots, keep_host_copies=keep)
+            setup = build_setup(prof, toy_spec(**_SPEC), None, SolveOptions(ram=ram, context_tokens=context,
+                                                                            lru_slots=slots,
+                                                                            keep_host_copies=keep))
         except BudgetError:
             continue
         for name, fn in BASELINES.items():

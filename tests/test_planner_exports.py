@@ -11,14 +11,15 @@ from _solver_fixtures import toy_profile, toy_spec
 from colibri_plan.formats.plan import Plan
 from colibri_plan.planner.exports import export_colibri
 from colibri_plan.planner.make import make_plan
+from colibri_plan.planner.options import SolveOptions
 
 GPU = {"gbps": 60.0, "free_bytes": 2_060_000_000}
 SPEC = toy_spec(n_experts=16, hidden=2048, inter=1024)
 
 
 def _plan(spec=SPEC, **kw):
-    return make_plan(toy_profile(gpus=[GPU], ram_available_bytes=3 * 10**9), spec, None, ram="0.58",
-                     context_tokens=100, **kw)[0]
+    opts = SolveOptions(ram="0.58", context_tokens=100, trunk="cpu", **kw)
+    return make_plan(toy_profile(gpus=[GPU], ram_available_bytes=3 * 10**9), spec, None, opts)[0]
 
 
 def test_direct_and_the_displaced_pins(tmp_path):

@@ -18,6 +18,7 @@ from colibri_plan.planner.knobs import (
     lru_slot_candidates,
 )
 from colibri_plan.planner.make import make_plan
+from colibri_plan.planner.options import SolveOptions
 
 GPU = {"gbps": 60.0, "free_bytes": 2_060_000_000}   # 60 MB of experts after the 2 GB reserve
 SPEC = toy_spec(n_experts=16, hidden=2048, inter=1024)   # 3.15 MB experts
@@ -25,7 +26,8 @@ SPEC = toy_spec(n_experts=16, hidden=2048, inter=1024)   # 3.15 MB experts
 
 def _plan(**kw):
     prof = toy_profile(gpus=[GPU], ram_available_bytes=3 * 10**9)
-    return make_plan(prof, SPEC, None, ram=kw.pop("ram", "0.58"), context_tokens=100, **kw)
+    return make_plan(prof, SPEC, None, SolveOptions(ram=kw.pop("ram", "0.58"), context_tokens=100,
+                                                    trunk="cpu", **kw))
 
 
 def test_queue_depth_is_the_engines():
@@ -116,14 +118,14 @@ def test_compare_rows_carry_the_knobs_each_engine_runs_with():
 
 def test_ram_equal_to_all_available_memory_keeps_headroom_and_warns():
     prof = toy_profile(gpus=[GPU], ram_available_bytes=4 * 10**9)
-    plan, _, setup = make_plan(prof, SPEC, None, ram="4", context_tokens=100)
+    plan, _, setup = make_plan(prof, SPEC, None, SolveOptions(ram="4", context_tokens=100, trunk="cpu"))
     assert any("all of the 4.00 GB available" in w and "give at most 1.50 GB" in w for w in setup.warnings)
     assert plan.doc["knobs"]["ram_warnings"] and any("page-cache headroom kept" in e["what"]
                                                      for e in plan.doc["budgets"]["explain"])
     assert plan.doc["budgets"]["headroom_bytes"] == int(2.5e9)
     prof = toy_profile(ram_available_bytes=0)
     with pytest.raises(BudgetError, match="no memory is available"):
-        make_plan(prof, SPEC, None, ram="auto", context_tokens=100)
+        make_plan(prof, SPEC, None, SolveOptions(ram="auto", context_tokens=100, trunk="cpu"))
 
 
 def test_pins_keep_their_meaning_with_knobs():

@@ -56,10 +56,11 @@ def test_more_ram_is_slower_for_colibri_with_buffered_reads():
     the page cache held, so predicted tok/s falls as --ram grows (until the page cache is gone)."""
     from colibri_plan.planner.compare import colibri_ram_sweep
     from colibri_plan.planner.make import build_setup
+    from colibri_plan.planner.options import SolveOptions
 
     spec = toy_spec(n_experts=64, hidden=4096, inter=2048, n_layers=7, moe_layers=(1, 2, 3, 4, 5, 6), top_k=4)
     prof = toy_profile(ram_available_bytes=int(3.4e9), disk_gbps=1.0)
-    setup = build_setup(prof, spec, None, ram="3.3", context_tokens=100)
+    setup = build_setup(prof, spec, None, SolveOptions(ram="3.3", context_tokens=100))
     rows = colibri_ram_sweep(setup, [int(x * GB) for x in (0.4, 0.8, 1.2, 1.6)], pin_bytes=int(0.4 * GB))
     tok = [r["tok_s"] for r in rows]
     assert tok == sorted(tok, reverse=True) and tok[0] > 1.3 * tok[-1]
@@ -70,9 +71,10 @@ def test_more_ram_is_slower_for_colibri_with_buffered_reads():
 def test_llama_export_says_what_mmap_implies():
     from colibri_plan.planner.exports import export_llama_cpp
     from colibri_plan.planner.make import make_plan
+    from colibri_plan.planner.options import SolveOptions
 
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024)
-    plan, _, _ = make_plan(toy_profile(ram_available_bytes=3 * GB), spec, None, ram="0.58",
-                           context_tokens=100)
+    plan, _, _ = make_plan(toy_profile(ram_available_bytes=3 * GB), spec, None,
+                           SolveOptions(ram="0.58", context_tokens=100, trunk="cpu"))
     note = [n for n in export_llama_cpp(plan)["notes"] if "mmap" in n][0]
     assert "page cache can hold about" in note and "of the CPU layers' selections" in note

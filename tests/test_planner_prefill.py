@@ -155,10 +155,11 @@ def test_figures_mark_only_the_cuda_trunk_gpu_as_device_x():
     from _solver_fixtures import toy_spec
 
     from colibri_plan.planner.make import make_plan
+    from colibri_plan.planner.options import SolveOptions
     from colibri_plan.planner.prefill import figures_from_setup
 
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
     prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": 2_300_000_000}], ram_available_bytes=3 * 10**9)
     for trunk, want in (("cuda:0", True), ("cpu", False)):
-        _, _, setup = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk=trunk)
+        _, _, setup = make_plan(prof, spec, None, SolveOptions(ram="2", context_tokens=100, trunk=trunk))
         assert figures_from_setup(prof, setup)["gpus"][0]["device_x"] is want

@@ -51,6 +51,7 @@ def test_the_milp_call_is_silenced(capfd, monkeypatch):
 
     from colibri_plan.planner import solve as solve_mod
     from colibri_plan.planner.make import make_plan
+    from colibri_plan.planner.options import SolveOptions
 
     real, calls = solve_mod.milp, []
 
@@ -60,5 +61,6 @@ def test_the_milp_call_is_silenced(capfd, monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(solve_mod, "milp", noisy)
-    make_plan(toy_profile(), toy_spec(n_experts=8), None, ram="0.6", context_tokens=100, method="milp")
+    make_plan(toy_profile(), toy_spec(n_experts=8), None, SolveOptions(ram="0.6", context_tokens=100,
+                                                                       method="milp", trunk="cpu"))
     assert calls and "Highs" not in capfd.readouterr().out

@@ -14,6 +14,7 @@ from colibri_plan.formats.plan_trunk import kv_bytes
 from colibri_plan.planner import make
 from colibri_plan.planner.budgets import resources_from_profile
 from colibri_plan.planner.make import make_plan
+from colibri_plan.planner.options import SolveOptions
 from colibri_plan.planner.trunk import (
     DEFAULT_GPU_OP_S,
     TrunkFigures,
@@ -23,18 +24,19 @@ from colibri_plan.planner.trunk import (
     trunk_options,
     trunk_seconds,
 )
+from colibri_plan.planner.trunk_layer import TrunkWork
 
 GPU = {"gbps": 60.0, "free_bytes": 2_060_000_000}
 
 
 def test_trunk_seconds_by_hand():
     fig = TrunkFigures("cuda:0", dense_gbps=100.0, op_s=1e-6, roundtrip_s=20e-6, kv_gbps=((0, 50.0),))
-    dense, attn, rt = trunk_seconds(fig, 10**9, n_layers=10, n_moe_layers=5, context_tokens=1000,
-                                    kv_bytes_per_token=1000, ops_per_layer=10)
+    work = TrunkWork(10**9, n_layers=10, n_moe_layers=5, context_tokens=1000, kv_bytes_per_token=1000)
+    dense, attn, rt = trunk_seconds(fig, work, ops_per_layer=10)
     assert rt == pytest.approx(5 * 20e-6)                         # 5 MoE layers x one round trip
     assert dense == pytest.approx(0.01 + 10 * 10 * 1e-6 + 1e-4)   # 1 GB at 100 GB/s + 100 ops + round trips
     assert attn == pytest.approx(1000 * 1000 / 50e9)
-    d2, a2, _ = trunk_seconds(fig, 10**9, 10, 5, 1000, 1000, 10, c_dense=2.0, c_attention=3.0)
+    d2, a2, _ = trunk_seconds(fig, TrunkWork(10**9, 10, 5, 1000, 1000), 10, c_dense=2.0, c_attention=3.0)
     assert d2 == pytest.approx(0.02 + 1e-4 + 1e-4) and a2 == pytest.approx(3 * attn)
 
 
@@ -117,13 +119,14 @@ def _fast_cpu_profile():
 
 def test_a_fast_cpu_keeps_the_trunk_and_a_fast_gpu_takes_it():
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
-    plan, _, setup = make_plan(_fast_cpu_profile(), spec, None, ram="2", context_tokens=100, trunk="auto")
+    plan, _, setup = make_plan(_fast_cpu_profile(), spec, None, SolveOptions(ram="2", context_tokens=100,
+                                                                             trunk="auto"))
     rep = plan.doc["solver"]["trunk"]
     assert plan.doc["trunk"]["device"] == "cpu" and rep["chosen"] == "cpu"
     cpu, gpu = rep["options"]
     assert gpu["solved"] and gpu["tok_s"] < cpu["tok_s"] == pytest.approx(plan.doc["predicted"]["tok_s"])
     slow_cpu = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": 2_300_000_000}], ram_available_bytes=3 * 10**9)
-    plan2, _, _ = make_plan(slow_cpu, spec, None, ram="2", context_tokens=100, trunk="auto")
+    plan2, _, _ = make_plan(slow_cpu, spec, None, SolveOptions(ram="2", context_tokens=100, trunk="auto"))
     assert plan2.doc["trunk"]["device"] == "cuda:0"
     t = plan2.doc["predicted"]["terms"]
     pt = plan2.doc["predicted"]["trunk"]
@@ -135,8 +138,8 @@ def test_a_fast_cpu_keeps_the_trunk_and_a_fast_gpu_takes_it():
 def test_forced_cpu_against_auto_the_vram_trade():
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
     prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": 2_150_000_000}], ram_available_bytes=3 * 10**9)
-    auto, _, _ = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="auto")
-    cpu, _, _ = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="cpu")
+    auto, _, _ = make_plan(prof, spec, None, SolveOptions(ram="2", context_tokens=100, trunk="auto"))
+    cpu, _, _ = make_plan(prof, spec, None, SolveOptions(ram="2", context_tokens=100, trunk="cpu"))
     moved = dense_read_bytes(spec, "int4") + kv_bytes(100, 2 * spec.kv_bytes_per_token)   # float32 on the GPU
     a, c = auto.doc["budgets"], cpu.doc["budgets"]
     assert c["vram_budget_bytes"]["cuda:0"] - a["vram_budget_bytes"]["cuda:0"] == moved
@@ -163,25 +166,25 @@ def test_refusals_before_solving(monkeypatch):
     prof = toy_profile(gpus=[GPU], ram_available_bytes=3 * 10**9)
     with pytest.raises(InputError, match=r"--trunk cuda:3: the profile has no device cuda:3; choose "
                                          r"auto, cpu, cuda:0"):
-        make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="cuda:3")
+        make_plan(prof, spec, None, SolveOptions(ram="2", context_tokens=100, trunk="cuda:3"))
     for ram in ("6", "2"):    # checked before the RAM budget, which would refuse the context otherwise
         with pytest.raises(BudgetError, match=r"KV cache of --context 3000000 tokens needs 6144000000 B "
                                               r"\(6\.14 GB\) there and cuda:0 has 60000000 B"):
-            make_plan(toy_profile(gpus=[GPU], ram_available_bytes=8 * 10**9), spec, None, ram=ram,
-                      context_tokens=3_000_000, trunk="cuda:0")
+            make_plan(toy_profile(gpus=[GPU], ram_available_bytes=8 * 10**9), spec, None,
+                      SolveOptions(ram=ram, context_tokens=3_000_000, trunk="cuda:0"))
     big = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=2_000_000_000)   # ~1 GB of int4 trunk
     with pytest.raises(BudgetError, match=r"trunk on cuda:0: the dense trunk and KV cache need \d+ B .* has "
                                           r"60000000 B .*leave -\d\.\d+ GB for experts"):
-        make_plan(toy_profile(gpus=[GPU], ram_available_bytes=8 * 10**9), big, None, ram="6",
-                  context_tokens=100, trunk="cuda:0")
+        make_plan(toy_profile(gpus=[GPU], ram_available_bytes=8 * 10**9), big, None,
+                  SolveOptions(ram="6", context_tokens=100, trunk="cuda:0"))
     with pytest.raises(InputError, match="no layer split"):
-        make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="split")
+        make_plan(prof, spec, None, SolveOptions(ram="2", context_tokens=100, trunk="split"))
 
 
 def test_plan_file_round_trip_and_old_plans(tmp_path):
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
     prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": 2_300_000_000}], ram_available_bytes=3 * 10**9)
-    plan, _, _ = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="cuda:0")
+    plan, _, _ = make_plan(prof, spec, None, SolveOptions(ram="2", context_tokens=100, trunk="cuda:0"))
     back = load_plan(save_plan(plan, tmp_path / "p.json"))
     validate_plan(back)
     assert back.doc["trunk"] == {"device": "cuda:0", "dense_format": "int4",
@@ -207,7 +210,7 @@ def test_a_trunk_no_single_gpu_holds_is_split_over_two(tmp_path):
     need = dense_read_bytes(spec, "int4") + kv_bytes(100, spec.kv_bytes_per_token)   # ~0.11 GB
     free = 2 * 10**9 + need * 3 // 4                           # each GPU: 3/4 of it after the 2 GB reserve
     prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": free}] * 2, ram_available_bytes=3 * 10**9)
-    plan, _, _ = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="auto")
+    plan, _, _ = make_plan(prof, spec, None, SolveOptions(ram="2", context_tokens=100, trunk="auto"))
     rows = {r["option"]: r for r in plan.doc["solver"]["trunk"]["options"]}
     assert not rows["cuda:0"]["feasible"] and "need" in rows["cuda:0"]["why"]
     assert plan.doc["trunk"]["split"] == [{"first_layer": 0, "last_layer": 1, "device": "cuda:0"},

@@ -9,7 +9,7 @@ import pytest
 from _cli_fixtures import invoke, refused
 from _solver_fixtures import toy_profile, toy_spec
 
-from colibri_plan.formats.plan_trunk import host_kv_bytes_per_token, kv_bytes
+from colibri_plan.formats.plan_trunk import device_kv_bytes_per_token, kv_bytes
 from colibri_plan.formats.profile import save_profile
 from colibri_plan.model import load_model_spec, save_model_spec
 from colibri_plan.planner.trunk import dense_read_bytes
@@ -33,11 +33,12 @@ def glm(tmp_path_factory):
 def test_glm_on_six_5090s_puts_the_trunk_on_a_gpu_and_shows_the_trade(glm):
     _, doc, human = glm
     spec = load_model_spec("glm-5.2")
-    # GLM-5.2 is an MLA model: the engine keeps its attention and latent cache on the host, so only the
-    # dense trunk moves to the GPU and the KV cache (2.43 GB at 4096 tokens: the catalogue's 16-bit
-    # figure, 1.22 GB, at the engine's float32) stays in the RAM budget
-    moved = dense_read_bytes(spec, "int4")
-    kv = kv_bytes(4096, host_kv_bytes_per_token(spec.kv_bytes_per_token, spec.source))
+    # GLM-5.2 is an MLA model: its attention and latent cache run on the trunk's GPU like GQA's, so the
+    # dense trunk and the KV cache (2.43 GB at 4096 tokens: the catalogue's 16-bit figure, 1.22 GB, at
+    # the engine's float32) move to the GPU
+    dense = dense_read_bytes(spec, "int4")
+    kv = kv_bytes(4096, device_kv_bytes_per_token(spec.kv_bytes_per_token, spec.source))
+    moved = dense + kv
     assert kv == 2 * kv_bytes(4096, spec.kv_bytes_per_token)
     tr = doc["trunk"]
     assert tr["device"] == tr["chosen"] == "cuda:0" and tr["mode"] == "auto"
@@ -54,13 +55,13 @@ def test_glm_on_six_5090s_puts_the_trunk_on_a_gpu_and_shows_the_trade(glm):
     assert doc["predicted"]["tok_s"] == pytest.approx(gpu["tok_s"])
     assert doc["predicted"]["trunk"]["device"] == "cuda:0"
     assert "Trunk (dense, attention, KV cache): on cuda:0 (the least predicted decode time)" in human
-    placed = r"cuda:0: dense trunk \(the MLA KV cache stays in RAM\) placed on it"
+    placed = r"cuda:0: dense trunk \+ KV cache placed on it"
     assert re.search(rf"{placed} +{-moved / GB:,.2f} GB", human)
-    assert doc["trunk"]["options"][1]["kv_on_host"] and doc["trunk"]["options"][1]["kv_bytes"] == kv
+    assert doc["trunk"]["options"][1]["kv_bytes"] == kv and "kv_on_host" not in doc["trunk"]["options"][1]
     assert f"cuda:0 {(31.6e9 - moved) / GB:,.2f} GB" in human           # VRAM left for experts
     assert "cuda:1, cuda:2, cuda:3, cuda:4, cuda:5: as cuda:0" in human
-    assert (f"takes {moved / GB:,.2f} GB of VRAM from experts (dense {moved / GB:,.2f} GB; its KV cache, "
-            f"{kv / GB:,.2f} GB, stays in RAM with the MLA attention)") in human
+    assert (f"takes {moved / GB:,.2f} GB of VRAM from experts (dense {dense / GB:,.2f} GB + KV "
+            f"{kv / GB:,.2f} GB)") in human
     assert re.search(r"predicted \d+\.\d{3} tok/s against \d\.\d{3} with it on the CPU", human)
 
 
@@ -68,8 +69,7 @@ def test_glm_plan_shows_and_exports_its_gpu_trunk(glm):
     d, _, _ = glm
     show = invoke("plan", "show", d / "plan.json")
     assert show.exit_code == 0, show.output
-    assert ("trunk: on cuda:0 (int4, dense 9.25 GB + KV 2.43 GB in RAM (MLA: attention on the host) for 4096 "
-            "tokens): dense ") in show.stdout
+    assert "trunk: on cuda:0 (int4, dense 9.25 GB + KV 2.43 GB for 4096 tokens): dense " in show.stdout
     env = json.loads(invoke("export", d / "plan.json", "--to", "colibri", "--out", d / "u.coli_usage",
                             "--json").stdout)["vars"]
     assert env["CUDA_DENSE"] == "1" and env["COLI_CUDA_ATTN"] == "1" and env["COLI_GPUS"] == "0,1,2,3,4,5"

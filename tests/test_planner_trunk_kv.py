@@ -1,4 +1,4 @@
-"""What a GPU trunk's KV cache costs as the engine holds it (float32 on the device; MLA on the host) and
+"""What a GPU trunk's KV cache costs as the engine holds it (float32 on the device, MLA's latent rows too) and
 the host's launches of the experts on the trunk's GPU, on toy numbers (planner/trunk.py, trunk_solve.py,
 formats/plan_trunk.py)."""
 
@@ -13,12 +13,10 @@ from colibri_plan.errors import FormatError
 from colibri_plan.formats.coefficients import Coefficients
 from colibri_plan.formats.plan_trunk import (
     DEVICE_KV_BYTES_PER_VALUE,
-    MLA_FAMILIES,
     SPEC_KV_BYTES_PER_VALUE,
     TrunkPlacement,
     check_trunk_budgets,
     device_kv_bytes_per_token,
-    kv_on_host,
     parse_trunk,
 )
 from colibri_plan.planner.budgets import resources_from_profile
@@ -53,7 +51,6 @@ def test_gpu_and_cpu_trunk_kv_priced_at_the_engines_float32_caches():
     assert gpu.kv_bytes == 2 * 64 * 2048                      # 100 tokens = 2 pages of 64, float32
     assert gpu.vram_bytes == {"cuda:0": dense + 2 * 64 * 2048}
     assert gpu.ram_freed_bytes == dense + 100 * 2048          # what the RAM budget charged (host float32)
-    assert not gpu.kv_on_host
 
 
 def test_a_packs_arch_spec_already_counts_float32():
@@ -70,45 +67,38 @@ def test_a_packs_arch_spec_already_counts_float32():
     assert gpu.kv_bytes_per_token == cpu.kv_bytes_per_token == 1024 and gpu.kv_bytes == 2 * 64 * 1024
 
 
-def test_mla_trunk_on_a_gpu_keeps_attention_and_kv_on_the_host():
+def test_mla_trunk_on_a_gpu_holds_attention_and_its_latent_cache_there():
     spec = dataclasses.replace(toy_spec(hidden=2048, inter=1024), family="deepseek_v3")
-    figs, (cpu, gpu) = _options(spec)
-    dense = dense_read_bytes(spec, "int4")
-    assert gpu.kv_on_host and gpu.kv_bytes == 100 * 2048      # the host's float32 bytes, in RAM
-    assert gpu.vram_bytes == {"cuda:0": dense}                # the dense trunk only
-    assert gpu.ram_freed_bytes == dense                       # the KV cache stays in the RAM budget
-    assert gpu.attention_s == pytest.approx(cpu.attention_s)  # priced on the host, as the CPU trunk's
-    # every layer sends x down to the host attention and its output back up: 4 more round trips
+    _, (_, gpu) = _options(spec)
     gqa = dataclasses.replace(spec, family="qwen3_moe")
     _, (_, g_gqa) = _options(gqa)
-    hop = 4 * figs["cuda:0"].roundtrip_s
-    assert gpu.roundtrip_s == pytest.approx(g_gqa.roundtrip_s + hop)
-    assert gpu.dense_s == pytest.approx(g_gqa.dense_s + hop)
+    dense = dense_read_bytes(spec, "int4")
+    assert gpu.kv_bytes == 2 * 64 * 2048                      # the device's float32 rows, whole pages
+    assert gpu.vram_bytes == {"cuda:0": dense + 2 * 64 * 2048}
+    assert gpu.ram_freed_bytes == dense + 100 * 2048          # the RAM budget gets trunk and KV back
+    assert gpu.seconds == pytest.approx(g_gqa.seconds)        # priced as GQA: no host round trips
+    assert gpu.roundtrip_s == pytest.approx(g_gqa.roundtrip_s)
 
 
-def test_mla_families_are_those_the_engine_runs_with_mla():
-    from colibri_plan.families import deepseek
-
-    assert set(deepseek.MODEL_TYPES) == set(MLA_FAMILIES)
-    assert kv_on_host("deepseek_v3", "cuda:0") and not kv_on_host("deepseek_v3", "cpu")
-    assert not kv_on_host("qwen3_moe", "cuda:0")
-
-
-def test_trunk_section_host_flag_round_trips_and_budget_check_skips_its_vram():
-    t = TrunkPlacement("cuda:0", "int8", 1000, "cuda:0", 64, 64, 100, 6400, (), True)
+def test_a_plan_whose_mla_cache_was_kept_in_ram_is_refused():
+    t = TrunkPlacement("cuda:0", "int8", 1000, "cuda:0", 64, 64, 100, 6400, ())
     doc = {"trunk": t.to_dict(), "devices": [{"key": "cuda:0"}],
-           "budgets": {"trunk_vram_bytes": {"cuda:0": 1000}, "vram_budget_bytes": {"cuda:0": 5}}}
-    assert doc["trunk"]["kv"]["host"] is True
+           "budgets": {"trunk_vram_bytes": {"cuda:0": 7400}, "vram_budget_bytes": {"cuda:0": 5}}}
+    assert "host" not in doc["trunk"]["kv"]
     back = parse_trunk(doc, ["cuda:0"])
     assert back == t
-    check_trunk_budgets(doc, back)                            # 1000 B taken = dense; the KV is in RAM
-    on_gpu = dataclasses.replace(t, kv_on_host=False)
+    check_trunk_budgets(doc, back)                            # 7400 B taken = dense + KV
     with pytest.raises(FormatError, match="1000 B dense \\+ 6400 B KV"):
-        check_trunk_budgets(doc, on_gpu)
+        check_trunk_budgets(dict(doc, budgets={"trunk_vram_bytes": {"cuda:0": 1000},
+                                               "vram_budget_bytes": {"cuda:0": 5}}), back)
+    old = {"trunk": dict(t.to_dict(), kv=dict(t.to_dict()["kv"], host=True)), "devices": [{"key": "cuda:0"}]}
+    with pytest.raises(FormatError, match="an earlier version kept an MLA model's latent cache in RAM"):
+        parse_trunk(old, ["cuda:0"])
+    assert parse_trunk(dict(old, trunk=dict(old["trunk"], kv=dict(old["trunk"]["kv"], host=False))),
+                       ["cuda:0"]) == t
     bad = {"trunk": dict(t.to_dict(), kv=dict(t.to_dict()["kv"], host="yes"))}
     with pytest.raises(FormatError, match="trunk.kv.host"):
         parse_trunk(bad, ["cuda:0"])
-    assert "host" not in on_gpu.to_dict()["kv"]               # written only when true
 
 
 def test_trunk_gpu_option_carries_the_devices_op_seconds_as_expert_call():

@@ -15,6 +15,7 @@ from colibri_plan.formats.coefficients import Coefficients
 from colibri_plan.formats.plan_trunk import HOST_KV_BYTES_PER_VALUE, host_kv_bytes_per_token
 from colibri_plan.planner.budgets import ram_budget, ram_kv_bytes_per_token, resources_from_profile
 from colibri_plan.planner.make import build_setup
+from colibri_plan.planner.options import SolveOptions
 from colibri_plan.planner.trunk import device_figures, trunk_options
 
 
@@ -59,8 +60,8 @@ def test_ram_budget_charges_the_host_cache_for_our_engine_and_the_spec_for_colib
     _, _, theirs = ram_budget(spec, 8 * 10**9, "4", context_tokens=1000, dense_fmt="int4",
                               kv_bytes_per_token=ram_kv_bytes_per_token(spec, "colibri"))
     assert theirs["kv_bytes"] == 1_024_000                                 # colibrì's 16-bit cache
-    ours = build_setup(toy_profile(), spec, None, ram="4", context_tokens=1000)
-    col = build_setup(toy_profile(), spec, None, ram="4", context_tokens=1000, target="colibri")
+    ours = build_setup(toy_profile(), spec, None, SolveOptions(ram="4", context_tokens=1000))
+    col = build_setup(toy_profile(), spec, None, SolveOptions(ram="4", context_tokens=1000, target="colibri"))
     assert ours.budgets.kv_bytes == 2_048_000 and col.budgets.kv_bytes == 1_024_000
 
 
@@ -76,6 +77,6 @@ def test_cpu_trunk_and_its_attention_priced_at_the_host_cache():
     assert (spec_bpt.kv_bytes_per_token, spec_bpt.kv_bytes) == (1024, 100 * 1024)
     # attention reads the cache: twice the bytes, twice the seconds at the same KV GB/s
     assert ours.attention_s == 2 * spec_bpt.attention_s > 0
-    mla = dataclasses.replace(spec, family="deepseek_v3")
-    host = trunk_options(figs, mla, "int4", 100, {"cuda:0": 10**9}, Coefficients())[1]
-    assert host.kv_on_host and (host.kv_bytes_per_token, host.kv_bytes) == (2048, 100 * 2048)
+    mla = dataclasses.replace(spec, family="deepseek_v3")   # MLA's latent cache: on the GPU, as GQA's K/V
+    dev = trunk_options(figs, mla, "int4", 100, {"cuda:0": 10**9}, Coefficients())[1]
+    assert (dev.kv_bytes_per_token, dev.kv_bytes) == (2048, 2 * 64 * 2048)   # float32, 2 pages of 64

@@ -10,6 +10,7 @@ from colibri_plan.planner.budgets import resources_from_profile
 from colibri_plan.planner.trunk import dense_read_bytes, device_figures, trunk_options
 from colibri_plan.planner.trunk_layer import (
     LayerFigures,
+    TrunkWork,
     kv_growth_s_per_byte,
     layer_trunk_seconds,
     lm_head_bytes,
@@ -25,31 +26,31 @@ def test_layer_trunk_seconds_by_hand():
     lay = LayerFigures(block_s=300e-6, handoff_s=100e-6, attn0_s=50e-6, context_tokens=64,
                        probe_bytes=10_000_000, kv_bytes_per_token=4096)
     dense_bytes = 10 * 10_000_000 + 10**9
-    d, a, rt = layer_trunk_seconds(lay, dense_bytes, 10**9, 10, 5, 64, 10 * 4096, 500.0, 100.0, 5e-6,
-                                   ((0, 1.0),))
+    d, a, rt = layer_trunk_seconds(lay, TrunkWork(dense_bytes, 10, 5, 64, 10 * 4096), 10**9, 500.0, 100.0,
+                                   5e-6, ((0, 1.0),))
     assert d == pytest.approx(10 * 250e-6 + 0.01 + 10e-6 + 5 * 100e-6)
     assert a == pytest.approx(10 * 50e-6) and rt == pytest.approx(5 * 100e-6)
     # the model's layer holds 5 MB more than the probe's: read at 500 GB/s, 10 µs more a layer
-    d2, _, _ = layer_trunk_seconds(lay, dense_bytes + 10 * 5_000_000, 10**9, 10, 5, 64, 10 * 4096, 500.0,
-                                   100.0, 5e-6, ((0, 1.0),))
+    d2, _, _ = layer_trunk_seconds(lay, TrunkWork(dense_bytes + 10 * 5_000_000, 10, 5, 64, 10 * 4096), 10**9,
+                                   500.0, 100.0, 5e-6, ((0, 1.0),))
     assert d2 - d == pytest.approx(10 * 10e-6)
     # c_dense scales the layers, the LM head and the ops, not the hand-off
-    d3, _, _ = layer_trunk_seconds(lay, dense_bytes, 10**9, 10, 5, 64, 10 * 4096, 500.0, 100.0, 5e-6,
-                                   ((0, 1.0),), c_dense=2.0)
+    d3, _, _ = layer_trunk_seconds(lay, TrunkWork(dense_bytes, 10, 5, 64, 10 * 4096), 10**9, 500.0, 100.0,
+                                   5e-6, ((0, 1.0),), c_dense=2.0)
     assert d3 == pytest.approx(2 * (10 * 250e-6 + 0.01 + 10e-6) + 5 * 100e-6)
 
 
 def test_attention_grows_with_context_from_the_layer_probe_or_the_attention_section():
     # measured growth: 1 µs per 1000 extra tokens at the probe's 4096 B per token; the model has 8192 B
     lay = LayerFigures(300e-6, 0.0, 50e-6, 64, 0, 4096, growth_s=1e-9, path="host")
-    _, a, rt = layer_trunk_seconds(lay, 0, 0, 2, 2, 1064, 2 * 8192, 1.0, 1.0, 0.0, ((0, 1.0),))
+    _, a, rt = layer_trunk_seconds(lay, TrunkWork(0, 2, 2, 1064, 2 * 8192), 0, 1.0, 1.0, 0.0, ((0, 1.0),))
     assert a == pytest.approx(2 * (50e-6 + 1000 * 2e-9)) and rt == 0.0      # the host path has no round trip
     # no second context in the layer probe: the attention section's slope per byte
     slope = kv_growth_s_per_byte(((256, 10.0), (4096, 40.0)), 512)
     assert slope == pytest.approx((102.4 - 25.6) / 3840 / 1e9)
     assert kv_growth_s_per_byte(((0, 50.0),), 512) == pytest.approx(1 / 50e9)
     lay2 = LayerFigures(300e-6, 0.0, 50e-6, 64, 0, 4096)
-    _, a2, _ = layer_trunk_seconds(lay2, 0, 0, 2, 0, 1064, 2 * 8192, 1.0, 1.0, 0.0,
+    _, a2, _ = layer_trunk_seconds(lay2, TrunkWork(0, 2, 0, 1064, 2 * 8192), 0, 1.0, 1.0, 0.0,
                                    ((256, 10.0), (4096, 40.0)))
     assert a2 == pytest.approx(2 * (50e-6 + 1000 * 8192 * 2e-11))
     # from the reader's dict: growth = (long - short) / (long context - short context)
@@ -96,14 +97,16 @@ def test_options_are_priced_from_the_measured_layer_when_the_profile_has_one():
 def test_experts_on_the_trunks_own_gpu_need_no_transfer():
     from colibri_plan.planner.costmodel import GpuResource, transfer_seconds
     from colibri_plan.planner.make import make_plan
+    from colibri_plan.planner.options import SolveOptions
 
     g = GpuResource("cuda:0", 100.0, 25.0, 25.0, link_latency_s=10e-6)
     assert transfer_seconds(g, 8192) == pytest.approx(2 * 8192 / 25e9 + 2 * 10e-6)
     assert transfer_seconds(GpuResource("cuda:0", 100.0, 25.0, 25.0, holds_trunk=True), 8192) == 0.0
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
     prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": 2_300_000_000}], ram_available_bytes=3 * 10**9)
-    on_cpu, _, _ = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="cpu")
-    on_gpu, _, setup = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="cuda:0")
+    on_cpu, _, _ = make_plan(prof, spec, None, SolveOptions(ram="2", context_tokens=100, trunk="cpu"))
+    on_gpu, _, setup = make_plan(prof, spec, None,
+                                 SolveOptions(ram="2", context_tokens=100, trunk="cuda:0"))
     assert on_cpu.doc["predicted"]["terms"]["transfer_s"] > 0          # the GPU holds experts of layers
     assert on_gpu.doc["predicted"]["terms"]["transfer_s"] == 0.0
     assert [g.holds_trunk for g in setup.res.gpus] == [True]

@@ -10,13 +10,14 @@ from _solver_fixtures import toy_profile, toy_spec
 from colibri_plan.errors import InputError
 from colibri_plan.formats.plan import Plan
 from colibri_plan.planner.make import make_plan
+from colibri_plan.planner.options import SolveOptions
 from colibri_plan.planner.whatif import setup_from_plan, what_if
 
 
 def _plan(**profile_kw) -> tuple[Plan, object]:
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024)
     plan, _, setup = make_plan(toy_profile(ram_available_bytes=3 * 10**9, **profile_kw), spec, None,
-                               ram="0.58", context_tokens=100)
+                               SolveOptions(ram="0.58", context_tokens=100, trunk="cpu"))
     return plan, setup
 
 

@@ -270,8 +270,9 @@ def test_matmul_probe_plumbing(monkeypatch):
     monkeypatch.setattr(backends, "get_backend", lambda name: ToyBackend)
     ToyBackend.calls = 0
     dev = ToyBackend.list_devices()[0].to_dict()
-    rows, ffn, skipped = matmul_probe.probe_matmul([dev], ["int4", "int4-g64"], hidden=128, width=64,
-                                                   tokens=(1, 4), repetitions=3, ffn_experts=2)
+    cfg = matmul_probe.MatmulSettings(["int4", "int4-g64"], hidden=128, width=64, tokens=(1, 4),
+                                      repetitions=3, ffn_experts=2)
+    rows, ffn, skipped = matmul_probe.probe_matmul([dev], cfg)
     assert [(r["out_features"], r["in_features"], r["tokens"]) for r in rows] == [
         (64, 128, 1), (64, 128, 4), (128, 64, 1), (128, 64, 4)]
     # each figure: (warm-up + 1 timed) then (warm-up + 2 timed) -> 5 calls; 4 matmul figures and one
@@ -307,8 +308,9 @@ def test_ffn_skipped_over_budget(monkeypatch):
 
     monkeypatch.setattr(backends, "get_backend", lambda name: ToyBackend)
     dev = ToyBackend.list_devices()[0].to_dict()
-    rows, ffn, skipped = matmul_probe.probe_matmul([dev], ["int4"], hidden=128, width=64, tokens=(1,),
-                                                   repetitions=3, ffn_experts=4, ffn_budget_s=1e-9)
+    cfg = matmul_probe.MatmulSettings(["int4"], hidden=128, width=64, tokens=(1,), repetitions=3,
+                                      ffn_experts=4, ffn_budget_s=1e-9)
+    rows, ffn, skipped = matmul_probe.probe_matmul([dev], cfg)
     assert len(rows) == 2 and ffn == []
     assert skipped[0]["what"] == "expert_ffn" and "budget" in skipped[0]["reason"]
 

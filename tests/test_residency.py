@@ -205,12 +205,13 @@ def test_weights_held_in_memory_run_all_resident_and_refuse_streaming(fixture_di
     expert resident; a placement that streams needs a pack."""
     from colibri_plan.engine import runner
     from colibri_plan.engine.weights import InMemoryWeights
+    from colibri_plan.run_options import RunOptions
 
     with open_pack(fixture_dir) as pack:
         arch = pack.arch
         mem = InMemoryWeights(arch, dict(pack.dense), {k: pack.expert(*k) for k in pack.expert_keys()},
                               pack.expert_format)
-        rep = runner.generate(mem, PROMPT, len(reference_tokens), backend="numpy")
+        rep = runner.generate(mem, PROMPT, RunOptions(tokens=len(reference_tokens), backend="numpy"))
         assert rep.hit_rate["ram_pinned"] == 1 and rep.disk_bytes_per_token == 0
         with pytest.raises(InputError, match="needs an expert pack"):
             ResidencyManager(mem, Placement.all_disk(arch.moe_layers, 1), get_backend("numpy").open(0))

@@ -52,6 +52,7 @@ def test_run_without_plan_equals_run_with_a_plan(fx, tmp_path):
     from colibri_plan.engine import runner
     from colibri_plan.engine.placement import Placement
     from colibri_plan.formats.plan import TIER_RAM, Plan, layers_from_tiers
+    from colibri_plan.run_options import RunOptions
 
     pack = open_pack(fx)
     a = pack.arch
@@ -63,8 +64,8 @@ def test_run_without_plan_equals_run_with_a_plan(fx, tmp_path):
     pl = Placement.from_plan(plan)
     assert pl.layer(a.moe_layers[0]).ram_pinned == list(range(a.n_experts // 2, a.n_experts))
     assert pl.layer(a.moe_layers[0]).lru_slots == 2 and plan.read_threads == 4
-    plain = runner.generate(pack, PROMPT, 8, backend="numpy")
-    planned = runner.generate(pack, PROMPT, 8, plan=plan, backend="numpy")
+    plain = runner.generate(pack, PROMPT, RunOptions(tokens=8, backend="numpy"))
+    planned = runner.generate(pack, PROMPT, RunOptions(tokens=8, backend="numpy"), plan=plan)
     assert plain.tokens == planned.tokens == Model(open_pack(fx)).generate(PROMPT, 8)
     assert planned.hit_rate["disk"] > 0 and plain.hit_rate["disk"] == 0
     # the prefill's own figures: all pinned without a plan; with it the empty LRU reads whole experts

@@ -22,6 +22,7 @@ from colibri_plan.planner.costmodel import (
     layer_terms,
 )
 from colibri_plan.planner.make import build_setup, make_plan
+from colibri_plan.planner.options import SolveOptions
 from colibri_plan.planner.solve import Problem, solve_placement
 
 B = 10_000_000
@@ -137,7 +138,7 @@ def test_glm52_on_published_6x_rtx5090_host_fits_vram_and_ram():
     profile, _ = resolve_profile("published-6x-rtx5090")
     spec = load_model_spec("glm-5.2")
     t0 = time.perf_counter()
-    plan, sol, _ = make_plan(profile, spec, None)
+    plan, sol, _ = make_plan(profile, spec, None, SolveOptions(trunk="cpu"))
     wall = time.perf_counter() - t0
     counts = plan.counts()
     assert counts["disk"] == 0 and counts["lru_slots"] == 0
@@ -149,7 +150,8 @@ def test_glm52_on_published_6x_rtx5090_host_fits_vram_and_ram():
 
 def test_ram_auto_explains_each_subtraction():
     spec = toy_spec()
-    setup = build_setup(toy_profile(ram_available_bytes=8 * 10**9), spec, None, context_tokens=1000)
+    setup = build_setup(toy_profile(ram_available_bytes=8 * 10**9), spec, None,
+                        SolveOptions(context_tokens=1000))
     ex = setup.budgets.explain
     what = " | ".join(e["what"] for e in ex)
     for word in ("available memory", "headroom", "dense trunk", "KV cache", "working buffers",
@@ -166,27 +168,28 @@ def test_bad_inputs_give_clear_errors():
     with pytest.raises(MismatchError, match="another model"):
         build_setup(prof, spec, real_heat("olmoe", "c4"))
     with pytest.raises(BudgetError, match="negative"):
-        build_setup(prof, spec, None, ram="-4")
+        build_setup(prof, spec, None, SolveOptions(ram="-4"))
     with pytest.raises(BudgetError, match="negative"):
-        build_setup(toy_profile(gpus=[{"gbps": 50, "free_bytes": 10**9}]), spec, None, vram="-1")
+        build_setup(toy_profile(gpus=[{"gbps": 50, "free_bytes": 10**9}]), spec, None,
+                    SolveOptions(vram="-1"))
     with pytest.raises(BudgetError, match="too small"):
-        build_setup(prof, spec, None, ram="0.000001")
+        build_setup(prof, spec, None, SolveOptions(ram="0.000001"))
     # no disk figure and not enough memory for every expert: the error says to measure the disk
     big = toy_spec(n_experts=256, hidden=4096, inter=2048)   # 768 experts of 12.6 MB: 9.7 GB
     tight = toy_profile(disk_gbps=None, ram_available_bytes=5 * 10**9)
     with pytest.raises(BudgetError, match="disk"):
-        make_plan(tight, big, None)
+        make_plan(tight, big, None, SolveOptions(trunk="cpu"))
 
 
 def test_unified_memory_is_one_pool():
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024)          # 48 experts of 3.1 MB
     prof = toy_profile(gpus=[{"gbps": 80, "free_bytes": 50 * 10**9, "unified": True}],
                        ram_available_bytes=6 * 10**9)
-    setup = build_setup(prof, spec, None, ram="0.6", context_tokens=10)
+    setup = build_setup(prof, spec, None, SolveOptions(ram="0.6", context_tokens=10))
     assert setup.budgets.vram_budget_bytes == {"cuda:0": 0}
     b = spec.expert_bytes()
     assert setup.budgets.ram_budget_bytes < 48 * b                  # the pool is the binding constraint
-    plan, sol, _ = make_plan(prof, spec, None, ram="0.6", context_tokens=10)
+    plan, sol, _ = make_plan(prof, spec, None, SolveOptions(ram="0.6", context_tokens=10, trunk="cpu"))
     c = plan.counts()
     assert (c["cuda:0"] + c["ram_pinned"] + c["lru_slots"]) * b <= setup.budgets.ram_budget_bytes
     assert c["cuda:0"] > 0 and c["disk"] > 0               # the faster iGPU is used, inside the RAM pool

@@ -14,6 +14,7 @@ from colibri_plan.errors import FormatError, InputError
 from colibri_plan.formats.plan_trunk import kv_bytes, parse_trunk
 from colibri_plan.planner import make
 from colibri_plan.planner.make import make_plan
+from colibri_plan.planner.options import SolveOptions
 
 GPU = {"gbps": 60.0, "free_bytes": 2_060_000_000}     # 60 MB of expert budget after the 2 GB reserve
 
@@ -31,8 +32,8 @@ def test_split_without_two_gpus_says_so(no_solve):
     for gpus, n in (((), 0), ([GPU], 1)):
         with pytest.raises(InputError, match=rf"--trunk split: no layer split to choose: it needs at least "
                                              rf"two discrete GPUs and the profile has {n}; choose auto, cpu"):
-            make_plan(toy_profile(gpus=gpus, ram_available_bytes=3 * 10**9), spec, None, ram="2",
-                      context_tokens=100, trunk="split")
+            make_plan(toy_profile(gpus=gpus, ram_available_bytes=3 * 10**9), spec, None,
+                      SolveOptions(ram="2", context_tokens=100, trunk="split"))
 
 
 def test_split_over_gpus_too_small_together_gives_the_bytes(no_solve):
@@ -45,7 +46,7 @@ def test_split_over_gpus_too_small_together_gives_the_bytes(no_solve):
                                          rf"need {need} B "
                                          r"\(0\.151 GB\) and the 2 GPUs' budgets together hold 120000000 B "
                                          r"\(0\.12 GB\); give a smaller --context"):
-        make_plan(prof, spec, None, ram="12", context_tokens=50_000, trunk="split")
+        make_plan(prof, spec, None, SolveOptions(ram="12", context_tokens=50_000, trunk="split"))
 
 
 def _section(**kw):
@@ -137,7 +138,7 @@ def test_a_hand_edited_gpu_trunk_is_checked_against_the_budgets_on_load(tmp_path
 
     spec = toy_spec(n_experts=16, hidden=2048, inter=1024, dense_params=200_000_000)
     prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": 2_300_000_000}], ram_available_bytes=3 * 10**9)
-    plan, _, _ = make_plan(prof, spec, None, ram="2", context_tokens=100, trunk="cuda:0")
+    plan, _, _ = make_plan(prof, spec, None, SolveOptions(ram="2", context_tokens=100, trunk="cuda:0"))
     doc = json.loads(save_plan(plan, tmp_path / "p.json").read_text())
     took = load_plan(tmp_path / "p.json").doc["budgets"]["trunk_vram_bytes"]   # the solved plan loads
     assert took == {"cuda:0": doc["trunk"]["dense_bytes"] + 262144}    # 2 pages x 64 x 2048 B (float32)
@@ -245,7 +246,7 @@ def test_a_split_trunk_whose_kv_cache_passes_the_gpus_gets_the_vram_figures_not_
                                           r"3072000000 B \(3\.07 GB\) and the 2 GPUs' budgets together hold "
                                           r"120000000 B \(0\.12 GB\) after their reserves; give a smaller "
                                           r"--context, --trunk cpu, or more VRAM"):
-        make_plan(prof, spec, None, ram="2", context_tokens=3_000_000, trunk="split")
+        make_plan(prof, spec, None, SolveOptions(ram="2", context_tokens=3_000_000, trunk="split"))
 
 
 def test_split_on_the_published_profile_with_a_huge_context_names_vram(tmp_path):
@@ -264,7 +265,7 @@ def test_an_empty_trunk_choice_is_quoted(no_solve):
     prof = toy_profile(gpus=[GPU], ram_available_bytes=3 * 10**9)
     with pytest.raises(InputError, match=r"^--trunk '': the profile has no device ''; choose auto, cpu, "
                                          r"cuda:0$"):
-        make_plan(prof, toy_spec(), None, ram="2", context_tokens=100, trunk="")
+        make_plan(prof, toy_spec(), None, SolveOptions(ram="2", context_tokens=100, trunk=""))
 
 
 @pytest.mark.parametrize("trunk", ["cuda:0", "split"])
@@ -274,7 +275,7 @@ def test_a_gpu_trunk_whose_kv_cache_fits_the_vram_but_not_the_ram_is_solved(trun
     # float32 device cache: 2048 B a token, 6.14 GB) or two 2 GB ones (a split: llama.cpp's 16-bit cache)
     free = 2 * 10**9 + (8 if trunk == "cuda:0" else 2) * 10**9
     prof = toy_profile(gpus=[{"gbps": 500.0, "free_bytes": free}] * 2, ram_available_bytes=3 * 10**9)
-    plan, _, setup = make_plan(prof, spec, None, ram="2", context_tokens=3_000_000, trunk=trunk)
+    plan, _, setup = make_plan(prof, spec, None, SolveOptions(ram="2", context_tokens=3_000_000, trunk=trunk))
     kv = kv_bytes(3_000_000, 2048 if trunk == "cuda:0" else 1024)
     assert plan.doc["trunk"]["kv"]["bytes"] == kv and plan.doc["trunk"]["device"] == trunk.replace("split",
                                                                                                     "cuda:0")

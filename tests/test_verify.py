@@ -14,6 +14,7 @@ from colibri_plan.engine.session import run_placement
 from colibri_plan.errors import FormatError, MismatchError
 from colibri_plan.formats.plan import TIER_DISK, TIER_RAM, Plan, layers_from_tiers, load_plan, save_plan
 from colibri_plan.formats.report import RunReport
+from colibri_plan.run_options import RunOptions
 from colibri_plan.verify import check_plan_model, load_report, machine_warning, make_verdict, verify_plan
 
 N_TOKENS = 4
@@ -60,7 +61,8 @@ def report(small_pack, tmp_path_factory):
         save_plan(_plan_doc(pack, tiers, slots, PREDICTED), path)
         plan = load_plan(path)
         prompt = fixture_prompt(pack.arch.vocab_size, 5, seed=3)
-        return verify_plan(plan, pack, prompt, N_TOKENS, plan_path=str(path), cpu_backend="numpy")
+        return verify_plan(plan, pack, prompt, RunOptions(tokens=N_TOKENS, backend="numpy"),
+                           plan_path=str(path))
 
 
 def _row(rep, term):
@@ -199,8 +201,8 @@ def test_verify_reads_with_the_plans_queue_depth(small_pack, report, tmp_path, m
         doc["resources"] = {"disk_queue_depth": 3}
         save_plan(doc, tmp_path / "plan.json")
         plan = load_plan(tmp_path / "plan.json")
-        rep = verify_plan(plan, pack, fixture_prompt(pack.arch.vocab_size, 5, seed=3), 2,
-                          plan_path="p", cpu_backend="numpy", reference=False)
+        rep = verify_plan(plan, pack, fixture_prompt(pack.arch.vocab_size, 5, seed=3),
+                          RunOptions(tokens=2, backend="numpy"), plan_path="p", reference=False)
     assert seen == [3] and rep["settings"]["read_threads"] == 3
 
 
@@ -215,8 +217,9 @@ def test_report_machine_warning_is_the_machine_one_beside_a_context_warning(smal
         doc["budgets"]["context_tokens"] = 2  # the run's 5 + 3 tokens pass it
         save_plan(doc, tmp_path / "plan.json")
         plan = load_plan(tmp_path / "plan.json")
-        rep = verify_plan(plan, pack, fixture_prompt(pack.arch.vocab_size, 5, seed=3), 2, plan_path="p",
-                          cpu_backend="numpy", reference=False, machine_fp="hostB", warn=warned.append)
+        rep = verify_plan(plan, pack, fixture_prompt(pack.arch.vocab_size, 5, seed=3),
+                          RunOptions(tokens=2, backend="numpy"), plan_path="p", reference=False,
+                          machine_fp="hostB", warn=warned.append)
     assert rep["machine"]["warning"] == machine_warning(plan, "hostB")
     assert "hostA" in rep["machine"]["warning"] and "hostB" in rep["machine"]["warning"]
     assert len(warned) == 2 and warned[0] == rep["machine"]["warning"]

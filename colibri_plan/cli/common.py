@@ -36,6 +36,32 @@ def json_option(f):
                         help="Print one JSON document on stdout.")(f)
 
 
+def collect_arg(names, name: str, build: Callable):
+    """Decorator of a click command (put it next to ``def``): the parameters named in ``names`` reach the
+    command as one argument ``name`` = ``build(**those not None)``; the others as themselves."""
+    import functools
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def command(**given):
+            own = {k: given.pop(k) for k in list(given) if k in names}
+            return fn(**{name: build(**{k: v for k, v in own.items() if v is not None})}, **given)
+
+        return command
+
+    return wrap
+
+
+def options_arg(cls, name: str = "opts"):
+    """:func:`collect_arg` for the frozen dataclass ``cls``: its fields' parameters reach the command as one
+    ``cls``. Click options name their destination after the field (``--context`` -> ``context_tokens``)
+    and take their default from ``cls()``, or are None when left out: the field then keeps its default.
+    So each default is written once, in ``cls``."""
+    import dataclasses
+
+    return collect_arg({f.name for f in dataclasses.fields(cls)}, name, cls)
+
+
 def get_ctx() -> Ctx:
     """The current Ctx (a default one outside a click context)."""
     ctx = click.get_current_context(silent=True)

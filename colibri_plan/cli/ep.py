@@ -6,10 +6,13 @@ from pathlib import Path
 
 import click
 
-from colibri_plan.cli.common import Steps, emit, json_option, table, warn
+from colibri_plan.cli.common import Steps, collect_arg, emit, json_option, table, warn
 
 #: GPUs of one node when --nodes is not given (an 8-GPU H200 host)
 GPUS_PER_NODE = 8
+
+#: share of a profiled GPU's memory the serving engine may use (--gpu-mem-fraction)
+MEM_FRACTION = 0.85
 
 
 @click.group("ep")
@@ -75,7 +78,7 @@ def _expert_memory(spec, profile_path, gpu_memory_gb, mem_fraction) -> tuple[int
 @click.option("--quant", default=None, help="Expert format the engine serves (sizes the slots).")
 @click.option("--profile", "profile_path", default=None, help="Profile whose GPU memory bounds the slots.")
 @click.option("--gpu-memory-gb", type=float, default=None, help="Expert GB per GPU (overrides --profile).")
-@click.option("--gpu-mem-fraction", type=click.FloatRange(0.05, 1.0), default=0.85, show_default=True,
+@click.option("--gpu-mem-fraction", type=click.FloatRange(0.05, 1.0), default=MEM_FRACTION, show_default=True,
               help="Share of a profiled GPU's memory the engine may use.")
 @click.option("--gpu-tflops", type=float, default=None, help="Cost model: effective TFLOP/s of a GPU [500].")
 @click.option("--internode-gbps", type=float, default=None, help="Cost model: per-GPU internode GB/s [50].")
@@ -83,8 +86,10 @@ def _expert_memory(spec, profile_path, gpu_memory_gb, mem_fraction) -> tuple[int
 @click.option("--out", "out_path", default=None, help="Placement file to write (for ep show / export).")
 @click.option("--layers", "show_layers", is_flag=True, help="One line per MoE layer.")
 @json_option
-def solve(model_name, heat, n_gpus, n_nodes, n_redundant, quant, profile_path, gpu_memory_gb,
-          gpu_mem_fraction, gpu_tflops, internode_gbps, seed, out_path, show_layers):
+@collect_arg({"n_gpus", "n_nodes", "n_redundant"}, "deploy", dict)
+@collect_arg({"profile_path", "gpu_memory_gb", "gpu_mem_fraction"}, "mem", dict)
+@collect_arg({"gpu_tflops", "internode_gbps"}, "rates", dict)
+def solve(model_name, heat, deploy, quant, mem, rates, seed, out_path, show_layers):
     """Place every MoE layer's experts and redundant replicas over GPUs and nodes, balanced from heat
     and chosen with a cost model; compare with DeepSeek's eplb on the same inputs."""
     from colibri_plan.fileio import check_output_path
@@ -94,8 +99,10 @@ def solve(model_name, heat, n_gpus, n_nodes, n_redundant, quant, profile_path, g
     from colibri_plan.model import load_model_spec
     from colibri_plan.planner import ep_cost
     from colibri_plan.planner.ep import EpTopology
-    from colibri_plan.planner.ep_make import build_placement, slot_memory
+    from colibri_plan.planner.ep_make import EpSettings, build_placement, slot_memory
 
+    n_gpus, n_redundant = deploy["n_gpus"], deploy.get("n_redundant", 0)
+    n_nodes, profile_path = deploy.get("n_nodes"), mem.get("profile_path")
     if out_path:
         check_output_path(out_path, [p for p in (model_name, heat, profile_path) if p and Path(p).exists()],
                           kind=EP_KIND)
@@ -114,14 +121,14 @@ def solve(model_name, heat, n_gpus, n_nodes, n_redundant, quant, profile_path, g
     for w in h.warnings:
         warn(w)
     n_moe = sum(1 for layer in spec.moe_layers if layer < spec.n_layers)
-    mem_bytes, mem_source = _expert_memory(spec, profile_path, gpu_memory_gb, gpu_mem_fraction)
+    mem_bytes, mem_source = _expert_memory(spec, profile_path, mem.get("gpu_memory_gb"),
+                                           mem.get("gpu_mem_fraction", MEM_FRACTION))
     memory = slot_memory(spec, n_moe, mem_bytes, mem_source)
     with Steps(f"placing {n_moe} MoE layers on {n_gpus} GPUs") as bar:
-        pl = build_placement(spec, h, n_gpus=n_gpus, n_nodes=n_nodes, n_redundant=n_redundant,
-                             n_group=n_group, topk_group=topk_group, memory=memory,
-                             gpu_tflops=gpu_tflops or ep_cost.DEFAULT_GPU_TFLOPS,
-                             internode_gbps=internode_gbps or ep_cost.DEFAULT_INTERNODE_GBPS,
-                             seed=seed, progress=bar.count)
+        settings = EpSettings(n_gpus, n_nodes, n_redundant, n_group, topk_group,
+                              rates.get("gpu_tflops") or ep_cost.DEFAULT_GPU_TFLOPS,
+                              rates.get("internode_gbps") or ep_cost.DEFAULT_INTERNODE_GBPS, seed=seed)
+        pl = build_placement(spec, h, settings, memory, progress=bar.count)
     if out_path:
         save_ep_placement(pl, out_path)
     data = show_data(pl.doc, out_path or "(not written)", show_layers)

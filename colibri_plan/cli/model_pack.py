@@ -6,7 +6,7 @@ import time
 
 import click
 
-from colibri_plan.cli.common import Steps, emit, get_ctx, json_option, progress
+from colibri_plan.cli.common import Steps, collect_arg, emit, get_ctx, json_option, progress
 from colibri_plan.errors import IntegrityError
 from colibri_plan.quant import FORMATS
 
@@ -18,6 +18,9 @@ _POS = click.IntRange(1, None)
 
 #: expert formats `model pack` and `model fixture` accept (f16 packs work too but are not advertised)
 PACK_FORMATS = ("f32", "bf16", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int2")
+#: the FixtureConfig fields `model fixture` sets (colibri_plan.engine.fixture; a flag left out keeps the
+#: field's default, or FixtureConfig.small's with --small)
+FIXTURE_FIELDS = ("layers", "experts", "top_k", "hidden", "width", "vocab", "quant", "seed", "domain")
 
 
 def _checkpoint_spec(checkpoint, weights, fmt):
@@ -66,10 +69,13 @@ def pack(checkpoint, out, fmt, dense_fmt, force):
     doc["seconds"] = round(time.perf_counter() - t0, 3)
     doc.pop("arch")
     doc["dense_format"] = dense_fmt
+    from colibri_plan.engine.pack_text import pack_text_line
+
+    doc["text"] = pack_text_line(path, checkpoint)
     emit(doc, lambda: (f"wrote {path}: {doc['experts']} experts in {fmt}, dense trunk {dense_fmt}, "
                        f"{doc['expert_block_bytes']:,} B per expert block, "
                        f"{doc['experts_file_bytes'] / 1e9:.3f} GB experts.bin, "
-                       f"fingerprint {doc['fingerprint']} ({doc['seconds']:.1f} s)"))
+                       f"fingerprint {doc['fingerprint']} ({doc['seconds']:.1f} s)\n{doc['text']}"))
 
 
 @click.command("verify")
@@ -106,22 +112,20 @@ def verify(pack_dir):
 @click.option("--hidden", type=_POS, default=None, help="Hidden size H [6144; 256 with --small].")
 @click.option("--width", type=_POS, default=None, help="Expert width I [2048; 128 with --small].")
 @click.option("--vocab", type=_POS, default=None, help="Vocabulary [4096; 512 with --small].")
-@click.option("--quant", "fmt", type=click.Choice(PACK_FORMATS), default=None, help="Expert format [int4].")
+@click.option("--quant", type=click.Choice(PACK_FORMATS), default=None, help="Expert format [int4].")
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=None, help="Seed [0].")
 @click.option("--domain", default=None, help="OLMoE text domain whose routing skew is copied [tulu].")
 @click.option("--small", is_flag=True, help="Small geometry for tests (hidden 256, width 128, vocab 512).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @json_option
-def fixture(out, layers, experts, top_k, hidden, width, vocab, fmt, seed, domain, small, force):
+@collect_arg(FIXTURE_FIELDS, "given", dict)
+def fixture(out, given, small, force):
     """Write a deterministic synthetic MoE model in the pack format (GLM-5.2 expert geometry by default:
     hidden 6144, width 2048, int4, 64 experts x 3 layers, about 3.6 GB)."""
     from colibri_plan.engine.fixture import FixtureConfig, build_fixture
     from colibri_plan.engine.pack import check_pack_output
 
-    kw = dict(layers=layers, experts=experts, top_k=top_k, hidden=hidden, width=width, vocab=vocab,
-              quant=fmt, seed=seed, domain=domain)
-    kw = {k: v for k, v in kw.items() if v is not None}
-    cfg = FixtureConfig.small(**kw) if small else FixtureConfig(**kw)
+    cfg = FixtureConfig.small(**given) if small else FixtureConfig(**given)   # left out: its default
     if cfg.top_k > cfg.experts:  # checked before the progress line and the output folder
         raise click.BadParameter(f"{cfg.top_k} is more than the {cfg.experts} experts per layer",
                                  param_hint="--top-k")

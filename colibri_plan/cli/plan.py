@@ -84,9 +84,8 @@ def trunk_line(d: dict) -> str:
     kv = t["kv"]
     where = t["device"] if not t.get("split") else "split " + ", ".join(
         f"{s['device']} layers {s['first_layer']}-{s['last_layer']}" for s in t["split"])
-    held = " in RAM (MLA: attention on the host)" if kv.get("host") else ""
     line = (f"trunk: on {where} ({t.get('dense_format') or '?'}, dense {t['dense_bytes'] / 1e9:.2f} GB + KV "
-            f"{kv['bytes'] / 1e9:.2f} GB{held} for {kv['context_tokens']} tokens)")
+            f"{kv['bytes'] / 1e9:.2f} GB for {kv['context_tokens']} tokens)")
     if pt:
         line += (f": dense {pt['dense_s_per_token'] * 1e3:.1f} ms (host round trips "
                  f"{pt['host_roundtrip_s_per_token'] * 1e3:.1f}), attention "

@@ -6,8 +6,10 @@ import re
 
 import click
 
-from colibri_plan.cli.common import Steps, emit, json_option, progress, table, warn
+from colibri_plan.cli.common import Steps, emit, json_option, options_arg, progress, table, warn
 from colibri_plan.errors import InputError
+from colibri_plan.profiler.options import DEFAULTS as D
+from colibri_plan.profiler.options import PROBES, ProfileOptions
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
           "g": 10**9, "gb": 10**9, "gib": 1 << 30}
@@ -230,40 +232,63 @@ def _stage_progress(bar: Steps, stages: list[str]):
     return cb
 
 
+def _value(convert, hint: bool = False):
+    """An option callback that converts the flag's text (``convert(value)``, or ``convert(value, flag)``
+    with ``hint``), so the command gets :class:`ProfileOptions`' types; an option left out stays None
+    (:func:`~colibri_plan.cli.common.options_arg` then keeps the field's default)."""
+    return lambda _ctx, param, value: convert(value, param.opts[0]) if hint else convert(value)
+
+
+def _positive(_ctx, param, value):
+    """Option callback: a number > 0, or None; otherwise a usage error (exit 2) naming the flag."""
+    if value is not None and value <= 0:
+        raise click.BadParameter(f"must be positive, got {value}", param_hint=param.opts[0])
+    return value
+
+
 @click.command("profile")
-@click.option("--path", type=click.Path(), default=None,
+@click.option("--path", type=click.Path(), default=D.path,
               help="Folder or file on the disk to probe (default: a temporary file in the current folder).")
-@click.option("--model", default=None, help="Model whose expert size/shapes to measure at (default GLM-5.2).")
-@click.option("--quick", is_flag=True, help="Fewer repetitions, smaller test file, queue depths 1 and 4.")
+@click.option("--model", default=D.model,
+              help="Model whose expert size/shapes to measure at (default GLM-5.2).")
+@click.option("--quick", is_flag=True, default=D.quick,
+              help="Fewer repetitions, smaller test file, queue depths 1 and 4.")
 @click.option("--out", "out", type=click.Path(), default="profile.json", show_default=True,
               help="Where to write the profile ('-' to write nothing).")
-@click.option("--backends", multiple=True, help="Backends to use (comma-separated or repeated; default all).")
-@click.option("--probes", default=None,
+@click.option("--backends", multiple=True, callback=_value(_names),
+              help="Backends to use (comma-separated or repeated; default all).")
+@click.option("--probes", default=None, callback=_value(_listed, hint=True),
               help="Probes to run, comma-separated: disk,ram,links,matmul,trunk (default all; leave out "
                    "trunk to skip the dense-trunk, device-op and attention figures).")
-@click.option("--block-bytes", default=None, hidden=True)
-@click.option("--file-bytes", default=None, hidden=True)
-@click.option("--ram-bytes", default=None, hidden=True)
-@click.option("--queue-depths", default=None, hidden=True)
-@click.option("--disk-seconds", type=float, default=None, hidden=True)
-@click.option("--hidden", "hidden_size", type=int, default=None, hidden=True)
-@click.option("--width", type=int, default=None, hidden=True)
-@click.option("--formats", default=None,
+@click.option("--block-bytes", default=None, hidden=True, callback=_value(parse_bytes))
+@click.option("--file-bytes", default=None, hidden=True, callback=_value(parse_bytes))
+@click.option("--ram-bytes", default=None, hidden=True, callback=_value(parse_bytes))
+@click.option("--queue-depths", default=None, hidden=True, callback=_value(_ints))
+@click.option("--disk-seconds", type=float, default=D.disk_seconds, hidden=True, callback=_positive)
+@click.option("--hidden", type=int, default=D.hidden, hidden=True, callback=_positive)
+@click.option("--width", type=int, default=D.width, hidden=True, callback=_positive)
+@click.option("--formats", default=None, callback=_value(_listed, hint=True),
               help="Quant formats to time matmul at (comma-separated; default int4,int4-g64 + the model's).")
-@click.option("--dense-formats", default=None,
+@click.option("--dense-formats", default=None, callback=_value(_listed, hint=True),
               help="Formats to time the trunk's GEMV at (comma-separated; default int8,int4,bf16,f16,f32).")
-@click.option("--trunk-shapes", default=None, hidden=True, help="OUTxIN GEMV shapes, comma-separated.")
-@click.option("--contexts", default=None, hidden=True, help="Attention context lengths, comma-separated.")
-@click.option("--trunk-seconds", type=float, default=None, hidden=True, help="Trunk probe budget per device.")
+@click.option("--trunk-shapes", default=None, hidden=True, callback=_value(_shapes),
+              help="OUTxIN GEMV shapes, comma-separated.")
+@click.option("--contexts", default=None, hidden=True, callback=_value(_ints),
+              help="Attention context lengths, comma-separated.")
+@click.option("--trunk-seconds", type=float, default=D.trunk_seconds, hidden=True, callback=_positive,
+              help="Trunk probe budget per device.")
 @json_option
-def profile(path, model, quick, out, backends, probes, block_bytes, file_bytes, ram_bytes, queue_depths,
-            disk_seconds, hidden_size, width, formats, dense_formats, trunk_shapes, contexts, trunk_seconds):
+@options_arg(ProfileOptions)
+def profile(opts, out):
     """Measure NVMe reads (O_DIRECT, expert-sized blocks, queue depth 1..N), RAM bandwidth, host<->GPU
     links, the matmul throughput of every backend and the dense trunk (GEMV at trunk shapes, small
     device ops, decode attention) of every device and the host CPU; write the profile file."""
-    from colibri_plan.formats.profile import save_profile
-    from colibri_plan.profiler.run import PROBES, ProfileOptions, run_profile
+    import dataclasses
 
+    from colibri_plan.formats.profile import save_profile
+    from colibri_plan.profiler.run import run_profile
+
+    model, path = opts.model, opts.path
     if out != "-":
         from pathlib import Path
 
@@ -272,23 +297,9 @@ def profile(path, model, quick, out, backends, probes, block_bytes, file_bytes, 
         # before minutes of measuring; a --path folder may take the output, a --path file may not
         check_output_path(out, [p for p in (model, path) if p and Path(p).exists()
                                 and not (p == path and Path(p).is_dir())])
-    for name, v in (("--hidden", hidden_size), ("--width", width), ("--disk-seconds", disk_seconds),
-                    ("--trunk-seconds", trunk_seconds)):
-        if v is not None and v <= 0:
-            raise click.BadParameter(f"must be positive, got {v}", param_hint=name)  # a usage error: exit 2
-    probes, formats, dense_formats = (_listed(probes, "--probes"), _listed(formats, "--formats"),
-                                      _listed(dense_formats, "--dense-formats"))
-    opts = ProfileOptions(
-        path=path, model=model, quick=quick, backends=_names(backends),
-        probes=probes or PROBES, block_bytes=parse_bytes(block_bytes),
-        file_bytes=parse_bytes(file_bytes), ram_bytes=parse_bytes(ram_bytes),
-        queue_depths=_ints(queue_depths), hidden=hidden_size, width=width, disk_seconds=disk_seconds,
-        formats=formats or ("int4", "int4-g64"),
-        trunk_shapes=_shapes(trunk_shapes), contexts=_ints(contexts), trunk_seconds=trunk_seconds)
-    if dense_formats:
-        opts.dense_formats = dense_formats
     if "trunk" in opts.probes:
-        opts.model_arch, why = model_arch(model)
+        arch, why = model_arch(model)
+        opts = dataclasses.replace(opts, model_arch=arch)
         if why:
             warn(why)
     stages = ["machine", *[p for p in PROBES if p in opts.probes]]

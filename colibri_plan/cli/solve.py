@@ -6,7 +6,9 @@ from pathlib import Path
 
 import click
 
-from colibri_plan.cli.common import Steps, emit, json_option, knob_lines, progress, table, warn
+from colibri_plan.cli.common import Steps, emit, json_option, knob_lines, options_arg, progress, table, warn
+from colibri_plan.planner.options import DEFAULT_PROMPT_TOKENS, SolveOptions, default_prompt_tokens
+from colibri_plan.planner.options import DEFAULTS as D
 
 GB = 1e9
 
@@ -18,7 +20,7 @@ def _finite(param, value: float) -> float:
     from colibri_plan.errors import InputError
 
     if value is not None and not math.isfinite(value):
-        raise InputError(f"--{param.name.replace('_', '-')} must be a finite number, got {value}")
+        raise InputError(f"{param.opts[0]} must be a finite number, got {value}")
     return value
 
 
@@ -38,38 +40,38 @@ def _queue_depth(_ctx, _param, value: str) -> str:
 @click.option("--model", "model_name", required=True, help="Catalogue name, checkpoint folder, GGUF or spec.")
 @click.option("--heat", default=None,
               help="Heat file (engine JSON, colibrì usage/STATS), 'synth' or 'uniform'.")
-@click.option("--ram", default="auto", show_default=True, help="'auto' or the process RAM budget in GB.")
-@click.option("--vram", default="auto", show_default=True, help="'auto', or GB per GPU (one, or a,b,c).")
-@click.option("--headroom", default=None, help="OS + page-cache headroom in GB for --ram auto.")
-@click.option("--vram-reserve", default=2.0, show_default=True, type=click.FloatRange(0),
-              callback=lambda _c, p, v: _finite(p, v), help="GB kept free per GPU.")
-@click.option("--context", default=4096, show_default=True, type=click.IntRange(0, 10_000_000),
-              help="Context tokens (KV cache).")
+@click.option("--ram", default=D.ram, show_default=True, help="'auto' or the process RAM budget in GB.")
+@click.option("--vram", default=D.vram, show_default=True, help="'auto', or GB per GPU (one, or a,b,c).")
+@click.option("--headroom", default=D.headroom, help="OS + page-cache headroom in GB for --ram auto.")
+@click.option("--vram-reserve", "vram_reserve_gb", default=D.vram_reserve_gb, show_default=True,
+              type=click.FloatRange(0), callback=lambda _c, p, v: _finite(p, v), help="GB kept free per GPU.")
+@click.option("--context", "context_tokens", default=D.context_tokens, show_default=True,
+              type=click.IntRange(0, 10_000_000), help="Context tokens (KV cache).")
 @click.option("--quant", default=None, help="Expert quant format (default: the model's).")
-@click.option("--dense-format", default=None,
+@click.option("--dense-format", "dense_fmt", default=D.dense_fmt,
               help="Dense trunk format (default: as a pack stores it, else the expert format).")
-@click.option("--trunk", default="auto", show_default=True,
+@click.option("--trunk", default=D.trunk, show_default=True,
               help="Where the dense trunk, attention and KV cache run: 'auto' (the solver picks by predicted "
                    "decode time; their VRAM comes out of the experts'), 'cpu', a device key (cuda:0), or "
                    "'split' (layers over the GPUs when none holds them alone).")
-@click.option("--prompt-tokens", default=None, type=click.IntRange(1, 10_000_000),
-              help="Prompt length the plan predicts the prefill (time to first token) at. [default: 512, or "
-                   "--context when that is shorter]")
-@click.option("--lru-slots", default="auto", show_default=True, help="'auto' or LRU slots per layer.")
+@click.option("--prompt-tokens", default=D.prompt_tokens, type=click.IntRange(1, 10_000_000),
+              help="Prompt length the plan predicts the prefill (time to first token) at. [default: "
+                   f"{DEFAULT_PROMPT_TOKENS}, or --context when that is shorter]")
+@click.option("--lru-slots", default=D.lru_slots, show_default=True, help="'auto' or LRU slots per layer.")
 @click.option("--out", "out_path", default=None, help="Write the plan here.")
-@click.option("--target", type=click.Choice(["colibri-plan", "colibri"]), default="colibri-plan",
+@click.option("--target", type=click.Choice(["colibri-plan", "colibri"]), default=D.target,
               show_default=True,
               help="Engine the plan is for: ours, or colibrì (reads at queue depth 1-2, 0.741 MiB of VRAM "
                    "overhead per expert).")
-@click.option("--queue-depth", default="auto", show_default=True, callback=_queue_depth,
+@click.option("--queue-depth", default=D.queue_depth, show_default=True, callback=_queue_depth,
               help="Expert reads the engine has in flight (1..64): the disk figure priced; 'auto': the "
                    "target engine's.")
-@click.option("--keep-host-copies", is_flag=True,
+@click.option("--keep-host-copies", is_flag=True, default=D.keep_host_copies,
               help="VRAM experts keep a host copy in RAM (colibrì CUDA_RELEASE_HOST=0): charged to --ram.")
-@click.option("--repin-every", default=0, show_default=True, type=click.IntRange(0, 1_000_000),
+@click.option("--repin-every", default=D.repin_every, show_default=True, type=click.IntRange(0, 1_000_000),
               help="Live re-pinning: every N decode tokens the engine swaps cold pins/VRAM experts for hot "
                    "streamed ones when it pays (the plan's repin section); 0: off.")
-@click.option("--repin-window", default=None, type=click.IntRange(1, 1_000_000),
+@click.option("--repin-window", default=D.repin_window, type=click.IntRange(1, 1_000_000),
               help="Tokens of routing the re-pinning estimate remembers and the horizon of its saving "
                    "(default 4 x --repin-every).")
 @click.option("--compare", is_flag=True,
@@ -78,22 +80,23 @@ def _queue_depth(_ctx, _param, value: str) -> str:
 @click.option("--what-if", "what_if_kind", type=click.Choice(["ram", "vram", "nvme"]), default=None,
               help="Predicted tok/s as one resource varies.")
 @click.option("--png", "png_path", default=None, help="With --what-if: write the plot here.")
-@click.option("--method", type=click.Choice(["auto", "exact", "aggregate"]), default="auto",
+@click.option("--method", type=click.Choice(["auto", "exact", "aggregate"]), default=D.method,
               show_default=True)
-@click.option("--time-limit", default=30.0, show_default=True, type=click.FloatRange(0, min_open=True),
-              callback=lambda _c, p, v: _finite(p, v),
+@click.option("--time-limit", "time_limit_s", default=D.time_limit_s, show_default=True,
+              type=click.FloatRange(0, min_open=True), callback=lambda _c, p, v: _finite(p, v),
               help="Solver seconds.")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**32 - 1),
+@click.option("--seed", default=D.seed, show_default=True, type=click.IntRange(0, 2**32 - 1),
               help="Seed of synthesised heat.")
 @click.option("--coefficients", "coef_path", default=None,
               help="Cost-model coefficients from `colibri-plan calibrate` (default: all 1.0); "
                    "recorded in the plan.")
 @json_option
-def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, context, quant, dense_format,
-          trunk, prompt_tokens, lru_slots, target, queue_depth, keep_host_copies, repin_every, repin_window,
-          out_path, compare, what_if_kind, png_path, method, time_limit, seed, coef_path):
+@options_arg(SolveOptions)
+def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_if_kind, png_path, coef_path):
     """Solve where every expert lives (VRAM per GPU, pinned RAM, LRU cache, disk) to minimise predicted
     decode time per token within the memory budgets; write a plan file."""
+    import dataclasses
+
     from colibri_plan.errors import InputError
     from colibri_plan.fileio import check_output_path
     from colibri_plan.formats.plan import save_plan
@@ -107,12 +110,10 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
         if p is not None:
             check_output_path(p, inputs)
     from colibri_plan.errors import ColibriError
-    from colibri_plan.planner.knobs import repin_section
-    from colibri_plan.planner.make import check_budget_options
+    from colibri_plan.planner.make import check_options
 
     try:  # bad option values are usage errors (exit 2), like --time-limit 0
-        check_budget_options(ram, vram, headroom, lru_slots)
-        repin_section(repin_every, repin_window)
+        check_options(opts)
     except ColibriError as exc:
         raise click.BadParameter(str(exc)) from None
     from colibri_plan.formats.profile import resolve_profile
@@ -122,35 +123,16 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
     from colibri_plan.formats.heat_align import load_heat_arg
 
     heat_obj = load_heat_arg(heat)
-    coef = None
     if coef_path:  # calibrated coefficients are only ever used when asked for (docs/calibration.md)
-        from colibri_plan.formats.coefficients import read_coefficients
-
-        missing: list[str] = []
-        coef, coef_machines = read_coefficients(coef_path, missing)
-        progress(f"cost-model coefficients from {coef_path}: "
-                 + ", ".join(f"{k} {v:.3g}" for k, v in coef.to_dict().items()))
-        if missing:
-            warn(f"{coef_path} lacks {', '.join(missing)}: "
-                 f"{'it takes its default value' if len(missing) == 1 else 'they take their default values'}"
-                 "; re-create the file with `colibri-plan calibrate`")
-        if coef_machines and profile.fingerprint not in coef_machines:
-            warn(f"{coef_path} was fitted on machine(s) {', '.join(coef_machines)}, but the profile is of "
-                 f"machine {profile.fingerprint}: the coefficients may not hold here; calibrate from "
-                 "verify reports measured on this machine")
-    given_prompt = prompt_tokens is not None
+        opts = dataclasses.replace(opts, coef=_coefficients(coef_path, profile))
+    given_prompt = opts.prompt_tokens is not None
     if not given_prompt:  # a prompt the plan's KV budget holds
-        prompt_tokens = max(1, min(512, context))
+        opts = dataclasses.replace(opts, prompt_tokens=default_prompt_tokens(opts.context_tokens))
     progress(f"solving {spec.name}: {spec.n_routed_experts} experts of {spec.expert_bytes() / 1e6:.2f} MB "
              f"on {source}")
     with Steps("solving", counted=False):  # a spinner on a terminal; nothing more in a log
-        plan, sol, setup = make_plan(profile, spec, heat_obj, method=method, time_limit_s=time_limit,
-                                     profile_source=source, ram=ram, vram=vram, headroom=headroom,
-                                     context_tokens=context, lru_slots=lru_slots, dense_fmt=dense_format,
-                                     vram_reserve_gb=vram_reserve, seed=seed, coef=coef, target=target,
-                                     queue_depth=queue_depth, keep_host_copies=keep_host_copies,
-                                     repin_every=repin_every, repin_window=repin_window, trunk=trunk,
-                                     prompt_tokens=prompt_tokens)
+        plan, sol, setup = make_plan(profile, spec, heat_obj, opts, profile_source=source)
+    context, prompt_tokens = opts.context_tokens, opts.prompt_tokens
     if given_prompt and prompt_tokens > context:
         # the engine grows the KV cache past the plan's context: a prompt this long overruns the budget
         setup.warnings.append(f"--prompt-tokens {prompt_tokens} is longer than --context {context}: the plan "
@@ -171,7 +153,7 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
 
         with Steps("comparing with other engines' placements", counted=False):
             try:
-                result["compare"] = compare_placements(setup, sol, time_limit_s=time_limit)
+                result["compare"] = compare_placements(setup, sol, time_limit_s=opts.time_limit_s)
             except ColibriError as exc:   # the re-solve with the other host-copy setting failed
                 warn(f"--compare: no row with the other --keep-host-copies setting ({exc})")
                 result["compare"] = compare_placements(setup, sol, host_copy_toggle=False)
@@ -179,11 +161,31 @@ def solve(profile_path, model_name, heat, ram, vram, headroom, vram_reserve, con
         from colibri_plan.planner.whatif import plot, what_if
 
         with Steps(f"what-if {what_if_kind}") as bar:
-            rows = what_if(setup, what_if_kind, time_limit_s=time_limit, progress=bar.say)
+            rows = what_if(setup, what_if_kind, time_limit_s=opts.time_limit_s, progress=bar.say)
         result["what_if"] = {"kind": what_if_kind, "rows": rows, "png": png_path}
         if png_path:
             plot(rows, what_if_kind, png_path, title=f"{spec.name} on {source}")
     emit(result, lambda: _human(result, plan))
+
+
+def _coefficients(coef_path: str, profile):
+    """The cost-model coefficients of ``--coefficients FILE``, with the progress line and the warnings of
+    a file that lacks some or was fitted on another machine."""
+    from colibri_plan.formats.coefficients import read_coefficients
+
+    missing: list[str] = []
+    coef, coef_machines = read_coefficients(coef_path, missing)
+    progress(f"cost-model coefficients from {coef_path}: "
+             + ", ".join(f"{k} {v:.3g}" for k, v in coef.to_dict().items()))
+    if missing:
+        warn(f"{coef_path} lacks {', '.join(missing)}: "
+             f"{'it takes its default value' if len(missing) == 1 else 'they take their default values'}"
+             "; re-create the file with `colibri-plan calibrate`")
+    if coef_machines and profile.fingerprint not in coef_machines:
+        warn(f"{coef_path} was fitted on machine(s) {', '.join(coef_machines)}, but the profile is of "
+             f"machine {profile.fingerprint}: the coefficients may not hold here; calibrate from "
+             "verify reports measured on this machine")
+    return coef
 
 
 def _human(result: dict, plan) -> str:
@@ -253,8 +255,7 @@ def trunk_lines(tr: dict) -> list[str]:
     cpu = next((r for r in tr["options"] if r["option"] == "cpu"), None)
     if chosen["option"] != "cpu" and cpu is not None and cpu["tok_s"] is not None:
         n = sum(chosen["vram_trunk_bytes"].values())
-        kv = (f"; its KV cache, {_gb(chosen['kv_bytes'])}, stays in RAM with the MLA attention"
-              if chosen.get("kv_on_host") else f" + KV {_gb(chosen['kv_bytes'])}")
+        kv = f" + KV {_gb(chosen['kv_bytes'])}"
         out.append(f"  The trunk on {chosen['option']} takes {_gb(n)} of VRAM from experts (dense "
                    f"{_gb(chosen['dense_bytes'])}{kv}); predicted "
                    f"{chosen['tok_s']:.3f} tok/s against {cpu['tok_s']:.3f} with it on the CPU")

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import click
 
-from colibri_plan.cli.common import Steps, emit, json_option, read_prompt, table, warn
+from colibri_plan.cli.common import Steps, emit, json_option, options_arg, read_prompt, table, warn
 from colibri_plan.errors import InputError
+from colibri_plan.run_options import VERIFY_DEFAULTS as D
+from colibri_plan.run_options import RunOptions
 
 #: the engine's once-per-token progress message ("token 3/9: id 17 (12 ms)")
 _TOKEN = re.compile(r"\btoken \d+/\d+")
@@ -23,11 +25,11 @@ def default_report_path(plan_path: str) -> Path:
 @click.command("verify")
 @click.option("--plan", "plan_path", required=True, type=click.Path(), help="Plan file (colibri-plan solve).")
 @click.option("--model", "model_path", required=True, type=click.Path(), help="Expert pack folder.")
-@click.option("--tokens", "n_tokens", type=click.IntRange(1, 1_000_000), default=16, show_default=True,
+@click.option("--tokens", type=click.IntRange(1, 1_000_000), default=D.tokens, show_default=True,
               help="Decode steps to measure.")
 @click.option("--prompt-ids", default=None, help="Prompt token ids (default: 8 seeded ids).")
 @click.option("--prompt-file", default=None, type=click.Path(), help="File of prompt token ids.")
-@click.option("--backend", "cpu_backend", default="cpu", show_default=True,
+@click.option("--backend", default=D.backend, show_default=True,
               help="CPU backend for RAM-resident and streamed experts (cpu or numpy).")
 @click.option("--reference/--no-reference", default=True, show_default=True,
               help="Also run the all-RAM CPU reference and check the tokens are identical.")
@@ -36,8 +38,8 @@ def default_report_path(plan_path: str) -> Path:
 @click.option("--strict", is_flag=True,
               help="Exit with status 3 when the verdict is FAIL (for scripts and CI gates).")
 @json_option
-def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend, reference, report_path,
-           strict):
+@options_arg(RunOptions)
+def verify(opts, plan_path, model_path, prompt_ids, prompt_file, reference, report_path, strict):
     """Run PLAN on the engine and compare the measured tok/s, time split, hit rates and disk bytes with
     the plan's predictions; check the tokens against the all-RAM CPU reference; give a verdict and write
     a report (kind verify-report)."""
@@ -49,8 +51,8 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
     from colibri_plan.formats.report import save_report
     from colibri_plan.verify import report_table, this_machine_fingerprint, verdict_line, verify_plan
 
-    if cpu_backend not in ("cpu", "numpy"):
-        raise InputError(f"--backend {cpu_backend}: RAM-resident and streamed experts run on a host backend "
+    if opts.backend not in ("cpu", "numpy"):
+        raise InputError(f"--backend {opts.backend}: RAM-resident and streamed experts run on a host backend "
                          "(cpu or numpy); GPU experts use the devices the plan names")
     plan = load_plan(plan_path)
     if report_path is None:  # "" is refused by check_output_path, not replaced by the default
@@ -69,13 +71,12 @@ def verify(plan_path, model_path, n_tokens, prompt_ids, prompt_file, cpu_backend
         prompt = read_prompt(prompt_ids, prompt_file)
     check_prompt(prompt, pack.arch.vocab_size)
     try:  # the bar counts generated tokens over both runs (plan, then reference)
-        with Steps("verify", total=(n_tokens + 1) * (2 if reference else 1)) as bar:
+        with Steps("verify", total=(opts.tokens + 1) * (2 if reference else 1)) as bar:
             def on(m: str) -> None:
                 bar.say(m, verbose_only=m.startswith("  "), advance=1 if _TOKEN.search(m) else 0)
 
-            report = verify_plan(plan, pack, prompt, n_tokens, plan_path=plan_path, cpu_backend=cpu_backend,
-                                 reference=reference, machine_fp=this_machine_fingerprint(), progress=on,
-                                 warn=warn)
+            report = verify_plan(plan, pack, prompt, opts, plan_path=plan_path, reference=reference,
+                                 machine_fp=this_machine_fingerprint(), progress=on, warn=warn)
     finally:
         pack.close()
     out = save_report(report, report_path)

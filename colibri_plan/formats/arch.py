@@ -34,11 +34,11 @@ The list of families and which of them run is :data:`colibri_plan.families.FAMIL
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import asdict, dataclass, fields
 
 from colibri_plan.errors import FormatError, UnsupportedError
+from colibri_plan.formats import fields as f
+from colibri_plan.formats.fields import At
 
 #: most decoder layers / routed experts per layer / elements along one dimension a model may declare:
 #: real models have at most ~100 layers, 512 experts and 2**18 vocabulary rows; the bounds stop a corrupt
@@ -275,7 +275,7 @@ class ArchConfig:
         """
         if not isinstance(d, dict):
             raise FormatError(f"architecture must be a JSON object, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
+        known = {fl.name for fl in fields(cls)}
         try:
             return cls(**{k: v for k, v in d.items() if k in known})
         except TypeError as e:
@@ -328,44 +328,26 @@ def _rope_mla_problems(a: ArchConfig) -> list[str]:
     return problems
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _is_real(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _check_types(a: ArchConfig) -> None:
     """Types and finiteness of every field (a hand-edited pack index may hold strings, NaN, 1.5 layers...).
 
     Raises:
         FormatError: naming the first bad field (``arch.<field>``).
     """
-    def bad(name, want):
-        raise FormatError(f"invalid architecture: arch.{name} must be {want}, got {getattr(a, name)!r}")
-
+    d, at = a.__dict__, At("invalid architecture", path=("arch",), repr_values=True)
     for name in _INT_FIELDS:
-        if not _is_int(getattr(a, name)):
-            bad(name, "a whole number")
+        f.whole(d, name, at)
     for name in _FLOAT_FIELDS:
-        if not _is_real(getattr(a, name)):
-            bad(name, "a finite number")
+        f.number(d, name, at)
     for name in _BOOL_FIELDS:
-        if not isinstance(getattr(a, name), bool):
-            bad(name, "true or false")
+        f.flag(d, name, at)
     for name in _STR_FIELDS:
-        if not isinstance(getattr(a, name), str):
-            bad(name, "a string")
-    if a.yarn_attention_factor is not None and not _is_real(a.yarn_attention_factor):
-        bad("yarn_attention_factor", "null or a finite number")
-    if a.qk_norm is not None and not isinstance(a.qk_norm, str):
-        bad("qk_norm", "null or a string")
-    if a.clip_qkv is not None and not _is_real(a.clip_qkv):
-        bad("clip_qkv", "null or a finite number")
-    if a.sliding_window is not None and not _is_int(a.sliding_window):
-        bad("sliding_window", "null or a whole number")
+        f.text(d, name, at)
+    f.number(d, "yarn_attention_factor", at, optional=True, want="null or a finite number")
+    f.text(d, "qk_norm", at, optional=True, want="null or a string")
+    f.number(d, "clip_qkv", at, optional=True, want="null or a finite number")
+    f.whole(d, "sliding_window", at, optional=True, want="null or a whole number")
     for name in ("moe_layers", "sliding_layers"):
-        v = getattr(a, name)
-        if not isinstance(v, (list, tuple)) or not all(_is_int(i) for i in v):
-            bad(name, "a list of whole layer ids")
+        v = d[name]
+        if not isinstance(v, (list, tuple)) or not all(f.is_whole(i) for i in v):
+            (at / name).bad("a list of whole layer ids", v)

@@ -8,7 +8,6 @@ fitted and the fingerprints of the machines whose verify reports they came from 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -16,9 +15,13 @@ from pathlib import Path
 
 from colibri_plan.errors import FormatError, InputError
 from colibri_plan.fileio import read_document, write_document
+from colibri_plan.formats import fields as f
+from colibri_plan.formats.fields import At
 
 KIND = "coefficients"
 SCHEMA_VERSION = 1
+#: what a refusal of a coefficients file advises
+_REDO = "re-create the coefficients with `colibri-plan calibrate`"
 
 
 @dataclass(frozen=True)
@@ -57,27 +60,24 @@ class Coefficients:
         multiplier and at most 1 s for the seconds fields; not all may be zero (that predicts 0 s/token).
 
         Raises:
-            InputError: not an object, an unknown key, or a bad value (the message names the key).
+            InputError: an unknown key. FormatError (an InputError): not an object, or a bad value (the
+                message names the key).
         """
+        at = At(where, _REDO, repr_values=True)
         if d is None:
             d = {}
         if not isinstance(d, dict):
-            raise InputError(f"{where} must be an object of coefficient: number, got {d!r:.60}")
-        names = [f.name for f in dataclasses.fields(cls)]
+            at.bad("an object of coefficient: number", d)
+        names = [fl.name for fl in dataclasses.fields(cls)]
         unknown = set(d) - set(names)
         if unknown:
             raise InputError(f"{where}: unknown cost coefficient(s) {sorted(unknown)} (known: {names})")
-        for k, v in d.items():
+        for k in d:
             hi = 1.0 if k in cls.FRACTIONS else cls.SECONDS.get(k, cls.MAX_MULTIPLIER)
-            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and _finite(v)
-            if not ok or not 0 <= v <= hi:
-                unit = " s" if k in cls.SECONDS else ""
-                raise InputError(f"{where}: {k} must be a finite number >= 0 and <= {hi:g}{unit}, got {v!r}; "
-                                 "re-create the coefficients with `colibri-plan calibrate`")
+            f.number(d, k, at, lo=0, hi=hi, unit=" s" if k in cls.SECONDS else "")
         out = cls(**{k: float(v) for k, v in d.items()})
         if not any(dataclasses.asdict(out).values()):
-            raise InputError(f"{where}: every coefficient is 0 (that predicts 0 s per token); "
-                             "re-create the coefficients with `colibri-plan calibrate`")
+            at.fail("every coefficient is 0 (that predicts 0 s per token)")
         return out
 
 
@@ -107,19 +107,17 @@ def read_coefficients(path: str | os.PathLike, missing: list | None = None) -> t
         in range (the message names the file and the key).
     """
     doc = read_document(path, KIND, SCHEMA_VERSION)
-    c = doc.get("coefficients")
-    if not isinstance(c, dict):
-        raise FormatError(f"{path}: no 'coefficients' object; re-create it with `colibri-plan calibrate`")
+    at = At(str(path), _REDO, repr_values=True)
+    c = f.mapping(doc, "coefficients", at)
     try:
         coef = Coefficients.from_dict(c, where=f"{path}: coefficients")
     except InputError as exc:
         raise FormatError(str(exc)) from None
     if missing is not None:
-        missing += [f.name for f in dataclasses.fields(Coefficients) if f.name not in c]
+        missing += [fl.name for fl in dataclasses.fields(Coefficients) if fl.name not in c]
     machines = doc.get("machine_fingerprints") or []
     if not isinstance(machines, list) or not all(isinstance(m, str) for m in machines):
-        raise FormatError(f"{path}: machine_fingerprints must be a list of strings; re-create it with "
-                          "`colibri-plan calibrate`")
+        (at / "machine_fingerprints").bad("a list of strings", machines)
     return coef, machines
 
 
@@ -127,11 +125,3 @@ def load_coefficients(path: str | os.PathLike):
     """Read a coefficients document -> :class:`Coefficients`
     (see :func:`read_coefficients`; same errors)."""
     return read_coefficients(path)[0]
-
-
-def _finite(v) -> bool:
-    """A finite number (an integer too large for a float, e.g. 10**400, is not)."""
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False

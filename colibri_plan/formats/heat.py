@@ -32,14 +32,9 @@ from colibri_plan.fileio import (
     read_document,
     write_document,
 )
+from colibri_plan.formats import fields as f
 from colibri_plan.formats.arch import MAX_ROUTED_EXPERTS
-from colibri_plan.formats.heat_fields import (
-    MAX_COUNT,
-    MAX_EXPERTS,
-    check_count_table,
-    whole_counts,
-    whole_field,
-)
+from colibri_plan.formats.heat_fields import MAX_COUNT, MAX_EXPERTS, check_count_table, heat_at, whole_counts
 from colibri_plan.formats.heat_trace import RoutingTrace
 
 HEAT_KIND = "heat"
@@ -179,22 +174,25 @@ class Heat:
         whose rows or experts do not match ``layers`` / ``n_experts`` is named in those terms; counts must
         be whole JSON numbers in 0..2**53-1, tokens / n_model_layers / top_k / engine_id whole numbers in
         range)."""
-        check_count_table(d, where)
+        at = heat_at(where)
+        f.document(d, at)
+        check_count_table(d, at)
+        whole = dict(at=at, integral_floats=True)   # JSON writers may print every number as a float
         try:
-            n = whole_field(d["n_experts"], "n_experts", where, 1, MAX_EXPERTS + 1, optional=False)
-            layers = [whole_field(x, "a layer id", where, 0, 2**31, optional=False) for x in d["layers"]]
-            n_model = whole_field(d.get("n_model_layers"), "n_model_layers", where, 1, 2**31)
+            n = f.whole(d, "n_experts", lo=1, hi=MAX_EXPERTS, **whole)
+            layers = [f.whole(d["layers"], i, at / "layers", lo=0, hi=2**31 - 1, integral_floats=True)
+                      for i in range(len(f.items(d, "layers", at)))]
+            n_model = f.whole(d, "n_model_layers", lo=1, hi=2**31 - 1, optional=True, **whole)
             if n_model is not None and layers and max(layers) > n_model:
-                raise FormatError(f"{where}: layer {max(layers)} is beyond n_model_layers = {n_model}; "
-                                  "re-create it")
+                at.fail(f"layer {max(layers)} is beyond n_model_layers = {n_model}")
             return cls(n_experts=n, layers=tuple(layers),
                        counts=np.asarray(d["counts"], dtype=np.float64).reshape(len(layers), -1)
                        if layers else np.zeros((0, n)),
-                       top_k=whole_field(d.get("top_k"), "top_k", where, 1, n + 1),
-                       tokens=whole_field(d.get("tokens"), "tokens", where, 0, MAX_COUNT),
+                       top_k=f.whole(d, "top_k", lo=1, hi=n, optional=True, **whole),
+                       tokens=f.whole(d, "tokens", lo=0, hi=MAX_COUNT - 1, optional=True, **whole),
                        source=str(d.get("source", "")),
                        model_fingerprint=d.get("model_fingerprint"), n_model_layers=n_model,
-                       engine_id=whole_field(d.get("engine_id"), "engine_id", where, 0, 2**32),
+                       engine_id=f.whole(d, "engine_id", lo=0, hi=2**32 - 1, optional=True, **whole),
                        trace=None if d.get("trace") is None else RoutingTrace.from_dict(d["trace"], n, where))
         except KeyError as exc:
             raise FormatError(f"{where} has no {exc.args[0]}; re-create it") from exc

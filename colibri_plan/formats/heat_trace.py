@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibri_plan.errors import FormatError
+from colibri_plan.formats import fields as f
+from colibri_plan.formats.fields import At
 
 #: at most this many expert ids in one trace (all layers): about 10 MB of JSON
 MAX_TRACE_IDS = 2_000_000
@@ -84,34 +85,28 @@ class RoutingTrace:
         Raises:
             FormatError: naming the field and what it must be.
         """
-        def bad(what: str):
-            raise FormatError(f"{where}: trace {what}; re-record it with `colibri-plan run --stats-out`")
-
-        if not isinstance(d, dict):
-            bad("must be an object")
-        layers, steps, ids, k = d.get("layers"), d.get("steps"), d.get("ids"), d.get("top_k")
-        whole = lambda v: not isinstance(v, bool) and isinstance(v, int)  # noqa: E731
-        if not whole(k) or not 1 <= k <= n_experts:
-            bad(f"top_k must be a whole number in 1..{n_experts}, got {k!r:.40}")
-        if not isinstance(layers, list) or not all(whole(x) and 0 <= x < 2**31 for x in layers) \
+        at = At(where, "re-record it with `colibri-plan run --stats-out`", ("trace",), repr_values=True)
+        f.document(d, at)
+        k = f.whole(d, "top_k", at, lo=1, hi=n_experts)
+        layers, steps, ids = d.get("layers"), d.get("steps"), d.get("ids")
+        if not isinstance(layers, list) or not all(f.is_whole(x) and 0 <= x < 2**31 for x in layers) \
                 or len(set(layers)) != len(layers):
-            bad("layers must be a list of distinct layer ids")
-        if not isinstance(steps, list) or not all(whole(s) and s >= 1 for s in steps):
-            bad("steps must be a list of whole numbers >= 1 (token rows per forward call)")
+            (at / "layers").refuse("must be a list of distinct layer ids")
+        if not isinstance(steps, list) or not all(f.is_whole(s) and s >= 1 for s in steps):
+            (at / "steps").refuse("must be a list of whole numbers >= 1 (token rows per forward call)")
         n = sum(steps)
         if len(layers) * n * k > MAX_TRACE_IDS:
-            bad(f"holds {len(layers) * n * k:,} ids, more than {MAX_TRACE_IDS:,}")
+            at.fail(f"holds {len(layers) * n * k:,} ids, more than {MAX_TRACE_IDS:,}")
         if not isinstance(ids, list) or len(ids) != len(layers):
-            bad(f"ids must hold one list per layer ({len(layers)})")
+            (at / "ids").refuse(f"must hold one list per layer ({len(layers)})")
         out = np.zeros((len(layers), n, k), dtype=np.int32)
         for i, row in enumerate(ids):
-            if not isinstance(row, list) or len(row) != n * k or not all(whole(v) for v in row):
-                bad(f"ids of layer {layers[i]} must be {n * k} whole numbers (sum(steps) x top_k)")
+            if not isinstance(row, list) or len(row) != n * k or not all(f.is_whole(v) for v in row):
+                (at / "ids" / i).refuse(f"(layer {layers[i]}) must be {n * k} whole numbers (sum(steps) x "
+                                        "top_k)")
             a = np.asarray(row, dtype=np.int64)
             if a.size and (a.min() < 0 or a.max() >= n_experts):
-                bad(f"ids of layer {layers[i]} must be expert ids in 0..{n_experts - 1}")
+                (at / "ids" / i).refuse(f"(layer {layers[i]}) must be expert ids in 0..{n_experts - 1}")
             out[i] = a.reshape(n, k)
-        dropped = d.get("dropped_steps", 0)
-        if not whole(dropped) or dropped < 0:
-            bad("dropped_steps must be a whole number >= 0")
+        dropped = f.whole(d, "dropped_steps", at, lo=0) if "dropped_steps" in d else 0
         return cls(tuple(layers), int(k), tuple(steps), out, int(dropped))

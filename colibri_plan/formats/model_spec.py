@@ -31,7 +31,9 @@ from typing import Any
 from colibri_plan import fileio, quant
 from colibri_plan.errors import FormatError, InputError
 from colibri_plan.fileio import read_json_object, write_document
+from colibri_plan.formats import fields as fd
 from colibri_plan.formats.arch import MAX_EXPERTS, MAX_LAYERS, MAX_ROUTED_EXPERTS, MAX_SIZE
+from colibri_plan.formats.fields import At
 
 #: dict keys a serialised spec must have (``to_dict`` writes exactly these plus the optional ones)
 _REQUIRED = ("name", "family", "n_layers", "moe_layers", "n_experts", "top_k", "n_shared_experts",
@@ -91,23 +93,23 @@ class ModelSpec:
     dense_format: str | None = None
 
     def __post_init__(self):
-        for f in _INT_FIELDS:
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise FormatError(f"model spec {self.name!r}: {f} must be a non-negative integer, got {v!r}")
-        for f in ("n_layers", "n_experts", "top_k", "hidden_size", "moe_intermediate_size"):
-            if getattr(self, f) <= 0:
-                raise FormatError(f"model spec {self.name!r}: {f} must be positive")
-        for f, most in (("n_layers", MAX_LAYERS), ("n_experts", MAX_EXPERTS), ("hidden_size", MAX_SIZE),
+        at = At(f"model spec {self.name!r}", repr_values=True)
+        for name in _INT_FIELDS:   # numpy integers become ints (the fingerprint writes JSON)
+            v = fd.whole(self.__dict__, name, at, lo=0, want="a non-negative integer")
+            object.__setattr__(self, name, v)
+        for name in ("n_layers", "n_experts", "top_k", "hidden_size", "moe_intermediate_size"):
+            if getattr(self, name) <= 0:
+                at.fail(f"{name} must be positive")
+        for name, most in (("n_layers", MAX_LAYERS), ("n_experts", MAX_EXPERTS), ("hidden_size", MAX_SIZE),
                         ("moe_intermediate_size", MAX_SIZE), ("shared_intermediate_size", MAX_SIZE),
                         ("vocab_size", MAX_SIZE), ("dense_params", 2**53), ("kv_bytes_per_token", 2**53)):
-            if getattr(self, f) > most:  # before a planner sizes a table or a product by it
-                raise FormatError(f"model spec {self.name!r}: {f} {getattr(self, f)} is more than {most:,}; "
-                                  "no real model comes near: the spec is corrupt")
+            if getattr(self, name) > most:  # before a planner sizes a table or a product by it
+                at.fail(f"{name} {getattr(self, name)} is more than {most:,}; no real model comes near: the "
+                        "spec is corrupt")
         if self.top_k > self.n_experts:
             raise FormatError(f"model spec {self.name!r}: top_k {self.top_k} > n_experts {self.n_experts}")
         layers = tuple(self.moe_layers)
-        if not layers or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+        if not layers or not all(fd.is_whole(i) for i in layers):
             raise FormatError(f"model spec {self.name!r}: moe_layers must be a non-empty list of layer ids")
         if list(layers) != sorted(set(layers)) or layers[0] < 0:
             raise FormatError(f"model spec {self.name!r}: moe_layers must be sorted, unique and >= 0")
@@ -250,11 +252,10 @@ class ModelSpec:
         kw["moe_layers"] = tuple(d["moe_layers"])
         kw["expert_bias"] = bool(d.get("expert_bias", False))
         kw["dense_format"] = d.get("dense_format")
+        at = At("model spec", repr_values=True)
         for k in ("name", "family", "expert_format", "source"):
-            if not isinstance(kw[k], str):
-                raise FormatError(f"model spec field {k} must be a string, got {kw[k]!r}")
-        if kw["dense_format"] is not None and not isinstance(kw["dense_format"], str):
-            raise FormatError(f"model spec field dense_format must be a string, got {kw['dense_format']!r}")
+            fd.text(kw, k, at)
+        fd.text(kw, "dense_format", at, optional=True)
         return cls(**kw)
 
 

@@ -27,7 +27,9 @@ import numpy as np
 
 from colibri_plan.errors import FormatError, InputError, IntegrityError
 from colibri_plan.fileio import read_document
+from colibri_plan.formats import fields as f
 from colibri_plan.formats.arch import ArchConfig
+from colibri_plan.formats.fields import At
 from colibri_plan.formats.pack_spec import check_pack_spec
 from colibri_plan.quant import check_format, data_shape, scales_shape
 
@@ -198,7 +200,7 @@ def read_index(path: str | os.PathLike) -> dict:
 
 
 def _whole(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return f.is_whole(v) and v >= 0
 
 
 def check_index_fields(where, doc: dict) -> None:
@@ -237,16 +239,15 @@ def check_index_fields(where, doc: dict) -> None:
                                             for n, f in tensors.items()):
         raise FormatError(f"{where}: format.dense_tensors must map tensor names to dense formats, "
                           f"got {str(tensors)[:80]}")
+    at = At(str(where), repr_values=True)
     for key in ("experts_file_bytes", "dense_file_bytes", "dense_crc32"):
-        if key in fmt and not _whole(fmt[key]):
-            raise FormatError(f"{where}: format.{key} must be a non-negative whole number, got {fmt[key]!r}")
+        if key in fmt:
+            f.whole(fmt, key, at / "format", lo=0, want="a non-negative whole number")
     if "dense_crc32" in fmt and fmt["dense_crc32"] >= 1 << 32:
         raise FormatError(f"{where}: format.dense_crc32 {fmt['dense_crc32']} is not a 32-bit crc")
     block = doc["block"]
     for key in ("hidden_size", "width", "payload_bytes", "block_bytes"):
-        if not _whole(block.get(key)):
-            raise FormatError(f"{where}: block.{key} must be a non-negative whole number, "
-                              f"got {block.get(key)!r}")
+        f.whole(block, key, at / "block", lo=0, want="a non-negative whole number")
     if (block["hidden_size"], block["width"]) != (arch.hidden_size, arch.moe_intermediate_size):
         raise FormatError(f"{where}: block geometry (hidden {block['hidden_size']}, width {block['width']}) "
                           f"differs from arch (hidden_size {arch.hidden_size}, moe_intermediate_size "

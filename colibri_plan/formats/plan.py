@@ -8,8 +8,6 @@ budgets (:func:`validate_plan`); a corrupt file raises FormatError.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +16,8 @@ import numpy as np
 
 from colibri_plan.errors import FormatError, InputError, MismatchError
 from colibri_plan.fileio import read_document, write_document
+from colibri_plan.formats import fields as f
+from colibri_plan.formats.fields import At
 from colibri_plan.formats.plan_model import check_model  # noqa: F401 - re-exported
 from colibri_plan.formats.plan_prefill import check_prefill
 from colibri_plan.formats.plan_trunk import check_trunk_budgets, parse_trunk
@@ -65,7 +65,7 @@ class Plan:
         """Concurrent O_DIRECT reads the engine should use: ``resources.disk_queue_depth``, the queue depth
         whose disk figure the cost model assumed (8 when the plan does not record one)."""
         qd = (self.doc.get("resources") or {}).get("disk_queue_depth")
-        return max(1, int(qd)) if isinstance(qd, (int, float)) and not isinstance(qd, bool) else 8
+        return max(1, int(qd)) if f.is_number(qd) else 8
 
     def layer(self, layer_id: int) -> dict:
         """Tiers of one MoE layer: {"layer", "vram": {key: [ids]}, "ram_pinned", "lru_slots", "disk"}.
@@ -133,14 +133,20 @@ def layer_probabilities(plan: Plan) -> np.ndarray | None:
     return np.array([e["p"] for e in plan.doc["layers"]], dtype=np.float64)
 
 
+def _at(where: str) -> At:
+    """The plan's place in messages (``where``: its path, "to write", ...)."""
+    return At(f"plan {where}", "re-create the plan with `colibri-plan solve`")
+
+
 def _fail(where: str, what: str):
-    raise FormatError(f"plan {where}: {what}; re-create the plan with `colibri-plan solve`")
+    _at(where).fail(what)
 
 
 # (dotted path, type, constraint) of every section and figure a plan's readers use: "object", "list",
-# "str", "bool", "int" or "num" (a finite JSON number, bools excluded); the constraint is a closed range
-# (lo, hi) with None for no bound. A "?" suffix marks an optional entry (absent or null is fine); the
-# figures under "predicted." are required of plan files (plan show, run and verify report them).
+# "str", "bool", "int" (a whole number; 3.0 counts) or "num" (a finite JSON number, bools excluded); the
+# constraint is a closed range (lo, hi) with None for no bound. A "?" suffix marks an optional entry (absent
+# or null is fine); the figures under "predicted." are required of plan files (plan show, run and verify
+# report them).
 _FIELDS = (
     ("model", "object", None), ("model.name", "str", None), ("model.fingerprint", "str", None),
     ("model.n_experts", "int", (1, None)), ("model.expert_bytes", "int", (1, None)),
@@ -179,40 +185,26 @@ _FIELDS = (
     ("repin.enabled", "bool", None), ("repin.every_tokens", "int", (1, 1_000_000)),
     ("repin.window_tokens", "int", (1, 1_000_000)), ("repin.max_swaps?", "int", (1, None)),
 )
-_PY_TYPES = {"object": dict, "list": list, "str": str, "bool": bool}
-_TYPE_NAMES = {"object": "an object", "list": "a list", "str": "a string", "bool": "true or false",
-               "int": "a whole number", "num": "a finite number"}
+_READ = {"object": f.mapping, "list": f.items, "str": f.text, "bool": f.flag, "int": f.whole, "num": f.number}
 
 
-def _is(v, kind: str) -> bool:
-    if kind in _PY_TYPES:
-        return isinstance(v, _PY_TYPES[kind])
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        return False
-    return kind == "num" or float(v).is_integer()
-
-
-def _check_field(doc: dict, path: str, kind: str, limits, where: str, predictions: bool) -> None:
+def _check_field(doc: dict, path: str, kind: str, limits, at: At, predictions: bool) -> None:
     optional = path.endswith("?") or (not predictions and path.startswith("predicted."))
-    path = path.rstrip("?")
-    *parents, last = path.split(".")
+    *parents, last = path.rstrip("?").split(".")
     node = doc
     for part in parents:   # a missing parent was reported by its own entry (or is optional)
         node = node.get(part) if isinstance(node, dict) else None
+        at = at / part
     if not isinstance(node, dict):
         return
-    v = node.get(last)
-    if v is None and optional:
-        return
-    if last not in node:
-        _fail(where, f"{path} is missing")
-    rng = ""
+    kw: dict = {"optional": optional}
     if limits is not None:
-        lo, hi = limits
-        rng = f" >= {lo}" if hi is None else f" in {lo}..{hi}"
-    if not _is(v, kind) or (limits is not None and ((limits[0] is not None and v < limits[0])
-                                                     or (limits[1] is not None and v > limits[1]))):
-        _fail(where, f"{path} must be {_TYPE_NAMES[kind]}{rng}, got {json.dumps(v, default=str)[:60]}")
+        kw.update(lo=limits[0], hi=limits[1])
+        if kind == "num" and limits[1] is not None:   # a share: "in 0..1", as the whole numbers say it
+            kw["want"] = f"a finite number in {limits[0]}..{limits[1]}"
+    if kind == "int":
+        kw["integral_floats"] = True
+    _READ[kind](node, last, at, **kw)
 
 
 def _check_values(doc: dict, where: str) -> None:
@@ -224,15 +216,15 @@ def _check_values(doc: dict, where: str) -> None:
         if doc.get(key) is not None and doc[key] not in FORMATS:
             _fail(where, f"{key} {doc[key]!r} is not a known quant format ({', '.join(FORMATS)})")
     model = doc["model"]
-    if _is(model.get("top_k"), "int") and _is(model.get("n_experts"), "int") \
+    if f.is_whole(model.get("top_k"), True) and f.is_whole(model.get("n_experts"), True) \
             and model["top_k"] > model["n_experts"]:
         _fail(where, f"model.top_k {model['top_k']} is more than model.n_experts {model['n_experts']}")
     pred = doc["predicted"]
     dec, tok = pred.get("decode_s_per_token"), pred.get("tok_s")
-    if _is(dec, "num"):
+    if f.is_number(dec):
         if dec <= 0:
             _fail(where, f"predicted.decode_s_per_token must be > 0, got {dec!r}")
-        if _is(tok, "num") and abs(tok * dec - 1.0) > 1e-6:
+        if f.is_number(tok) and abs(tok * dec - 1.0) > 1e-6:
             _fail(where, f"predicted.tok_s {tok!r} is not 1 / predicted.decode_s_per_token ({1.0 / dec:.6g})")
 
 
@@ -244,75 +236,71 @@ def check_structure(doc: dict, where: str = "file", predictions: bool = False) -
     Raises:
         FormatError: naming the field, what it must be and what it holds.
     """
+    at = _at(where)
     if not isinstance(doc, dict):
-        _fail(where, "expected a JSON object")
+        at.fail("expected a JSON object")
     missing = [k for k in _TOP_KEYS if k not in doc]
     if missing:
-        _fail(where, f"missing {', '.join(missing)}")
+        at.fail(f"missing {', '.join(missing)}")
     for path, kind, limits in _FIELDS:
-        _check_field(doc, path, kind, limits, where, predictions)
+        _check_field(doc, path, kind, limits, at, predictions)
     _check_values(doc, where)
-    check_prefill(doc["predicted"], lambda what: _fail(where, what))   # formats/plan_prefill.py
-    for k, v in doc["budgets"]["vram_budget_bytes"].items():
-        if not _is(v, "num") or v < 0:
-            _fail(where, f"budgets.vram_budget_bytes.{k} must be a finite number >= 0, got {v!r}")
-    for k, v in ((doc["predicted"].get("terms") or {}).get("expert_compute_s") or {}).items():
-        if not _is(v, "num") or v < 0:
-            _fail(where, f"predicted.terms.expert_compute_s.{k} must be a finite number >= 0, got {v!r}")
-    for i, d in enumerate(doc["devices"]):
-        if not isinstance(d, dict) or not isinstance(d.get("key"), str):
-            _fail(where, f"devices[{i}] must be an object with a string key, got {d!r}")
-        if not isinstance(d.get("unified", False), bool):
-            _fail(where, f"devices[{i}].unified must be true or false, got {d.get('unified')!r}")
+    check_prefill(doc["predicted"], at / "predicted")   # formats/plan_prefill.py
+    for k in doc["budgets"]["vram_budget_bytes"]:
+        f.number(doc["budgets"]["vram_budget_bytes"], k, at / "budgets" / "vram_budget_bytes", lo=0)
+    comp = (doc["predicted"].get("terms") or {}).get("expert_compute_s") or {}
+    for k in comp:
+        f.number(comp, k, at / "predicted" / "terms" / "expert_compute_s", lo=0)
+    for d, here in f.each(doc, "devices", at):
+        if not isinstance(d, dict):
+            here.bad("an object with a string key", d)
+        f.text(d, "key", here)
+        if "unified" in d:
+            f.flag(d, "unified", here)
     if doc.get("coefficients") is not None:
         from colibri_plan.formats.coefficients import Coefficients
 
         try:
             Coefficients.from_dict(doc["coefficients"], where="coefficients")
         except InputError as exc:  # the plan's own advice (re-solve) replaces the coefficients' advice
-            _fail(where, str(exc).split("; re-create the coefficients")[0])
+            at.fail(str(exc).split("; re-create the coefficients")[0])
     _check_compute(doc, where)
     model = doc["model"]
-    for k in ("name", "fingerprint", "n_experts", "expert_bytes", "moe_layers"):
-        if k not in model:
-            _fail(where, f"model section lacks {k}")
-    n = model["n_experts"]
-    if not isinstance(n, int) or n < 1:
-        _fail(where, f"model.n_experts must be a positive integer, got {n!r}")
-    keys = [d.get("key") for d in doc["devices"]] if isinstance(doc["devices"], list) else None
-    if keys is None or len(set(keys)) != len(keys):
-        _fail(where, "devices must be a list of {key, ...} with unique keys")
+    n = f.whole(model, "n_experts", at / "model", lo=1)   # an int here: it sizes the tier tables
+    keys = [d["key"] for d in doc["devices"]]
+    if len(set(keys)) != len(keys):
+        at.fail("devices must be a list of {key, ...} with unique keys")
     # the optional trunk section (formats/plan_trunk.py), and the VRAM its budgets took for it
     check_trunk_budgets(doc, parse_trunk(doc, keys, model.get("n_layers")))
     layers = doc["layers"]
-    if not isinstance(layers, list):
-        _fail(where, "layers must be a list")
     ids = [e.get("layer") if isinstance(e, dict) else None for e in layers]
     if ids != list(model["moe_layers"]):
-        _fail(where, f"layers {ids[:4]}... do not match the model's MoE layers {model['moe_layers'][:4]}...")
-    for e in layers:
-        lid = e["layer"]
-        for k in ("vram", "ram_pinned", "lru_slots", "disk"):
-            if k not in e:
-                _fail(where, f"layer {lid} lacks {k}")
-        if not isinstance(e["vram"], dict) or set(e["vram"]) - set(keys):
-            _fail(where, f"layer {lid}: vram names unknown devices {sorted(set(e['vram']) - set(keys))}")
-        lists = list(e["vram"].values()) + [e["ram_pinned"], e["disk"]]
-        flat = [x for lst in lists for x in (lst if isinstance(lst, list) else [None])]
-        if any(isinstance(x, bool) or not isinstance(x, int) for x in flat):
-            _fail(where, f"layer {lid}: expert ids must be integers")
-        if any(x < 0 or x >= n for x in flat):
-            _fail(where, f"layer {lid}: expert id out of range 0..{n - 1}")
-        if len(flat) != n or len(set(flat)) != n:
-            dup = len(flat) - len(set(flat))
-            _fail(where, f"layer {lid}: every expert must appear exactly once ({len(set(flat))} of {n} "
-                         f"present, {dup} repeated)")
-        if "p" in e and (not isinstance(e["p"], list) or len(e["p"]) != n
-                         or any(not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in e["p"])):
-            _fail(where, f"layer {lid}: p must list {n} probabilities in [0, 1]")
-        s = e["lru_slots"]
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            _fail(where, f"layer {lid}: lru_slots must be an integer >= 0, got {s!r}")
+        at.fail(f"layers {ids[:4]}... do not match the model's MoE layers {model['moe_layers'][:4]}...")
+    for i, e in enumerate(layers):
+        _check_layer(e, n, keys, at / "layers" / i, at)
+
+
+def _check_layer(e: dict, n: int, keys: list[str], here: At, at: At) -> None:
+    """One ``layers`` entry: its tier lists hold every expert id 0..n-1 once, on known devices; ``p`` (if
+    present) n probabilities; ``lru_slots`` a whole number >= 0. Messages name the MoE layer id."""
+    lid = e["layer"]
+    f.require(e, ("vram", "ram_pinned", "lru_slots", "disk"), here)
+    if not isinstance(e["vram"], dict) or set(e["vram"]) - set(keys):
+        at.fail(f"layer {lid}: vram names unknown devices {sorted(set(e['vram']) - set(keys))}")
+    lists = list(e["vram"].values()) + [e["ram_pinned"], e["disk"]]
+    flat = [x for lst in lists for x in (lst if isinstance(lst, list) else [None])]
+    if not all(f.is_whole(x) for x in flat):
+        at.fail(f"layer {lid}: expert ids must be integers")
+    if any(x < 0 or x >= n for x in flat):
+        at.fail(f"layer {lid}: expert id out of range 0..{n - 1}")
+    if len(flat) != n or len(set(flat)) != n:
+        dup = len(flat) - len(set(flat))
+        at.fail(f"layer {lid}: every expert must appear exactly once ({len(set(flat))} of {n} present, "
+                f"{dup} repeated)")
+    if "p" in e and (not isinstance(e["p"], list) or len(e["p"]) != n
+                     or not all(f.is_number(v) and 0 <= v <= 1 for v in e["p"])):
+        at.fail(f"layer {lid}: p must list {n} probabilities in [0, 1]")
+    f.whole(e, "lru_slots", here, lo=0)
 
 
 def _check_compute(doc: dict, where: str) -> None:

@@ -20,9 +20,10 @@ of a KeyError or TypeError in ``plan show``, ``run --plan`` or ``verify``:
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable
+
+from colibri_plan.formats import fields as f
+from colibri_plan.formats.fields import At
 
 #: the ``terms`` figures ``solve`` and ``plan show`` print (required), and the ones added later (optional)
 REQUIRED_TERMS = ("experts_s", "dense_s", "lm_head_s", "attention_s", "handoff_s",
@@ -30,69 +31,48 @@ REQUIRED_TERMS = ("experts_s", "dense_s", "lm_head_s", "attention_s", "handoff_s
 OPTIONAL_TERMS = ("disk_read_s", "verify_s")
 
 
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _shown(v) -> str:
-    return json.dumps(v, default=str)[:60]
-
-
-def check_prefill(predicted: dict, fail: Callable[[str], None]) -> None:
+def check_prefill(predicted: dict, at: At) -> None:
     """Check ``predicted["prefill"]`` when it is there (absent or null: an older plan, nothing to check).
 
     Args:
         predicted: the plan's ``predicted`` section (a dict; its ``prefill``, when not null, already
             checked to be an object by ``formats/plan.py``).
-        fail: called with what is wrong (``"predicted.prefill.ttft_s must be ..."``); it must raise
-            (``formats.plan._fail`` raises FormatError with the plan's path and what to do).
+        at: where ``predicted`` is (``plan <path>`` / "predicted": messages name
+            ``predicted.prefill.<field>`` and the plan's advice).
+
+    Raises:
+        FormatError: naming the field, what it must be and what it holds.
     """
     pre = predicted.get("prefill")
     if not isinstance(pre, dict):
         return
-    where = "predicted.prefill"
-    n = pre.get("prompt_tokens")
-    if "prompt_tokens" not in pre:
-        fail(f"{where}.prompt_tokens is missing")
-    if not _finite(n) or not float(n).is_integer() or n < 1:
-        fail(f"{where}.prompt_tokens must be a whole number >= 1, got {_shown(n)}")
+    at = at / "prefill"
+    n = f.whole(pre, "prompt_tokens", at, lo=1, integral_floats=True)
     for key, unit in (("prefill_s", "seconds"), ("ttft_s", "seconds"), ("prefill_tok_s", "tok/s")):
-        v = pre.get(key)
-        if key not in pre:
-            fail(f"{where}.{key} is missing")
-        if not _finite(v) or v <= 0:
-            fail(f"{where}.{key} must be a finite number > 0 ({unit}), got {_shown(v)}")
+        f.number(pre, key, at, lo=0, lo_open=True, unit=f" ({unit})")
     pre_s = pre["prefill_s"]
     if not math.isclose(pre["ttft_s"], pre_s, rel_tol=1e-6):
-        fail(f"{where}.ttft_s {pre['ttft_s']!r} is not {where}.prefill_s {pre_s!r} (the first token comes "
-             f"out of the prompt's last row)")
+        (at / "ttft_s").fail(f"{pre['ttft_s']!r} is not {at.dotted}.prefill_s {pre_s!r} (the first token "
+                             "comes out of the prompt's last row)")
     if not math.isclose(pre["prefill_tok_s"], n / pre_s, rel_tol=1e-6):
-        fail(f"{where}.prefill_tok_s {pre['prefill_tok_s']!r} is not prompt_tokens / prefill_s "
-             f"({n / pre_s:.6g})")
-    terms = pre.get("terms")
+        (at / "prefill_tok_s").fail(f"{pre['prefill_tok_s']!r} is not prompt_tokens / prefill_s "
+                                    f"({n / pre_s:.6g})")
+    terms = pre.get("terms")   # absent reads as null: either way not the object the readers print
     if not isinstance(terms, dict):
-        fail(f"{where}.terms must be an object of the prefill's seconds per part, got {_shown(terms)}")
-    for key in (*REQUIRED_TERMS, *OPTIONAL_TERMS):
-        if key not in terms and key in OPTIONAL_TERMS:
-            continue
-        if key not in terms:
-            fail(f"{where}.terms.{key} is missing")
-        v = terms[key]
-        if not _finite(v) or v < 0:
-            fail(f"{where}.terms.{key} must be a finite number >= 0, got {_shown(v)}")
-    curve = pre.get("curve")
-    if curve is not None:
-        if not isinstance(curve, list):
-            fail(f"{where}.curve must be a list of [prompt tokens, prefill s] pairs, got {_shown(curve)}")
-        for i, point in enumerate(curve):
-            ok = (isinstance(point, list) and len(point) == 2 and _finite(point[0])
-                  and float(point[0]).is_integer() and point[0] >= 1 and _finite(point[1]) and point[1] >= 0)
-            if not ok:
-                fail(f"{where}.curve[{i}] must be [prompt tokens (a whole number >= 1), prefill s (a finite "
-                     f"number >= 0)], got {_shown(point)}")
-            if i and point[0] <= curve[i - 1][0]:
-                fail(f"{where}.curve must list prompt lengths in ascending order without repeats; "
-                     f"curve[{i}] has {_shown(point[0])} after {_shown(curve[i - 1][0])}")
-    if pre.get("figures") is not None and not isinstance(pre["figures"], dict):
-        fail(f"{where}.figures must be an object of the rates the prefill was priced with, got "
-             f"{_shown(pre['figures'])}")
+        (at / "terms").bad("an object of the prefill's seconds per part", terms)
+    for key in REQUIRED_TERMS:
+        f.number(terms, key, at / "terms", lo=0)
+    for key in OPTIONAL_TERMS:
+        if key in terms:
+            f.number(terms, key, at / "terms", lo=0)
+    curve = f.items(pre, "curve", at, optional=True, want="a list of [prompt tokens, prefill s] pairs")
+    for i, point in enumerate(curve or ()):
+        ok = (isinstance(point, list) and len(point) == 2 and f.is_whole(point[0], True) and point[0] >= 1
+              and f.is_number(point[1]) and point[1] >= 0)
+        if not ok:
+            (at / "curve" / i).bad("[prompt tokens (a whole number >= 1), prefill s (a finite number >= 0)]",
+                                   point)
+        if i and point[0] <= curve[i - 1][0]:
+            (at / "curve").fail(f"must list prompt lengths in ascending order without repeats; curve[{i}] "
+                                f"has {f.shown(point[0])} after {f.shown(curve[i - 1][0])}")
+    f.mapping(pre, "figures", at, optional=True, want="an object of the rates the prefill was priced with")

@@ -15,13 +15,12 @@ Optional (plans without it keep the trunk on the CPU, as before). Shape::
 as colibrì). Attention runs where the KV cache is; the engine keeps both with the trunk. On a GPU the
 engine's cache holds float32 K and V, so ``solve`` writes ``bytes_per_token`` at
 :data:`DEVICE_KV_BYTES_PER_VALUE` (twice the model spec's 16-bit figure) and takes those bytes out of the
-GPU's budget. The host's caches (a CPU trunk's, and an MLA latent cache kept on the host) hold float32
-too: ``solve`` writes a CPU trunk's ``bytes_per_token`` at :data:`HOST_KV_BYTES_PER_VALUE` and the RAM
-budget charges those bytes (for the colibrì target, whose cache is 16-bit: the spec's figure).
-``kv.host: true`` (optional, default false; written for MLA families on a GPU trunk): the engine keeps
-MLA attention and its latent cache on the host, so the cache's bytes (at the host's figure) stay in the
-RAM budget and take no VRAM; ``kv.device`` still names the trunk's device, whose layers
-hand the hidden state to the host attention and back. ``split`` (a
+GPU's budget (MLA's latent cache too: its attention runs on the trunk's device like GQA's). A CPU
+trunk's cache holds float32 too: ``solve`` writes its ``bytes_per_token`` at
+:data:`HOST_KV_BYTES_PER_VALUE` and the RAM budget charges those bytes (for the colibrì target, whose
+cache is 16-bit: the spec's figure). ``kv.host: true`` was written by earlier versions for an MLA
+family's GPU trunk, whose latent cache the engine then kept in RAM; the engine now keeps it on the
+device, so such a plan priced no VRAM for it and is refused: re-create it. ``split`` (a
 layer range per device, covering every layer once, in order) describes a trunk spread over several
 GPUs, as llama.cpp's layer split does; it is a planning result that exports carry, and the engine runs
 one trunk device (it refuses a split plan with one line).
@@ -33,6 +32,8 @@ import math
 from dataclasses import dataclass, field
 
 from colibri_plan.errors import FormatError, MismatchError
+from colibri_plan.formats import fields as f
+from colibri_plan.formats.fields import At
 from colibri_plan.quant import FORMATS
 
 CPU = "cpu"
@@ -47,16 +48,13 @@ ARCH_SPEC_KV_BYTES_PER_VALUE = 4
 #: the planner prices a device trunk's KV cache with it, so a change of the engine's cache dtype belongs
 #: here, in one place both read
 DEVICE_KV_BYTES_PER_VALUE = 4
-#: bytes per cached value of the engine's host KV caches (``engine/attention.py`` ``KVCache``: float32 K
-#: and V; ``engine/mla.py`` ``LatentCache``: float32 latent and rope rows); the engine builds their dtype
-#: from it and the planner prices a CPU trunk's cache (and an MLA cache kept on the host) with it
+#: bytes per cached value of a CPU trunk's cache (``engine/kv_device.py`` on a host backend: float32 K and
+#: V, or MLA's latent and rope rows); the planner prices a CPU trunk's cache with it
 HOST_KV_BYTES_PER_VALUE = 4
-#: model families whose attention is MLA (multi-head latent attention): for a device trunk the engine keeps
-#: their attention and latent cache on the host (docs/plan-format.md, ``trunk``)
-MLA_FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa",
-                          "glm4_moe_lite"})
 #: what every refusal of a malformed section advises
 _REDO = "; re-create the plan with `colibri-plan solve`"
+#: the section's place in messages ("trunk.kv.page_tokens must be ..."; values as Python shows them)
+TRUNK = At("", _REDO[2:], ("trunk",), integer="an integer", repr_values=True)
 
 
 def kv_bytes(context_tokens: int, bytes_per_token: int, page_tokens: int = PAGE_TOKENS) -> int:
@@ -90,13 +88,6 @@ def host_kv_bytes_per_token(spec_kv_bytes_per_token: int, source: str | None = N
     return int(spec_kv_bytes_per_token) * HOST_KV_BYTES_PER_VALUE // have
 
 
-def kv_on_host(family: str | None, device: str) -> bool:
-    """True when the engine keeps attention and the KV cache on the host although the trunk runs on
-    ``device``: an MLA family (:data:`MLA_FAMILIES`) with a device trunk. False for the CPU trunk (the
-    cache is on the host anyway, as the trunk) and for GQA families."""
-    return device != CPU and family in MLA_FAMILIES
-
-
 @dataclass(frozen=True)
 class TrunkPlacement:
     """A validated ``trunk`` section (see the module docstring). ``device`` "cpu" = the host."""
@@ -110,7 +101,6 @@ class TrunkPlacement:
     kv_bytes_per_token: int = 0
     kv_bytes: int = 0
     split: tuple[tuple[int, int, str], ...] = field(default_factory=tuple)
-    kv_on_host: bool = False
 
     @property
     def on_device(self) -> bool:
@@ -122,18 +112,9 @@ class TrunkPlacement:
                "kv": {"device": self.kv_device, "context_tokens": self.context_tokens,
                       "page_tokens": self.page_tokens, "bytes_per_token": self.kv_bytes_per_token,
                       "bytes": self.kv_bytes}}
-        if self.kv_on_host:
-            out["kv"]["host"] = True
         if self.split:
             out["split"] = [{"first_layer": a, "last_layer": b, "device": d} for a, b, d in self.split]
         return out
-
-
-def _int(sec: dict, key: str, where: str, minimum: int = 0) -> int:
-    v = sec.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise FormatError(f"{where}.{key} must be an integer ≥ {minimum}, got {v!r}{_REDO}")
-    return v
 
 
 def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) -> TrunkPlacement:
@@ -146,48 +127,42 @@ def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) 
     Raises:
         FormatError: a malformed section, a device that is neither "cpu" nor one of the plan's devices,
             KV bytes that do not match pages × bytes per token, a split that is not a cover of the layers,
-            or ``kv.host`` true on a CPU trunk or for a model family (``model.family``) that is not MLA.
+            or ``kv.host`` true (a plan of an earlier version, module docstring).
     """
-    sec = doc.get("trunk")
+    sec = f.mapping(doc, "trunk", At("", _REDO[2:]), optional=True)
     if sec is None:
         return TrunkPlacement()
-    if not isinstance(sec, dict):
-        raise FormatError(f"plan trunk section must be an object{_REDO}")
     known = [CPU, *device_keys]
 
-    def dev(v, where):
-        if v not in known:
-            raise FormatError(f"{where} is {v!r}; the plan knows {', '.join(known)}: solve the plan again "
-                              "for this machine (--trunk cpu, or one of the profile's GPUs)")
-        return v
+    def dev(d, key, at):
+        if d.get(key) not in known:
+            (at / key).refuse(f"is {d.get(key)!r}; the plan knows {', '.join(known)}: solve the plan again "
+                              "for this machine (--trunk cpu, or one of the profile's GPUs)", hint="")
+        return d[key]
 
-    device = dev(sec.get("device"), "trunk.device")
-    fmt = sec.get("dense_format")
-    if fmt is not None and fmt not in FORMATS:
-        raise FormatError(f"trunk.dense_format must be a format name ({', '.join(FORMATS)}), got {fmt!r}"
-                          + _REDO)
-    kv = sec.get("kv")
-    if not isinstance(kv, dict):
-        raise FormatError("trunk.kv must be an object with device, context_tokens, page_tokens, "
-                          "bytes_per_token, bytes" + _REDO)
-    kv_dev = dev(kv.get("device"), "trunk.kv.device")
-    page = _int(kv, "page_tokens", "trunk.kv", 1)
-    ctx, bpt = _int(kv, "context_tokens", "trunk.kv"), _int(kv, "bytes_per_token", "trunk.kv")
-    total = _int(kv, "bytes", "trunk.kv")
+    device = dev(sec, "device", TRUNK)
+    fmt = f.text(sec, "dense_format", TRUNK, optional=True, choices=FORMATS,
+                 want=f"a format name ({', '.join(FORMATS)})")
+    kv = f.mapping(sec, "kv", TRUNK, want="an object with device, context_tokens, page_tokens, "
+                                          "bytes_per_token, bytes")
+    kv_at = TRUNK / "kv"
+    kv_dev = dev(kv, "device", kv_at)
+    page = f.whole(kv, "page_tokens", kv_at, lo=1)
+    ctx, bpt = f.whole(kv, "context_tokens", kv_at, lo=0), f.whole(kv, "bytes_per_token", kv_at, lo=0)
+    total = f.whole(kv, "bytes", kv_at, lo=0)
     if total != kv_bytes(ctx, bpt, page):
         raise FormatError(f"trunk.kv.bytes is {total}, but {ctx} tokens in {page}-token pages of "
                           f"{bpt} B per token take {kv_bytes(ctx, bpt, page)}{_REDO}")
     split = []
     parts = sec.get("split") or []
     if not isinstance(parts, list):
-        raise FormatError(f"trunk.split must be a list of {{first_layer, last_layer, device}}, got "
-                          f"{type(parts).__name__}{_REDO}")
+        (TRUNK / "split").refuse(f"must be a list of {{first_layer, last_layer, device}}, got "
+                                 f"{type(parts).__name__}")
     for i, part in enumerate(parts):
-        if not isinstance(part, dict):
-            raise FormatError(f"trunk.split[{i}] must be an object{_REDO}")
-        split.append((_int(part, "first_layer", f"trunk.split[{i}]"),
-                      _int(part, "last_layer", f"trunk.split[{i}]"),
-                      dev(part.get("device"), f"trunk.split[{i}].device")))
+        at = TRUNK / "split" / i
+        f.mapping(parts, i, TRUNK / "split")
+        split.append((f.whole(part, "first_layer", at, lo=0), f.whole(part, "last_layer", at, lo=0),
+                      dev(part, "device", at)))
     if split:
         want = 0
         for a, b, _ in split:
@@ -197,21 +172,12 @@ def parse_trunk(doc: dict, device_keys: list[str], n_layers: int | None = None) 
             want = b + 1
         if n_layers is not None and want != n_layers:
             raise FormatError(f"trunk.split covers layers 0..{want - 1}; the model has {n_layers}{_REDO}")
-    host = kv.get("host", False)
-    if not isinstance(host, bool):
-        raise FormatError(f"trunk.kv.host must be true or false, got {host!r}{_REDO}")
-    # true only where the engine keeps the cache on the host although the trunk is on a GPU: a stray true
-    # would take the KV's bytes out of the VRAM check while the engine puts the cache on the device
-    family = doc["model"].get("family") if isinstance(doc.get("model"), dict) else None
-    if host and device == CPU:
-        raise FormatError("trunk.kv.host is true but the trunk is on the cpu (the cache is on the host "
-                          "anyway): it is only for an MLA family's trunk on a GPU; drop it" + _REDO)
-    if host and isinstance(family, str) and family not in MLA_FAMILIES:
-        raise FormatError(f"trunk.kv.host is true but model family {family!r} is not MLA (the engine "
-                          f"keeps its KV cache on the trunk's device, {device}): it is only for "
-                          f"{', '.join(sorted(MLA_FAMILIES))}{_REDO}")
-    return TrunkPlacement(device, fmt, _int(sec, "dense_bytes", "trunk"), kv_dev, ctx, page, bpt, total,
-                          tuple(split), host)
+    if "host" in kv and f.flag(kv, "host", kv_at):   # absent or false: the cache is with the trunk
+        raise FormatError("trunk.kv.host is true: an earlier version kept an MLA model's latent cache in RAM "
+                          "beside a GPU trunk and priced no VRAM for it; the engine now keeps it on the "
+                          f"trunk's device ({device}), so the plan's budgets no longer hold" + _REDO)
+    return TrunkPlacement(device, fmt, f.whole(sec, "dense_bytes", TRUNK, lo=0), kv_dev, ctx, page, bpt,
+                          total, tuple(split))
 
 
 def check_trunk_budgets(doc: dict, trunk: TrunkPlacement) -> None:
@@ -225,23 +191,21 @@ def check_trunk_budgets(doc: dict, trunk: TrunkPlacement) -> None:
     """
     b = doc.get("budgets") or {}
     took = b.get("trunk_vram_bytes") or {}
-    if not isinstance(took, dict) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
-                                         for v in took.values()):
-        raise FormatError(f"budgets.trunk_vram_bytes must map devices to bytes (integers ≥ 0), got {took!r}"
-                          + _REDO)
+    if not isinstance(took, dict) or not all(f.is_whole(v) and v >= 0 for v in took.values()):
+        At("", _REDO[2:], ("budgets", "trunk_vram_bytes"), repr_values=True).refuse(
+            f"must map devices to bytes (whole numbers >= 0), got {f.shown(took, python=True)}")
     devices = [d for d in doc.get("devices") or [] if isinstance(d, dict)]
     discrete = {d.get("key") for d in devices if not d.get("unified")}
     if trunk.on_device and trunk.device in discrete and not took:
         raise FormatError(f"plan trunk is on {trunk.device} but budgets.trunk_vram_bytes is empty: the "
                           f"trunk's VRAM was not taken out of the expert budget{_REDO}")
-    kv_vram = 0 if trunk.kv_on_host else trunk.kv_bytes   # an MLA cache kept on the host takes no VRAM
+    kv_vram = trunk.kv_bytes
     if took and sum(took.values()) < trunk.dense_bytes + kv_vram:
         raise FormatError(f"plan budgets take {sum(took.values())} B of VRAM for the trunk, less than its "
                           f"{trunk.dense_bytes} B dense + {kv_vram} B KV{_REDO}")
     vram = b.get("vram_budget_bytes") or {}
     for k in took:
-        if k not in {d.get("key") for d in devices} or not isinstance(vram.get(k), (int, float)) \
-                or vram[k] < 0:
+        if k not in {d.get("key") for d in devices} or not f.is_number(vram.get(k)) or vram[k] < 0:
             raise FormatError(f"plan budgets.trunk_vram_bytes names {k}, whose expert budget is missing or "
                               f"negative{_REDO}")
 

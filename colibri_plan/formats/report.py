@@ -24,13 +24,14 @@ Version 1 reports (measured ``hit_rates`` with ``pinned``, ``expert_wall_s`` / `
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from colibri_plan.errors import FormatError
 from colibri_plan.fileio import read_document, read_json_object, write_document
+from colibri_plan.formats import fields as f
+from colibri_plan.formats.fields import At
 
 KIND = "verify-report"
 SCHEMA_VERSION = 2
@@ -141,14 +142,14 @@ class RunReport:
         """The plan's ``predicted`` layout (module docstring); None figures are left out."""
         out: dict = {}
         terms: dict = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
+        for fld in fields(self):
+            v = getattr(self, fld.name)
             if v is None:
                 continue
-            if f.name in _TERM_FIELDS:
-                terms[_TERM_FIELDS[f.name]] = dict(v) if isinstance(v, dict) else v
+            if fld.name in _TERM_FIELDS:
+                terms[_TERM_FIELDS[fld.name]] = dict(v) if isinstance(v, dict) else v
             else:
-                out[f.name] = v
+                out[fld.name] = v
         out["terms"] = terms
         return out
 
@@ -164,7 +165,7 @@ class RunReport:
         terms = d["terms"]
         kw = {name: terms.get(key) for name, key in TERM_KEYS}
         kw["expert_compute_s_per_token"] = dict(terms.get("expert_compute_s") or {})
-        names = {f.name for f in fields(cls)} - set(_TERM_FIELDS)
+        names = {fld.name for fld in fields(cls)} - set(_TERM_FIELDS)
         kw.update({k: v for k, v in d.items() if k in names and k != "terms" and v is not None})
         hr = d.get("hit_rate")
         kw["hit_rate"] = {k: float((hr or {}).get(k, 0.0)) for k in HIT_TIERS}
@@ -174,12 +175,19 @@ class RunReport:
         return cls(**kw)
 
 
-def _bad_number(v) -> bool:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return True
-    if isinstance(v, int):  # math.isfinite overflows on an integer beyond a float (10**400)
-        return not 0 <= v <= MAX_S_PER_TOKEN
-    return not math.isfinite(v) or v < 0 or v > MAX_S_PER_TOKEN
+def _at(where: str, section: str = "") -> At:
+    """A report's place in messages (values shown as Python writes them)."""
+    at = At(where, _AGAIN, repr_values=True)
+    return at / section if section else at
+
+
+#: what every refusal of a report advises
+_AGAIN = "re-run `colibri-plan verify` to get a clean report"
+
+
+def _seconds(d: dict, key, at: At, null: bool = True) -> None:
+    """``d[key]``: seconds (or per token), a finite number >= 0 and <= MAX_S_PER_TOKEN (null: none)."""
+    f.number(d, key, at, lo=0, hi=MAX_S_PER_TOKEN, optional=null, unit=" (seconds) or null" if null else "")
 
 
 def check_figures(d, where: str, section: str = "") -> None:
@@ -190,71 +198,50 @@ def check_figures(d, where: str, section: str = "") -> None:
     Raises:
         FormatError: naming ``where``, the field's path and the value.
     """
-    pre = f"{section}." if section else ""
+    at = _at(where, section)
     if not isinstance(d, dict):
-        raise FormatError(f"{where}: {section or 'section'} must be an object; re-run `colibri-plan verify`")
+        at.bad("an object", d)
     for k in ("decode_s_per_token", "tok_s"):
-        v = d.get(k)
-        if _bad_number(v):
-            raise FormatError(f"{where}: {pre}{k} must be a finite number >= 0 and <= {MAX_S_PER_TOKEN:g}, "
-                              f"got {v!r}; re-run `colibri-plan verify` to get a clean report")
-    terms = d.get("terms")
-    if not isinstance(terms, dict):
-        raise FormatError(f"{where}: {pre}terms is missing or not an object; re-run `colibri-plan verify`")
+        _seconds(d, k, at, null=False)
+    terms = f.mapping(d, "terms", at)
     for k, v in terms.items():
-        items = v.items() if isinstance(v, dict) else [(None, v)]
-        for kk, x in items:
-            if x is None or isinstance(x, list):
-                continue
-            if _bad_number(x):
-                name = f"{pre}terms.{k}" + (f".{kk}" if kk is not None else "")
-                raise FormatError(f"{where}: {name} must be a finite number >= 0 and <= {MAX_S_PER_TOKEN:g}, "
-                                  f"got {x!r}; re-run `colibri-plan verify` to get a clean report")
+        if isinstance(v, dict):            # per device
+            for kk, x in v.items():
+                if not isinstance(x, list):
+                    f.number(v, kk, at / "terms" / k, lo=0, hi=MAX_S_PER_TOKEN, optional=True)
+        elif not isinstance(v, list):      # null: not measured; lists: per layer
+            f.number(terms, k, at / "terms", lo=0, hi=MAX_S_PER_TOKEN, optional=True)
     # the prefill figures verify compares (a run's prompt forward pass; absent or null without one)
-    v = d.get("prefill_s")
-    if v is not None and _bad_number(v):
-        raise FormatError(f"{where}: {pre}prefill_s must be a finite number >= 0 and <= {MAX_S_PER_TOKEN:g} "
-                          f"(seconds) or null, got {v!r}; re-run `colibri-plan verify` to get a clean report")
-    v = d.get("prompt_tokens")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise FormatError(f"{where}: {pre}prompt_tokens must be a whole number >= 1 or null, got {v!r}; "
-                          "re-run `colibri-plan verify` to get a clean report")
-    _check_shares(d.get("hit_rate"), where, f"{pre}hit_rate")
-    _check_prefill_terms(d.get("prefill_terms"), where, f"{pre}prefill_terms")
+    _seconds(d, "prefill_s", at)
+    f.whole(d, "prompt_tokens", at, lo=1, optional=True, want="a whole number >= 1 or null")
+    _check_shares(d, "hit_rate", at)
+    _check_prefill_terms(d, at)
 
 
-def _check_shares(hr, where: str, name: str) -> None:
+def _check_shares(d: dict, key: str, at: At) -> None:
+    hr = d.get(key)
     if hr is not None and (not isinstance(hr, dict)
-                           or any(_bad_number(x) or x > 1 for x in hr.values())):
-        raise FormatError(f"{where}: {name} must map {', '.join(HIT_TIERS)} to shares in [0, 1], "
-                          f"got {hr!r}; re-run `colibri-plan verify`")
+                           or not all(f.is_number(x) and 0 <= x <= 1 for x in hr.values())):
+        (at / key).refuse(f"must map {', '.join(HIT_TIERS)} to shares in [0, 1], got {at.show(hr)}")
 
 
-def _check_prefill_terms(pt, where: str, name: str) -> None:
+def _check_prefill_terms(d: dict, at: At) -> None:
     """``prefill_terms`` absent or null (a report written before it existed, or a predicted section), or an
     object of seconds (finite, >= 0, <= 1e6), ``expert_compute_s`` of such seconds per device,
     ``disk_bytes`` a finite number >= 0 and ``hit_rate`` shares in [0, 1]."""
+    pt = f.mapping(d, "prefill_terms", at, optional=True, want="an object or null")
     if pt is None:
         return
-    again = "; re-run `colibri-plan verify` to get a clean report"
-    if not isinstance(pt, dict):
-        raise FormatError(f"{where}: {name} must be an object or null, got {pt!r}{again}")
-    seconds = [(k, pt.get(k)) for k in PREFILL_TERM_KEYS]
+    here = at / "prefill_terms"
+    for k in PREFILL_TERM_KEYS:
+        _seconds(pt, k, here)
     comp = pt.get("expert_compute_s")
-    comp = {} if comp is None else comp
-    if not isinstance(comp, dict):  # [] or 0 too: only null stands for "none"
-        raise FormatError(f"{where}: {name}.expert_compute_s must map devices to seconds, got {comp!r}"
-                          + again)
-    seconds += [(f"expert_compute_s.{k}", v) for k, v in comp.items()]
-    for k, v in seconds:
-        if v is not None and _bad_number(v):
-            raise FormatError(f"{where}: {name}.{k} must be a finite number >= 0 and <= {MAX_S_PER_TOKEN:g} "
-                              f"(seconds) or null, got {v!r}{again}")
-    b = pt.get("disk_bytes")
-    if b is not None and not (_finite(b, null=False) and b >= 0):
-        raise FormatError(f"{where}: {name}.disk_bytes must be a finite number >= 0 or null, got {b!r}"
-                          + again)
-    _check_shares(pt.get("hit_rate"), where, f"{name}.hit_rate")
+    if comp is not None and not isinstance(comp, dict):   # [] or 0 too: only null stands for "none"
+        (here / "expert_compute_s").refuse(f"must map devices to seconds, got {at.show(comp)}")
+    for k in comp or {}:
+        _seconds(comp, k, here / "expert_compute_s")
+    f.number(pt, "disk_bytes", here, lo=0, optional=True, unit=" or null")
+    _check_shares(pt, "hit_rate", here)
 
 
 def save_report(report: dict, path: str | os.PathLike) -> Path:
@@ -276,7 +263,7 @@ def load_report(path: str | os.PathLike) -> dict:
     except FormatError:
         old = read_json_object(path, "verify report")
         v = old.get("schema_version")
-        if old.get("kind") == KIND and isinstance(v, int) and not isinstance(v, bool) and v < SCHEMA_VERSION:
+        if old.get("kind") == KIND and f.is_whole(v) and v < SCHEMA_VERSION:
             raise FormatError(f"{path} is a verify report of schema_version {v}, whose measured section "
                               "used other names than the plan's (hit_rates/pinned, expert_wall_s, "
                               f"expert_cpu_s, device_s); this colibri-plan reads version {SCHEMA_VERSION}: "
@@ -292,33 +279,13 @@ def load_report(path: str | os.PathLike) -> dict:
     return doc
 
 
-def _finite(v, null: bool = True) -> bool:
-    """A finite JSON number (bool excluded; an integer beyond a float is not), or None when ``null``."""
-    if v is None:
-        return null
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return math.isfinite(float(v))
-    except OverflowError:
-        return False
-
-
-def _bad(where: str, name: str, want: str, v) -> FormatError:
-    shown = repr(v)
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    return FormatError(f"{where}: {name} must be {want}, got {shown}; re-run `colibri-plan verify`")
-
-
-#: verdict field -> (check, what it must be)
-_VERDICT = {"ok": (lambda v: isinstance(v, bool), "true or false"),
-            "tok_s_ok": (lambda v: isinstance(v, bool), "true or false"),
-            "hit_rate_ok": (lambda v: isinstance(v, bool), "true or false"),
-            "token_exact": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
-            "tok_s_ratio": (lambda v: _finite(v) and (v is None or v >= 0), "a finite number >= 0 or null"),
-            "prefill_ratio": (lambda v: _finite(v) and (v is None or v >= 0), "a finite number >= 0 or null"),
-            "prefill_ok": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
-            "hit_rate_diff_points": (lambda v: _finite(v, null=False), "a finite number")}
+#: verdict field -> (reader, its keyword arguments)
+_VERDICT = {"ok": (f.flag, {}), "tok_s_ok": (f.flag, {}), "hit_rate_ok": (f.flag, {}),
+            "token_exact": (f.flag, {"optional": True, "want": "true, false or null"}),
+            "prefill_ok": (f.flag, {"optional": True, "want": "true, false or null"}),
+            "tok_s_ratio": (f.number, {"optional": True, "lo": 0, "unit": " or null"}),
+            "prefill_ratio": (f.number, {"optional": True, "lo": 0, "unit": " or null"}),
+            "hit_rate_diff_points": (f.number, {})}
 _ROW_NUMBERS = ("predicted", "measured", "ratio")
 
 
@@ -331,27 +298,23 @@ def check_sections(doc: dict, where: str) -> None:
     Raises:
         FormatError: naming ``where`` and the field.
     """
+    at = At(where, "re-run `colibri-plan verify`", repr_values=True)
     for section in ("model", "machine", "settings", "reference"):
-        if doc.get(section) is not None and not isinstance(doc[section], dict):
-            raise _bad(where, section, "an object", doc[section])
-    for section, key in (("model", "fingerprint"), ("machine", "fingerprint"), ("plan", "fingerprint")):
-        v = (doc.get(section) or {}).get(key)
-        if v is not None and not isinstance(v, str):
-            raise _bad(where, f"{section}.{key}", "a string", v)
-    for key, (ok, want) in _VERDICT.items():
-        if key in doc["verdict"] and not ok(doc["verdict"][key]):
-            raise _bad(where, f"verdict.{key}", want, doc["verdict"][key])
-    rows = doc.get("comparison", [])
-    if not isinstance(rows, list):
-        raise _bad(where, "comparison", "a list of rows", rows)
-    for i, r in enumerate(rows):
+        f.mapping(doc, section, at, optional=True)
+    for section in ("model", "machine", "plan"):
+        if doc.get(section) is not None:
+            f.text(doc[section], "fingerprint", at / section, optional=True)
+    for key, (read, kw) in _VERDICT.items():
+        if key in doc["verdict"]:
+            read(doc["verdict"], key, at / "verdict", **kw)
+    if "comparison" not in doc:
+        return
+    for r, here in f.each(doc, "comparison", at, want="a list of rows"):
         if not isinstance(r, dict):
-            raise _bad(where, f"comparison[{i}]", "an object", r)
+            here.bad("an object", r)
         for key in ("term", "unit"):
-            if key in r and not isinstance(r[key], str):
-                raise _bad(where, f"comparison[{i}].{key}", "a string", r[key])
+            f.text(r, key, here, optional=key not in r)
         for key in _ROW_NUMBERS:
-            if not _finite(r.get(key)):
-                raise _bad(where, f"comparison[{i}].{key}", "a finite number or null", r[key])
-        if "diff_points" in r and not _finite(r["diff_points"], null=False):
-            raise _bad(where, f"comparison[{i}].diff_points", "a finite number", r["diff_points"])
+            f.number(r, key, here, optional=True, unit=" or null")
+        if "diff_points" in r:
+            f.number(r, "diff_points", here)

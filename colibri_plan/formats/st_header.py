@@ -21,6 +21,7 @@ from pathlib import Path
 
 from colibri_plan.errors import FormatError, InputError
 from colibri_plan.fileio import parse_json
+from colibri_plan.formats.fields import is_whole
 
 #: bytes per element of every safetensors dtype (sub-byte float formats are not read by this tool)
 DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
@@ -39,7 +40,7 @@ def numel(shape) -> int:
 
 
 def _whole(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return is_whole(v) and v >= 0
 
 
 def read_header(path: str | Path) -> tuple[dict, int]:

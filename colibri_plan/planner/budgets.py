@@ -20,13 +20,14 @@ from colibri_plan.errors import BudgetError, InputError
 from colibri_plan.formats.plan_trunk import host_kv_bytes_per_token
 from colibri_plan.formats.profile_trunk import expert_call_s
 from colibri_plan.planner.costmodel import GpuResource, Resources
+from colibri_plan.planner.options import DEFAULTS
 
 GB = 1_000_000_000
 #: page-cache reserve colibrì measured as necessary (2.5 GB) and the fraction of RAM left to the OS
 PAGE_CACHE_RESERVE_BYTES = int(2.5 * GB)
 OS_RESERVE_FRACTION = 0.05
 RUNTIME_BYTES = int(0.5 * GB)     # interpreter, logits, activations, thread stacks
-DEFAULT_VRAM_RESERVE_BYTES = 2 * GB
+DEFAULT_VRAM_RESERVE_BYTES = DEFAULTS.vram_reserve_bytes   # solve --vram-reserve
 #: largest GB figure accepted for a memory option (1 PB): beyond any machine, and float-to-int safe
 MAX_GB = 1_000_000.0
 
@@ -94,7 +95,7 @@ def parse_gb(value: str, what: str) -> float:
 
 
 def ram_budget(spec, available_bytes: int, ram: str = "auto", headroom_gb: float | None = None,
-               context_tokens: int = 4096, dense_fmt: str | None = None,
+               context_tokens: int = DEFAULTS.context_tokens, dense_fmt: str | None = None,
                moved_bytes: int = 0,
                kv_bytes_per_token: int | None = None) -> tuple[int, list[dict], dict]:
     """RAM for experts, with the explanation lines.

@@ -44,6 +44,8 @@ from __future__ import annotations
 import numpy as np
 
 from colibri_plan.errors import FormatError, InputError
+from colibri_plan.formats import fields
+from colibri_plan.formats.fields import At
 
 #: largest figure a report may hold (seconds per token, layers or calls per token): beyond it the
 #: report is corrupt, and one such figure would swamp the least-squares fit
@@ -56,15 +58,9 @@ COLLINEAR_TOL = 1e-2
 def _num(d: dict, key: str, where: str, section: str = "") -> float:
     """``d[key]`` as seconds (0.0 when absent or null). Raises FormatError naming ``where`` and the
     field's path (``section.key``) unless it is a finite number in 0..:data:`MAX_REPORT_FIGURE`."""
-    v = d.get(key, 0.0)
-    if v is None:
-        return 0.0
-    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0
-            or v > MAX_REPORT_FIGURE):
-        raise FormatError(f"{where}: {section + '.' if section else ''}{key} must be a finite number >= 0 "
-                          f"and <= {MAX_REPORT_FIGURE:g}, got {v!r}; re-run `colibri-plan verify` to get a "
-                          "clean report")
-    return float(v)
+    at = At(where, "re-run `colibri-plan verify` to get a clean report", repr_values=True)
+    v = fields.number(d, key, at / section if section else at, lo=0, hi=MAX_REPORT_FIGURE, optional=True)
+    return 0.0 if v is None else float(v)
 
 
 def report_terms(report: dict, where: str = "report") -> dict:

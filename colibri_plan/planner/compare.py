@@ -44,6 +44,7 @@ from colibri_plan.formats.plan import TIER_DISK, TIER_RAM
 from colibri_plan.planner.baselines import fit_layers, hot_first, uniform
 from colibri_plan.planner.compute import HOST_TIERS
 from colibri_plan.planner.knobs import COLIBRI_QUEUE_DEPTH, COLIBRI_VRAM_OVERHEAD_BYTES
+from colibri_plan.planner.options import DEFAULTS
 
 #: colibrì's knobs that put the dense trunk (round-robin over its GPUs) and attention on the GPU
 GPU_TRUNK_KNOBS = "CUDA_DENSE=1 COLI_CUDA_ATTN=1"
@@ -101,7 +102,8 @@ def trunk_setups(setup):
     return alts.get("cpu", setup), best
 
 
-def compare_placements(setup, sol, *, host_copy_toggle: bool = True, time_limit_s: float = 30.0) -> list:
+def compare_placements(setup, sol, *, host_copy_toggle: bool = True,
+                       time_limit_s: float = DEFAULTS.time_limit_s) -> list:
     """Rows for ``solve --compare`` (module docstring): ours first, then the baselines, then (with a
     discrete GPU holding experts) ours with the other host-copy setting; each row has ``vs_best_baseline``
     (tok/s over the fastest baseline's)."""

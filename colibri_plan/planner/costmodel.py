@@ -306,15 +306,28 @@ def attention_seconds(context_tokens: int, kv_bytes_per_token: int, res: Resourc
     return coef.attention * context_tokens * kv_bytes_per_token / (res.ram_read_gbps * 1e9)
 
 
+@dataclass(frozen=True)
+class TokenBytes:
+    """Bytes a decode token moves besides the routed experts (0: not priced): the dense trunk read
+    (``dense_s``), the KV cache of ``context_tokens`` read by attention (``attention_s``) and the hidden
+    state a GPU layer call moves each way (``activation_bytes``: transfers)."""
+
+    dense_read_bytes: int = 0
+    context_tokens: int = 0
+    kv_bytes_per_token: int = 0
+    activation_bytes: int = 0
+
+
 def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_bytes: int,
-                res: Resources, coef: Coefficients | None = None, *, dense_read_bytes: int = 0,
-                context_tokens: int = 0, kv_bytes_per_token: int = 0, activation_bytes: int = 0,
+                res: Resources, coef: Coefficients | None = None, *, token: TokenBytes = TokenBytes(),
                 layer_weights: np.ndarray | None = None, trace_hits=None, resident_extra: int = 0) -> dict:
     """Expected decode seconds per token of a whole placement, with its terms.
 
     Args:
         probs: float ``[rows, E]`` selection probabilities; tiers: int ``[rows, E]`` tier codes;
         slots: int ``[rows]`` LRU slots; layer_weights: float ``[rows]`` (default ones).
+        token: the dense, KV and activation bytes of a token (:class:`TokenBytes`; default: none, the
+            caller adds the fixed terms).
         trace_hits: a :class:`~colibri_plan.planner.cache_model.TraceHits` (LRU hit rates from a routing
             trace for the rows it covers; Che for the others and without one).
         resident_extra: experts the process holds in RAM beyond pins and unified GPUs (host copies of
@@ -335,8 +348,8 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
     probs = np.asarray(probs, dtype=np.float64)
     rows = probs.shape[0]
     w = np.ones(rows) if layer_weights is None else np.asarray(layer_weights, dtype=np.float64)
-    dense_s = dense_seconds(dense_read_bytes, res, coef)
-    attn_s = attention_seconds(context_tokens, kv_bytes_per_token, res, coef)
+    dense_s = dense_seconds(token.dense_read_bytes, res, coef)
+    attn_s = attention_seconds(token.context_tokens, token.kv_bytes_per_token, res, coef)
     comp = {"cpu": 0.0, **{g.key: 0.0 for g in res.gpus}}
     disk_s = read_s = xfer_s = layers_s = calls = 0.0
     parts = {"weight": [float(x) for x in w], "cpu_resident_s": [], "cpu_stream_s": [], "disk_s": [],
@@ -354,7 +367,7 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
         reads = np.where(on_disk, probs * (1.0 - hits), 0.0) * (w[:, None] > 0)
         pc_hits = page_cache_hit_rates(reads, n_pc)
     for i in range(rows):
-        t = layer_terms(probs[i], tiers[i], int(slots[i]), expert_bytes, res, coef, activation_bytes,
+        t = layer_terms(probs[i], tiers[i], int(slots[i]), expert_bytes, res, coef, token.activation_bytes,
                         hits=hits[i], page_hits=None if pc_hits is None else pc_hits[i])
         per_layer.append(t["time_s"])
         layers_s += w[i] * t["time_s"]

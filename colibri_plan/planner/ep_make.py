@@ -4,6 +4,7 @@ ep_placement`): the expert memory a GPU has for slots, the solve, and every figu
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,21 +42,42 @@ def slot_memory(spec, n_moe_layers: int, gpu_expert_memory_bytes: int | None, so
     return out
 
 
-def build_placement(spec, heat, *, n_gpus: int, n_nodes: int, n_redundant: int, n_group: int,
-                    topk_group: int, memory: dict, gpu_tflops: float = ep_cost.DEFAULT_GPU_TFLOPS,
-                    internode_gbps: float = ep_cost.DEFAULT_INTERNODE_GBPS, trace_tokens: int = 1024,
-                    seed: int = 0, progress=None) -> EpPlacement:
+@dataclass(frozen=True)
+class EpSettings:
+    """What an expert-parallel placement is solved for.
+
+    Attributes:
+        n_gpus, n_nodes, n_redundant: the deployment (GPUs, nodes, redundant slots per layer).
+        n_group, topk_group: the model's routing groups (1, 1: ungrouped).
+        gpu_tflops, internode_gbps: the cost model's rates (effective TFLOP/s a GPU, GB/s a GPU between
+            nodes). trace_tokens, seed: sampled routing traces where the heat has none.
+    """
+
+    n_gpus: int
+    n_nodes: int
+    n_redundant: int
+    n_group: int = 1
+    topk_group: int = 1
+    gpu_tflops: float = ep_cost.DEFAULT_GPU_TFLOPS
+    internode_gbps: float = ep_cost.DEFAULT_INTERNODE_GBPS
+    trace_tokens: int = 1024
+    seed: int = 0
+
+
+def build_placement(spec, heat, settings: EpSettings, memory: dict, progress=None) -> EpPlacement:
     """Solve the placement of ``spec``'s decode MoE layers and build its document.
 
     Args:
-        spec: ModelSpec; heat: Heat aligned to it; memory: :func:`slot_memory`'s section.
-        n_gpus, n_nodes, n_redundant: the deployment; n_group, topk_group: the model's routing groups.
-        gpu_tflops, internode_gbps: the cost model's rates; trace_tokens, seed: sampled traces.
-        progress: optional ``fn(done, total)`` per layer.
+        spec: ModelSpec; heat: Heat aligned to it; settings: the deployment, routing groups and rates;
+        memory: :func:`slot_memory`'s section. progress: optional ``fn(done, total)`` per layer.
 
     Raises:
         InputError: bad counts (see :meth:`EpTopology.make`) or too little expert memory.
     """
+    n_gpus, n_nodes, n_redundant = settings.n_gpus, settings.n_nodes, settings.n_redundant
+    n_group, topk_group, trace_tokens, seed = (settings.n_group, settings.topk_group, settings.trace_tokens,
+                                               settings.seed)
+    gpu_tflops, internode_gbps = settings.gpu_tflops, settings.internode_gbps
     layers, weight = decode_rows(spec, heat)
     topo = EpTopology.make(spec.n_experts, n_gpus, n_nodes, n_redundant, memory.get("max_slots_per_gpu"))
     cost = ep_cost.EpCostModel.for_model(spec.hidden_size, spec.moe_intermediate_size, n_gpus,

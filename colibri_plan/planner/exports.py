@@ -37,6 +37,7 @@ from colibri_plan.formats.plan import TIER_DISK, TIER_RAM, Plan, layer_probabili
 from colibri_plan.formats.plan_trunk import parse_trunk
 from colibri_plan.planner.knobs import COLIBRI_QUEUE_DEPTH
 from colibri_plan.planner.knobs import COLIBRI_VRAM_OVERHEAD_BYTES as VRAM_OVERHEAD_BYTES
+from colibri_plan.planner.options import DEFAULTS
 from colibri_plan.planner.page_cache import page_cache_hit_rates
 
 COLIBRI_SLACK_BYTES = int(1.2e9 + 2.5e9)    # colibrì reserves 1.2 GB activations + 2.5 GB page cache
@@ -123,7 +124,7 @@ def export_colibri(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.nda
     env["RAM_GB"] = f"{ram_gb:.2f}"
     env["CAP"] = str(int(slots.max()) if slots.size and slots.max() > 0 else 1)
     env["CAP_RAISE"] = "0"
-    env["CTX"] = str(budgets.get("context_tokens", 4096))
+    env["CTX"] = str(budgets.get("context_tokens", DEFAULTS.context_tokens))   # older plans lack it
     if knobs.get("o_direct", True):
         env["DIRECT"] = "1"
     notes = [f"{n_vram} VRAM experts and {counts['ram_pinned']} pinned RAM experts rank first in "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from colibri_plan.errors import InputError
+from colibri_plan.formats.fields import is_whole
 from colibri_plan.formats.plan import TIER_RAM
 from colibri_plan.planner.page_cache import page_cache_experts
 
@@ -62,7 +63,7 @@ def repin_section(every: int | None, window: int | None = None) -> dict | None:
         ``every``.
     """
     def whole(v, name: str, lo: int) -> int:
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= REPIN_MAX_TOKENS:
+        if not is_whole(v) or not lo <= v <= REPIN_MAX_TOKENS:
             raise InputError(f"{name} must be a whole number in {lo}..{REPIN_MAX_TOKENS}, got {v!r}")
         return v
 

@@ -33,6 +33,7 @@ from colibri_plan.planner.knobs import (
     repin_section,
     search_lru_slots,
 )
+from colibri_plan.planner.options import DEFAULTS, SolveOptions
 from colibri_plan.planner.page_cache import page_cache_pool
 from colibri_plan.planner.solve import Problem, Solution, evaluate, solve_placement
 
@@ -94,22 +95,28 @@ def auto_lru_slots(spec, res: Resources, ram_bytes: int, weights: np.ndarray, pr
     return np.where(decode, min(max(1, min(spec.top_k, per_row)), fit), 0)
 
 
-def check_budget_options(ram="auto", vram="auto", headroom=None, lru_slots="auto") -> None:
-    """Check the values of the budget options before any work (the CLI turns these into usage errors).
+def check_options(opts: SolveOptions) -> dict | None:
+    """Check ``opts`` before any work: the budget values (``ram``, ``vram``, ``headroom``: 'auto' or a
+    finite GB figure >= 0; ``lru_slots``: 'auto' or a whole number), the re-pinning values, the target
+    engine and the VRAM reserve. Returns the plan's ``repin`` section (None: re-pinning off).
 
     Raises:
-        InputError / BudgetError: naming the option: not 'auto' or a finite GB figure, a negative figure,
-        --lru-slots not 'auto' or a whole number.
+        InputError / BudgetError: naming the option (the CLI turns them into usage errors).
     """
-    if str(ram) != "auto":
-        parse_gb(ram, "--ram")
-    if str(vram) != "auto":
-        for v in str(vram).split(","):
+    if str(opts.ram) != "auto":
+        parse_gb(opts.ram, "--ram")
+    if str(opts.vram) != "auto":
+        for v in str(opts.vram).split(","):
             parse_gb(v, "--vram")
-    if headroom is not None:
-        parse_gb(headroom, "--headroom")
-    if str(lru_slots) != "auto" and not str(lru_slots).isdigit():
-        raise InputError(f"--lru-slots must be 'auto' or a whole number, got {lru_slots!r}")
+    if opts.headroom is not None:
+        parse_gb(opts.headroom, "--headroom")
+    if str(opts.lru_slots) != "auto" and not str(opts.lru_slots).isdigit():
+        raise InputError(f"--lru-slots must be 'auto' or a whole number, got {opts.lru_slots!r}")
+    repin = repin_section(opts.repin_every, opts.repin_window)
+    check_target(opts.target)
+    if opts.vram_reserve_gb < 0:
+        raise BudgetError(f"--vram-reserve cannot be negative ({opts.vram_reserve_gb} GB)")
+    return repin
 
 
 def _option_notes(profile, ram, vram, headroom) -> list[str]:
@@ -148,68 +155,64 @@ class Setup:
     trunk_alternatives: dict = dataclasses.field(default_factory=dict)   # option name -> its solved Setup
 
 
-def build_setup(profile, spec, heat=None, ram: str = "auto", vram: str = "auto", headroom=None,
-                context_tokens: int = 4096, lru_slots: str | int = "auto", dense_fmt: str | None = None,
-                coef: Coefficients | None = None, vram_reserve_gb: float = 2.0, seed: int = 0,
-                target: str = "colibri-plan", queue_depth="auto", keep_host_copies: bool = False,
+def build_setup(profile, spec, heat=None, opts: SolveOptions = DEFAULTS, *,
                 trunk_to_vram: bool = False) -> Setup:
-    """Budgets, resources and the placement problem for ``spec`` on ``profile``.
+    """Budgets, resources and the placement problem for ``spec`` on ``profile`` under ``opts``.
 
-    ``dense_fmt`` None: the format the model stores its dense trunk in when known (``spec.dense_format``,
-    e.g. f32 for an expert pack), else the expert format. ``target``, ``queue_depth`` and
-    ``keep_host_copies`` are the engine knobs of :mod:`colibri_plan.planner.knobs` (``setup.knobs``
-    records them); a routing trace in the heat switches the LRU model to stack distances.
-    ``trunk_to_vram``: the trunk is forced onto discrete GPUs, so the RAM budget refuses only what stays
-    in RAM (``budgets.ram_budget``'s ``moved_bytes``; the budget may be negative until the option gives
-    its bytes back).
+    ``opts.dense_fmt`` None: the format the model stores its dense trunk in when known
+    (``spec.dense_format``, e.g. f32 for an expert pack), else the expert format. ``opts.target``,
+    ``queue_depth`` and ``keep_host_copies`` are the engine knobs of :mod:`colibri_plan.planner.knobs`
+    (``setup.knobs`` records them); a routing trace in the heat switches the LRU model to stack distances.
+    ``opts.trunk`` is not read here (:func:`make_plan` places the trunk). ``trunk_to_vram``: the trunk is
+    forced onto discrete GPUs, so the RAM budget refuses only what stays in RAM
+    (``budgets.ram_budget``'s ``moved_bytes``; the budget may be negative until the option gives its
+    bytes back).
 
     Raises:
-        BudgetError: negative or too-small budgets; InputError: missing profile figures;
-        MismatchError: heat for another model.
+        BudgetError: negative or too-small budgets; InputError: bad option values, missing profile
+        figures; MismatchError: heat for another model.
     """
-    if vram_reserve_gb < 0:
-        raise BudgetError(f"--vram-reserve cannot be negative ({vram_reserve_gb} GB)")
-    dense_fmt = dense_fmt or getattr(spec, "dense_format", None) or spec.expert_format
-    coef = coef or Coefficients()
-    check_target(target)
-    check_budget_options(ram, vram, headroom, lru_slots)
-    notes = _option_notes(profile, ram, vram, headroom)
-    h = heat_for(spec, heat, seed)
+    check_options(opts)
+    o = opts
+    dense_fmt = o.dense_fmt or getattr(spec, "dense_format", None) or spec.expert_format
+    coef = o.coef or Coefficients()
+    notes = _option_notes(profile, o.ram, o.vram, o.headroom)
+    h = heat_for(spec, heat, o.seed)
     warnings = list(h.warnings) + notes
-    kv_bpt = ram_kv_bytes_per_token(spec, target)   # ours: the float32 host cache, as the engine holds it
-    moved = dense_read_bytes(spec, dense_fmt) + context_tokens * kv_bpt if trunk_to_vram else 0
-    ram_bytes, ram_explain, parts = ram_budget(spec, profile.ram_available_bytes(), ram, headroom,
-                                               context_tokens, dense_fmt, moved, kv_bpt)
+    kv_bpt = ram_kv_bytes_per_token(spec, o.target)   # ours: the float32 host cache, as the engine holds it
+    moved = dense_read_bytes(spec, dense_fmt) + o.context_tokens * kv_bpt if trunk_to_vram else 0
+    ram_bytes, ram_explain, parts = ram_budget(spec, profile.ram_available_bytes(), o.ram, o.headroom,
+                                               o.context_tokens, dense_fmt, moved, kv_bpt)
     ram_warnings = parts.pop("warnings", [])
     warnings += ram_warnings
-    vram_b, vram_explain = vram_budgets(profile.gpus(), vram, int(vram_reserve_gb * 1e9))
+    vram_b, vram_explain = vram_budgets(profile.gpus(), o.vram, o.vram_reserve_bytes)
     res, depth_source = choose_queue_depth(resources_from_profile(profile, spec, vram_b), spec.top_k,
-                                           queue_depth, target)
-    if target == "colibri-plan" and any(g.unified for g in res.gpus):   # ours computes host tiers there
+                                           o.queue_depth, o.target)
+    if o.target == "colibri-plan" and any(g.unified for g in res.gpus):   # ours computes host tiers there
         res = choose_compute(res, spec.expert_bytes(), coef)[0]
     budgets = Budgets(ram_budget_bytes=ram_bytes, vram_budget_bytes=vram_b,
-                      explain=ram_explain + vram_explain, context_tokens=context_tokens,
-                      ram_mode=str(ram), vram_mode=str(vram), **parts)
+                      explain=ram_explain + vram_explain, context_tokens=o.context_tokens,
+                      ram_mode=str(o.ram), vram_mode=str(o.vram), **parts)
     probs = h.probabilities()
     weights = np.array([1.0 if lid < spec.n_layers else 0.0 for lid in h.layers])
-    slots = auto_lru_slots(spec, res, max(0, ram_bytes), weights, probs, lru_slots)
+    slots = auto_lru_slots(spec, res, max(0, ram_bytes), weights, probs, o.lru_slots)
     fixed = (dense_seconds(dense_read_bytes(spec, dense_fmt), res, coef)
-             + attention_seconds(context_tokens, kv_bpt, res, coef))
+             + attention_seconds(o.context_tokens, kv_bpt, res, coef))
     trace = getattr(h, "trace", None)
     hits = TraceHits(trace, h.layers) if trace is not None and trace.steps else None
     problem = Problem(probs=probs, weights=weights, expert_bytes=spec.expert_bytes(), res=res,
                       ram_budget_bytes=max(0, ram_bytes), lru_slots=slots, coef=coef,
                       activation_bytes=spec.hidden_size * 4, fixed_cost_s=fixed,
                       trace_hits=hits if hits is not None and hits.rows_covered() else None,
-                      keep_host_copies=bool(keep_host_copies),
-                      vram_overhead_bytes=COLIBRI_VRAM_OVERHEAD_BYTES if target == "colibri" else 0)
+                      keep_host_copies=bool(o.keep_host_copies),
+                      vram_overhead_bytes=COLIBRI_VRAM_OVERHEAD_BYTES if o.target == "colibri" else 0)
     if res.disk_read_gbps is None:
         warnings.append("the profile has no disk figure: the plan may not stream experts from disk")
     if trace is not None and problem.trace_hits is None:
         warnings.append("the heat's routing trace has no decode calls of this model's MoE layers: LRU hit "
                         "rates use Che's independent-request approximation")
-    knobs = {"target": target, "queue_depth_source": depth_source, "o_direct": True,
-             "lru_slots_mode": "auto" if str(lru_slots) == "auto" else "fixed",
+    knobs = {"target": o.target, "queue_depth_source": depth_source, "o_direct": True,
+             "lru_slots_mode": "auto" if str(o.lru_slots) == "auto" else "fixed",
              "page_cache_pool_bytes": page_cache_pool(profile.ram_available_bytes(), parts["dense_bytes"],
                                                       parts["kv_bytes"], parts["working_bytes"]),
              "ram_warnings": ram_warnings}
@@ -286,19 +289,21 @@ def _mtp_bytes(spec) -> dict:
         return {}
 
 
-def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: float = 30.0,
-              profile_source: str = "", repin_every: int | None = None, repin_window: int | None = None,
-              trunk: str = "cpu", prompt_tokens: int | None = None, **kw) -> tuple[Plan, Solution, Setup]:
-    """Solve the placement and return (plan, solution, setup). ``repin_every`` / ``repin_window`` (tokens)
-    write the plan's ``repin`` section (:func:`~colibri_plan.planner.knobs.repin_section`); ``trunk``
-    ("cpu", "auto", "split" or a device key) places the dense trunk and KV cache
-    (:func:`~colibri_plan.planner.trunk_solve.choose_trunk`: the report is ``plan.doc["solver"]["trunk"]``);
-    ``prompt_tokens`` (None: none) adds ``predicted.prefill``, the prefill / time to first token of a
-    prompt that long (:mod:`colibri_plan.planner.prefill`); other keyword args go to :func:`build_setup`.
+def make_plan(profile, spec, heat=None, opts: SolveOptions = DEFAULTS,
+              profile_source: str = "") -> tuple[Plan, Solution, Setup]:
+    """Solve the placement under ``opts`` and return (plan, solution, setup).
+
+    ``opts.repin_every`` / ``repin_window`` (tokens) write the plan's ``repin`` section
+    (:func:`~colibri_plan.planner.knobs.repin_section`); ``opts.trunk`` ("auto", "cpu", "split" or a
+    device key) places the dense trunk and KV cache (:func:`~colibri_plan.planner.trunk_solve.choose_trunk`:
+    the report is ``plan.doc["solver"]["trunk"]``); ``opts.prompt_tokens`` (None: none) adds
+    ``predicted.prefill``, the prefill / time to first token of a prompt that long
+    (:mod:`colibri_plan.planner.prefill`); the rest goes to :func:`build_setup`. ``profile_source`` names
+    the profile in the plan (a path or "shipped profile NAME").
 
     Raises:
-        InputError: a bad re-pinning value or an unknown --trunk device (before any solving), and as
-        :func:`build_setup`; BudgetError: a forced trunk that does not fit.
+        InputError: a bad option value (:func:`check_options`) or an unknown --trunk device (before any
+        solving), and as :func:`build_setup`; BudgetError: a forced trunk that does not fit.
     """
     from colibri_plan.planner.trunk_solve import (
         check_forced_kv,
@@ -307,18 +312,18 @@ def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: f
         validate_trunk,
     )
 
-    repin = repin_section(repin_every, repin_window)
+    repin = check_options(opts)
+    trunk = opts.trunk
     if trunk not in ("auto", "cpu"):   # an unknown device, a KV cache past the VRAM: before the RAM budget
         check_trunk_choice(trunk, [f"{g['backend']}:{g['index']}" for g in profile.gpus()])
-        check_forced_kv(profile, spec, trunk, kw.get("context_tokens", 4096), kw.get("vram", "auto"),
-                        int(kw.get("vram_reserve_gb", 2.0) * 1e9))
+        check_forced_kv(profile, spec, trunk, opts.context_tokens, opts.vram, opts.vram_reserve_bytes)
     discrete = [f"{g['backend']}:{g['index']}" for g in profile.gpus() if not g.get("unified_memory")]
-    setup = build_setup(profile, spec, heat, trunk_to_vram=trunk in discrete or (trunk == "split"
-                                                                               and len(discrete) > 1), **kw)
+    setup = build_setup(profile, spec, heat, opts,
+                        trunk_to_vram=trunk in discrete or (trunk == "split" and len(discrete) > 1))
 
     def solve(s):
         try:
-            return _solve(s, spec, method, time_limit_s)
+            return _solve(s, spec, opts.method, opts.time_limit_s)
         except ColibriError as exc:
             if s.res.disk_read_gbps is None:   # without a disk, every expert must fit in memory
                 kind = BudgetError if isinstance(exc, BudgetError) else InputError
@@ -331,10 +336,10 @@ def make_plan(profile, spec, heat=None, *, method: str = "auto", time_limit_s: f
     plan = plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source)
     if repin is not None:
         plan.doc["repin"] = repin
-    if prompt_tokens is not None:
+    if opts.prompt_tokens is not None:
         from colibri_plan.planner.prefill import prefill_section
 
-        pre = prefill_section(profile, setup, sol.tiers, prompt_tokens)
+        pre = prefill_section(profile, setup, sol.tiers, opts.prompt_tokens)
         plan.doc["predicted"]["prefill"] = _jsonable(pre)
     validate_plan(plan, "solved plan: budgets")   # the chosen plan, re-checked without the solver
     validate_trunk(plan.doc)

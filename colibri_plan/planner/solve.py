@@ -45,12 +45,14 @@ from colibri_plan.planner.costmodel import (
     TIER_RAM,
     Coefficients,
     Resources,
+    TokenBytes,
     cpu_path_rows,
     decode_cost,
     gpu_fixed_seconds,
     miss_seconds,
     verify_seconds,
 )
+from colibri_plan.planner.options import DEFAULTS
 from colibri_plan.planner.path_rows import gpu_expert_seconds, solver_host_seconds
 from colibri_plan.planner.quiet import no_native_stdout
 
@@ -68,12 +70,9 @@ class Problem:
         expert_bytes: bytes of one expert; activation_bytes: one token's hidden state in bytes.
         res: machine resources (GPU budgets inside); ram_budget_bytes: RAM for experts + LRU slots.
         lru_slots: int ``[rows]`` LRU slots reserved per row (only rows that keep disk experts use them).
-        trace_hits: LRU hit rates from a routing trace (:class:`~colibri_plan.planner.cache_model.
-            TraceHits`); None = Che's independent-request approximation.
-        keep_host_copies: VRAM experts keep a host copy in RAM (colibrì ``CUDA_RELEASE_HOST=0``): each
-            discrete-GPU expert also takes ``expert_bytes`` of the RAM budget.
-        vram_overhead_bytes: device bytes each VRAM expert takes beyond ``expert_bytes`` (colibrì's
-            measured 0.741 MiB allocation overhead; 0 for our engine).
+        trace_hits: LRU hit rates from a routing trace (planner.cache_model.TraceHits); None = Che's.
+        keep_host_copies: VRAM experts keep a host copy (colibrì CUDA_RELEASE_HOST=0), charged to the RAM.
+        vram_overhead_bytes: device bytes per VRAM expert beyond expert_bytes (colibrì: 0.741 MiB; ours 0).
     """
 
     probs: np.ndarray
@@ -130,8 +129,9 @@ def evaluate(problem: Problem, tiers: np.ndarray, lru_slots: np.ndarray | None =
     """The full cost model (:func:`decode_cost`) of a placement, fixed costs included."""
     slots = problem.lru_slots if lru_slots is None else lru_slots
     c = decode_cost(problem.probs, tiers, slots, problem.expert_bytes, problem.res, problem.coef,
-                    activation_bytes=problem.activation_bytes, layer_weights=problem.weights,
-                    trace_hits=problem.trace_hits, resident_extra=problem.host_copies(tiers))
+                    token=TokenBytes(activation_bytes=problem.activation_bytes),
+                    layer_weights=problem.weights, trace_hits=problem.trace_hits,
+                    resident_extra=problem.host_copies(tiers))
     c["decode_s_per_token"] += problem.fixed_cost_s
     c["tok_s"] = 1.0 / c["decode_s_per_token"] if c["decode_s_per_token"] > 0 else float("inf")
     return c
@@ -312,14 +312,13 @@ def _solve_large(problem: Problem, miss: np.ndarray, time_limit_s: float):
     return tiers, slots, cost, "feasible (count-and-mass bound)", g
 
 
-def solve_placement(problem: Problem, time_limit_s: float = 30.0, gap: float = 1e-9,
-                    lru_iterations: int = 2, method: str = "auto") -> Solution:
+def solve_placement(problem: Problem, time_limit_s: float = DEFAULTS.time_limit_s, gap: float = 1e-9,
+                    lru_iterations: int = 2, method: str = DEFAULTS.method) -> Solution:
     """Minimise expected decode seconds per token over placements within the budgets.
 
-    ``method``: "exact" (expert-level MILP), "aggregate" (count-and-mass LP + realisation, with a
-    certified gap; :mod:`colibri_plan.planner.aggregate`) or "auto" (exact up to
-    EXACT_MAX_BINARIES binaries; when HiGHS stops at the time limit, the count-and-mass placement too,
-    keeping the better).
+    ``method``: "exact" (expert-level MILP), "aggregate" (count-and-mass LP + realisation, with a certified
+    gap; :mod:`colibri_plan.planner.aggregate`) or "auto" (exact up to EXACT_MAX_BINARIES binaries; when
+    HiGHS stops at the time limit, the count-and-mass placement too, keeping the better).
 
     Returns a :class:`Solution` whose placement passed :func:`validate_placement`.
 

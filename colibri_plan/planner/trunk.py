@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from colibri_plan import quant
 from colibri_plan.errors import InputError
-from colibri_plan.formats.plan_trunk import CPU, device_kv_bytes_per_token, kv_bytes, kv_on_host
+from colibri_plan.formats.plan_trunk import CPU, device_kv_bytes_per_token, kv_bytes
 from colibri_plan.formats.plan_trunk import host_kv_bytes_per_token as host_kv_bytes
 from colibri_plan.formats.profile_trunk import (
     attention_kv_table,
@@ -58,7 +58,7 @@ from colibri_plan.formats.profile_trunk import (
     trunk_layer,
 )
 from colibri_plan.planner.costmodel import transfer_seconds
-from colibri_plan.planner.trunk_layer import LayerFigures, layer_trunk_seconds, lm_head_bytes
+from colibri_plan.planner.trunk_layer import LayerFigures, TrunkWork, layer_trunk_seconds, lm_head_bytes
 
 #: seconds of one small device op in a chain (launch-bound) when the profile has no ``device_ops`` figure
 DEFAULT_GPU_OP_S = 8e-6
@@ -98,33 +98,32 @@ class TrunkFigures:
         return kv_gbps_at(self.kv_gbps, context_tokens)
 
 
-def trunk_seconds(fig: TrunkFigures, dense_bytes: int, n_layers: int, n_moe_layers: int,
-                  context_tokens: int, kv_bytes_per_token: int, ops_per_layer: int = DEFAULT_OPS_PER_LAYER,
+def trunk_seconds(fig: TrunkFigures, work: TrunkWork, ops_per_layer: int = DEFAULT_OPS_PER_LAYER,
                   c_dense: float = 1.0, c_attention: float = 1.0) -> tuple[float, float, float]:
-    """(dense_s, attention_s, roundtrip_s) per decode token of the trunk on ``fig``'s device.
+    """(dense_s, attention_s, roundtrip_s) per decode token of ``work`` (:class:`~colibri_plan.planner.
+    trunk_layer.TrunkWork`) on ``fig``'s device.
 
     ``dense_s`` includes ``roundtrip_s`` = n_moe_layers · fig.roundtrip_s. Bytes are bytes; seconds are
     seconds per token. Pure: e.g. 1 GB at 100 GB/s + 10 layers · 10 ops · 1 µs + 5 MoE layers · 20 µs =
     0.01 + 0.0001 + 0.0001 s.
     """
-    roundtrip = n_moe_layers * fig.roundtrip_s
-    dense = c_dense * dense_bytes / (fig.dense_gbps * 1e9) + n_layers * ops_per_layer * fig.op_s + roundtrip
-    attention = c_attention * context_tokens * kv_bytes_per_token / (fig.kv_gbps_at(context_tokens) * 1e9)
+    roundtrip = work.n_moe_layers * fig.roundtrip_s
+    dense = (c_dense * work.dense_bytes / (fig.dense_gbps * 1e9) + work.n_layers * ops_per_layer * fig.op_s
+             + roundtrip)
+    ctx = work.context_tokens
+    attention = c_attention * ctx * work.kv_bytes_per_token / (fig.kv_gbps_at(ctx) * 1e9)
     return dense, attention, roundtrip
 
 
-def price_trunk(fig: TrunkFigures, spec, dense_fmt: str, dense_bytes: int, n_layers: int, n_moe_layers: int,
-                context_tokens: int, kv_bytes_per_token: int, ops_per_layer: int, coef,
+def price_trunk(fig: TrunkFigures, spec, dense_fmt: str, work: TrunkWork, ops_per_layer: int, coef,
                 lm_share: float = 1.0) -> tuple[float, float, float]:
-    """(dense_s, attention_s, roundtrip_s) of ``n_layers`` layers on ``fig``'s device: from its measured
+    """(dense_s, attention_s, roundtrip_s) of ``work``'s layers on ``fig``'s device: from its measured
     layer when it has one (:func:`~colibri_plan.planner.trunk_layer.layer_trunk_seconds`; the LM head
     counted in proportion ``lm_share`` of a split), else :func:`trunk_seconds`."""
     if fig.layer is None:
-        return trunk_seconds(fig, dense_bytes, n_layers, n_moe_layers, context_tokens, kv_bytes_per_token,
-                             ops_per_layer, coef.dense, coef.attention)
+        return trunk_seconds(fig, work, ops_per_layer, coef.dense, coef.attention)
     lm = int(lm_head_bytes(spec, dense_fmt) * lm_share)
-    return layer_trunk_seconds(fig.layer, dense_bytes, lm, n_layers, n_moe_layers, context_tokens,
-                               kv_bytes_per_token, fig.dense_gbps, fig.lm_gbps or fig.dense_gbps, fig.op_s,
+    return layer_trunk_seconds(fig.layer, work, lm, fig.dense_gbps, fig.lm_gbps or fig.dense_gbps, fig.op_s,
                                fig.kv_gbps, coef.dense, coef.attention)
 
 
@@ -228,10 +227,10 @@ class TrunkOption:
         sources: device key -> figure sources.
         kv_bytes_per_token: the KV cache's bytes per context token as priced (a single GPU: the engine's
             float32 device cache, :func:`~colibri_plan.formats.plan_trunk.device_kv_bytes_per_token`;
-            the CPU and an MLA cache on the host: the engine's float32 host cache,
+            the CPU: the engine's float32 host cache,
             :func:`~colibri_plan.formats.plan_trunk.host_kv_bytes_per_token`; a split: the model spec's
-            figure, as llama.cpp's 16-bit cache). kv_on_host: an MLA trunk on a GPU, whose
-            attention and latent cache the engine keeps on the host (KV bytes stay in the RAM budget).
+            figure, as llama.cpp's 16-bit cache). MLA's latent cache is priced like GQA's K and V: it
+            lives on the trunk's device with its attention.
         expert_call_s: host seconds per routed expert run on this GPU's own hidden state (the device's
             small-op seconds: the engine launches them from the host each layer; 0 on the CPU and split).
     """
@@ -248,7 +247,6 @@ class TrunkOption:
     ram_freed_bytes: int = 0
     sources: dict = field(default_factory=dict)
     kv_bytes_per_token: int = 0
-    kv_on_host: bool = False
     expert_call_s: float = 0.0
 
     @property
@@ -272,8 +270,8 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
     Args:
         figs: :func:`device_figures`. vram_budget: key -> the device's expert budget with the trunk on the
             CPU (free - reserve). context_tokens: the KV cache's context.
-        host_kv_bytes_per_token: bytes per context token of a KV cache in RAM (a CPU trunk's, an MLA
-            cache kept on the host) as the RAM budget charged it
+        host_kv_bytes_per_token: bytes per context token of a KV cache in RAM (a CPU trunk's) as the RAM
+            budget charged it
             (:func:`~colibri_plan.planner.budgets.ram_kv_bytes_per_token`: the engine's float32 host
             cache); None: that of our engine (colibri-plan).
 
@@ -290,7 +288,7 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
     bpt_dev = device_kv_bytes_per_token(spec.kv_bytes_per_token, spec.source)   # the engine's device cache
 
     def price(f, bpt=bpt_host):
-        return price_trunk(f, spec, dense_fmt, dense, spec.n_layers, n_moe, context_tokens, bpt,
+        return price_trunk(f, spec, dense_fmt, TrunkWork(dense, spec.n_layers, n_moe, context_tokens, bpt),
                            ops_per_layer, coef)
 
     out = [TrunkOption(CPU, CPU, (), *price(figs[CPU]), dense, kv_ram, {}, 0, {CPU: figs[CPU].sources},
@@ -298,33 +296,27 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
     for key, f in figs.items():
         if key == CPU:
             continue
-        if kv_on_host(spec.family, key):   # MLA: attention + latent cache on the host, x down and up a layer
-            d_s, _, rt = price(f)
-            _, a_s, _ = price(figs[CPU])
-            hop = spec.n_layers * f.roundtrip_s
-            priced, kv_dev, kv_b = (d_s + hop, a_s, rt + hop), 0, kv_ram
-            back = dense
-        else:
-            priced, kv_dev, kv_b = price(f, bpt_dev), kv_bytes(context_tokens, bpt_dev), None
-            back = ram_charged
-        out.append(TrunkOption(key, key, (), *priced, dense, kv_dev if kv_b is None else kv_b,
-                               {key: dense + kv_dev} if f.discrete else {}, back if f.discrete else 0,
-                               {key: f.sources}, bpt_host if kv_b is not None else bpt_dev,
-                               kv_b is not None, f.op_s))
+        kv_dev = kv_bytes(context_tokens, bpt_dev)  # GQA's K and V or MLA's latent rows, on the device
+        out.append(TrunkOption(key, key, (), *price(f, bpt_dev), dense, kv_dev,
+                               {key: dense + kv_dev} if f.discrete else {}, ram_charged if f.discrete else 0,
+                               {key: f.sources}, bpt_dev, f.op_s))
     discrete = {k: int(v) for k, v in vram_budget.items() if k in figs and figs[k].discrete}
     need = dense + kv_paged
     if len(discrete) > 1 and all(v < need for v in discrete.values()) and sum(discrete.values()) >= need:
-        out.append(split_option(figs, spec, dense, kv_paged, ram_charged, discrete, context_tokens,
-                                n_moe, coef, ops_per_layer, dense_fmt))
+        out.append(split_option(figs, spec, dense_fmt, discrete, context_tokens, ram_charged, coef,
+                                ops_per_layer))
     return out
 
 
-def split_option(figs, spec, dense: int, kv_paged: int, ram_charged: int, free: dict[str, int],
-                 context_tokens: int, n_moe: int, coef, ops_per_layer: int,
-                 dense_fmt: str = "int8") -> TrunkOption:
+def split_option(figs, spec, dense_fmt: str, free: dict[str, int], context_tokens: int, ram_charged: int,
+                 coef, ops_per_layer: int = DEFAULT_OPS_PER_LAYER) -> TrunkOption:
     """A trunk split over ``free``'s devices by layers (:func:`split_layers`). Each device holds its
-    layers' share of the trunk and KV bytes and reads them at its own GB/s; the devices work one after
-    the other, so the seconds add, plus one hidden-state hop (a round trip) per boundary."""
+    layers' share of the trunk (:func:`dense_read_bytes` in ``dense_fmt``) and of the paged KV cache of
+    ``context_tokens`` and reads them at its own GB/s; the devices work one after the other, so the
+    seconds add, plus one hidden-state hop (a round trip) per boundary. ``ram_charged``: the bytes the
+    RAM budget charged for trunk + KV, which it gets back."""
+    dense, kv_paged = dense_read_bytes(spec, dense_fmt), kv_bytes(context_tokens, spec.kv_bytes_per_token)
+    n_moe = sum(1 for lid in spec.moe_layers if lid < spec.n_layers)
     parts = split_layers(spec.n_layers, free)
     n = spec.n_layers
     dense_s = attention_s = roundtrip_s = 0.0
@@ -332,8 +324,9 @@ def split_option(figs, spec, dense: int, kv_paged: int, ram_charged: int, free: 
     for a, b, key in parts:
         share = (b - a + 1) / n
         f = figs[key]
-        d, at, _ = price_trunk(f, spec, dense_fmt, int(dense * share), b - a + 1, 0, context_tokens,
-                               int(spec.kv_bytes_per_token * share), ops_per_layer, coef, share)
+        work = TrunkWork(int(dense * share), b - a + 1, 0, context_tokens,
+                         int(spec.kv_bytes_per_token * share))
+        d, at, _ = price_trunk(f, spec, dense_fmt, work, ops_per_layer, coef, share)
         dense_s, attention_s = dense_s + d, attention_s + at
         vram[key] = int(math.ceil((dense + kv_paged) * share))
     first = figs[parts[0][2]]

@@ -38,6 +38,24 @@ from colibri_plan.quant import tensor_bytes
 
 
 @dataclass(frozen=True)
+class TrunkWork:
+    """What one decode token asks of a trunk (or of a split's share of it).
+
+    Attributes:
+        dense_bytes: trunk weight bytes read (less the embedding; the LM head included).
+        n_layers: decoder layers it runs. n_moe_layers: of them, MoE layers (a host round trip each).
+        context_tokens: tokens in the KV cache. kv_bytes_per_token: the cache's bytes per context token,
+            all these layers together.
+    """
+
+    dense_bytes: int
+    n_layers: int
+    n_moe_layers: int
+    context_tokens: int
+    kv_bytes_per_token: int
+
+
+@dataclass(frozen=True)
 class LayerFigures:
     """One device's measured layer (seconds per layer; see the module docstring).
 
@@ -90,16 +108,16 @@ def kv_growth_s_per_byte(kv_gbps: tuple[tuple[int, float], ...], context_tokens:
     return max(0.0, (c2 / g2 - c1 / g1) / (c2 - c1) / 1e9)
 
 
-def layer_trunk_seconds(lay: LayerFigures, dense_bytes: int, lm_bytes: int, n_layers: int, n_moe_layers: int,
-                        context_tokens: int, kv_bytes_per_token: int, dense_gbps: float, lm_gbps: float,
+def layer_trunk_seconds(lay: LayerFigures, work: TrunkWork, lm_bytes: int, dense_gbps: float, lm_gbps: float,
                         op_s: float, kv_gbps: tuple[tuple[int, float], ...], c_dense: float = 1.0,
                         c_attention: float = 1.0) -> tuple[float, float, float]:
     """(dense_s, attention_s, roundtrip_s) per decode token from a measured layer (module docstring).
 
     Args:
-        dense_bytes: trunk read bytes (less the embedding), LM head included. lm_bytes: the LM head's.
-        kv_bytes_per_token: the model's, all layers together. dense_gbps, lm_gbps: the device's trunk
-            GEMV GB/s (1e9 B/s) at a layer's and at the LM head's shape. op_s: one small device op, s.
+        work: the token's trunk work (:class:`TrunkWork`: read bytes with the LM head, layers, MoE layers,
+            context, the model's KV bytes per token). lm_bytes: the LM head's bytes.
+        dense_gbps, lm_gbps: the device's trunk GEMV GB/s (1e9 B/s) at a layer's and at the LM head's
+            shape. op_s: one small device op, s.
         kv_gbps: the ``attention`` section's ((context, K+V GB/s), ...): the growth when the layer probe
             has no second context (:func:`kv_growth_s_per_byte`).
 
@@ -109,12 +127,13 @@ def layer_trunk_seconds(lay: LayerFigures, dense_bytes: int, lm_bytes: int, n_la
     E.g. block 300 µs, attn0 50 µs, handoff 100 µs, probe bytes = b_layer, 10 layers (5 MoE), 1 GB LM
     head at 100 GB/s, op 5 µs, context = c0: dense = 10 · 250 µs + 10 ms + 10 µs + 5 · 100 µs.
     """
+    n_layers, n_moe_layers, context_tokens = work.n_layers, work.n_moe_layers, work.context_tokens
     n = max(1, int(n_layers))
-    b_layer = max(0, int(dense_bytes) - int(lm_bytes)) / n
+    b_layer = max(0, int(work.dense_bytes) - int(lm_bytes)) / n
     layer_s = max(0.0, lay.block_s - lay.attn0_s + (b_layer - lay.probe_bytes) / (dense_gbps * 1e9))
     handoff = n_moe_layers * lay.handoff_s
     dense = c_dense * (n_layers * layer_s + lm_bytes / (lm_gbps * 1e9) + 2 * op_s) + handoff
-    kv_layer = kv_bytes_per_token / n
+    kv_layer = work.kv_bytes_per_token / n
     if lay.growth_s is not None:
         per_token = lay.growth_s * kv_layer / max(1, lay.kv_bytes_per_token)
     else:

@@ -22,7 +22,6 @@ from colibri_plan.formats.plan_trunk import (
     check_trunk_budgets,
     device_kv_bytes_per_token,
     kv_bytes,
-    kv_on_host,
     parse_trunk,
 )
 from colibri_plan.planner.budgets import fmt_gb, ram_kv_bytes_per_token
@@ -97,8 +96,7 @@ def option_setup(setup, opt, spec, lru_slots_fn):
     ram = int(b.ram_budget_bytes) + int(opt.ram_freed_bytes)
     explain = list(b.explain)
     for key, n in opt.vram_bytes.items():
-        placed = "dense trunk (the MLA KV cache stays in RAM)" if opt.kv_on_host else "dense trunk + KV cache"
-        explain.append({"what": f"{key}: {placed} placed on it", "bytes": -n})
+        explain.append({"what": f"{key}: dense trunk + KV cache placed on it", "bytes": -n})
         explain.append({"what": f"{key}: left for experts", "bytes": vram[key]})
     if opt.ram_freed_bytes:
         explain.append({"what": f"RAM given back (dense trunk and KV cache on {opt.device})",
@@ -108,7 +106,7 @@ def option_setup(setup, opt, spec, lru_slots_fn):
     budgets = dataclasses.replace(
         b, ram_budget_bytes=ram, vram_budget_bytes=vram, explain=explain, trunk_device=opt.device,
         trunk_vram_bytes=dict(opt.vram_bytes), dense_bytes=b.dense_bytes - opt.dense_bytes if moved
-        else b.dense_bytes, kv_bytes=0 if moved and not opt.kv_on_host else b.kv_bytes)
+        else b.dense_bytes, kv_bytes=0 if moved else b.kv_bytes)
     # the trunk's own GPU: its experts need no transfer, and the host launches each of them
     res = dataclasses.replace(setup.res, gpus=tuple(
         dataclasses.replace(g, budget_bytes=vram[g.key], holds_trunk=(mine := not opt.split
@@ -139,7 +137,7 @@ def _row(opt, setup, chosen=False) -> dict:
     return {"option": opt.name, "device": opt.device,
             "split": [{"first_layer": a, "last_layer": b, "device": k} for a, b, k in opt.split],
             "dense_s": opt.dense_s, "attention_s": opt.attention_s, "roundtrip_s": opt.roundtrip_s,
-            "dense_bytes": opt.dense_bytes, "kv_bytes": opt.kv_bytes, "kv_on_host": bool(opt.kv_on_host),
+            "dense_bytes": opt.dense_bytes, "kv_bytes": opt.kv_bytes,
             "vram_trunk_bytes": dict(opt.vram_bytes),
             "vram_expert_budget_bytes": {k: int(vram.get(k, 0)) - int(opt.vram_bytes.get(k, 0))
                                          for k in vram},
@@ -226,8 +224,7 @@ def trunk_section(setup) -> dict:
     return TrunkPlacement(
         device=opt.device, dense_format=setup.dense_fmt, dense_bytes=int(opt.dense_bytes),
         kv_device=opt.device, context_tokens=int(b.context_tokens), page_tokens=PAGE_TOKENS,
-        kv_bytes_per_token=bpt, kv_bytes=kv_bytes(b.context_tokens, bpt), split=tuple(opt.split),
-        kv_on_host=bool(opt.kv_on_host)).to_dict()
+        kv_bytes_per_token=bpt, kv_bytes=kv_bytes(b.context_tokens, bpt), split=tuple(opt.split)).to_dict()
 
 
 def predicted_trunk(setup) -> dict:
@@ -239,8 +236,7 @@ def predicted_trunk(setup) -> dict:
                                  int(opt.kv_bytes_per_token or setup.spec.kv_bytes_per_token))}
 
 
-def check_forced_kv(profile, spec, choice: str, context_tokens: int, vram: str = "auto",
-                    reserve_bytes: int = 2 * 10**9) -> None:
+def check_forced_kv(profile, spec, choice: str, context_tokens: int, vram: str, reserve_bytes: int) -> None:
     """Before any budget is worked out: refuse a trunk forced onto a discrete GPU (``choice`` a device
     key) or split over the discrete GPUs (``choice`` "split") whose budgets (free - reserve, or ``--vram``;
     for a split all of them together) cannot hold the KV cache of ``context_tokens`` (the RAM budget would
@@ -259,8 +255,6 @@ def check_forced_kv(profile, spec, choice: str, context_tokens: int, vram: str =
     budgets = vram_budgets(profile.gpus(), vram, reserve_bytes)[0]
     kv = kv_bytes(context_tokens, spec.kv_bytes_per_token)
     if choice != "split":
-        if kv_on_host(spec.family, choice):   # MLA: the cache stays in RAM, the RAM budget checks it
-            return
         kv = kv_bytes(context_tokens, device_kv_bytes_per_token(spec.kv_bytes_per_token, spec.source))
         if kv > budgets[choice]:
             raise BudgetError(_kv_message(choice, context_tokens, kv, budgets[choice]))

@@ -22,6 +22,7 @@ from colibri_plan.formats.plan import Plan, layer_probabilities
 from colibri_plan.planner.baselines import hot_first
 from colibri_plan.planner.costmodel import Coefficients, GpuResource, Resources
 from colibri_plan.planner.make import Setup, auto_lru_slots
+from colibri_plan.planner.options import DEFAULTS
 from colibri_plan.planner.solve import Problem, evaluate, solve_placement
 
 KINDS = ("ram", "vram", "nvme")
@@ -125,7 +126,8 @@ def default_range(setup: Setup, kind: str, points: int = 7) -> np.ndarray:
     raise InputError(f"--what-if must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
-def what_if(setup: Setup, kind: str, values=None, time_limit_s: float = 30.0, progress=None) -> list[dict]:
+def what_if(setup: Setup, kind: str, values=None, time_limit_s: float = DEFAULTS.time_limit_s,
+            progress=None) -> list[dict]:
     """Predicted tok/s of our plan and of colibrì's hot-first fill at each value.
 
     Returns:

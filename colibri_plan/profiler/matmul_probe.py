@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -49,12 +50,34 @@ def budgeted(timer: Callable[[int], list[float]], max_repetitions: int, budget_s
     return times
 
 
-def probe_device(backend: str, index: int, formats: Sequence[str], hidden: int, width: int,
-                 tokens: Sequence[int] = (1, 16), repetitions: int = 5, ffn_experts: int = 8,
-                 budget_s: float = 1.0, ffn_budget_s: float = 3.0, device_budget_s: float = 30.0,
+@dataclass(frozen=True)
+class MatmulSettings:
+    """What the matmul probe measures and how hard.
+
+    Attributes:
+        formats: expert quant formats to time (unsupported ones are skipped with the reason).
+        hidden, width: the expert's H and I (elements): gate/up [I, H], down [H, I].
+        tokens: token counts of the matmul figures (1: decode; a batch: prefill).
+        repetitions: most timed calls per figure. ffn_experts: k of the ``expert_ffn`` figure (0: none).
+        budget_s: seconds per matmul figure; ffn_budget_s: per ``expert_ffn`` figure; device_budget_s:
+            per device for all of them (formats left when it is spent are skipped).
+    """
+
+    formats: Sequence[str]
+    hidden: int
+    width: int
+    tokens: Sequence[int] = (1, 16)
+    repetitions: int = 5
+    ffn_experts: int = 8
+    budget_s: float = 1.0
+    ffn_budget_s: float = 3.0
+    device_budget_s: float = 30.0
+
+
+def probe_device(backend: str, index: int, cfg: MatmulSettings,
                  progress: Progress | None = None) -> tuple[list[dict], list[dict], list[dict]]:
-    """Matmul and expert_ffn figures of one device. Formats left when ``device_budget_s`` is spent are
-    skipped with that reason.
+    """Matmul and expert_ffn figures of one device under ``cfg``. Formats left when
+    ``cfg.device_budget_s`` is spent are skipped with that reason.
 
     Returns:
         (matmul entries, expert_ffn entries, skipped [{"backend", "device_index", "fmt"?, "reason"}]).
@@ -64,6 +87,9 @@ def probe_device(backend: str, index: int, formats: Sequence[str], hidden: int, 
     """
     from colibri_plan.backends import get_backend
 
+    formats, hidden, width, tokens = cfg.formats, cfg.hidden, cfg.width, cfg.tokens
+    repetitions, ffn_experts, budget_s = cfg.repetitions, cfg.ffn_experts, cfg.budget_s
+    ffn_budget_s, device_budget_s = cfg.ffn_budget_s, cfg.device_budget_s
     cls = get_backend(backend)
     be = cls.open(index)
     rows, ffn_rows, skipped = [], [], []
@@ -156,11 +182,10 @@ def _probe_ffn(be, base: dict, fmt: str, hidden: int, width: int, k: int, repeti
             "seconds": stat(secs), "weight_gbps": stat(held / s / 1e9 for s in secs)}
 
 
-def probe_matmul(devices: list[dict], formats: Sequence[str], hidden: int, width: int,
-                 tokens: Sequence[int] = (1, 16), repetitions: int = 5, ffn_experts: int = 8,
-                 budget_s: float = 1.0, ffn_budget_s: float = 3.0, device_budget_s: float = 30.0,
+def probe_matmul(devices: list[dict], cfg: MatmulSettings,
                  progress: Progress | None = None) -> tuple[list[dict], list[dict], list[dict]]:
-    """Run :func:`probe_device` on every device; a device that fails is skipped with the reason.
+    """Run :func:`probe_device` with ``cfg`` on every device; a device that fails is skipped with the
+    reason.
 
     Returns:
         (matmul entries, expert_ffn entries, skipped entries).
@@ -168,8 +193,7 @@ def probe_matmul(devices: list[dict], formats: Sequence[str], hidden: int, width
     rows, ffn_rows, skipped = [], [], []
     for d in devices:
         try:
-            r, f, s = probe_device(d["backend"], d["index"], formats, hidden, width, tokens, repetitions,
-                                   ffn_experts, budget_s, ffn_budget_s, device_budget_s, progress)
+            r, f, s = probe_device(d["backend"], d["index"], cfg, progress)
         except Exception as exc:  # noqa: BLE001 - one backend failing must not sink the profile
             skipped.append({"backend": d["backend"], "device_index": d["index"], "what": "matmul",
                             "reason": f"{type(exc).__name__}: {exc}"})

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict
 from datetime import datetime, timezone
 
 from colibri_plan import __version__
 from colibri_plan.errors import InputError
-from colibri_plan.formats.arch import ArchConfig
 from colibri_plan.formats.profile import MachineProfile, machine_fingerprint
 from colibri_plan.profiler import disk as disk_mod
 from colibri_plan.profiler.links import HOST_BACKENDS, probe_links, probe_peer_links
@@ -27,48 +26,17 @@ from colibri_plan.profiler.machine import (
     machine_info,
     relabel_rows,
 )
-from colibri_plan.profiler.matmul_probe import probe_matmul
+from colibri_plan.profiler.matmul_probe import MatmulSettings, probe_matmul
+from colibri_plan.profiler.options import PROBES, ProfileOptions
 from colibri_plan.profiler.ram import probe_ram
 from colibri_plan.profiler.trunk_layer_probe import LayerGeometry
 from colibri_plan.profiler.trunk_probe import SECTIONS as TRUNK_SECTIONS
 from colibri_plan.profiler.trunk_probe import TrunkSettings, probe_trunk
-from colibri_plan.profiler.trunk_shapes import (
-    CONTEXTS,
-    DENSE_FORMATS,
-    TRUNK_SHAPES,
-    host_device,
-    model_dense_shapes,
-)
+from colibri_plan.profiler.trunk_shapes import CONTEXTS, TRUNK_SHAPES, host_device, model_dense_shapes
 
-PROBES = ("disk", "ram", "links", "matmul", "trunk")
 #: GLM-5.2 routed expert geometry, used when no model is named (colibri_plan/data/models.json)
 DEFAULT_MODEL = {"name": "glm-5.2 (built-in default)", "hidden": 6144, "width": 2048, "expert_format": "int4",
                  "top_k": 8, "expert_bytes": disk_mod.DEFAULT_BLOCK_BYTES}
-
-
-@dataclass
-class ProfileOptions:
-    """What to measure and how hard. ``None`` sizes take the mode's value."""
-
-    path: str | None = None
-    model: str | None = None
-    quick: bool = False
-    backends: Sequence[str] | None = None
-    probes: Sequence[str] = PROBES
-    block_bytes: int | None = None
-    file_bytes: int | None = None
-    queue_depths: Sequence[int] | None = None
-    ram_bytes: int | None = None
-    hidden: int | None = None
-    width: int | None = None
-    formats: Sequence[str] = ("int4", "int4-g64")
-    disk_seconds: float | None = None
-    #: the model's ArchConfig (``profile --model`` reads it): its trunk shapes join ``dense_gemv``
-    model_arch: ArchConfig | None = None
-    trunk_shapes: Sequence[tuple[int, int]] | None = None
-    dense_formats: Sequence[str] = DENSE_FORMATS
-    contexts: Sequence[int] | None = None
-    trunk_seconds: float | None = None
 
 
 def mode_settings(quick: bool) -> dict:
@@ -217,9 +185,10 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
             skipped.append({"backend": "numpy", "what": "matmul", "reason": "the reference backend; the cpu "
                             "backend is the host's compute path (measure it with --backends numpy)"})
         if compute:
-            rows, ffn, s = probe_matmul(compute, formats, hidden, width, (1, 16), st["matmul_repetitions"],
-                                        int(model["top_k"]), st["matmul_budget_s"], st["ffn_budget_s"],
-                                        st["device_budget_s"], say)
+            cfg = MatmulSettings(formats, hidden, width, repetitions=st["matmul_repetitions"],
+                                 ffn_experts=int(model["top_k"]), budget_s=st["matmul_budget_s"],
+                                 ffn_budget_s=st["ffn_budget_s"], device_budget_s=st["device_budget_s"])
+            rows, ffn, s = probe_matmul(compute, cfg, say)
             skipped += s
             rows, ffn = relabel_rows(rows, devices), relabel_rows(ffn, devices)
             doc["matmul"] = rows if rows else {"unavailable": _reasons(s)}

@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 
 from colibri_plan.formats.arch import ArchConfig
+from colibri_plan.profiler.options import DENSE_FORMATS  # noqa: F401 - re-exported (trunk_probe)
 from colibri_plan.quant import QuantTensor, quantize
 
 #: trunk-like [out, in] shapes: 4096-wide attention projections, a GQA k/v projection, a 14336-wide FFN
 TRUNK_SHAPES = ((4096, 4096), (1024, 4096), (4096, 1024), (14336, 4096), (4096, 14336))
-#: formats a dense trunk is stored in (`model pack --dense-quant`), the likeliest first
-DENSE_FORMATS = ("int8", "int4", "bf16", "f16", "f32")
 #: decode context lengths of the attention figure, tokens
 CONTEXTS = (256, 4096, 32768)
 #: backends that compute on the host itself (their memory is the machine's RAM)
