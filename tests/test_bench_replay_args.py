@@ -4,6 +4,7 @@ llama.cpp's tools print (lines as this llama.cpp build prints them); the GLM che
 transformers' own layout."""
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -205,3 +206,28 @@ def test_glm_writer_matches_transformers_and_our_importer(tmp_path):
     for layer in (1, 2):   # the correction bias: -0.1 ln(rank), one expert per rank
         got = sorted(w.dense[f"layers.{layer}.router_bias"].tolist(), reverse=True)
         assert got == pytest.approx([-0.1 * math.log(r + 1) for r in range(8)], abs=1e-6)
+
+
+def test_doc_tables_resolve_against_their_result_files(tmp_path):
+    """bench/replay_tables.py's tables of every committed replay result: each tag resolves to the figure
+    printed before it (tests/_doc_figures.py's check), and a changed figure is caught."""
+    import _doc_figures as df
+
+    files = sorted(df.RESULTS.glob("replay-*.json"))
+    if not files:
+        pytest.skip("no replay result files under bench/results (bench/replay_llamacpp.py writes them)")
+    rt = bench("replay_tables")
+    for f in files:
+        doc = json.loads(f.read_text())
+        md = tmp_path / f"{f.stem}.md"
+        table = (rt.placements_table if doc["mode"] == "placements" else rt.beyond_table)(doc, f.name)
+        md.write_text(table + "\n")
+        tagged, untagged = df.scan(md)
+        rows = doc["placements"] if doc["mode"] == "placements" else list(doc["rows"].values())
+        assert len(tagged) >= 4 * len(rows) and untagged == []
+        assert [df.check(fig, file, expr) for fig, file, expr in tagged] == [None] * len(tagged)
+        first = tagged[0][0]
+        wrong = first.text[:-1] + str((int(first.text[-1]) + 1) % 10)   # one digit off
+        md.write_text(table[:first.start] + wrong + table[first.start + len(first.text):] + "\n")
+        fig, file, expr = df.scan(md)[0][0]
+        assert df.check(fig, file, expr) is not None
