@@ -32,6 +32,8 @@ CASES = [
     ("cpu_gemv", ["--repeats", "0"], "got --repeats 0"),
     ("cpu_gemv", ["--prefill=-1"], "--prefill -1"),
     ("cpu_gemv", ["--ram-bytes", "0"], "--ram-bytes 0"),
+    ("cpu_gemv", ["--threads", "0"], "--threads must be 1.."),
+    ("cpu_gemv", ["--threads", "100000"], "got 100000"),
     ("cpu_gemv", ["--out", "{tmp}"], "--out: cannot write"),
 ]
 
