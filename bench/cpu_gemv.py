@@ -1,16 +1,16 @@
 """CPU GEMV (T = 1) and prefill GEMM throughput of the ``cpu`` backend per format, against RAM bandwidth.
 
 For each format (int8, int4 per-row, int4-g32/g64/g128, int4-g32h) and shape (out, in) it times
-``matmul`` of one token (GEMV) and of ``--prefill`` tokens, cycling through a pool of weights larger than the last-level
-cache (``--pool-bytes``) so each call streams its weight from RAM. Weight GB/s = packed bytes (data +
-scales) read per second. RAM read bandwidth is measured in the same run, interleaved with the formats
-(the profiler's probe, ``colibri_plan/profiler/ram.py``: numpy sums in one thread per core), and each
-GEMV figure is divided by the median RAM figure and by the mean of the probes just before and after it
-("local": less sensitive to other processes): the "fraction of RAM bandwidth" of issue 14 (≥ 0.8).
-``--threads N`` runs the kernels on N numba threads (``NUMBA_NUM_THREADS``, set before numba loads) and
-the RAM probe on N reader threads, so both sides of the fraction use the same cores (default: every
-usable core). The machine may be shared: the load average before and after is recorded; compare
-figures of one run.
+``matmul`` of one token (GEMV) and of ``--prefill`` tokens, cycling through a pool of weights larger
+than the last-level cache (``--pool-bytes``) so each call streams its weight from RAM. Weight GB/s =
+packed bytes (data + scales) read per second. RAM read bandwidth is measured in the same run,
+interleaved with the formats (the profiler's probe, ``colibri_plan/profiler/ram.py``: numpy sums in one
+thread per core), and each GEMV figure is divided by the median RAM figure and by the mean of the probes
+just before and after it ("local": less sensitive to other processes): the "fraction of RAM bandwidth"
+of issue 14 (≥ 0.8). ``--threads N`` runs the kernels on N numba threads (``NUMBA_NUM_THREADS``, set
+before numba loads) and the RAM probe on N reader threads, so both sides of the fraction use the same
+cores (default: every usable core). The machine may be shared: the load average before and after is
+recorded; compare figures of one run.
 
     .venv/bin/python bench/cpu_gemv.py [--threads 2] [--repeats 7] [--compare-parallel] [--out FILE]
 """
