@@ -207,7 +207,8 @@ def prepare(a, work: Path) -> dict:
         build_checkpoint(ckpt)
         times["checkpoint_s"] = time.perf_counter() - t0
     f16 = work / "model-f16.gguf"
-    if not f16.exists():
+    missing = [k for k in a.formats.split(",") if not (work / f"model-{PAIRS[k][1]}.gguf").exists()]
+    if missing and not f16.exists():
         t0 = time.perf_counter()
         code = _CONVERT.format(src=str(a.llama_src), ckpt=str(ckpt), out=str(f16) + ".tmp")
         subprocess.run([sys.executable, "-c", code], check=True)
@@ -232,7 +233,7 @@ def prepare(a, work: Path) -> dict:
             write_pack(load_checkpoint(ckpt), pack, ours, dense_format=ours, overwrite=True)
             times[f"pack_{ours}_s"] = time.perf_counter() - t0
         paths[key] = (pack, g)
-    f16.unlink()  # 3 GB only the quantizer reads; a new format's GGUF converts it again
+    f16.unlink(missing_ok=True)  # 3 GB only the quantizer reads; a new format's GGUF converts it again
     saved = work / "prepare-times.json"  # what a cached run did not redo is reported from the first
     old = json.loads(saved.read_text()) if saved.exists() else {}
     saved.write_text(json.dumps({**old, **times}))
