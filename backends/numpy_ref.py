@@ -19,7 +19,7 @@ import numpy as np
 from colibri_plan.backends.base import Backend, DeviceInfo, DeviceWeight
 from colibri_plan.backends.reference import HostArrays
 from colibri_plan.meminfo import host_memory
-from colibri_plan.quant import FORMATS, QuantTensor, dequantize
+from colibri_plan.quant import FORMATS, QuantTensor, dequantize, scale_dtype
 
 #: float32 scratch per dequantized row block (small enough to stay in L2/L3 while BLAS reads it)
 BLOCK_BYTES = 4 << 20
@@ -52,9 +52,10 @@ def row_block(qt: QuantTensor, r0: int, r1: int) -> QuantTensor:
 
 
 def host_tensor(qt: QuantTensor) -> QuantTensor:
-    """``qt`` as a weight in host memory: its arrays made C-contiguous (float32 scales), not copied."""
+    """``qt`` as a weight in host memory: its arrays made C-contiguous (scales in the format's dtype,
+    :func:`colibri_plan.quant.scale_dtype`: float32, float16 for int4-gGh), not copied."""
     data = np.ascontiguousarray(qt.data)
-    scales = None if qt.scales is None else np.ascontiguousarray(qt.scales, dtype=np.float32)
+    scales = None if qt.scales is None else np.ascontiguousarray(qt.scales, dtype=scale_dtype(qt.fmt))
     return QuantTensor(qt.fmt, qt.out_features, qt.in_features, data, scales)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from colibri_plan.errors import ColibriError
 from colibri_plan.fileio import atomic_write_bytes
-from colibri_plan.quant import group_size
+from colibri_plan.quant import HALF_GROUP_FORMATS, group_size
 
 #: the ``FMT`` every kernel source switches on (.cl, .cu, .metal, .comp); see :func:`kernel_format`
 KERNEL_FORMAT = {"f32": 0, "f16": 1, "bf16": 2, "int8": 3, "int4": 4, "int2": 5}
@@ -26,6 +26,12 @@ def kernel_format(fmt: str) -> int:
     """``FMT`` of ``fmt`` in the .cl, .cu and .metal kernels: grouped int4 formats are 6 (with ``GROUP``);
     the Vulkan shader takes int4's 4 plus a ``GROUP`` constant instead."""
     return 6 if group_size(fmt) else KERNEL_FORMAT[fmt]
+
+
+def half_scales(fmt: str) -> bool:
+    """Whether ``fmt``'s group scales are float16 (int4-gGh): the scale dtype parameter of the int4-gG
+    kernels (OpenCL ``-DSCALE_HALF``, Vulkan constant ``HALF``, Metal's ``*_6h`` instances)."""
+    return fmt in HALF_GROUP_FORMATS
 
 
 def kernel_source(folder: str, name: str, binary: bool = False) -> str | bytes:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from colibri_plan.quant import QuantTensor, bits, group_size
+from colibri_plan.quant import HALF_GROUP_FORMATS, QuantTensor, bits, group_size
 
 STAGE_BYTES = 64 << 20  # staging chunk of uploads through host memory: bounds the host memory held
 
@@ -20,24 +20,28 @@ class PaddedWeight:
     """A weight in the layout of :func:`padded_layout` on a device."""
 
     data: Any  # the rows, uint8 [out, row_bytes]: cl.Buffer, MTLBuffer or a CUDA device address
-    scales: Any  # float32 scales (per row, per group, or a 1-element dummy), same kinds of handle
+    scales: Any  # scales (per row, per group, or a 1-element dummy; float32, float16 for int4-gGh on the
+    # backends whose kernels read them so), same kinds of handle
     in_pad: int  # padded columns: activations are zero-padded to this many floats
     mem: Any = None  # the allocation owning both when data/scales are addresses into it (CUDA)
 
 
 
-def padded_layout(qt: QuantTensor, multiple: int = 128) -> tuple[np.ndarray, np.ndarray, int]:
+def padded_layout(qt: QuantTensor, multiple: int = 128, half_scales: bool = False
+                  ) -> tuple[np.ndarray, np.ndarray, int]:
     """The row-padded device layout the GPU kernels (OpenCL, CUDA, Metal) read.
 
     Columns are padded from ``in_features`` up to ``in_pad``, a multiple of ``multiple`` (128 divides
     by every group size and makes every row start 16-byte aligned for every format), with the zero
     code (0.0 for float formats, 8 for int4, 2 for int2, 0 for int8), so kernels need no tail loop and
     activations padded with zeros give exact sums. Group scales are padded to ``in_pad / G`` groups
-    with 0.0.
+    with 0.0. ``half_scales``: an int4-gGh weight keeps its float16 scales (kernels built with the
+    scale dtype as a parameter read 2 bytes a group); otherwise scales are widened to float32 (exact).
 
     Returns:
         data: uint8 [out, row_bytes], the rows of ``qt.data`` as bytes plus padding.
-        scales: float32, [out] (per-row), [out, in_pad / G] (groups) or [1] (float formats, unused).
+        scales: float32 (float16: int4-gGh with ``half_scales``), [out] (per-row), [out, in_pad / G]
+            (groups) or [1] (float formats, unused).
         in_pad: padded column count.
     """
     in_f, out_f = qt.in_features, qt.out_features
@@ -57,7 +61,8 @@ def padded_layout(qt: QuantTensor, multiple: int = 128) -> tuple[np.ndarray, np.
     elif g is None:
         scales = np.ascontiguousarray(qt.scales, np.float32)
     else:
-        scales = np.zeros((out_f, in_pad // g), np.float32)
+        half = half_scales and qt.fmt in HALF_GROUP_FORMATS
+        scales = np.zeros((out_f, in_pad // g), np.float16 if half else np.float32)
         scales[:, : qt.scales.shape[1]] = qt.scales
     return data, scales, in_pad
 

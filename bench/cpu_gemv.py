@@ -1,15 +1,18 @@
 """CPU GEMV (T = 1) and prefill GEMM throughput of the ``cpu`` backend per format, against RAM bandwidth.
 
-For each format (int8, int4 per-row, int4-g32/g64/g128) and shape (out, in) it times ``matmul`` of one
-token (GEMV) and of ``--prefill`` tokens, cycling through a pool of weights larger than the last-level
-cache (``--pool-bytes``) so each call streams its weight from RAM. Weight GB/s = packed bytes (data +
-scales) read per second. RAM read bandwidth is measured in the same run, interleaved with the formats
-(the profiler's probe, ``colibri_plan/profiler/ram.py``: numpy sums in one thread per core), and each
-GEMV figure is divided by the median RAM figure and by the mean of the probes just before and after it
-("local": less sensitive to other processes): the "fraction of RAM bandwidth" of issue 14 (≥ 0.8).
-The machine may be shared: the load average before and after is recorded; compare figures of one run.
+For each format (int8, int4 per-row, int4-g32/g64/g128, int4-g32h) and shape (out, in) it times
+``matmul`` of one token (GEMV) and of ``--prefill`` tokens, cycling through a pool of weights larger
+than the last-level cache (``--pool-bytes``) so each call streams its weight from RAM. Weight GB/s =
+packed bytes (data + scales) read per second. RAM read bandwidth is measured in the same run,
+interleaved with the formats (the profiler's probe, ``colibri_plan/profiler/ram.py``: numpy sums in one
+thread per core), and each GEMV figure is divided by the median RAM figure and by the mean of the probes
+just before and after it ("local": less sensitive to other processes): the "fraction of RAM bandwidth"
+of issue 14 (≥ 0.8). ``--threads N`` runs the kernels on N numba threads (``NUMBA_NUM_THREADS``, set
+before numba loads) and the RAM probe on N reader threads, so both sides of the fraction use the same
+cores (default: every usable core). The machine may be shared: the load average before and after is
+recorded; compare figures of one run.
 
-    .venv/bin/python bench/cpu_gemv.py [--repeats 7] [--compare-parallel] [--out FILE]
+    .venv/bin/python bench/cpu_gemv.py [--threads 2] [--repeats 7] [--compare-parallel] [--out FILE]
 """
 
 from __future__ import annotations
@@ -26,14 +29,15 @@ import numpy as np
 SHAPES = {"trunk 4096x4096": (4096, 4096), "expert up 2048x6144": (2048, 6144),
           "expert down 6144x2048": (6144, 2048),  # GLM-5.2 expert shapes
           "peer up 1024x2048": (1024, 2048), "peer down 2048x1024": (2048, 1024)}  # bench/peer_llamacpp
-FORMATS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128")
+FORMATS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g32h")
 
 
-def ram_gbps(array_bytes: int) -> float:
-    """One all-core RAM read figure (GB/s), the profiler's probe with 3 repetitions (median)."""
+def ram_gbps(array_bytes: int, threads: int | None = None) -> float:
+    """One RAM read figure (GB/s) on ``threads`` reader threads (default: every usable core), the
+    profiler's probe with 3 repetitions (median)."""
     from colibri_plan.profiler.ram import probe_ram
 
-    return float(probe_ram(array_bytes, repetitions=3)["read_gbps"]["median"])
+    return float(probe_ram(array_bytes, repetitions=3, threads=threads)["read_gbps"]["median"])
 
 
 def pool(fmt: str, shape: tuple[int, int], pool_bytes: int, be, rng) -> list:
@@ -75,6 +79,8 @@ def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         ap.error(f"--formats: {', '.join(map(repr, bad))} not a quant format ({', '.join(quant.FORMATS)})")
     if bad := [s for s in a.shapes.split(",") if s not in SHAPES]:
         ap.error(f"--shapes: unknown {', '.join(map(repr, bad))} (known: {', '.join(SHAPES)})")
+    if a.threads is not None and not 1 <= a.threads <= (os.cpu_count() or 1):
+        ap.error(f"--threads must be 1..{os.cpu_count()} (this machine's cores), got {a.threads}")
     if a.repeats < 1 or a.prefill < 0 or a.pool_bytes < 1 or a.ram_bytes < 1:
         ap.error(f"--repeats, --pool-bytes and --ram-bytes must be >= 1 and --prefill >= 0, got "
                  f"--repeats {a.repeats}, --prefill {a.prefill}, --pool-bytes {a.pool_bytes}, "
@@ -98,16 +104,20 @@ def main() -> None:
     ap.add_argument("--ram-bytes", type=int, default=512 << 20)
     ap.add_argument("--compare-parallel", action="store_true",
                     help="also time each GEMV with the backend's serial path off (serial_bytes = 0)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="kernel threads (NUMBA_NUM_THREADS) and RAM probe threads; default: every core")
     ap.add_argument("--out", default=None, help="JSON output file")
     a = ap.parse_args()
     check_args(ap, a)
+    if a.threads is not None:  # before the cpu backend imports numba: its pool is sized once
+        os.environ["NUMBA_NUM_THREADS"] = str(a.threads)
     from colibri_plan.backends import get_backend
     from colibri_plan.fileio import atomic_write_text
 
     rng = np.random.default_rng(0)
     be = get_backend("cpu").open(0)
     load0 = os.getloadavg()
-    ram = [ram_gbps(a.ram_bytes)]
+    ram = [ram_gbps(a.ram_bytes, a.threads)]
     rows = []
     for sname in a.shapes.split(","):
         shape = SHAPES[sname]
@@ -131,7 +141,7 @@ def main() -> None:
                            prefill_over_gemv=statistics.median(st) / row["gemv_s"])
             for w in ws:
                 be.free(w)
-            ram.append(ram_gbps(a.ram_bytes))
+            ram.append(ram_gbps(a.ram_bytes, a.threads))
             rows.append(row)
             par = f", all-parallel {row['gemv_gbps_parallel']:.1f}" if a.compare_parallel else ""
             print(f"  {sname:22} {fmt:9} {row['gemv_gbps']:6.1f} GB/s{par}  (RAM {ram[-1]:.1f})", flush=True)
@@ -141,7 +151,8 @@ def main() -> None:
         r["fraction_of_ram"] = r["gemv_gbps"] / ram_med
         r["fraction_of_local_ram"] = r["gemv_gbps"] / r["ram_gbps_local"]
     load1 = os.getloadavg()
-    print(f"\nRAM read (profiler probe, median of {len(ram)}): {ram_med:.1f} GB/s "
+    print(f"\nRAM read (profiler probe, {a.threads or 'all'} thread(s), median of {len(ram)}): "
+          f"{ram_med:.1f} GB/s "
           f"[{min(ram):.1f}..{max(ram):.1f}]; load average {load0[0]:.2f} -> {load1[0]:.2f}")
     hdr = f"{'shape':22} {'format':9} {'MB':>6} {'GEMV ms':>8} {'GB/s':>6} {'of RAM':>7} {'of local':>8}"
     if a.compare_parallel:
@@ -159,7 +170,7 @@ def main() -> None:
         print(line)
     if a.out:
         doc = {"kind": "cpu-gemv", "device": be.device.name, "driver": be.device.driver,
-               "threads": os.environ.get("NUMBA_NUM_THREADS") or os.cpu_count(),
+               "threads": int(os.environ.get("NUMBA_NUM_THREADS") or os.cpu_count()),
                "load_average_before_after": [load0[0], load1[0]],
                "ram": {"method": "colibri_plan.profiler.ram.probe_ram (numpy sum per core), 3 reps each",
                        "samples_gbps": ram, "median_gbps": ram_med},

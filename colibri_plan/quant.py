@@ -1,7 +1,8 @@
 """Quant formats: the living definition every kernel is tested against.
 
 Semantics follow colibrì's container formats (its ``docs/FORMATS.md`` and ``qt_bytes``): symmetric
-integers stored with an offset, float32 scales.
+integers stored with an offset, float32 scales; ``int4-gGh`` stores its group scales as float16 (ggml's
+Q4_0 bytes at G = 32: 16 bytes of codes + a 2-byte scale per 32 weights, 4.5 bits a weight).
 
 | format      | data (dtype, shape)              | value                          | scales (float32)       |
 |-------------|----------------------------------|--------------------------------|------------------------|
@@ -12,6 +13,11 @@ integers stored with an offset, float32 scales.
 | int4        | uint8 [out, ceil(in/2)]          | (nibble − 8) · s[row]          | [out]                  |
 | int2        | uint8 [out, ceil(in/4)]          | (crumb − 2) · s[row]           | [out]                  |
 | int4-gG     | uint8 [out, ceil(in/2)]          | (nibble − 8) · s[row, col//G]  | [out, ceil(in/G)]      |
+| int4-gGh    | uint8 [out, ceil(in/2)]          | (nibble − 8) · s[row, col//G]  | float16, as int4-gG    |
+
+Stored bits per weight (codes + scales): int8 8 + 32/in, int4 4 + 32/in, int4-g32 5.0, int4-g64 4.5,
+int4-g128 4.25, int4-g32h 4.5 (Q4_0), int2 2 + 32/in. Readers widen a float16 scale to float32
+exactly, so a kernel computes the same ``(code − 8) · s`` products for int4-g32h as for int4-g32.
 
 Packing is little-end first: input column ``2j`` is the low nibble of byte ``j`` (int4), column ``4j+i``
 is bits ``2i..2i+1`` of byte ``j`` (int2). Padding columns hold the zero code (8 or 2).
@@ -36,8 +42,12 @@ from colibri_plan.errors import FormatError, UnsupportedError
 FLOAT_FORMATS = ("f32", "f16", "bf16")
 ROW_FORMATS = ("int8", "int4", "int2")
 GROUP_SIZES = (32, 64, 128)
-GROUP_FORMATS = tuple(f"int4-g{g}" for g in GROUP_SIZES)
+#: grouped int4 with float16 group scales: ``int4-gGh`` (G = 32 holds Q4_0's 18 bytes per 32 weights)
+HALF_GROUP_FORMATS = ("int4-g32h",)
+GROUP_FORMATS = tuple(f"int4-g{g}" for g in GROUP_SIZES) + HALF_GROUP_FORMATS
 FORMATS = FLOAT_FORMATS + ROW_FORMATS + GROUP_FORMATS
+#: the largest float16 (a group whose scale max|w|/8 passes it cannot be stored as int4-gGh)
+F16_MAX = 65504.0
 
 _BITS = {"f32": 32, "f16": 16, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
 _ZERO_CODE = {"int4": 8, "int2": 2}
@@ -67,7 +77,25 @@ def check_format(fmt: str) -> str:
 def group_size(fmt: str) -> int | None:
     """Group size G of an ``int4-gG`` format, else None (per-row or float)."""
     check_format(fmt)
-    return int(fmt.split("-g")[1]) if fmt in GROUP_FORMATS else None
+    return int(fmt.split("-g")[1].rstrip("h")) if fmt in GROUP_FORMATS else None
+
+
+def scale_dtype(fmt: str) -> np.dtype | None:
+    """dtype of the stored scales: float16 for ``int4-gGh``, float32 for the other integer formats,
+    None for float formats (no scales)."""
+    check_format(fmt)
+    if fmt in FLOAT_FORMATS:
+        return None
+    return np.dtype(np.float16 if fmt in HALF_GROUP_FORMATS else np.float32)
+
+
+def widen_scales(qt: QuantTensor) -> QuantTensor:
+    """``qt`` with float32 scales: an ``int4-gGh`` tensor becomes the ``int4-gG`` tensor of the same
+    values (float16 -> float32 is exact; data shared, not copied); any other tensor is returned as is.
+    Kernels that read float32 group scales run int4-gGh through this."""
+    if qt.fmt not in HALF_GROUP_FORMATS:
+        return qt
+    return QuantTensor(qt.fmt[:-1], qt.out_features, qt.in_features, qt.data, qt.scales.astype(np.float32))
 
 
 def bits(fmt: str) -> int:
@@ -86,7 +114,7 @@ def data_shape(fmt: str, out_features: int, in_features: int) -> tuple[int, int]
 
 
 def scales_shape(fmt: str, out_features: int, in_features: int) -> tuple[int, ...] | None:
-    """Shape of the float32 scales array, or None for float formats."""
+    """Shape of the scales array (dtype :func:`scale_dtype`), or None for float formats."""
     if fmt in FLOAT_FORMATS:
         return None
     g = group_size(fmt)
@@ -94,16 +122,17 @@ def scales_shape(fmt: str, out_features: int, in_features: int) -> tuple[int, ..
 
 
 def tensor_bytes(fmt: str, out_features: int, in_features: int) -> int:
-    """Bytes one [out, in] weight takes in ``fmt``: data plus float32 scales.
+    """Bytes one [out, in] weight takes in ``fmt``: data plus scales (float32; float16 for int4-gGh).
 
-    Example: GLM-5.2 expert gate [2048, 6144] at int4 = 2048·3072 + 2048·4 = 6,299,648 B.
+    Example: GLM-5.2 expert gate [2048, 6144] at int4 = 2048·3072 + 2048·4 = 6,299,648 B; at
+    int4-g32h 2048·3072 + 2048·192·2 = 7,077,888 B (4.5 bits a weight).
     """
     o, c = data_shape(fmt, out_features, in_features)
     itemsize = 4 if fmt == "f32" else 2 if fmt in ("f16", "bf16") else 1
     n = o * c * itemsize
     s = scales_shape(fmt, out_features, in_features)
     if s is not None:
-        n += 4 * int(np.prod(s))
+        n += scale_dtype(fmt).itemsize * int(np.prod(s))
     return n
 
 
@@ -115,7 +144,7 @@ class QuantTensor:
         fmt: format name (see :data:`FORMATS`).
         out_features, in_features: logical shape of W.
         data: stored values, dtype and shape as in the module table.
-        scales: float32 scales ([out] or [out, groups]) or None for float formats.
+        scales: scales ([out] or [out, groups]; float32, float16 for int4-gGh) or None for float formats.
     """
 
     fmt: str
@@ -134,6 +163,9 @@ class QuantTensor:
         got_s = None if self.scales is None else tuple(self.scales.shape)
         if got_s != want_s:
             raise FormatError(f"{self.fmt} scales must have shape {want_s}, got {got_s}")
+        if self.fmt in HALF_GROUP_FORMATS and self.scales.dtype != np.float16:  # a float32 one is int4-gG
+            raise FormatError(f"{self.fmt} holds float16 scales, got {self.scales.dtype}; use "
+                              f"{self.fmt[:-1]} for float32 scales")
 
     @property
     def nbytes(self) -> int:
@@ -168,8 +200,11 @@ def quantize(w: np.ndarray, fmt: str) -> QuantTensor:
     """Quantize a float matrix W [out, in] to ``fmt``: round to nearest; int8/int2 scale absmax per row
     symmetrically, int4 and int4-gG pick per block the signed scale of least squared error (module notes).
 
+    int4-gGh rounds each candidate scale to float16 before it picks codes, so the codes fit the stored
+    scale.
+
     Raises:
-        FormatError: ``w`` is not 2-D or holds NaN/Inf.
+        FormatError: ``w`` is not 2-D or holds NaN/Inf; for int4-gGh, a group scale past float16's range.
         UnsupportedError: unknown format.
     """
     check_format(fmt)
@@ -187,9 +222,13 @@ def quantize(w: np.ndarray, fmt: str) -> QuantTensor:
         u = w.view(np.uint32).astype(np.uint64)
         r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
         return QuantTensor(fmt, out_f, in_f, r, None)
-    if fmt not in ("int8", "int2"):  # int4 and int4-gG
-        codes, scales = _int4_codes(w, group_size(fmt))
-        return QuantTensor(fmt, out_f, in_f, _pack(codes, 2), scales)
+    if fmt not in ("int8", "int2"):  # int4, int4-gG and int4-gGh
+        half = fmt in HALF_GROUP_FORMATS
+        if half and w.size and float(np.abs(w).max()) / INT4_DIVISORS["group"][0] > F16_MAX:
+            raise FormatError(f"{fmt}: a weight of magnitude {float(np.abs(w).max()):.3g} needs a group "
+                              f"scale past float16's {F16_MAX:g}; use {fmt[:-1]} (float32 scales)")
+        codes, scales = _int4_codes(w, group_size(fmt), half)
+        return QuantTensor(fmt, out_f, in_f, _pack(codes, 2), scales.astype(scale_dtype(fmt)))
     qmax, qmin = (127, -127) if fmt == "int8" else (1, -2)
     # the symmetric step: absmax maps to qmax (int2 uses 2 so that -absmax is representable)
     denom = 2.0 if fmt == "int2" else float(qmax)
@@ -202,10 +241,11 @@ def quantize(w: np.ndarray, fmt: str) -> QuantTensor:
     return QuantTensor(fmt, out_f, in_f, _pack(codes, 4), scales)
 
 
-def _int4_codes(w: np.ndarray, g: int | None) -> tuple[np.ndarray, np.ndarray]:
+def _int4_codes(w: np.ndarray, g: int | None, half: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """int4 codes uint8 [out, in] (0..15) and signed float32 scales ([out] if ``g`` is None, else
     [out, ceil(in/g)]) of a finite float32 W [out, in]: per block, the scale of :data:`INT4_DIVISORS`
-    with the least squared error of ``(code − 8) · s`` against W (see the module notes)."""
+    with the least squared error of ``(code − 8) · s`` against W (see the module notes). ``half``:
+    candidates are rounded to float16 first (the scales returned are then float16 values)."""
     out_f, in_f = w.shape
     width = in_f if g is None else g
     ngroups = -(-in_f // width)
@@ -222,6 +262,8 @@ def _int4_codes(w: np.ndarray, g: int | None) -> tuple[np.ndarray, np.ndarray]:
         best_err = best_s = None
         for k in INT4_DIVISORS["row" if g is None else "group"]:
             s = m / np.float32(-k)  # [rows, groups, 1]
+            if half:  # the stored scale, so the codes are chosen for it
+                s = s.astype(np.float16).astype(np.float32)
             _int4_round(b, s, q)
             np.multiply(q, s, out=r)
             r -= b
@@ -263,7 +305,8 @@ def dequantize(qt: QuantTensor) -> np.ndarray:
     g = group_size(fmt)
     if g is None:
         return q * qt.scales[:, None]
-    return q * np.repeat(qt.scales, g, axis=1)[:, : qt.in_features]
+    s = qt.scales.astype(np.float32, copy=False)  # float16 (int4-gGh) widens exactly
+    return q * np.repeat(s, g, axis=1)[:, : qt.in_features]
 
 
 def matmul_ref(x: np.ndarray, qt: QuantTensor) -> np.ndarray:

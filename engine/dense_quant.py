@@ -9,6 +9,7 @@ Storage (in the pack's ``dense.safetensors``; per-tensor formats in ``pack.json`
 | f16               | ``name`` float16 [out, in]                                                 |
 | bf16              | ``name`` uint16 [out, in] (bf16 bits)                                      |
 | int8/int4/int4-gG | ``name`` data (``colibri_plan.quant.data_shape``) + ``name.scales`` float32 |
+| int4-gGh          | as int4-gG, ``name.scales`` float16                                       |
 
 Quantized: the 2-D matrices of the trunk (GQA attention q/k/v/o, shared experts, dense FFN layers, the
 LM head). Kept float32: the embedding (gathered by row), norms, biases, routers and the shared-expert
@@ -26,13 +27,13 @@ import re
 import numpy as np
 
 from colibri_plan.errors import FormatError
-from colibri_plan.quant import FLOAT_FORMATS, QuantTensor, check_format, dequantize, quantize
+from colibri_plan.quant import FLOAT_FORMATS, QuantTensor, check_format, dequantize, quantize, scale_dtype
 
 __all__ = ["DENSE_FORMATS", "QuantLinear", "decode_dense", "encode_dense",
            "is_quantizable", "SCALES_SUFFIX"]
 
 #: formats ``model pack --dense-quant`` accepts
-DENSE_FORMATS = ("f32", "f16", "bf16", "int8", "int4", "int4-g32", "int4-g64", "int4-g128")
+DENSE_FORMATS = ("f32", "f16", "bf16", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g32h")
 #: suffix of the float32 scales tensor of a quantized dense tensor
 SCALES_SUFFIX = ".scales"
 
@@ -67,7 +68,7 @@ def encode_dense(dense: dict[str, np.ndarray], fmt: str) -> tuple[dict[str, np.n
         formats[name] = fmt
         tensors[name] = np.ascontiguousarray(qt.data)
         if qt.scales is not None:
-            tensors[name + SCALES_SUFFIX] = np.ascontiguousarray(qt.scales, dtype=np.float32)
+            tensors[name + SCALES_SUFFIX] = np.ascontiguousarray(qt.scales, dtype=scale_dtype(fmt))
     return tensors, formats
 
 

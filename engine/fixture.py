@@ -26,7 +26,7 @@ from colibri_plan.engine.pack import PackWriter
 from colibri_plan.engine.pack_target import check_pack_space
 from colibri_plan.errors import InputError
 from colibri_plan.formats.arch import ArchConfig
-from colibri_plan.quant import FLOAT_FORMATS, check_format, data_shape, quantize, scales_shape
+from colibri_plan.quant import FLOAT_FORMATS, check_format, data_shape, quantize, scale_dtype, scales_shape
 
 #: the OLMoE layers with recorded counts
 _REAL_LAYERS = (0, 7, 15)
@@ -177,7 +177,7 @@ def _matrix(rng: np.random.Generator, fmt: str, out_f: int, in_f: int, std_out: 
     bits = 8 if fmt == "int8" else 2 if fmt == "int2" else 4
     data = _zero_mean_codes(rng.bytes(int(np.prod(shape))), bits)
     base = std_out / np.sqrt(_Q2[bits] * in_f)
-    scales = (base * rng.uniform(0.75, 1.25, size=scales_shape(fmt, out_f, in_f))).astype(np.float32)
+    scales = (base * rng.uniform(0.75, 1.25, size=scales_shape(fmt, out_f, in_f))).astype(scale_dtype(fmt))
     return [data.reshape(shape), scales]
 
 

@@ -43,7 +43,7 @@ from colibri_plan.formats.pack_index import (
     spec_from_arch,
 )
 from colibri_plan.formats.pack_verify import file_crc32, trunk_problems
-from colibri_plan.quant import QuantTensor, check_format, dequantize, quantize
+from colibri_plan.quant import QuantTensor, check_format, dequantize, quantize, scale_dtype
 
 __all__ = ["PackWriter", "PackedModel", "check_pack_output", "write_pack", "open_pack"]
 
@@ -148,7 +148,7 @@ class PackWriter:
                 raise FormatError(f"expert (layer {layer}, expert {e}) is {qt.fmt}, the pack is {self.fmt}")
             arrays.append(qt.data)
             if qt.scales is not None:
-                arrays.append(qt.scales.astype(np.float32, copy=False))
+                arrays.append(qt.scales.astype(scale_dtype(qt.fmt), copy=False))
         self.add_expert_parts(layer, e, arrays)
 
     def write_dense(self, dense: dict[str, np.ndarray], dense_format: str = "f32") -> None:

@@ -134,7 +134,7 @@ def test_zero_and_extreme_activations(be):
     np.testing.assert_allclose(y[1], ref, rtol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-g32", "int4-g64", "int4-g128"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g32h"])
 def test_serial_kernels_equal_parallel(be, fmt):
     # small matmuls run the single-thread kernels (cpu.serial_bytes): same tiles, same numbers
     rng = np.random.default_rng(6)
@@ -186,3 +186,15 @@ def test_q4t_names_the_vnni_source_it_was_compiled_against():
 
     digest = hashlib.sha256(open(cpu_vnni.__file__, "rb").read()).hexdigest()[:16]
     assert cpu_q4t.VNNI_SOURCE == digest, f"set cpu_q4t.VNNI_SOURCE = {digest!r}"
+
+
+@pytest.mark.parametrize("shape,tokens", [((70, 1024), 1), ((300, 2048), 4), ((33, 67), 3)])
+def test_int4_g32h_runs_the_int4_g32_kernels_bit_for_bit(be, shape, tokens):
+    # float16 scales widen exactly at upload: the same kernel products as the int4-g32 tensor of the
+    # same values (quant.widen_scales), for the serial, parallel and padded (odd width) layouts
+    rng = np.random.default_rng(list(shape) + [tokens])
+    qt = quant.quantize(rng.standard_normal(shape, dtype=np.float32), "int4-g32h")
+    x = rng.standard_normal((tokens, shape[1]), dtype=np.float32)
+    h, g = be.upload(qt), be.upload(quant.widen_scales(qt))
+    assert h.nbytes == qt.nbytes < g.nbytes  # accounted at the stored 4.5 bits a weight
+    np.testing.assert_array_equal(be.matmul(x, h), be.matmul(x, g))

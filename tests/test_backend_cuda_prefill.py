@@ -183,11 +183,12 @@ def test_launcher_sends_prefill_to_tensor_cores_and_decode_to_gemv(be):  # noqa:
     (simulated GPU) picks mm_tc from T = 2, with one 8-token column tile up to T = 8 and two above; at
     T = 1 per-row int4 takes decode_imma.cu (its x limbs in shared memory), int8 and the group formats
     the GEMV kernels."""
-    assert cuda_mod._TC_FORMATS == {"int8", "int4", "int4-g32", "int4-g64", "int4-g128"}
+    assert cuda_mod._TC_FORMATS == {"int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g32h"}
     assert cuda_mod._TC_MIN_TOKENS == 2
     assert set(cuda_mod._TC) == {"mm", "mm_args", "gate_up"}
     for fmt, T, want in (("int8", 1, "mm<"), ("int4", 1, "mm_imma<"), ("int4-g64", 1, "mm<"),
-                         ("int8", 2, "mm_tc<"), ("int4-g64", 16, "mm_tc<"), ("f32", 16, "mm<")):
+                         ("int8", 2, "mm_tc<"), ("int4-g64", 16, "mm_tc<"), ("int4-g32h", 16, "mm_tc<"),
+                         ("int4-g32h", 1, "mm<"), ("f32", 16, "mm<")):
         fn, _, _, smem, _ = be._launcher("mm", fmt, 1, 64, 64, 256, 64, T)
         assert fn.__name__.startswith(want), (fmt, T, fn.__name__)
         assert (smem == 0) == (want == "mm_tc<")  # the tensor-core kernels stage no activations

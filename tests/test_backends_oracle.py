@@ -48,12 +48,13 @@ CASES = (
     [Case("matmul", f, o, i, t) for f in quant.FORMATS for (o, i), t in zip(ODD, (1, 3, 2, 5))]
     + [Case("matmul", f, 64, 256, 16) for f in quant.FORMATS]
     + [Case("matmul", f, o, i, t) for f in ("int4", "int4-g64") for o, i in GLM for t in (1, 4)]
-    + [Case("matmul", f, 2048, 6144, 1) for f in ("int8", "int4-g32", "int4-g128", "int2")]
+    + [Case("matmul", f, 2048, 6144, 1) for f in ("int8", "int4-g32", "int4-g128", "int4-g32h", "int2")]
     + [Case("expert_ffn", f, 33, 67, 3, experts=3) for f in quant.FORMATS]
-    + [Case("expert_ffn", "int4", 2048, 6144, 1, experts=2), Case("expert_ffn", "int4-g64", 2048, 6144, 3, 2)]
+    + [Case("expert_ffn", "int4", 2048, 6144, 1, experts=2), Case("expert_ffn", "int4-g64", 2048, 6144, 3, 2),
+       Case("expert_ffn", "int4-g32h", 2048, 6144, 1, experts=2)]
     # prefill (T > 1: CUDA's tensor-core kernels): ragged row tiles and token passes, 16 tokens at GLM shapes
     + [Case("matmul", f, 257, 131, 19) for f in quant.FORMATS]
-    + [Case("matmul", f, 2048, 6144, 16) for f in ("int4", "int8", "int4-g32", "bf16")]
+    + [Case("matmul", f, 2048, 6144, 16) for f in ("int4", "int8", "int4-g32", "int4-g32h", "bf16")]
     + [Case("expert_ffn", f, 33, 67, 17, experts=3) for f in quant.FORMATS]
     + [Case("expert_ffn", f, 2048, 6144, 16, experts=2) for f in ("int4", "int8", "int4-g128")]
     + [Case("rmsnorm", "f32", 0, n, t) for n, t in ((67, 3), (6144, 1), (6144, 5))]

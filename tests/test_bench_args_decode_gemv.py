@@ -32,6 +32,8 @@ CASES = [
     ("cpu_gemv", ["--repeats", "0"], "got --repeats 0"),
     ("cpu_gemv", ["--prefill=-1"], "--prefill -1"),
     ("cpu_gemv", ["--ram-bytes", "0"], "--ram-bytes 0"),
+    ("cpu_gemv", ["--threads", "0"], "--threads must be 1.."),
+    ("cpu_gemv", ["--threads", "100000"], "got 100000"),
     ("cpu_gemv", ["--out", "{tmp}"], "--out: cannot write"),
 ]
 
@@ -53,7 +55,7 @@ def test_cpu_gemv_makes_the_out_folder_before_the_work(tmp_path, monkeypatch, ca
     assert "--repeats" in err and not out.parent.exists()   # a bad argument first: no folder made
     mod = bench("cpu_gemv")
     args = mod.argparse.Namespace(formats="int8", shapes="trunk 4096x4096", repeats=1, prefill=0,
-                                  pool_bytes=1, ram_bytes=1, out=str(out))
+                                  pool_bytes=1, ram_bytes=1, threads=None, out=str(out))
     mod.check_args(mod.argparse.ArgumentParser(), args)
     assert out.parent.is_dir() and not out.exists()
 

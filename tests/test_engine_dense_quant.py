@@ -115,3 +115,19 @@ def test_cli_dense_quant_default_follows_the_checkpoint_dtype(tmp_path):
             assert p.index["format"]["dense_format"] == want
         r = invoke("model", "verify", out)
         assert r.exit_code == 0, r.output
+
+
+def test_int4_g32h_pack_keeps_float16_scales_and_runs_alike(packs, tmp_path):
+    # experts and trunk at int4-g32h: float16 scales on disk (a smaller dense file than int4-g32's at the
+    # same codes), read back as stored; the cpu backend's tokens are the numpy reference's
+    w = load_checkpoint(packs["f32"].parent / "ckpt", expert_format="f32")
+    pk = write_pack(w, tmp_path / "g32h", "int4-g32h", dense_format="int4-g32h")
+    dense = {f: (p / "dense.safetensors").stat().st_size for f, p in (("h", pk), ("g32", packs["int4-g32"]))}
+    assert dense["h"] < dense["g32"]
+    with open_pack(pk) as p:
+        assert p.expert_format == "int4-g32h" and p.index["format"]["dense_tensors"]["lm_head"] == "int4-g32h"
+        gate = p.expert(0, 0)[0]
+        assert gate.fmt == "int4-g32h" and gate.scales.dtype == np.float16
+        assert p.dense["layers.0.attn.q"].qt.scales.dtype == np.float16
+        with Model(p, backend_name="numpy") as ref, Model(p, backend_name="cpu") as cpu:
+            assert cpu.generate([3, 17, 42], 8) == ref.generate([3, 17, 42], 8)

@@ -54,13 +54,15 @@ def test_layout_matches_glm_geometry_and_quant_sizes():
     want = 2 * tensor_bytes("int4", 2048, 6144) + tensor_bytes("int4", 6144, 2048)
     assert lay.payload_bytes == want == 18_915_328  # colibrì's 18.92 MB per int4 expert
     assert lay.block_bytes % 4096 == 0 and lay.block_bytes >= lay.payload_bytes
-    for fmt in ("f32", "bf16", "int8", "int4-g64", "int2"):
+    for fmt in ("f32", "bf16", "int8", "int4-g64", "int4-g32h", "int2"):
         lay = block_layout(fmt, 96, 40)
         data = sum(p.nbytes for p in lay.parts)
         assert data == 2 * tensor_bytes(fmt, 40, 96) + tensor_bytes(fmt, 96, 40)
         assert all(p.offset % 64 == 0 for p in lay.parts)
         ends = [p.offset + p.nbytes for p in lay.parts]
         assert all(e <= s.offset for e, s in zip(ends, lay.parts[1:]))  # no overlap, file order
+    half = block_layout("int4-g32h", 96, 40)
+    assert {p.dtype for p in half.parts if p.name.endswith("scales")} == {"float16"}
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "mixtral"])

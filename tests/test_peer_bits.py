@@ -19,4 +19,5 @@ def test_bits_per_weight_of_each_side():
     assert peer.bits_per_weight("int8") == pytest.approx((8 * weights + 32 * rows) / weights, rel=1e-12)
     assert round(peer.bits_per_weight("int8"), 3) == 8.021            # the figure the docs quote
     assert peer.bits_per_weight("int4-g32") == 5.0                     # 4 + 32 bits per 32 weights
+    assert peer.bits_per_weight("int4-g32h") == 4.5                    # 4 + 16 bits per 32: Q4_0's
     assert (peer.bits_per_weight("Q8_0"), peer.bits_per_weight("Q4_0")) == (8.5, 4.5)

@@ -14,6 +14,39 @@ def test_glm52_expert_bytes_match_colibri():
 
     assert expert("int4") == 18_874_368 + 40_960
     assert expert("int4-g64") == 18_874_368 + 2_359_296
+    assert expert("int4-g32h") == 18_874_368 + 2_359_296  # float16 per 32: the bytes of int4-g64
+
+
+def test_int4_g32h_is_q4_0_bytes_with_float16_scales():
+    # 18 bytes per 32 weights (16 of codes + a float16 scale): 4.5 bits, Q4_0's; one partial group pads
+    assert quant.tensor_bytes("int4-g32h", 4, 64) == 4 * 2 * 18
+    assert quant.tensor_bytes("int4-g32h", 1, 33) == 17 + 2 * 2
+    assert quant.group_size("int4-g32h") == 32 and quant.bits("int4-g32h") == 4
+    assert quant.scale_dtype("int4-g32h") == np.float16 and quant.scale_dtype("int4-g32") == np.float32
+    assert quant.scale_dtype("bf16") is None
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((5, 70)).astype(np.float32)
+    qt = quant.quantize(w, "int4-g32h")
+    assert qt.scales.dtype == np.float16 and qt.scales.shape == (5, 3) and qt.nbytes == 5 * 35 + 5 * 3 * 2
+    wide = quant.widen_scales(qt)  # the int4-g32 tensor of the same values: what float32 kernels read
+    assert wide.fmt == "int4-g32" and wide.scales.dtype == np.float32 and wide.data is qt.data
+    np.testing.assert_array_equal(quant.dequantize(wide), quant.dequantize(qt))
+    codes = _codes(qt).astype(np.float32) - 8
+    np.testing.assert_array_equal(quant.dequantize(qt), codes * np.repeat(qt.scales.astype(np.float32), 32,
+                                                                          axis=1)[:, :70])
+    # the codes fit the stored (rounded) scale: never worse than int4-g32's codes under that scale
+    g32 = quant.quantize(w, "int4-g32")
+    assert np.abs(quant.dequantize(qt) - w).mean() <= np.abs(quant.dequantize(g32) - w).mean() * 1.01
+    with pytest.raises(FormatError, match="holds float16 scales"):  # a QuantTensor keeps the format's dtype
+        quant.QuantTensor("int4-g32h", 5, 70, qt.data, qt.scales.astype(np.float32))
+
+
+def test_int4_g32h_refuses_scales_past_float16():
+    w = np.ones((1, 32), np.float32)
+    w[0, 0] = 1e6  # scale 1e6 / 8 > 65504
+    with pytest.raises(FormatError, match="use int4-g32"):
+        quant.quantize(w, "int4-g32h")
+    assert quant.quantize(w, "int4-g32").scales[0, 0] == np.float32(-1e6 / 8)
 
 
 def test_int4_low_nibble_first():
@@ -28,11 +61,11 @@ def _codes(qt):
     return quant.unpack_codes(qt.fmt, qt.data, qt.in_features)
 
 
-@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4"])
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4", "int4-g32h"])
 def test_int4_all_sixteen_codes_exact(fmt):
     # row 0: (c - 8)·d for c = 0..15, twice: its largest magnitude -8·d is negative -> scale +d, codes
     # 0..15; row 1 the negation: largest magnitude +8·d -> scale -d, (c - 8)·(-d) = (8 - c)·d: codes 0..15
-    d = np.float32(0.1)
+    d = np.float32(0.125 if fmt.endswith("h") else 0.1)  # float16 scales: a d that float16 holds
     block = (np.arange(16, dtype=np.float32) - 8) * d
     w = np.stack([np.tile(block, 2), -np.tile(block, 2)])  # [2, 32]
     qt = quant.quantize(w, fmt)
@@ -66,11 +99,13 @@ def test_int4_zero_group_and_padding():
     np.testing.assert_array_equal(quant.dequantize(qt), w)
 
 
-def _q4_0_block_err(blocks):
-    # ggml's Q4_0 rule per block [.., G]: s = m / -8 (m the value of largest magnitude),
-    # code = clip(round(w / s) + 8, 0, 15); squared error of (code - 8)·s per block
+def _q4_0_block_err(blocks, half=False):
+    # ggml's Q4_0 rule per block [.., G]: s = m / -8 (m the value of largest magnitude; ``half``: rounded
+    # to float16 as Q4_0 stores it), code = clip(round(w / s) + 8, 0, 15); squared error of (code - 8)·s
     m = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=-1)[..., None], axis=-1)
     s = m / -8.0
+    if half:
+        s = s.astype(np.float16).astype(np.float64)
     q = np.clip(np.rint(blocks / np.where(s == 0, 1, s)), -8, 7)
     return ((blocks - q * s) ** 2).sum(axis=-1)
 
@@ -107,15 +142,16 @@ def test_round_trip_error_bound(fmt, shape):
         ng = -(-shape[1] // g)
         wb, eb = (np.pad(a.astype(np.float64), ((0, 0), (0, ng * g - shape[1]))).reshape(shape[0], ng, g)
                   for a in (w, err))
-        s = np.abs(qt.scales).reshape(shape[0], ng, 1)
+        s = np.abs(qt.scales.astype(np.float64)).reshape(shape[0], ng, 1)
         amax = np.abs(wb).max(axis=2, keepdims=True)
+        half = fmt in quant.HALF_GROUP_FORMATS  # float16 scales round by up to 2^-11 relative
         # |s| = amax / k with k >= 8: a step no coarser than Q4_0's; the value of largest magnitude sits at
         # -k·s and clips to -8·s, one of the other sign at up to +k·s clips to 7·s: |error| <= amax - 7·|s|
-        assert np.all(s <= amax / 8 * (1 + 1e-6))
+        assert np.all(s <= amax / 8 * (1 + (2.0 ** -11 if half else 1e-6)))
         assert np.all(eb <= amax - 7 * s + 1e-6)
         # the chosen scale's squared error per block is at most that of the Q4_0 rule (one of the candidates;
         # 1e-4: the reference rounds a float64 scale, the quantizer a float32 one)
-        assert np.all((eb ** 2).sum(axis=2) <= _q4_0_block_err(wb) * (1 + 1e-4))
+        assert np.all((eb ** 2).sum(axis=2) <= _q4_0_block_err(wb, half) * (1 + 1e-4))
 
 
 def test_matmul_ref_matches_dense():

@@ -52,7 +52,7 @@ def layout_kernels(k, hw: HostWeight) -> tuple:
     if fmt == "int8":
         return k.i8_matmul, k.i8_matmul_1, k.experts_gate_up, k.experts_matmul
     if hw.fold:
-        if fmt == "int4-g32":
+        if group_size(fmt) == 32:  # int4-g32 and int4-g32h (its scales widened to float32 here)
             return k.i4t_matmul, k.i4t_matmul_1, k.experts_gate_up_t, k.experts_matmul_t
         return k.i4g_matmul, k.i4g_matmul_1, k.experts_gate_up_g, k.experts_matmul_g
     if hw.group == hw.cols:  # per-row int4 blocks

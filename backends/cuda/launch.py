@@ -39,7 +39,7 @@ _GEMV_TUNE: dict[str, dict] = {"int8": {"gate_up": (2, 2), "mm": (4, 2), "x_by_p
 # float formats and int2 keep the GEMV kernels). Tokens per pass: 8 for T <= 8, else 16 (NT column tiles).
 _TC = {"mm": "mm_tc", "mm_args": "mm_args_tc", "gate_up": "gate_up_tc"}
 _TC_R16 = {"mm_tc": 2, "mm_args_tc": 2, "gate_up_tc": 2}  # bench/cuda_expert_ffn.py --tc-rows, H200
-_TC_FORMATS = frozenset({"int8", "int4", "int4-g32", "int4-g64", "int4-g128"})
+_TC_FORMATS = frozenset({"int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g32h"})
 _TC_MIN_TOKENS = 2  # benchmarks set 1 to time the tensor-core kernels at decode
 # warps per block of the tensor-core kernels, splitting the columns (2..8, prefill.cu TC_WARPS at most):
 # None: enough for ~16 warps per SM over the grid (few blocks, e.g. one dense matrix: 8; the 8 experts of

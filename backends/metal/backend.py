@@ -35,6 +35,12 @@ _NEEDS = "Metal needs macOS with PyObjC (pyobjc-framework-Metal)"
 _SIMDGROUPS = 4  # rows (simdgroups of 32) per threadgroup
 
 
+def _kernel_name(op: str, fmt: str) -> str:
+    """The matmul.metal instance of ``op`` ("mm", "gate_up") for ``fmt``: ``<op>_<FMT>``, ``<op>_6h`` for
+    int4-gGh (float16 group scales)."""
+    return f"{op}_{programs.kernel_format(fmt)}{'h' if programs.half_scales(fmt) else ''}"
+
+
 def _mtl_devices() -> list:
     import Metal
 
@@ -108,7 +114,7 @@ class MetalBackend(Backend):
         return self.dev.newBufferWithBytes_length_options_(raw, n, self._shared)
 
     def _upload(self, qt: QuantTensor) -> PaddedWeight:
-        data, scales, in_pad = staging.padded_layout(qt)
+        data, scales, in_pad = staging.padded_layout(qt, half_scales=True)  # int4-gGh: float16 scales
         bufs = [self._buffer(a, a.nbytes) for a in (data, scales)]
         if any(b is None for b in bufs):  # Metal answers nil when it cannot allocate
             raise self._oom(f"could not allocate {qt.nbytes} B", qt.nbytes)
@@ -171,7 +177,7 @@ class MetalBackend(Backend):
         with self._encoder() as enc:
             # y [T, out] = x [T, in_pad] . W [out, in_pad]^T
             bufs = [(p.data, 0), (p.scales, 0), (xb, 0), (yb, 0)]
-            self._dispatch(enc, f"mm_{programs.kernel_format(w.fmt)}", bufs,
+            self._dispatch(enc, _kernel_name("mm", w.fmt), bufs,
                            self._params(w.fmt, p.in_pad, out, T, out, 0, 0), out)
         return self._view(yb, T * out * 4).reshape(T, out).copy()
 
@@ -182,10 +188,10 @@ class MetalBackend(Backend):
         with self._encoder() as enc:  # serial: each dispatch sees the previous one's writes
             for e, T, t0 in zip(experts, b.counts, b.tok):
                 g, u, d = e.gate.payload, e.up.payload, e.down.payload
-                self._dispatch(enc, f"gate_up_{programs.kernel_format(e.gate.fmt)}",
+                self._dispatch(enc, _kernel_name("gate_up", e.gate.fmt),
                                [(g.data, 0), (g.scales, 0), (u.data, 0), (u.scales, 0), (xb, 0), (hb, 0)],
                                self._params(e.gate.fmt, b.Hp, b.I, T, b.Ip, t0 * b.Hp, t0 * b.Ip), b.Ip)
-                self._dispatch(enc, f"mm_{programs.kernel_format(e.down.fmt)}",
+                self._dispatch(enc, _kernel_name("mm", e.down.fmt),
                                [(d.data, 0), (d.scales, 0), (hb, 0), (yb, 0)],
                                self._params(e.down.fmt, b.Ip, b.H, T, b.H, t0 * b.Ip, t0 * b.H), b.H)
         return self._view(yb, b.tok[-1] * b.H * 4).reshape(b.tok[-1], b.H).copy()

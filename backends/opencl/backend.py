@@ -165,6 +165,7 @@ class OpenCLBackend(Backend):
                 src = "matmul.cl"
                 opts = [f"-DFMT={programs.kernel_format(fmt)}", f"-DLS={self.ls}", f"-DTPI={tpi}"]
                 opts += [f"-DGROUP={g}"] if g else []
+                opts += ["-DSCALE_HALF"] if programs.half_scales(fmt) else []
             pkey = (src, tuple(opts))
             if pkey not in self._programs:
                 self._programs[pkey] = self._build(src, opts)
@@ -183,7 +184,7 @@ class OpenCLBackend(Backend):
 
     def _upload(self, qt: QuantTensor) -> PaddedWeight:
         cl = self.cl
-        data, scales, in_pad = staging.padded_layout(qt)
+        data, scales, in_pad = staging.padded_layout(qt, half_scales=True)  # int4-gGh: float16 scales
         made = []
         try:
             for host in (data, scales):

@@ -133,16 +133,18 @@ class VulkanBackend(Backend):
     # ---- weights -------------------------------------------------------------------------------------
     def _upload(self, qt):
         vk = self.vk
-        data, scales, in_pad = staging.padded_layout(qt)  # uint8 [out, row_bytes], float32 scales, columns
+        # uint8 [out, row_bytes], float32 scales (float16: int4-gGh, the shader's HALF), padded columns
+        data, scales, in_pad = staging.padded_layout(qt, half_scales=True)
         g = group_size(qt.fmt) or 0
         row_bytes, nscale = data.shape[1], (0 if qt.scales is None else scales.size // qt.out_features)
-        per_row = row_bytes + 4 * nscale
+        per_row = row_bytes + scales.itemsize * nscale
         rows = min(qt.out_features, (self.max_buffer_bytes - 16) // per_row, 65535 * vu.ROWS)
         if rows < 1:
             raise UnsupportedError(f"vulkan: one row of a {qt.fmt} [{qt.out_features}, {qt.in_features}] "
                                    f"weight takes {per_row} B, over the device's largest buffer "
                                    f"({self.max_buffer_bytes} B); this device cannot hold it")
-        w = NS(code=programs.KERNEL_FORMAT["int4" if g else qt.fmt], group=g, nchunk=row_bytes // 16,
+        w = NS(code=programs.KERNEL_FORMAT["int4" if g else qt.fmt], group=g,
+               half=int(programs.half_scales(qt.fmt)), nchunk=row_bytes // 16,
                nscale=nscale, in_pad=in_pad, out=qt.out_features, parts=[])
         scales = scales.reshape(qt.out_features, -1) if nscale else scales
         try:  # weights over the buffer limit are split into blocks of rows, one buffer each
@@ -198,7 +200,7 @@ class VulkanBackend(Backend):
         yb = self._io.get("y", 4 * T * p.out)
 
         def steps():
-            pipe = self._d.pipeline("matmul", (vu.WG, p.code, p.group, self._nt([T]), vu.ROWS, 0))
+            pipe = self._d.pipeline("matmul", (vu.WG, p.code, p.group, self._nt([T]), vu.ROWS, 0, p.half))
             return [(pipe, [q.b], [q.b], xb, yb, [p.nchunk, q.n, p.in_pad // 4, p.out, q.r0, q.soff, p.nscale,
                                                   0] + [T] * vu.MAXE, -(-q.n // vu.ROWS), 1) for q in p.parts]
         self._run(("mm", id(p), T), {id(p)}, steps)

@@ -93,7 +93,8 @@ class VulkanDeviceOps:
         if n_in != p.in_pad:  # matmul.comp reads rows of in_pad floats, zeros past in (vec4 loads)
             xh = self._ew(EW_PAD, [x.buf], T * p.in_pad, p.in_pad, n_in)
         y = self.batch.take(4 * T * p.out)
-        pipe = self._d.pipeline("matmul", (vu.WG, p.code, p.group, self.be._nt([max(T, 1)]), vu.ROWS, 0))
+        spec = (vu.WG, p.code, p.group, self.be._nt([max(T, 1)]), vu.ROWS, 0, p.half)
+        pipe = self._d.pipeline("matmul", spec)
         for q in p.parts:  # a weight over the buffer limit: one dispatch per block of rows
             pc = [p.nchunk, q.n, p.in_pad // 4, p.out, q.r0, q.soff, p.nscale, 0] + [T] * vu.MAXE
             self.batch.dispatch(pipe, [q.b], y, pc, -(-q.n // vu.ROWS), x=xh)

@@ -47,8 +47,8 @@ def ffn_steps(d, ps: list, tok: list, nt: int, xstride: int, I: int, H: int, Ip:
     the experts' (gate, up, down) payloads; expert i owns rows tok[i] .. tok[i+1]-1 of x, h and y; x rows
     ``xstride`` vec4s apart (0: one row for all)."""
     g0, d0 = ps[0][0], ps[0][2]
-    gate_up = d.pipeline("matmul", (vu.WG, g0.code, g0.group, nt, vu.ROWS, 1))
-    down = d.pipeline("matmul", (vu.WG, d0.code, d0.group, nt, vu.ROWS, 0))
+    gate_up = d.pipeline("matmul", (vu.WG, g0.code, g0.group, nt, vu.ROWS, 1, g0.half))
+    down = d.pipeline("matmul", (vu.WG, d0.code, d0.group, nt, vu.ROWS, 0, d0.half))
     first, second = [], []
     for c in range(0, len(ps), vu.MAXE):  # one dispatch per MAXE experts (the shader's descriptor arrays)
         sub, t = ps[c:c + vu.MAXE], tok[c:c + vu.MAXE + 1]

@@ -7,7 +7,7 @@ import click
 from colibri_plan.cli.common import emit, json_option, table
 
 #: formats shown by `model show`, in order (every colibri_plan.quant format)
-SHOW_FORMATS = ("bf16", "f16", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int2")
+SHOW_FORMATS = ("bf16", "f16", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g32h", "int2")
 
 
 def _scaled(n: float, unit: str) -> str:

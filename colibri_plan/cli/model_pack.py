@@ -11,13 +11,13 @@ from colibri_plan.errors import IntegrityError
 from colibri_plan.quant import FORMATS
 
 #: formats `model pack --dense-quant` accepts (colibri_plan.engine.dense_quant.DENSE_FORMATS)
-DENSE_FORMATS = ("f32", "f16", "bf16", "int8", "int4", "int4-g32", "int4-g64", "int4-g128")
+DENSE_FORMATS = ("f32", "f16", "bf16", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g32h")
 
 #: a count or size option of `model fixture`: a whole number >= 1 (else a usage error)
 _POS = click.IntRange(1, None)
 
 #: expert formats `model pack` and `model fixture` accept (f16 packs work too but are not advertised)
-PACK_FORMATS = ("f32", "bf16", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int2")
+PACK_FORMATS = ("f32", "bf16", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g32h", "int2")
 #: the FixtureConfig fields `model fixture` sets (colibri_plan.engine.fixture; a flag left out keeps the
 #: field's default, or FixtureConfig.small's with --small)
 FIXTURE_FIELDS = ("layers", "experts", "top_k", "hidden", "width", "vocab", "quant", "seed", "domain")

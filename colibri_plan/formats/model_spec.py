@@ -185,14 +185,15 @@ class ModelSpec:
         """Bytes of the dense trunk if every dense parameter were stored in ``fmt``.
 
         Float formats are exact (params · element size). Integer formats are an estimate: params·bits/8
-        plus float32 scales, one per ``hidden_size`` values for per-row formats (rows of width H) and
-        one per G values for ``int4-gG``; real packs keep norms and routers in float.
+        plus scales (float32; float16 for int4-gGh), one per ``hidden_size`` values for per-row formats
+        (rows of width H) and one per G values for ``int4-gG``; real packs keep norms and routers in float.
         """
         quant.check_format(fmt)
         if fmt in quant.FLOAT_FORMATS:
             return self.dense_params * quant.bits(fmt) // 8
         g = quant.group_size(fmt) or self.hidden_size
-        return self.dense_params * quant.bits(fmt) // 8 + 4 * (-(-self.dense_params // g))
+        n_scales = -(-self.dense_params // g)
+        return self.dense_params * quant.bits(fmt) // 8 + quant.scale_dtype(fmt).itemsize * n_scales
 
     def cold_bytes_per_token(self, fmt: str | None = None) -> int:
         """Routed-expert bytes one decode token reads when nothing is cached:

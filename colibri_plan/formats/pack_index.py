@@ -31,7 +31,7 @@ from colibri_plan.formats import fields as f
 from colibri_plan.formats.arch import ArchConfig
 from colibri_plan.formats.fields import At
 from colibri_plan.formats.pack_spec import check_pack_spec
-from colibri_plan.quant import check_format, data_shape, scales_shape
+from colibri_plan.quant import check_format, data_shape, scale_dtype, scales_shape
 
 PACK_KIND = "pack"
 PACK_SCHEMA_VERSION = 1
@@ -119,8 +119,9 @@ def block_layout(fmt: str, hidden_size: int, width: int) -> BlockLayout:
         pos = align_up(pos + n, PART_ALIGN)
         s = scales_shape(fmt, o, i)
         if s is not None:
-            n = int(np.prod(s)) * 4
-            parts.append(Part(f"{name}.scales", pos, n, "float32", tuple(s)))
+            sd = scale_dtype(fmt)  # float32; float16 for int4-gGh
+            n = int(np.prod(s)) * sd.itemsize
+            parts.append(Part(f"{name}.scales", pos, n, sd.name, tuple(s)))
             pos = align_up(pos + n, PART_ALIGN)
     payload = parts[-1].offset + parts[-1].nbytes
     return BlockLayout(fmt, int(hidden_size), int(width), tuple(parts), payload,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri_plan.formats.profile import stat
-from colibri_plan.quant import FLOAT_FORMATS, QuantTensor, data_shape, quantize, scales_shape
+from colibri_plan.quant import FLOAT_FORMATS, QuantTensor, data_shape, quantize, scale_dtype, scales_shape
 
 Progress = Callable[[str], None]
 
@@ -36,7 +36,7 @@ def random_weight(fmt: str, out_features: int, in_features: int, seed: int = 0) 
     shape = data_shape(fmt, out_features, in_features)
     dtype = np.int8 if fmt == "int8" else np.uint8
     data = rng.integers(-127 if fmt == "int8" else 0, 128 if fmt == "int8" else 256, shape).astype(dtype)
-    scales = np.full(scales_shape(fmt, out_features, in_features), 0.01, np.float32)
+    scales = np.full(scales_shape(fmt, out_features, in_features), 0.01, scale_dtype(fmt))
     return QuantTensor(fmt, out_features, in_features, data, scales)
 
 

@@ -63,9 +63,10 @@ inline void wload(device const uchar *row, uint c, thread float4 &w0, thread flo
     }
 }
 
-// dot(W[r], x) over the padded row, complete in every lane of the simdgroup
-template <int FMT>
-inline float row_dot(device const uchar *W, device const float *S, uint r, device const float *x,
+// dot(W[r], x) over the padded row, complete in every lane of the simdgroup; ST: the scale dtype
+// (float; half for int4-gGh, the *_6h instances)
+template <int FMT, typename ST>
+inline float row_dot(device const uchar *W, device const ST *S, uint r, device const float *x,
                      constant Params &p, uint lane) {
     device const uchar *row = W + (ulong)r * (p.in_pad * bits_of(FMT) / 8);
     device const float4 *x4 = (device const float4 *)x;
@@ -74,16 +75,16 @@ inline float row_dot(device const uchar *W, device const float *S, uint r, devic
         float4 w0, w1;
         wload<FMT>(row, c, w0, w1);
         float d = dot(w0, x4[2 * c]) + dot(w1, x4[2 * c + 1]);
-        acc += FMT == F_INT4G ? d * S[(ulong)r * p.ngroups + c / p.gchunks] : d;
+        acc += FMT == F_INT4G ? d * float(S[(ulong)r * p.ngroups + c / p.gchunks]) : d;
     }
     acc = simd_sum(acc);
-    if (FMT == F_INT8 || FMT == F_INT4 || FMT == F_INT2) acc *= S[r];
+    if (FMT == F_INT8 || FMT == F_INT4 || FMT == F_INT2) acc *= float(S[r]);
     return acc;
 }
 
 // y[y_off + t * stride + r] = x[x_off + t * in_pad] . W[r]; threadgroups of whole simdgroups, one row each
-template <int FMT>
-kernel void mm(device const uchar *W [[buffer(0)]], device const float *S [[buffer(1)]],
+template <int FMT, typename ST>
+kernel void mm(device const uchar *W [[buffer(0)]], device const ST *S [[buffer(1)]],
                device const float *x [[buffer(2)]], device float *y [[buffer(3)]],
                constant Params &p [[buffer(4)]], uint tg [[threadgroup_position_in_grid]],
                uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]],
@@ -91,15 +92,15 @@ kernel void mm(device const uchar *W [[buffer(0)]], device const float *S [[buff
     uint r = tg * nsg + sg;
     if (r >= p.rows) return;  // uniform over the simdgroup; no threadgroup barrier follows
     for (uint t = 0; t < p.T; t++) {
-        float acc = row_dot<FMT>(W, S, r, x + p.x_off + (ulong)t * p.in_pad, p, lane);
+        float acc = row_dot<FMT, ST>(W, S, r, x + p.x_off + (ulong)t * p.in_pad, p, lane);
         if (lane == 0) y[p.y_off + (ulong)t * p.stride + r] = acc;
     }
 }
 
 // h[y_off + t * stride + r] = SiLU(G[r] . x[t]) * (U[r] . x[t]) for r < rows; rows <= r < stride get 0
-template <int FMT>
-kernel void gate_up(device const uchar *G [[buffer(0)]], device const float *SG [[buffer(1)]],
-                    device const uchar *U [[buffer(2)]], device const float *SU [[buffer(3)]],
+template <int FMT, typename ST>
+kernel void gate_up(device const uchar *G [[buffer(0)]], device const ST *SG [[buffer(1)]],
+                    device const uchar *U [[buffer(2)]], device const ST *SU [[buffer(3)]],
                     device const float *x [[buffer(4)]], device float *h [[buffer(5)]],
                     constant Params &p [[buffer(6)]], uint tg [[threadgroup_position_in_grid]],
                     uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]],
@@ -110,24 +111,25 @@ kernel void gate_up(device const uchar *G [[buffer(0)]], device const float *SG 
         float v = 0.0f;
         if (r < p.rows) {
             device const float *xt = x + p.x_off + (ulong)t * p.in_pad;
-            float g = row_dot<FMT>(G, SG, r, xt, p, lane), u = row_dot<FMT>(U, SU, r, xt, p, lane);
+            float g = row_dot<FMT, ST>(G, SG, r, xt, p, lane), u = row_dot<FMT, ST>(U, SU, r, xt, p, lane);
             v = g / (1.0f + exp(-g)) * u;
         }
         if (lane == 0) h[p.y_off + (ulong)t * p.stride + r] = v;
     }
 }
 
-#define INSTANCES(F)                                                                   \
-    template [[host_name("mm_" #F)]] [[kernel]] decltype(mm<F>) mm<F>;                \
-    template [[host_name("gate_up_" #F)]] [[kernel]] decltype(gate_up<F>) gate_up<F>;
+#define INSTANCES(F, N, ST)                                                                         \
+    template [[host_name("mm_" #N)]] [[kernel]] decltype(mm<F, ST>) mm<F, ST>;                     \
+    template [[host_name("gate_up_" #N)]] [[kernel]] decltype(gate_up<F, ST>) gate_up<F, ST>;
 
-INSTANCES(0)
-INSTANCES(1)
-INSTANCES(2)
-INSTANCES(3)
-INSTANCES(4)
-INSTANCES(5)
-INSTANCES(6)
+INSTANCES(0, 0, float)
+INSTANCES(1, 1, float)
+INSTANCES(2, 2, float)
+INSTANCES(3, 3, float)
+INSTANCES(4, 4, float)
+INSTANCES(5, 5, float)
+INSTANCES(6, 6, float)
+INSTANCES(6, 6h, half)  // int4-gGh: float16 group scales
 
 // y[t, :] = x[t, :] / sqrt(mean(x[t, :]^2) + eps) * w; one threadgroup of 256 per token
 kernel void rmsnorm(device const float *x [[buffer(0)]], device const float *w [[buffer(1)]],

@@ -5,7 +5,8 @@
 // Value semantics are colibri_plan/quant.py: int4 (nibble - 8) * s, int2 (crumb - 2) * s, int8 q * s,
 // bf16 bits << 16, f16 IEEE half; packing low bits first.
 //
-// Build options: -DFMT=<0..6> -DLS=<work-items per row> -DTPI=<tokens per work-item> [-DGROUP=<G>].
+// Build options: -DFMT=<0..6> -DLS=<work-items per row> -DTPI=<tokens per work-item> [-DGROUP=<G>]
+// [-DSCALE_HALF: group scales are float16 (int4-gGh), read with vload_half; else float32].
 // One work-group of LS work-items computes one row for TPI tokens; LS = 1 is one work-item per row
 // (best on CPU devices), LS > 1 splits the row and reduces in local memory (GPUs).
 
@@ -30,6 +31,15 @@
 #endif
 
 #define ROW_SCALED (FMT == F_INT8 || FMT == F_INT4 || FMT == F_INT2)
+
+// the scale dtype: only int4-gGh (FMT 6) is built with SCALE_HALF; vload_half needs no fp16 extension
+#ifdef SCALE_HALF
+#define SCALE_T half
+#define SCALE_AT(S, i) vload_half((i), (S))
+#else
+#define SCALE_T float
+#define SCALE_AT(S, i) ((S)[i])
+#endif
 
 // LS = 1: a work-group holds several rows, one per work-item (fewer, larger groups are cheaper to
 // schedule on CPUs); the grid is rounded up, so items past the last row leave early (no barriers).
@@ -65,8 +75,8 @@ inline float8 wload(global const uchar *row, uint c) {
 // acc[m * TPI + j] = dot(W_m[r], x[t0 + j]) for the NW (1 or 2) weights W_0, W_1 and j < TPI, complete
 // in every work-item of the group. Both weights share each activation load (gate and up of an expert).
 // Token rows past T are clamped to T-1 (valid memory, results discarded by the caller).
-inline void row_dot(const int NW, global const uchar *W0, global const float *S0, global const uchar *W1,
-                    global const float *S1, uint r, global const float *x, uint in_pad, uint T, uint t0,
+inline void row_dot(const int NW, global const uchar *W0, global const SCALE_T *S0, global const uchar *W1,
+                    global const SCALE_T *S1, uint r, global const float *x, uint in_pad, uint T, uint t0,
                     local float *red, float *acc) {
     uint lane = LANE;
     ulong base = (ulong)r * ROW_BYTES(in_pad);
@@ -83,8 +93,8 @@ inline void row_dot(const int NW, global const uchar *W0, global const float *S0
         float8 w0 = wload(row0, c), w1 = NW > 1 ? wload(row1, c) : (float8)(0.0f);
 #if FMT == F_INT4G
         ulong g = (ulong)r * (in_pad / GROUP) + c / (GROUP / 8);
-        w0 *= S0[g];
-        if (NW > 1) w1 *= S1[g];
+        w0 *= SCALE_AT(S0, g);
+        if (NW > 1) w1 *= SCALE_AT(S1, g);
 #endif
         for (int j = 0; j < TPI; j++) {
             float8 xv = vload8(c, x + xo[j]);
@@ -109,15 +119,15 @@ inline void row_dot(const int NW, global const uchar *W0, global const float *S0
 #endif
 #if ROW_SCALED
     for (int j = 0; j < TPI; j++) {
-        acc[j] *= S0[r];
-        if (NW > 1) acc[TPI + j] *= S1[r];
+        acc[j] *= SCALE_AT(S0, r);
+        if (NW > 1) acc[TPI + j] *= SCALE_AT(S1, r);
     }
 #endif
 }
 
 
 // y[y_off + t * y_stride + r] = x[x_off + t * in_pad] . W[r], grid (>= out * LS, ceil(T / TPI))
-kernel void matmul(global const uchar *W, global const float *S, global const float *x, uint x_off,
+kernel void matmul(global const uchar *W, global const SCALE_T *S, global const float *x, uint x_off,
                    global float *y, uint y_off, uint in_pad, uint T, uint y_stride, uint rows) {
     local float red[LS * TPI];
     float acc[TPI];
@@ -131,8 +141,8 @@ kernel void matmul(global const uchar *W, global const float *S, global const fl
 
 // h[t, r] = SiLU(gate[r] . x[t]) * (up[r] . x[t]); rows r >= rows_valid (padding of h) get 0 so the
 // down projection reads exact zeros. Grid (>= h_stride * LS, ceil(T / TPI)).
-kernel void gate_up(global const uchar *G, global const float *SG, global const uchar *U,
-                    global const float *SU, global const float *x, uint x_off, global float *h,
+kernel void gate_up(global const uchar *G, global const SCALE_T *SG, global const uchar *U,
+                    global const SCALE_T *SU, global const float *x, uint x_off, global float *h,
                     uint h_off, uint in_pad, uint T, uint h_stride, uint rows_valid) {
     local float red[2 * LS * TPI];
     float acc[2 * TPI];
@@ -152,9 +162,9 @@ kernel void gate_up(global const uchar *G, global const float *SG, global const 
 // rows: matrix i owns global rows e_{i-1} .. e_i - 1 (e_{-1} = 0; unused slots repeat the last end, so
 // they own none) and writes y_i[t * (e_i - e_{i-1}) + r - e_{i-1}]. Each row's sum is matmul's.
 // Grid (>= e_3 * LS, ceil(T / TPI)).
-kernel void matmul_many(global const uchar *W0, global const float *S0, global const uchar *W1,
-                        global const float *S1, global const uchar *W2, global const float *S2,
-                        global const uchar *W3, global const float *S3, global const float *x, uint x_off,
+kernel void matmul_many(global const uchar *W0, global const SCALE_T *S0, global const uchar *W1,
+                        global const SCALE_T *S1, global const uchar *W2, global const SCALE_T *S2,
+                        global const uchar *W3, global const SCALE_T *S3, global const float *x, uint x_off,
                         global float *y0, global float *y1, global float *y2, global float *y3, uint in_pad,
                         uint T, uint e0, uint e1, uint e2, uint e3) {
     local float red[LS * TPI];
@@ -166,7 +176,7 @@ kernel void matmul_many(global const uchar *W0, global const float *S0, global c
     const uint r0 = m == 0 ? 0 : m == 1 ? e0 : m == 2 ? e1 : e2;
     const uint rows = (m == 0 ? e0 : m == 1 ? e1 : m == 2 ? e2 : e3) - r0;
     global const uchar *W = m == 0 ? W0 : m == 1 ? W1 : m == 2 ? W2 : W3;
-    global const float *S = m == 0 ? S0 : m == 1 ? S1 : m == 2 ? S2 : S3;
+    global const SCALE_T *S = m == 0 ? S0 : m == 1 ? S1 : m == 2 ? S2 : S3;
     global float *y = m == 0 ? y0 : m == 1 ? y1 : m == 2 ? y2 : y3;
     row_dot(1, W, S, W, S, r - r0, x + x_off, in_pad, T, t0, red, acc);
     if (LANE == 0)

@@ -4,7 +4,8 @@
 // no 8/16-bit storage extension is needed.
 //
 // Weight buffer layout (written by backends/vulkan.py): rows padded to a multiple of 16 bytes with the
-// format's zero code, then float32 scales (one per row, or one per group) from uint index pc.soff.
+// format's zero code, then float32 scales (one per row, or one per group) from uint index pc.soff;
+// HALF = 1 (int4-gGh): float16 group scales there, two to a uint, low half first.
 // Activations x: one row of pc.xstride vec4 per token, zero-padded to the padded row length.
 //
 // One workgroup computes ROWS rows of one expert (gl_WorkGroupID.y) for NT tokens per pass: every
@@ -19,6 +20,7 @@ layout(constant_id = 2) const uint GROUP = 0u;  // int4 group size (32, 64, 128)
 layout(constant_id = 3) const uint NT = 1u;     // tokens per pass
 layout(constant_id = 4) const uint ROWS = 4u;   // output rows per workgroup
 layout(constant_id = 5) const uint MODE = 0u;   // 0 matmul, 1 fused gate/up with SiLU(gate) * up
+layout(constant_id = 6) const uint HALF = 0u;   // group scales: 0 float32, 1 float16 (int4-gGh)
 
 const uint MAXE = 8u;                           // experts per dispatch (descriptor array size)
 const uint EPC = FMT == 0u ? 4u : (FMT <= 2u ? 8u : (FMT == 3u ? 16u : (FMT == 4u ? 32u : 64u)));
@@ -90,10 +92,14 @@ void main() {
                 qb[r] = MODE == 1u ? B[e].w[row * pc.nchunk + c] : uvec4(0u);
                 sa[r] = 1.0;
                 sb[r] = 1.0;
-                if (GROUP > 0u) {  // a uvec4 chunk never straddles a group (GROUP >= EPC = 32)
+                if (GROUP > 0u && HALF == 0u) {  // a uvec4 chunk never straddles a group (GROUP >= EPC = 32)
                     uint si = pc.soff + row * pc.nscale + c * EPC / GROUP;
                     sa[r] = uintBitsToFloat(A[e].w[si >> 2][si & 3u]);
                     if (MODE == 1u) sb[r] = uintBitsToFloat(B[e].w[si >> 2][si & 3u]);
+                } else if (GROUP > 0u) {  // float16 scale hi: uint hi / 2 of the buffer, its low or high half
+                    uint hi = 2u * pc.soff + row * pc.nscale + c * EPC / GROUP;
+                    sa[r] = unpackHalf2x16(A[e].w[hi >> 3][(hi >> 1) & 3u])[hi & 1u];
+                    if (MODE == 1u) sb[r] = unpackHalf2x16(B[e].w[hi >> 3][(hi >> 1) & 3u])[hi & 1u];
                 }
             }
             for (uint t = 0u; t < NT; t++) {
