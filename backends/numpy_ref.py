@@ -82,7 +82,7 @@ class NumpyBackend(Backend):
 
     name = "numpy"
     formats = FORMATS
-    optional_ops = frozenset({"attention_absorb"})
+    optional_ops = frozenset({"attention_absorb", "d_router_topk"})
 
     def __init__(self, device: DeviceInfo, capacity_bytes: int | None = None):
         self._capacity_bytes = capacity_bytes

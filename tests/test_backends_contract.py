@@ -236,7 +236,8 @@ def test_every_backend_is_one_class_over_the_base_and_declares_its_optional_ops(
     from colibri_plan.backends.device_ops import DeviceOps
 
     assert {"d_add", "d_head_matmul", "d_write_rows", "matmul", "upload", "close"} <= REQUIRED_OPS
-    assert set(OPTIONAL_OPS) == {"attention_absorb", "d_expert_ffn_rows", "expert_ffn_sum", "rmsnorm_rows"}
+    assert set(OPTIONAL_OPS) == {"attention_absorb", "d_expert_ffn_rows", "d_router_topk", "expert_ffn_sum",
+                                 "rmsnorm_rows"}
     declared = {}
     for name in BACKEND_NAMES:
         cls = get_backend(name)
@@ -247,6 +248,7 @@ def test_every_backend_is_one_class_over_the_base_and_declares_its_optional_ops(
     assert all("attention_absorb" in ops for ops in declared.values())  # every backend has a kernel
     assert [n for n in BACKEND_NAMES if "d_expert_ffn_rows" in declared[n]] == ["cuda"]
     assert [n for n in BACKEND_NAMES if "expert_ffn_sum" in declared[n]] == ["cpu"]
+    assert all("d_router_topk" in ops for ops in declared.values())  # a kernel or the host arrays' rule
     assert not Backend.supports("attention_absorb")  # the base has no kernel: UnsupportedError
     with pytest.raises(InputError, match="'d_ad' is not an op"):
         get_backend("numpy").supports("d_ad")

@@ -50,7 +50,7 @@ class MetalBackend(Backend):
     see the module docstring)."""
 
     name = "metal"
-    optional_ops = frozenset({"attention_absorb"})
+    optional_ops = frozenset({"attention_absorb", "d_router_topk"})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
