@@ -269,7 +269,9 @@ class Trunk:
             uniq, tok_of, gates = group_routes(ids, weights, a.top_k)
         else:
             uniq, tok_of, gates = route_tokens(xh, i, a, m.dense, m.routing)  # decode: tok_of[j] == [0]
-        local, rest = split(i, uniq, tok_of, be)  # it reads the tokens per expert (len) only
+        # the split reads only each expert's row count: rows are gathered for the host's experts alone (a
+        # prefill's gather of every expert's rows cost more than the device's experts did)
+        local, rest = split(i, uniq, tok_of, be)
         y = None
         if local:
             timed = sampled or T != 1  # a prefill's local experts are timed on their own (not per token)

@@ -204,9 +204,8 @@ class Launcher:
         return hit
 
     def module_fn(self, name: str):
-        """Kernel ``name`` of trunk.cu / attention.cu / route.cu / matmul.cu (rmsnorm, attention_absorb: the
-        host ops'), a CuPy RawKernel, compiled by NVRTC once per source file on first use (CuPy caches the
-        binaries)."""
+        """Kernel ``name`` of trunk.cu / attention.cu / route.cu / matmul.cu (rmsnorm: the host op's), a
+        CuPy RawKernel, compiled by NVRTC once per source file on first use (CuPy caches the binaries)."""
         fn = self.fns.get(name)
         if fn is None:
             source = ("trunk.cu" if name in _TRUNK_KERNELS else "matmul.cu" if name == "rmsnorm"
