@@ -236,14 +236,14 @@ def test_cuda_launch_on_the_simulated_gpu(monkeypatch):
     try:
         assert b.supports("d_router_topk")
         rng = np.random.default_rng(11)
-        logits = rng.standard_normal((2, 64), dtype=np.float32) * 4
-        bias = (rng.standard_normal(64) * 0.02).astype(np.float32)
+        logits = rng.standard_normal((2, 128), dtype=np.float32) * 4  # rows of 128: x read in place
+        bias = (rng.standard_normal(128) * 0.02).astype(np.float32)
         rule = RULES["deepseek-v3-sigmoid-bias-top2-groups"]
-        eye = b.upload(quantize(np.eye(64, dtype=np.float32), "f32"))
+        eye = b.upload(quantize(np.eye(128, dtype=np.float32), "f32"))
         dx, db = b.d_put(logits), b.d_put(bias)
         before = sim.launches
         ids, w = b.d_router_topk(dx, eye, db, rule)
-        assert sim.launches - before == 2 and sim.route_args[4:8] == (2, 64, 8, 0)  # GEMV + route_topk
+        assert sim.launches - before == 2 and sim.route_args[4:8] == (2, 128, 8, 0)  # GEMV, route
         _check_same(b.d_get_ids(ids), b.d_get(w), logits, bias, rule)
     finally:
         b.close()
