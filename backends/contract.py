@@ -37,6 +37,7 @@ Device-activation ops (``x``, ``a``, ``b`` ... DArrays unless said otherwise):
 | ``d_head_matmul(x, w)`` | x [T, B, K], w [B, N, K] a DArray | y[t, b] = w[b] · x[t, b], [T, B, N] |
 | ``d_attention(q, k, v, n_keys, pos0, scale, window)`` | q [T, Hq, d], k/v [C, Hkv, d] | [T, Hq·d] |
 | ``d_expert_ffn(x, experts, gates)`` | x [T, H], n ExpertWeights, host gates [n] | Σ_i g_i·FFN_i(x) [T, H] |
+| ``d_router_topk(x, w, bias, rule)`` | x [T, H], w [E, H], bias [E] / None | (ids int32, weights) [T, K] |
 
 RoPE (``rope_table``): ``table[p, i] = (cos(p·f_i)·af, sin(p·f_i)·af)``, position ``pos0 + t`` rotates row
 ``t``; rotate_half pairs channel i with i + rd/2, interleaved pairs (2i, 2i+1); channels ≥ rd unchanged.
@@ -45,6 +46,8 @@ window + 1 for a sliding window, else 0) of the first n_keys; query head h reads
 float32 accumulation. MLA runs it on its latent cache: one kv head, d = qk_rope_head_dim + kv_lora_rank.
 Routed experts: FFN_i(x) = down_i(SiLU(x·gate_iᵀ) ⊙ x·up_iᵀ) of experts uploaded here, summed in the
 engine's float32 order (0 + y_0·g_0 + y_1·g_1 ...).
+Routing (``d_router_topk``, optional): the host rule of :mod:`colibri_plan.backends.routing` on the device;
+ids come down with ``d_get_ids`` (int32), weights with ``d_get``.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from colibri_plan.quant import QuantTensor
 #: optional ops: name -> what it is. A backend lists those it has in its class's ``optional_ops``;
 #: ``Backend.supports(name)`` answers from that declaration (ggml's ``supports_op``), never by probing.
 OPTIONAL_OPS = {
+    "d_router_topk": "the router GEMV and top-k rule on the device x, ids and weights left on the device",
     "d_expert_ffn_rows": "a prefill's routed experts on the device x, each on its own tokens' rows (CUDA)",
     "expert_ffn_sum": "a decode step's routed sum in one call on host arrays (cpu)",
 }
@@ -92,6 +96,9 @@ class ComputeBackend(Protocol):
     def close(self) -> None: ...
     def d_put(self, host: np.ndarray) -> DArray: ...
     def d_get(self, a: DArray) -> np.ndarray: ...
+    def d_get_ids(self, ids: DArray) -> np.ndarray: ...  # int32 host copy of d_router_topk's ids
+    # d_router_topk's (ids int32, weights float32) on the host, in one copy where they share a buffer
+    def d_get_routing(self, ids: DArray, weights: DArray) -> tuple[np.ndarray, np.ndarray]: ...
     def d_zeros(self, shape: tuple[int, ...]) -> DArray: ...
     def d_view(self, a: DArray, shape: tuple[int, ...]) -> DArray: ...
     def d_matmul(self, x: DArray, w: DeviceWeight) -> DArray: ...
@@ -106,6 +113,9 @@ class ComputeBackend(Protocol):
     def d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
                     window: int = 0) -> DArray: ...
     def d_expert_ffn(self, x: DArray, experts: Sequence[ExpertWeights], gates: np.ndarray) -> DArray: ...
+    # optional: router logits x·Wᵀ and routing.RouteRule's top-k -> (ids [T, K] int32 bits, weights [T, K])
+    def d_router_topk(self, x: DArray, w_router: DeviceWeight, bias: DArray | None, rule
+                      ) -> tuple[DArray, DArray]: ...
 
 
 #: the ops every backend has (the Protocol's methods); ``supports`` answers True for these

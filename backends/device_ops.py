@@ -19,7 +19,7 @@ import numpy as np
 
 from colibri_plan.backends.handles import DArray
 from colibri_plan.backends.reference import attention_ref, rope_ref, rope_table
-from colibri_plan.errors import InputError
+from colibri_plan.errors import InputError, UnsupportedError
 
 __all__ = ["DArray", "DeviceOps", "attention_ref", "rope_ref", "rope_table"]
 
@@ -189,6 +189,52 @@ class DeviceOps:
         if not experts:
             return self.d_zeros(x.shape)
         return DArray(x.shape, self._d_expert_ffn(x, experts, g), id(self))
+
+    def d_router_topk(self, x: DArray, w_router, bias: DArray | None, rule) -> tuple[DArray, DArray]:
+        """The router GEMV and top-k rule of one MoE layer on the device (optional op: see ``supports``):
+        x [T, H], ``w_router`` a DeviceWeight [E, H], ``bias`` a DArray [E] (e_score_correction_bias) or
+        None, ``rule`` a :class:`~colibri_plan.backends.routing.RouteRule` -> (ids [T, K], weights [T, K]),
+        both left on the device: ids' 4-byte elements are int32 expert ids in descending choice order
+        (:meth:`d_get_ids` reads them), weights float32. The host rule is ``routing.route_ref``.
+
+        Raises:
+            InputError: wrong shapes, another backend's arrays, a rule that cannot choose K of E.
+            UnsupportedError: the backend has no kernel, or the router is wider than its kernel takes.
+        """
+        from colibri_plan.backends.routing import kernel_params
+
+        self._d_check(x, ndim=2)
+        self._check_weight(w_router)
+        e = w_router.out_features
+        if x.shape[1] != w_router.in_features:
+            raise InputError(f"d_router_topk: x is {x.shape}, the router wants [T, {w_router.in_features}]")
+        if bias is not None:
+            self._d_check(bias, ndim=1)
+            if bias.shape[0] != e:
+                raise InputError(f"d_router_topk: bias {bias.shape} for a router of {e} experts")
+        rule.check(e)
+        if not self.supports("d_router_topk"):
+            raise UnsupportedError(f"{self.name}: d_router_topk has no kernel here (route on the host)")
+        ints, floats = kernel_params(rule, e, bias is not None)
+        logits = DArray((x.shape[0], e), self._d_matmul(x, w_router), id(self))  # [T, E]
+        # the hook's buffers; a GPU may pack both in one ([ids | weights], w_offset = T·K) for one copy down
+        ids, weights, w_offset = self._d_route(logits, bias, rule, ints, floats)
+        shape, me = (x.shape[0], rule.top_k), id(self)
+        return DArray(shape, ids, me), DArray(shape, weights, me, w_offset)
+
+    def d_get_ids(self, ids: DArray) -> np.ndarray:
+        """Host int32 copy of a device ids array (``d_router_topk``'s first result), with its shape."""
+        return self.d_get(ids).view(np.int32)
+
+    def d_get_routing(self, ids: DArray, weights: DArray) -> tuple[np.ndarray, np.ndarray]:
+        """``d_router_topk``'s (ids, weights) on the host: (int32 [T, K], float32 [T, K]), in one copy when
+        the backend packed them back to back in one buffer (CUDA, OpenCL), else two."""
+        self._d_check(ids, ndim=2)
+        self._d_check(weights, ndim=2)
+        if weights.buf is ids.buf and weights.offset == ids.offset + ids.size and ids.shape == weights.shape:
+            both = self.d_get(DArray((2, *ids.shape), ids.buf, ids.owner, ids.offset))  # [2, T, K]
+            return both[0].view(np.int32), both[1]
+        return self.d_get_ids(ids), self.d_get(weights)
 
     def _d_check_experts(self, op: str, x: DArray, experts: list) -> None:
         """InputError unless every weight of ``experts`` is this backend's and each expert chains with x

@@ -84,6 +84,7 @@ class NumpyBackend(Backend):
 
     name = "numpy"
     formats = FORMATS
+    optional_ops = frozenset({"d_router_topk"})
 
     def __init__(self, device: DeviceInfo, capacity_bytes: int | None = None):
         self._capacity_bytes = capacity_bytes

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from colibri_plan.backends.handles import DArray
+from colibri_plan.backends.routing import ids_as_float32, route_ref
 
 __all__ = ["HostArrays", "attention_ref", "rope_ref", "rope_table", "silu_mul_ref"]
 
@@ -106,7 +107,8 @@ class HostArrays:
     on ``cpu``, the GPU on Metal). Bound by a backend at open (:meth:`Backend.bind`)."""
 
     HOOKS = ("_d_put", "_d_get", "_d_zeros", "_d_matmul", "_d_rmsnorm", "_d_add", "_d_silu_mul",
-             "_d_scale_rows", "_d_rope", "_d_write_rows", "_d_write_block", "_d_head_matmul", "_d_attention")
+             "_d_scale_rows", "_d_rope", "_d_write_rows", "_d_write_block", "_d_head_matmul", "_d_attention",
+             "_d_route")
 
     def __init__(self, backend):
         self._matmul = backend._matmul
@@ -159,3 +161,8 @@ class HostArrays:
     def _d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
                      window: int) -> Any:
         return attention_ref(self._host(q), self._host(k), self._host(v), n_keys, pos0, scale, window)
+
+    def _d_route(self, logits: DArray, bias: DArray | None, rule, ints: tuple, floats: tuple) -> tuple:
+        # the host rule itself on the logits (ids kept as their int32 bits in a float32 array)
+        ids, w = route_ref(self._host(logits), None if bias is None else self._host(bias), rule)
+        return ids_as_float32(ids), w, 0

@@ -171,7 +171,7 @@ def main() -> None:
               "cpu_count": os.cpu_count(), "args": vars(a), "pack": str(pack),
               "engines": {k: w.info for k, w in workers.items()},
               "same_tokens": all(b["tokens"] == f["tokens"] for b, f in zip(runs["before"], runs["after"])),
-              "metrics": {}}
+              "tokens": {k: runs[k][0]["tokens"] for k in runs}, "metrics": {}}
     print(f"{'metric':<16} {'before':>22} {'after':>22} {'after/before (faster > 1)':>28}")
     for key in keys:
         b, f = [r[key] for r in runs["before"]], [r[key] for r in runs["after"]]

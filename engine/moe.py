@@ -24,6 +24,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from colibri_plan.backends.routing import RouteRule, route_ref
 from colibri_plan.errors import BackendUnavailableError, InputError
 from colibri_plan.formats.arch import ArchConfig
 
@@ -60,33 +61,7 @@ def route(logits: np.ndarray, arch: ArchConfig, bias: np.ndarray | None = None
     Returns:
         (ids int64 [T, K] ordered by descending choice score, weights float32 [T, K]).
     """
-    logits = np.asarray(logits, dtype=np.float32)
-    t, e = logits.shape
-    if arch.scoring == "softmax":
-        z = np.exp(logits - logits.max(axis=1, keepdims=True))
-        scores = z / z.sum(axis=1, keepdims=True)  # probabilities [T, E]
-    else:
-        scores = 1.0 / (1.0 + np.exp(-logits))  # sigmoid [T, E]
-    choice = scores if bias is None else scores + np.asarray(bias, dtype=np.float32)
-    if arch.n_group > 1 and arch.topk_group < arch.n_group:
-        grouped = choice.reshape(t, arch.n_group, e // arch.n_group)  # [T, G, E/G]
-        if arch.group_score == "max":
-            gscore = grouped.max(axis=2)
-        else:  # sum of each group's two best scores
-            gscore = np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2)  # [T, G]
-        keep = np.argsort(-gscore, axis=1, kind="stable")[:, : arch.topk_group]  # [T, topk_group]
-        mask = np.zeros((t, arch.n_group), dtype=bool)
-        np.put_along_axis(mask, keep, True, axis=1)
-        choice = np.where(np.repeat(mask, e // arch.n_group, axis=1), choice, -np.inf)
-    ids = np.argsort(-choice, axis=1, kind="stable")[:, : arch.top_k]  # [T, E] -> top-k ids [T, K]
-    # unbiased scores [T, K] (a fancy-index copy: what np.take_along_axis gives, without its Python)
-    weights = scores[np.arange(t)[:, None], ids].astype(np.float32, copy=False)
-    if arch.norm_topk_prob:
-        eps = 1e-20 if arch.scoring == "sigmoid" else 0.0
-        weights = weights / (weights.sum(axis=1, keepdims=True) + eps)
-    if arch.routed_scaling_factor != 1.0:  # w · 1.0 == w, bit for bit
-        weights = weights * np.float32(arch.routed_scaling_factor)
-    return ids.astype(np.int64, copy=False), weights.astype(np.float32, copy=False)
+    return route_ref(logits, bias, RouteRule.from_arch(arch))  # the one rule (backends.routing)
 
 
 class RoutingRecorder:
@@ -243,7 +218,13 @@ def route_tokens(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, n
     """Router and top-k of one MoE layer, grouped by expert: x float32 [T, H] (post-norm) -> (distinct
     expert ids ascending [n], token ids per expert int64 [T_i], gates per expert float32 [T_i]). The
     routing is recorded in ``recorder``. The one routing path of the CPU trunk and the device trunk."""
-    ids, weights = _route_record(x, layer, arch, dense, recorder)  # [T, K], [T, K]
+    return group_routes(*_route_record(x, layer, arch, dense, recorder), arch.top_k)  # ids, weights [T, K]
+
+
+def group_routes(ids: np.ndarray, weights: np.ndarray, top_k: int
+                 ) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
+    """A routing (ids int [T, K], weights float32 [T, K]) grouped by expert as :func:`route_tokens`
+    returns it: (distinct expert ids ascending, token ids per expert int64 [T_i], gates float32 [T_i])."""
     if ids.shape[0] == 1:  # decode: K distinct experts of token 0, ascending (what the grouping below gives)
         uniq, w = _one_token(ids, weights)
         tok0 = np.zeros(1, np.int64)
@@ -253,7 +234,7 @@ def route_tokens(x: np.ndarray, layer: int, arch: ArchConfig, dense: dict[str, n
     by_expert = flat[order]  # [T·K] expert ids, ascending
     starts = [0, *(np.flatnonzero(by_expert[1:] != by_expert[:-1]) + 1).tolist()]  # each expert's first slot
     bounds = starts[1:] + [len(order)]
-    tok = order // arch.top_k  # [T·K] token of each slot, grouped by expert
+    tok = order // top_k  # [T·K] token of each slot, grouped by expert
     w = weights.ravel()[order]  # [T·K] gates, grouped alike
     tok_of = [tok[a:b] for a, b in zip(starts, bounds)]  # token ids per expert (views)
     gates = [w[a:b] for a, b in zip(starts, bounds)]  # [T_i] per expert (views)

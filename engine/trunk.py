@@ -22,7 +22,10 @@ the LM head, as in the transformers modeling code of every supported family:
   core: q_abs·latent + q_rope·k_rope, Σ p · latent); W_uv per head (``d_head_matmul``); o-proj. Same
   numbers as transformers' expanded ``DeepseekV3Attention`` up to float32 summation order.
 - MoE layers: the normed x comes down once (``d_get``; on a host backend, no copy) for the router and top-k
-  (:func:`~colibri_plan.engine.moe.route_tokens`, exactly the transformers routing of each family). On a
+  (:func:`~colibri_plan.engine.moe.route_tokens`, exactly the transformers routing of each family) — or,
+  on a GPU that declares ``d_router_topk`` with the manager's experts on it, the router and top-k run on
+  the device and only ids and weights come down (:mod:`~colibri_plan.engine.device_route`; x follows only
+  for experts off this device; ``routing_off`` says why not). On a
   host backend the routed experts run through the provider (:func:`~colibri_plan.engine.moe.routed_experts`:
   one fused call per decode step on the cpu backend). On a GPU, with a residency manager as provider, the
   chosen experts it holds in VRAM on this very backend run on the device x (``d_expert_ffn``; at prefill
@@ -43,9 +46,10 @@ import numpy as np
 
 from colibri_plan.backends import HOST_BACKENDS, DArray, rope_table
 from colibri_plan.engine.dense_quant import QuantLinear
+from colibri_plan.engine.device_route import DeviceRouter, device_routing_off_reason
 from colibri_plan.engine.kv_device import DeviceKVCache, DeviceLatentCache
 from colibri_plan.engine.mla import LATENT_NORM_EPS, check_dsa_context
-from colibri_plan.engine.moe import route_tokens, routed_experts, scatter_sum
+from colibri_plan.engine.moe import group_routes, route_tokens, routed_experts, scatter_sum
 from colibri_plan.engine.trunk_weights import (
     absorbed_weights,
     rope_positions,
@@ -97,6 +101,10 @@ class Trunk:
         self._split = getattr(model.experts, "local_experts", None) if held else None
         # prefill's routed rows on the device x, where the backend declares the op (CUDA)
         self._rows_op = backend.d_expert_ffn_rows if backend.supports("d_expert_ffn_rows") else None
+        # routing on the device where the experts' split runs here (engine/device_route.py)
+        self.routing_off = (device_routing_off_reason(backend, self.arch) if self._split is not None
+                            else "no experts of a residency manager on this device")
+        self._router = None
         self.reset_stats()
         self._weights: list = []
         self.w: dict[str, object] = {}
@@ -104,6 +112,8 @@ class Trunk:
         self._rope, self._rope_rows = None, 0
         try:
             self._upload(model.dense)
+            if self.routing_off is None and self.arch.moe_layers:
+                self._router = DeviceRouter(backend, self.arch, model.dense)
         except BaseException:
             self.close()
             raise
@@ -232,7 +242,9 @@ class Trunk:
         """Routed + shared experts of MoE layer ``i`` on the normed x [T, H] -> [T, H]."""
         be, a, m = self.be, self.arch, self.model
         p = f"layers.{i}."
-        xh = be.d_get(x)  # [T, H] down once (a view on a host backend): router and top-k on the host
+        on_device = self._router is not None and (x.shape[0] == 1 or self._rows_op is not None)
+        # [T, H] down once (a view on a host backend) for the host's router, unless it runs on the device
+        xh = None if on_device and not a.shared_expert_gate else be.d_get(x)
         # the shared expert is queued first: a GPU runs it while the host runs the routed ones
         shared = self._swiglu(x, p + "shared.") if a.shared_intermediate_size else None
         if shared is not None and a.shared_expert_gate:  # Qwen2-MoE: sigmoid(x · w) per token
@@ -241,18 +253,25 @@ class Trunk:
         out = self._routed(x, xh, i, sampled)  # [T, H]
         return out if shared is None else be.d_add(out, shared)
 
-    def _routed(self, x: DArray, xh: np.ndarray, i: int, sampled: bool) -> DArray:
-        """The routed experts' weighted sum of MoE layer ``i`` on the device [T, H] (module docstring)."""
+    def _routed(self, x: DArray, xh: np.ndarray | None, i: int, sampled: bool) -> DArray:
+        """The routed experts' weighted sum of MoE layer ``i`` on the device [T, H] (module docstring);
+        ``xh`` the host copy of x, or None when the routing runs on the device."""
         be, a, m = self.be, self.arch, self.model
         split = self._split
         T = x.shape[0]
         rows_op = self._rows_op
         if split is None or (T != 1 and rows_op is None):  # all through the provider
             return be.d_put(routed_experts(xh, i, a, m.dense, m.experts, m.routing))
-        uniq, tok_of, gates = route_tokens(xh, i, a, m.dense, m.routing)  # decode: tok_of[j] == [0]
+        if self._router is not None:  # ids and weights [T, K] come down, not x
+            ids, weights = self._router.route(x, i)
+            if m.routing is not None:
+                m.routing.record(i, ids, weights)
+            uniq, tok_of, gates = group_routes(ids, weights, a.top_k)
+        else:
+            uniq, tok_of, gates = route_tokens(xh, i, a, m.dense, m.routing)  # decode: tok_of[j] == [0]
         # the split reads only each expert's row count: rows are gathered for the host's experts alone (a
         # prefill's gather of every expert's rows cost more than the device's experts did)
-        local, rest = split(i, uniq, [xh] * len(uniq) if T == 1 else tok_of, be)
+        local, rest = split(i, uniq, tok_of, be)
         y = None
         if local:
             timed = sampled or T != 1  # a prefill's local experts are timed on their own (not per token)
@@ -273,7 +292,8 @@ class Trunk:
             keys = [k for _, k, _ in local]
             for k in sorted(set(keys)):  # one device key but for aliases of one backend
                 m.experts.add_local_seconds(k, per_expert * keys.count(k))
-        if rest:
+        if rest:  # x comes down when some chosen experts live off this device (once per layer)
+            xh = be.d_get(x) if xh is None else xh
             xs = [xh if T == 1 else np.ascontiguousarray(xh[tok_of[j]]) for j in rest]  # [T_j, H] each
             ys = m.experts.run(i, [uniq[j] for j in rest], xs, [gates[j] for j in rest], observed=True)
             host = be.d_put(scatter_sum(xh, [tok_of[j] for j in rest], ys))  # [T, H] up once
@@ -331,3 +351,6 @@ class Trunk:
             except ColibriError:
                 pass
         self._weights, self.w, self._rope = [], {}, None
+        if self._router is not None:
+            self._router.close()
+            self._router = None

@@ -84,6 +84,22 @@ def _combine_sim(sim, grid, args):
     _f32(sim, out, rows * d)[:] = y.reshape(-1)
 
 
+def _route_sim(sim, grid, block, args):
+    """route_topk: the host rule (routing.route_ref) on the logits its arguments point at."""
+    from colibri_plan.backends.routing import RouteRule, route_ref
+
+    logits, bias, ids, w, T, E, K, softmax, g, tg, gmax, norm, eps, scale = args
+    T, E, K, g = int(T), int(E), int(K), int(g)
+    assert grid[0] * block[0] >= T
+    sim.route_args = tuple(int(a) for a in args[:12])
+    rule = RouteRule("softmax" if int(softmax) else "sigmoid", K, g, int(tg),
+                     "max" if int(gmax) else "top2_sum", bool(int(norm)), float(scale))
+    b = _f32(sim, bias, E).copy() if int(bias) else None
+    i, ww = route_ref(_f32(sim, logits, T * E).reshape(T, E).copy(), b, rule)
+    sim.mem(int(ids), 4 * T * K).view(np.int32)[:] = i.reshape(-1)
+    _f32(sim, w, T * K)[:] = ww.reshape(-1)
+
+
 def _trunk_sim(sim, name, grid, block, args):
     """trunk.cu kernels and matmul.cu's rmsnorm on device addresses."""
     assert block == (256,)
@@ -160,6 +176,8 @@ def device_cupy(sim: Sim):
                 op = lambda: _attention_sim(sim, grid, block, shared_mem, args)  # noqa: E731
             elif name == "attention_combine":
                 op = lambda: _combine_sim(sim, grid, args)  # noqa: E731
+            elif name == "route_topk":
+                op = lambda: _route_sim(sim, grid, block, args)  # noqa: E731
             else:
                 op = lambda: _trunk_sim(sim, name, grid, block, args)  # noqa: E731
             sim.launches += 1

@@ -24,13 +24,14 @@ from colibri_plan.errors import UnsupportedError
 
 
 class Case(NamedTuple):
-    """op: matmul | expert_ffn | rmsnorm | d_attention. matmul: W [out, in]. expert_ffn: gate/up
+    """op: matmul | expert_ffn | rmsnorm | d_attention | router_topk. matmul: W [out, in]. expert_ffn: gate/up
     [out, in] and down [in, out] (out = expert width I, in = hidden size H), ``experts`` experts per call,
     expert j gets max(1, tokens − j) tokens. rmsnorm: x [tokens, in]. d_attention: MLA's decode
     attention as the engine runs it, the query [1, out = H heads, rope + in] ([q_rope | q_abs], in =
     kv_lora_rank R) over one kv head whose keys and values are the same latent cache rows [tokens = T, 1,
     rope + R] ([k_rope | latent]), softmax scale sharp / sqrt(R + rope) (sharp ≫ 1: scores in the
-    thousands, which overflow exp without the max)."""
+    thousands, which overflow exp without the max). router_topk: an f32 router [out = E, in = H], x [tokens,
+    H], ``experts`` indexing ROUTER_RULES."""
 
     op: str
     fmt: str
@@ -66,12 +67,20 @@ CASES = (
         (3, 67, 5, 1), (3, 67, 5, 257), (1, 5, 1, 3), (2, 1030, 3, 513), (2, 600, 3, 513),
         (128, 512, 64, 1), (128, 512, 64, 64), (128, 512, 64, 1000))]
     + [Case("d_attention", "f32", 3, 67, 300, rope=5, sharp=100.0)]
+    # d_router_topk: router [out = E, in = H], ``experts`` indexes ROUTER_RULES
+    + [Case("router_topk", "f32", e, h, t, experts=r) for e, h, t, r in (
+        (128, 2048, 1, 0), (128, 67, 5, 1), (256, 131, 3, 2), (64, 96, 17, 3), (160, 64, 2, 4))]
 )
+#: (scoring, top_k, n_group, topk_group, group_score, norm_topk_prob, routed_scaling_factor): Qwen3-MoE,
+#: Qwen2-MoE, DeepSeek-V3, DeepSeek-V2, a GLM-like flat sigmoid router with a correction bias
+ROUTER_RULES = (("softmax", 8, 1, 1, "top2_sum", True, 1.0), ("softmax", 4, 1, 1, "top2_sum", False, 1.0),
+                ("sigmoid", 8, 8, 4, "top2_sum", True, 2.5), ("softmax", 6, 8, 3, "max", False, 16.0),
+                ("sigmoid", 8, 1, 1, "top2_sum", True, 1.8))
 #: max|y - ref| / max|ref|; the reference uses the same quantized weights, so this bounds float32
 #: accumulation (and, for expert_ffn, the float32 intermediate) only. The cpu backend's int8/int4
 #: kernels also round the activations to int16 (one scale per token, max|x|/32767): per output at most
 #: 0.5·(max|x|/32767)·Σ|w| (tests/test_backend_cpu_kernels.py checks that bound), 2-4e-5 here
-BOUNDS = {"matmul": 1e-4, "expert_ffn": 5e-4, "rmsnorm": 1e-5, "d_attention": 1e-5}
+BOUNDS = {"matmul": 1e-4, "expert_ffn": 5e-4, "rmsnorm": 1e-5, "d_attention": 1e-5, "router_topk": 1e-5}
 GUARD = 64  # NaN floats before and after the activations; NaN cache rows past the keys
 
 
@@ -199,6 +208,8 @@ def test_oracle(be, case: Case):
             _run_expert_ffn(be, case, rng)
         elif case.op == "rmsnorm":
             _run_rmsnorm(be, case, rng)
+        elif case.op == "router_topk":
+            _run_router(be, case, rng)
         else:
             _run_attention(be, case)
         assert be.memory_used() == held, "the op's uploads were not all freed"
@@ -264,6 +275,28 @@ def _run_rmsnorm(be, case, rng):
     assert np.isnan(buf[:GUARD]).all() and np.isnan(buf[-GUARD:]).all(), "guard band overwritten"
 
 
+def _run_router(be, case, rng):
+    """Ids equal the host rule's on the float64 logits (rounded to float32; the seeded rows have no
+    near-ties), weights within BOUNDS; a sigmoid router gets a correction bias."""
+    from colibri_plan.backends.routing import RouteRule, route_ref
+
+    if not be.supports("d_router_topk"):
+        pytest.skip(f"{be.name} does not declare d_router_topk")
+    rule = RouteRule(*ROUTER_RULES[case.experts])
+    wr = rng.standard_normal((case.out, case.in_), dtype=np.float32) * np.float32(case.in_ ** -0.5 * 3)
+    x = rng.standard_normal((case.tokens, case.in_), dtype=np.float32)
+    bias = (rng.standard_normal(case.out) * 0.02).astype(np.float32) if rule.scoring == "sigmoid" else None
+    logits = (x.astype(np.float64) @ wr.T.astype(np.float64)).astype(np.float32)  # [T, E]
+    ref_ids, ref_w = route_ref(logits, bias, rule)
+    w = be.upload(quant.quantize(wr, "f32"))
+    try:
+        ids, wt = be.d_router_topk(be.d_put(x), w, None if bias is None else be.d_put(bias), rule)
+        np.testing.assert_array_equal(be.d_get_ids(ids), ref_ids, err_msg=f"{be.name} {case} ids")
+        _check(be.d_get(wt), ref_w.astype(np.float64), "router_topk", f"{be.name} router_topk {case}")
+    finally:
+        be.free(w)
+
+
 def _run_attention(be, case):
     """The query at position T − 1 over all T cache rows (decode), k and v one DArray as the engine's
     latent cache passes them; NaN rows after the T keys (a kernel reading past n_keys turns the output
@@ -284,7 +317,8 @@ def test_table_covers_every_format_and_op():
     assert {c.fmt for c in CASES if c.op == "matmul"} == set(quant.FORMATS)
     assert {c.fmt for c in CASES if c.op == "expert_ffn"} == set(quant.FORMATS)
     assert {(c.out, c.in_) for c in CASES if c.fmt == "int4"} >= set(GLM)
-    assert {c.op for c in CASES} == {"matmul", "expert_ffn", "rmsnorm", "d_attention"}
+    assert {c.op for c in CASES} == {"matmul", "expert_ffn", "rmsnorm", "d_attention", "router_topk"}
+    assert {c.experts for c in CASES if c.op == "router_topk"} == set(range(len(ROUTER_RULES)))
     assert {(c.out, c.in_, c.rope, c.tokens) for c in CASES if c.op == "d_attention"} >= {
         (128, 512, 64, t) for t in (1, 64, 1000)}
 

@@ -115,7 +115,7 @@ class CpuBackend(Backend):
 
     name = "cpu"
     formats = FORMATS
-    optional_ops = frozenset({"expert_ffn_sum"})
+    optional_ops = frozenset({"d_router_topk", "expert_ffn_sum"})
     #: weight bytes × tokens up to which an integer matmul runs serially (qkernels.SERIAL_BYTES;
     #: 0: always parallel, as bench/cpu_gemv.py --compare-parallel measures)
     serial_bytes: int = 2 << 20

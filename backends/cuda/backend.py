@@ -24,6 +24,7 @@ from colibri_plan.backends.batched import BatchedExperts
 from colibri_plan.backends.cuda.device import CudaDeviceOps
 from colibri_plan.backends.cuda.experts import CudaExperts, expert_rows_args, ffn_table
 from colibri_plan.backends.cuda.launch import Launcher
+from colibri_plan.backends.cuda.routing import CudaRouting
 from colibri_plan.backends.handles import DArray
 from colibri_plan.backends.pools import Replays, WorkBuffers
 from colibri_plan.backends.staging import PaddedWeight
@@ -37,7 +38,7 @@ class CUDABackend(Backend):
     :mod:`~colibri_plan.backends.cuda.device`) on NVIDIA GPUs."""
 
     name = "cuda"
-    optional_ops = frozenset({"d_expert_ffn_rows"})
+    optional_ops = frozenset({"d_expert_ffn_rows", "d_router_topk"})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -91,6 +92,7 @@ class CUDABackend(Backend):
         # the device-activation ops, the routed experts on them and the host path's batched experts
         self.dops = self.bind(CudaDeviceOps(self))
         self.bind(CudaExperts(self, self.dops))
+        self.bind(CudaRouting(self.dops))
         self.bind(BatchedExperts(self, self._ffn_batch))
 
     def _close(self) -> None:

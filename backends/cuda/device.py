@@ -57,6 +57,7 @@ _SIGNATURES = {"tr_add": "pppqii", "tr_silu_mul": "pppq", "tr_scale_rows": "ppfp
                "tr_pad_rows": "ppiii", "rmsnorm": "pppif", "attention_gqa": "pppppiiiiifi",
                "attention_combine": "ppii", "mm_args": "tiiii", "tr_expert_sum": "pppqi",
                "tr_expert_scatter": "ppppqii",
+               "route_topk": "ppppiiiiiiiiff",
                "gate_up": "piiii", "mm": "piiii"}  # gate_up, mm: the host path's, table in device memory
 _CURRENT = threading.local()  # .token: the backend whose device and stream this thread has made current
 _TOKENS = itertools.count(1)  # one per backend state (an id() could be reused by a later backend)

@@ -204,12 +204,12 @@ class Launcher:
         return hit
 
     def module_fn(self, name: str):
-        """Kernel ``name`` of trunk.cu / attention.cu / matmul.cu (rmsnorm: d_rmsnorm's),
-        a CuPy RawKernel, compiled by NVRTC once per source file on first use (CuPy caches the binaries)."""
+        """Kernel ``name`` of trunk.cu / attention.cu / route.cu / matmul.cu (rmsnorm: d_rmsnorm's), a
+        CuPy RawKernel, compiled by NVRTC once per source file on first use (CuPy caches the binaries)."""
         fn = self.fns.get(name)
         if fn is None:
             source = ("trunk.cu" if name in _TRUNK_KERNELS else "matmul.cu" if name == "rmsnorm"
-                      else "attention.cu")
+                      else "route.cu" if name == "route_topk" else "attention.cu")
             with self.dev:
                 mod = self.fns.get(source)
                 if mod is None:

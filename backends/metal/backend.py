@@ -56,6 +56,7 @@ class MetalBackend(Backend):
     (unverified; see the module docstring)."""
 
     name = "metal"
+    optional_ops = frozenset({"d_router_topk"})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -25,12 +25,14 @@ from colibri_plan.backends import programs, staging
 from colibri_plan.backends.base import Backend, DeviceInfo
 from colibri_plan.backends.batched import BatchedExperts
 from colibri_plan.backends.opencl.device import OpenCLDeviceOps, is_oom
+from colibri_plan.backends.opencl.routing import OpenCLRouting
 from colibri_plan.backends.pools import WorkBuffers
 from colibri_plan.backends.staging import PaddedWeight
 from colibri_plan.quant import QuantTensor, group_size
 
 # kernels without a weight format
 _SOURCES = {"rmsnorm": "norm.cl", "attention_gqa": "attention.cl", "attention_combine": "attention.cl",
+            "route_topk": "route.cl",
             **dict.fromkeys(("add", "silu_mul", "scale_rows", "rope", "pad_rows", "expert_sum",
                              "head_matmul"), "trunk.cl")}
 # argument types per kernel (b: buffer or local memory, I: uint, Q: ulong, f: float): typed scalar
@@ -38,7 +40,8 @@ _SOURCES = {"rmsnorm": "norm.cl", "attention_gqa": "attention.cl", "attention_co
 _ARGS = {"matmul": "bbbIbIIIII", "matmul_many": "bbbbbbbbbIbbbbIIIIII", "expert_sum": "bQbbI",
          "gate_up": "bbbbbIbIIIII", "rmsnorm": "bbbIf", "add": "bQbQbQII", "silu_mul": "bQbQbQ",
          "scale_rows": "bQbQbI", "rope": "bQbQbQIIIII", "pad_rows": "bQbQII",
-         "attention_gqa": "bQbQbQbIIIIIfIIIbbb", "attention_combine": "bbIII", "head_matmul": "bbQbQIIII"}
+         "attention_gqa": "bQbQbQbIIIIIfIIIbbb", "attention_combine": "bbIII", "head_matmul": "bbQbQIIII",
+         "route_topk": "bQbQbbQIIIIIIIIIff"}
 _DTYPES = {"I": np.uint32, "Q": np.uint64, "f": np.float32}
 _MAGIC = b"CPCLPB01"  # cache files: magic, sha256 of the program binary, the binary
 
@@ -77,6 +80,7 @@ class OpenCLBackend(Backend):
     module docstring)."""
 
     name = "opencl"
+    optional_ops = frozenset({"d_router_topk"})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -116,7 +120,7 @@ class OpenCLBackend(Backend):
         # grow-only work buffers (activations, outputs) reused between calls
         self._scratch = WorkBuffers(self._scratch_alloc, grow=lambda n: max(n, 4096))
         self.bind(BatchedExperts(self, self._ffn_batch))
-        self.bind(OpenCLDeviceOps(self))
+        self.bind(OpenCLRouting(self, self.bind(OpenCLDeviceOps(self))))
 
     def _close(self) -> None:
         self.queue.finish()

@@ -30,6 +30,7 @@ from colibri_plan.backends.vulkan.batch import Batch
 from colibri_plan.backends.vulkan.device import VulkanDeviceOps
 from colibri_plan.backends.vulkan.experts import VulkanExperts, ffn_steps
 from colibri_plan.backends.vulkan.objects import Device
+from colibri_plan.backends.vulkan.routing import VulkanRouting
 from colibri_plan.errors import UnsupportedError
 from colibri_plan.quant import group_size
 
@@ -42,6 +43,7 @@ class VulkanBackend(Backend):
     (see the module docstring)."""
 
     name = "vulkan"
+    optional_ops = frozenset({"d_router_topk"})
     #: push descriptors where the device has VK_KHR_push_descriptor (False: a descriptor set per
     #: dispatch, as on devices without it; read when a backend opens)
     push_descriptors = True
@@ -87,6 +89,7 @@ class VulkanBackend(Backend):
             self.batch = Batch(self)
             dops = self.bind(VulkanDeviceOps(self, self.batch))
             self.bind(VulkanExperts(self, dops))
+            self.bind(VulkanRouting(self, self.batch))
             self.bind(BatchedExperts(self, self._ffn_batch, self._ffn_fusable))
         except BaseException:
             self._close()
