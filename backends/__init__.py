@@ -1,15 +1,21 @@
-"""Compute backends behind one contract (:mod:`colibri_plan.backends.base`).
+"""Compute backends behind one contract (:mod:`colibri_plan.backends.contract`), one folder each.
 
-Backend modules are imported lazily by :func:`get_backend`, so listing backends never imports pyopencl,
-vulkan, cupy or PyObjC unless asked to.
+The engine imports from here only: :func:`get_backend`, :data:`BACKEND_NAMES`, :data:`HOST_BACKENDS` and
+the contract's types. These imports are cheap (numpy only): a backend's package is imported by
+:func:`get_backend`, and its driver stack (pyopencl, vulkan, cupy, PyObjC) only when it opens.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from colibri_plan.backends.device_ops import DArray, rope_table  # noqa: F401 - the engine's import surface
+from colibri_plan.backends.base import Backend
+from colibri_plan.backends.handles import DArray, DeviceInfo, DeviceWeight, ExpertWeights
+from colibri_plan.backends.reference import rope_table
 from colibri_plan.errors import UnsupportedError
+
+__all__ = ["BACKEND_NAMES", "HOST_BACKENDS", "Backend", "DArray", "DeviceInfo", "DeviceWeight",
+           "ExpertWeights", "get_backend", "rope_table"]
 
 #: backend name -> module under colibri_plan.backends holding a class ``BACKEND``.
 BACKEND_MODULES = {
@@ -25,8 +31,8 @@ BACKEND_NAMES = tuple(BACKEND_MODULES)
 HOST_BACKENDS = ("cpu", "numpy")
 
 
-def get_backend(name: str):
-    """The backend class called ``name`` (a subclass of ``base.Backend``); importing it is cheap.
+def get_backend(name: str) -> type[Backend]:
+    """The backend class called ``name`` (a subclass of :class:`Backend`); importing it is cheap.
 
     Raises:
         UnsupportedError: unknown backend name.

@@ -1,22 +1,12 @@
-"""The backend contract and the checks every backend shares.
+"""The one base class of every backend, :class:`Backend`: discovery, lifecycle, the checked public API
+(host ops here, device ops in :class:`~colibri_plan.backends.device_ops.DeviceOps`), memory accounting,
+timed calls and the declaration of optional ops (:meth:`Backend.supports`).
 
-A backend is one short file with driver calls only. Lifecycle::
-
-    cls = get_backend("opencl")
-    reason = cls.unavailable_reason()       # None when usable; never raises, never imports heavy stacks
-    devices = cls.list_devices()            # [DeviceInfo]
-    be = cls.open(index)                    # heavy imports happen here
-    w = be.upload(qt)                       # QuantTensor -> DeviceWeight, once per tensor
-    y = be.matmul(x, w)                     # x [T, in] float32 -> y [T, out] float32
-    o = be.attention_absorb(q_abs, q_rope, latent, k_rope, scale)   # MLA decode, [H, R] float32
-    ys = be.expert_ffn(xs, experts)         # per expert: down(silu(gate x) * up x)
-    secs = be.time_matmul(x, w)             # timed calls: the same path, synchronized, wall seconds
-    be.free(w); be.close()
-
-Shapes: activations are C-contiguous float32 numpy arrays on the host; results come back as float32
-numpy arrays. Sizes are bytes (ints). Subclasses implement the ``_``-prefixed hooks; the public methods
-here validate arguments and keep the memory accounting, so every backend fails the same way. What the
-GPU backends share beyond this (staging, batched experts, replays, cache folders) is in ``_shared``.
+A backend subclasses it once and is built by composition: its ``_open`` creates the driver context and
+the parts it needs (staging, work-buffer pools, batched experts, device-op hooks; the shared ones in
+``staging``, ``pools``, ``batched``, ``reference``) and binds their hooks to the instance with
+:meth:`Backend.bind` — once, so a call costs one attribute lookup as a method would. The contract (ops,
+shapes, dtypes): :mod:`colibri_plan.backends.contract`.
 """
 
 from __future__ import annotations
@@ -27,8 +17,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from colibri_plan.backends.batched import three_matmuls
+from colibri_plan.backends.contract import OPTIONAL_OPS, REQUIRED_OPS
 from colibri_plan.backends.device_ops import DeviceOps
-from colibri_plan.backends.handles import DeviceInfo, DeviceWeight, ExpertWeights, ready_x, silu_mul_ref
+from colibri_plan.backends.handles import DeviceInfo, DeviceWeight, ExpertWeights, ready_x
+from colibri_plan.backends.reference import silu_mul_ref  # noqa: F401 - exported (__all__)
 from colibri_plan.errors import (
     BackendUnavailableError,
     ColibriError,
@@ -42,12 +35,13 @@ __all__ = ["Backend", "DeviceInfo", "DeviceWeight", "ExpertWeights", "silu_mul_r
 
 
 class Backend(DeviceOps):
-    """Base class of every backend; see the module docstring for the contract (device activations:
-    :mod:`colibri_plan.backends.device_ops`)."""
+    """Base class of every backend (see the module docstring)."""
 
     name: ClassVar[str] = "base"
     #: formats this backend's kernels implement
     formats: ClassVar[tuple[str, ...]] = FORMATS
+    #: the optional ops (``contract.OPTIONAL_OPS``) this backend has; :meth:`supports` reads it
+    optional_ops: ClassVar[frozenset[str]] = frozenset()
 
     # ---- discovery (class methods; cheap; never raise) -------------------------------------------
     @classmethod
@@ -65,8 +59,39 @@ class Backend(DeviceOps):
 
     @classmethod
     def list_devices(cls) -> list[DeviceInfo]:
-        """Devices of this backend (empty when unavailable). Never raises."""
+        """Devices of this backend (empty when unavailable): ``_devices()``, whose failures (a broken
+        driver stack raises many kinds) become no devices. Never raises."""
+        try:
+            return [] if cls.unavailable_reason() is not None else cls._devices()
+        except Exception:  # noqa: BLE001 - discovery never raises
+            return []
+
+    @classmethod
+    def _devices(cls) -> list[DeviceInfo]:
+        """The devices, asked of the driver (may raise; only called when available)."""
         raise NotImplementedError
+
+    @classmethod
+    def device_info(cls, index: int, name: str, kind: str, total: int, free: int | None,
+                    driver: str) -> DeviceInfo:
+        """DeviceInfo of device ``index`` (bytes); kind "cpu" and "igpu" compute on host memory (unified)."""
+        return DeviceInfo(cls.name, index, name, kind, int(total), None if free is None else int(free),
+                          kind != "gpu", cls.formats, driver)
+
+    @classmethod
+    def supports(cls, op: str) -> bool:
+        """Whether this backend has op ``op``: True for every op of the contract's Protocol, and for an
+        optional op (``contract.OPTIONAL_OPS``) when this class declares it in ``optional_ops``.
+
+        Raises:
+            InputError: ``op`` is not an op of the contract (a misspelt name would silently read False).
+        """
+        if op in OPTIONAL_OPS:
+            return op in cls.optional_ops
+        if op in REQUIRED_OPS:
+            return True
+        raise InputError(f"supports: {op!r} is not an op of the backend contract; optional ops: "
+                         f"{', '.join(sorted(OPTIONAL_OPS))}")
 
     @classmethod
     def open(cls, index: int = 0) -> Backend:
@@ -106,12 +131,8 @@ class Backend(DeviceOps):
         raise NotImplementedError
 
     def _expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]:
-        """Default: three matmuls per expert. Backends override with fused kernels."""
-        out = []
-        for x, e in zip(xs, experts):
-            h = silu_mul_ref(self._matmul(x, e.gate), self._matmul(x, e.up))
-            out.append(self._matmul(np.ascontiguousarray(h, dtype=np.float32), e.down))
-        return out
+        """Default: three matmuls per expert (a backend binds fused kernels: ``batched.BatchedExperts``)."""
+        return three_matmuls(self._matmul, xs, experts)
 
     def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """Default host rmsnorm in float32 (x [T, H], weight [H])."""
@@ -140,6 +161,23 @@ class Backend(DeviceOps):
     def capacity_bytes(self) -> int | None:
         """Usable device memory for weights, or None when unbounded/unknown (host RAM)."""
         return None
+
+    # ---- composition ---------------------------------------------------------------------------
+    def bind(self, part: Any, names: Sequence[str] | None = None) -> Any:
+        """Bind ``part``'s methods ``names`` (default: its ``HOOKS``) to this instance under the same
+        names, once at open: a call then costs one instance lookup, as a method of the class would (a
+        ``__getattr__`` fallback here would slow every attribute access of the hot path: none is kept).
+        Returns ``part``."""
+        for n in part.HOOKS if names is None else names:
+            setattr(self, n, getattr(part, n))
+        return part
+
+    def _oom(self, what: str, requested_bytes: int) -> DeviceOutOfMemoryError:
+        """The typed error of an allocation the device refused; ``what`` says which and why."""
+        return DeviceOutOfMemoryError(
+            f"{self.name} device {self.device.name!r}: {what} ({self.held_bytes} B of weights held); "
+            "place fewer experts on this device", requested_bytes=requested_bytes,
+            held_bytes=self.held_bytes, capacity_bytes=self.capacity_bytes())
 
     # ---- public contract -----------------------------------------------------------------------
     def upload(self, qt: QuantTensor) -> DeviceWeight:

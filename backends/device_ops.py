@@ -1,155 +1,33 @@
-"""Device activations: the ops that keep a model's residual stream on one device across layers.
+"""The checked device-activation half of the contract (:class:`DeviceOps`, the base of ``Backend``).
 
-The trunk of a model (norms, attention projections, RoPE, attention over a KV cache, shared experts,
-dense FFN layers, the LM head) runs on the device that the plan gives it. Its activations stay there
-as :class:`DArray` handles; only what the host must see crosses (the normed hidden state of a MoE layer
-for the router and the host experts, their summed output back, the logits at the end).
+A device trunk keeps a model's residual stream on one device across layers as :class:`DArray` handles;
+only what the host must see crosses. Each public ``d_*`` method checks shapes, dtypes and ownership once,
+here, and calls a ``_d_*`` hook that a backend binds at open from its parts (driver calls only;
+``reference.HostArrays`` on host arrays). Ops, shapes and dtypes: :mod:`colibri_plan.backends.contract`.
+Two hooks have generic defaults: ``_d_matmul_many`` (a loop of ``_d_matmul``) and ``_d_expert_ffn`` (the
+host path: x down once, ``expert_ffn``, the engine's float32 sum, the sum up), so every backend has them.
 
-Every backend has these ops. :class:`DeviceOps` implements them with numpy on host arrays (the
-reference, and what the host backends "numpy" and "cpu" use); a GPU backend overrides the ``_d_*``
-hooks with its kernels and returns its own buffers inside the DArray. The public ``d_*`` methods check
-shapes and dtypes once, here, so a backend's hooks are driver calls only.
-
-All arrays are float32, C-contiguous, row-major. Shapes are given as ``[rows, cols]`` etc.; a DArray's
-``shape`` is metadata, so :meth:`DeviceOps.d_view` reshapes for free.
-
-Ops (``x``, ``a``, ``b``, ... are DArrays unless said otherwise):
-
-| op | shapes | result |
-|---|---|---|
-| ``d_put(host)`` | any float32 | a device copy |
-| ``d_get(a)`` | any | host float32 copy |
-| ``d_zeros(shape)`` | any | zeros |
-| ``d_view(a, shape)`` | same size | the same buffer, another shape |
-| ``d_matmul(x, w)`` | x [T, in], w DeviceWeight [out, in] | x · Wᵀ [T, out] |
-| ``d_matmul_many(x, [w1, ...])`` | x [T, in], w_i [out_i, in] | [x · W_iᵀ [T, out_i], ...] |
-| ``d_rmsnorm(x, weight, eps)`` | x [N, d], weight [d] | x / sqrt(mean(x²) + eps) · weight |
-| ``d_add(a, b)`` | a [N, d], b [N, d] or [d] | a + b (b broadcast over rows when 1-D) |
-| ``d_silu_mul(g, u)`` | [N, d] each | SiLU(g) · u |
-| ``d_scale_rows(a, s)`` | a [N, d], s host float32 [N] | a[i] · s[i] |
-| ``d_rope(x, table, pos0, rd, interleave)`` | x [T, heads, d], table [P, rd/2, 2] | x rotated |
-| ``d_write_rows(dst, row0, src)`` | dst [C, ...], src [T, ...] | dst[row0:row0+T] = src (in place) |
-| ``d_write_rows(dst, row0, src, col0)`` | dst [C, D], src [T, W], col0 + W ≤ D | dst[row0:row0+T, col0:col0+W] = src |
-| ``d_head_matmul(x, w)`` | x [T, B, K], w [B, N, K] (a float32 DArray) | y[t, b] = w[b] · x[t, b], [T, B, N] |
-| ``d_attention(q, k, v, n_keys, pos0, scale, window)`` | q [T, Hq, d], k/v [C, Hkv, d] | [T, Hq·d] |
-| ``d_expert_ffn(x, experts, gates)`` | x [T, H], n ExpertWeights, host gates [n] | Σ_i g_i·FFN_i(x) [T, H] |
-
-RoPE table (:func:`rope_table`): ``table[p, i] = (cos(p·f_i)·af, sin(p·f_i)·af)`` with ``f`` the inverse
-frequencies and ``af`` YaRN's attention factor; position ``pos0 + t`` rotates row ``t``. rotate_half
-layout pairs channel i with i + rotary_dim/2; interleaved pairs (2i, 2i+1) (DeepSeek layouts).
-Channels ≥ rotary_dim pass unchanged.
-
-Attention (GQA, causal): query row t sits at position ``pos0 + t`` and sees key rows j with
-``lo ≤ j ≤ pos0 + t`` where ``lo = pos0 + t − window + 1`` for a sliding-window layer (``window`` > 0)
-and 0 otherwise; only the first ``n_keys`` rows of k/v are valid. Query head h reads kv head
-``h // (Hq / Hkv)``. ``out[t, h] = Σ_j softmax_j(scale · q[t, h]·k[j, kv(h)]) · v[j, kv(h)]``, float32
-accumulation (the reference is float64, cast).
-
-Routed experts (``d_expert_ffn``): ``FFN_i(x) = down_i(SiLU(x·gate_iᵀ) ⊙ x·up_iᵀ)`` of experts uploaded to
-this backend (``upload_expert``), every row of x through every expert, weighted by the host float32
-``gates`` and summed. The default hook is the host path (x down, ``expert_ffn``, the float32 sum in the
-engine's order — ``0 + y_0·g_0 + y_1·g_1 ...`` —, the sum up), so every backend has it; a GPU backend
-runs it on the device x (the decode case, T = 1, of a device trunk's experts in its own VRAM).
+``DArray``, ``rope_table``, ``rope_ref`` and ``attention_ref`` are re-exported for existing importers.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from colibri_plan.backends.handles import DArray
+from colibri_plan.backends.reference import attention_ref, rope_ref, rope_table
 from colibri_plan.errors import InputError
 
 __all__ = ["DArray", "DeviceOps", "attention_ref", "rope_ref", "rope_table"]
 
 
-@dataclass
-class DArray:
-    """A float32 activation on a backend's device.
-
-    Attributes:
-        shape: the logical shape (C-contiguous, row-major).
-        buf: the backend's buffer (a numpy array for host backends, a CuPy array, an OpenCL buffer...).
-        owner: ``id`` of the backend that made it (ops refuse another backend's arrays).
-        offset: element offset of this view into ``buf`` (0 unless the backend makes sub-views).
-    """
-
-    shape: tuple[int, ...]
-    buf: Any
-    owner: int
-    offset: int = 0
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return 4 * self.size
-
-
-def rope_table(inv_freq: np.ndarray, positions: int, attention_factor: float = 1.0,
-               scaling_factor: float = 1.0) -> np.ndarray:
-    """float32 [positions, len(inv_freq), 2]: (cos, sin) of (p / scaling_factor) · f_i, times the
-    attention factor (1 unless YaRN), for p = 0..positions-1 — what ``d_rope`` reads."""
-    pos = np.arange(int(positions), dtype=np.float32) / np.float32(scaling_factor)
-    freqs = pos[:, None] * np.asarray(inv_freq, np.float32)[None, :]  # [P, rd/2]
-    af = np.float32(attention_factor)
-    return np.ascontiguousarray(np.stack([np.cos(freqs) * af, np.sin(freqs) * af], axis=-1), np.float32)
-
-
-def rope_ref(x: np.ndarray, table: np.ndarray, pos0: int, rotary_dim: int, interleave: bool) -> np.ndarray:
-    """Reference of ``d_rope``: x float32 [T, heads, d] -> rotated copy (see the module docstring)."""
-    t, rd = x.shape[0], int(rotary_dim)
-    if rd == 0:
-        return x.copy()
-    cs = table[pos0: pos0 + t]  # [T, rd/2, 2]
-    cos, sin = cs[:, None, :, 0], cs[:, None, :, 1]  # [T, 1, rd/2]
-    out = x.copy()
-    if interleave:
-        a, b = x[..., 0:rd:2], x[..., 1:rd:2]
-        out[..., 0:rd:2] = a * cos - b * sin
-        out[..., 1:rd:2] = b * cos + a * sin
-    else:
-        half = rd // 2
-        a, b = x[..., :half], x[..., half:rd]
-        out[..., :half] = a * cos - b * sin
-        out[..., half:rd] = b * cos + a * sin
-    return out
-
-
-def attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_keys: int, pos0: int, scale: float,
-                  window: int = 0) -> np.ndarray:
-    """Reference of ``d_attention`` in float64, cast to float32: q [T, Hq, d], k/v [C, Hkv, d] ->
-    [T, Hq·d] (see the module docstring for the mask)."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    kk = np.asarray(k[:n_keys], np.float64).transpose(1, 0, 2)  # [Hkv, S, d]
-    vv = np.asarray(v[:n_keys], np.float64).transpose(1, 0, 2)
-    qq = np.asarray(q, np.float64).transpose(1, 0, 2).reshape(hkv, g, t, d)  # head h -> kv head h // g
-    s = scale * np.matmul(qq, kk[:, None].transpose(0, 1, 3, 2))  # [Hkv, g, T, S]
-    qpos = pos0 + np.arange(t)[:, None]
-    kpos = np.arange(n_keys)[None, :]
-    allowed = kpos <= qpos
-    if window > 0:
-        allowed &= kpos > qpos - window
-    s = np.where(allowed, s, -np.inf)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    out = np.matmul(p, vv[:, None])  # [Hkv, g, T, d]
-    return out.reshape(hq, t, d).transpose(1, 0, 2).reshape(t, hq * d).astype(np.float32)
-
-
 class DeviceOps:
-    """The device-activation half of the backend contract (mixed into :class:`Backend`).
-
-    Public ``d_*`` methods check their arguments and raise :class:`~colibri_plan.errors.InputError`
-    (wrong shape, dtype, another backend's DArray, a row range outside the buffer); the ``_d_*`` hooks
-    below are the numpy reference, overridden by device backends.
-    """
+    """The checked ``d_*`` ops (base of :class:`~colibri_plan.backends.base.Backend`): each raises
+    :class:`~colibri_plan.errors.InputError` on a wrong shape, dtype, another backend's DArray or a row
+    range outside the buffer, then calls its ``_d_*`` hook."""
 
     # ---- public, checked -------------------------------------------------------------------------
     def d_put(self, host: np.ndarray) -> DArray:
@@ -254,7 +132,8 @@ class DeviceOps:
             raise InputError(f"d_write_rows: rows {row0}..{row0 + t - 1}, columns {col0}.. of {src.shape} "
                              f"do not fit {dst.shape}")
         if row0 < 0 or row0 + t > dst.shape[0]:
-            raise InputError(f"d_write_rows: rows {row0}..{row0 + t - 1} of {src.shape} do not fit {dst.shape}")
+            raise InputError(f"d_write_rows: rows {row0}..{row0 + t - 1} of {src.shape} do not fit "
+                             f"{dst.shape}")
         if block:
             self._d_write_block(dst, int(row0), int(col0), src)
         else:
@@ -330,57 +209,9 @@ class DeviceOps:
         if ndim is not None and len(a.shape) != ndim:
             raise InputError(f"expected a {ndim}-D device array, got shape {a.shape}")
 
-    # ---- hooks: numpy reference (host backends) ---------------------------------------------------
-    def _d_put(self, a: np.ndarray) -> Any:
-        return a.copy()
-
-    def _d_get(self, a: DArray) -> np.ndarray:
-        return a.buf.reshape(a.shape)
-
-    def _d_zeros(self, shape: tuple[int, ...]) -> Any:
-        return np.zeros(shape, np.float32)
-
-    def _host(self, a: DArray) -> np.ndarray:
-        return a.buf.reshape(a.shape)
-
-    def _d_matmul(self, x: DArray, w) -> Any:
-        return self._matmul(np.ascontiguousarray(self._host(x)), w)
-
+    # ---- generic hooks ----------------------------------------------------------------------------
     def _d_matmul_many(self, x: DArray, ws: list) -> list:
         return [self._d_matmul(x, w) for w in ws]
-
-    def _d_rmsnorm(self, x: DArray, weight: DArray, eps: float) -> Any:
-        xx = self._host(x)
-        var = np.mean(xx * xx, axis=-1, keepdims=True, dtype=np.float32)
-        return (xx / np.sqrt(var + np.float32(eps))) * self._host(weight)
-
-    def _d_add(self, a: DArray, b: DArray) -> Any:
-        return self._host(a) + self._host(b)
-
-    def _d_silu_mul(self, g: DArray, u: DArray) -> Any:
-        gg = self._host(g)
-        return (gg / (np.float32(1.0) + np.exp(-gg))) * self._host(u)
-
-    def _d_scale_rows(self, a: DArray, s: np.ndarray) -> Any:
-        return self._host(a) * s[:, None]
-
-    def _d_rope(self, x: DArray, table: DArray, pos0: int, rotary_dim: int, interleave: bool) -> Any:
-        return rope_ref(self._host(x), self._host(table), pos0, rotary_dim, interleave)
-
-    def _d_write_rows(self, dst: DArray, row0: int, src: DArray) -> None:
-        self._host(dst)[row0: row0 + src.shape[0]] = self._host(src)
-
-    def _d_write_block(self, dst: DArray, row0: int, col0: int, src: DArray) -> None:
-        self._host(dst)[row0: row0 + src.shape[0], col0: col0 + src.shape[1]] = self._host(src)
-
-    def _d_head_matmul(self, x: DArray, w: DArray) -> Any:
-        # [B, T, K] · [B, K, N] -> [B, T, N], back to token-major [T, B, N]
-        y = np.matmul(self._host(x).transpose(1, 0, 2), self._host(w).transpose(0, 2, 1))
-        return np.ascontiguousarray(y.transpose(1, 0, 2), dtype=np.float32)
-
-    def _d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
-                     window: int) -> Any:
-        return attention_ref(self._host(q), self._host(k), self._host(v), n_keys, pos0, scale, window)
 
     def _d_expert_ffn(self, x: DArray, experts: list, gates: np.ndarray) -> Any:
         # the host path: x down once, every expert on it, then the engine's float32 sum in its order

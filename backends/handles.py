@@ -1,10 +1,11 @@
-"""The backend contract's value types (:class:`DeviceInfo`, :class:`DeviceWeight`, :class:`ExpertWeights`),
-the reference SwiGLU activation and the per-call readiness test of the checked ops; re-exported by
-:mod:`colibri_plan.backends.base`, where the contract itself is.
+"""The backend contract's value types (:class:`DeviceInfo`, :class:`DeviceWeight`, :class:`ExpertWeights`,
+:class:`DArray`) and the per-call readiness test of the checked ops; exported by
+:mod:`colibri_plan.backends` (the contract itself: :mod:`~colibri_plan.backends.contract`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -65,10 +66,29 @@ class ExpertWeights(NamedTuple):
     down: DeviceWeight
 
 
-def silu_mul_ref(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """SiLU(g) · u in float32, the activation of SwiGLU experts (reference)."""
-    g = g.astype(np.float32)
-    return (g / (1.0 + np.exp(-g))) * u
+@dataclass
+class DArray:
+    """A float32 activation on a backend's device (C-contiguous, row-major).
+
+    Attributes:
+        shape: the logical shape (metadata: ``d_view`` reshapes for free).
+        buf: the backend's buffer (a numpy array for host backends, a CuPy array, an OpenCL buffer...).
+        owner: ``id`` of the backend that made it (ops refuse another backend's arrays).
+        offset: element offset of this view into ``buf`` (0 unless the backend makes sub-views).
+    """
+
+    shape: tuple[int, ...]
+    buf: Any
+    owner: int
+    offset: int = 0
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.size
 
 
 def ready_x(x, w, owner: int) -> bool:

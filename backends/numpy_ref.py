@@ -3,7 +3,8 @@
 Weights stay quantized in host memory (upload keeps a reference to the QuantTensor's arrays, no copy):
 each matmul dequantizes a block of rows at a time with :func:`colibri_plan.quant.dequantize` and
 multiplies it with float32 BLAS, so the memory held is what the accounting says (the packed bytes) plus
-one block of at most ``BLOCK_BYTES`` of float32 scratch.
+one block of at most ``BLOCK_BYTES`` of float32 scratch. Device activations are host arrays
+(:class:`~colibri_plan.backends.reference.HostArrays`); MLA attention is the float64 reference.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from importlib import metadata
 import numpy as np
 
 from colibri_plan.backends.base import Backend, DeviceInfo, DeviceWeight
+from colibri_plan.backends.reference import HostArrays, attention_absorb_ref
 from colibri_plan.meminfo import host_memory
 from colibri_plan.quant import FORMATS, QuantTensor, dequantize
 
@@ -42,31 +44,31 @@ def host_device(backend: str, formats: tuple[str, ...], driver: str) -> DeviceIn
                       unified_memory=True, formats=formats, driver=driver)
 
 
-def attention_absorb_ref(q_abs: np.ndarray, q_rope: np.ndarray, latent: np.ndarray, k_rope: np.ndarray,
-                         scale: float) -> np.ndarray:
-    """Weight-absorbed MLA decode attention in float64, cast to float32 (the reference of
-    ``Backend.attention_absorb``; ``engine/mla.py`` keeps an identical copy).
-
-    Args:
-        q_abs: [H, R] query with W_kv_b's key half absorbed; q_rope: [H, Dr] its rotary part.
-        latent: [T, R] cached kv latent rows; k_rope: [T, Dr] cached rotary key rows (T ≥ 1).
-        scale: softmax scale.
-
-    Returns:
-        float32 [H, R]: out[h] = Σ_t p[h, t] · latent[t] with
-        p[h] = softmax_t(scale · (q_abs[h]·latent[t] + q_rope[h]·k_rope[t])).
-    """
-    lat = np.asarray(latent, np.float64)
-    s = scale * (np.asarray(q_abs, np.float64) @ lat.T + np.asarray(q_rope, np.float64)
-                 @ np.asarray(k_rope, np.float64).T)  # [H, T]
-    p = np.exp(s - s.max(axis=1, keepdims=True))
-    return ((p / p.sum(axis=1, keepdims=True)) @ lat).astype(np.float32)
-
-
 def row_block(qt: QuantTensor, r0: int, r1: int) -> QuantTensor:
     """Rows r0..r1 of a host QuantTensor as a QuantTensor (views, no copy)."""
     s = None if qt.scales is None else qt.scales[r0:r1]
     return QuantTensor(qt.fmt, r1 - r0, qt.in_features, qt.data[r0:r1], s)
+
+
+def host_tensor(qt: QuantTensor) -> QuantTensor:
+    """``qt`` as a weight in host memory: its arrays made C-contiguous (float32 scales), not copied."""
+    data = np.ascontiguousarray(qt.data)
+    scales = None if qt.scales is None else np.ascontiguousarray(qt.scales, dtype=np.float32)
+    return QuantTensor(qt.fmt, qt.out_features, qt.in_features, data, scales)
+
+
+def matmul_blocks(x: np.ndarray, qt: QuantTensor) -> np.ndarray:
+    """y float32 [T, out] = x float32 [T, in] · Wᵀ: f32 straight through BLAS, other formats dequantized
+    a block of at most ``BLOCK_BYTES`` of rows at a time."""
+    if qt.fmt == "f32":
+        return np.ascontiguousarray(x @ qt.data.T, dtype=np.float32)  # x [T, in] · Wᵀ -> [T, out]
+    y = np.empty((x.shape[0], qt.out_features), np.float32)
+    rows = max(1, BLOCK_BYTES // (4 * qt.in_features))
+    for r0 in range(0, qt.out_features, rows):
+        r1 = min(r0 + rows, qt.out_features)
+        blk = dequantize(row_block(qt, r0, r1))  # [rows, in] float32 scratch
+        y[:, r0:r1] = x @ blk.T
+    return y
 
 
 class NumpyBackend(Backend):
@@ -80,43 +82,31 @@ class NumpyBackend(Backend):
 
     name = "numpy"
     formats = FORMATS
+    optional_ops = frozenset({"attention_absorb"})
 
     def __init__(self, device: DeviceInfo, capacity_bytes: int | None = None):
         self._capacity_bytes = capacity_bytes
         super().__init__(device)
+
+    def _open(self) -> None:
+        self.bind(HostArrays(self))
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return None  # numpy is a hard dependency
 
     @classmethod
-    def list_devices(cls) -> list[DeviceInfo]:
-        try:
-            return [host_device(cls.name, cls.formats, f"numpy {np.__version__}{_blas()}")]
-        except Exception:  # noqa: BLE001 - discovery never raises
-            return []
+    def _devices(cls) -> list[DeviceInfo]:
+        return [host_device(cls.name, cls.formats, f"numpy {np.__version__}{_blas()}")]
 
     def capacity_bytes(self) -> int | None:
         return self._capacity_bytes
 
     def _upload(self, qt: QuantTensor) -> QuantTensor:
-        # host memory already: keep the arrays (made C-contiguous) instead of copying them
-        data = np.ascontiguousarray(qt.data)
-        scales = None if qt.scales is None else np.ascontiguousarray(qt.scales, dtype=np.float32)
-        return QuantTensor(qt.fmt, qt.out_features, qt.in_features, data, scales)
+        return host_tensor(qt)
 
     def _matmul(self, x: np.ndarray, w: DeviceWeight) -> np.ndarray:
-        qt: QuantTensor = w.payload
-        if qt.fmt == "f32":
-            return np.ascontiguousarray(x @ qt.data.T, dtype=np.float32)  # x [T, in] · Wᵀ -> [T, out]
-        y = np.empty((x.shape[0], qt.out_features), np.float32)
-        rows = max(1, BLOCK_BYTES // (4 * qt.in_features))
-        for r0 in range(0, qt.out_features, rows):
-            r1 = min(r0 + rows, qt.out_features)
-            blk = dequantize(row_block(qt, r0, r1))  # [rows, in] float32 scratch
-            y[:, r0:r1] = x @ blk.T
-        return y
-
+        return matmul_blocks(x, w.payload)
 
     def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
         return attention_absorb_ref(q_abs, q_rope, latent, k_rope, scale)

@@ -59,7 +59,7 @@ def worker(pack: str, tokens: int, root: str | None) -> dict:
     import numpy as np
     from numba.core.registry import CPUDispatcher
 
-    from colibri_plan.backends import cpu as cpu_backend
+    from colibri_plan.backends.cpu import backend as cpu_backend
 
     k = cpu_backend._load_kernels()
     acc: dict[str, float] = defaultdict(float)

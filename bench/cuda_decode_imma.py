@@ -100,7 +100,7 @@ def main() -> int:
     if (reason := cls.unavailable_reason()) is not None:
         print(f"cuda unavailable: {reason}", file=sys.stderr)
         return 1
-    from colibri_plan.backends import cuda as mod
+    from colibri_plan.backends.cuda import launch as mod
 
     kept = mod._IMMA_FORMATS
     base = {"formats": frozenset({"int4", "int8"}), "gate_up": mod._IMMA_SHAPE["gate_up"],

@@ -188,7 +188,7 @@ def main(argv=None) -> int:
                     help="T > 1 on the GEMV kernels too (the kernels before the tensor-core ones)")
     args = ap.parse_args(argv)
     if args.gemv_prefill:
-        from colibri_plan.backends import cuda as mod
+        from colibri_plan.backends.cuda import launch as mod
 
         mod._TC_FORMATS = frozenset()
     cls = get_backend("cuda")

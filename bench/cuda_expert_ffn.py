@@ -157,7 +157,7 @@ def sweep(be, mod, args, rng) -> list[dict]:
 
 
 def tune(cls, args, rng) -> list[dict]:
-    from colibri_plan.backends import cuda as mod
+    from colibri_plan.backends.cuda import launch as mod
 
     rows, saved = [], (dict(mod._SHAPE), mod._WARPS, mod._IMMA_FORMATS)
     mod._IMMA_FORMATS = frozenset()  # the GEMV kernels' shapes: per-row int4 would take decode_imma.cu
@@ -231,7 +231,7 @@ def main() -> int:
         p.error(f"--tc-from: expected a token count >= 1, got {args.tc_from}")
     check_out(p, args.out)
     cls = get_backend("cuda")
-    from colibri_plan.backends import cuda as mod
+    from colibri_plan.backends.cuda import launch as mod
 
     if args.gemv_prefill:
         mod._TC_FORMATS = frozenset()

@@ -51,8 +51,8 @@ def _generate(model, prompt, n_tokens: int) -> tuple[list[int], float, float]:
 
 
 def run_way(way: str, pack, prompt, args) -> dict:
-    from colibri_plan.backends import cuda as cuda_mod
     from colibri_plan.backends import get_backend
+    from colibri_plan.backends.cuda import launch as cuda_mod
     from colibri_plan.engine.forward import Model
     from colibri_plan.engine.placement import LayerPlacement, Placement
     from colibri_plan.engine.residency import ResidencyManager

@@ -12,7 +12,8 @@ asked in turn, the order inside each pair alternating (before, after / after, be
   (``--backend cuda|opencl|vulkan``).
 
 The pack is a random Qwen3-MoE (``bench/peer_llamacpp.py``'s checkpoint: hidden 2048, 16/4 heads of 128,
-32 experts top-8 of width 1024, vocab 8192; ``--layers``), experts and dense trunk in ``--format``.
+32 experts top-8 of width 1024, vocab 8192; ``--layers``), experts and dense trunk in ``--format``, or
+``--pack DIR`` (e.g. ``bench/h200_trunk.py fixture``'s Qwen3-30B-A3B widths).
 Prints medians, spreads (min..max) and per-pair ratios after/before (decode tok/s; prefill before_s /
 after_s: > 1 means the new install is faster), checks that both give the same greedy tokens, writes JSON
 (``--out``).
@@ -135,6 +136,7 @@ def main() -> None:
     ap.add_argument("--prefill", default="16,64")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--work", default="out/before-after")
+    ap.add_argument("--pack", help="an existing pack to run instead (e.g. bench/h200_trunk.py fixture's)")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.pairs < 1 or a.decode_tokens < 1 or a.layers < 1:
@@ -144,9 +146,10 @@ def main() -> None:
         ap.error("--prefill lengths must be >= 1 and below --context")
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    pack = build_pack(work, a.layers, a.format, a.after)
+    pack = Path(a.pack) if a.pack else build_pack(work, a.layers, a.format, a.after)
+    vocab = json.loads((pack / "pack.json").read_text())["arch"]["vocab_size"]
     rng = __import__("random").Random(0)
-    prompts = [[rng.randrange(8192) for _ in range(n)] for n in prefill]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in prefill]
     req = {"prefill": prompts, "prompt": prompts[0][:16] if prompts else [1] * 16, "decode": a.decode_tokens}
     workers = {k: Worker(py, pack, a.backend, a.context)
                for k, py in (("before", a.before), ("after", a.after))}

@@ -49,7 +49,7 @@ class RamProbe:
         n = max(1, nbytes // 4 // 256) * 256
         self.a = np.ones(n, np.float32).reshape(256, -1)  # every page touched before timing
         try:
-            from colibri_plan.backends.cpu_kernels import read_sum
+            from colibri_plan.backends.cpu.kernels import read_sum
 
             self.method = "numba parallel sum (float32)"
             self._fn = lambda: read_sum(self.a)

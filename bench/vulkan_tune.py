@@ -21,7 +21,7 @@ import numpy as np
 
 from colibri_plan import quant
 from colibri_plan.backends import get_backend
-from colibri_plan.backends import vulkan as vkmod
+from colibri_plan.backends.vulkan import util as vkmod
 
 H, I, E = 6144, 2048, 8  # GLM-5.2 hidden size, routed expert width, top-k
 PAIRS = [(32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (64, 8), (128, 2), (128, 4), (128, 8), (256, 4)]

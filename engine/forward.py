@@ -21,7 +21,7 @@ Usage::
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -146,16 +146,22 @@ class Model:
         return self.trunk.last_logits(self._ids(ids), cache)
 
     def generate(self, prompt_ids: Sequence[int], n_tokens: int, cache: DeviceKVCache | None = None,
-                 on_token: Callable[[int, int, float], None] | None = None) -> list[int]:
-        """Greedy decoding: prefill ``prompt_ids``, then ``n_tokens`` steps of argmax.
+                 on_token: Callable[[int, int, float], None] | None = None,
+                 sample: Callable[[np.ndarray], int] | None = None, stop_ids: Collection[int] = ()
+                 ) -> list[int]:
+        """Decoding: prefill ``prompt_ids``, then up to ``n_tokens`` steps (argmax unless ``sample``).
 
         Args:
             cache: continue from this cache (None = a fresh one).
             on_token: optional ``fn(step, token_id, seconds)`` after each new token; step 0's seconds
                 include the prefill.
+            sample: ``fn(logits float32 [V]) -> token id`` choosing each new token (None = argmax, greedy;
+                colibri_plan/text/sampling.py). An exception it raises ends the generation (e.g. a
+                cancelled request).
+            stop_ids: ids that end the generation once emitted (EOS); the stop id is returned.
 
         Returns:
-            the ``n_tokens`` new ids (the prompt excluded).
+            the new ids (the prompt excluded): ``n_tokens``, fewer when a stop id came first.
 
         Raises:
             InputError: bad prompt ids or a negative ``n_tokens``.
@@ -171,13 +177,16 @@ class Model:
         if n_tokens == 0:
             return out
         logits = self._last_logits(ids, cache)  # only the last position's logits are needed
+        stop = frozenset(int(i) for i in stop_ids)
         for step in range(int(n_tokens)):
-            tok = int(np.argmax(logits))
+            tok = int(np.argmax(logits)) if sample is None else int(sample(logits.reshape(-1)))  # [V]
             out.append(tok)
             if on_token is not None:
                 now = time.perf_counter()
                 on_token(step, tok, now - t0)
                 t0 = now
+            if tok in stop:
+                break
             if step + 1 < n_tokens:
                 logits = self._last_logits([tok], cache)
         return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from colibri_plan.backends.device_ops import DArray
+from colibri_plan.backends import DArray
 from colibri_plan.errors import InputError
 from colibri_plan.formats.plan_trunk import DEVICE_KV_BYTES_PER_VALUE, PAGE_TOKENS
 

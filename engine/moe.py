@@ -214,7 +214,7 @@ class RamExperts:
         every expert (decode, T = 1), gates float32 [n]; float32 [T, H], the sum of :meth:`run`'s outputs
         in :func:`scatter_sum`'s order (one call where the backend has ``expert_ffn_sum``, the cpu
         backend's: same bits)."""
-        fused = getattr(self.backend, "expert_ffn_sum", None)
+        fused = self.backend.expert_ffn_sum if self.backend.supports("expert_ffn_sum") else None
         if fused is None:
             n = len(expert_ids)
             ys = self.run(layer, expert_ids, [x] * n, [gates[i: i + 1] for i in range(n)])

@@ -23,6 +23,7 @@ import numpy as np
 from colibri_plan import __version__
 from colibri_plan.engine.dense_quant import decode_dense, encode_dense
 from colibri_plan.engine.pack_target import check_pack_output  # noqa: F401 - re-exported
+from colibri_plan.engine.pack_text import copy_tokenizer
 from colibri_plan.engine.weights import ModelWeights
 from colibri_plan.errors import FormatError, InputError, IntegrityError
 from colibri_plan.fileio import fsync_dir, write_document
@@ -73,7 +74,7 @@ class PackWriter:
         self._order = [(int(l), e) for l in arch.moe_layers for e in range(arch.n_experts)]
         self._entries: list[list[int]] = []
         self._dense_info: dict | None = None
-        self._dense_params = 0
+        self._dense_params, self.tokenizer = 0, None   # tokenizer: the index's section (pack_text.py)
         self.tmp = parent / f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             self.tmp.mkdir()
@@ -193,6 +194,7 @@ class PackWriter:
             "created_by": f"colibri-plan {__version__}",
             "extra": extra or {},
             "experts": self._entries,
+            **({"tokenizer": self.tokenizer} if self.tokenizer else {}),
         }
         write_document(self.tmp / INDEX_NAME, PACK_KIND, PACK_SCHEMA_VERSION, body)
         mask = os.umask(0)
@@ -221,25 +223,23 @@ class PackWriter:
 
 def write_pack(weights: ModelWeights, out_dir, fmt: str, overwrite: bool = False, spec=None,
                progress=None, dense_format: str = "f32") -> Path:
-    """Pack ``weights`` (a checkpoint or any ModelWeights) into ``out_dir`` with experts in ``fmt``.
-
-    Experts already in ``fmt`` are stored as they are; others are dequantized to float32 and quantized
-    with :func:`colibri_plan.quant.quantize`. One expert is in memory at a time.
-
-    Args:
-        spec: ModelSpec to store (None = derived from ``weights.arch``).
-        progress: optional ``fn(done, total)``.
+    """Pack ``weights`` (a checkpoint or any ModelWeights) into ``out_dir`` with experts in ``fmt`` and a
+    checkpoint's tokenizer files, checked first (engine/pack_text.py; without them the pack runs on ids).
+    Experts in ``fmt`` are stored as they are, others dequantized and re-quantized (quant.quantize), one
+    in memory at a time. ``spec``: the ModelSpec to store (None: from the arch); ``progress``: fn(done, n).
 
     Raises:
-        InputError: ``out_dir`` is refused by :func:`check_pack_output` (exists without ``overwrite``,
-            or is not a pack), or its parent is missing or not writable.
-        UnsupportedError: unknown format.
+        InputError: ``out_dir`` refused by :func:`check_pack_output` (exists without ``overwrite``, not a
+            pack), or its parent missing / not writable. UnsupportedError: unknown format. FormatError:
+            tokenizer files that do not parse or fit.
     """
     check_format(fmt)
     arch = weights.arch
     keys = [(l, e) for l in arch.moe_layers for e in range(arch.n_experts)]
     with PackWriter(out_dir, arch, fmt, name=Path(out_dir).name,
                     source=getattr(weights, "source", ""), overwrite=overwrite) as w:
+        if getattr(weights, "folder", None) is not None:   # a checkpoint's text files, checked first
+            w.tokenizer = copy_tokenizer(weights.folder, w.tmp, arch.vocab_size)
         for i, (layer, e) in enumerate(keys):
             mats = weights.expert(layer, e)
             mats = [m if m.fmt == fmt else quantize(dequantize(m), fmt) for m in mats]

@@ -75,7 +75,8 @@ class ResidencyManager(StreamedExperts):
             for layer in pack.arch.moe_layers:
                 placement.layers.setdefault(int(layer), LayerPlacement())
         self.pack, self.placement, self.cpu = pack, placement, cpu_backend
-        self._fused = getattr(cpu_backend, "expert_ffn_sum", None)   # the cpu backend's one-call decode sum
+        # the cpu backend's one-call decode sum, where the backend declares it
+        self._fused = cpu_backend.expert_ffn_sum if cpu_backend.supports("expert_ffn_sum") else None
         self.repinner = Repinner(self, repin) if repin is not None and repin.enabled else None
         self.devices = dict(devices or {})
         self.verify = verify_checksums

@@ -152,7 +152,8 @@ def trunk_placement(weights, plan=None, trunk: str | None = None, backend: str =
 
 
 def generate(weights, prompt: Sequence[int], opts: RunOptions = DEFAULTS, *, plan=None, recorder=None,
-             progress: Callable[[str], None] | None = None) -> RunReport:
+             progress: Callable[[str], None] | None = None, sample: Callable | None = None,
+             stop_ids: Sequence[int] = ()) -> RunReport:
     """Generate ``opts.tokens`` new ids greedily from ``prompt`` and measure the run (module docstring).
 
     Args:
@@ -166,6 +167,8 @@ def generate(weights, prompt: Sequence[int], opts: RunOptions = DEFAULTS, *, pla
         plan: a loaded plan (already checked with :func:`check_plan`), or None for all experts resident.
         recorder: a RoutingRecorder that records routing (e.g. for routing statistics).
         progress: optional ``fn(message)`` once per token.
+        sample, stop_ids: ``fn(logits float32 [V]) -> id`` and the ids that end the run
+            (:meth:`~colibri_plan.engine.forward.Model.generate`); None, (): greedy, ``opts.tokens`` ids.
 
     Returns:
         A RunReport (tokens, prefill, load, decode terms, hit rates, disk bytes, peak RSS).
@@ -190,7 +193,8 @@ def generate(weights, prompt: Sequence[int], opts: RunOptions = DEFAULTS, *, pla
     threads = opts.read_threads or (plan.read_threads if plan is not None else 8)
     cpu = backend if backend in HOST_BACKENDS else "cpu"
     return run_placement(weights, placement, list(prompt), n_tokens, cpu_backend=cpu, read_threads=threads,
-                         recorder=recorder, progress=progress, trunk=where)
+                         recorder=recorder, progress=progress, trunk=where, sample=sample,
+                         stop_ids=stop_ids)
 
 
 def write_stats(recorder, weights, stats_out: str | None, usage_out: str | None) -> dict:

@@ -17,7 +17,9 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+
+import numpy as np
 
 from colibri_plan import meminfo
 from colibri_plan.engine.forward import Model
@@ -249,9 +251,12 @@ class EngineSession:
             raise
 
     def generate(self, prompt_ids: Sequence[int], n_tokens: int,
-                 progress: Callable[[str], None] | None = None) -> RunReport:
+                 progress: Callable[[str], None] | None = None,
+                 sample: Callable[[np.ndarray], int] | None = None, stop_ids: Collection[int] = ()
+                 ) -> RunReport:
         """Generate ``n_tokens`` >= 1 new ids greedily from ``prompt_ids`` in a fresh cache and measure the
-        run (:func:`run_placement`'s report; statistics cover this call only).
+        run (:func:`run_placement`'s report; statistics cover this call only). ``sample`` and ``stop_ids``
+        as :meth:`Model.generate <colibri_plan.engine.forward.Model.generate>` (None: greedy).
 
         Raises:
             InputError: ``n_tokens`` < 1 or bad prompt ids.
@@ -277,7 +282,8 @@ class EngineSession:
 
         # step 0 is the prefill's token; steps 1..n_tokens-1 are the timed decode steps
         cache = model.new_cache(min(len(prompt_ids) + int(n_tokens), 4096))   # grows as it fills
-        tokens = model.generate(list(prompt_ids), int(n_tokens), cache=cache, on_token=on_token)
+        tokens = model.generate(list(prompt_ids), int(n_tokens), cache=cache, on_token=on_token,
+                                sample=sample, stop_ids=stop_ids)
         return self._report(tokens, len(prompt_ids), step_s, marks, cache)
 
     def _report(self, tokens: list[int], n_prompt: int, step_s: list[float], marks: dict, cache) -> RunReport:
@@ -338,7 +344,8 @@ class EngineSession:
 def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_tokens: int,
                   cpu_backend: str = "cpu", read_threads: int = 8, verify_checksums: bool = True,
                   progress: Callable[[str], None] | None = None, recorder=None,
-                  trunk: TrunkPlacement | None = None) -> RunReport:
+                  trunk: TrunkPlacement | None = None, sample: Callable[[np.ndarray], int] | None = None,
+                  stop_ids: Collection[int] = ()) -> RunReport:
     """Generate ``n_tokens`` new ids greedily from ``prompt_ids`` with experts placed as ``placement`` says
     (one :class:`EngineSession`, opened and closed around one generation).
 
@@ -356,6 +363,7 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
             or device "cpu" = the CPU trunk (on the ``cpu_backend``).
             On a device its KV cache reserves ``context_tokens`` (at least the run's prompt + tokens are
             checked to fit) and grows by whole pages past it.
+        sample, stop_ids: as :meth:`EngineSession.generate` (None, (): greedy to ``n_tokens``).
 
     Raises:
         InputError: ``n_tokens`` < 1 or bad prompt ids. BudgetError: the placement's RAM exceeds
@@ -369,4 +377,4 @@ def run_placement(pack, placement: Placement, prompt_ids: Sequence[int], n_token
     with EngineSession(pack, placement, cpu_backend=cpu_backend, read_threads=read_threads,
                        verify_checksums=verify_checksums, recorder=recorder, trunk=trunk,
                        context_tokens=len(prompt_ids) + int(n_tokens)) as session:
-        return session.generate(prompt_ids, n_tokens, progress=progress)
+        return session.generate(prompt_ids, n_tokens, progress=progress, sample=sample, stop_ids=stop_ids)

@@ -1,9 +1,9 @@
 """The decoder stack, written once against the backend's device ops: the host is a device like any other.
 
 :class:`Trunk` runs :meth:`Model.hidden_states` / :meth:`Model.forward` of every supported family on the
-device ops of one backend (:mod:`colibri_plan.backends.device_ops`): a GPU (CUDA, Vulkan, OpenCL, Metal)
-or a host backend ("cpu", "numpy"), whose "device" arrays are numpy arrays in RAM. `run --trunk cpu` and
-`run --trunk device` are this same code on two devices. What it uploads is
+device ops of one backend (the contract: :mod:`colibri_plan.backends.contract`): a GPU (CUDA, Vulkan,
+OpenCL, Metal) or a host backend ("cpu", "numpy"), whose "device" arrays are numpy arrays in RAM.
+`run --trunk cpu` and `run --trunk device` are this same code on two devices. What it uploads is
 :mod:`colibri_plan.engine.trunk_weights`.
 
 Each decoder layer is pre-norm, ``h += attn(rmsnorm(h)); h += ffn(rmsnorm(h))``, then a final RMSNorm and
@@ -95,6 +95,8 @@ class Trunk:
         # a residency manager's experts held on this very device run on its x (d_expert_ffn)
         held = any(d is backend for d in getattr(model.experts, "devices", {}).values())
         self._split = getattr(model.experts, "local_experts", None) if held else None
+        # prefill's routed rows on the device x, where the backend declares the op (CUDA)
+        self._rows_op = backend.d_expert_ffn_rows if backend.supports("d_expert_ffn_rows") else None
         self.reset_stats()
         self._weights: list = []
         self.w: dict[str, object] = {}
@@ -244,7 +246,7 @@ class Trunk:
         be, a, m = self.be, self.arch, self.model
         split = self._split
         T = x.shape[0]
-        rows_op = getattr(be, "d_expert_ffn_rows", None)  # prefill's routed rows on the device (CUDA)
+        rows_op = self._rows_op
         if split is None or (T != 1 and rows_op is None):  # all through the provider
             return be.d_put(routed_experts(xh, i, a, m.dense, m.experts, m.routing))
         uniq, tok_of, gates = route_tokens(xh, i, a, m.dense, m.routing)  # decode: tok_of[j] == [0]

@@ -17,7 +17,8 @@ LAYER_RULES = (
     ("", "leaf"),
     ("formats", "formats"), ("backends", "backends"), ("families", "families"), ("model", "model"),
     ("heatsynth", "heatsynth"), ("profiler", "profiler"), ("planner", "planner"), ("engine", "engine"),
-    ("verify", "verify"), ("report_page", "report"), ("report_plots", "report"), ("cli", "cli"),
+    ("verify", "verify"), ("report_page", "report"), ("report_plots", "report"), ("text", "text"),
+    ("serve", "serve"), ("cli", "cli"),
     ("__main__", "cli"),
 )
 
@@ -31,19 +32,28 @@ ALLOWED = {
     "heatsynth": {"leaf", "formats"},
     "profiler": {"leaf", "formats", "backends", "model", "profiler"},
     "planner": {"leaf", "formats", "heatsynth", "planner"},
-    "engine": {"leaf", "formats", "families", "backends", "heatsynth", "engine"},
+    "text": {"leaf", "formats", "text"},
+    "engine": {"leaf", "formats", "families", "backends", "heatsynth", "text", "engine"},
     "verify": {"leaf", "formats", "engine", "profiler", "verify"},
     "report": {"leaf", "formats", "planner", "report"},
+    "serve": {"leaf", "formats", "engine", "text", "serve"},
     "cli": None,
 }
 
-#: compute backends behind the contract: none imports another (the CPU backend's numpy fallback aside)
-BACKEND_RUNTIMES = {"backends.cpu", "backends.cuda", "backends.metal", "backends.opencl",
-                    "backends.vulkan", "backends.numpy_ref"}
+#: compute backends behind the contract, one folder each (numpy: one module): a backend imports the shared
+#: parts (the other modules of backends/), never another backend (the cpu backend's numpy fallback aside);
+#: a shared part imports no backend
+BACKEND_RUNTIMES = ("backends.cpu", "backends.cuda", "backends.metal", "backends.opencl", "backends.vulkan",
+                    "backends.numpy_ref")
 BACKEND_EXCEPTIONS = {("backends.cpu", "backends.numpy_ref")}
 #: CLI command modules import only the CLI's shared helpers (a command split over two files aside)
 CLI_EXCEPTIONS = {("cli.model", "cli.model_pack"), ("cli.model", "cli.model_support"),
                   ("cli.profile", "cli.profiles"), ("cli.solve", "cli.solve_text")}
+
+
+def backend_of(module: str) -> str | None:
+    """The backend (a :data:`BACKEND_RUNTIMES` entry) whose folder or module holds ``module``, or None."""
+    return next((b for b in BACKEND_RUNTIMES if module == b or module.startswith(b + ".")), None)
 
 
 def _short(name: str) -> str:
@@ -140,10 +150,21 @@ def direction_violations(graph: dict[str, set[str]]) -> list[str]:
             allowed = ALLOWED[src_layer]
             if allowed is not None and tgt_layer not in allowed:
                 bad.append(f"{src} -> {tgt} (layer {src_layer} may not import layer {tgt_layer})")
-            elif (src in BACKEND_RUNTIMES and tgt in BACKEND_RUNTIMES
-                  and (src, tgt) not in BACKEND_EXCEPTIONS):
-                bad.append(f"{src} -> {tgt} (a backend imports backends.base, not another backend)")
+            elif src_layer == tgt_layer == "backends" and _backend_breach(src, tgt):
+                bad.append(f"{src} -> {tgt} ({_backend_breach(src, tgt)})")
             elif (src_layer == "cli" and tgt_layer == "cli" and src not in ("cli", "__main__")
                   and tgt not in ("cli", "cli.common") and (src, tgt) not in CLI_EXCEPTIONS):
                 bad.append(f"{src} -> {tgt} (a command imports cli.common, not another command)")
     return bad
+
+
+def _backend_breach(src: str, tgt: str) -> str | None:
+    """Why ``src`` may not import ``tgt`` (both under backends/), or None."""
+    sb, tb = backend_of(src), backend_of(tgt)
+    if tb is None or sb == tb:
+        return None
+    if sb is None:
+        return None if src == "backends" else "a shared part imports no backend"
+    if (sb, tb) in BACKEND_EXCEPTIONS:
+        return None
+    return "a backend imports the shared parts, never another backend"

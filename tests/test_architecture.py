@@ -79,8 +79,13 @@ def test_an_import_against_the_direction_is_reported(tmp_path):
         "planner/__init__.py": "",
         "planner/solve.py": "import colibri_plan.backends.cuda\n",
         "backends/__init__.py": "",
-        "backends/cuda.py": "from colibri_plan.backends import opencl\n",
-        "backends/opencl.py": "",
+        "backends/cuda/__init__.py": "",
+        "backends/cuda/device.py": "from colibri_plan.backends.opencl import device\n"
+                                   "from colibri_plan.backends import staging\n",
+        "backends/opencl/__init__.py": "",
+        "backends/opencl/device.py": "from colibri_plan.backends.opencl import backend\n",
+        "backends/opencl/backend.py": "",
+        "backends/staging.py": "from colibri_plan.backends.cuda import device\n",
         "formats/__init__.py": "",
         "formats/plan.py": "from colibri_plan.engine import run\n",
         "cli/__init__.py": "",
@@ -89,7 +94,9 @@ def test_an_import_against_the_direction_is_reported(tmp_path):
     })
     bad = direction_violations(import_graph(roots))
     assert bad == [
-        "backends.cuda -> backends.opencl (a backend imports backends.base, not another backend)",
+        "backends.cuda.device -> backends.opencl.device (a backend imports the shared parts, never another "
+        "backend)",
+        "backends.staging -> backends.cuda.device (a shared part imports no backend)",
         "cli.verify -> cli.run (a command imports cli.common, not another command)",
         "engine.run -> planner.solve (layer engine may not import layer planner)",
         "formats.plan -> engine.run (layer formats may not import layer engine)",

@@ -158,7 +158,7 @@ def test_serial_kernels_equal_parallel(be, fmt):
 def test_int4t_without_vnni_matches_bound(be, tmp_path):
     # hosts without AVX-512 VNNI compile cpu_q4t's numba loops instead of the vpdpwssd intrinsics
     # (cpu_q4t.VNNI is a compile-time constant): a copy of the module with it off, compiled here
-    from colibri_plan.backends import cpu_q4t
+    from colibri_plan.backends.cpu import q4t as cpu_q4t
 
     plain = without_vnni(cpu_q4t, "\n#: tokens per weight from which rows are unpacked", tmp_path)
     rng = np.random.default_rng(7)
@@ -181,7 +181,8 @@ def test_q4t_names_the_vnni_source_it_was_compiled_against():
     # them, so a change of cpu_vnni must come with a change of cpu_q4t.VNNI_SOURCE, or stale code runs
     import hashlib
 
-    from colibri_plan.backends import cpu_q4t, cpu_vnni
+    from colibri_plan.backends.cpu import q4t as cpu_q4t
+    from colibri_plan.backends.cpu import vnni as cpu_vnni
 
     digest = hashlib.sha256(open(cpu_vnni.__file__, "rb").read()).hexdigest()[:16]
     assert cpu_q4t.VNNI_SOURCE == digest, f"set cpu_q4t.VNNI_SOURCE = {digest!r}"

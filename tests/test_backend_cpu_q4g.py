@@ -137,7 +137,7 @@ def test_batched_experts_bit_equal_per_token(be, fmt):  # noqa: F811 - the fixtu
 def test_grouped_without_vnni_matches_bound(be, tmp_path):  # noqa: F811 - the fixture
     # hosts without AVX-512 VNNI compile cpu_q4g's numba loops (VNNI a compile-time constant): a copy
     # of the module with it off, compiled here, for every entry width (R = 4 per-row and g128, R = 2 g64)
-    from colibri_plan.backends import cpu_q4g
+    from colibri_plan.backends.cpu import q4g as cpu_q4g
 
     plain = without_vnni(cpu_q4g, "\n#: sha256 (16 hex digits each)", tmp_path)
     rng = np.random.default_rng(14)
@@ -162,7 +162,9 @@ def test_grouped_without_vnni_matches_bound(be, tmp_path):  # noqa: F811 - the f
 def test_q4g_names_the_sources_it_was_compiled_against():
     # numba caches cpu_q4g's kernels by that file's contents: cpu_vnni's intrinsics and cpu_q4t's inlined
     # functions are compiled into them, so a change of either must come with KERNEL_SOURCES updated
-    from colibri_plan.backends import cpu_q4g, cpu_q4t, cpu_vnni
+    from colibri_plan.backends.cpu import q4g as cpu_q4g
+    from colibri_plan.backends.cpu import q4t as cpu_q4t
+    from colibri_plan.backends.cpu import vnni as cpu_vnni
 
     digests = tuple(hashlib.sha256(open(m.__file__, "rb").read()).hexdigest()[:16]
                     for m in (cpu_vnni, cpu_q4t))

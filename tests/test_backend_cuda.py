@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from colibri_plan import quant
-from colibri_plan.backends import _shared as sh
-from colibri_plan.backends import get_backend
+from colibri_plan.backends import get_backend, staging
 from colibri_plan.backends.base import silu_mul_ref
 from colibri_plan.backends.numpy_ref import attention_absorb_ref
 from colibri_plan.errors import BackendUnavailableError, DeviceOutOfMemoryError
@@ -146,7 +145,7 @@ def test_kernel_decoding_matches_quant_on_the_host(harness, fmt):
     """warp_rows of matmul.cu (every lane's part, summed) equals x . dequantize(W) for odd shapes and two
     tokens per pass: the 16-byte word decoding, byte-permute conversions, column order, group scales,
     row clamping, and the step stream crossing tiles (2 words per lane per step, 4 tiles per warp)."""
-    from colibri_plan.backends._shared import padded_layout
+    from colibri_plan.backends.staging import padded_layout
 
     rows, in_f = 7, 300
     rng = np.random.default_rng(5)
@@ -178,8 +177,24 @@ def test_attention_kernel_compiles_to_ptx(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_attention_registers_allow_blocks_of_the_widest_head(tmp_path):
+    """attention_gqa runs a thread per channel past head_dim 256 (MLA's 576): its registers per thread
+    times the widest head's threads (cuda_device.ATT_MAX_HEAD_DIM) must fit an SM's 65536, or the launch
+    fails on the GPU."""
+    from colibri_plan.backends.cuda.device import ATT_MAX_HEAD_DIM
+
+    cmd = ["nvcc", "--cubin", "-std=c++14", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "a.cubin"),
+           str(ATT_SOURCE)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    info = run.stderr.split("entry function 'attention_gqa'")[1].split("entry function")[0]
+    regs = int(info.split(" registers")[0].split()[-1])
+    assert regs * -(-ATT_MAX_HEAD_DIM // 32) * 32 <= 65536, info
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_trunk_kernels_compile_to_ptx(tmp_path):
-    from colibri_plan.backends.cuda_device import _TRUNK_KERNELS
+    from colibri_plan.backends.cuda.launch import _TRUNK_KERNELS
 
     run = subprocess.run(["nvcc", "--ptx", "-std=c++14", "-arch=sm_90", "-o", str(tmp_path / "t.ptx"),
                           str(SOURCE.parent.joinpath("trunk.cu"))], capture_output=True, text=True,
@@ -265,7 +280,7 @@ def test_attention_kernel_on_the_host(att_harness, H, R, Dr, T, threads, sharp):
     rng = np.random.default_rng([H, R, Dr, T])
     arrays = [rng.standard_normal(s, dtype=np.float32) for s in ((H, R), (H, Dr), (T, R), (T, Dr))]
     scale = sharp / float(np.sqrt(R + Dr))
-    host, (_, qr, lat, kr) = sh.pack(arrays)
+    host, (_, qr, lat, kr) = staging.pack(arrays)
     text = " ".join([f"{H} {R} {Dr} {T} {qr} {lat} {kr} {threads} {host.size} {scale!r}",
                      " ".join(repr(float(v)) for v in np.nan_to_num(host))])
     run = subprocess.run([str(att_harness)], input=text, capture_output=True, text=True, timeout=120)

@@ -12,6 +12,7 @@ the oracle itself.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import types
 
@@ -19,16 +20,19 @@ import numpy as np
 import pytest
 
 from colibri_plan.backends.device_ops import attention_ref, rope_ref
+from colibri_plan.errors import UnsupportedError
 from tests.test_backend_cuda_sim import Sim, fake_cupy
 from tests.test_backends_device_ops import (  # noqa: F401 - collected here with the simulated `be`
     test_a_gqa_layer_chain_stays_on_the_device,
     test_d_attention,
     test_d_expert_ffn,
     test_d_expert_ffn_edges,
+    test_d_head_matmul,
     test_d_matmul,
     test_d_matmul_many,
     test_d_rmsnorm_add_silu_scale,
     test_d_rope,
+    test_d_write_rows_into_a_column_block,
     test_device_arrays_of_another_backend_are_refused,
 )
 
@@ -45,8 +49,9 @@ def _attention_sim(sim, grid, block, smem, args):
     hq, hkv, d, pos0, window, splits = (int(a) for a in (hq, hkv, d, pos0, window, splits))
     T, g = grid[0], hq // hkv
     sim.attention_grid = grid
-    assert grid == (T, hkv * -(-g // 8), splits) and block == (256,) and d <= 256
-    assert smem == 4 * (8 * (d + 256 + 256) + 24) <= 48 * 1024
+    threads = max(256, -(-d // 32) * 32)  # a thread per channel past head_dim 256 (MLA's 576)
+    assert grid == (T, hkv * -(-g // 8), splits) and block == (threads,) and d <= 608
+    assert smem == 4 * (8 * (d + 256 + threads) + 24) <= 48 * 1024
     n = pos0 + T  # rows the kernel may read
     qq = _f32(sim, q, T * hq * d).reshape(T, hq, d).astype(np.float64)
     kk = _f32(sim, k, n * hkv * d).reshape(n, hkv, d).astype(np.float64)
@@ -171,6 +176,45 @@ def device_cupy(sim: Sim):
         else:
             base_memcpy(dst, src, n, kind, stream)
 
+    def memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
+        """cudaMemcpy2DAsync device to device: ``height`` rows of ``width`` bytes, pitches in bytes."""
+        assert kind == 3 and stream == sim.stream_ptr and width <= min(dpitch, spitch)
+
+        def op():
+            for r in range(height):
+                sim.mem(dst + r * dpitch, width)[:] = sim.mem(src + r * spitch, width).copy()
+        sim.run(op)
+
+    class Blas:
+        """cuBLAS's column-major sgemmStridedBatched (host pointer mode: alpha, beta host addresses)."""
+
+        CUBLAS_OP_N, CUBLAS_OP_T, CUBLAS_POINTER_MODE_HOST = 0, 1, 0
+
+        def __init__(self):
+            self.stream, self.mode = None, None
+
+        def setStream(self, handle, stream):
+            self.stream = stream
+
+        def setPointerMode(self, handle, mode):
+            self.mode = mode
+
+        def sgemmStridedBatched(self, handle, ta, tb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc,
+                                sc, count):
+            assert self.stream == sim.stream_ptr and self.mode == 0 and (ta, tb) == (1, 0)
+            al, be = (np.frombuffer(ctypes.string_at(p, 4), np.float32)[0] for p in (alpha, beta))
+            sim.gemms += 1
+
+            def op():
+                for b in range(count):  # op(A) = A^T: A is k x m (ld lda); B is k x n (ld ldb); C m x n
+                    a = np.stack([_f32(sim, A + 4 * (b * sa + j * lda), k) for j in range(m)], 1)
+                    bb = np.stack([_f32(sim, B + 4 * (b * sb + j * ldb), k) for j in range(n)], 1)
+                    c = al * (a.T.astype(np.float64) @ bb)  # [m, n]
+                    for j in range(n):
+                        col = _f32(sim, C + 4 * (b * sc + j * ldc), m)
+                        col[:] = c[:, j] + (be * col if be else 0.0)
+            sim.run(op)
+
     class Event:
         def __init__(self, block=False, disable_timing=False, interprocess=False):
             self.recorded = False
@@ -195,6 +239,8 @@ def device_cupy(sim: Sim):
         return out
 
     cp.RawModule, cuda.Event, rt.memcpyAsync, rt.memcpyDeviceToDevice = RawModule, Event, memcpy, 3
+    rt.memcpy2DAsync, cuda.cublas, sim.gemms = memcpy2d, Blas(), 0
+    cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 11)
     cp.empty, cp.zeros, cp.uint8 = empty, zeros, np.uint8
     cp.ndarray = empty  # cuda_device.py allocates with cupy.ndarray(shape, dtype) itself
     return cp
@@ -298,3 +344,33 @@ def test_expert_ffn_on_the_device_x_is_three_launches_and_one_copy_up(be, hidden
     for y, g in zip(be.expert_ffn([x] * 3, ws), gates):
         want += y * g
     np.testing.assert_allclose(be.d_get(dy), want, rtol=1e-5, atol=1e-6)
+
+
+def test_mla_device_ops_are_one_driver_call_each(be):
+    """d_head_matmul is one cuBLAS strided-batched SGEMM on the stream (no kernel launch of ours), a block
+    write one cudaMemcpy2DAsync, and attention over a 576-wide MLA head one launch of 576 threads."""
+    rng = np.random.default_rng(9)
+    x, w = (rng.standard_normal(s, dtype=np.float32) for s in ((3, 16, 24), (16, 8, 24)))
+    dx, dw = be.d_put(x), be.d_put(w)
+    launches, gemms = be.sim.launches, be.sim.gemms
+    y = be.d_head_matmul(dx, dw)
+    assert (be.sim.launches, be.sim.gemms) == (launches, gemms + 1)
+    np.testing.assert_allclose(be.d_get(y), np.einsum("tbk,bnk->tbn", x, w), rtol=1e-5, atol=1e-5)
+    dst = be.d_zeros((6, 24))
+    calls, base = [], be.cp.cuda.runtime.memcpy2DAsync
+    be.cp.cuda.runtime.memcpy2DAsync = lambda *a: calls.append((a[0], a[1], *a[3:6])) or base(*a)
+    be.d_write_rows(dst, 2, be.d_put(np.ones((2, 16), np.float32)), 8)
+    be.cp.cuda.runtime.memcpy2DAsync = base
+    # dst at row 2, column 8; its pitch, src's pitch and the width in bytes; 2 rows
+    assert calls == [(dst.buf.data.ptr + 4 * (2 * 24 + 8), 96, 64, 64, 2)]
+    ref = np.zeros((6, 24), np.float32)
+    ref[2:4, 8:] = 1.0
+    np.testing.assert_array_equal(be.d_get(dst), ref)
+    q, kv = (rng.standard_normal(s, dtype=np.float32) for s in ((1, 16, 576), (9, 1, 576)))
+    before = be.sim.launches
+    out = be.d_get(be.d_attention(be.d_put(q), be.d_put(kv), be.d_put(kv), 9, 8, 0.05))
+    assert be.sim.launches - before == 1 and be.sim.attention_grid == (1, 2, 1)  # 16 heads in chunks of 8
+    np.testing.assert_allclose(out, attention_ref(q, kv, kv, 9, 8, 0.05), rtol=1e-5, atol=1e-6)
+    with pytest.raises(UnsupportedError, match="head_dim 609"):
+        z = be.d_put(np.zeros((1, 1, 609), np.float32))
+        be.d_attention(z, z, z, 1, 0, 1.0)

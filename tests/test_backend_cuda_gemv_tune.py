@@ -22,9 +22,9 @@ from test_backend_cuda_sim import be, record_compiles  # noqa: F401 - the simula
 from test_bench_bad_args import bench as load_bench
 
 from colibri_plan import quant
-from colibri_plan.backends import cuda as cuda_mod
-from colibri_plan.backends._shared import padded_layout
 from colibri_plan.backends.base import silu_mul_ref
+from colibri_plan.backends.cuda import launch as cuda_mod
+from colibri_plan.backends.staging import padded_layout
 
 # (R, NW, U, TC): the sweep's gate_up (NW 2) and down (NW 1) shapes, and several tokens per pass
 CONFIGS = ((2, 2, 1, 1), (4, 1, 1, 1), (2, 2, 2, 1), (4, 1, 2, 1), (4, 2, 1, 1), (8, 1, 1, 1), (6, 1, 1, 1),

@@ -23,8 +23,8 @@ from test_backend_cuda_prefill import PREFILL, _numbers, _weight_text
 from test_backend_cuda_sim import be  # noqa: F401 - the simulated GPU's backend fixture
 
 from colibri_plan import quant
-from colibri_plan.backends import cuda as cuda_mod
-from colibri_plan.backends._shared import kernel_format
+from colibri_plan.backends.cuda import launch as cuda_mod
+from colibri_plan.backends.programs import kernel_format
 
 IMMA = SOURCE.parent.joinpath("decode_imma.cu")
 STAGES = cuda_mod._IMMA_STAGES  # steps in each warp's ring of weights

@@ -10,8 +10,9 @@ import pytest
 from test_backend_cuda_sim import be, record_compiles  # noqa: F401 - the simulated GPU's backend fixture
 
 from colibri_plan import quant
-from colibri_plan.backends import cuda as cuda_mod
 from colibri_plan.backends.base import silu_mul_ref
+from colibri_plan.backends.cuda import launch as cuda_mod
+from colibri_plan.backends.programs import kernel_format
 
 
 @pytest.mark.parametrize("n_mats, rows, want_blocks", [
@@ -68,7 +69,7 @@ def test_expert_ffn_tables_reach_the_imma_kernels(be, fmt, monkeypatch):  # noqa
         g, u, d = (quant.dequantize(w).astype(np.float64) for w in q)
         ref = silu_mul_ref(x @ g.T, x @ u.T) @ d.T
         np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-    kid = cuda_mod.sh.kernel_format(fmt)
+    kid = kernel_format(fmt)
     names = [n for (n,), _ in seen]
     assert f"gate_up_imma<{kid},{cuda_mod._IMMA_SHAPE['gate_up'][0]}>" in names
     assert f"mm_imma<{kid},{cuda_mod._IMMA_SHAPE['mm'][0]}>" in names

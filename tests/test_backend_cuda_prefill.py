@@ -19,9 +19,10 @@ from test_backend_cuda import SOURCE, _host_build
 from test_backend_cuda_sim import be  # noqa: F401 - the simulated GPU's backend fixture
 
 from colibri_plan import quant
-from colibri_plan.backends import cuda as cuda_mod
-from colibri_plan.backends._shared import kernel_format, padded_layout
 from colibri_plan.backends.base import silu_mul_ref
+from colibri_plan.backends.cuda import launch as cuda_mod
+from colibri_plan.backends.programs import kernel_format
+from colibri_plan.backends.staging import padded_layout
 
 PREFILL = SOURCE.parent.joinpath("prefill.cu")
 

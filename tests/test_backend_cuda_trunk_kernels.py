@@ -72,6 +72,7 @@ def gqa_harness(tmp_path_factory):
     (1, 8, 2, 67, 30, 0, 4, 96),     # odd head dim (96 threads: one row group, 29 idle), 4 slices merged
     (3, 7, 1, 12, 5, 0, 3, 64),      # MQA, 7 heads in chunks of 3 (3, 3, 1), 5 row groups, empty slices
     (4, 2, 2, 20, 17, 6, 2, 64),     # sliding window of 6 keys, prefill rows at 17..20
+    (2, 16, 1, 24, 7, 0, 2, 32),     # MLA on its latent cache: 16 heads on one kv head (chunks of 3)
 ])
 def test_gqa_attention_kernel_on_the_host(gqa_harness, T, hq, hkv, d, pos0, window, splits, threads):
     """attention_gqa with tiles of 8 keys and blocks of at most 3 query heads: the key range per query row

@@ -201,17 +201,17 @@ def _layer_chain(be, rng):
 @needs_cl
 def test_device_ops_run_the_opencl_kernels_not_the_numpy_reference(cache, monkeypatch):
     """Every d_* result is a pyopencl buffer, and a layer's chain of every op gives the numpy backend's
-    result with the reference hooks disabled (each of them reads its inputs through DeviceOps._host)."""
+    result with the reference hooks disabled (each of them reads its inputs through HostArrays._host)."""
     import pyopencl as cl
 
-    from colibri_plan.backends.device_ops import DeviceOps
+    from colibri_plan.backends.reference import HostArrays
 
     _, ref = _layer_chain(get_backend("numpy").open(0), np.random.default_rng(3))
 
     def no_host(self, a):
         raise AssertionError("a numpy reference hook ran on the opencl backend")
 
-    monkeypatch.setattr(DeviceOps, "_host", no_host)
+    monkeypatch.setattr(HostArrays, "_host", no_host)
     with OpenCL.open(0) as be:
         arrays, y = _layer_chain(be, np.random.default_rng(3))
         for arr in arrays:
@@ -336,7 +336,8 @@ def test_d_expert_ffn_runs_on_the_device_without_a_host_transfer(cache, monkeypa
     bit, since the kernels are the host path's and expert_sum keeps its float32 order."""
     import pyopencl as cl
 
-    from colibri_plan.backends.device_ops import DArray, DeviceOps
+    from colibri_plan.backends.handles import DArray
+    from colibri_plan.backends.reference import HostArrays
 
     with OpenCL.open(0) as be:
         be.ls = ls
@@ -360,7 +361,7 @@ def test_d_expert_ffn_runs_on_the_device_without_a_host_transfer(cache, monkeypa
 
         with monkeypatch.context() as m:  # only around the call: the cache fixture's setting stays
             m.setattr(cl, "enqueue_copy", counted)
-            m.setattr(DeviceOps, "_host", no_host)
+            m.setattr(HostArrays, "_host", no_host)
             m.setattr(be, "_d_get", no_host)
             y = be.d_expert_ffn(dx, ws, gates)
         assert isinstance(y.buf, cl.MemoryObjectHolder) and y.shape == (T, H)

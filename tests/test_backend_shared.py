@@ -1,5 +1,5 @@
-"""The GPU backends' shared layer (``colibri_plan.backends._shared``) and the timed calls of ``base``:
-staging, grow-only work buffers, replays, cache files, and the batched expert FFN's grouping."""
+"""The backends' shared parts (``staging``, ``pools``, ``batched``, ``programs``) and the timed calls of
+``base``: staging, grow-only work buffers, replays, cache files, and the batched expert FFN's grouping."""
 
 from __future__ import annotations
 
@@ -7,26 +7,25 @@ import numpy as np
 import pytest
 
 from colibri_plan import quant
-from colibri_plan.backends import _shared as sh
-from colibri_plan.backends import get_backend
+from colibri_plan.backends import batched, get_backend, pools, programs, staging
 from colibri_plan.backends.base import silu_mul_ref
 
 
 def test_stage_rows_pads_with_zeros_and_stacks():
     xs = [np.full((2, 3), 1.0, np.float32), np.full((1, 3), 2.0, np.float32)]
-    out = sh.stage_rows(xs, 5, np.full((3, 5), np.nan, np.float32))
+    out = staging.stage_rows(xs, 5, np.full((3, 5), np.nan, np.float32))
     np.testing.assert_array_equal(out, [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [2, 2, 2, 0, 0]])
-    assert sh.token_offsets([2, 1, 4]) == [0, 2, 3, 7]
+    assert batched.token_offsets([2, 1, 4]) == [0, 2, 3, 7]
 
 
 def test_pack_places_inputs_at_aligned_offsets():
     a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.full(5, 7.0, np.float32)
-    out, offs = sh.pack((a, b), head=2)
+    out, offs = staging.pack((a, b), head=2)
     assert offs == [4, 12] and out.size == 17 and out.dtype == np.float32  # 16-byte boundaries after the head
     np.testing.assert_array_equal(out[4:10], a.ravel())
     np.testing.assert_array_equal(out[12:17], b)
     got = []
-    view, offs2 = sh.pack((b,), lambda n: got.append(n) or np.zeros(n, np.float32))
+    view, offs2 = staging.pack((b,), lambda n: got.append(n) or np.zeros(n, np.float32))
     assert got == [5] and offs2 == [0] and view.tolist() == [7.0] * 5
 
 
@@ -35,13 +34,13 @@ def test_copy_in_chunks_moves_every_byte():
 
     def put(off, n):
         dst[off:off + n] = stage[:n].tobytes()
-    sh.copy_in_chunks(src, stage, put)
+    staging.copy_in_chunks(src, stage, put)
     assert bytes(dst) == src.tobytes()
 
 
 def test_work_buffers_grow_only_and_release_the_old_one():
     made, released, checked = [], [], []
-    wb = sh.WorkBuffers(lambda name, n: made.append((name, n)) or len(made), released.append,
+    wb = pools.WorkBuffers(lambda name, n: made.append((name, n)) or len(made), released.append,
                         grow=lambda n: 2 * n, before_grow=lambda name, n: checked.append(n))
     assert wb.get("x", 10) == 1 and wb.get("x", 20) == 1 and made == [("x", 20)]
     assert wb.get("x", 21) == 2 and released == [1] and checked == [10, 21]
@@ -51,7 +50,7 @@ def test_work_buffers_grow_only_and_release_the_old_one():
 
 def test_replays_are_lru_bounded_and_capture_on_second_sight():
     dropped = []
-    r = sh.Replays(2, dropped.append)
+    r = pools.Replays(2, dropped.append)
     for k in "abc":
         r.put(k, k.upper())
     assert dropped == ["A"] and len(r) == 2 and r.get("b") == "B"
@@ -64,17 +63,17 @@ def test_replays_are_lru_bounded_and_capture_on_second_sight():
 
 def test_cache_files_are_checksummed(tmp_path, monkeypatch):
     monkeypatch.setenv("COLIBRI_PLAN_CACHE_DIR", str(tmp_path))
-    path = sh.cache_file("opencl", "device", "driver 1", "source")
+    path = programs.cache_file("opencl", "device", "driver 1", "source")
     assert path.parent == tmp_path / "opencl"
-    assert path != sh.cache_file("opencl", "device", "driver 2", "source")  # a driver update: a new file
-    assert sh.read_cache_file(path, b"TESTMAG1") == (b"", "absent")
-    assert sh.write_cache_file(path, b"TESTMAG1", b"blob")
-    assert sh.read_cache_file(path, b"TESTMAG1") == (b"blob", "loaded")
+    assert path != programs.cache_file("opencl", "device", "driver 2", "source")  # a driver update: new file
+    assert programs.read_cache_file(path, b"TESTMAG1") == (b"", "absent")
+    assert programs.write_cache_file(path, b"TESTMAG1", b"blob")
+    assert programs.read_cache_file(path, b"TESTMAG1") == (b"blob", "loaded")
     path.write_bytes(path.read_bytes()[:-1])  # torn
-    assert sh.read_cache_file(path, b"TESTMAG1")[1].startswith("corrupt")
+    assert programs.read_cache_file(path, b"TESTMAG1")[1].startswith("corrupt")
     monkeypatch.delenv("COLIBRI_PLAN_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert sh.cache_dir("vulkan") == tmp_path / "xdg" / "colibri-plan" / "vulkan"
+    assert programs.cache_dir("vulkan") == tmp_path / "xdg" / "colibri-plan" / "vulkan"
 
 
 def _usable(name):

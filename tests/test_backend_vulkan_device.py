@@ -1,11 +1,12 @@
-"""Vulkan device activations (backends/vulkan_device.py): what is particular to Vulkan.
+"""Vulkan device activations (backends/vulkan/device.py, batch.py): what is particular to Vulkan.
 
 The numbers of every op on every backend are checked by the cross-backend oracle
 (test_backends_device_ops.py); here: that a Vulkan DArray is a Vulkan buffer, that a chain of ops is
 one submission, the device-only memory path (update, staging and read-back, as on a discrete GPU)
 exercised on whatever device is present, buffer reuse, batches past their op limit, freeing a weight a
-recorded op reads, the attention shader's edges (head_dim 256, tile boundaries, windows, long prefill,
-key slices), and a chain of every op under the Khronos validation layer with synchronization validation.
+recorded op reads, the attention shader's edges (head_dim 256 and 576, tile boundaries, windows, long
+prefill, key slices), and a chain of every op under the Khronos validation layer with synchronization
+validation.
 Skipped with the reason when no Vulkan device (lavapipe counts) or no validation layer is there.
 """
 
@@ -16,8 +17,9 @@ import pytest
 
 from colibri_plan import quant
 from colibri_plan.backends import get_backend
-from colibri_plan.backends import vulkan_device as vd
 from colibri_plan.backends.device_ops import attention_ref, rope_ref, rope_table
+from colibri_plan.backends.vulkan import batch as vb
+from colibri_plan.backends.vulkan import device as vd
 from colibri_plan.errors import InputError, UnsupportedError
 
 RNG = np.random.default_rng(11)
@@ -61,7 +63,7 @@ def _count_submits(be, monkeypatch) -> list:
 def test_a_device_array_is_a_vulkan_buffer(be):
     x = _r(3, 8)
     a = be.d_put(x)
-    assert isinstance(a.buf, vd.VkArray) and not isinstance(a.buf, np.ndarray)
+    assert isinstance(a.buf, vb.VkArray) and not isinstance(a.buf, np.ndarray)
     assert be.vk.ffi.typeof(a.buf.b.buf) is be.vk.ffi.typeof("VkBuffer")
     assert a.offset == 0 and a.buf.b.size >= x.nbytes
     assert (a.buf.b.map is not None) == (be.d_map_host_visible and be.device.kind != "gpu")
@@ -157,10 +159,11 @@ def test_descriptors_are_pushed_where_the_device_can(be):
     """With VK_KHR_push_descriptor a dispatch allocates no descriptor set; without it, one per dispatch."""
     x = be.d_put(_r(2, 64))
     y = be.d_silu_mul(be.d_add(x, x), be.d_scale_rows(x, np.ones(2, np.float32)))
-    assert len(be._batch.sets) == (0 if be._d.push else 3)
+    assert len(be.batch.current.sets) == (0 if be._d.push else 3)
     x64 = be.d_get(x).astype(np.float64)
     np.testing.assert_allclose(be.d_get(y), 2 * x64 / (1 + np.exp(-2 * x64)) * x64, rtol=1e-5, atol=1e-6)
-    assert be._batch is None and be._spare is not None and be._spare.sets == []  # kept for the next batch
+    # the command buffer is kept for the next batch
+    assert be.batch.current is None and be.batch.spare is not None and be.batch.spare.sets == []
 
 
 def test_the_chain_matches_numpy_op_by_op(be):
@@ -178,8 +181,8 @@ def test_the_chain_matches_numpy_op_by_op(be):
 
 
 def test_large_uploads_are_staged_and_read_back_exactly(be):
-    big = _r(2 * vd.INLINE_BYTES // 4 + 3)  # over the inline limit: staged on device-only memory
-    small = _r(vd.UPDATE_BYTES // 4 + 5)  # two vkCmdUpdateBuffer chunks there
+    big = _r(2 * vb.INLINE_BYTES // 4 + 3)  # over the inline limit: staged on device-only memory
+    small = _r(vb.UPDATE_BYTES // 4 + 5)  # two vkCmdUpdateBuffer chunks there
     a, s = be.d_put(big), be.d_put(small)
     np.testing.assert_array_equal(be.d_get(a), big)
     np.testing.assert_array_equal(be.d_get(s), small)
@@ -193,16 +196,16 @@ def test_freed_buffers_are_reused(be):
     del a
     b = be.d_put(_r(60, 64))  # the same size class
     assert b.buf.b.buf == handle
-    assert be._pool.free_bytes == 0
-    big = be.d_zeros((vd.POOL_MAX_BUFFER // 4 + 1,))  # a KV page: the bytes asked, not a size class
-    assert big.buf.b.size == vd.POOL_MAX_BUFFER + 4
+    assert be.batch.pool.free_bytes == 0
+    big = be.d_zeros((vb.POOL_MAX_BUFFER // 4 + 1,))  # a KV page: the bytes asked, not a size class
+    assert big.buf.b.size == vb.POOL_MAX_BUFFER + 4
     del big
     be.synchronize()  # the recorded fill holds it until then
-    assert be._pool.free_bytes == 0  # released, not kept
+    assert be.batch.pool.free_bytes == 0  # released, not kept
 
 
 def test_batches_past_the_op_limit_and_freed_weights(be, monkeypatch):
-    monkeypatch.setattr(vd, "MAX_OPS", 3)
+    monkeypatch.setattr(vb, "MAX_OPS", 3)
     calls = _count_submits(be, monkeypatch)
     x = _r(2, 40)
     acc, dx = be.d_put(x), be.d_put(x)
@@ -245,6 +248,8 @@ def test_d_matmul_with_and_without_the_padded_copy(be, out, in_, t):
     (1, 12, 1, 64, 100, 0),    # 12 query heads per kv head: 2 workgroups of 6
     (2, 32, 2, 128, 70, 0),    # 16 per kv head: 2 workgroups of 8 (the most) per kv head
     (3, 6, 2, 67, 40, 16),     # groups of 3, odd head_dim, a window
+    (2, 16, 1, 576, 90, 0),    # MLA's 64 + 512 on one kv head: MAXD 640, 2 heads a workgroup
+    (1, 3, 1, 1024, 70, 0),    # the widest head_dim, 3 heads of it (1 a workgroup)
 ])
 def test_d_attention_edges(be, t, hq, hkv, d, pos0, window):
     n_keys = pos0 + t
@@ -258,8 +263,8 @@ def test_d_attention_edges(be, t, hq, hkv, d, pos0, window):
 
 
 def test_unsupported_head_dim_and_a_closed_backend_are_refused(be):
-    q = be.d_put(np.zeros((1, 1, 257), np.float32))
-    with pytest.raises(UnsupportedError, match="head_dim 257"):
+    q = be.d_put(np.zeros((1, 1, vd.MAX_HEAD_DIM + 1), np.float32))
+    with pytest.raises(UnsupportedError, match=f"head_dim {vd.MAX_HEAD_DIM + 1}"):
         be.d_attention(q, q, q, 1, 0, 1.0)
     be.close()
     with pytest.raises(InputError, match="closed"):
@@ -283,8 +288,8 @@ def test_device_time_of_a_batch(be):
 def test_d_attention_key_slices_are_merged(be, monkeypatch, t, hq, hkv, d, pos0, window, min_keys):
     monkeypatch.setattr(vd, "ATT_MIN_KEYS", min_keys)
     be.d_att_workgroups = {be.device.kind: 10 ** 6}  # as many slices as ATT_MIN_KEYS allows
-    grids, real = [], be._dispatch
-    monkeypatch.setattr(be, "_dispatch", lambda *a, **k: (grids.append(a[4:]), real(*a, **k)))
+    grids, real = [], be.batch.dispatch
+    monkeypatch.setattr(be.batch, "dispatch", lambda *a, **k: (grids.append(a[4:]), real(*a, **k)))
     n_keys = pos0 + t
     q, k, v = _r(t, hq, d), _r(n_keys, hkv, d, scale=3.0), _r(n_keys, hkv, d)
     ref = attention_ref(q, k, v, n_keys, pos0, 0.25, window).astype(np.float64)
@@ -305,7 +310,7 @@ be.d_att_workgroups = {be.device.kind: 10 ** 6}  # attention in key slices, then
 rng = np.random.default_rng(0)
 for mapped in (True, False):
     be.d_map_host_visible = mapped
-    be._pool.trim()
+    be.batch.pool.trim()
     ones = be.d_put(np.ones(100, np.float32))
     x = be.d_put(rng.standard_normal((3, 100), np.float32))
     w = be.upload(quant.quantize(rng.standard_normal((64, 100), np.float32), "int4"))
@@ -315,6 +320,12 @@ for mapped in (True, False):
     kc = be.d_zeros((8, 2, 16))
     be.d_write_rows(kc, 2, be.d_put(rng.standard_normal((3, 2, 16), np.float32)))
     be.d_get(be.d_attention(q, kc, kc, 5, 2, 0.25))
+    be.d_write_rows(be.d_view(kc, (8, 32)), 6, be.d_put(rng.standard_normal((2, 8), np.float32)), 24)
+    be.d_get(be.d_head_matmul(q, be.d_put(rng.standard_normal((4, 5, 16), np.float32))))
+    ml = be.d_view(be.d_zeros((8, 1, 40)), (8, 40))  # an MLA latent cache: attention over MAXD 640
+    be.d_write_rows(ml, 0, be.d_put(rng.standard_normal((3, 40), np.float32)))
+    be.d_get(be.d_attention(be.d_put(rng.standard_normal((1, 2, 300), np.float32)),
+                            *[be.d_put(rng.standard_normal((4, 1, 300), np.float32))] * 2, 4, 3, 0.1))
     be.d_get(be.d_put(rng.standard_normal(300000).astype(np.float32)))  # staged when device-only
     ex = [be.upload_expert(*(quant.quantize(rng.standard_normal(s, np.float32), "int8") for s in
                              ((40, 100), (40, 100), (100, 40)))) for _ in range(2)]

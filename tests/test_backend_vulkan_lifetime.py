@@ -16,7 +16,7 @@ import pytest
 
 from colibri_plan import quant
 from colibri_plan.backends import get_backend
-from colibri_plan.backends import vulkan_util as vu
+from colibri_plan.backends.vulkan import util as vu
 
 
 @pytest.fixture

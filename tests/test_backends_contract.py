@@ -226,3 +226,50 @@ def test_cli_backends_survives_a_broken_stack(monkeypatch):
     assert res.exit_code == 0, res.output
     assert "driver exploded" in res.output and "no libvulkan.so.1" in res.output
     assert issubclass(get_backend("cpu"), Backend)
+
+
+def test_every_backend_is_one_class_over_the_base_and_declares_its_optional_ops():
+    """Composition, not a stack of mixins: each backend class derives from Backend alone (its parts are
+    objects it holds); every op of the Protocol is supported; supports() answers optional ops from the
+    class's declaration, and refuses a name that is no op of the contract."""
+    from colibri_plan.backends.contract import OPTIONAL_OPS, REQUIRED_OPS
+    from colibri_plan.backends.device_ops import DeviceOps
+
+    assert {"d_add", "d_head_matmul", "d_write_rows", "matmul", "upload", "close"} <= REQUIRED_OPS
+    assert set(OPTIONAL_OPS) == {"attention_absorb", "d_expert_ffn_rows", "expert_ffn_sum", "rmsnorm_rows"}
+    declared = {}
+    for name in BACKEND_NAMES:
+        cls = get_backend(name)
+        assert cls.__mro__[1:] == (Backend, DeviceOps, object), cls.__mro__
+        assert all(cls.supports(op) for op in REQUIRED_OPS)
+        declared[name] = {op for op in OPTIONAL_OPS if cls.supports(op)}
+        assert declared[name] == set(cls.optional_ops)
+    assert all("attention_absorb" in ops for ops in declared.values())  # every backend has a kernel
+    assert [n for n in BACKEND_NAMES if "d_expert_ffn_rows" in declared[n]] == ["cuda"]
+    assert [n for n in BACKEND_NAMES if "expert_ffn_sum" in declared[n]] == ["cpu"]
+    assert not Backend.supports("attention_absorb")  # the base has no kernel: UnsupportedError
+    with pytest.raises(InputError, match="'d_ad' is not an op"):
+        get_backend("numpy").supports("d_ad")
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_an_open_backend_has_what_it_declares_and_its_hooks_bound(name, tmp_path, monkeypatch):
+    """What ``supports`` says is what an open backend has (the engine may stop probing with getattr):
+    each optional op it declares is a callable, each it does not is absent; the Protocol's members are
+    all there; the device-op hooks are bound on the instance at open (one lookup per call) or are methods
+    of the backend class itself, never found through a chain of mixins."""
+    from colibri_plan.backends.contract import ComputeBackend
+
+    monkeypatch.setenv("COLIBRI_PLAN_CACHE_DIR", str(tmp_path))
+    cls = get_backend(name)
+    if cls.unavailable_reason() is not None or not cls.list_devices():
+        pytest.skip(f"{name}: {cls.unavailable_reason() or 'no devices found'}")
+    with cls.open(0) as be:
+        assert isinstance(be, ComputeBackend)
+        for op in ("d_expert_ffn_rows", "expert_ffn_sum", "rmsnorm_rows"):
+            assert callable(getattr(be, op, None)) == be.supports(op), op
+        hooks = ("_d_add", "_d_matmul", "_d_attention", "_d_head_matmul", "_d_write_block")
+        assert all(h in vars(be) or h in vars(cls) for h in hooks)  # bound at open, or the class's own
+        q, r = np.ones((2, 4), np.float32), np.ones((2, 2), np.float32)
+        out = be.attention_absorb(q, r, np.arange(12, dtype=np.float32).reshape(3, 4), np.ones((3, 2)), 0.1)
+        assert out.shape == (2, 4) and np.isfinite(out).all()

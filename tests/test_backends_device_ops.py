@@ -98,6 +98,8 @@ def test_d_rope(be, t, heads, d, rd, interleave, pos0):  # noqa: F811
     (3, 2, 2, 67, 300, 320, 0),     # odd head dim, past one 256-row tile
     (1, 16, 4, 128, 999, 1024, 0),  # a long decode
     (4, 4, 4, 16, 60, 128, 8),      # sliding window
+    (1, 16, 1, 24, 9, 32, 0),       # MLA on the latent cache: one kv head, d = rope 8 + kv_lora_rank 16
+    (3, 16, 1, 576, 40, 64, 0),     # DeepSeek-V3 / GLM-5 MLA: d = 64 + 512, past the 256 of GQA heads
 ])
 def test_d_attention(be, t, hq, hkv, d, pos0, cap, window):  # noqa: F811
     n_keys = pos0 + t
@@ -111,6 +113,52 @@ def test_d_attention(be, t, hq, hkv, d, pos0, cap, window):  # noqa: F811
     y = be.d_get(be.d_attention(be.d_put(q), dk, dv, n_keys, pos0, scale, window))
     assert y.shape == (t, hq * d)
     assert _err(y, ref.astype(np.float64)) < 1e-5
+
+
+@pytest.mark.parametrize("c,d,t,w,row0,col0", [
+    (9, 30, 3, 7, 4, 11),       # odd sizes inside the rows
+    (5, 24, 1, 8, 4, 0),        # an MLA cache row's k_rope (rope 8) at the start of a [k_rope | latent] row
+    (5, 24, 1, 16, 4, 8),       # ... and its latent (kv_lora_rank 16) after it
+    (4, 5, 4, 1, 0, 4),         # the last column of every row
+    (70, 576, 5, 512, 64, 64),  # DeepSeek-V3's latent of a 5-token prefill, the last rows of the cache
+])
+def test_d_write_rows_into_a_column_block(be, c, d, t, w, row0, col0):  # noqa: F811
+    """dst[row0:row0+T, col0:col0+W] = src, in place: the block equal to src bit for bit and every other
+    float of dst (the guard around the block) unchanged; a block that does not fit is an InputError."""
+    from colibri_plan.errors import InputError
+
+    dst, src = _r(c, d), _r(t, w)
+    ref = dst.copy()
+    ref[row0:row0 + t, col0:col0 + w] = src
+    dd = be.d_put(dst)
+    be.d_write_rows(dd, row0, be.d_put(src), col0)
+    np.testing.assert_array_equal(be.d_get(dd), ref)
+    with pytest.raises(InputError, match="do not fit"):
+        be.d_write_rows(dd, row0, be.d_put(src), d - w + 1)
+
+
+@pytest.mark.parametrize("t,b,k,n", [
+    (1, 3, 67, 5),       # odd sizes, decode
+    (17, 4, 33, 19),     # a prefill past one 16-token tile, N past one 16-output tile
+    (5, 16, 24, 8),      # a tiny MLA model: 16 heads, latent 16 + rope 8
+    (1, 128, 128, 512),  # DeepSeek-V3 decode: q_nope [128 heads, 128] through W_UK to the 512 latent
+    (2, 128, 512, 128),  # ... and the attention output through W_UV back to 128 per head
+])
+def test_d_head_matmul(be, t, b, k, n):  # noqa: F811
+    """y[t, b] = w[b] · x[t, b] for x [T, B, K] and w [B, N, K] against float64 numpy; the inputs untouched;
+    a B or K that does not match is an InputError."""
+    from colibri_plan.errors import InputError
+
+    x, w = _r(t, b, k), _r(b, n, k, scale=k ** -0.5)
+    x0, w0 = x.copy(), w.copy()
+    ref = np.einsum("tbk,bnk->tbn", x.astype(np.float64), w.astype(np.float64))
+    dx, dw = be.d_put(x), be.d_put(w)
+    y = be.d_get(be.d_head_matmul(dx, dw))
+    assert y.shape == (t, b, n)
+    assert _err(y, ref) < 1e-5
+    assert np.array_equal(be.d_get(dx), x0) and np.array_equal(be.d_get(dw), w0), "an op changed its input"
+    with pytest.raises(InputError, match="per-head weights"):
+        be.d_head_matmul(dx, be.d_put(_r(b + 1, 1, k)))
 
 
 def test_a_gqa_layer_chain_stays_on_the_device(be):  # noqa: F811

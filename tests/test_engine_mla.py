@@ -16,6 +16,7 @@ import json
 
 import numpy as np
 import pytest
+from _backend_params import backend_params
 from _tiny_models import MLA_FAMILIES, build_mla, greedy, logits, min_router_gap, record_router_ids
 
 from colibri_plan.engine.forward import Model
@@ -64,16 +65,17 @@ def tiny(tmp_path_factory):
     return get
 
 
-def _check_parity(hf, folder, want, family):
+def _check_parity(hf, folder, want, family, trunk_backend=None):
     """Prefill logits, cached decode logits (absorbed path) and top-k per MoE layer against transformers
-    on PROMPT[:16] + the greedy tokens; then 32 greedy tokens. Returns the max |logit diff|."""
+    on PROMPT[:16] + the greedy tokens; then 32 greedy tokens; the trunk on ``trunk_backend`` (None: the
+    host). Returns the max |logit diff|."""
     w = load_checkpoint(folder)
     assert w.arch.family == family and w.arch.attention == "mla"
     seq = PROMPT[:16] + want
     calls, remove = record_router_ids(hf)
     ref = logits(hf, seq[:-1])  # [47, V]: 16 prompt + 31 decode positions
     remove()
-    with Model(w) as model:
+    with Model(w, trunk_backend=trunk_backend, context_tokens=64) as model:
         cache = model.new_cache()
         got = np.concatenate([model.forward(seq[:16], cache)]
                              + [model.forward([t], cache) for t in seq[16:-1]])  # decode: absorbed path
@@ -102,6 +104,24 @@ def test_mla_family_matches_transformers(tiny, name):
 
 
 DSA = ("deepseek_v32", "glm_moe_dsa")
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_lite", "glm_moe_dsa"])
+def test_mla_on_a_device_trunk_matches_transformers(tiny, name, backend):
+    """MLA attention and its latent cache on each backend's device (q LoRA or plain q_proj; DSA within
+    index_topk): the same logits, routing and greedy tokens as transformers."""
+    from colibri_plan.backends import get_backend
+
+    hf, folder, want, _ = tiny(name)
+    family = json.loads((folder / "config.json").read_text())["model_type"]
+    be = get_backend(backend).open(0)
+    try:
+        diff = _check_parity(hf, folder, want, family, trunk_backend=be)
+        assert be.memory_used() == 0   # closing the model freed the trunk's uploads
+    finally:
+        be.close()
+    print(f"{family} on {backend}: max |logit diff| {diff:.2e}")
 
 
 @pytest.mark.parametrize("name", DSA)

@@ -115,7 +115,7 @@ def test_live_repinning_sees_the_same_routing_through_the_one_call_path(tmp_path
     build_fixture(tmp_path / "fx", cfg)
     prompt = fixture_prompt(cfg.vocab, 16, seed=3)
     policy = RepinPolicy(enabled=True, every_tokens=4, window_tokens=16)
-    from colibri_plan.backends.cpu_experts import CpuExperts
+    from colibri_plan.backends.cpu.experts import CpuExperts
 
     calls = [0]
     one_call = CpuExperts.expert_ffn_sum

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from colibri_plan.backends import get_backend
-from colibri_plan.backends import vulkan_util as vu
 from colibri_plan.backends.base import silu_mul_ref
+from colibri_plan.backends.vulkan import util as vu
 from colibri_plan.errors import DeviceOutOfMemoryError, UnsupportedError
 from colibri_plan.quant import matmul_ref, quantize
 

@@ -24,6 +24,7 @@ COMMANDS = {
     "solve": ("solve", "solve", "Solve where every expert lives; write a plan file."),
     "run": ("run", "run", "Run a model (optionally with a plan) on the streaming engine."),
     "verify": ("verify", "verify", "Run a plan and compare measured with predicted."),
+    "serve": ("serve", "serve", "Serve a model (optionally with a plan) over the OpenAI API."),
     "calibrate": ("verify", "calibrate", "Refit cost-model coefficients from verify reports."),
     "model": ("model", "model", "Model specs, packs and fixtures."),
     "heat": ("heat", "heat", "Routing statistics (expert heat)."),

@@ -69,10 +69,13 @@ def pack(checkpoint, out, fmt, dense_fmt, force):
     doc["seconds"] = round(time.perf_counter() - t0, 3)
     doc.pop("arch")
     doc["dense_format"] = dense_fmt
+    from colibri_plan.engine.pack_text import pack_text_line
+
+    doc["text"] = pack_text_line(path, checkpoint)
     emit(doc, lambda: (f"wrote {path}: {doc['experts']} experts in {fmt}, dense trunk {dense_fmt}, "
                        f"{doc['expert_block_bytes']:,} B per expert block, "
                        f"{doc['experts_file_bytes'] / 1e9:.3f} GB experts.bin, "
-                       f"fingerprint {doc['fingerprint']} ({doc['seconds']:.1f} s)"))
+                       f"fingerprint {doc['fingerprint']} ({doc['seconds']:.1f} s)\n{doc['text']}"))
 
 
 @click.command("verify")

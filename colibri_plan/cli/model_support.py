@@ -48,7 +48,7 @@ def support_matrix() -> list[dict]:
         runs = mt in ENGINE_FAMILIES
         why = module.REFUSE.get(mt) if isinstance(module.REFUSE, dict) else module.REFUSE  # per type or all
         rows.append({"model_type": mt, "family": module.__name__.rsplit(".", 1)[-1], "plan": True,
-                     "pack": runs, "run": runs, "verify": runs,
+                     "pack": runs, "run": runs, "verify": runs, "text": runs,   # text: colibri_plan/text
                      "backends": {b: backend_status(mt, b) if runs else None for b in BACKEND_NAMES},
                      "plan_only_reason": None if runs else str(why)})
     return rows
@@ -56,12 +56,12 @@ def support_matrix() -> list[dict]:
 
 def _cells(r: dict) -> list[str]:
     yes = {True: "yes", False: "-"}
-    return [r["model_type"], r["family"], *(yes[r[k]] for k in ("plan", "pack", "run", "verify")),
+    return [r["model_type"], r["family"], *(yes[r[k]] for k in ("plan", "pack", "run", "verify", "text")),
             *(v or "-" for v in r["backends"].values())]
 
 
 def _header(rows: list[dict]) -> list[str]:
-    return ["model_type", "family", "plan", "pack", "run", "verify", *rows[0]["backends"]]
+    return ["model_type", "family", "plan", "pack", "run", "verify", "text", *rows[0]["backends"]]
 
 
 def support_markdown(rows: list[dict] | None = None) -> str:

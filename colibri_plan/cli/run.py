@@ -80,11 +80,56 @@ def _human(rep, prompt_len: int, backend: str, pred: dict, written: dict) -> str
         *(f"wrote {k.replace('_out', '')}: {v}" for k, v in written.items())])
 
 
+def _text_options(f):
+    """`run`'s text and sampling options (--prompt, --chat, --temperature, --top-p, --top-k, --seed),
+    handed to the command as one ``text`` dict."""
+    import functools
+
+    @functools.wraps(f)
+    def wrapper(*args, **kw):
+        kw["text"] = {k: kw.pop(k) for k in ("prompt_text", "chat", "temperature", "top_p", "top_k", "seed")}
+        return f(*args, **kw)
+    for opt in reversed([
+        click.option("--prompt", "prompt_text", default=None,
+                     help="Prompt text (the model's tokenizer encodes it; the answer streams to stdout)."),
+        click.option("--chat", is_flag=True, help="Send the text prompt through the model's chat template."),
+        click.option("--temperature", type=click.FloatRange(0, 2), default=0.0, show_default=True,
+                     help="Sampling temperature; 0 is greedy (argmax)."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+                     help="Nucleus sampling: keep the most probable tokens holding this mass."),
+        click.option("--top-k", type=click.IntRange(0), default=0, show_default=True,
+                     help="Keep the k most probable tokens (0 = all)."),
+        click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None,
+                     help="Seed of the sampler (the same seed and prompt give the same tokens).")]):
+        wrapper = opt(wrapper)
+    return wrapper
+
+
+def _read_prompt(prompt_ids, prompt_file, prompt_text) -> tuple[list[int] | None, str | None]:
+    """(ids, None) or (None, text): --prompt is text, --prompt-file is ids when it holds only ids (as
+    before), else text."""
+    from colibri_plan.errors import InputError
+
+    if prompt_text is None:
+        try:
+            return read_prompt(prompt_ids, prompt_file), None
+        except InputError as exc:   # a file that is not ids is text (its reading errors stay as they are)
+            if prompt_file is None or prompt_ids is not None or "is not a token id" not in str(exc):
+                raise
+            from pathlib import Path
+
+            return None, Path(prompt_file).read_text(encoding="utf-8")
+    if prompt_ids is not None or prompt_file is not None:
+        raise InputError("give exactly one of --prompt-ids 1,2,3, --prompt TEXT or --prompt-file FILE")
+    return None, prompt_text
+
+
 @click.command("run")
 @click.option("--model", "model_path", required=True, type=click.Path(),
               help="Expert pack folder (or a Hugging Face checkpoint folder).")
 @click.option("--prompt-ids", default=None, help="Prompt token ids, e.g. 1,2,3.")
-@click.option("--prompt-file", default=None, type=click.Path(), help="File of token ids (spaces/commas).")
+@click.option("--prompt-file", default=None, type=click.Path(),
+              help="File of token ids (spaces/commas), or of prompt text when it is not ids.")
 @click.option("--tokens", type=click.IntRange(1, 1_000_000), default=D.tokens, show_default=True,
               help="Tokens to generate.")
 @click.option("--backend", default=D.backend, show_default=True,
@@ -105,9 +150,10 @@ def _human(rep, prompt_len: int, backend: str, pred: dict, written: dict) -> str
 @click.option("--stats-out", type=click.Path(), default=None, help="Write routing counts (heat JSON).")
 @click.option("--usage-out", type=click.Path(), default=None,
               help="Write routing counts (colibrì usage text).")
+@_text_options
 @json_option
 @options_arg(RunOptions)
-def run(opts, model_path, prompt_ids, prompt_file, plan_path, stats_out, usage_out):
+def run(opts, model_path, prompt_ids, prompt_file, plan_path, stats_out, usage_out, text):
     """Greedy generation: prints the new token ids, tok/s, prefill and decode time.
 
     Without --plan every expert is resident (pinned RAM on cpu/numpy, VRAM on a GPU backend); with --plan
@@ -115,7 +161,8 @@ def run(opts, model_path, prompt_ids, prompt_file, plan_path, stats_out, usage_o
     time (dense, expert compute per device, disk wait), hit rates per tier, disk bytes per token and peak
     RSS, beside the plan's prediction when there is one. Experts the run must hold in RAM beyond this
     machine's available memory are refused before anything is allocated (COLIBRI_PLAN_NO_RAM_CHECK=1 runs
-    it anyway)."""
+    it anyway). A text prompt (--prompt, --chat) streams the answer to stdout (the report goes to stderr)
+    and ends at the model's EOS; --temperature > 0 samples (--top-p, --top-k, --seed)."""
     import dataclasses
 
     from colibri_plan.engine import runner
@@ -126,7 +173,15 @@ def run(opts, model_path, prompt_ids, prompt_file, plan_path, stats_out, usage_o
     for p in (stats_out, usage_out):  # before the run, not after it
         if p is not None:
             check_output_path(p, (model_path, plan_path, prompt_file))
-    prompt = read_prompt(prompt_ids, prompt_file)
+    prompt, text_in = _read_prompt(prompt_ids, prompt_file, text["prompt_text"])
+    if text["chat"] and text_in is None:
+        raise click.UsageError("--chat needs a text prompt (--prompt TEXT or a --prompt-file of text)")
+    from colibri_plan.cli.common import get_ctx
+    from colibri_plan.text.sampling import SamplingParams, make_sampler, tap
+
+    sampler = base = make_sampler(SamplingParams(text["temperature"], text["top_p"], text["top_k"],
+                                                 text["seed"]))
+    codec, pieces = None, []
     try:
         backend = runner.resolve_backend(opts.backend)  # before the weights load and any progress line
     except UnsupportedError as exc:
@@ -141,6 +196,17 @@ def run(opts, model_path, prompt_ids, prompt_file, plan_path, stats_out, usage_o
         plan = load_plan(plan_path)
     weights = runner.open_weights(model_path, opts.quant)
     try:
+        if text_in is not None:
+            from colibri_plan.engine.pack_text import encode_prompt
+
+            prompt, codec = encode_prompt(weights, text_in, text["chat"])
+            stream, streamed = codec.stream(), not get_ctx().json
+
+            def show(tok: int) -> None:   # the text each new token completes, as it is chosen
+                pieces.append(stream.push(tok))
+                if streamed:
+                    click.echo(pieces[-1], nl=False)
+            sampler = tap(sampler, show)
         runner.check_prompt(prompt, weights.arch.vocab_size)
         if plan is not None:
             from colibri_plan.verify import (
@@ -161,8 +227,12 @@ def run(opts, model_path, prompt_ids, prompt_file, plan_path, stats_out, usage_o
             progress(f"loading {weights.arch.n_moe_layers * weights.arch.n_experts} experts to {backend}")
         recorder = RoutingRecorder(weights.arch)
         with Steps("run", total=opts.tokens) as bar:  # one step per generated token
-            rep = runner.generate(weights, prompt, opts, plan=plan, recorder=recorder,
-                                  progress=lambda m: bar.say(m, verbose_only=True, advance=1))
+            rep = runner.generate(weights, prompt, opts, plan=plan, recorder=recorder, sample=sampler,
+                                  stop_ids=codec.stop_ids if codec else (),
+                                  progress=None if codec and not get_ctx().json else
+                                  lambda m: bar.say(m, verbose_only=True, advance=1))
+        if codec is not None:
+            pieces.append(stream.flush())
         if rep.io_warning:
             warn(rep.io_warning)
         written = runner.write_stats(recorder, weights, stats_out, usage_out)
@@ -177,8 +247,14 @@ def run(opts, model_path, prompt_ids, prompt_file, plan_path, stats_out, usage_o
         pred["prefill_s_at_prompt"] = predicted_prefill_at(pred, len(prompt))
     doc = {"model": str(model_path), "plan": None if plan_path is None else str(plan_path),
            "backend": backend, **rep.to_dict(), **written}
+    if codec is not None:
+        doc.update(text="".join(pieces), seed=getattr(base, "seed", None))
     if plan is not None:
         doc["predicted"] = {k: pred.get(k) for k in ("tok_s", "decode_s_per_token", "hit_rate",
                                                       "disk_bytes_per_token")}
         doc["predicted"]["prefill_s"] = pred["prefill_s_at_prompt"]
+    if codec is not None and not get_ctx().json:   # the text went to stdout as it came; the report after it
+        click.echo(pieces[-1])
+        click.echo(_human(rep, len(prompt), backend, pred, written).split("\n", 1)[1], err=True)
+        return
     emit(doc, lambda: _human(rep, len(prompt), backend, pred, written))

@@ -223,7 +223,7 @@ class _DeviceLayers:
     """The device trunk's layer through the ``d_*`` ops (module docstring, path "device")."""
 
     def __init__(self, be, geom: LayerGeometry, fmt: str, n: int, ctx: int):
-        from colibri_plan.backends.device_ops import rope_table
+        from colibri_plan.backends import rope_table
 
         g, rng = geom, np.random.default_rng(3)
         self.be, self.g, self.ctx = be, geom, ctx

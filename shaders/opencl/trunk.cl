@@ -70,3 +70,30 @@ kernel void expert_sum(global float *y, ulong n, global const float *ys, global 
     }
     y[i] = acc;
 }
+
+// Per-head matrices (d_head_matmul): y[t, b] = w[b] . x[t, b] for x [T, B, K], w [B, N, K], y [T, B, N]
+// (MLA's absorbed projections). A work-group of HM_N x HM_T items makes HM_N outputs of HM_T tokens of
+// head b = get_group_id(2): K is taken HM_K columns at a time, the x and w tiles staged in local memory
+// (each w element is read once per HM_T tokens). Build option -DHM_T=<tokens per group> (1 at decode).
+#ifndef HM_T
+#define HM_T 16
+#endif
+#define HM_N 16
+#define HM_K 16
+kernel void head_matmul(global float *y, global const float *x, ulong xo, global const float *w, ulong wo,
+                        uint T, uint B, uint N, uint K) {
+    local float xs[HM_T][HM_K + 1], ws[HM_N][HM_K + 1];  // +1: rows fall in different banks
+    const uint ln = get_local_id(0), lt = get_local_id(1), b = get_group_id(2);
+    const uint n0 = get_group_id(0) * HM_N, t0 = get_group_id(1) * HM_T;
+    float acc = 0.0f;
+    for (uint k0 = 0; k0 < K; k0 += HM_K) {
+        const uint k = k0 + ln;
+        for (uint r = lt; r < HM_N; r += HM_T)  // w rows n0 .. n0 + HM_N - 1, columns k0 .. k0 + HM_K - 1
+            ws[r][ln] = n0 + r < N && k < K ? w[wo + ((ulong)b * N + n0 + r) * K + k] : 0.0f;
+        xs[lt][ln] = t0 + lt < T && k < K ? x[xo + ((ulong)(t0 + lt) * B + b) * K + k] : 0.0f;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (uint i = 0; i < HM_K; i++) acc = fma(xs[lt][i], ws[ln][i], acc);
+        barrier(CLK_LOCAL_MEM_FENCE);  // the tiles are rewritten next
+    }
+    if (t0 + lt < T && n0 + ln < N) y[((ulong)(t0 + lt) * B + b) * N + n0 + ln] = acc;
+}

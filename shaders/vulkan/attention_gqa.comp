@@ -26,7 +26,7 @@ layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint TILE = 64u;
 layout(constant_id = 2) const uint COMBINE = 0u;
 layout(constant_id = 3) const uint HG = 1u;  // query heads per workgroup, dividing HQ / HKV
-const uint MAXD = 256u;
+layout(constant_id = 4) const uint MAXD = 256u;  // head_dim at most; wider heads (MLA's 576) get 640
 const uint NC = (MAXD + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x;  // columns per invocation and head
 const float LOWEST = -3.402823466e38;
 

@@ -1,0 +1,267 @@
+"""The ``cpu`` backend: the engine's fast host path, numba kernels on all cores.
+
+int8, int4 and int4-gG weights run integer kernels: :mod:`colibri_plan.backends.cpu.qkernels` (int8;
+per-row int4 and int4-g128 of other lengths, blocked), :mod:`~colibri_plan.backends.cpu.q4t` (int4-g32,
+transposed layout) and :mod:`~colibri_plan.backends.cpu.q4g` (int4-g64; per-row int4 of 512·n bytes a
+row and int4-g128 of 16·n groups, transposed, each group's lanes summed in int32), both with explicit
+AVX-512 VNNI code of :mod:`~colibri_plan.backends.cpu.vnni`: activations quantized to int16
+once per call (one scale per token), int8/int4 × int16 products summed in int32 (``vpdpwssd`` on
+AVX-512 VNNI), the packed bytes unpacked in registers, never dequantized to memory. Tiles of rows run
+in parallel, every token of a batch per tile, so a GEMV streams each weight byte from RAM once and a
+prefill batch of T tokens reads it once too (from L2 for tokens 2..T).
+A matmul of at most ``serial_bytes`` (weight bytes × tokens, 2 MiB) runs a single-thread twin of its
+kernel, chosen at upload with it (``HostWeight.kernel``/``serial``, same bits): waking the pool costs
+more than such a matmul gains from a second core.
+int2 and ``attention_absorb`` (MLA decode) run the float kernels of :mod:`~.kernels`; ``d_attention``
+(GQA over a KV cache) runs :mod:`~.attention`. Float formats
+(f32/f16/bf16) use the numpy reference path (float32 BLAS, f16/bf16 converted a block of rows at a
+time). Weights stay in host memory, referenced, not copied (rows of odd length excepted: padded),
+except the transposed int4 layouts: a copy, and the payload then holds no reference to the packed rows.
+
+Routed experts: all experts of a layer run in one parallel call per projection, and a decode step's
+weighted sum of them in one backend call (:mod:`~colibri_plan.backends.cpu.experts`).
+
+Figures (``bench/cpu_gemv.py --repeats 7 --prefill 16``, ``bench/results/cpu-gemv.json``, a shared
+2-core AVX-512 VNNI VM): GEMVs at trunk / GLM-5.2 expert shapes read weights at 0.97-1.05 (int8),
+0.68-0.75 (int4), 0.81-0.83 (int4-g32), 0.72-0.77 (int4-g64), 0.60-0.64 (int4-g128) of the median RAM
+read bandwidth measured between them (31.1 GB/s); the 1-2 MB matrices of the peer model 0.45-0.77,
+where a call's fixed cost weighs more. The int4 / g64 / g128 figures are of the kernels before
+``q4g``; docs/backends.md ("Figures") has both, and the per-call cost that now holds them back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+
+import numpy as np
+
+from colibri_plan.backends.base import Backend, DeviceInfo, DeviceWeight
+from colibri_plan.backends.cpu.experts import CpuExperts
+from colibri_plan.backends.cpu.layout import (
+    INT_FORMATS,
+    HostWeight,
+    int2_activations,
+    int_layout,
+    layout_kernels,
+    without_rows,
+)
+from colibri_plan.backends.numpy_ref import host_device, host_tensor, matmul_blocks, package_version
+from colibri_plan.backends.reference import HostArrays
+from colibri_plan.errors import BackendUnavailableError, InputError
+from colibri_plan.quant import FORMATS, QuantTensor
+
+# numba's "workqueue" threading layer (used when OpenMP and TBB are missing) must not be entered from
+# two threads at once; one lock per process costs ~100 ns per call, and two concurrent GEMVs on the
+# same cores would not be faster
+_KERNEL_LOCK = threading.Lock()
+_kernels = None
+
+
+def _load_kernels():
+    """Import (and on first use, compile or load from cache) the numba kernels: a namespace holding the
+    functions of ``kernels`` (float), ``qkernels`` (integer, batched experts), ``q4t`` (int4-g32),
+    ``q4g`` (int4-g64/g128, per-row int4 transposed) and ``attention``."""
+    global _kernels
+    if _kernels is None:
+        import types
+
+        from colibri_plan.backends.cpu import attention, kernels, q4g, q4t, qkernels  # heavy: numba
+
+        ns = types.SimpleNamespace()
+        for mod in (kernels, qkernels, q4g, q4t, attention):  # public names differ
+            ns.__dict__.update({k: v for k, v in vars(mod).items() if not k.startswith("__")})
+        _kernels = ns
+    return _kernels
+
+
+#: dynamic chunks of a transposed int4 matmul (q4t's / q4g's 128-row steps): 16, the count its
+#: kernels were measured with; 64 chunks of 128 rows read RAM slower (8 weights of 8192x2048 from RAM,
+#: one token: 25.5 vs 26.8 GB/s, best of 15, three interleaved rounds, shared 2-core host)
+Q4T_CHUNKS = 16
+
+
+def _chunk_setter(numba):
+    """numba's parallel chunk-size setter (returns the previous size): its C entry point once the thread
+    pool runs (0.2 µs a call; ``numba.set_parallel_chunksize`` checks the pool and its argument first,
+    ~3 µs, twice per kernel call), else the checked function."""
+    numba.get_parallel_chunksize()  # starts the pool (what the first parallel kernel would do)
+    try:
+        from numba.np.ufunc import parallel
+        return parallel._set_parallel_chunksize
+    except (ImportError, AttributeError):  # another numba layout: the public function
+        return numba.set_parallel_chunksize
+
+
+def _run_parallel(setchunk, chunk: int, kernel, *args) -> None:
+    """``kernel(*args)`` under the kernel lock with numba's parallel chunk size ``chunk`` (restored after)."""
+    with _KERNEL_LOCK:
+        old = setchunk(chunk)
+        try:
+            kernel(*args)
+        finally:
+            setchunk(old)
+
+
+class CpuBackend(Backend):
+    """numba kernels on every core of the host (see the module docstring); device activations are host
+    arrays (``reference.HostArrays``, with this backend's matmul and attention kernels).
+
+    Args:
+        device: the host DeviceInfo.
+        capacity_bytes: optional cap on held weight bytes (tests); None = unbounded.
+    """
+
+    name = "cpu"
+    formats = FORMATS
+    optional_ops = frozenset({"attention_absorb", "expert_ffn_sum", "rmsnorm_rows"})
+    #: weight bytes × tokens up to which an integer matmul runs serially (qkernels.SERIAL_BYTES;
+    #: 0: always parallel, as bench/cpu_gemv.py --compare-parallel measures)
+    serial_bytes: int = 2 << 20
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            if importlib.util.find_spec("numba") is None:
+                return "numba is not installed (pip install numba)"
+        except (ImportError, ValueError) as exc:
+            return f"numba cannot be found: {exc}"
+        return None
+
+    @classmethod
+    def _devices(cls) -> list[DeviceInfo]:
+        threads = os.environ.get("NUMBA_NUM_THREADS") or str(os.cpu_count() or 1)
+        versions = f"numba {package_version('numba')}, llvmlite {package_version('llvmlite')}"
+        driver = f"{versions}, {threads} threads"
+        return [host_device(cls.name, cls.formats, driver)]
+
+    def __init__(self, device: DeviceInfo, capacity_bytes: int | None = None):
+        self._capacity_bytes = capacity_bytes
+        super().__init__(device)
+
+    def _open(self) -> None:
+        try:
+            self._k = _load_kernels()
+            import numba
+
+            self._numba = numba
+            self._setchunk = _chunk_setter(numba)
+            self._layouts: dict[tuple, tuple] = {}
+            self.serial_bytes = self._k.SERIAL_BYTES
+        except Exception as exc:  # a broken numba/llvmlite install: say why, do not crash later
+            raise BackendUnavailableError(f"cpu backend unavailable: numba failed to import: {exc}") from exc
+        # parts: host arrays as device activations (this backend's matmul; attention and RMSNorm are its
+        # kernels, below), the batched routed experts (expert_ffn's hook and the one-call decode sum)
+        self.bind(HostArrays(self), [h for h in HostArrays.HOOKS if h not in ("_d_attention", "_d_rmsnorm")])
+        self.bind(CpuExperts(self), ("_expert_ffn", "expert_ffn_sum"))
+
+    def capacity_bytes(self) -> int | None:
+        return self._capacity_bytes
+
+    def _upload(self, qt: QuantTensor) -> HostWeight:
+        qt = host_tensor(qt)
+        if qt.fmt not in INT_FORMATS:
+            return HostWeight(qt)
+        hw = int_layout(qt, self._k)
+        kernel, serial, gate_up, down = layout_kernels(self._k, hw)
+        key = (qt.fmt, hw.data3.shape, hw.fold)
+        key = self._layouts.setdefault(key, key)  # one object per layout: batches compare keys by identity
+        if hw.fold:  # the kernels read the transposed copy only: do not keep the packed rows alive too
+            qt = without_rows(qt)
+        return hw._replace(qt=qt, kernel=kernel, serial=serial, key=key, experts=(gate_up, down))
+
+    def _xq(self, x: np.ndarray, hw: HostWeight):
+        """Activations of x float32 [T, in] for ``hw``'s kernel: int8 (xq3 [T, blocks, bb], sx [T]);
+        int4 blocked (xe3, xo3 [T, blocks, bb], sx [T], xsum int32 [T, groups]) or transposed (xe4, xo4
+        [T, C, J, L], sx [T], Σ xq per lane int32 [T, C·L])."""
+        T = x.shape[0]
+        blocks, bb = hw.data3.shape[1], hw.data3.shape[-1]
+        sx = np.empty(T, np.float32)
+        if hw.qt.fmt == "int8":
+            xq = np.empty((T, hw.cols), np.int16)
+            self._k.quant_x8(x, xq, sx)
+            return xq.reshape(T, blocks, bb), sx
+        if hw.fold:  # activations in the weight's lanes [T, C, J, L], with Σ xq per lane [T, C·L]
+            xe4 = np.empty((T, *hw.data3.shape[1:]), np.int16)
+            xo4 = np.empty_like(xe4)
+            xsl = np.empty((T, hw.data3.shape[1] * hw.data3.shape[3]), np.int32)
+            self._k.quant_x4t(x, hw.cols // hw.group, hw.fold, xe4, xo4, sx, xsl)
+            return xe4, xo4, sx, xsl
+        xe = np.empty((T, hw.cols // 2), np.int16)
+        xo = np.empty((T, hw.cols // 2), np.int16)
+        xsum = np.empty((T, hw.cols // hw.group), np.int32)
+        self._k.quant_x4(x, hw.group, xe, xo, sx, xsum)
+        return xe.reshape(T, blocks, bb), xo.reshape(T, blocks, bb), sx, xsum
+
+    def _matmul(self, x: np.ndarray, w: DeviceWeight) -> np.ndarray:
+        hw: HostWeight = w.payload
+        qt = hw.qt
+        if hw.kernel is None:  # float formats, int2
+            if qt.fmt != "int2":
+                return matmul_blocks(x, qt)  # the numpy backend's float32 BLAS path
+            y = np.empty((x.shape[0], qt.out_features), np.float32)  # [T, out]
+            x0, d1, d2, d3, xsum = int2_activations(x, qt.data.shape[1])
+            self._par(qt.out_features, self._k.q2_matmul, qt.data, qt.scales, x0, d1, d2, d3, xsum, y)
+            return y
+        y = np.empty((x.shape[0], qt.out_features), np.float32)  # [T, out]
+        xa = self._xq(x, hw)
+        if hw.serial is not None and qt.nbytes * x.shape[0] <= self.serial_bytes:
+            hw.serial(hw.data3, hw.scales2, *xa, y)  # small: this thread, no pool wake-up, no lock
+            return y
+        self._par(-(-qt.out_features // self._step_rows(hw)), hw.kernel, hw.data3, hw.scales2, *xa, y,
+                  chunks=Q4T_CHUNKS if hw.fold else 64)
+        return y
+
+    def _par(self, iterations: int, kernel, *args, chunks: int = 64) -> None:
+        """``kernel(*args)`` under the process lock, its ``iterations`` prange steps scheduled dynamically
+        in ``chunks`` chunks (64: one 32-row tile for a 2048-row weight): a core that is descheduled on a
+        shared machine then stalls one chunk, not half the rows (measured 34 vs 29 GB/s with static
+        halves on an idle 2-core host)."""
+        _run_parallel(self._setchunk, max(1, iterations // chunks), kernel, *args)
+
+    def rmsnorm_rows(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """The engine's float32 RMSNorm (``engine/attention.rmsnorm``: x / sqrt(Σx²/H + eps) · weight,
+        Σx² in numpy's pairwise order) of each row of x float32 [R, H] in one kernel call
+        (``kernels.rms_norm``), bit for bit; weight float32 [H], [1, H] or [R, H]. Returns a new
+        float32 [R, H].
+
+        Raises:
+            InputError: x not 2-D, or a weight that does not broadcast over its rows.
+        """
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        w = np.ascontiguousarray(weight, dtype=np.float32)
+        w = w.reshape(1, -1) if w.ndim == 1 else w
+        if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1] or w.shape[0] not in (1, x.shape[0]):
+            raise InputError(f"rmsnorm_rows: x must be [R, H] and weight [H], [1, H] or [R, H]; got "
+                             f"{np.shape(x)}, {np.shape(weight)}")
+        out = np.empty_like(x)
+        self._k.rms_norm(x, w, np.float32(eps), out)
+        return out
+
+    def _step_rows(self, hw: HostWeight) -> int:
+        """Output rows one prange step of ``hw``'s kernels covers: q4t's TILE_ROWS (128) for the
+        transposed int4 layouts (q4g's too), qkernels' ROW_TILE (32) for the blocked ones; the
+        chunk count of :meth:`_par` holds only if its iterations are counted in the kernel's own steps."""
+        return self._k.TILE_ROWS if hw.fold else self._k.ROW_TILE
+
+    def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
+        out = np.empty_like(q_abs)  # [H, R], one head per parallel step
+        self._par(64, self._k.attention_absorb, q_abs, q_rope, latent, k_rope, np.float32(scale), out)
+        return out
+
+    def _d_rmsnorm(self, x, weight, eps: float):
+        # one kernel call for every row, the numpy formula's bits (rmsnorm_rows)
+        out = np.empty(x.shape, np.float32)  # [N, d]
+        self._k.rms_norm(HostArrays._host(x), HostArrays._host(weight).reshape(1, -1), np.float32(eps), out)
+        return out
+
+    def _d_attention(self, q, k, v, n_keys: int, pos0: int, scale: float, window: int):
+        qq, kk, vv = (HostArrays._host(a) for a in (q, k, v))  # [T, Hq, d], [C, Hkv, d] x2
+        out = np.empty((qq.shape[0], qq.shape[1] * qq.shape[2]), np.float32)  # [T, Hq·d]
+        self._par(qq.shape[0] * qq.shape[1], self._k.gqa_attention, qq, kk, vv, n_keys, pos0,
+                  np.float32(scale), window, out)
+        return out
+
+
+BACKEND = CpuBackend

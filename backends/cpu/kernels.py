@@ -1,0 +1,201 @@
+"""Float numba kernels of the ``cpu`` backend: int2 GEMM, MLA decode attention and the RAM probe
+(imported only when that backend is opened; int8/int4 are in ``qkernels``).
+
+Every kernel is ``parallel=True`` over output rows (one contiguous block of rows per core) and
+``fastmath=True`` so LLVM vectorises the inner byte loop (AVX2/AVX-512 where the CPU has it). Compiled
+code is cached on disk (``cache=True``) beside this file, or in numba's user cache when that is
+read-only, so only the first run on a machine pays the compile time.
+
+The unpacking trick of ``q2_matmul``, shown on int4 (where it started): a byte ``b`` holding two codes
+``lo = b & 15`` and ``hi = b >> 4`` contributes ``lo·x0 + hi·x1``. With ``f = float(b)`` and
+``hi = floor(f / 16)`` (exact for 0 ≤ b < 256), ``lo = f − 16·hi``, so
+
+    lo·x0 + hi·x1 = f·x0 + hi·(x1 − 16·x0) = f·xe + hi·xd
+
+with ``xe = x[0::2]`` and ``xd = x[1::2] − 16·x[0::2]`` prepared once per call. The inner loop is then
+one byte→float conversion, one multiply-round and two FMAs per byte, all on 16 float lanes; integer
+nibble masking would be promoted to 64-bit lanes by numba's integer typing and run at half the speed.
+The zero code is removed once per group: Σ (code − 8)·x = Σ code·x − 8·Σ x. int2 uses the same
+idea with four planes (``floor(f/4)``, ``floor(f/16)``, ``floor(f/64)``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from numba import njit, prange
+
+# OpenMP threads that sleep instead of spin between kernels, unless the user chose: on the shared
+# 2-core host, spinning barriers made the int4 GEMV collapse (0.4-0.8 GB/s instead of 18) whenever
+# other processes were busy; sleeping costs up to ~1.5x on an idle machine, where
+# OMP_WAIT_POLICY=active gets it back (docs/backends.md). Read once, when numba starts its OpenMP
+# pool (first parallel call), so set here, before any kernel runs.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+_F16 = np.float32(1.0 / 16.0)
+_F4 = np.float32(0.25)
+_F64 = np.float32(1.0 / 64.0)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def q2_matmul(data, scales, x0, d1, d2, d3, xsum, y):
+    """int2 GEMM with per-row scales: y [T, out] = x · Wᵀ.
+
+    data uint8 [out, nb] (four 2-bit codes per byte, low bits first); scales float32 [out];
+    x0 = x[0::4], d1 = x[1::4] − 4·x[0::4], d2 = x[2::4] − 4·x[1::4], d3 = x[3::4] − 4·x[2::4], each
+    float32 [T, nb]; xsum float32 [T]; y float32 [T, out] written in place.
+    """
+    out, nbytes = data.shape
+    T = x0.shape[0]
+    for r in prange(out):
+        row = data[r]
+        for t in range(T):
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            for j in range(nbytes):
+                f = np.float32(row[j])
+                a0 += f * x0[t, j]
+                a1 += np.floor(f * _F4) * d1[t, j]
+                a2 += np.floor(f * _F16) * d2[t, j]
+                a3 += np.floor(f * _F64) * d3[t, j]
+            y[t, r] = (a0 + a1 + a2 + a3 - np.float32(2.0) * xsum[t]) * scales[r]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def read_sum(a):
+    """Σ of a float32 [chunks, n] array, one chunk per prange step: RAM read bandwidth with all cores
+    (the benchmark's yardstick for what bounds CPU GEMV)."""
+    parts = np.zeros(a.shape[0], np.float32)
+    for c in prange(a.shape[0]):
+        s = np.float32(0.0)
+        for i in range(a.shape[1]):
+            s += a[c, i]
+        parts[c] = s
+    return parts.sum()
+
+
+@njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)
+def attention_absorb(q_abs, q_rope, latent, k_rope, scale, out):
+    """Absorbed MLA decode attention, one head per prange step: q_abs [H, R], q_rope [H, Dr], latent
+    [T, R], k_rope [T, Dr] float32; out float32 [H, R] written in place with
+    Σ_t softmax_t(scale · (q_abs[h]·latent[t] + q_rope[h]·k_rope[t])) · latent[t]. Dot products and the
+    weighted sum vectorise over R (reassociation only: infinities and NaNs keep their meaning)."""
+    H, R = q_abs.shape
+    T, Dr = k_rope.shape
+    for h in prange(H):
+        s = np.empty(T, np.float32)
+        m = -np.inf
+        for t in range(T):
+            acc = np.float32(0.0)
+            for r in range(R):
+                acc += q_abs[h, r] * latent[t, r]
+            for d in range(Dr):
+                acc += q_rope[h, d] * k_rope[t, d]
+            s[t] = acc * scale
+            m = max(m, s[t])
+        total = 0.0
+        for t in range(T):
+            s[t] = np.exp(s[t] - m)
+            total += s[t]
+        o = out[h]
+        o[:] = 0.0
+        for t in range(T):
+            p = s[t]
+            for r in range(R):
+                o[r] += p * latent[t, r]
+        inv = np.float32(1.0 / total)
+        for r in range(R):
+            o[r] *= inv
+
+
+@njit(cache=True)
+def weighted_sum(y, gates, t, out):
+    """out [t, H] = Σ_i gates[i] · y[i·t : (i + 1)·t] (y float32 [n·t, H], gates float32 [n]): zero, then
+    each expert's product added in order, every operation rounded to float32 (no fast-math, so no fused
+    multiply-add): the engine's ``out += y_i · g_i`` (engine/moe.py ``scatter_sum``), bit for bit."""
+    for r in range(t):
+        for j in range(out.shape[1]):
+            out[r, j] = np.float32(0.0)
+        for i in range(gates.shape[0]):
+            g = gates[i]
+            for j in range(out.shape[1]):
+                out[r, j] = out[r, j] + y[i * t + r, j] * g
+
+
+@njit(cache=True)
+def _pairwise_block(a, lo, n):
+    """Σ a[lo : lo + n], n ≤ 128, as numpy's ``pairwise_sum`` sums a block: under 8 terms in order, else
+    8 interleaved partial sums combined as ((0+1)+(2+3))+((4+5)+(6+7)), then the tail in order."""
+    if n < 8:
+        res = np.float32(0.0)
+        for i in range(n):
+            res = res + a[lo + i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    while i < n - n % 8:
+        r0, r1, r2, r3 = r0 + a[lo + i], r1 + a[lo + i + 1], r2 + a[lo + i + 2], r3 + a[lo + i + 3]
+        r4, r5, r6, r7 = r4 + a[lo + i + 4], r5 + a[lo + i + 5], r6 + a[lo + i + 6], r7 + a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res = res + a[lo + i]
+        i += 1
+    return res
+
+
+@njit(cache=True)
+def _pairwise(a, n):
+    """Σ a[:n] (float32, 1-D) as numpy sums a contiguous float32 row: blocks of ≤ 128 terms
+    (:func:`_pairwise_block`), a longer span split at n/2 rounded down to a multiple of 8, left + right.
+    Walked with an explicit stack (a recursive function loaded from numba's disk cache crashes)."""
+    if n <= 128:
+        return _pairwise_block(a, 0, n)
+    los = np.empty(64, np.int64)  # span start, length and state (0: new, 1: left done, 2: both done)
+    lens = np.empty(64, np.int64)
+    state = np.zeros(64, np.int64)
+    vals = np.empty(64, np.float32)  # finished spans' sums, left before right
+    los[0], lens[0], sp, vp = 0, n, 1, 0
+    while sp > 0:
+        top = sp - 1
+        lo, m = los[top], lens[top]
+        if m <= 128:
+            vals[vp] = _pairwise_block(a, lo, m)
+            vp += 1
+            sp -= 1
+            continue
+        half = m // 2 - (m // 2) % 8
+        if state[top] == 0:  # the left half first
+            state[top] = 1
+            los[sp], lens[sp], state[sp] = lo, half, 0
+            sp += 1
+        elif state[top] == 1:  # then the right half
+            state[top] = 2
+            los[sp], lens[sp], state[sp] = lo + half, m - half, 0
+            sp += 1
+        else:  # both done: left + right
+            vals[vp - 2] = vals[vp - 2] + vals[vp - 1]
+            vp -= 1
+            sp -= 1
+    return vals[0]
+
+
+@njit(cache=True)
+def rms_norm(x, w, eps, out):
+    """out [R, H] = x / sqrt(Σx² / H + eps) · w per row: x float32 [R, H], w float32 [R, H] or [1, H]
+    (broadcast), eps float32. Every step rounded to float32 as the engine's numpy ``rmsnorm``
+    (engine/attention.py) rounds it, Σx² summed in numpy's pairwise order (no fast-math): the same
+    bits in one call instead of seven numpy calls."""
+    h = x.shape[1]
+    sq = np.empty(h, np.float32)
+    for r in range(x.shape[0]):
+        for j in range(h):
+            sq[j] = x[r, j] * x[r, j]
+        s = np.sqrt(_pairwise(sq, h) / np.float32(h) + eps)
+        wr = r if w.shape[0] > 1 else 0
+        for j in range(h):
+            out[r, j] = (x[r, j] / s) * w[wr, j]
