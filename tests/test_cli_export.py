@@ -18,8 +18,8 @@ def test_export_llama_cpp_out_writes_the_command(files, tmp_path):
     if not (files / "plan.json").is_file():
         solve_json(files, "--ram", "1.5", "--out", files / "plan.json")
     gguf = tmp_path / "fx.gguf"
-    r = invoke("export", files / "plan.json", "--to", "llama.cpp", "--out", tmp_path / "cmd.txt", "--gguf", gguf,
-               "--json")
+    r = invoke("export", files / "plan.json", "--to", "llama.cpp", "--out", tmp_path / "cmd.txt",
+               "--gguf", gguf, "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     line = (tmp_path / "cmd.txt").read_text()

@@ -27,7 +27,8 @@ def test_synth_of_the_issue_machine_labels_every_figure(tmp_path):
     assert prof.doc["figures"] == doc["figures"] and doc["profile_file"] == str(tmp_path / "m.json")
     assert prof.ram_available_bytes() == int(64e9 * 0.96) and prof.doc["machine"]["ram_total_bytes"] == 64e9
     gpu = prof.gpus()
-    assert [(g["backend"], g["total_memory_bytes"], g["unified_memory"]) for g in gpu] == [("cuda", 24e9, False)]
+    assert [(g["backend"], g["total_memory_bytes"], g["unified_memory"]) for g in gpu] == \
+        [("cuda", 24e9, False)]
     # a Gen4 drive's published 7.0 GB/s, 35% of it at queue depth 1 (assumed), 85% at depth 8
     assert prof.disk_read_gbps(1) == pytest.approx(2.45) and prof.disk_read_gbps(8) == pytest.approx(5.95)
     assert prof.h2d_gbps("cuda", 0) == pytest.approx(31.5 * 0.85)        # PCIe 4.0 x16, not stated

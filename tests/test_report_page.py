@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -144,7 +146,7 @@ def test_page_renders_in_headless_chromium_without_console_errors(planned, tmp_p
 
 
 #: injected into a copy of the page (the page itself has no script): every element whose right edge passes
-#: the viewport, unless a scrolling ancestor inside the viewport clips it, written into the DOM
+#: the viewport, unless a scrolling ancestor inside the viewport clips it, posted to the frame's parent
 _OVERFLOW_JS = """<script>addEventListener('load', () => {
   const vw = document.documentElement.clientWidth, bad = [];
   for (const el of document.body.querySelectorAll('*')) {
@@ -158,26 +160,31 @@ _OVERFLOW_JS = """<script>addEventListener('load', () => {
     }
     if (!clipped) bad.push(el.tagName + '.' + el.className + ':' + Math.round(r.right));
   }
-  const out = document.createElement('pre');
-  out.id = 'overflow';
-  out.textContent = 'OVERFLOW[' + vw + '|' + document.documentElement.scrollWidth + '|' + bad.join(',') + ']';
-  document.body.appendChild(out);
+  parent.postMessage('OVERFLOW[' + vw + '|' + document.documentElement.scrollWidth + '|' + bad.join(',')
+                     + ']', '*');
 });</script>"""
+#: headless Chromium's window is at least 500 px wide: a phone's width is an iframe of that width in it
+_FRAME = """<!DOCTYPE html><html><body style="margin:0"><iframe src="{src}" style="border:0;width:{w}px;
+height:2400px"></iframe><script>addEventListener('message', e => {{ const p = document.createElement('pre');
+p.textContent = e.data; document.body.appendChild(p); }});</script></body></html>"""
 
 
 def _overflow(page_html: str, tmp_path, width: int) -> tuple[int, int, list[str]]:
-    """(viewport width, page scroll width, overflowing elements) of ``page_html`` in headless Chromium at
-    ``width`` CSS px; a screenshot of that width is left as ``tmp_path / f"shot-{width}.png"``."""
-    page = tmp_path / f"check-{width}.html"
-    page.write_text(page_html.replace("</body>", _OVERFLOW_JS + "</body>"))
+    """(viewport width, page scroll width, overflowing elements) of ``page_html`` in headless Chromium in a
+    frame ``width`` CSS px wide; a screenshot of ``tmp_path / "report.html"`` in such a frame is left as
+    ``tmp_path / f"shot-{width}.png"``."""
+    (tmp_path / f"check-{width}.html").write_text(page_html.replace("</body>", _OVERFLOW_JS + "</body>"))
+    for name, src in (("frame", f"check-{width}.html"), ("view", "report.html")):
+        (tmp_path / f"{name}-{width}.html").write_text(_FRAME.format(src=src, w=width))
     args = [_chromium(), "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars",
             f"--user-data-dir={tmp_path / f'profile-{width}'}", f"--window-size={width},2400",
             "--virtual-time-budget=5000"]
-    dom = subprocess.run([*args, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    dom = subprocess.run([*args, "--dump-dom", (tmp_path / f"frame-{width}.html").as_uri()],
+                         capture_output=True, text=True, timeout=120)
     m = re.search(r"OVERFLOW\[(\d+)\|(\d+)\|([^\]]*)\]", dom.stdout)
     assert m, dom.stderr[-2000:]
     subprocess.run([*args, f"--screenshot={tmp_path / f'shot-{width}.png'}",
-                    (tmp_path / "report.html").as_uri()], capture_output=True, timeout=120)
+                    (tmp_path / f"view-{width}.html").as_uri()], capture_output=True, timeout=120)
     return int(m.group(1)), int(m.group(2)), [b for b in m.group(3).split(",") if b]
 
 
@@ -191,6 +198,9 @@ def test_no_element_overflows_the_viewport(planned, tmp_path, width):
     vw, scroll, bad = _overflow(page.read_text(), tmp_path, width)
     assert abs(vw - width) <= 20          # the viewport is the asked width (less a scroll bar)
     assert bad == [] and scroll <= vw, (bad, scroll, vw)
+    keep = os.environ.get("COLIBRI_REPORT_SHOTS")   # a folder to keep the screenshots in, to look at
+    if keep:
+        shutil.copy(tmp_path / f"shot-{width}.png", Path(keep) / f"report-{width}.png")
     assert (tmp_path / f"shot-{width}.png").read_bytes().startswith(PNG_MAGIC)
 
 

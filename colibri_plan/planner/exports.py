@@ -194,9 +194,10 @@ def colibri_tiers(plan: Plan, data: dict) -> tuple[np.ndarray, np.ndarray]:
 
 def colibri_plan_command(plan_path: str, pack: str) -> str:
     """The line that runs the plan on the bundled engine: ``colibri-plan run --plan PLAN --model PACK``
-    with a short prompt (token ids: the command line's own input)."""
+    with a chat prompt as text (the pack's tokenizer files, which `model pack` copies from the checkpoint;
+    `colibri-plan serve` takes the same --model and --plan for the OpenAI API)."""
     return (f"colibri-plan run --plan {shlex.quote(plan_path)} --model {shlex.quote(pack)} "
-            "--prompt-ids 1,2,3,4 --tokens 64")
+            "--chat --prompt Hello --tokens 64")
 
 
 def trunk_devices(trunk) -> list[str]:
