@@ -27,7 +27,6 @@ from colibri_plan.errors import (
     ColibriError,
     DeviceOutOfMemoryError,
     InputError,
-    UnsupportedError,
 )
 from colibri_plan.quant import FORMATS, QuantTensor
 
@@ -138,12 +137,6 @@ class Backend(DeviceOps):
         """Default host rmsnorm in float32 (x [T, H], weight [H])."""
         ms = np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True)
         return (x / np.sqrt(ms + eps)).astype(np.float32) * weight.astype(np.float32)
-
-    def _attention_absorb(self, q_abs: np.ndarray, q_rope: np.ndarray, latent: np.ndarray,
-                          k_rope: np.ndarray, scale: float) -> np.ndarray:
-        """Absorbed MLA decode attention (see :meth:`attention_absorb`); inputs checked, C-contiguous
-        float32. Default: no kernel here."""
-        raise UnsupportedError(f"{self.name} has no attention_absorb kernel")
 
     def _free(self, w: DeviceWeight) -> None:
         """Release the payload's device memory."""
@@ -267,39 +260,6 @@ class Backend(DeviceOps):
         if x.ndim != 2 or weight.shape != (x.shape[1],):
             raise InputError(f"rmsnorm: x must be [T, H] and weight [H]; got {x.shape}, {weight.shape}")
         return self._timed_op(self._rmsnorm(x, weight, float(eps)))
-
-    def attention_absorb(self, q_abs: np.ndarray, q_rope: np.ndarray, latent: np.ndarray,
-                         k_rope: np.ndarray, scale: float) -> np.ndarray:
-        """Weight-absorbed MLA decode attention over a cache of T compressed rows, shared by all heads.
-
-        ``s[h, t] = scale · (q_abs[h] · latent[t] + q_rope[h] · k_rope[t])``, ``p = softmax_t(s)``
-        (every row visible: causal masking is the caller's), ``out[h] = Σ_t p[h, t] · latent[t]``.
-
-        Args:
-            q_abs: float32 [H, R], the query with W_kv_b's key half absorbed (R = kv_lora_rank).
-            q_rope: float32 [H, Dr], the rotary part of the query (Dr = qk_rope_head_dim).
-            latent: float32 [T, R], the cached kv latent rows (after kv_a_layernorm), T ≥ 1.
-            k_rope: float32 [T, Dr], the cached rotary key rows.
-            scale: softmax scale (finite float).
-
-        Returns:
-            out float32 [H, R] (host array). Inputs of another float dtype are converted.
-
-        Raises:
-            InputError: shapes that do not match, an empty dimension, a non-finite scale.
-            UnsupportedError: this backend (or device) has no kernel for it.
-        """
-        self._check_open()
-        q_abs, q_rope, latent, k_rope = (np.ascontiguousarray(a, dtype=np.float32)
-                                         for a in (q_abs, q_rope, latent, k_rope))
-        shapes = [a.shape for a in (q_abs, q_rope, latent, k_rope)]
-        if not (all(len(s) == 2 and min(s) > 0 for s in shapes) and q_abs.shape[0] == q_rope.shape[0]
-                and latent.shape == (k_rope.shape[0], q_abs.shape[1]) and k_rope.shape[1] == q_rope.shape[1]):
-            raise InputError("attention_absorb: q_abs must be [H, R], q_rope [H, Dr], latent [T, R] and "
-                             f"k_rope [T, Dr], all non-empty; got {', '.join(map(str, shapes))}")
-        if not isinstance(scale, (int, float, np.floating, np.integer)) or not np.isfinite(scale):
-            raise InputError(f"attention_absorb: scale must be a finite number, got {scale!r}")
-        return self._timed_op(self._attention_absorb(q_abs, q_rope, latent, k_rope, float(scale)))
 
     # ---- timed calls ---------------------------------------------------------------------------
     def timed(self, op: Callable, *args, repeats: int = 5) -> list[float]:

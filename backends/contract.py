@@ -60,8 +60,6 @@ from colibri_plan.quant import QuantTensor
 #: optional ops: name -> what it is. A backend lists those it has in its class's ``optional_ops``;
 #: ``Backend.supports(name)`` answers from that declaration (ggml's ``supports_op``), never by probing.
 OPTIONAL_OPS = {
-    "attention_absorb": "absorbed MLA decode attention on host arrays, with a kernel (not the "
-                        "UnsupportedError default)",
     "d_expert_ffn_rows": "a prefill's routed experts on the device x, each on its own tokens' rows (CUDA)",
     "expert_ffn_sum": "a decode step's routed sum in one call on host arrays (cpu)",
     "rmsnorm_rows": "the engine's float32 RMSNorm of each row, bit for bit, in one call (cpu)",
@@ -89,9 +87,6 @@ class ComputeBackend(Protocol):
     # each x_i [T_i, H] -> down_i(SiLU(gate_i x_i) · up_i x_i) [T_i, H]; gate/up [I, H], down [H, I]
     def expert_ffn(self, xs: Sequence[np.ndarray], experts: Sequence[ExpertWeights]) -> list[np.ndarray]: ...
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float = 1e-6) -> np.ndarray: ...  # [T, H], [H]
-    # q_abs [H, R], q_rope [H, Dr], latent [T, R], k_rope [T, Dr] -> [H, R] (optional: a kernel)
-    def attention_absorb(self, q_abs: np.ndarray, q_rope: np.ndarray, latent: np.ndarray,
-                         k_rope: np.ndarray, scale: float) -> np.ndarray: ...
     def timed(self, op: Callable, *args, repeats: int = 5) -> list[float]: ...  # seconds a call, synced
     def last_gpu_seconds(self) -> float | None: ...  # the device's time of the last op, if measured
     def free(self, w: DeviceWeight) -> None: ...

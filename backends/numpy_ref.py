@@ -4,7 +4,8 @@ Weights stay quantized in host memory (upload keeps a reference to the QuantTens
 each matmul dequantizes a block of rows at a time with :func:`colibri_plan.quant.dequantize` and
 multiplies it with float32 BLAS, so the memory held is what the accounting says (the packed bytes) plus
 one block of at most ``BLOCK_BYTES`` of float32 scratch. Device activations are host arrays
-(:class:`~colibri_plan.backends.reference.HostArrays`); MLA attention is the float64 reference.
+(:class:`~colibri_plan.backends.reference.HostArrays`); attention, GQA and MLA's alike, is the float64
+reference.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from importlib import metadata
 import numpy as np
 
 from colibri_plan.backends.base import Backend, DeviceInfo, DeviceWeight
-from colibri_plan.backends.reference import HostArrays, attention_absorb_ref
+from colibri_plan.backends.reference import HostArrays
 from colibri_plan.meminfo import host_memory
 from colibri_plan.quant import FORMATS, QuantTensor, dequantize
 
@@ -82,7 +83,6 @@ class NumpyBackend(Backend):
 
     name = "numpy"
     formats = FORMATS
-    optional_ops = frozenset({"attention_absorb"})
 
     def __init__(self, device: DeviceInfo, capacity_bytes: int | None = None):
         self._capacity_bytes = capacity_bytes
@@ -107,9 +107,6 @@ class NumpyBackend(Backend):
 
     def _matmul(self, x: np.ndarray, w: DeviceWeight) -> np.ndarray:
         return matmul_blocks(x, w.payload)
-
-    def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
-        return attention_absorb_ref(q_abs, q_rope, latent, k_rope, scale)
 
 
 def _blas() -> str:

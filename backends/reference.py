@@ -1,9 +1,9 @@
 """The numpy reference of the contract's ops, and :class:`HostArrays`, the device-activation hooks on host
 arrays that the host backends (``numpy``, ``cpu``) and Metal (shared memory) bind.
 
-The functions here are what every kernel is compared with (the cross-backend oracles); attention and the
-absorbed MLA attention compute in float64 and cast. Shapes and the mask rules are those of
-:mod:`colibri_plan.backends.contract`.
+The functions here are what every kernel is compared with (the cross-backend oracles); attention (GQA,
+and MLA's on its latent cache: one kv head) computes in float64 and casts. Shapes and the mask rules are
+those of :mod:`colibri_plan.backends.contract`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 
 from colibri_plan.backends.handles import DArray
 
-__all__ = ["HostArrays", "attention_absorb_ref", "attention_ref", "rope_ref", "rope_table", "silu_mul_ref"]
+__all__ = ["HostArrays", "attention_ref", "rope_ref", "rope_table", "silu_mul_ref"]
 
 
 def silu_mul_ref(g: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -75,18 +75,6 @@ def attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_keys: int, pos0
     p /= p.sum(axis=-1, keepdims=True)
     out = np.matmul(p, vv[:, None])  # [Hkv, g, T, d]
     return out.reshape(hq, t, d).transpose(1, 0, 2).reshape(t, hq * d).astype(np.float32)
-
-
-def attention_absorb_ref(q_abs: np.ndarray, q_rope: np.ndarray, latent: np.ndarray, k_rope: np.ndarray,
-                         scale: float) -> np.ndarray:
-    """``attention_absorb`` in float64, cast to float32 (``engine/mla.py`` keeps an identical copy):
-    q_abs [H, R], q_rope [H, Dr], latent [T, R], k_rope [T, Dr] -> out [H, R] with
-    out[h] = Σ_t p[h, t] · latent[t], p[h] = softmax_t(scale · (q_abs[h]·latent[t] + q_rope[h]·k_rope[t]))."""
-    lat = np.asarray(latent, np.float64)
-    s = scale * (np.asarray(q_abs, np.float64) @ lat.T + np.asarray(q_rope, np.float64)
-                 @ np.asarray(k_rope, np.float64).T)  # [H, T]
-    p = np.exp(s - s.max(axis=1, keepdims=True))
-    return ((p / p.sum(axis=1, keepdims=True)) @ lat).astype(np.float32)
 
 
 class HostArrays:

@@ -63,13 +63,13 @@ def padded_layout(qt: QuantTensor, multiple: int = 128) -> tuple[np.ndarray, np.
     return data, scales, in_pad
 
 
-def pack(arrays: Sequence[np.ndarray], alloc: Callable[[int], np.ndarray] | None = None, head: int = 0
+def pack(arrays: Sequence[np.ndarray], alloc: Callable[[int], np.ndarray] | None = None
          ) -> tuple[np.ndarray, list[int]]:
     """Several host inputs of one op in one float32 buffer (one copy to the device, one binding; kernels
-    get the offsets): float32 ``arrays`` one after another after ``head`` spare floats (a header), each
-    at a 16-byte boundary. ``alloc(n)`` gives the float32 view to fill, of n floats (mapped or shared
-    memory); default a new array. Gaps are left as they are. Returns (the view, float offsets)."""
-    offs, n = [], head
+    get the offsets): float32 ``arrays`` one after another, each at a 16-byte boundary. ``alloc(n)``
+    gives the float32 view to fill, of n floats (mapped or shared memory); default a new array. Gaps are
+    left as they are. Returns (the view, float offsets)."""
+    offs, n = [], 0
     for a in arrays:
         n = -(-n // 4) * 4
         offs.append(n)

@@ -20,8 +20,11 @@ BASE_SRC=${BASE_SRC:-.carry/base-src}
 mkdir -p "$OUT" "$WORK"
 case "${STEP:-bench}" in
 bench)
-  [ -x /tmp/vbase/bin/python ] || { python3 -m venv --system-site-packages /tmp/vbase &&
-    /tmp/vbase/bin/python -m pip install -q --no-deps --no-build-isolation --no-index "$BASE_SRC"; }
+  # the earlier install in a folder of its own, first on the path (a venv would hide the user site's numpy)
+  [ -x /tmp/vbase/bin/python ] || { python3 -m pip install -q --no-deps --no-build-isolation --no-index \
+    --target /tmp/vbase/site "$BASE_SRC" && mkdir -p /tmp/vbase/bin &&
+    printf '#!/bin/sh\nPYTHONPATH=/tmp/vbase/site${PYTHONPATH:+:$PYTHONPATH} exec python3 "$@"\n' \
+      > /tmp/vbase/bin/python && chmod +x /tmp/vbase/bin/python; }
   [ -f "$WORK/fixture/pack.json" ] || python3 bench/h200_trunk.py fixture "$WORK/fixture" --layers "$LAYERS" \
     --experts 32 --width 768 --hidden 2048 --vocab 32000
   python3 bench/engine_before_after.py --before /tmp/vbase/bin/python --after python3 --backend cuda \

@@ -163,7 +163,8 @@ class ResidencyManager(StreamedExperts):
         """Split a layer's chosen experts for a device trunk on ``backend``: the ones in VRAM on that very
         backend run on the trunk's device x (``d_expert_ffn``), the rest through :meth:`run` with
         ``observed=True``. Counts the routing of all (re-pinning, which may swap tiers, runs first) and
-        a "vram" use per local one; their seconds come back through :meth:`add_local_seconds`.
+        a "vram" use per local one; their seconds come back through :meth:`add_local_seconds`. ``xs[i]``:
+        expert i's token rows, or any sequence of their length (only the row counts are read here).
 
         Returns:
             ([(position in expert_ids, device key, ExpertWeights)] of the local ones, [positions of the

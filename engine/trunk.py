@@ -250,8 +250,9 @@ class Trunk:
         if split is None or (T != 1 and rows_op is None):  # all through the provider
             return be.d_put(routed_experts(xh, i, a, m.dense, m.experts, m.routing))
         uniq, tok_of, gates = route_tokens(xh, i, a, m.dense, m.routing)  # decode: tok_of[j] == [0]
-        xs = [xh] * len(uniq) if T == 1 else [np.ascontiguousarray(xh[t]) for t in tok_of]  # [T_j, H] each
-        local, rest = split(i, uniq, xs, be)
+        # the split reads only each expert's row count: rows are gathered for the host's experts alone (a
+        # prefill's gather of every expert's rows cost more than the device's experts did)
+        local, rest = split(i, uniq, [xh] * len(uniq) if T == 1 else tok_of, be)
         y = None
         if local:
             timed = sampled or T != 1  # a prefill's local experts are timed on their own (not per token)
@@ -273,8 +274,8 @@ class Trunk:
             for k in sorted(set(keys)):  # one device key but for aliases of one backend
                 m.experts.add_local_seconds(k, per_expert * keys.count(k))
         if rest:
-            ys = m.experts.run(i, [uniq[j] for j in rest], [xs[j] for j in rest], [gates[j] for j in rest],
-                               observed=True)
+            xs = [xh if T == 1 else np.ascontiguousarray(xh[tok_of[j]]) for j in rest]  # [T_j, H] each
+            ys = m.experts.run(i, [uniq[j] for j in rest], xs, [gates[j] for j in rest], observed=True)
             host = be.d_put(scatter_sum(xh, [tok_of[j] for j in rest], ys))  # [T, H] up once
             y = host if y is None else be.d_add(y, host)
         return y

@@ -154,7 +154,7 @@ def device_cupy(sim: Sim):
 
         def __call__(self, grid, block, args, shared_mem=0):
             name = self.__name__
-            if name in ("rmsnorm", "attention_absorb") and not isinstance(args[0], np.uint64):
+            if name == "rmsnorm" and not isinstance(args[0], np.uint64):
                 return self.fallback(grid, block, args, shared_mem=shared_mem)  # the host-staged path
             if name == "attention_gqa":
                 op = lambda: _attention_sim(sim, grid, block, shared_mem, args)  # noqa: E731

@@ -1,9 +1,9 @@
 """The CUDA device-activation kernels (``shaders/cuda/attention.cu`` attention_gqa/attention_combine,
 ``shaders/cuda/trunk.cu``) compiled with g++ and run on the host against the numpy references of
 ``backends/device_ops.py``: attention with a thread per CUDA thread (barriers for ``__syncthreads``,
-shuffles through memory; the harness prelude of ``test_backend_cuda.py``), the trunk kernels on one
-thread (their grid-stride loops cover everything). No GPU needed; on a GPU the oracle
-(``test_backends_device_ops.py``) runs the same kernels for real.
+shuffles through memory), the trunk kernels on one thread (their grid-stride loops cover everything). No
+GPU needed; on a GPU the oracles (``test_backends_device_ops.py``, ``test_backends_oracle.py``) run the
+same kernels for real.
 """
 
 from __future__ import annotations
@@ -12,11 +12,39 @@ import subprocess
 
 import numpy as np
 import pytest
-from test_backend_cuda import ATT_HARNESS, ATT_SOURCE, SOURCE, _host_build
+from test_backend_cuda import ATT_SOURCE, SOURCE, _host_build
 
-# attention_gqa + attention_combine of attention.cu run on the host, a thread per CUDA thread (the prelude
-# of ATT_HARNESS: barriers for __syncthreads, shuffles through memory), shared memory one static array
-GQA_HARNESS = ATT_HARNESS.split('#include "SOURCE"')[0] + r"""
+# attention_gqa + attention_combine of attention.cu run on the host as they run on a GPU: one OS thread per
+# CUDA thread, __syncthreads a barrier of the block, warp shuffles exchanged through memory between two
+# barriers of the warp, the dynamic shared memory one static array
+GQA_HARNESS = r"""
+#include <barrier>
+#include <thread>
+#include <vector>
+#include <cstdio>
+#include <math.h>
+#include <algorithm>
+using std::min;
+#define __device__
+#define __forceinline__ inline
+#define __global__
+#define __restrict__
+#define __shared__ static
+struct D3 { unsigned x, y, z; };
+static thread_local D3 threadIdx;
+static D3 blockIdx, blockDim;
+static std::barrier<> *block_bar;
+static std::vector<std::barrier<> *> warp_bar;
+static float exch[1024];
+static void __syncthreads() { block_bar->arrive_and_wait(); }
+static float __shfl_xor_sync(unsigned, float v, int m) {
+  const unsigned t = threadIdx.x; std::barrier<> &b = *warp_bar[t >> 5];
+  exch[t] = v; b.arrive_and_wait(); const float r = exch[t ^ m]; b.arrive_and_wait(); return r; }
+template <class T> T __ldg(const T *p) { return *p; }
+using std::max;
+static void __syncwarp() { warp_bar[threadIdx.x >> 5]->arrive_and_wait(); }
+static float smem_host[1 << 16];
+#define GQA_SMEM float *sm = smem_host
 #include "SOURCE"
 // reads: T Hq Hkv d C pos0 window splits threads scale, then q, k, v; prints out [T, Hq * d]
 int main() {

@@ -153,21 +153,6 @@ def test_gpu_work_shape_on_this_device(cache, fmt):
         assert _nerr(be.rmsnorm(xn, wn), ref) < 1e-5
 
 
-@needs_cl
-def test_gpu_work_shape_of_attention_on_this_device(cache):
-    """attention.cl with a work-group of 16 per head (the GPU shape: scores strided over items, local
-    max/sum reductions, items over R), past one tile of 256 cached rows, checked on whatever device exists."""
-    from colibri_plan.backends.numpy_ref import attention_absorb_ref
-
-    rng = np.random.default_rng(7)
-    with OpenCL.open(0) as be:
-        be.ls = 16
-        for H, R, Dr, T in ((3, 67, 5, 300), (2, 20, 3, 1)):
-            arrays = [rng.standard_normal(s, dtype=np.float32) for s in ((H, R), (H, Dr), (T, R), (T, Dr))]
-            ref = attention_absorb_ref(*arrays, 0.3).astype(np.float64)
-            assert _nerr(be.attention_absorb(*arrays, 0.3), ref) < 1e-5
-
-
 # ---- device activations (d_* ops): the numeric oracle is tests/test_backends_device_ops.py -----------
 def _attn_case(be, rng, t, hq, hkv, d, pos0, window, cap=None):
     from colibri_plan.backends.device_ops import attention_ref

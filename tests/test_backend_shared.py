@@ -20,10 +20,10 @@ def test_stage_rows_pads_with_zeros_and_stacks():
 
 def test_pack_places_inputs_at_aligned_offsets():
     a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.full(5, 7.0, np.float32)
-    out, offs = staging.pack((a, b), head=2)
-    assert offs == [4, 12] and out.size == 17 and out.dtype == np.float32  # 16-byte boundaries after the head
-    np.testing.assert_array_equal(out[4:10], a.ravel())
-    np.testing.assert_array_equal(out[12:17], b)
+    out, offs = staging.pack((a, b))
+    assert offs == [0, 8] and out.size == 13 and out.dtype == np.float32  # b at the 16-byte boundary after a
+    np.testing.assert_array_equal(out[0:6], a.ravel())
+    np.testing.assert_array_equal(out[8:13], b)
     got = []
     view, offs2 = staging.pack((b,), lambda n: got.append(n) or np.zeros(n, np.float32))
     assert got == [5] and offs2 == [0] and view.tolist() == [7.0] * 5

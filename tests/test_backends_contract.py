@@ -150,35 +150,6 @@ def test_wrong_shapes_and_inputs(backend_cls):
         # activations of another dtype are converted, not rejected
         y = be.matmul(np.ones((2, 32), np.float64), w)
         assert y.dtype == np.float32 and y.shape == (2, 16)
-        _attention_inputs_are_checked(be)
-
-
-def _attention_inputs_are_checked(be):
-    """attention_absorb(q_abs [H, R], q_rope [H, Dr], latent [T, R], k_rope [T, Dr], scale)."""
-    H, R, Dr, T = 2, 8, 3, 5
-    good = [np.ones(s, np.float32) for s in ((H, R), (H, Dr), (T, R), (T, Dr))]
-    for i, bad in [(0, (H, R + 1)), (1, (H + 1, Dr)), (2, (T, R - 1)), (3, (T + 1, Dr)), (2, (0, R)),
-                   (3, (T, 0)), (0, (H * R,))]:
-        args = list(good)
-        args[i] = np.ones(bad, np.float32)
-        with pytest.raises(InputError, match="attention_absorb"):
-            be.attention_absorb(*args, 0.5)
-    for scale in (float("nan"), float("inf"), "0.5", None):
-        with pytest.raises(InputError, match="scale"):
-            be.attention_absorb(*good, scale)
-    try:  # float64 inputs are converted; equal latent rows give back that row whatever the scores
-        out = be.attention_absorb(*[a.astype(np.float64) for a in good], 0.5)
-    except UnsupportedError:
-        return
-    assert out.dtype == np.float32 and out.shape == (H, R)
-    np.testing.assert_allclose(out, 1.0, rtol=1e-6)
-
-
-def test_a_backend_without_the_attention_kernel_says_so():
-    cls = type("NoAttention", (get_backend("numpy"),), {"_attention_absorb": Backend._attention_absorb})
-    with cls.open(0) as be:
-        with pytest.raises(UnsupportedError, match="no attention_absorb kernel"):
-            be.attention_absorb(*[np.ones(s, np.float32) for s in ((1, 4), (1, 2), (3, 4), (3, 2))], 1.0)
 
 
 def test_unsupported_format_is_refused():
@@ -236,7 +207,7 @@ def test_every_backend_is_one_class_over_the_base_and_declares_its_optional_ops(
     from colibri_plan.backends.device_ops import DeviceOps
 
     assert {"d_add", "d_head_matmul", "d_write_rows", "matmul", "upload", "close"} <= REQUIRED_OPS
-    assert set(OPTIONAL_OPS) == {"attention_absorb", "d_expert_ffn_rows", "expert_ffn_sum", "rmsnorm_rows"}
+    assert set(OPTIONAL_OPS) == {"d_expert_ffn_rows", "expert_ffn_sum", "rmsnorm_rows"}
     declared = {}
     for name in BACKEND_NAMES:
         cls = get_backend(name)
@@ -244,10 +215,10 @@ def test_every_backend_is_one_class_over_the_base_and_declares_its_optional_ops(
         assert all(cls.supports(op) for op in REQUIRED_OPS)
         declared[name] = {op for op in OPTIONAL_OPS if cls.supports(op)}
         assert declared[name] == set(cls.optional_ops)
-    assert all("attention_absorb" in ops for ops in declared.values())  # every backend has a kernel
     assert [n for n in BACKEND_NAMES if "d_expert_ffn_rows" in declared[n]] == ["cuda"]
     assert [n for n in BACKEND_NAMES if "expert_ffn_sum" in declared[n]] == ["cpu"]
-    assert not Backend.supports("attention_absorb")  # the base has no kernel: UnsupportedError
+    assert [n for n in BACKEND_NAMES if "rmsnorm_rows" in declared[n]] == ["cpu"]
+    assert not any(Backend.supports(op) for op in OPTIONAL_OPS)  # the base declares none
     with pytest.raises(InputError, match="'d_ad' is not an op"):
         get_backend("numpy").supports("d_ad")
 
@@ -270,6 +241,3 @@ def test_an_open_backend_has_what_it_declares_and_its_hooks_bound(name, tmp_path
             assert callable(getattr(be, op, None)) == be.supports(op), op
         hooks = ("_d_add", "_d_matmul", "_d_attention", "_d_head_matmul", "_d_write_block")
         assert all(h in vars(be) or h in vars(cls) for h in hooks)  # bound at open, or the class's own
-        q, r = np.ones((2, 4), np.float32), np.ones((2, 2), np.float32)
-        out = be.attention_absorb(q, r, np.arange(12, dtype=np.float32).reshape(3, 4), np.ones((3, 2)), 0.1)
-        assert out.shape == (2, 4) and np.isfinite(out).all()

@@ -204,17 +204,3 @@ def test_device_time_of_the_last_call_is_within_its_wall_time(vk_backend):
     if gpu is None:
         pytest.skip(f"{be.device.name}: its compute queue has no timestamps")
     assert 0 < gpu <= wall
-
-
-def test_attention_replays_one_command_buffer_for_every_cache_length(vk_backend):
-    """T, the offsets and the scale travel in the input buffer's header, so decode (one more cached row
-    per token) replays the command buffer recorded for the first call instead of recording one per T."""
-    from colibri_plan.backends.numpy_ref import attention_absorb_ref
-
-    be, rng = vk_backend, np.random.default_rng(8)
-    for i, T in enumerate((5, 6, 300, 7)):
-        arrays = [rng.standard_normal(s).astype(np.float32) for s in ((4, 40), (4, 3), (T, 40), (T, 3))]
-        ref = attention_absorb_ref(*arrays, 0.2 + i)
-        got = be.attention_absorb(*arrays, 0.2 + i)
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-        assert len(be._cmds) == 1

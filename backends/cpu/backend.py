@@ -12,8 +12,8 @@ prefill batch of T tokens reads it once too (from L2 for tokens 2..T).
 A matmul of at most ``serial_bytes`` (weight bytes × tokens, 2 MiB) runs a single-thread twin of its
 kernel, chosen at upload with it (``HostWeight.kernel``/``serial``, same bits): waking the pool costs
 more than such a matmul gains from a second core.
-int2 and ``attention_absorb`` (MLA decode) run the float kernels of :mod:`~.kernels`; ``d_attention``
-(GQA over a KV cache) runs :mod:`~.attention`. Float formats
+int2 runs the float kernel of :mod:`~.kernels`; ``d_attention`` (GQA over a KV cache, MLA over its
+latent cache) runs :mod:`~.attention`. Float formats
 (f32/f16/bf16) use the numpy reference path (float32 BLAS, f16/bf16 converted a block of rows at a
 time). Weights stay in host memory, referenced, not copied (rows of odd length excepted: padded),
 except the transposed int4 layouts: a copy, and the payload then holds no reference to the packed rows.
@@ -115,7 +115,7 @@ class CpuBackend(Backend):
 
     name = "cpu"
     formats = FORMATS
-    optional_ops = frozenset({"attention_absorb", "expert_ffn_sum", "rmsnorm_rows"})
+    optional_ops = frozenset({"expert_ffn_sum", "rmsnorm_rows"})
     #: weight bytes × tokens up to which an integer matmul runs serially (qkernels.SERIAL_BYTES;
     #: 0: always parallel, as bench/cpu_gemv.py --compare-parallel measures)
     serial_bytes: int = 2 << 20
@@ -244,11 +244,6 @@ class CpuBackend(Backend):
         transposed int4 layouts (q4g's too), qkernels' ROW_TILE (32) for the blocked ones; the
         chunk count of :meth:`_par` holds only if its iterations are counted in the kernel's own steps."""
         return self._k.TILE_ROWS if hw.fold else self._k.ROW_TILE
-
-    def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
-        out = np.empty_like(q_abs)  # [H, R], one head per parallel step
-        self._par(64, self._k.attention_absorb, q_abs, q_rope, latent, k_rope, np.float32(scale), out)
-        return out
 
     def _d_rmsnorm(self, x, weight, eps: float):
         # one kernel call for every row, the numpy formula's bits (rmsnorm_rows)

@@ -1,7 +1,8 @@
-"""Float numba kernels of the ``cpu`` backend: int2 GEMM, MLA decode attention and the RAM probe
-(imported only when that backend is opened; int8/int4 are in ``qkernels``).
+"""Float numba kernels of the ``cpu`` backend: int2 GEMM, the RAM probe and the engine's bit-exact
+float32 RMSNorm and routed sum (imported only when that backend is opened; int8/int4 are in
+``qkernels``, attention in ``attention``).
 
-Every kernel is ``parallel=True`` over output rows (one contiguous block of rows per core) and
+The GEMM and the probe are ``parallel=True`` over output rows (one contiguous block of rows per core) and
 ``fastmath=True`` so LLVM vectorises the inner byte loop (AVX2/AVX-512 where the CPU has it). Compiled
 code is cached on disk (``cache=True``) beside this file, or in numba's user cache when that is
 read-only, so only the first run on a machine pays the compile time.
@@ -75,40 +76,6 @@ def read_sum(a):
             s += a[c, i]
         parts[c] = s
     return parts.sum()
-
-
-@njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)
-def attention_absorb(q_abs, q_rope, latent, k_rope, scale, out):
-    """Absorbed MLA decode attention, one head per prange step: q_abs [H, R], q_rope [H, Dr], latent
-    [T, R], k_rope [T, Dr] float32; out float32 [H, R] written in place with
-    Σ_t softmax_t(scale · (q_abs[h]·latent[t] + q_rope[h]·k_rope[t])) · latent[t]. Dot products and the
-    weighted sum vectorise over R (reassociation only: infinities and NaNs keep their meaning)."""
-    H, R = q_abs.shape
-    T, Dr = k_rope.shape
-    for h in prange(H):
-        s = np.empty(T, np.float32)
-        m = -np.inf
-        for t in range(T):
-            acc = np.float32(0.0)
-            for r in range(R):
-                acc += q_abs[h, r] * latent[t, r]
-            for d in range(Dr):
-                acc += q_rope[h, d] * k_rope[t, d]
-            s[t] = acc * scale
-            m = max(m, s[t])
-        total = 0.0
-        for t in range(T):
-            s[t] = np.exp(s[t] - m)
-            total += s[t]
-        o = out[h]
-        o[:] = 0.0
-        for t in range(T):
-            p = s[t]
-            for r in range(R):
-                o[r] += p * latent[t, r]
-        inv = np.float32(1.0 / total)
-        for r in range(R):
-            o[r] *= inv
 
 
 @njit(cache=True)

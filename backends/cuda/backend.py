@@ -33,11 +33,11 @@ _RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the modu
 
 
 class CUDABackend(Backend):
-    """Quantized matmul, batched fused expert FFN, rmsnorm, absorbed MLA attention and the device-activation
-    ops (``d_*``, :mod:`~colibri_plan.backends.cuda.device`) on NVIDIA GPUs."""
+    """Quantized matmul, batched fused expert FFN, rmsnorm and the device-activation ops (``d_*``,
+    :mod:`~colibri_plan.backends.cuda.device`) on NVIDIA GPUs."""
 
     name = "cuda"
-    optional_ops = frozenset({"attention_absorb", "d_expert_ffn_rows"})
+    optional_ops = frozenset({"d_expert_ffn_rows"})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -226,28 +226,17 @@ class CUDABackend(Backend):
                     (self._launcher("mm", e0.down.fmt, n, H, H, Ip, H, Tm), 64 * n)]  # y_i = h_i . down^T
         return self._run(nbytes, launches, y, tok[-1] * H * 4).reshape(tok[-1], H)
 
-    def _plain(self, name: str, grid: int, inputs, out_shape, *scalars) -> np.ndarray:
-        """Run kernel ``name`` (matmul.cu's rmsnorm, attention.cu's attention_absorb) on ``grid`` blocks of
-        256 threads with arguments (device copies of the host ``inputs``, a float32 output of
-        ``out_shape``, ``scalars``); untimed."""
+    def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """matmul.cu's rmsnorm on host arrays, a block of 256 threads per token; untimed."""
         cp, self._timed_run = self.cp, False
-        fn = self._module_fn(name)  # NVRTC, on first use
+        fn = self._module_fn("rmsnorm")  # NVRTC, on first use
         with self.dev, self.stream:
-            args = [cp.asarray(a) for a in inputs] + [cp.empty(out_shape, cp.float32)]
-            fn((grid,), (256,), (*args, *scalars))
-            y = cp.asnumpy(args[-1], stream=self.stream)
+            xd, wd = cp.asarray(x), cp.asarray(weight)  # x [T, H], weight [H] up
+            yd = cp.empty(x.shape, cp.float32)  # [T, H]
+            fn((x.shape[0],), (256,), (xd, wd, yd, np.int32(x.shape[1]), np.float32(eps)))
+            y = cp.asnumpy(yd, stream=self.stream)
             self.stream.synchronize()
         return y
-
-    def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:  # a block per token
-        return self._plain("rmsnorm", x.shape[0], (x, weight), x.shape, np.int32(x.shape[1]),
-                           np.float32(eps))
-
-    def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
-        (H, R), (T, Dr) = q_abs.shape, k_rope.shape
-        host, (_, qr, lat, kr) = staging.pack((q_abs, q_rope, latent, k_rope))  # one copy up, four offsets
-        return self._plain("attention_absorb", H, (host,), (H, R),  # a block per head
-                           *(np.int32(v) for v in (R, Dr, T, qr, lat, kr)), np.float32(scale))
 
     # ---- optional ops --------------------------------------------------------------------------
     def d_expert_ffn_rows(self, x: DArray, experts, rows, gates) -> DArray:

@@ -204,7 +204,7 @@ class Launcher:
         return hit
 
     def module_fn(self, name: str):
-        """Kernel ``name`` of trunk.cu / attention.cu / matmul.cu (rmsnorm, attention_absorb: the host ops'),
+        """Kernel ``name`` of trunk.cu / attention.cu / matmul.cu (rmsnorm: the host op's),
         a CuPy RawKernel, compiled by NVRTC once per source file on first use (CuPy caches the binaries)."""
         fn = self.fns.get(name)
         if fn is None:

@@ -46,11 +46,10 @@ def _mtl_devices() -> list:
 
 
 class MetalBackend(Backend):
-    """Quantized matmul, fused expert FFN, rmsnorm and absorbed MLA attention through Metal (unverified;
-    see the module docstring)."""
+    """Quantized matmul, fused expert FFN, rmsnorm and the device-activation ops through Metal
+    (unverified; see the module docstring)."""
 
     name = "metal"
-    optional_ops = frozenset({"attention_absorb"})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -75,8 +74,7 @@ class MetalBackend(Backend):
         self.mtl = Metal
         self.dev = _mtl_devices()[self.device.index]
         self.queue = self.dev.newCommandQueue()
-        src = "".join(programs.kernel_source("metal", f) for f in ("matmul.metal", "attention.metal",
-                                                                "trunk.metal"))
+        src = "".join(programs.kernel_source("metal", f) for f in ("matmul.metal", "trunk.metal"))
         self.lib, err = self.dev.newLibraryWithSource_options_error_(src, None, None)
         if self.lib is None:
             raise BackendUnavailableError(f"metal: the kernels do not compile: {err}")
@@ -204,15 +202,6 @@ class MetalBackend(Backend):
             enc.dispatchThreadgroups_threadsPerThreadgroup_(self.mtl.MTLSizeMake(T, 1, 1),
                                                             self.mtl.MTLSizeMake(256, 1, 1))
         return self._view(yb, x.nbytes).reshape(T, H).copy()
-
-    def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
-        (H, R), (T, Dr) = q_abs.shape, k_rope.shape
-        host, (_, qr, lat, kr) = staging.pack((q_abs, q_rope, latent, k_rope))  # one shared buffer, offsets
-        ib, ob = self._buffer(host, host.nbytes), self._work(q_abs.nbytes)
-        with self._encoder() as enc:  # a threadgroup of _SIMDGROUPS simdgroups per head
-            self._dispatch(enc, "attention_absorb", [(ib, 0), (ob, 0)],
-                           struct.pack("<6If", R, Dr, T, qr, lat, kr, scale), H * _SIMDGROUPS)
-        return self._view(ob, q_abs.nbytes).reshape(H, R).copy()  # [H, R]
 
     def _d_head_matmul(self, x, w) -> np.ndarray:
         # device arrays here are the reference hooks' host arrays (shared memory): staged per call

@@ -30,17 +30,15 @@ from colibri_plan.backends.staging import PaddedWeight
 from colibri_plan.quant import QuantTensor, group_size
 
 # kernels without a weight format
-_SOURCES = {"rmsnorm": "norm.cl", "attention_absorb": "attention.cl", "attention_gqa": "attention.cl",
-            "attention_combine": "attention.cl",
+_SOURCES = {"rmsnorm": "norm.cl", "attention_gqa": "attention.cl", "attention_combine": "attention.cl",
             **dict.fromkeys(("add", "silu_mul", "scale_rows", "rope", "pad_rows", "expert_sum",
                              "head_matmul"), "trunk.cl")}
 # argument types per kernel (b: buffer or local memory, I: uint, Q: ulong, f: float): typed scalar
 # arguments take plain Python numbers and cost ~0.5 us per launch where untyped numpy scalars cost ~60 us
 _ARGS = {"matmul": "bbbIbIIIII", "matmul_many": "bbbbbbbbbIbbbbIIIIII", "expert_sum": "bQbbI",
-         "gate_up": "bbbbbIbIIIII", "rmsnorm": "bbbIf",
-         "attention_absorb": "bbIIIIIIf", "add": "bQbQbQII", "silu_mul": "bQbQbQ", "scale_rows": "bQbQbI",
-         "rope": "bQbQbQIIIII", "pad_rows": "bQbQII", "attention_gqa": "bQbQbQbIIIIIfIIIbbb",
-         "attention_combine": "bbIII", "head_matmul": "bbQbQIIII"}
+         "gate_up": "bbbbbIbIIIII", "rmsnorm": "bbbIf", "add": "bQbQbQII", "silu_mul": "bQbQbQ",
+         "scale_rows": "bQbQbI", "rope": "bQbQbQIIIII", "pad_rows": "bQbQII",
+         "attention_gqa": "bQbQbQbIIIIIfIIIbbb", "attention_combine": "bbIII", "head_matmul": "bbQbQIIII"}
 _DTYPES = {"I": np.uint32, "Q": np.uint64, "f": np.float32}
 _MAGIC = b"CPCLPB01"  # cache files: magic, sha256 of the program binary, the binary
 
@@ -75,11 +73,10 @@ def _check(cl) -> str | None:
 
 
 class OpenCLBackend(Backend):
-    """Quantized matmul, fused expert FFN, rmsnorm, absorbed MLA attention and the device-activation ops
-    through pyopencl (see the module docstring)."""
+    """Quantized matmul, fused expert FFN, rmsnorm and the device-activation ops through pyopencl (see the
+    module docstring)."""
 
     name = "opencl"
-    optional_ops = frozenset({"attention_absorb"})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -276,17 +273,6 @@ class OpenCLBackend(Backend):
         y = np.empty_like(x)
         cl.enqueue_copy(self.queue, y, yb, is_blocking=True)
         return y
-
-    def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale) -> np.ndarray:
-        cl, (H, R), (T, Dr) = self.cl, q_abs.shape, k_rope.shape
-        host, (_, qr, lat, kr) = staging.pack((q_abs, q_rope, latent, k_rope))  # one buffer, four offsets
-        ib, ob = self._scratch.get("ax", host.nbytes), self._scratch.get("ay", q_abs.nbytes)
-        cl.enqueue_copy(self.queue, ib, host, is_blocking=False)
-        knl = self._kernel("attention_absorb", None)  # a work-group per head
-        knl(self.queue, (H * self.ls,), (self.ls,), ib, ob, R, Dr, T, qr, lat, kr, scale)
-        out = np.empty_like(q_abs)  # [H, R]
-        cl.enqueue_copy(self.queue, out, ob, is_blocking=True)  # in order: `host` was read before
-        return out
 
 
 BACKEND = OpenCLBackend

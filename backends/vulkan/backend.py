@@ -33,17 +33,15 @@ from colibri_plan.backends.vulkan.objects import Device
 from colibri_plan.errors import UnsupportedError
 from colibri_plan.quant import group_size
 
-ATT_TILE = 256  # attention.comp: cache rows scored in shared memory at once (online softmax over tiles)
 _CMD_KEEP = 256  # recorded command buffers kept (least recently used dropped)
 _USAGE = 0x20 | 0x1 | 0x2  # VK_BUFFER_USAGE_: STORAGE_BUFFER | TRANSFER_SRC | TRANSFER_DST
 
 
 class VulkanBackend(Backend):
-    """Quantized matmul, fused expert FFN, RMSNorm, absorbed MLA attention and the device-activation ops on
-    any Vulkan 1.1 device (see the module docstring)."""
+    """Quantized matmul, fused expert FFN, RMSNorm and the device-activation ops on any Vulkan 1.1 device
+    (see the module docstring)."""
 
     name = "vulkan"
-    optional_ops = frozenset({"attention_absorb"})
     #: push descriptors where the device has VK_KHR_push_descriptor (False: a descriptor set per
     #: dispatch, as on devices without it; read when a backend opens)
     push_descriptors = True
@@ -232,15 +230,6 @@ class VulkanBackend(Backend):
         self._run(("rms", T, H, pc[2]), set(), lambda: [
             (self._d.pipeline("rmsnorm", (vu.WG,)), [xb], [xb], xb, yb, pc, T, 1)])
         return self._get_y(T, H)
-
-    def _attention_absorb(self, q_abs, q_rope, latent, k_rope, scale):
-        (H, R), (T, Dr), sbits = q_abs.shape, k_rope.shape, np.float32(scale).view(np.uint32)
-        view, o = staging.pack((q_abs, q_rope, latent, k_rope), self._x_view, head=8)  # header, then inputs
-        view[:8].view(np.uint32)[:] = (R, Dr, T, o[1] - 8, o[2] - 8, o[3] - 8, sbits, 0)
-        xb, yb = self._io["x"], self._io.get("y", 4 * H * R)
-        self._run(("att", H), set(), lambda: [  # T is in the header: one command buffer for every T
-            (self._d.pipeline("attention", (vu.WG, ATT_TILE)), [xb], [xb], xb, yb, [0], H, 1)])
-        return self._get_y(H, R)  # [H, R]
 
     # ---- command buffers -----------------------------------------------------------------------------
     def _run(self, key, owners: set, steps) -> None:

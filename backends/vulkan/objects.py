@@ -74,7 +74,7 @@ class Device:
             self.dpool = self.make(lib.vkCreateDescriptorPool, "VkDescriptorPool", new(
                 vk, "VkDescriptorPoolCreateInfo", flags=1, maxSets=1024, poolSizeCount=1, pPoolSizes=sizes))
             self.mods = {}
-            for shader in ("matmul", "rmsnorm", "attention", "attention_gqa", "elementwise", "head_matmul"):
+            for shader in ("matmul", "rmsnorm", "attention_gqa", "elementwise", "head_matmul"):
                 code = programs.kernel_source("vulkan", f"{shader}.spv", binary=True)
                 words = ffi.cast("uint32_t*", ffi.from_buffer(code))
                 self.mods[shader] = self.make(lib.vkCreateShaderModule, "VkShaderModule", new(

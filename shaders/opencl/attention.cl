@@ -1,14 +1,7 @@
-// Weight-absorbed MLA decode attention, one work-group of LS items per head h (get_group_id(0)):
-//   s[t] = scale * (q_abs[h] . latent[t] + q_rope[h] . k_rope[t]),  out[h] = sum_t softmax(s)[t] * latent[t].
-// All inputs sit in one float buffer `in` (backends/_shared.py pack): q_abs [H, R] at 0, q_rope [H, Dr] at
-// qr, latent [T, R] at lat, k_rope [T, Dr] at kr; out is [H, R]. The cache rows are taken in tiles of
-// TILE whose probabilities stay in local memory; across tiles an online softmax keeps the running max m
-// and sum l and rescales the partial sums (kept in out[h]) by exp(m_old - m_new). T <= TILE is one pass.
-// Scores: one item per row (a plain dot product: the best shape for CPU devices); weighted sum: items over r.
-// Build options: -DLS=<items per work-group> (a power of two), optionally -DTILE=<rows per tile>.
-#ifndef TILE
-#define TILE 256
-#endif
+// Causal attention over a KV cache (backends/opencl/device.py d_attention): attention_gqa, then
+// attention_combine when the keys were split. MLA runs the same kernels on its latent cache (one kv
+// head, D = rope + kv_lora_rank). Build options: -DLS=<items per work-group> (a power of two)
+// -DNACC=<ceil(D / LS)>.
 
 // max (is_max) or sum of v over the work-group; every item gets it
 float group_reduce(local float *red, float v, int is_max) {
@@ -24,63 +17,20 @@ float group_reduce(local float *red, float v, int is_max) {
     return r;
 }
 
-kernel void attention_absorb(global const float *in, global float *out, uint R, uint Dr, uint T, uint qr,
-                             uint lat, uint kr, float scale) {
-    local float p[TILE];
-    local float red[LS];
-    const uint h = get_group_id(0), lane = get_local_id(0);
-    global const float *q = in + (ulong)h * R, *qp = in + qr + (ulong)h * Dr;
-    global float *o = out + (ulong)h * R;
-    float m = -INFINITY, l = 0.0f;
-    for (uint t0 = 0; t0 < T; t0 += TILE) {
-        const uint n = min((uint)TILE, T - t0);
-        float mx = -INFINITY;
-        for (uint i = lane; i < n; i += LS) {
-            global const float *lr = in + lat + (ulong)(t0 + i) * R, *kp = in + kr + (ulong)(t0 + i) * Dr;
-            float d = 0.0f, e = 0.0f;
-            for (uint c = 0; c < R; c++) d = fma(q[c], lr[c], d);
-            for (uint c = 0; c < Dr; c++) e = fma(qp[c], kp[c], e);
-            p[i] = (d + e) * scale;
-            mx = fmax(mx, p[i]);
-        }
-        const float mn = fmax(m, group_reduce(red, mx, 1));
-        float sum = 0.0f;
-        for (uint i = lane; i < n; i += LS) {
-            const float e = exp(p[i] - mn);
-            p[i] = e;
-            sum += e;
-        }
-        const float alpha = exp(m - mn);  // 0 on the first tile (m = -inf)
-        l = l * alpha + group_reduce(red, sum, 0);  // its barriers also publish p
-        m = mn;
-        for (uint c = lane; c < R; c += LS) {
-            global const float *col = in + lat + (ulong)t0 * R + c;
-            float a = 0.0f;
-            for (uint i = 0; i < n; i++) a = fma(p[i], col[(ulong)i * R], a);
-            o[c] = t0 == 0 ? a : fma(o[c], alpha, a);
-        }
-        barrier(CLK_LOCAL_MEM_FENCE);  // p is rewritten by the next tile
-    }
-    const float inv = 1.0f / l;
-    for (uint c = lane; c < R; c += LS) o[c] *= inv;
-}
-
-// Causal GQA attention (d_attention of backends/device_ops.py), one work-group of LS items per query row
+// attention_gqa: one work-group of LS items per query row
 // t (get_group_id(1)) and head h (get_group_id(0)); query head h reads kv head h / (Hq / Hkv).
 // q [T, Hq, D] at qo, k and v [C, Hkv, D] at ko and vo (offsets in floats), out [T, Hq * D].
 // Query row t sits at position pos0 + t and sees keys lo .. pos0 + t (lo = pos0 + t - window + 1 on a
 // sliding-window layer, window > 0; else 0). Keys are taken in tiles of `tile` rows: the K tile is
 // copied to local memory (loads coalesced over the channels; row stride ks odd, so the items' dot
-// products, one cache row each, fall in different banks), then the online softmax of
-// attention_absorb (running max m and sum l, partial sums rescaled by exp(m_old - m_new)). V is read
+// products, one cache row each, fall in different banks), then an online softmax (running max m and
+// sum l across tiles, partial sums rescaled by exp(m_old - m_new)). V is read
 // straight from global memory: items own channels, so those reads are coalesced already and a local
 // copy would only add a pass. Accumulation in float32, NACC = ceil(D / LS) channels per item.
 // Split keys (decode on GPUs: too few (row, head) groups to fill the device): get_group_id(2) = sp
 // takes the sp-th of nsplit equal spans of the row's keys and writes its unnormalised partial sums
 // with its m and l to part [T, Hq, nsplit, 2 + D] (m, l, acc); attention_combine merges them.
 // Local memory (dynamic): kt [tile * ks], qp [D + tile] (the query row, then the tile's scores).
-// Build options: -DLS=<items per work-group> (a power of two) -DNACC=<ceil(D / LS)>.
-#ifdef NACC
 // GPU shapes (a few channels per item): unrolled, so acc stays in registers; one item per group
 // (CPUs, NACC = D) keeps the loops
 #if NACC <= 8
@@ -171,4 +121,3 @@ kernel void attention_combine(global const float *part, global float *out, uint 
         out[((ulong)t * Hq + h) * D + c] = a / l;
     }
 }
-#endif
