@@ -102,7 +102,7 @@ def placement_heatmap(plan: Plan) -> bytes:
         ax2.set_xlabel("experts of the layer by heat rank (0 = most selected)")
         ax2.set_title("selection probability per token: the heat the plan was solved for")
         bar = fig.colorbar(im, ax=ax2, fraction=0.03, pad=0.01)
-        bar.set_label("log10 P(expert selected per token)")
+        bar.set_label("log10 P(selected)", fontsize=8)   # short: a long label is cut at the figure's edge
     return _png(fig)
 
 
