@@ -39,7 +39,8 @@ def test_one_line_per_engine_with_tok_s_ttft_and_command(answered):
         line = _engine_line(out, name)
         assert r["tok_s"] > 0 and r["ttft_s"] > 0
         assert f"{r['tok_s']:.3g} tok/s" in line and line.endswith(r["command"]), line
-    assert len({r["tok_s"] for r in rows.values()}) == 3     # each priced as its engine runs it
+    # llama.cpp is priced as it runs: whole layers, the rest through mmap, not the plan's own placement
+    assert rows["llama.cpp"]["tok_s"] != rows["colibri-plan"]["tok_s"]
     assert "Details (budgets, trunk, placement, knobs): add -v" in out and "Budgets:" not in out
 
 
@@ -110,7 +111,7 @@ def test_unknown_profile_and_bad_machine_say_what_exists():
 def test_help_explains_method_and_vram():
     h = " ".join(invoke("solve", "--help").stdout.split())
     assert "'exact' places every expert" in h and "'aggregate'" in h
-    assert "card's memory" in h and "--vram-reserve is taken off" in h
+    assert "card's memory in GB" in h and "is taken off either way and shown" in h
 
 
 def test_model_list_says_which_models_are_plan_only_and_show_cites_public_sources():
