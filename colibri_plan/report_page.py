@@ -36,25 +36,32 @@ _CSS = """
 body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:0;background:#f4f5f7;
 color:#1d2330}
 main{max-width:1180px;margin:0 auto;padding:24px}
-h1{font-size:24px;margin:0 0 4px}
+h1{font-size:24px;margin:0 0 4px;overflow-wrap:anywhere}
 h2{font-size:18px;margin:0 0 12px;border-bottom:1px solid #e1e4e8;padding-bottom:6px}
-h3{font-size:15px;margin:14px 0 8px}
+h3{font-size:15px;margin:14px 0 8px;overflow-wrap:anywhere}
 section{background:#fff;border:1px solid #e1e4e8;border-radius:8px;padding:16px 20px;margin:16px 0}
-.sub{color:#5b6473;font-size:13px}
+.sub{color:#5b6473;font-size:13px;overflow-wrap:anywhere}
 .cards{display:flex;flex-wrap:wrap;gap:12px;margin-top:14px}
 .card{background:#fff;border:1px solid #e1e4e8;border-radius:8px;padding:10px 16px;min-width:150px}
 .card b{display:block;font-size:22px}.card span{color:#5b6473;font-size:12px}
+.card.bad{border-color:#d73a49;background:#fdf0f1}.card.good{border-color:#2e9e5b}
+.tw{overflow-x:auto;max-width:100%}
 table{border-collapse:collapse;font-size:13px;margin:4px 0 8px}
 th,td{padding:4px 10px;border-bottom:1px solid #eef0f3;text-align:left}
 th{background:#f6f8fa;font-weight:600}td.n{text-align:right;font-variant-numeric:tabular-nums}
-img{max-width:100%;height:auto;display:block;margin:8px 0}
+.fig{overflow-x:auto;max-width:100%;margin:8px 0}
+.fig img{width:100%;min-width:640px;height:auto;display:block}
 pre{background:#f6f8fa;border:1px solid #e1e4e8;border-radius:6px;padding:10px;white-space:pre-wrap;
 word-break:break-all;font-size:12px}
+code{overflow-wrap:anywhere}
 .pass,.fail{display:inline-block;padding:2px 10px;border-radius:10px;color:#fff;font-weight:700;
 font-size:13px}
 .pass{background:#2e9e5b}.fail{background:#d73a49}
-.note{background:#fff8e1;border-left:4px solid #f0b429;padding:8px 12px;font-size:13px;margin:8px 0}
-.grid{display:grid;grid-template-columns:1fr 1fr;gap:16px}
+.note{background:#fff8e1;border-left:4px solid #f0b429;padding:8px 12px;font-size:13px;margin:8px 0;
+overflow-wrap:anywhere}
+.grid{display:grid;grid-template-columns:minmax(0,1fr) minmax(0,1fr);gap:16px}
+@media (max-width:760px){main{padding:8px}section{padding:12px 10px}.grid{grid-template-columns:minmax(0,1fr)}
+.card{min-width:0;flex:1 1 40%}.card b{font-size:18px}}
 """
 
 
@@ -66,11 +73,14 @@ def _table(header: Sequence[str], rows: Sequence[Sequence], numeric: Sequence[in
     head = "".join(f"<th>{_e(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td class=n>{_e(c)}</td>" if i in numeric else f"<td>{_e(c)}</td>"
                                     for i, c in enumerate(r)) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<div class=tw><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
 def _img(png: bytes, alt: str) -> str:
-    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
+    """A chart in a scrolling box: on a phone it keeps a legible width (640 px) and scrolls sideways
+    instead of shrinking its text below reading size."""
+    return (f'<div class=fig><img alt="{_e(alt)}" '
+            f'src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}"></div>')
 
 
 def _gb(b) -> str:
@@ -85,22 +95,53 @@ def _ms(s) -> str:
     return "-" if s is None else f"{1e3 * s:.1f} ms"
 
 
-def _header(plan: Plan, plan_path: str) -> str:
+def _measured_cards(reports: Sequence[tuple[str, dict]], plan_fp: str) -> list[tuple[str, str, str]]:
+    """(value, label, css class) cards of the verify report of this plan (the last such one given): its
+    measured decode tok/s with the verdict, measured/predicted, and the prefill verdict, flagged when it
+    is outside the tolerance (``prefill_ok`` false) so that it is seen where the user looks first."""
+    mine = [rep for _, rep in reports if isinstance(rep.get("plan"), dict)
+            and rep["plan"].get("fingerprint") == plan_fp]
+    if not mine:
+        return []
+    rep = mine[-1]
+    v, meas = (x if isinstance(x, dict) else {} for x in (rep.get("verdict"), rep.get("measured")))
+    ok = v.get("ok")
+    mark = "good" if ok else "bad"
+    cards = []
+    if isinstance(meas.get("tok_s"), (int, float)):
+        cards.append((f"{meas['tok_s']:.3f}", f"measured decode tok/s (verify {'PASS' if ok else 'FAIL'})",
+                      mark))
+    if isinstance(v.get("tok_s_ratio"), (int, float)):
+        cards.append((f"x{v['tok_s_ratio']:.2f}", "measured / predicted decode tok/s", mark))
+    pr = v.get("prefill_ratio")
+    if isinstance(pr, (int, float)):
+        pok = v.get("prefill_ok")
+        cards.append((f"x{pr:.2f}", "measured / predicted prefill tok/s" + (
+            "" if pok else ": outside ±25%, the time to first token is off"), "good" if pok else "bad"))
+    return cards
+
+
+def _header(plan: Plan, plan_path: str, reports: Sequence[tuple[str, dict]] = (), plan_fp: str = "") -> str:
     d, p = plan.doc, plan.doc["predicted"]
     counts = plan.counts()
-    cards = [(f"{p['tok_s']:.3f}", "predicted decode tok/s"),
-             (f"{1e3 * p['decode_s_per_token']:.1f} ms", "per token"),
-             (f"{100 * (1 - p['hit_rate']['disk']):.1f}%", "expert uses served from memory"),
-             (f"{p['disk_bytes_per_token'] / 1e6:.1f} MB", "read from disk per token"),
+    cards = [(f"{p['tok_s']:.3f}", "predicted decode tok/s", ""),
+             (f"{1e3 * p['decode_s_per_token']:.1f} ms", "per token (predicted)", ""),
+             (f"{100 * (1 - p['hit_rate']['disk']):.1f}%", "expert uses served from memory", ""),
+             (f"{p['disk_bytes_per_token'] / 1e6:.1f} MB", "read from disk per token", ""),
              (f"{sum(v for k, v in counts.items() if k not in ('lru_slots', 'disk'))}"
-              f" / {plan.n_experts * len(plan.layer_ids)}", "experts resident (VRAM + pinned)")]
+              f" / {plan.n_experts * len(plan.layer_ids)}", "experts resident (VRAM + pinned)", "")]
+    ttft = (p.get("prefill") or {}).get("ttft_s")
+    if isinstance(ttft, (int, float)):
+        cards.insert(2, (f"{ttft:.2f} s", f"time to first token ({p['prefill'].get('prompt_tokens', '?')}-"
+                                          "token prompt, predicted)", ""))
+    cards = _measured_cards(reports, plan_fp) + cards
     m = d["model"]
     return (f"<h1>Plan report: {_e(m.get('name', '?'))}</h1>"
             f"<div class=sub>plan <code>{_e(plan_path)}</code> · created {_e(d.get('created_utc', '?'))} · "
             f"{_e(d['expert_format'])} experts of {plan.expert_bytes:,} B · {len(plan.layer_ids)} MoE layers "
             f"x {plan.n_experts} experts, top-{_e(m.get('top_k'))} · model fingerprint "
             f"{_e(plan.model_fingerprint)}</div><div class=cards>"
-            + "".join(f"<div class=card><b>{_e(v)}</b><span>{_e(t)}</span></div>" for v, t in cards)
+            + "".join(f"<div class='card {c}'><b>{_e(v)}</b><span>{_e(t)}</span></div>" for v, t, c in cards)
             + "</div>")
 
 
@@ -151,6 +192,13 @@ def _fmt(v, unit: str) -> str:
     return shown.get(unit, f"{v:.3f}")
 
 
+def _prefill(v: dict) -> str:
+    r = v.get("prefill_ratio")
+    if not isinstance(r, (int, float)):
+        return "n/a"
+    return f"{r:.2f}" + ("" if v.get("prefill_ok") else " (outside ±25%)")
+
+
 def _verify(i: int, path: str, report: dict, plan: Plan, plan_fp: str) -> tuple[str, bytes]:
     from colibri_plan.report_plots import terms_chart
 
@@ -168,6 +216,10 @@ def _verify(i: int, path: str, report: dict, plan: Plan, plan_fp: str) -> tuple[
     w = (report.get("machine") or {}).get("warning")
     if w:
         notes.append(str(w))
+    if v.get("prefill_ok") is False and isinstance(v.get("prefill_ratio"), (int, float)):
+        notes.append(f"Prefill: measured x{v['prefill_ratio']:.2f} the predicted prefill tok/s, outside the "
+                     "±25% tolerance: the predicted time to first token does not hold on this machine (the "
+                     "decode verdict above does not include it).")
     pred = RunReport.from_dict(report["predicted"], path, "predicted")
     meas = RunReport.from_dict(report["measured"], path, "measured")
     png = terms_chart(pred, meas, title=f"predicted vs measured: {Path(path).name}")
@@ -179,7 +231,8 @@ def _verify(i: int, path: str, report: dict, plan: Plan, plan_fp: str) -> tuple[
     html_ = (f"<h3>{i}. <code>{_e(path)}</code> {badge}</h3>"
              f"<p class=sub>token-exact {exact} · tok/s measured/predicted "
              f"{'n/a' if ratio is None else f'{ratio:.2f}'} · hit rate "
-             f"{v.get('hit_rate_diff_points', 0):+.1f} pts · {_e(s.get('tokens', '?'))} decode steps on "
+             f"{v.get('hit_rate_diff_points', 0):+.1f} pts · prefill measured/predicted "
+             f"{_prefill(v)} · {_e(s.get('tokens', '?'))} decode steps on "
              f"{_e(s.get('cpu_backend', '?'))} · {_e(report.get('created_utc', ''))}</p>"
              + "".join(f"<div class=note>{_e(n)}</div>" for n in notes) + _img(png, f"verify report {i}")
              + _table(["term", "predicted", "measured", "measured/predicted"], rows, (1, 2, 3)))
@@ -245,7 +298,7 @@ def _exports(plan: Plan, plan_path: str) -> str:
     out += "<h3>llama.cpp</h3>"
     try:
         ll = export_llama_cpp(plan)
-        out += f"<pre>{_e(ll['args'])}</pre>" + "".join(f"<div class=sub># {_e(n)}</div>"
+        out += f"<pre>{_e(ll['command'])}</pre>" + "".join(f"<div class=sub># {_e(n)}</div>"
                                                          for n in ll["notes"])
     except ColibriError as exc:
         out += f"<div class=note>{_e(exc)}</div>"
@@ -277,15 +330,18 @@ def build_page(plan_path: str | os.PathLike, verify_paths: Sequence[str | os.Pat
         if progress is not None:
             progress(done[0], total)
 
-    body = [f"<section>{_header(plan, str(plan_path))}</section>", f"<section>{_machine(plan)}</section>",
+    plan_fp = fingerprint(plan.doc)
+    body = [f"<section>{_header(plan, str(plan_path), reports, plan_fp)}</section>",
+            f"<section>{_machine(plan)}</section>",
             f"<section>{_budgets(plan)}</section>"]
     tick()
     legend = ", ".join(label for label, _ in tier_legend(plan))
     body.append(f"<section><h2>Placement</h2><p class=sub>Each cell is one routed expert ({_e(legend)}); "
-                "the LRU slots of each layer are at its right.</p>"
+                "within each layer the experts are sorted by heat, hottest at the left, so each row reads "
+                "as how far down the heat the fast tiers reach; the LRU slots of each layer are at its "
+                "right.</p>"
                 f"{_img(placement_heatmap(plan), 'placement heatmap')}</section>")
     tick()
-    plan_fp = fingerprint(plan.doc)
     if reports:
         parts = []
         for i, (path, rep) in enumerate(reports, 1):

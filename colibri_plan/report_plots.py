@@ -46,9 +46,20 @@ def tier_legend(plan: Plan) -> list[tuple[str, str]]:
     return gpus + [("RAM pinned", RAM_COLOUR), ("disk (streamed; LRU-cached when hot)", DISK_COLOUR)]
 
 
+def heat_order(plan: Plan) -> np.ndarray:
+    """[rows, E] expert ids of each layer, hottest first (the plan's selection probabilities, ties by id);
+    the identity order when the plan records none."""
+    probs = layer_probabilities(plan)                               # [rows, E]
+    rows, n = plan.tiers().shape
+    if probs is None:
+        return np.tile(np.arange(n), (rows, 1))
+    return np.argsort(-probs, axis=1, kind="stable")
+
+
 def placement_heatmap(plan: Plan) -> bytes:
-    """Layer x expert -> tier (GPU per device, RAM pinned, disk), the LRU slots of each layer at its right,
-    and under it each expert's selection probability when the plan records it."""
+    """Layer x expert -> tier (GPU per device, RAM pinned, disk), the experts of each layer sorted by heat
+    (:func:`heat_order`, hottest left: an unsorted real model is confetti), the LRU slots of each layer at
+    its right, and under it the sorted selection probabilities with a labelled colour bar."""
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
@@ -56,10 +67,14 @@ def placement_heatmap(plan: Plan) -> bytes:
     tiers = plan.tiers()
     rows, n = tiers.shape
     keys = plan.device_keys
+    order = heat_order(plan)                                        # [rows, E]
+    tiers = np.take_along_axis(tiers, order, axis=1)
     codes = np.where(tiers == TIER_RAM, len(keys), np.where(tiers == TIER_DISK, len(keys) + 1, tiers))
     legend = tier_legend(plan)
     cmap = ListedColormap([c for _, c in legend])
     probs = layer_probabilities(plan)
+    if probs is not None:
+        probs = np.take_along_axis(probs, order, axis=1)            # [rows, E] hottest first
     panels = 2 if probs is not None else 1
     height = min(9.0, 1.2 + 0.18 * rows) * panels + 1.0
     fig, axes = plt.subplots(panels, 1, figsize=(11, height), squeeze=False, layout="constrained")
@@ -69,7 +84,8 @@ def placement_heatmap(plan: Plan) -> bytes:
     step = max(1, rows // 24)
     ax.set_yticks(range(0, rows, step), labels[::step])
     ax.set_ylabel("MoE layer")
-    ax.set_xlabel("expert id")
+    ax.set_xlabel("experts of the layer by heat rank (0 = most selected)" if probs is not None else
+                  "expert id")
     ax.set_title("where each expert lives")
     slots = plan.lru_slots()
     if slots.any():
@@ -83,9 +99,10 @@ def placement_heatmap(plan: Plan) -> bytes:
                         cmap="magma")
         ax2.set_yticks(range(0, rows, step), labels[::step])
         ax2.set_ylabel("MoE layer")
-        ax2.set_xlabel("expert id")
-        ax2.set_title("selection probability per token (log10): the heat the plan was solved for")
-        fig.colorbar(im, ax=[ax, ax2], fraction=0.03, pad=0.01)
+        ax2.set_xlabel("experts of the layer by heat rank (0 = most selected)")
+        ax2.set_title("selection probability per token: the heat the plan was solved for")
+        bar = fig.colorbar(im, ax=ax2, fraction=0.03, pad=0.01)
+        bar.set_label("log10 P(selected)", fontsize=8)   # short: a long label is cut at the figure's edge
     return _png(fig)
 
 

@@ -47,7 +47,8 @@ BACKEND_RUNTIMES = ("backends.cpu", "backends.cuda", "backends.metal", "backends
                     "backends.numpy_ref")
 BACKEND_EXCEPTIONS = {("backends.cpu", "backends.numpy_ref")}
 #: CLI command modules import only the CLI's shared helpers (a command split over two files aside)
-CLI_EXCEPTIONS = {("cli.model", "cli.model_pack"), ("cli.model", "cli.model_support")}
+CLI_EXCEPTIONS = {("cli.model", "cli.model_pack"), ("cli.model", "cli.model_support"),
+                  ("cli.profile", "cli.profiles"), ("cli.solve", "cli.solve_text")}
 
 
 def backend_of(module: str) -> str | None:

@@ -27,7 +27,17 @@ def test_vram_beyond_the_card_is_refused():
     with pytest.raises(BudgetError, match="more than its 32.00 GB"):
         vram_budgets([GPU], "40")
     got, _ = vram_budgets([GPU], "30")
-    assert got == {"cuda:0": 30 * 10**9}
+    assert got == {"cuda:0": 28 * 10**9}   # the card's 30 GB less the default 2 GB reserve
+
+
+def test_vram_is_the_card_size_and_the_reserve_is_taken_off_and_shown():
+    """Issue 29: --vram 24 on a 24 GB card budgeted all 24 GB for experts, nothing for the runtime."""
+    got, explain = vram_budgets([GPU], "24", reserve_bytes=int(1.5e9))
+    assert got == {"cuda:0": int(22.5e9)}
+    assert explain[0]["what"] == "cuda:0: --vram 24.00 GB - reserve 1.50 GB (--vram-reserve)"
+    assert vram_budgets([GPU], "1", reserve_bytes=int(2e9))[0] == {"cuda:0": 0}   # never negative
+    got, explain = vram_budgets([GPU], "0")
+    assert got == {"cuda:0": 0} and "no VRAM tier" in explain[0]["what"]
 
 
 def test_a_matmul_row_of_unknown_device_kind_is_never_the_cpu_figure():

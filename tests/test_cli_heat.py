@@ -12,7 +12,7 @@ def test_heat_convert_refuses_corrupt_and_empty(tmp_path):
     doc = heat_doc(tmp_path)
     doc["counts"][0][0] = 1e30
     refused(invoke("heat", "convert", write(tmp_path / "big.json", doc), tmp_path / "o.txt", "--to", "usage"),
-            1, "FormatError", "whole numbers")
+            1, "whole numbers")
     zero = heat_doc(tmp_path, counts=[[0] * 4, [0] * 4])
     src = write(tmp_path / "zero.json", zero)
     for fmt in ("usage", "json"):
@@ -27,7 +27,7 @@ def test_heat_convert_refuses_corrupt_and_empty(tmp_path):
 def test_heat_show_nan_tokens_is_one_line(tmp_path):
     src = write(tmp_path / "nan.json", heat_doc(tmp_path, tokens=float("nan")))
     for extra in ((), ("--json",)):
-        refused(invoke("heat", "show", src, *extra), 1, "FormatError", "tokens")
+        refused(invoke("heat", "show", src, *extra), 1, "tokens")
 
 
 def test_heat_and_profile_outputs_are_not_inputs(toy, tmp_path):

@@ -41,17 +41,17 @@ def test_report_refuses_bad_inputs_with_typed_errors(planned, tmp_path):
     out = tmp_path / "r.html"
     refused(invoke("report", tmp_path / "nope.json", "--out", out), "nope.json", "does not exist")
     r = invoke("report", planned / "plan.json", planned / "plan.json", "--out", out)  # a plan as VERIFY
-    assert r.exit_code == 1 and "FormatError" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 1 and "Error: " in r.output and "Traceback" not in r.output
     (tmp_path / "junk.json").write_text("[1, 2")
     r = invoke("report", tmp_path / "junk.json", "--out", out)
-    assert r.exit_code == 1 and "FormatError" in r.output
+    assert r.exit_code == 1 and "Error: " in r.output
     assert not out.exists()
 
 
 def test_report_never_writes_over_an_input(planned):
     before = (planned / "plan.json").read_bytes()
     r = invoke("report", planned / "plan.json", "--out", planned / "plan.json")
-    assert r.exit_code == 1 and "InputError" in r.output
+    assert r.exit_code == 1 and r.output.count("Error: ") == 1 and "InputError" not in r.output
     assert (planned / "plan.json").read_bytes() == before
 
 

@@ -199,7 +199,7 @@ def test_compare_tables_show_every_row_and_knob(good):
 
 
 def test_solve_prints_the_knobs_lines(good):
-    r = _good_solve(good, "--target", "colibri", "--keep-host-copies")
+    r = _good_solve(good, "--target", "colibri", "--keep-host-copies", "-v")
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     i = next(n for n, line in enumerate(lines) if line.startswith("Solver: "))
@@ -242,7 +242,8 @@ def test_repin_every_writes_the_section_and_verify_repins_token_exact(files, tmp
     assert doc["repin"] == {"enabled": True, "every_tokens": 2, "window_tokens": 8, "max_swaps": 4}
     assert doc["counts"]["ram_pinned"] > 0 and doc["counts"]["disk"] > 0
     assert json.loads(plan.read_text())["repin"] == doc["repin"]
-    human = solve(files, "--ram", "0.503", "--context", "100", "--repin-every", "2", "--repin-window", "5")
+    human = solve(files, "--ram", "0.503", "--context", "100", "--repin-every", "2", "--repin-window", "5",
+                  "-v")
     assert "Re-pinning: every 2 tokens, window 5 tokens, at most 4 swaps per layer and round" in human.stdout
     v = invoke("verify", "--plan", plan, "--model", files / "fx", "--tokens", "12", "--json",
                "--report", tmp_path / "v.json")
@@ -259,7 +260,7 @@ def test_repin_every_writes_the_section_and_verify_repins_token_exact(files, tmp
 def test_repin_options_are_checked(files):
     off, _ = solve_json(files, "--ram", "0.503", "--context", "100", "--repin-every", "0")
     assert off["repin"] is None
-    assert "Re-pinning: off" in solve(files, "--ram", "0.503", "--context", "100").stdout
+    assert "Re-pinning: off" in solve(files, "--ram", "0.503", "--context", "100", "-v").stdout
     refused(solve(files, "--repin-window", "8"), 2, "--repin-window needs --repin-every")
     for opt, bad in (("--repin-every", "-1"), ("--repin-every", "x"), ("--repin-window", "0"),
                      ("--repin-every", "1000001")):
@@ -287,7 +288,7 @@ def test_compare_and_solve_show_where_host_tiers_are_computed(tmp_path):
     for row in doc["compare"]:
         assert row["knobs"]["compute"] == {"ram_pinned": "cuda:0", "lru": "cpu", "disk": "cpu"}
         assert set(row["knobs"]["unified_experts"]) == {"cuda:0"}
-    out = cli_run(*args).stdout
+    out = cli_run(*args, "-v").stdout
     assert "Compute: pinned on cuda:0, LRU hits on cpu, streamed on cpu" in out
     assert "host tiers on" in out and out.count("pin cuda:0, LRU cpu, miss cpu") == len(doc["compare"])
 

@@ -77,7 +77,7 @@ def test_solve_hands_make_plan_its_options_whole(monkeypatch, good):
     monkeypatch.setattr("colibri_plan.planner.make.make_plan", fake)
     r = invoke("solve", "--profile", d / "profile.json", "--model", d / "model.json", "--context", 300,
                "--ram", "0.5", "--time-limit", 2)
-    assert r.exit_code == 1 and "_Stop: stop" in r.output, r.output
+    assert r.exit_code == 1 and "Error: stop" in r.output, r.output
     # the prompt the KV budget holds: 300 tokens (not the default 512)
     assert seen == [SolveOptions(context_tokens=300, ram="0.5", time_limit_s=2.0,
                                  prompt_tokens=default_prompt_tokens(300))]
@@ -94,7 +94,7 @@ def test_profile_hands_run_profile_its_options_whole(monkeypatch, tmp_path):
     monkeypatch.setattr("colibri_plan.profiler.run.run_profile", fake)
     r = invoke("profile", "--quick", "--probes", "ram", "--ram-bytes", "16MiB", "--backends", "numpy",
                "--out", tmp_path / "p.json")
-    assert r.exit_code == 1 and "_Stop: stop" in r.output, r.output
+    assert r.exit_code == 1 and "Error: stop" in r.output, r.output
     assert seen == [ProfileOptions(quick=True, probes=["ram"], ram_bytes=16 << 20, backends=["numpy"])]
     assert not (tmp_path / "p.json").exists()
 

@@ -48,7 +48,7 @@ def test_solve_json_records_prefill(files):
 
 
 def test_solve_human_and_default_length(files):
-    r = solve(files)
+    r = solve(files, "-v")
     assert r.exit_code == 0, r.output
     line = next(x for x in r.stdout.splitlines() if x.startswith("Time to first token"))
     assert line.startswith("Time to first token at 512 prompt tokens: ") and "distinct experts/layer" in line

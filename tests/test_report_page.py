@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,6 +145,74 @@ def test_page_renders_in_headless_chromium_without_console_errors(planned, tmp_p
     assert dom.stdout.count("<img") == 3 and "What-if" in dom.stdout
 
 
+#: injected into a copy of the page (the page itself has no script): every element whose right edge passes
+#: the viewport, unless a scrolling ancestor inside the viewport clips it, posted to the frame's parent
+_OVERFLOW_JS = """<script>addEventListener('load', () => {
+  const vw = document.documentElement.clientWidth, bad = [];
+  for (const el of document.body.querySelectorAll('*')) {
+    const r = el.getBoundingClientRect();
+    if (r.width === 0 || r.right <= vw + 1) continue;
+    let a = el.parentElement, clipped = false;
+    while (a && a !== document.body) {
+      const ox = getComputedStyle(a).overflowX;
+      if (ox !== 'visible' && a.getBoundingClientRect().right <= vw + 1) { clipped = true; break; }
+      a = a.parentElement;
+    }
+    if (!clipped) bad.push(el.tagName + '.' + el.className + ':' + Math.round(r.right));
+  }
+  parent.postMessage('OVERFLOW[' + vw + '|' + document.documentElement.scrollWidth + '|' + bad.join(',')
+                     + ']', '*');
+});</script>"""
+#: headless Chromium's window is at least 500 px wide: a phone's width is an iframe of that width in it
+_FRAME = """<!DOCTYPE html><html><body style="margin:0"><iframe src="{src}" style="border:0;width:{w}px;
+height:2400px"></iframe><script>addEventListener('message', e => {{ const p = document.createElement('pre');
+p.textContent = e.data; document.body.appendChild(p); }});</script></body></html>"""
+
+
+def _overflow(page_html: str, tmp_path, width: int) -> tuple[int, int, list[str]]:
+    """(viewport width, page scroll width, overflowing elements) of ``page_html`` in headless Chromium in a
+    frame ``width`` CSS px wide; a screenshot of ``tmp_path / "report.html"`` in such a frame is left as
+    ``tmp_path / f"shot-{width}.png"``."""
+    (tmp_path / f"check-{width}.html").write_text(page_html.replace("</body>", _OVERFLOW_JS + "</body>"))
+    for name, src in (("frame", f"check-{width}.html"), ("view", "report.html")):
+        (tmp_path / f"{name}-{width}.html").write_text(_FRAME.format(src=src, w=width))
+    args = [_chromium(), "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars",
+            f"--user-data-dir={tmp_path / f'profile-{width}'}", f"--window-size={width},2400",
+            "--virtual-time-budget=5000"]
+    dom = subprocess.run([*args, "--dump-dom", (tmp_path / f"frame-{width}.html").as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    m = re.search(r"OVERFLOW\[(\d+)\|(\d+)\|([^\]]*)\]", dom.stdout)
+    assert m, dom.stderr[-2000:]
+    subprocess.run([*args, f"--screenshot={tmp_path / f'shot-{width}.png'}",
+                    (tmp_path / f"view-{width}.html").as_uri()], capture_output=True, timeout=120)
+    return int(m.group(1)), int(m.group(2)), [b for b in m.group(3).split(",") if b]
+
+
+@pytest.mark.skipif(_chromium() is None, reason="headless Chromium is not installed")
+@pytest.mark.parametrize("width", [1400, 420])
+def test_no_element_overflows_the_viewport(planned, tmp_path, width):
+    """Issue 29: at 420 px the tables overflowed and clipped; every table and chart now scrolls inside
+    its own box and the page itself never scrolls sideways, at a desktop's and a phone's width."""
+    page = write_page(planned / "plan.json", [planned / "plan.verify.json"], tmp_path / "report.html",
+                      time_limit_s=5)
+    vw, scroll, bad = _overflow(page.read_text(), tmp_path, width)
+    assert abs(vw - width) <= 20          # the viewport is the asked width (less a scroll bar)
+    assert bad == [] and scroll <= vw, (bad, scroll, vw)
+    keep = os.environ.get("COLIBRI_REPORT_SHOTS")   # a folder to keep the screenshots in, to look at
+    if keep:
+        shutil.copy(tmp_path / f"shot-{width}.png", Path(keep) / f"report-{width}.png")
+    assert (tmp_path / f"shot-{width}.png").read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="headless Chromium is not installed")
+def test_the_overflow_check_would_see_a_wide_table(tmp_path):
+    """The check above is not vacuous: a table wider than a phone, outside a scrolling box, is caught."""
+    (tmp_path / "report.html").write_text("<!DOCTYPE html><html><body>ok</body></html>")
+    wide = "<table><tr>" + "<td>x0.9 measured/predicted</td>" * 12 + "</tr></table>"
+    vw, scroll, bad = _overflow(f"<!DOCTYPE html><html><body>{wide}</body></html>", tmp_path, 420)
+    assert scroll > vw and any(b.startswith("TABLE") for b in bad)
+
+
 @pytest.mark.skipif(_chromium() is None, reason="headless Chromium is not installed")
 def test_the_console_check_would_see_a_page_error(tmp_path):
     """The check above is not vacuous: a page that throws shows up as a CONSOLE line."""
@@ -173,3 +243,36 @@ def test_badly_typed_verify_report_is_one_line_not_a_traceback(planned, tmp_path
     assert not (tmp_path / "r.html").exists()
     with pytest.raises(FormatError):
         build_page(planned / "plan.json", [tmp_path / "x.json"], what_if=False)
+
+
+def test_header_shows_the_measured_figures_and_flags_the_prefill(planned, tmp_path):
+    """Issue 29: with a PASS verify report attached the header showed only predictions, and a prefill
+    off by x0.20 was visible only deep in the verify table."""
+    rep = json.loads((planned / "plan.verify.json").read_text())
+    page = build_page(planned / "plan.json", [planned / "plan.verify.json"], what_if=False)
+    header = page[:page.index("<h2>Machine</h2>")]
+    assert f"{rep['measured']['tok_s']:.3f}" in header and "measured decode tok/s (verify" in header
+    assert f"x{rep['verdict']['tok_s_ratio']:.2f}" in header
+    rep["verdict"].update(prefill_ratio=0.2, prefill_ok=False)
+    (tmp_path / "slow.verify.json").write_text(json.dumps(rep))
+    page = build_page(planned / "plan.json", [tmp_path / "slow.verify.json"], what_if=False)
+    header = page[:page.index("<h2>Machine</h2>")]
+    assert "<div class='card bad'><b>x0.20</b>" in header and "outside ±25%" in header
+    assert "Prefill: measured x0.20 the predicted prefill tok/s" in page
+    other = toy_report()   # another plan's report: no measured card in this plan's header
+    (tmp_path / "other.verify.json").write_text(json.dumps(other))
+    page = build_page(planned / "plan.json", [tmp_path / "other.verify.json"], what_if=False)
+    assert "measured decode tok/s" not in page[:page.index("<h2>Machine</h2>")]
+
+
+def test_heatmap_sorts_each_layer_by_heat(planned):
+    from colibri_plan.formats.plan import layer_probabilities, load_plan
+    from colibri_plan.report_plots import heat_order
+
+    plan = load_plan(planned / "plan.json")
+    probs = layer_probabilities(plan)
+    order = heat_order(plan)
+    sorted_p = np.take_along_axis(probs, order, axis=1)
+    assert np.all(np.diff(sorted_p, axis=1) <= 0)                        # hottest first in every layer
+    assert sorted(order[0].tolist()) == list(range(plan.n_experts))      # a permutation of the experts
+    assert not np.array_equal(order, np.tile(np.arange(plan.n_experts), (len(order), 1)))

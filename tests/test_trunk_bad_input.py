@@ -229,7 +229,7 @@ def test_a_kv_figure_below_the_models_is_refused_on_run_and_verify_before_any_wo
     for cmd in (("run", "--prompt-ids", "1,2", "--tokens", 2),
                 ("verify", "--tokens", 2, "--no-reference", "--report", tmp_path / "v.json")):
         r = invoke(*cmd, "--model", pack_files / "fx", "--plan", bad)
-        assert_one_line(r, "MismatchError", "trunk.kv.bytes_per_token is 1 B",
+        assert_one_line(r, "trunk.kv.bytes_per_token is 1 B",
                         f"its 8-token KV cache (64-token pages) at 64 B where the model's takes "
                         f"{64 * per_token:,} B",
                         "re-create the plan with `colibri-plan solve`")
@@ -254,7 +254,7 @@ def test_split_on_the_published_profile_with_a_huge_context_names_vram(tmp_path)
                "--model", "glm-5.2", "--out", tmp_path / "p.json")
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("Error: ")]   # after the "solving" line
-    assert errors == ["Error: BudgetError: --trunk split: the KV cache of --context 10000000 tokens needs "
+    assert errors == ["Error: --trunk split: the KV cache of --context 10000000 tokens needs "
                       "2967040000000 B (2967.04 GB) and the 6 GPUs' budgets together hold 189600000000 B "
                       "(189.60 GB) after their reserves; give a smaller --context, --trunk cpu, or more VRAM "
                       "for the plan (a larger --vram or a smaller --vram-reserve)"]

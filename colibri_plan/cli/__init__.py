@@ -2,8 +2,9 @@
 
 Each command lives in its own module under ``colibri_plan.cli`` and is imported only when invoked, so
 ``--help`` stays fast and a missing GPU stack never breaks unrelated commands. Library errors
-(:class:`~colibri_plan.errors.ColibriError`) become one line on stderr and exit 1; usage errors exit 2;
-``--debug`` shows the full traceback instead.
+(:class:`~colibri_plan.errors.ColibriError`) become one line on stderr, ``Error: <message>`` (the
+message says what was wrong and what to do; the class name is for ``--debug``, which shows the full
+traceback instead), and exit 1; usage errors exit 2.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class LazyGroup(click.Group):
             obj = ctx.obj if isinstance(ctx.obj, Ctx) else None
             if obj is not None and obj.debug:
                 raise
-            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+            raise click.ClickException(str(exc)) from None   # the message says what and what to do
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -36,6 +36,19 @@ def json_option(f):
                         help="Print one JSON document on stdout.")(f)
 
 
+def verbose_option(f):
+    """Add a per-command ``-v/--verbose`` flag (same effect as the global one): the details after the
+    answer."""
+
+    def callback(ctx, _param, value):
+        if value:
+            ctx.ensure_object(Ctx).verbose = True
+        return value
+
+    return click.option("--verbose", "-v", "verbose_flag", is_flag=True, expose_value=False,
+                        callback=callback, help="Print the details too.")(f)
+
+
 def collect_arg(names, name: str, build: Callable):
     """Decorator of a click command (put it next to ``def``): the parameters named in ``names`` reach the
     command as one argument ``name`` = ``build(**those not None)``; the others as themselves."""

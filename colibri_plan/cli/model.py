@@ -153,8 +153,10 @@ def show(name_or_path, quant):
 @model.command("list")
 @json_option
 def list_models():
-    """List the built-in catalogue of real MoE models."""
+    """List the built-in catalogue of real MoE models, and which the bundled engine can run (the others
+    are plan-only: `solve` plans them, `colibri-plan model support` says why the engine cannot yet)."""
     from colibri_plan.errors import UnsupportedError
+    from colibri_plan.families import ENGINE_FAMILIES
     from colibri_plan.model.catalogue import entries, spec_from_entry
 
     docs, rows = [], []
@@ -163,16 +165,20 @@ def list_models():
             s = spec_from_entry(e)
         except UnsupportedError:  # a partial entry: listed, not sized
             docs.append({"name": e["name"], "display": e.get("display"), "partial": True})
-            rows.append([e["name"], "?", "", "", "partial", "", ""])
+            rows.append([e["name"], "?", "", "", "partial", "", "", "plan only"])
             continue
         docs.append({"name": s.name, "display": e.get("display"), "aliases": e.get("aliases", []),
                      "n_routed_experts": s.n_routed_experts, "top_k": s.top_k,
                      "expert_bytes": s.expert_bytes(), "expert_format": s.expert_format,
-                     "total_params": s.total_params})
+                     "total_params": s.total_params, "engine_runs": s.family in ENGINE_FAMILIES})
         rows.append([s.name, s.n_moe_layers, s.n_experts, s.top_k, f"{s.n_routed_experts:,}",
-                     _mb(s.expert_bytes()), _params(s.total_params)])
-    emit({"models": docs}, lambda: table(rows, ["name", "MoE rows", "E", "k", "experts",
-                                                "int4 expert", "params"]))
+                     _mb(s.expert_bytes()), _params(s.total_params),
+                     "runs" if s.family in ENGINE_FAMILIES else "plan only"])
+    emit({"models": docs}, lambda: "\n".join([
+        table(rows, ["name", "MoE rows", "E", "k", "experts", "int4 expert", "params", "bundled engine"]), "",
+        "runs: `solve` plans it and the bundled engine packs, runs and verifies it; plan only: `solve` plans "
+        "it (for colibrì or llama.cpp too), the bundled engine cannot run it yet (`colibri-plan model "
+        "support` says why)"]))
 
 
 # Further sub-commands register below with model.add_command(...).

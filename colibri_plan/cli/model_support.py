@@ -98,7 +98,8 @@ def support(markdown):
     emit({"models": rows}, lambda: "\n".join([
         table([_cells(r) for r in rows], _header(rows)), "",
         "plan: `solve` from config.json, safetensors headers or GGUF; pack/run/verify: the bundled engine; "
-        "backends: where `run`/`verify` compute the experts (the dense trunk on the CPU or that device); "
+        "backends: where `run`/`verify` compute the experts (the dense trunk, attention and KV cache "
+        "where the plan's trunk puts them, or `run --trunk cpu|device`: the CPU or that backend's device); "
         "tested: an engine test ran this model type there; inferred: never run there (the backend's kernels "
         "pass their oracle and the type runs elsewhere); unverified: the backend never ran",
         *(["", "plan only, because:", *_reasons(rows)] if any(r["plan_only_reason"] for r in rows) else [])]))

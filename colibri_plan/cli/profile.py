@@ -6,7 +6,8 @@ import re
 
 import click
 
-from colibri_plan.cli.common import Steps, emit, json_option, options_arg, progress, table, warn
+from colibri_plan.cli.common import Steps, emit, json_option, options_arg, progress, warn
+from colibri_plan.cli.profiles import render  # noqa: F401 - the profile tables (re-exported)
 from colibri_plan.errors import InputError
 from colibri_plan.profiler.options import DEFAULTS as D
 from colibri_plan.profiler.options import PROBES, ProfileOptions
@@ -112,114 +113,6 @@ def model_arch(model: str | None):
                   "headers and spec files give sizes, not projection shapes)")
 
 
-def _fig(s: dict, digits: int = 2) -> str:
-    if not isinstance(s, dict) or "unavailable" in s:
-        return "-"
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
-
-def render(doc: dict) -> str:
-    """The human-readable tables of a profile document."""
-    m = doc["machine"]
-    out = [f"machine  {m['cpu_model']}, {m['cores']} cores, RAM {m['ram_total_bytes'] / 2**30:.1f} GiB "
-           f"({m['ram_available_bytes'] / 2**30:.1f} GiB available), {m['os']}  [{m['fingerprint']}]"]
-    d = doc["disk"]
-    if "unavailable" in d:
-        out.append(f"disk     unavailable: {d['unavailable']}")
-    else:
-        fs = d["filesystem"]
-        fs = fs if isinstance(fs, dict) else {"fstype": fs, "device": "?"}
-        out.append(f"\ndisk     {d['path']} ({fs['fstype']} on {fs['device']}), block {d['block_bytes']} B, "
-                   f"page cache kept out by: {d['page_cache_method']}")
-        def row(name, e):
-            lat = e.get("latency_ms") or {}
-            return [name, _fig(e.get("read_gbps")), f"{lat['p50']:.1f}" if "p50" in lat else "-",
-                    f"{lat['p99']:.1f}" if "p99" in lat else "-", e.get("reads", "-")]
-
-        rows = [row(e["queue_depth"], e) for e in d["random"]] + [row("seq", d["sequential"])]
-        out.append(table(rows, ["QD", "read GB/s median (min-max)", "p50 ms", "p99 ms", "reads"]))
-    r = doc["ram"]
-    crc = f"; crc32 checks {_fig(r['checksum_gbps'], 1)} GB/s" if r.get("checksum_gbps") else ""
-    out.append("\nram      " + (f"unavailable: {r['unavailable']}" if "unavailable" in r else
-                               f"read {_fig(r['read_gbps'], 1)} GB/s with {r['threads']} thread(s){crc}"))
-    links = doc["links"]
-    if isinstance(links, dict):
-        out.append(f"\nlinks    unavailable: {links['unavailable']}")
-    else:
-        rows = [[f"{e['backend']}:{e['device_index']}", e["device_name"][:32],
-                 "unified" if e["unified_memory"] else "copy", _fig(e.get("h2d_pinned_gbps")),
-                 _fig(e.get("h2d_pageable_gbps")), _fig(e.get("d2h_pinned_gbps")),
-                 _fig(e.get("d2h_pageable_gbps"))] for e in links]
-        out.append("\nlinks (GB/s, median (min-max))")
-        out.append(table(rows, ["device", "name", "link", "H2D pinned", "H2D pageable", "D2H pinned",
-                                "D2H pageable"]))
-    mm = doc["matmul"]
-    if isinstance(mm, dict):
-        out.append(f"\nmatmul   unavailable: {mm['unavailable']}")
-    else:
-        rows = [[f"{e['backend']}:{e['device_index']}", e["fmt"], f"{e['out_features']}x{e['in_features']}",
-                 e["tokens"], _fig(e["weight_gbps"]), f"{e['seconds']['median'] * 1e3:.3f}"] for e in mm]
-        out.append("\nmatmul (weight GB/s through the backend's own matmul)")
-        out.append(table(rows, ["device", "fmt", "out x in", "tokens", "weight GB/s", "ms"]))
-    ffn = doc.get("expert_ffn")
-    if isinstance(ffn, list) and ffn:
-        rows = [[f"{e['backend']}:{e['device_index']}", e["fmt"], e["experts"], _fig(e["weight_gbps"]),
-                 f"{e['seconds']['median'] * 1e3:.3f}"] for e in ffn]
-        out.append("\nexpert_ffn (k experts, 1 token each)")
-        out.append(table(rows, ["device", "fmt", "k", "weight GB/s", "ms"]))
-    out += render_trunk(doc)
-    if doc.get("skipped"):
-        out.append("\nskipped")
-        for s in doc["skipped"]:
-            where = s["backend"] + (f":{s['device_index']}" if "device_index" in s else "")
-            out.append(f"  {s.get('what', '')} {where}{' ' + s['fmt'] if 'fmt' in s else ''}: {s['reason']}")
-    return "\n".join(out)
-
-
-def render_trunk(doc: dict) -> list[str]:
-    """Tables of the optional trunk sections (none when the profile lacks them)."""
-    out = []
-    for name in ("dense_gemv", "device_ops", "attention", "trunk_layer"):
-        sec = doc.get(name)
-        if isinstance(sec, dict):
-            out.append(f"\n{name}  unavailable: {sec.get('unavailable')}")
-    gemv = doc.get("dense_gemv")
-    if isinstance(gemv, list):
-        rows = [[f"{e['backend']}:{e['device_index']}", e["fmt"], f"{e['out_features']}x{e['in_features']}",
-                 e.get("shape_source", "-"), _fig(e["weight_gbps"]), f"{e['seconds']['median'] * 1e6:.1f}"]
-                for e in gemv]
-        out.append("\ndense_gemv (d_matmul, x on the device, 1 token; weight GB/s median (min-max))")
-        out.append(table(rows, ["device", "fmt", "out x in", "shape", "weight GB/s", "us"]))
-    ops = doc.get("device_ops")
-    if isinstance(ops, list):
-        rows = [[f"{e['backend']}:{e['device_index']}", e["device_name"][:32],
-                 _fig({k: v * 1e6 for k, v in e["op_seconds"].items() if k != "repetitions"}),
-                 _fig({k: v * 1e6 for k, v in e["roundtrip_seconds"].items() if k != "repetitions"})]
-                for e in ops]
-        out.append("\ndevice_ops (us, median (min-max))")
-        out.append(table(rows, ["device", "name", "op (d_add [1, 4096])", "round trip (get + put [1, H])"]))
-    att = doc.get("attention")
-    if isinstance(att, list):
-        rows = [[f"{e['backend']}:{e['device_index']}", f"{e['n_heads']}/{e['n_kv_heads']}x{e['head_dim']}",
-                 e["context_tokens"], f"{e['seconds']['median'] * 1e3:.3f}", _fig(e["kv_gbps"])] for e in att]
-        out.append("\nattention (one decode d_attention of one layer)")
-        out.append(table(rows, ["device", "heads/kv x d", "context", "ms", "KV GB/s"]))
-    lay = doc.get("trunk_layer")
-    if isinstance(lay, list):
-        def us(e, k):
-            return f"{e[k]['median'] * 1e6:.0f}" if isinstance(e.get(k), dict) else "-"
-
-        rows = [[f"{e['backend']}:{e['device_index']}", e["path"], e["fmt"], f"H {e['hidden']}",
-                 us(e, "block_seconds"), us(e, "handoff_seconds"), us(e, "attention_seconds"),
-                 us(e, "attention_long_seconds"), us(e, "expert_one_seconds"), us(e, "expert_topk_seconds")]
-                for e in lay]
-        out.append("\ntrunk_layer (one decoder layer's op sequence, us per layer, medians; attention at 64 "
-                   "and 1024 keys; expert calls of 1 and top-k experts in the engine's rhythm)")
-        out.append(table(rows, ["device", "path", "fmt", "shape", "layer", "MoE hand-off", "attn 64",
-                                "attn 1024", "experts 1", "experts k"]))
-    return out
-
-
 def _stage_progress(bar: Steps, stages: list[str]):
     """A ``fn(message)`` callback for :func:`run_profile`: every message is a line (or the bar's text);
     the bar counts the probes done, read from the message's ``probe:`` prefix."""
@@ -247,7 +140,7 @@ def _positive(_ctx, param, value):
     return value
 
 
-@click.command("profile")
+@click.group("profile", invoke_without_command=True)
 @click.option("--path", type=click.Path(), default=D.path,
               help="Folder or file on the disk to probe (default: a temporary file in the current folder).")
 @click.option("--model", default=D.model,
@@ -283,8 +176,15 @@ def _positive(_ctx, param, value):
 def profile(opts, out):
     """Measure NVMe reads (O_DIRECT, expert-sized blocks, queue depth 1..N), RAM bandwidth, host<->GPU
     links, the matmul throughput of every backend and the dense trunk (GEMV at trunk shapes, small
-    device ops, decode attention) of every device and the host CPU; write the profile file."""
+    device ops, decode attention) of every device and the host CPU; write the profile file.
+
+    Without this machine: `profile synth` builds a profile from stated figures (--gpu 24G --ram 64G
+    --nvme gen4 --cpu 16), `profile list` names the shipped ones, `profile show` prints one.
+    """
     import dataclasses
+
+    if click.get_current_context().invoked_subcommand is not None:
+        return   # `profile synth|list|show`: nothing to measure
 
     from colibri_plan.formats.profile import save_profile
     from colibri_plan.profiler.run import run_profile
@@ -312,3 +212,12 @@ def profile(opts, out):
         save_profile(prof, out)
         progress(f"profile written to {out} ({prof.doc['duration_s']:.1f} s)")
     emit(prof.doc, lambda: render(prof.doc))
+
+
+from colibri_plan.cli.profiles import list_profiles as _list  # noqa: E402
+from colibri_plan.cli.profiles import show as _show  # noqa: E402
+from colibri_plan.cli.profiles import synth as _synth  # noqa: E402
+
+profile.add_command(_synth)
+profile.add_command(_list)
+profile.add_command(_show)

@@ -1,4 +1,5 @@
-"""`colibri-plan solve`: budgets, optimal placement, plan file, baselines (--compare), what-if."""
+"""`colibri-plan solve`: budgets, optimal placement, plan file, per-engine answer, baselines (--compare),
+what-if. What it prints is :mod:`colibri_plan.cli.solve_text`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,17 @@ from pathlib import Path
 
 import click
 
-from colibri_plan.cli.common import Steps, emit, json_option, knob_lines, options_arg, progress, table, warn
+from colibri_plan.cli.common import (
+    Steps,
+    collect_arg,
+    emit,
+    get_ctx,
+    json_option,
+    options_arg,
+    progress,
+    verbose_option,
+    warn,
+)
 from colibri_plan.planner.options import DEFAULT_PROMPT_TOKENS, SolveOptions, default_prompt_tokens
 from colibri_plan.planner.options import DEFAULTS as D
 
@@ -39,15 +50,24 @@ def _queue_depth(_ctx, _param, value: str) -> str:
 
 
 @click.command("solve")
-@click.option("--profile", "profile_path", required=True, help="Profile file (or a shipped profile name).")
+@click.option("--profile", "profile_path", default=None,
+              help="Profile file, or a shipped profile's name (`colibri-plan profile list`).")
+@click.option("--machine", "machine", default=None, metavar="'gpu=24G ram=64G nvme=gen4 cpu=16'",
+              help="Instead of --profile: the machine in one line, the `profile synth` flags as key=value "
+                   "(figures not stated take published defaults, shown by `colibri-plan profile synth`).")
 @click.option("--model", "model_name", required=True, help="Catalogue name, checkpoint folder, GGUF or spec.")
 @click.option("--heat", default=None,
               help="Heat file (engine JSON, colibrì usage/STATS), 'synth' or 'uniform'.")
-@click.option("--ram", default=D.ram, show_default=True, help="'auto' or the process RAM budget in GB.")
-@click.option("--vram", default=D.vram, show_default=True, help="'auto', or GB per GPU (one, or a,b,c).")
+@click.option("--ram", default=D.ram, show_default=True,
+              help="'auto' or the process RAM budget in GB (the machine's other memory stays the OS page "
+                   "cache: to plan for a smaller machine, describe it with --machine).")
+@click.option("--vram", default=D.vram, show_default=True,
+              help="'auto' (each GPU's free memory) or each card's memory in GB (one figure, or a,b,c); "
+                   "--vram-reserve is taken off either way and shown.")
 @click.option("--headroom", default=D.headroom, help="OS + page-cache headroom in GB for --ram auto.")
 @click.option("--vram-reserve", "vram_reserve_gb", default=D.vram_reserve_gb, show_default=True,
-              type=click.FloatRange(0), callback=lambda _c, p, v: _finite(p, v), help="GB kept free per GPU.")
+              type=click.FloatRange(0), callback=lambda _c, p, v: _finite(p, v),
+              help="GB taken off each GPU's memory for the runtime (CUDA context, buffers, other programs).")
 @click.option("--context", "context_tokens", default=D.context_tokens, show_default=True,
               type=click.IntRange(0, 10_000_000), help="Context tokens (KV cache).")
 @click.option("--quant", default=None, help="Expert quant format (default: the model's).")
@@ -61,7 +81,11 @@ def _queue_depth(_ctx, _param, value: str) -> str:
               help="Prompt length the plan predicts the prefill (time to first token) at. [default: "
                    f"{DEFAULT_PROMPT_TOKENS}, or --context when that is shorter]")
 @click.option("--lru-slots", default=D.lru_slots, show_default=True, help="'auto' or LRU slots per layer.")
-@click.option("--out", "out_path", default=None, help="Write the plan here.")
+@click.option("--out", "out_path", default=None,
+              help="Write the plan here, and colibrì's usage file beside it (PLAN with .coli_usage).")
+@click.option("--gguf", "gguf", default=None, help="The model's GGUF file, for llama.cpp's command (-m).")
+@click.option("--colibri-model", "colibri_model", default=None,
+              help="colibrì's converted model folder, for its command (COLI_MODEL).")
 @click.option("--target", type=click.Choice(["colibri-plan", "colibri", "llama.cpp"]), default=D.target,
               show_default=True,
               help="Engine the plan is for: ours, colibrì (reads at queue depth 1-2, 0.741 MiB of VRAM "
@@ -85,7 +109,10 @@ def _queue_depth(_ctx, _param, value: str) -> str:
               help="Predicted tok/s as one resource varies.")
 @click.option("--png", "png_path", default=None, help="With --what-if: write the plot here.")
 @click.option("--method", type=click.Choice(["auto", "exact", "aggregate"]), default=D.method,
-              show_default=True)
+              show_default=True,
+              help="The solver: 'exact' places every expert (a MILP, HiGHS), 'aggregate' solves counts and "
+                   "probability mass per layer (an LP) then realises them, for models too large to place "
+                   "expert by expert; 'auto' picks by the problem's size.")
 @click.option("--time-limit", "time_limit_s", default=D.time_limit_s, show_default=True,
               type=click.FloatRange(0, min_open=True), callback=lambda _c, p, v: _finite(p, v),
               help="Solver seconds.")
@@ -99,11 +126,20 @@ def _queue_depth(_ctx, _param, value: str) -> str:
               help="llama.cpp's coefficients from `colibri-plan calibrate --engine llama.cpp` (default: "
                    "uncalibrated).")
 @json_option
+@verbose_option
 @options_arg(SolveOptions)
-def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_if_kind, png_path, coef_path):
+@collect_arg({"out_path", "png_path", "gguf", "colibri_model"}, "files", dict)
+def solve(opts, profile_path, machine, model_name, heat, quant, files, compare, what_if_kind, coef_path):
     """Solve where every expert lives (VRAM per GPU, pinned RAM, LRU cache, disk) to minimise predicted
-    decode time per token within the memory budgets; write a plan file."""
+    decode time per token within the memory budgets. Prints, per engine you may deploy (the bundled
+    colibri-plan engine, colibrì, llama.cpp), the predicted tok/s, time to first token and the command to
+    paste; -v adds the details; --out keeps the plan.
+
+    Example: colibri-plan solve --model qwen3-235b-a22b --machine 'gpu=24G ram=64G nvme=gen4 cpu=16'
+    """
     import dataclasses
+
+    out_path, png_path = files.get("out_path"), files.get("png_path")
 
     from colibri_plan.errors import InputError
     from colibri_plan.fileio import check_output_path
@@ -114,9 +150,16 @@ def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_i
     llama_coef_path = click.get_current_context().meta.get("llama_coef_path")   # --llama-coefficients
     if png_path and not what_if_kind:
         raise InputError("--png needs --what-if ram|vram|nvme")
+    if (profile_path is None) == (machine is None):
+        from colibri_plan.formats.profile import shipped_profile_names
+
+        raise click.UsageError("give the machine: --profile FILE|NAME (shipped: "
+                               f"{', '.join(shipped_profile_names())}) or --machine 'gpu=24G ram=64G "
+                               "nvme=gen4 cpu=16' (one of the two)")
     inputs = [p for p in (profile_path, model_name, heat, coef_path, llama_coef_path)
               if p and Path(p).exists()]
-    for p in (out_path, png_path):  # before the solve, not after it
+    usage = str(Path(out_path).with_suffix(".coli_usage")) if out_path else None
+    for p in (out_path, usage, png_path):  # before the solve, not after it
         if p is not None:
             check_output_path(p, inputs)
     from colibri_plan.errors import ColibriError
@@ -128,7 +171,13 @@ def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_i
         raise click.BadParameter(str(exc)) from None
     from colibri_plan.formats.profile import resolve_profile
 
-    profile, source = resolve_profile(profile_path)
+    if machine is not None:
+        from colibri_plan.profiler.synth import parse_machine, synth_profile
+
+        stated = parse_machine(machine)
+        profile, source = synth_profile(stated), f"a stated machine: {stated.summary()}"
+    else:
+        profile, source = resolve_profile(profile_path)
     spec = load_model_spec(model_name, quant=quant)
     from colibri_plan.formats.heat_align import load_heat_arg
 
@@ -158,15 +207,24 @@ def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_i
         plan.doc["reads"] = reads_section(setup, sol.tiers, sol.lru_slots)
     for w in setup.warnings:
         warn(w)
+    paths = _deploy_paths(out_path, model_name, files.get("gguf"), files.get("colibri_model"))
     if out_path:
         save_plan(plan, out_path)
-    result = {"plan_file": out_path, "model": spec.name, "profile": source,
+    result = {"plan_file": paths.plan, "plan_written": bool(out_path), "usage_path": paths.usage,
+              "model": spec.name, "profile": source,
               "budgets": plan.doc["budgets"], "counts": plan.counts(), "predicted": plan.doc["predicted"],
               "solver": plan.doc["solver"], "knobs": plan.doc.get("knobs"),
               "compute": plan.doc.get("compute"), "compute_explain": plan.doc.get("compute_explain"),
               "repin": plan.doc.get("repin"), "trunk": {**plan.doc["trunk"], **plan.doc["solver"]["trunk"]},
               "warnings": setup.warnings, **({"llamacpp": llama} if opts.target == "llama.cpp" else {}),
               **({"reads": plan.doc["reads"]} if "reads" in plan.doc else {})}
+    from colibri_plan.planner.compare import engine_rows
+
+    result["engines"] = engine_rows(setup, plan, paths, _engine_refusal(spec))
+    if out_path and result["engines"][1]["command"] is not None:   # the usage file the colibrì line reads
+        from colibri_plan.planner.exports import export_colibri
+
+        result["usage_file"] = export_colibri(plan, paths.usage)["usage_file"]
     if compare:
         from colibri_plan.planner.compare import compare_placements
 
@@ -188,7 +246,60 @@ def solve(opts, profile_path, model_name, heat, quant, out_path, compare, what_i
         result["what_if"] = {"kind": what_if_kind, "rows": rows, "png": png_path}
         if png_path:
             plot(rows, what_if_kind, png_path, title=f"{spec.name} on {source}")
-    emit(result, lambda: _human(result, plan))
+    emit(result, lambda: _human(result))
+
+
+def _human(result: dict) -> str:
+    from colibri_plan.cli.solve_text import answer_lines, compare_tables, detail_lines, what_if_lines
+
+    verbose = get_ctx().verbose
+    out = answer_lines(result, verbose)
+    if verbose:
+        out += ["", *detail_lines(result)]
+        if result.get("reads"):  # our engine's reads, priced (planner/reads.py)
+            from colibri_plan.planner.reads import reads_line
+
+            out.append(reads_line(result["reads"]))
+    if result.get("llamacpp"):  # --target llama.cpp: its pick or "keep --fit"
+        from colibri_plan.planner.llamacpp_report import llama_lines
+
+        out += ["", *llama_lines(result["llamacpp"])]
+    if "compare" in result:
+        from colibri_plan.planner.llamacpp_report import compare_notes
+
+        out += ["", *compare_tables(result["compare"]), *compare_notes(result["compare"])]
+    if "what_if" in result:
+        out += ["", *what_if_lines(result["what_if"])]
+    return "\n".join(out)
+
+
+def _deploy_paths(out_path, model_name, gguf, colibri_model):
+    """The files the engines' commands name, absolute: the plan (``--out``, else ./plan.json, which
+    ``--out plan.json`` would write), its usage file, and the model's pack, GGUF file or colibrì folder
+    where ``--model``, ``--gguf`` and ``--colibri-model`` name them."""
+    from colibri_plan.planner.compare import DeployPaths
+
+    plan = Path(out_path or "plan.json").expanduser().resolve()
+    model = Path(model_name).expanduser()
+    pack = str(model.resolve()) if (model / "pack.json").is_file() else None
+    if gguf is None and model.suffix == ".gguf" and model.is_file():
+        gguf = str(model)
+    def absolute(p):
+        return str(Path(p).expanduser().resolve()) if p else None
+
+    return DeployPaths(plan=str(plan), usage=str(plan.with_suffix(".coli_usage")), written=bool(out_path),
+                       pack=pack, gguf=absolute(gguf), colibri_model=absolute(colibri_model))
+
+
+def _engine_refusal(spec) -> str | None:
+    """Why the bundled engine cannot run ``spec``'s family (`colibri-plan model support`), None if it can."""
+    from colibri_plan.families import ENGINE_FAMILIES, FAMILIES
+
+    if spec.family in ENGINE_FAMILIES or spec.family not in FAMILIES:
+        return None
+    why = FAMILIES[spec.family].REFUSE
+    why = why.get(spec.family) if isinstance(why, dict) else why
+    return f"the bundled engine plans {spec.family} but cannot run it yet ({why})"
 
 
 def _llama_section(setup, profile, opts, coef_path: str | None, quant: str | None) -> dict:
@@ -220,139 +331,3 @@ def _coefficients(coef_path: str, profile):
              f"machine {profile.fingerprint}: the coefficients may not hold here; calibrate from "
              "verify reports measured on this machine")
     return coef
-
-
-def _human(result: dict, plan) -> str:
-    b = result["budgets"]
-    out = ["Budgets:"]
-    out.append(table([[e["what"], _gb(e["bytes"])] for e in b["explain"]], None, right=(1,), indent=2))
-    out += trunk_lines(result["trunk"])
-    c = result["counts"]
-    out.append("Placement (experts): " + ", ".join(f"{k} {v}" for k, v in c.items()))
-    p = result["predicted"]
-    t = p["terms"]
-    out.append(f"Predicted: {p['tok_s']:.3f} tok/s ({p['decode_s_per_token'] * 1e3:.1f} ms/token): dense "
-               f"{t['dense_s'] * 1e3:.1f} ms, attention {t['attention_s'] * 1e3:.1f} ms, expert layers "
-               f"{t['expert_layers_s'] * 1e3:.1f} ms (disk wait {t['disk_wait_s'] * 1e3:.1f} ms, transfers "
-               f"{t['transfer_s'] * 1e3:.1f} ms)")
-    from colibri_plan.planner.prefill import prefill_lines
-
-    out += prefill_lines(p.get("prefill"))
-    h = p["hit_rate"]
-    out.append(f"Selections served from: VRAM {h['vram'] * 100:.1f}%, "
-               f"pinned RAM {h['ram_pinned'] * 100:.1f}%, "
-               f"LRU {h['lru'] * 100:.1f}%, disk {h['disk'] * 100:.1f}%; disk "
-               f"{p['disk_bytes_per_token'] / 1e6:.1f} MB/token")
-    s = result["solver"]
-    gap = "n/a" if s["gap"] is None else f"{s['gap'] * 100:.3f}%"
-    out.append(f"Solver: {s['method']}; {s['status']}; gap {gap}; {s['seconds']:.2f} s")
-    out += knob_lines(result.get("knobs"), compute=result.get("compute"),
-                      compute_explain=result.get("compute_explain"), repin=result.get("repin"))
-    if result.get("reads"):
-        from colibri_plan.planner.reads import reads_line
-
-        out.append(reads_line(result["reads"]))
-    if result.get("plan_file"):
-        out.append(f"Plan written to {result['plan_file']}")
-    if result.get("llamacpp"):
-        from colibri_plan.planner.llamacpp_report import llama_lines
-
-        out += ["", *llama_lines(result["llamacpp"])]
-    if "compare" in result:
-        from colibri_plan.planner.llamacpp_report import compare_notes
-
-        out += ["", *compare_tables(result["compare"]), *compare_notes(result["compare"])]
-    if "what_if" in result:
-        w = result["what_if"]
-        rows = [[f"{r['value']:.3g} {r['unit']}", f"{r['tok_s']:.3f}", f"{r['hot_first_tok_s']:.3f}",
-                 f"{r['vram'] * 100:.1f}", f"{r['ram_pinned'] * 100:.1f}", f"{r['disk'] * 100:.1f}"]
-                for r in w["rows"]]
-        out += ["", f"What-if {w['kind']}:", table(rows, [w["kind"], "tok/s (ours)", "tok/s (hot-first)",
-                                                          "VRAM %", "pinned %", "disk %"])]
-        if w.get("png"):
-            out.append(f"Plot written to {w['png']}")
-    return "\n".join(out)
-
-
-def trunk_lines(tr: dict) -> list[str]:
-    """The VRAM trade of the trunk: each option's seconds, VRAM taken, VRAM left for experts, RAM for
-    experts and predicted tok/s (options identical to another up to the device's name are folded)."""
-    chosen = next(r for r in tr["options"] if r["chosen"])
-    how = "the least predicted decode time" if tr["mode"] == "auto" else f"--trunk {tr['mode']}"
-    out = [f"Trunk (dense, attention, KV cache): on {tr['chosen']} ({how})"]
-    rows, same = [], {}
-    for r in tr["options"]:
-        if r["same_as"]:
-            same.setdefault(r["same_as"], []).append(r["option"])
-            continue
-        taken = ", ".join(f"{k} {_gb(v)}" for k, v in r["vram_trunk_bytes"].items()) or "none"
-        left = ", ".join(f"{k} {_gb(r['vram_expert_budget_bytes'][k])}"   # the CPU row: the chosen's devices
-                         for k in r["vram_trunk_bytes"] or chosen["vram_trunk_bytes"]) or "all"
-        tok = f"{r['tok_s']:.3f}" if r["tok_s"] is not None else ("not solved" if r["feasible"] else "no fit")
-        rows.append([r["option"] + (" *" if r["chosen"] else ""), f"{r['dense_s'] * 1e3:.1f}",
-                     f"{r['attention_s'] * 1e3:.1f}", f"{r['roundtrip_s'] * 1e3:.1f}", taken, left,
-                     _gb(r["ram_budget_bytes"]), tok])
-    out.append(table(rows, ["option", "dense ms", "attention ms", "(round trip ms)", "VRAM for trunk+KV",
-                            "VRAM left for experts", "RAM for experts", "tok/s"], indent=2))
-    out += [f"  {', '.join(v)}: as {k} (same figures and budget)" for k, v in same.items()]
-    out += [f"  {r['option']} does not fit: {r['why']}" for r in tr["options"] if not r["feasible"]]
-    cpu = next((r for r in tr["options"] if r["option"] == "cpu"), None)
-    if chosen["option"] != "cpu" and cpu is not None and cpu["tok_s"] is not None:
-        n = sum(chosen["vram_trunk_bytes"].values())
-        kv = f" + KV {_gb(chosen['kv_bytes'])}"
-        out.append(f"  The trunk on {chosen['option']} takes {_gb(n)} of VRAM from experts (dense "
-                   f"{_gb(chosen['dense_bytes'])}{kv}); predicted "
-                   f"{chosen['tok_s']:.3f} tok/s against {cpu['tok_s']:.3f} with it on the CPU")
-    return out
-
-
-def _pct(x) -> str:
-    return f"{x * 100:.1f}"
-
-
-def _ratio(x) -> str:
-    return "n/a" if x is None else f"{x:.2f}x"
-
-
-def _host_compute(compute: dict | None) -> str:
-    """A compare row's host-tier processors, short: one name when they agree, else pinned/LRU/streamed."""
-    if not compute:
-        return "cpu"
-    who = [compute.get(t, "cpu") for t in ("ram_pinned", "lru", "disk")]
-    return who[0] if len(set(who)) == 1 else f"pin {who[0]}, LRU {who[1]}, miss {who[2]}"
-
-
-def compare_tables(rows: list[dict]) -> list[str]:
-    """`solve --compare` as three tables keyed by placement (one would be ~150 columns wide): what each
-    placement predicts as its engine runs it, where its selections are served from, and the engine knobs
-    it was priced with."""
-    names = [r["placement"] for r in rows]
-    pred = [[n, f"{r['tok_s']:.3f}", f"{r['decode_s_per_token'] * 1e3:.1f}",
-             f"{r['disk_bytes_per_token'] / 1e6:.1f}", _ratio(r.get("vs_best_baseline")),
-             _ratio(r.get("vs_best_baseline_our_engine"))] for n, r in zip(names, rows)]
-    served = [[n, _pct(h["vram"]), _pct(h["ram_pinned"]), _pct(h["lru"]), _pct(h["disk"]),
-               _pct(r.get("knobs", {}).get("page_cache_hit_rate", 0.0))]
-              for n, r, h in zip(names, rows, (r["hit_rate"] for r in rows))]
-    knobs = []
-    for n, r in zip(names, rows):
-        k = r.get("knobs", {})
-        uni = sum((k.get("unified_experts") or {}).values())
-        pins = f"{k.get('pinned_experts', '?')}" + (f" +{uni} unified" if uni else "")
-        knobs.append([n, r.get("engine", "?"), k.get("queue_depth", "?"),
-                      "O_DIRECT" if k.get("o_direct", True) else "buffered", pins,
-                      k.get("lru_slots_max", "?"), f"{k.get('host_copy_bytes', 0) / 1e9:.2f} GB",
-                      _host_compute(k.get("compute"))])
-    heads = ["placement", "engine", "queue depth", "reads", "pins", "LRU slots", "host copies",
-             "host tiers on"]
-    on_cpu = all(row[-1] == "cpu" for row in knobs)
-    if on_cpu:   # the usual case: one sentence instead of a column of "cpu"
-        knobs, heads = [row[:-1] for row in knobs], heads[:-1]
-    return [
-        "Predicted as each engine runs it (vs best (our engine): the placements alone, all on our engine):",
-        table(pred, ["placement", "tok/s", "ms/token", "disk MB/tok", "vs best baseline",
-                     "vs best (our engine)"]),
-        "", "Selections served from (%; page cache: the part of disk reads the OS page cache serves):",
-        table(served, ["placement", "VRAM %", "pinned %", "LRU %", "disk %", "page cache %"]),
-        "", "Engine knobs each row is priced with:",
-        table(knobs, heads),
-    ] + (["Host tiers (pinned, LRU hits, streamed) are computed on the CPU in every row."] if on_cpu else [])

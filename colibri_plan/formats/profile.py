@@ -279,5 +279,15 @@ def resolve_profile(path: str) -> tuple[MachineProfile, str]:
     if shipped.is_file():
         with resources.as_file(shipped) as f:
             return load_profile(f), f"shipped profile {name}"
-    raise InputError(f"profile {path} not found (not a file, nor a shipped profile); measure one with "
-                     "`colibri-plan profile --out profile.json`")
+    raise InputError(f"profile {path} not found: not a file, nor a shipped profile (shipped: "
+                     f"{', '.join(shipped_profile_names())}); measure this machine with `colibri-plan "
+                     "profile --out profile.json`, or describe one with `colibri-plan profile synth --ram "
+                     "64G ...`")
+
+
+def shipped_profile_names() -> list[str]:
+    """Names of the profiles shipped in ``colibri_plan/profiles`` (``--profile NAME``), sorted."""
+    from importlib import resources
+
+    return sorted(p.name[:-5] for p in resources.files("colibri_plan.profiles").iterdir()
+                  if p.name.endswith(".json"))

@@ -186,7 +186,10 @@ def vram_budgets(gpus: list[dict], vram: str = "auto",
                  reserve_bytes: int = DEFAULT_VRAM_RESERVE_BYTES) -> tuple[dict[str, int], list[dict]]:
     """Per-device expert budgets from profile GPU dicts (backend, index, total/free memory, unified).
 
-    ``vram`` is "auto", "0" (no VRAM tier), one GB figure (each discrete device) or one per device.
+    ``vram`` is "auto" (each device's free memory), "0" (no VRAM tier), one GB figure (each discrete
+    device) or one per device: the card's memory, as on its box. Either way ``reserve_bytes`` is taken off
+    each device (the CUDA context, the runtime's buffers, other programs) and shown in ``explain``; a
+    figure of 0 means no VRAM tier on that device, with nothing taken off.
 
     Raises:
         BudgetError: negative figures; InputError: a list of the wrong length.
@@ -214,12 +217,15 @@ def vram_budgets(gpus: list[dict], vram: str = "auto",
                          "GPUs; give one figure, or one per GPU")
     it = iter(vals)
     for g, k in zip(gpus, keys):
-        out[k] = 0 if g.get("unified_memory") else int(next(it) * GB)
+        card = 0 if g.get("unified_memory") else int(next(it) * GB)
         total = int(g.get("total_memory_bytes") or 0)
-        if total and out[k] > total:
-            raise BudgetError(f"--vram: {out[k] / GB:.2f} GB for {k} ({g.get('name', '?')}) is more than its "
+        if total and card > total:
+            raise BudgetError(f"--vram: {card / GB:.2f} GB for {k} ({g.get('name', '?')}) is more than its "
                               f"{total / GB:.2f} GB of memory; give at most that, or 'auto'")
-        explain.append({"what": f"{k}: --vram", "bytes": out[k]})
+        out[k] = max(0, card - reserve_bytes) if card else 0
+        what = (f"{k}: --vram {card / GB:.2f} GB - reserve {reserve_bytes / GB:.2f} GB (--vram-reserve)"
+                if card else f"{k}: --vram 0 (no VRAM tier)")
+        explain.append({"what": what, "bytes": out[k]})
     return out, explain
 
 

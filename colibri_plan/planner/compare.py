@@ -41,6 +41,7 @@ and the host-copy rows share the plan's trunk.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -218,3 +219,125 @@ def colibri_ram_sweep(setup, ram_bytes: list[int], pin_bytes: int) -> list[dict]
                     "page_cache_hit_rate": r["knobs"]["page_cache_hit_rate"],
                     "lru_hit_rate": h["lru"] / (h["lru"] + h["disk"]) if h["lru"] + h["disk"] else 0.0})
     return out
+
+
+# ---- the answer `solve` prints first: one row per engine a user may deploy -------------------------------
+
+@dataclass(frozen=True)
+class DeployPaths:
+    """Where the files each engine's command names live (absolute paths), or None for a placeholder.
+
+    Attributes:
+        plan: the plan file; usage: colibrì's usage file beside it; written: whether both exist now.
+        pack: our engine's expert pack folder; gguf: llama.cpp's GGUF file; colibri_model: colibrì's
+            converted model folder (COLI_MODEL).
+    """
+
+    plan: str
+    usage: str
+    written: bool = False
+    pack: str | None = None
+    gguf: str | None = None
+    colibri_model: str | None = None
+
+
+def _prefill_at(plan, tiers: np.ndarray, fig_change: dict) -> float | None:
+    """Seconds to the first token of the plan's predicted prompt with ``tiers`` [rows, E] and the plan's
+    prefill figures changed by ``fig_change`` (another engine's disk rate); None without figures."""
+    from colibri_plan.formats.plan import layer_probabilities
+    from colibri_plan.planner.prefill import predict_prefill
+
+    pre = plan.doc["predicted"].get("prefill")
+    probs = layer_probabilities(plan)
+    if not isinstance(pre, dict) or not isinstance(pre.get("figures"), dict) or probs is None:
+        return None
+    n_layers = int(plan.doc["model"].get("n_layers") or max(plan.layer_ids) + 1)
+    decode = np.array([lid < n_layers for lid in plan.layer_ids])
+    return predict_prefill(probs, tiers, decode, int(pre["prompt_tokens"]),
+                           {**pre["figures"], **fig_change})["ttft_s"]
+
+
+def _our_row(plan, paths: DeployPaths, unsupported: str | None) -> dict:
+    from colibri_plan.planner.exports import colibri_plan_command
+
+    p, name = plan.doc["predicted"], plan.doc["model"].get("name", "model")
+    pack = paths.pack or f"/path/to/{name}-pack"
+    notes = [] if paths.pack else ["pack the checkpoint first: colibri-plan model pack "
+                                   f"/path/to/{name}-checkpoint {pack}"]
+    return {"engine": "colibri-plan", "what": "this plan on the bundled engine", "tok_s": p["tok_s"],
+            "ttft_s": (p.get("prefill") or {}).get("ttft_s"), "command": None if unsupported else
+            colibri_plan_command(paths.plan, pack), "why_not": unsupported, "notes": notes}
+
+
+def _colibri_row(setup, plan, paths: DeployPaths) -> dict:
+    from colibri_plan.errors import ColibriError
+    from colibri_plan.planner.exports import colibri_command, colibri_env, colibri_tiers
+    from colibri_plan.planner.solve import evaluate
+
+    row = {"engine": "colibri", "what": "the plan exported (PIN usage file, DIRECT=1)"}
+    try:
+        data = colibri_env(plan, paths.usage)
+    except ColibriError as exc:
+        return {**row, "tok_s": None, "ttft_s": None, "command": None, "why_not": str(exc), "notes": []}
+    tiers, slots = colibri_tiers(plan, data)
+    colibri = _engine_setup(setup, depth=COLIBRI_QUEUE_DEPTH, overhead=COLIBRI_VRAM_OVERHEAD_BYTES,
+                            checksums=False)
+    cost = evaluate(colibri.problem, tiers, slots)
+    name = plan.doc["model"].get("name", "model")
+    model_dir = paths.colibri_model or f"/path/to/{name}-colibri"
+    notes = [] if paths.colibri_model else [f"COLI_MODEL: colibrì's converted model folder (replace "
+                                            f"{model_dir})"]
+    notes.append(f"priced at colibrì's read depth {colibri.res.disk_queue_depth} (the plan: "
+                 f"{setup.res.disk_queue_depth}), without checksums")
+    return {**row, "tok_s": cost["tok_s"], "ttft_s": _prefill_at(plan, tiers, {
+        "disk_gbps": colibri.res.disk_read_gbps, "checksum_gbps": None}),
+            "command": colibri_command(data, model_dir), "why_not": None, "notes": notes + data["notes"]}
+
+
+def _llama_row(setup, plan, paths: DeployPaths) -> dict:
+    from colibri_plan.planner.exports_llama import llama_candidates, llama_command, llama_tiers
+    from colibri_plan.planner.exports_llama import placeholder_gguf as placeholder
+    from colibri_plan.planner.solve import evaluate
+
+    layout = llama_candidates(plan)[0]          # issue 27: price every candidate, keep the fastest
+    tiers, slots = llama_tiers(plan, layout)
+    llama = _engine_setup(setup, depth=LLAMA_QUEUE_DEPTH, page_cache=True, checksums=False)
+    cost = evaluate(llama.problem, tiers, slots)
+    disk = cost["hit_rate"]["disk"]
+    cached = cost["page_cache"]["hit_rate"] / disk if disk > 0 else 0.0   # of the CPU layers' reads
+    res = llama.res
+    gbps = (min(res.ram_read_gbps, res.disk_read_gbps / max(1e-3, 1.0 - cached)) if res.disk_read_gbps
+            else None)
+    gguf = paths.gguf or placeholder(plan)
+    gpu_layers = sum(len(v) for k, v in layout.layers.items() if k != "CPU")
+    notes = ([] if paths.gguf else [f"-m: the model's GGUF file (replace {gguf}, or solve --gguf FILE)"]) + [
+        "time to first token: our prefill model at this placement and llama.cpp's reads; llama.cpp's own "
+        "batched prompt path (it copies CPU-held weights to the GPU for large batches) is not modelled",
+        *layout.notes]
+    return {"engine": "llama.cpp", "what": f"whole layers: {gpu_layers} of {len(tiers)} on the GPUs, the "
+            "rest read through mmap", "tok_s": cost["tok_s"],
+            "ttft_s": _prefill_at(plan, tiers, {"disk_gbps": gbps, "checksum_gbps": None}),
+            "command": llama_command(layout, gguf), "why_not": None, "notes": notes}
+
+
+def engine_rows(setup, plan, paths: DeployPaths, ours_unsupported: str | None = None) -> list[dict]:
+    """One row per engine a user may deploy the plan with: ours, colibrì and llama.cpp, each priced as
+    that engine runs the exact arguments its command carries (:func:`row`'s knobs: colibrì reads at depth
+    1-2 without checksums; llama.cpp runs whole layers, the rest through mmap and the page cache).
+
+    Args:
+        setup: the solve's :class:`~colibri_plan.planner.make.Setup`, or one rebuilt from the plan alone
+            (:func:`colibri_plan.planner.whatif.setup_from_plan`). plan: the solved Plan.
+        paths: the files the commands name. ours_unsupported: why the bundled engine cannot run this
+            model family (None: it can); its row then has no command.
+
+    Returns:
+        [{"engine", "what", "tok_s", "ttft_s" (time to first token of ``predicted.prefill``'s prompt, s;
+        None without prefill figures), "command" (None when the engine cannot run it), "why_not",
+        "notes"}].
+    """
+    if "page_cache_pool_bytes" not in (setup.knobs or {}):   # a setup rebuilt from the plan alone
+        pool = ((plan.doc.get("knobs") or {}).get("page_cache") or {}).get("pool_bytes", 0)
+        setup = dataclasses.replace(setup, knobs={**(setup.knobs or {}), "page_cache_pool_bytes": int(pool)})
+    return [_our_row(plan, paths, ours_unsupported), _colibri_row(setup, plan, paths),
+            _llama_row(setup, plan, paths)]

@@ -12,21 +12,23 @@ the device of each VRAM expert itself (least-loaded), so the per-device split of
 reproduced, only the VRAM set; the budgets carry half an expert of slack (plus colibrì's measured 0.741
 MiB allocation overhead per VRAM expert) so the ranked prefix stops exactly where the plan's tier ends.
 
-llama.cpp stores a layer's experts as merged 3-D tensors ``blk.N.ffn_{gate,up,down}_exps``, so it cannot
-place single experts: each GPU takes whole layers, those the plan serves most from VRAM first, as many as
-fit its VRAM budget; the other layers stay on the CPU. The export states how many experts moved tier and
-the share of selections served from GPU, exported versus planned.
+llama.cpp (``-ot`` patterns, ``-ngl``, the full ``llama-server`` line) is :mod:`colibri_plan.planner.
+exports_llama`; :func:`export_llama_cpp` is re-exported here.
 
 The plan's trunk (its ``trunk`` section): on a GPU, colibrì gets ``CUDA_DENSE=1 COLI_CUDA_ATTN=1`` (the
-trunk's devices joined to ``COLI_GPUS``) and llama.cpp ``-ngl <all layers>`` with ``--tensor-split``
-putting the trunk's layers where the plan does (one device, or the plan's layer split), the ``-ot`` rules
-still keeping the CPU/disk experts on the CPU. A CPU trunk (or a plan without the section) exports as
-before.
+trunk's devices joined to ``COLI_GPUS``). A CPU trunk (or a plan without the section) exports as before.
+
+:func:`colibri_env` builds the environment line without writing anything (``PIN`` is the usage file's
+absolute path), :func:`export_colibri` also writes the usage file, :func:`colibri_command` is the line to
+paste (``COLI_MODEL=DIR <env> ./coli chat``), and :func:`colibri_tiers` is the placement colibrì ends up
+with from that line (what `solve` prices as colibrì runs it).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+from pathlib import Path
 
 import numpy as np
 
@@ -34,14 +36,14 @@ from colibri_plan.errors import UnsupportedError
 from colibri_plan.fileio import atomic_write_text
 from colibri_plan.formats.heat import fnv1a32  # noqa: F401 - re-exported for callers
 from colibri_plan.formats.plan import TIER_DISK, TIER_RAM, Plan, layer_probabilities
-from colibri_plan.formats.plan_trunk import parse_trunk
+from colibri_plan.planner.exports_llama import export_llama_cpp, plan_trunk  # noqa: F401 - re-exported
 from colibri_plan.planner.knobs import COLIBRI_QUEUE_DEPTH
 from colibri_plan.planner.knobs import COLIBRI_VRAM_OVERHEAD_BYTES as VRAM_OVERHEAD_BYTES
 from colibri_plan.planner.options import DEFAULTS
-from colibri_plan.planner.page_cache import page_cache_hit_rates
 
 COLIBRI_SLACK_BYTES = int(1.2e9 + 2.5e9)    # colibrì reserves 1.2 GB activations + 2.5 GB page cache
-LLAMA_DEVICE = {"cuda": "CUDA", "vulkan": "Vulkan", "opencl": "OpenCL", "metal": "Metal"}
+#: how colibrì is started (its README: `./coli chat`, the model folder in COLI_MODEL), from its checkout
+COLIBRI_LAUNCH = "./coli chat"
 
 
 def colibri_ranking(plan: Plan, heat_probs: np.ndarray | None = None) -> list[tuple[int, int]]:
@@ -61,21 +63,44 @@ def colibri_ranking(plan: Plan, heat_probs: np.ndarray | None = None) -> list[tu
     return out
 
 
-def export_colibri(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.ndarray | None = None,
-                   family: str | None = None) -> dict:
-    """Write the usage file (atomically) and return {"env": "<VAR=value ...>", "vars": {...}, "notes"}.
-
-    Raises:
-        UnsupportedError: the plan places experts on a device colibrì cannot drive (not CUDA).
-    """
-    ranking = colibri_ranking(plan, heat_probs)
+def usage_lines(plan: Plan, ranking: list[tuple[int, int]], family: str | None = None) -> list[str]:
+    """The usage file's lines: header, engine id, then ``layer expert count`` rows with strictly decreasing
+    synthetic counts in ``ranking`` order (colibrì's sort then reproduces it), layer-major in the file."""
     n = len(ranking)
     model = plan.doc["model"]
     engine_id = fnv1a32(family or model.get("family", ""))
     lines = [f"-1 {model.get('n_layers', max(plan.layer_ids))} {plan.n_experts}", f"-2 1 {engine_id}"]
     rows = sorted(((layer, e, n - i) for i, (layer, e) in enumerate(ranking)))  # layer-major, id order
-    lines += [f"{layer} {e} {c}" for layer, e, c in rows]
-    atomic_write_text(usage_path, "\n".join(lines) + "\n")
+    return lines + [f"{layer} {e} {c}" for layer, e, c in rows]
+
+
+def export_colibri(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.ndarray | None = None,
+                   family: str | None = None) -> dict:
+    """Write the usage file (atomically) and return :func:`colibri_env`'s dict.
+
+    Raises:
+        UnsupportedError: the plan places experts on a device colibrì cannot drive (not CUDA); nothing is
+            written then.
+    """
+    data = colibri_env(plan, usage_path, heat_probs)
+    atomic_write_text(usage_path, "\n".join(usage_lines(plan, colibri_ranking(plan, heat_probs), family))
+                      + "\n")
+    return data
+
+
+def colibri_env(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.ndarray | None = None) -> dict:
+    """colibrì's environment for the plan, with ``PIN`` the absolute path of ``usage_path`` (not written).
+
+    Returns:
+        {"env": "<VAR=value ...>", "vars": {...}, "usage_file": absolute path, "notes": [...],
+        "vram_experts": [(layer, expert)], "pinned_experts": [(layer, expert)]: the sets colibrì loads
+        (:func:`colibri_tiers`)}.
+
+    Raises:
+        UnsupportedError: the plan places experts on a device colibrì cannot drive (not CUDA).
+    """
+    usage_path = str(Path(usage_path).expanduser().resolve())
+    ranking = colibri_ranking(plan, heat_probs)
     counts = plan.counts()
     b = plan.expert_bytes
     gpu_keys = [k for k in plan.device_keys if counts[k] > 0]
@@ -119,7 +144,7 @@ def export_colibri(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.nda
         env["CUDA_RELEASE_HOST"] = "0" if keep_host else "1"
     late_notes += _colibri_trunk(plan, env)
     pinned = sum(size(x) for x in pin_rank) + (sum(size(x) for x in vram_rank) if keep_host else 0)
-    env["PIN"] = str(usage_path)
+    env["PIN"] = usage_path
     env["PIN_GB"] = f"{(pinned + b // 2) / 1e9:.3f}"
     env["RAM_GB"] = f"{ram_gb:.2f}"
     env["CAP"] = str(int(slots.max()) if slots.size and slots.max() > 0 else 1)
@@ -138,13 +163,41 @@ def export_colibri(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.nda
         notes.append("the plan's LRU slots differ per layer; colibrì's CAP is one figure: the largest is "
                      "used")
     notes += late_notes
-    return {"env": " ".join(f"{k}={v}" for k, v in env.items()), "vars": env, "usage_file": str(usage_path),
-            "notes": notes}
+    return {"env": " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), "vars": env,
+            "usage_file": usage_path, "notes": notes, "vram_experts": vram_rank, "pinned_experts": pin_rank}
 
 
-def plan_trunk(plan: Plan):
-    """The plan's trunk placement (a CPU trunk for plans without the section)."""
-    return parse_trunk(plan.doc, plan.device_keys, plan.doc["model"].get("n_layers"))
+def colibri_command(data: dict, model_dir: str) -> str:
+    """The line to paste (from colibrì's checkout): ``COLI_MODEL=DIR <env> ./coli chat`` for
+    :func:`colibri_env`'s ``data`` and colibrì's converted model folder ``model_dir``."""
+    return f"COLI_MODEL={shlex.quote(model_dir)} {data['env']} {COLIBRI_LAUNCH}"
+
+
+def colibri_tiers(plan: Plan, data: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(tiers [rows, E], LRU slots [rows]) colibrì runs from :func:`colibri_env`'s ``data``: its VRAM set on
+    the plan's devices (colibrì picks the device itself; the set is what counts), its pins in RAM, the
+    rest streamed through ``CAP`` LRU slots per decode layer."""
+    tiers = np.full(plan.tiers().shape, TIER_DISK, dtype=np.int64)
+    row = {lid: i for i, lid in enumerate(plan.layer_ids)}
+    planned = plan.tiers()
+    gpus = [d for d, k in enumerate(plan.device_keys) if k.startswith("cuda:")]
+    for layer, e in data["vram_experts"]:
+        d = planned[row[layer], e]
+        tiers[row[layer], e] = d if d >= 0 else (gpus[0] if gpus else TIER_RAM)
+    for layer, e in data["pinned_experts"]:
+        tiers[row[layer], e] = TIER_RAM
+    n_layers = int(plan.doc["model"].get("n_layers") or max(plan.layer_ids) + 1)
+    cap = int(data["vars"]["CAP"])
+    slots = np.array([cap if lid < n_layers else 0 for lid in plan.layer_ids], dtype=np.int64)
+    return tiers, slots
+
+
+def colibri_plan_command(plan_path: str, pack: str) -> str:
+    """The line that runs the plan on the bundled engine: ``colibri-plan run --plan PLAN --model PACK``
+    with a chat prompt as text (the pack's tokenizer files, which `model pack` copies from the checkpoint;
+    `colibri-plan serve` takes the same --model and --plan for the OpenAI API)."""
+    return (f"colibri-plan run --plan {shlex.quote(plan_path)} --model {shlex.quote(pack)} "
+            "--chat --prompt Hello --tokens 64")
 
 
 def trunk_devices(trunk) -> list[str]:
@@ -225,141 +278,3 @@ def _knob_notes(plan: Plan, knobs: dict, keep_host: bool) -> list[str]:
                      f"{here if here is not None else float('nan'):.2f} GB/s at the plan's depth {q}; solve "
                      "with target colibri for colibrì's figure")
     return notes
-
-
-def _mmap_notes(plan: Plan, probs: np.ndarray, cpu_rows: list[int]) -> list[str]:
-    """What mmap implies for the exported layout: the CPU layers' experts are page-cache pages, no pins
-    and no LRU; the page cache holds what llama.cpp and the OS leave (the plan's ``knobs.page_cache``
-    pool) and serves a share predicted by :mod:`colibri_plan.planner.page_cache`."""
-    text = ("CPU layers are read through mmap: the OS page cache, not the plan's pins or LRU, decides what "
-            "stays in RAM; cold experts are page faults (queue depth 1)")
-    pool = ((plan.doc.get("knobs") or {}).get("page_cache") or {}).get("pool_bytes")
-    if not cpu_rows or pool is None:
-        return [text]
-    b = plan.expert_bytes
-    q = probs[cpu_rows]
-    hit = page_cache_hit_rates(q, int(pool) // b)
-    share = float((q * hit).sum() / q.sum()) if q.sum() > 0 else 0.0
-    return [text + f"; memory pressure: the page cache can hold about {int(pool) / 1e9:.2f} GB of the model "
-            f"file (available memory - dense, KV, buffers and OS headroom), serving about {share:.0%} of the "
-            "CPU layers' selections from RAM: anything else that takes memory (--mlock, other programs, "
-            "a larger context) shrinks it and slows decoding"]
-
-
-def llama_device_name(key: str) -> str:
-    """llama.cpp's device name for a plan device key: ``cuda:1`` -> ``CUDA1``, ``vulkan:0`` -> ``Vulkan0``."""
-    backend, _, idx = key.partition(":")
-    return f"{LLAMA_DEVICE.get(backend, backend.upper())}{idx}"
-
-
-def _whole_layer_assignment(plan: Plan, rows: list[int], gpu_mass: np.ndarray,
-                            mass: np.ndarray) -> dict[int, int]:
-    """Row index -> device position for the rows that go whole to a GPU (the rest stay on the CPU).
-
-    Rows are ranked by the plan's VRAM-resident selection mass ``gpu_mass`` [rows] (then total ``mass``,
-    then layer order); each device in plan order takes the highest-ranked remaining rows while one whole
-    layer (``n_experts x expert_bytes``) still fits its budget: ``budgets.vram_budget_bytes[key]``, or for
-    a unified device without one, the bytes of the plan's own experts there.
-    """
-    layer_bytes = plan.n_experts * plan.expert_bytes
-    vram = plan.doc["budgets"].get("vram_budget_bytes", {})
-    counts = plan.counts()
-    ranked = sorted(rows, key=lambda i: (-gpu_mass[i], -mass[i], i))
-    out: dict[int, int] = {}
-    for d, key in enumerate(plan.device_keys):
-        budget = int(vram.get(key, counts[key] * plan.expert_bytes))
-        n_fit = budget // layer_bytes if layer_bytes > 0 else 0
-        take = [i for i in ranked if i not in out][:max(0, int(n_fit))]
-        out.update((i, d) for i in take)
-    return out
-
-
-def export_llama_cpp(plan: Plan) -> dict:
-    """Whole-layer ``-ot`` override patterns that approximate the plan (see module docstring).
-
-    llama.cpp places the merged expert tensors of a layer as a unit, so each GPU gets the whole layers the
-    plan serves most from VRAM, as many as fit its VRAM budget (hottest VRAM share first, devices in plan
-    order); every other layer goes to the CPU. The selection probabilities are the plan's ``p`` (uniform
-    when the plan has none). MTP rows (layer >= model.n_layers) have no ``blk.N`` tensors and are skipped.
-
-    Returns:
-        {"args": "-ot ... ", "patterns": [...], "layers": {device: [layer ids]}, "moved_experts": n (experts
-        that change tier VRAM <-> CPU against the plan), "moved_device_experts": n (VRAM experts that stay
-        in VRAM on another GPU), "gpu_share": {"plan": f, "export": f} (share of routed selections served
-        from a GPU), "notes": [...]}
-    """
-    tiers = plan.tiers()                                            # [rows, E] device position or < 0
-    keys = plan.device_keys
-    n_layers = plan.doc["model"].get("n_layers", max(plan.layer_ids) + 1)
-    probs = layer_probabilities(plan)
-    if probs is None:
-        probs = np.full(tiers.shape, 1.0 / max(1, tiers.shape[1]))
-    rows = [i for i, lid in enumerate(plan.layer_ids) if lid < n_layers]   # MTP rows have no blk.N experts
-    on_gpu = tiers >= 0                                             # [rows, E]
-    gpu_mass = np.sum(np.where(on_gpu, probs, 0.0), axis=1)         # [rows] VRAM-served selections per token
-    mass = probs.sum(axis=1)                                        # [rows] ~ top-k
-    assign = _whole_layer_assignment(plan, rows, gpu_mass, mass)
-    by_dev: dict[str, list[int]] = {}
-    moved = moved_dev = 0
-    for i in rows:
-        row = tiers[i]
-        if i in assign:
-            d = assign[i]
-            name = llama_device_name(keys[d])
-            moved += int(np.sum(row < 0))                           # RAM/disk experts promoted to VRAM
-            moved_dev += int(np.sum((row >= 0) & (row != d)))       # VRAM experts of other GPUs
-        else:
-            name = "CPU"
-            moved += int(np.sum(row >= 0))                          # VRAM experts demoted to the CPU
-        by_dev.setdefault(name, []).append(plan.layer_ids[i])
-    total = float(mass[rows].sum()) if rows else 0.0
-    share_plan = float(gpu_mass[rows].sum()) / total if total > 0 else 0.0
-    share_export = float(sum(mass[i] for i in assign)) / total if total > 0 else 0.0
-    order = [llama_device_name(k) for k in keys] + ["CPU"]
-    by_dev = {dev: sorted(by_dev[dev]) for dev in order if dev in by_dev}      # device order, ids ascending
-    patterns = [f"blk\\.({'|'.join(str(x) for x in ids)})\\.ffn_(gate|up|down)_exps={dev}"
-                for dev, ids in by_dev.items()]
-    n_gpu_layers = ", ".join(f"{dev} {len(ids)}" for dev, ids in by_dev.items() if dev != "CPU")
-    notes = ["llama.cpp keeps each layer's experts in merged 3-D tensors blk.N.ffn_{gate,up,down}_exps: "
-             "per-expert placement is not expressible; whole layers go to the GPUs, hottest VRAM share "
-             f"first, as many as fit each VRAM budget (layers: {n_gpu_layers or 'none'}), "
-             "the rest to the CPU",
-             f"{moved} experts change tier (VRAM <-> CPU) against the plan; {moved_dev} more stay in VRAM "
-             "on another GPU",
-             f"selections served from GPU: export {share_export:.1%}, plan {share_plan:.1%}",
-             *_mmap_notes(plan, probs, [i for i in rows if i not in assign])]
-    budgets = plan.doc["budgets"]
-    trunk = int(budgets.get("dense_bytes", 0)) + int(budgets.get("kv_bytes", 0))
-    head, ngl, split = _llama_trunk(plan, n_layers)
-    if ngl:
-        notes.append(f"-ngl {ngl} puts every layer's dense tensors and KV cache on the GPUs, --tensor-split "
-                     f"{split} as the plan's trunk (its VRAM is in the plan's budgets); the -ot rules keep "
-                     "the experts the plan leaves in RAM or on disk on the CPU")
-    elif trunk and n_gpu_layers:
-        notes.append(f"with -ngl 99 llama.cpp also puts the dense trunk and KV cache ({trunk / 1e9:.2f} GB, "
-                     "split over the GPUs) in VRAM, which the plan's expert budgets do not count: if a GPU "
-                     "runs out of memory, move its coldest layer to CPU (or solve with --trunk auto)")
-    args = " ".join([*head, *(f'-ot "{p}"' for p in patterns)])
-    out = {"args": args, "patterns": patterns, "layers": by_dev, "moved_experts": moved, "ngl": ngl,
-           "tensor_split": split,
-           "moved_device_experts": moved_dev, "gpu_share": {"plan": share_plan, "export": share_export},
-           "notes": notes}
-    if "llamacpp" in plan.doc:   # solved with --target llama.cpp: its priced pick (planner/llamacpp_choice)
-        from colibri_plan.planner.llamacpp_choice import export_hook
-
-        out = export_hook(out, plan.doc["llamacpp"])
-    return out
-
-
-def _llama_trunk(plan: Plan, n_layers: int) -> tuple[list[str], int | None, str | None]:
-    """(leading args, -ngl, --tensor-split) for the plan's trunk: with it on the GPUs, every layer
-    (``n_layers`` + the output layer) offloaded and the split in the plan's device order: the layers each
-    device runs (a layer split), or all on the trunk's device. (no args, None, None) for a CPU trunk."""
-    t = plan_trunk(plan)
-    if not t.on_device:
-        return [], None, None
-    layers = {k: 0 for k in plan.device_keys}
-    for a, b, k in t.split or ((0, n_layers - 1, t.device),):
-        layers[k] += b - a + 1
-    split = ",".join(str(layers[k]) for k in plan.device_keys)
-    return [f"-ngl {n_layers + 1}", f"--tensor-split {split}"], n_layers + 1, split

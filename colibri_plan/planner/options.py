@@ -26,9 +26,10 @@ class SolveOptions:
 
     Budgets:
         ram: "auto" (available memory minus headroom, dense, KV cache and buffers) or the process RAM
-            budget in GB, as text [--ram]. vram: "auto" or GB per GPU, "a" or "a,b,c" [--vram].
+            budget in GB, as text [--ram]. vram: "auto" or each card's memory in GB, "a" or "a,b,c" [--vram].
         headroom: OS + page-cache headroom in GB for ``ram`` "auto"; None: max(2.5 GB, 5% of available)
-            [--headroom]. vram_reserve_gb: GB kept free per GPU when ``vram`` is "auto" [--vram-reserve].
+            [--headroom]. vram_reserve_gb: GB taken off each GPU's memory, its free memory under ``vram``
+            "auto" or the card's size given in ``vram`` [--vram-reserve].
         context_tokens: tokens the KV cache is budgeted for [--context].
         dense_fmt: quant format the dense trunk is budgeted in; None: as the model stores it (a pack's),
             else the expert format [--dense-format].
