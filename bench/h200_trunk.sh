@@ -51,7 +51,7 @@ run $CP run --model "$WORK/fixture" --backend cpu --prompt-file "$WORK/prompt-st
 
 common=(--profile "$OUT/profile.json" --model "$WORK/fixture" --heat "$WORK/heat.json" --ram auto
         --context "$CONTEXT")
-[ -z "$VRAM_GB" ] || common+=(--vram "$VRAM_GB")   # VRAM_GB= (empty): a unified-memory GPU has none
+[ -z "$VRAM_GB" ] || common+=(--vram "$VRAM_GB" --vram-reserve 0)   # the budget itself; empty: a unified GPU
 for T in ${PLANS:-cpu gpu}; do  # PLANS=gpu: the GPU-trunk plan alone (no summary)
   dev=cpu; [ "$T" = gpu ] && dev=$DEV
   say "solve --trunk $dev (VRAM ${VRAM_GB:-no} GB budget)"
