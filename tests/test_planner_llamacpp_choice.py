@@ -89,8 +89,9 @@ def test_solve_target_llama_cpp_writes_the_section_and_compare_prices_fit_as_lla
     prof = toy_profile(gpus=[{"gbps": 200.0, "free_bytes": 3 * 10**9}], ram_available_bytes=8 * 10**9)
     spec = toy_spec(n_layers=8, moe_layers=range(8), n_experts=64, inter=512, hidden=512, vocab=4096,
                     dense_params=8_000_000)
-    plan, sol, setup = make_plan(prof, spec, None, SolveOptions(ram="1", vram="0.05", context_tokens=256,
-                                                                 trunk="cpu", target="llama.cpp"))
+    plan, sol, setup = make_plan(prof, spec, None, SolveOptions(ram="1", vram="0.05", vram_reserve_gb=0.0,
+                                                                 context_tokens=256, trunk="cpu",
+                                                                 target="llama.cpp"))
     assert plan.doc["knobs"]["target"] == "llama.cpp"
     sec = section(setup, prof)
     assert sec["budgets"]["vram_bytes"] == 50_000_000 and sec["calibrated_on"] == "uncalibrated"

@@ -141,7 +141,7 @@ def _format_problems(table: dict, formats: dict) -> list[str]:
     """The stored formats (``format.dense_tensors``) against the tensors: each tensor's dtype is its
     format's (F32 where none is listed), a ``.scales`` tensor belongs to an integer-format tensor. An
     index edited from ``lm_head: "int8"`` to ``"f32"`` would otherwise run int8 codes as float weights."""
-    from colibri_plan.quant import FLOAT_FORMATS, FORMATS
+    from colibri_plan.quant import FLOAT_FORMATS, FORMATS, HALF_GROUP_FORMATS
 
     bad = [f"{n}: {f!r}" for n, f in formats.items() if f not in FORMATS]
     if bad:
@@ -154,8 +154,9 @@ def _format_problems(table: dict, formats: dict) -> list[str]:
                 out.append(f"{DENSE_NAME} holds {name} but the index stores {base} as "
                            f"{formats.get(base, 'f32')} (no scales): the index's formats do not match the "
                            "tensors")
-            elif t["dtype"] != "F32":
-                out.append(f"{DENSE_NAME}: {name} is {t['dtype']}, scales are F32")
+            elif t["dtype"] != ("F16" if formats[base] in HALF_GROUP_FORMATS else "F32"):
+                want = "F16" if formats[base] in HALF_GROUP_FORMATS else "F32"
+                out.append(f"{DENSE_NAME}: {name} is {t['dtype']}, {formats[base]} scales are {want}")
             continue
         want = stored_dtype(formats.get(name, "f32"))
         if t["dtype"] != want:
