@@ -107,8 +107,8 @@ def toy(tmp_path_factory):
 
 def _solve(toy, *extra):
     return cli_run("solve", "--profile", toy / "profile.json", "--model", toy / "model.json", "--ram", "1",
-                   "--vram", "0.05", "--vram-reserve", "0", "--context", "256", "--trunk", "cpu", "--heat", "synth",
-                   *extra)
+                   "--vram", "0.05", "--vram-reserve", "0", "--context", "256", "--trunk", "cpu",
+                   "--heat", "synth", *extra)
 
 
 def test_solve_target_llama_cpp_prints_its_pick_and_export_follows_it(toy, tmp_path):
