@@ -21,7 +21,8 @@ __all__ = ["HostArrays", "attention_ref", "rope_ref", "rope_table", "silu_mul_re
 def silu_mul_ref(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """SiLU(g) · u in float32, the activation of SwiGLU experts."""
     g = g.astype(np.float32)
-    return (g / (1.0 + np.exp(-g))) * u
+    with np.errstate(over="ignore"):  # exp(-g) overflows to inf for g < -88: SiLU is then -0, as it should be
+        return (g / (1.0 + np.exp(-g))) * u
 
 
 def rope_table(inv_freq: np.ndarray, positions: int, attention_factor: float = 1.0,

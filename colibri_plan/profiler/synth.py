@@ -121,9 +121,6 @@ class StatedMachine:
         Raises:
             InputError: a missing --ram, or a figure that does not parse (naming its flag).
         """
-        if ram is None:
-            raise InputError("give the machine's RAM (--ram 64G, or ram=64G in a --machine line): it has no "
-                             "default")
         gpus = []
         for item in (v.strip() for v in (gpu or "").split(",") if v.strip()):
             count = 1
@@ -149,6 +146,9 @@ class StatedMachine:
             cores, ram_gbps = int(n), (_rate(bw, "--cpu N:GB/s") if bw else None)
         if pcie is not None and pcie.lower() not in PCIE_X16_GBPS:
             raise InputError(f"--pcie {pcie!r}: give one of {', '.join(PCIE_X16_GBPS)}")
+        if ram is None:  # after the given figures, so a bad one is named before the missing one
+            raise InputError("give the machine's RAM (--ram 64G, or ram=64G in a --machine line): it has no "
+                             "default")
         line = " ".join(f"{k}={v}" for k, v in (("gpu", gpu), ("ram", ram), ("nvme", nvme), ("cpu", cpu),
                                                  ("pcie", pcie)) if v is not None)
         return cls(parse_size(ram, "--ram"), tuple(gpus), kind, cores, ram_gbps,
