@@ -184,6 +184,23 @@ class ResidencyManager(StreamedExperts):
         self.stats.uses["vram"] += len(local)
         return local, rest
 
+    def held_on(self, backend, layer: int) -> tuple[str | None, dict[int, object]]:
+        """The experts of MoE ``layer`` held in VRAM on ``backend`` itself: (its device key, or None when
+        none is, {expert id: ExpertWeights}). A captured decode step (engine/decode_graph.py) reads their
+        addresses once; the tiers hold still unless a repinner moves them (``repinner``)."""
+        if self._closed:
+            raise InputError("residency manager is closed")
+        out, key = {}, None
+        for (lay, e), (k, ew) in self._vram.items():
+            if lay == layer and self.devices.get(k) is backend:
+                out[e], key = ew, k
+        return key, out
+
+    def count_local(self, layer: int, n: int) -> None:
+        """Count ``n`` "vram" uses of MoE ``layer`` served on a trunk's device without :meth:`local_experts`
+        (a captured decode step, whose experts all live there)."""
+        self.stats.uses["vram"] += int(n)
+
     def add_local_seconds(self, key: str, seconds: float) -> None:
         """Charge ``seconds`` of local experts (:meth:`local_experts`) on device ``key`` to its expert
         compute time and to the experts' layer wall time."""

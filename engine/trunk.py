@@ -45,6 +45,7 @@ import time
 import numpy as np
 
 from colibri_plan.backends import HOST_BACKENDS, DArray, rope_table
+from colibri_plan.engine.decode_graph import DecodeGraph
 from colibri_plan.engine.dense_quant import QuantLinear
 from colibri_plan.engine.device_route import DeviceRouter, device_routing_off_reason
 from colibri_plan.engine.kv_device import DeviceKVCache, DeviceLatentCache
@@ -57,7 +58,7 @@ from colibri_plan.engine.trunk_weights import (
     trunk_kv_bytes,
     trunk_tensors,
 )
-from colibri_plan.errors import ColibriError, InputError
+from colibri_plan.errors import ColibriError, InputError, UnsupportedError
 from colibri_plan.families.rope import attention_factor, mla_softmax_scale
 from colibri_plan.quant import quantize
 
@@ -65,6 +66,7 @@ __all__ = ["Trunk", "trunk_dense_bytes", "trunk_kv_bytes", "HOST_BACKENDS"]
 
 #: on a GPU backend, attention is timed (two synchronizations per layer) on one decode step of this many
 GPU_ATTENTION_SAMPLE = 8
+_NOT_TRIED = "no decode step yet"
 
 
 class Trunk:
@@ -105,6 +107,9 @@ class Trunk:
         self.routing_off = (device_routing_off_reason(backend, self.arch) if self._split is not None
                             else "no experts of a residency manager on this device")
         self._router = None
+        self._step_graph = None  # engine/decode_graph.py's DecodeGraph, made at the first decode step
+        self._graph_routes = None  # while a decode step is captured: each MoE layer's device routing
+        self.graph_off = _NOT_TRIED  # why decode steps run eagerly (None: they replay a graph)
         self.reset_stats()
         self._weights: list = []
         self.w: dict[str, object] = {}
@@ -262,6 +267,13 @@ class Trunk:
         rows_op = self._rows_op
         if split is None or (T != 1 and rows_op is None):  # all through the provider
             return be.d_put(routed_experts(xh, i, a, m.dense, m.experts, m.routing))
+        if self._graph_routes is not None:  # a captured step: every expert here, indexed on the device
+            r = self._router
+            ids, weights = be.d_router_topk(x, r._w[i], r._bias.get(i), r.rule)  # [1, K] each, on the device
+            if weights.buf is not ids.buf or weights.offset != ids.offset + a.top_k:
+                raise UnsupportedError(f"{be.name}: d_router_topk's ids and weights are not back to back")
+            self._graph_routes.append(DArray((2 * a.top_k,), ids.buf, ids.owner, ids.offset))  # [ids | w]
+            return be.d_expert_ffn_indexed(x, ids, weights, self._step_graph.tables[i])
         if self._router is not None:  # ids and weights [T, K] come down, not x
             ids, weights = self._router.route(x, i)
             if m.routing is not None:
@@ -303,26 +315,32 @@ class Trunk:
     # ---- the forward pass ------------------------------------------------------------------------
     def _run(self, ids: np.ndarray, cache) -> DArray:
         """The decoder layers and the final norm: final hidden states DArray [T, H]."""
-        be, a, m, w = self.be, self.arch, self.model, self.w
+        be, a, m = self.be, self.arch, self.model
         self._check_cache(cache)
-        t, eps = len(ids), a.rms_norm_eps
+        t = len(ids)
         check_dsa_context(a, cache.length, t)  # DSA beyond index_topk: refused before any work
         cache.reserve(cache.length + t)  # whole pages, before layer 0 writes
         if a.rotary_dim:
             self._grow_rope(cache.capacity)
         sampled = self._calls % self.attention_every == 0  # this call's device work is timed
         timed = self.time_attention and sampled
+        h = self.layers(be.d_put(m.dense["embed"][ids]), cache, sampled, timed)  # embedded on the host
+        cache.advance(t)
+        if timed:
+            self.attention_steps += 1
+        self._calls += 1
+        return h
+
+    def layers(self, h: DArray, cache, sampled: bool = False, timed: bool = False) -> DArray:
+        """The decoder layers and the final norm on the device h [T, H] (the embedded tokens), appending
+        at ``cache.length`` (the caller advances it): final hidden states [T, H]."""
+        be, a, w, eps = self.be, self.arch, self.w, self.arch.rms_norm_eps
         attn = self._mla_attn if self._mla else self._gqa
-        h = be.d_put(m.dense["embed"][ids])  # [T, H]: the embedding is gathered on the host
         for i in range(a.n_layers):
             p = f"layers.{i}."
             h = be.d_add(h, attn(be.d_rmsnorm(h, w[p + "attn_norm"], eps), i, cache, timed))
             x = be.d_rmsnorm(h, w[p + "ffn_norm"], eps)  # [T, H]
             h = be.d_add(h, self._moe(x, i, sampled) if a.is_moe_layer(i) else self._swiglu(x, p + "ffn."))
-        cache.advance(t)
-        if timed:
-            self.attention_steps += 1
-        self._calls += 1
         return be.d_rmsnorm(h, w["final_norm"], eps)
 
     def hidden_states(self, ids: np.ndarray, cache) -> np.ndarray:
@@ -335,7 +353,16 @@ class Trunk:
 
     def last_logits(self, ids: np.ndarray, cache) -> np.ndarray:
         """Logits float32 [1, V] of the last position (what greedy decoding reads); with T > 1 the last
-        hidden row comes down and goes up alone, so the LM head reads one row."""
+        hidden row comes down and goes up alone, so the LM head reads one row. A decode step (T = 1)
+        replays a captured graph where the trunk can (engine/decode_graph.py; ``graph_off`` says why not)."""
+        if len(ids) == 1 and self.graph_off == _NOT_TRIED:  # at the first decode step: the tiers are set
+            self._step_graph, self.graph_off = DecodeGraph.make(self)
+        if len(ids) == 1 and self._step_graph is not None and self._step_graph.takes(self._calls):
+            self._check_cache(cache)
+            try:
+                return self._step_graph.step(int(ids[0]), cache)
+            except UnsupportedError as exc:  # not capturable after all: eager from now on, and why
+                self._step_graph, self.graph_off = None, str(exc)
         h = self._run(ids, cache)
         if h.shape[0] > 1:
             h = self.be.d_put(self.be.d_get(h)[-1:])  # [1, H]
@@ -351,6 +378,7 @@ class Trunk:
             except ColibriError:
                 pass
         self._weights, self.w, self._rope = [], {}, None
+        self._step_graph = None  # its graphs and expert tables (their memory returns to the pools)
         if self._router is not None:
             self._router.close()
             self._router = None

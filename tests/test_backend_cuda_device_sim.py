@@ -21,6 +21,7 @@ import pytest
 
 from colibri_plan.backends.device_ops import attention_ref, rope_ref
 from colibri_plan.errors import UnsupportedError
+from tests._cuda_graph_sim import GRAPH_KERNELS, add_pool, attention_at
 from tests.test_backend_cuda_sim import Sim, fake_cupy
 from tests.test_backends_device_ops import (  # noqa: F401 - collected here with the simulated `be`
     test_a_gqa_layer_chain_stays_on_the_device,
@@ -174,6 +175,10 @@ def device_cupy(sim: Sim):
                 return self.fallback(grid, block, args, shared_mem=shared_mem)  # the host-staged path
             if name == "attention_gqa":
                 op = lambda: _attention_sim(sim, grid, block, shared_mem, args)  # noqa: E731
+            elif name == "attention_gqa_at":  # a captured step's: the position read when it runs
+                op = lambda: attention_at(sim, grid, block, shared_mem, args, _attention_sim)  # noqa: E731
+            elif name in GRAPH_KERNELS:
+                op = lambda: GRAPH_KERNELS[name](sim, grid, block, args, _trunk_sim)  # noqa: E731
             elif name == "attention_combine":
                 op = lambda: _combine_sim(sim, grid, args)  # noqa: E731
             elif name == "route_topk":
@@ -261,6 +266,7 @@ def device_cupy(sim: Sim):
     cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 11)
     cp.empty, cp.zeros, cp.uint8 = empty, zeros, np.uint8
     cp.ndarray = empty  # cuda_device.py allocates with cupy.ndarray(shape, dtype) itself
+    add_pool(cp)  # a captured step's private pool (backends/cuda/graph.py)
     return cp
 
 

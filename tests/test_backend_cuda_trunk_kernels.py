@@ -130,6 +130,8 @@ TRUNK_HARNESS = r"""
 #include <cstring>
 #include <vector>
 #define __global__
+#define __device__
+#define __forceinline__ inline
 #define __restrict__
 // the device intrinsics trunk.cu uses: IEEE round-to-nearest add/multiply, never contracted to an FMA
 static inline float __fadd_rn(float a, float b) { return a + b; }

@@ -207,7 +207,7 @@ def test_every_backend_is_one_class_over_the_base_and_declares_its_optional_ops(
     from colibri_plan.backends.device_ops import DeviceOps
 
     assert {"d_add", "d_head_matmul", "d_write_rows", "matmul", "upload", "close"} <= REQUIRED_OPS
-    assert set(OPTIONAL_OPS) == {"d_expert_ffn_rows", "d_router_topk", "expert_ffn_sum"}
+    assert set(OPTIONAL_OPS) == {"d_expert_ffn_rows", "d_router_topk", "expert_ffn_sum", "d_capture_step"}
     declared = {}
     for name in BACKEND_NAMES:
         cls = get_backend(name)
@@ -216,6 +216,7 @@ def test_every_backend_is_one_class_over_the_base_and_declares_its_optional_ops(
         declared[name] = {op for op in OPTIONAL_OPS if cls.supports(op)}
         assert declared[name] == set(cls.optional_ops)
     assert [n for n in BACKEND_NAMES if "d_expert_ffn_rows" in declared[n]] == ["cuda"]
+    assert [n for n in BACKEND_NAMES if "d_capture_step" in declared[n]] == ["cuda"]
     assert [n for n in BACKEND_NAMES if "expert_ffn_sum" in declared[n]] == ["cpu"]
     assert all("d_router_topk" in ops for ops in declared.values())  # a kernel or the host arrays' rule
     assert not any(Backend.supports(op) for op in OPTIONAL_OPS)  # the base declares none

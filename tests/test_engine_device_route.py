@@ -14,6 +14,7 @@ import pytest
 from _backend_params import backend_params
 
 from colibri_plan.backends import get_backend
+from colibri_plan.engine.decode_graph import ENV as GRAPH_ENV
 from colibri_plan.engine.device_route import ENV
 from colibri_plan.engine.fixture import FixtureConfig, build_fixture
 from colibri_plan.engine.forward import Model
@@ -56,6 +57,7 @@ def _generate(pack, be, key, local, monkeypatch, on: bool):
     """(tokens, manager uses, routing counts, shapes of every d_get of the last decode step, the trunk's
     routing_off) with experts ``local`` of each layer on ``be`` and the rest pinned in RAM."""
     monkeypatch.setenv(ENV, "1" if on else "0")
+    monkeypatch.setenv(GRAPH_ENV, "0")  # eager steps: a captured one reads nothing through d_get
     a = pack.arch
     rest = [e for e in range(a.n_experts) if e not in local]
     placement = Placement({l: LayerPlacement(vram={key: list(local)}, ram_pinned=rest) for l in a.moe_layers})

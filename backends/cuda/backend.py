@@ -23,6 +23,7 @@ from colibri_plan.backends.base import Backend, DeviceInfo
 from colibri_plan.backends.batched import BatchedExperts
 from colibri_plan.backends.cuda.device import CudaDeviceOps
 from colibri_plan.backends.cuda.experts import CudaExperts, expert_rows_args, ffn_table
+from colibri_plan.backends.cuda.graph import CudaStepGraphs
 from colibri_plan.backends.cuda.launch import Launcher
 from colibri_plan.backends.cuda.routing import CudaRouting
 from colibri_plan.backends.handles import DArray
@@ -38,7 +39,7 @@ class CUDABackend(Backend):
     :mod:`~colibri_plan.backends.cuda.device`) on NVIDIA GPUs."""
 
     name = "cuda"
-    optional_ops = frozenset({"d_expert_ffn_rows", "d_router_topk"})
+    optional_ops = frozenset({"d_expert_ffn_rows", "d_router_topk", "d_capture_step"})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -91,8 +92,9 @@ class CUDABackend(Backend):
         self.kernel_passes = 1
         # the device-activation ops, the routed experts on them and the host path's batched experts
         self.dops = self.bind(CudaDeviceOps(self))
-        self.bind(CudaExperts(self, self.dops))
+        experts = self.bind(CudaExperts(self, self.dops))
         self.bind(CudaRouting(self.dops))
+        self.bind(CudaStepGraphs(self, self.dops, experts))  # a decode step captured once, replayed
         self.bind(BatchedExperts(self, self._ffn_batch))
 
     def _close(self) -> None:

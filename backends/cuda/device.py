@@ -58,6 +58,9 @@ _SIGNATURES = {"tr_add": "pppqii", "tr_silu_mul": "pppq", "tr_scale_rows": "ppfp
                "attention_combine": "ppii", "mm_args": "tiiii", "tr_expert_sum": "pppqi",
                "tr_expert_scatter": "ppppqii",
                "route_topk": "ppppiiiiiiiiff",
+               # a captured decode step's (backends/cuda/graph.py): the position read from device memory
+               "tr_rope_at": "pppqiiipii", "tr_copy_rows_at": "ppqqpi", "tr_expert_table": "ppppiqqqii",
+               "attention_gqa_at": "pppppiiipiifi",
                "gate_up": "piiii", "mm": "piiii"}  # gate_up, mm: the host path's, table in device memory
 _CURRENT = threading.local()  # .token: the backend whose device and stream this thread has made current
 _TOKENS = itertools.count(1)  # one per backend state (an id() could be reused by a later backend)
@@ -109,6 +112,10 @@ class CudaDeviceOps:
         self.cp, self.rt, self.dev, self.stream, self._sms = b.cp, b.rt, b.dev, b.stream, b._sms
         self._pinned, self._h2d, self._launcher = b._pinned, b._h2d, b._launcher
         self._module_fn, self._index, self._dstate = b._module_fn, int(b.device.index), None
+        # while a decode step is captured (backends/cuda/graph.py): NS(posp, pos, slot): the device address
+        # of the step's position (int32) and its value at capture, and slot(ptr): the device address of the
+        # input slot that holds a cache array's address (the cache ops read them there)
+        self.graph = None
 
     def close(self) -> None:
         self._dstate = None  # its events, work buffers and launches
@@ -174,6 +181,8 @@ class CudaDeviceOps:
 
     # ---- transfers -------------------------------------------------------------------------------
     def _d_put(self, a: np.ndarray) -> Any:
+        if self.graph is not None:  # a replay would read whatever the staging slot holds by then
+            raise UnsupportedError("cuda: a host upload (d_put) inside a captured decode step")
         n = a.nbytes
         self._d_go()
         out = self._d_empty(a.size)
@@ -196,6 +205,8 @@ class CudaDeviceOps:
         return out
 
     def _d_get(self, a: DArray) -> np.ndarray:
+        if self.graph is not None:
+            raise UnsupportedError("cuda: a host read (d_get) inside a captured decode step")
         n = a.nbytes
         if n == 0:
             return np.zeros(a.shape, np.float32)
@@ -211,13 +222,21 @@ class CudaDeviceOps:
 
     def _d_write_rows(self, dst: DArray, row0: int, src: DArray) -> None:
         n = src.nbytes
-        if n:
+        g = self.graph
+        if n and g is not None:  # rows at the step's position, read on the device
+            self._d_go()
+            self._d_kernel("tr_copy_rows_at")(self._blocks(src.size), 1, 1, _THREADS, 0, self._dstate["sptr"],
+                                              self._ptr(src), g.slot(self._ptr(dst)), src.size,
+                                              math.prod(dst.shape[1:]), g.posp, row0 - g.pos)
+        elif n:
             row_bytes = 4 * math.prod(dst.shape[1:])
             self._d_go()
             self.rt.memcpyAsync(self._ptr(dst) + row0 * row_bytes, self._ptr(src), n,
                                 self.rt.memcpyDeviceToDevice, self.stream.ptr)
 
     def _d_write_block(self, dst: DArray, row0: int, col0: int, src: DArray) -> None:
+        if self.graph is not None:
+            raise UnsupportedError("cuda: a cache block write (MLA) inside a captured decode step")
         (t, w), d = src.shape, dst.shape[1]
         if t and w:  # one cudaMemcpy2DAsync: T rows of W floats into rows of D floats from column col0
             self._d_go()
@@ -289,6 +308,10 @@ class CudaDeviceOps:
 
     def _d_rope(self, x: DArray, table: DArray, pos0: int, rotary_dim: int, interleave: bool) -> Any:
         t, heads, d = x.shape
+        g = self.graph
+        if g is not None:  # positions from the step's device position
+            return self._d_elementwise("tr_rope_at", x, 2, self._ptr(table), x.size, heads, d, rotary_dim,
+                                       g.posp, pos0 - g.pos, int(interleave))
         return self._d_elementwise("tr_rope", x, 2, self._ptr(table), x.size, heads, d, rotary_dim, pos0,
                                    int(interleave))
 
@@ -349,6 +372,12 @@ class CudaDeviceOps:
                                       pad, T, n_in, in_pad)
         return pad
 
+    def attention_splits(self, T: int, hq: int, hkv: int, keys: int) -> int:
+        """Slices of each query row's ``keys`` keys that ``d_attention`` launches: more when (row, kv head)
+        blocks alone would leave SMs idle (decode at long contexts). A captured step holds its count."""
+        base = T * hkv * -(-(hq // hkv) // _GQA_HEADS)
+        return max(1, min(-(-keys // _ATT_MIN_KEYS), -(-4 * self._sms // base), 1024))
+
     def _d_attention(self, q: DArray, k: DArray, v: DArray, n_keys: int, pos0: int, scale: float,
                      window: int) -> Any:
         T, hq, d = q.shape
@@ -365,10 +394,9 @@ class CudaDeviceOps:
                                    "block's 48 KiB of shared memory holds; run it on another backend")
         chunks = -(-(hq // hkv) // _GQA_HEADS)
         keys = min(pos0 + T, window) if window > 0 else pos0 + T  # the longest query row's key range
-        base = T * hkv * chunks
-        # split the keys when (row, kv head) blocks alone would leave SMs idle (decode at long contexts)
-        splits = max(1, min(-(-keys // _ATT_MIN_KEYS), -(-4 * self._sms // base), 1024))
-        gqa = self._d_kernel("attention_gqa")
+        splits = self.attention_splits(T, hq, hkv, keys)
+        g = self.graph
+        gqa = self._d_kernel("attention_gqa" if g is None else "attention_gqa_at")
         combine = self._d_kernel("attention_combine") if splits > 1 else None
         self._d_go()
         sptr = self._dstate["sptr"]
@@ -376,8 +404,11 @@ class CudaDeviceOps:
         yp = y.data.ptr
         # splits > 1: slices into part [T * Hq, splits, d + 2], merged into y by attention_combine
         part = self._d_work("att_part", 4 * T * hq * splits * (d + 2)) if combine else 0
-        gqa(T, hkv * chunks, splits, threads, smem, sptr, self._ptr(q), self._ptr(k), self._ptr(v),
-            0 if combine else yp, part, hq, hkv, d, pos0, window, scale, splits)
+        # a captured step reads the position and the cache's addresses on the device
+        pos, kv = ((pos0,), (self._ptr(k), self._ptr(v))) if g is None else (
+            (g.posp, pos0 - g.pos), (g.slot(self._ptr(k)), g.slot(self._ptr(v))))
+        gqa(T, hkv * chunks, splits, threads, smem, sptr, self._ptr(q), *kv, 0 if combine else yp, part, hq,
+            hkv, d, *pos, window, scale, splits)
         if combine is not None:
             combine(T * hq, 1, 1, 128, 0, sptr, part, yp, d, splits)
         return y

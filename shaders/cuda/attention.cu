@@ -36,10 +36,10 @@ __device__ __forceinline__ float att_warp_reduce(float v, bool is_max) {
 #define GQA_SMEM extern __shared__ float sm[]
 #endif
 
-extern "C" __global__ void attention_gqa(const float *__restrict__ q, const float *__restrict__ k,
-                                         const float *__restrict__ v, float *__restrict__ out,
-                                         float *__restrict__ part, int Hq, int Hkv, int d, int pos0, int window,
-                                         float scale, int splits) {
+__device__ __forceinline__ void attention_gqa_body(const float *__restrict__ q, const float *__restrict__ k,
+                                                   const float *__restrict__ v, float *__restrict__ out,
+                                                   float *__restrict__ part, int Hq, int Hkv, int d, int pos0,
+                                                   int window, float scale, int splits) {
     GQA_SMEM;
     const int G = Hq / Hkv, chunks = (G + GQA_HEADS - 1) / GQA_HEADS, chunk_i = blockIdx.y % chunks;
     const int t = blockIdx.x, kvh = blockIdx.y / chunks, h0 = kvh * G + chunk_i * GQA_HEADS;
@@ -148,6 +148,25 @@ extern "C" __global__ void attention_gqa(const float *__restrict__ q, const floa
             }
         }
     }
+}
+
+extern "C" __global__ void attention_gqa(const float *__restrict__ q, const float *__restrict__ k,
+                                         const float *__restrict__ v, float *__restrict__ out,
+                                         float *__restrict__ part, int Hq, int Hkv, int d, int pos0, int window,
+                                         float scale, int splits) {
+    attention_gqa_body(q, k, v, out, part, Hq, Hkv, d, pos0, window, scale, splits);
+}
+
+// attention_gqa of a captured decode step (backends/cuda/graph.py): pos0 = *posp + delta and the cache's
+// k / v addresses read from device memory (the step's inputs), so one CUDA graph serves every step and
+// cache whose keys its `splits` slices cover.
+extern "C" __global__ void attention_gqa_at(const float *__restrict__ q, const att_u64 *__restrict__ k_slot,
+                                            const att_u64 *__restrict__ v_slot, float *__restrict__ out,
+                                            float *__restrict__ part, int Hq, int Hkv, int d,
+                                            const int *__restrict__ posp, int delta, int window, float scale,
+                                            int splits) {
+    attention_gqa_body(q, (const float *)*k_slot, (const float *)*v_slot, out, part, Hq, Hkv, d, *posp + delta,
+                       window, scale, splits);
 }
 
 // Merge attention_gqa's key slices: a block per (t, h) (blockIdx.x = t * Hq + h), out [T, Hq * d].

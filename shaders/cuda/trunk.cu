@@ -30,9 +30,9 @@ extern "C" __global__ void tr_scale_rows(const float *__restrict__ a, const floa
 
 // RoPE of x [T, heads, d] at positions pos0 + t from table [P, rd/2, 2] of (cos, sin); channels >= rd copied.
 // rotate_half pairs c with c + rd/2; interleave pairs (2i, 2i+1).
-extern "C" __global__ void tr_rope(const float *__restrict__ x, const float *__restrict__ table,
-                                   float *__restrict__ y, tr_u64 n, int heads, int d, int rd, int pos0,
-                                   int interleave) {
+__device__ __forceinline__ void tr_rope_rows(const float *__restrict__ x, const float *__restrict__ table,
+                                             float *__restrict__ y, tr_u64 n, int heads, int d, int rd, int pos0,
+                                             int interleave) {
     const int half = rd >> 1;
     for (tr_u64 i = blockIdx.x * (tr_u64)blockDim.x + threadIdx.x; i < n; i += (tr_u64)gridDim.x * blockDim.x) {
         const int c = (int)(i % (tr_u64)d);
@@ -56,6 +56,63 @@ extern "C" __global__ void tr_rope(const float *__restrict__ x, const float *__r
         const float *cs = table + ((tr_u64)(pos0 + t) * half + k) * 2;
         const float cos_v = cs[0], sin_v = cs[1], v = x[i], w = x[(long long)i + off];
         y[i] = first ? v * cos_v - w * sin_v : v * cos_v + w * sin_v;
+    }
+}
+
+extern "C" __global__ void tr_rope(const float *__restrict__ x, const float *__restrict__ table,
+                                   float *__restrict__ y, tr_u64 n, int heads, int d, int rd, int pos0,
+                                   int interleave) {
+    tr_rope_rows(x, table, y, n, heads, d, rd, pos0, interleave);
+}
+
+// tr_rope at the position a captured decode step reads from device memory (backends/cuda/graph.py):
+// pos0 = *posp + delta, so one CUDA graph serves every step of its context range.
+extern "C" __global__ void tr_rope_at(const float *__restrict__ x, const float *__restrict__ table,
+                                      float *__restrict__ y, tr_u64 n, int heads, int d, int rd,
+                                      const int *__restrict__ posp, int delta, int interleave) {
+    tr_rope_rows(x, table, y, n, heads, d, rd, *posp + delta, interleave);
+}
+
+// A KV cache append of a captured decode step: dst[(*posp + delta) * row + i] = src[i], i < n, dst the
+// address held at dst_slot (the step's inputs: one graph serves every cache of the model).
+extern "C" __global__ void tr_copy_rows_at(const float *__restrict__ src, const tr_u64 *__restrict__ dst_slot,
+                                           tr_u64 n, tr_u64 row, const int *__restrict__ posp, int delta) {
+    float *out = (float *)*dst_slot + (tr_u64)(*posp + delta) * row;
+    for (tr_u64 i = blockIdx.x * (tr_u64)blockDim.x + threadIdx.x; i < n; i += (tr_u64)gridDim.x * blockDim.x)
+        out[i] = src[i];
+}
+
+// The launch table of one decode token's routed experts, built on the device from d_router_topk's output
+// (backends/cuda/graph.py): ids [K] int32 and w [K] float32 of the token, experts [E][6] u64 (gate W, S,
+// up W, S, down W, S) of the layer. The K choices are taken in ascending expert id (the host's order of
+// summation), then out holds matmul.cu's table (K gate/up entries of 8 u64: gate W, S, up W, S, x, h_j, 1,
+// 0; K down entries: down W, S, h_j, y_j, 1, 0, 0, 0) followed by the K gates as float32: the layout of
+// backends/cuda/experts.py ffn_table + gates. One thread (K <= 32).
+extern "C" __global__ void tr_expert_table(const int *__restrict__ ids, const float *__restrict__ w,
+                                           const tr_u64 *__restrict__ experts, tr_u64 *__restrict__ out,
+                                           int K, tr_u64 x, tr_u64 h, tr_u64 y, int h_row_bytes,
+                                           int y_row_bytes) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    int id[32];
+    float g[32];
+    for (int j = 0; j < K; j++) {  // insertion sort by expert id (ids are distinct)
+        int e = ids[j], i = j;
+        const float gj = w[j];
+        for (; i > 0 && id[i - 1] > e; i--) {
+            id[i] = id[i - 1];
+            g[i] = g[i - 1];
+        }
+        id[i] = e;
+        g[i] = gj;
+    }
+    float *gates = (float *)(out + 16 * K);
+    for (int j = 0; j < K; j++) {
+        const tr_u64 *e = experts + 6 * (tr_u64)id[j];
+        const tr_u64 hj = h + (tr_u64)j * h_row_bytes, yj = y + (tr_u64)j * y_row_bytes;
+        tr_u64 *gu = out + 8 * j, *dn = out + 8 * (K + j);
+        gu[0] = e[0]; gu[1] = e[1]; gu[2] = e[2]; gu[3] = e[3]; gu[4] = x; gu[5] = hj; gu[6] = 1; gu[7] = 0;
+        dn[0] = e[4]; dn[1] = e[5]; dn[2] = hj; dn[3] = yj; dn[4] = 1; dn[5] = 0; dn[6] = 0; dn[7] = 0;
+        gates[j] = g[j];
     }
 }
 

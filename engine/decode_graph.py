@@ -1,0 +1,163 @@
+"""Decode steps replayed from a captured graph (issue 25, Build 3): :class:`DecodeGraph`, used by
+:class:`~colibri_plan.engine.trunk.Trunk` on a backend that declares ``d_capture_step`` (CUDA).
+
+When every expert of every MoE layer lives in this GPU's VRAM and routing runs on the device, a decode
+step needs nothing from the host between its first op and its logits. The trunk's own layer code then runs
+once under capture (``Trunk.layers`` with each MoE layer's experts indexed on the device:
+``d_expert_ffn_indexed``), and each later token is one replay: its embedding row and position go up, the
+logits and every layer's routing come down, in one synchronisation. The host then records the routing
+(``RoutingRecorder``), counts the "vram" uses and charges the local experts' seconds measured on the
+trunk's last timed eager step, exactly as an eager step would.
+
+A graph reads the cache's arrays through address slots filled at each replay, so it serves every cache of
+the model: it is kept per (RoPE table, attention key slices); a RoPE table that grows, or a context whose
+attention splits its keys into another number of slices (every 64 tokens up to a few thousand), is
+captured again. One step in :data:`EAGER_EVERY` (and the first timed one) runs eagerly, timed, so the
+report's attention and expert terms stay measured; so does the first decode step (kernels compile
+outside any capture). Off with ``COLIBRI_CUDA_GRAPH=0``; ``Trunk.graph_off`` says why a trunk does not
+capture (hybrid placement: each token hands experts to the host, Build 4).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from colibri_plan.errors import UnsupportedError
+
+#: environment switch: "0" decodes eagerly (the before/after of bench/h200_graph.sh)
+ENV = "COLIBRI_CUDA_GRAPH"
+#: one decode step in this many runs eagerly and timed (the report's measured terms)
+EAGER_EVERY = 64
+_KEEP = 4  # graphs kept (different caches or attention slices), least recently used dropped
+
+
+def _off_reason(trunk) -> str | None:
+    """Why ``trunk`` cannot replay decode steps, or None."""
+    be, a = trunk.be, trunk.arch
+    if os.environ.get(ENV, "1").strip() == "0":
+        return f"{ENV}=0"
+    if not be.supports("d_capture_step"):
+        return f"{getattr(be, 'name', 'the backend')} captures no decode step"
+    if trunk._mla:
+        return "MLA attention writes its cache rows in blocks (not captured)"
+    if a.clip_qkv is not None:
+        return "clip_qkv goes through the host"
+    if a.moe_layers and a.shared_expert_gate:
+        return "the shared expert's gate is computed on the host"
+    if a.moe_layers and trunk._router is None:
+        return f"routing on the host ({trunk.routing_off})"
+    mgr = trunk.model.experts
+    if a.moe_layers and getattr(mgr, "repinner", None) is not None:
+        return "re-pinning may move experts between tiers"
+    return None
+
+
+def _cache_arrays(cache) -> list[int]:
+    """Device addresses of a GQA cache's arrays: every layer's K, then every layer's V."""
+    return [a.buf.data.ptr + 4 * a.offset for a in (*cache.k, *cache.v)]
+
+
+class DecodeGraph:
+    """Captured decode steps of one trunk (module docstring); made by :meth:`make`.
+
+    Attributes:
+        tables: MoE layer -> the backend's expert table of that layer. key: the residency manager's
+        device key of this GPU (None for a dense model).
+    """
+
+    def __init__(self, trunk, key, tables: dict):
+        self.trunk, self.key, self.tables = trunk, key, tables
+        self._graphs: dict = {}  # key -> CapturedStep
+        self._steps, self._sampled = 0, 0  # decode steps asked about, eager timed steps taken
+        self.captures = 0
+
+    @classmethod
+    def make(cls, trunk) -> tuple[DecodeGraph | None, str | None]:
+        """(a DecodeGraph, None) when ``trunk`` can replay its decode steps, else (None, why not)."""
+        why = _off_reason(trunk)
+        if why is not None:
+            return None, why
+        be, a, mgr = trunk.be, trunk.arch, trunk.model.experts
+        tables, keys = {}, set()
+        try:
+            for i in a.moe_layers:
+                key, held = mgr.held_on(be, i)
+                if len(held) != a.n_experts:
+                    return None, (f"layer {i}: {a.n_experts - len(held)} of {a.n_experts} experts live off "
+                                  "this GPU (a token's experts are handed to the host)")
+                keys.add(key)
+                tables[i] = be.d_expert_table([held[e] for e in range(a.n_experts)])
+        except UnsupportedError as exc:
+            return None, str(exc)
+        return cls(trunk, keys.pop() if keys else None, tables), None
+
+    def takes(self, calls: int) -> bool:
+        """Whether the trunk's forward call number ``calls`` (a decode step) replays. Eager: the first
+        decode step (it compiles and loads every one-token kernel outside any capture), the first timed
+        one and then one in :data:`EAGER_EVERY` (timed: the report's measured terms)."""
+        self._steps += 1
+        if self._steps == 1:
+            return False
+        if calls % self.trunk.attention_every == 0 and (self._sampled == 0 or calls % EAGER_EVERY == 0):
+            self._sampled += 1
+            return False
+        return True
+
+    def step(self, tok: int, cache) -> np.ndarray:
+        """One decode step of token ``tok`` appended to ``cache``: logits float32 [1, V]; the cache
+        advances by one and the routing is recorded.
+
+        Raises:
+            UnsupportedError: the step could not be captured (the trunk then decodes eagerly for good).
+        """
+        t, be, a = self.trunk, self.trunk.be, self.trunk.arch
+        cache.reserve(cache.length + 1)  # whole pages, before the step writes
+        if a.rotary_dim:
+            t._grow_rope(cache.capacity)
+        pos = cache.length
+        window = a.sliding_window if a.sliding_window and a.sliding_layers else 0
+        splits = (be.d_attention_splits(1, a.n_heads, a.n_kv_heads, pos + 1),
+                  be.d_attention_splits(1, a.n_heads, a.n_kv_heads, min(pos + 1, window)) if window else 0)
+        rope = (t._rope.buf.data.ptr, t._rope_rows) if t._rope is not None else None
+        key = (rope, splits)
+        slots = _cache_arrays(cache)
+        g = self._graphs.pop(key, None) or self._capture(cache, pos, slots)
+        self._graphs[key] = g  # most recent last
+        while len(self._graphs) > _KEEP:
+            del self._graphs[next(iter(self._graphs))]
+        outs = g.run(np.asarray(t.model.dense["embed"][tok], np.float32), pos, slots)  # [H] in
+        self._account(outs[1:])
+        cache.advance(1)
+        t._calls += 1
+        return outs[0].reshape(1, -1)  # [1, V]
+
+    def _capture(self, cache, pos: int, slots: list[int]):
+        t, be, a = self.trunk, self.trunk.be, self.trunk.arch
+        H, K = a.hidden_size, a.top_k
+
+        def body(inp):
+            t._graph_routes = []
+            try:
+                h = t.layers(be.d_view(inp, (1, H)), cache)  # [1, H] final hidden states
+                return [be.d_matmul(h, t.w["lm_head"]), *t._graph_routes]  # logits [1, V], routes [2K] each
+            finally:
+                t._graph_routes = None
+
+        n_out = a.vocab_size + 2 * K * len(a.moe_layers)
+        self.captures += 1
+        return be.d_capture_step(H, n_out, body, pos, slots)
+
+    def _account(self, routes: list) -> None:
+        """Record each MoE layer's routing ([ids as int32 bits | weights], 2K floats) as an eager step
+        would, count its "vram" uses and charge its experts the trunk's measured seconds per expert."""
+        t, a = self.trunk, self.trunk.arch
+        m, K = t.model, a.top_k
+        for i, r in zip(a.moe_layers, routes):
+            ids = r[:K].view(np.int32).astype(np.int64)[None]  # [1, K], descending choice order
+            if m.routing is not None:
+                m.routing.record(i, ids, r[K:][None])
+            m.experts.count_local(i, K)
+        if a.moe_layers and t._local_n:
+            m.experts.add_local_seconds(self.key, t._local_s / t._local_n * K * len(a.moe_layers))

@@ -1,0 +1,65 @@
+"""Simulations of the kernels a captured decode step adds (``shaders/cuda/trunk.cu`` tr_rope_at,
+tr_copy_rows_at, tr_expert_table; ``attention.cu`` attention_gqa_at) for the stand-in cupy of
+``test_backend_cuda_device_sim.py``, and its memory pool / allocator context. Each reads the step's
+position from device memory when it runs (at replay, inside a captured graph), as the GPU does."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import numpy as np
+
+
+def _pos(sim, posp, delta) -> int:
+    return int(sim.mem(int(posp), 4).view(np.int32)[0]) + int(delta)
+
+
+def _rope_at(sim, grid, block, args, trunk_sim):
+    x, table, y, n, heads, d, rd, posp, delta, inter = args
+    trunk_sim(sim, "tr_rope", grid, block, (x, table, y, n, heads, d, rd, _pos(sim, posp, delta), inter))
+
+
+def _slot(sim, slot) -> int:
+    return int(sim.mem(int(slot), 8).view(np.uint64)[0])
+
+
+def _copy_rows_at(sim, grid, block, args, trunk_sim):
+    src, dst_slot, n, row, posp, delta = (int(a) for a in args)
+    sim.mem(_slot(sim, dst_slot) + 4 * _pos(sim, posp, delta) * row, 4 * n)[:] = sim.mem(src, 4 * n).copy()
+
+
+def _expert_table(sim, grid, block, args, trunk_sim):
+    """tr_expert_table: the K choices by ascending id, matmul.cu's table entries and the gates."""
+    ids, w, experts, out, K, x, h, y, hrow, yrow = (int(a) if i != 1 else a for i, a in enumerate(args))
+    assert grid == (1, 1, 1) and block == (32,)
+    got = sim.mem(ids, 4 * K).view(np.int32).copy()
+    gates = sim.mem(int(w), 4 * K).view(np.float32).copy()
+    order = np.argsort(got, kind="stable")
+    tab = sim.mem(experts, 48 * (int(got.max()) + 1)).view(np.uint64).reshape(-1, 6)
+    o = sim.mem(out, 128 * K + 4 * K)
+    ent = o[: 128 * K].view(np.uint64).reshape(2 * K, 8)
+    for j, i in enumerate(order):
+        e = tab[got[i]]
+        hj, yj = h + j * hrow, y + j * yrow
+        ent[j] = [e[0], e[1], e[2], e[3], x, hj, 1, 0]
+        ent[K + j] = [e[4], e[5], hj, yj, 1, 0, 0, 0]
+    o[128 * K:].view(np.float32)[:] = gates[order]
+
+
+def attention_at(sim, grid, block, smem, args, attention_sim):
+    q, k_slot, v_slot, out, part, hq, hkv, d, posp, delta, window, scale, splits = args
+    k, v = _slot(sim, k_slot), _slot(sim, v_slot)
+    attention_sim(sim, grid, block, smem, (q, k, v, out, part, hq, hkv, d, _pos(sim, posp, delta), window,
+                                           scale, splits))
+
+
+#: kernel name -> fn(sim, grid, block, args, trunk_sim)
+GRAPH_KERNELS = {"tr_rope_at": _rope_at, "tr_copy_rows_at": _copy_rows_at, "tr_expert_table": _expert_table}
+
+
+def add_pool(cp) -> None:
+    """cupy.cuda.MemoryPool and using_allocator: the simulated heap never reuses memory, so a pool of
+    the graph's own is only a name here."""
+    cp.cuda.MemoryPool = lambda: types.SimpleNamespace(malloc=None)
+    cp.cuda.using_allocator = lambda malloc=None: contextlib.nullcontext()

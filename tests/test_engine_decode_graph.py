@@ -1,0 +1,166 @@
+"""Captured decode steps (engine/decode_graph.py, backends/cuda/graph.py) on the simulated GPU of
+``test_backend_cuda_device_sim.py``: its stream capture records the launches and copies and replays them,
+and its kernels read the step's position from device memory when they run, as the GPU's do. What runs for
+real is the host side: the capture, the pinned inputs and outputs, the device expert tables, the graph
+keys (cache, capacity, attention slices), the eager timed steps and the accounting after a replay. The
+replayed run must equal the eager one (``COLIBRI_CUDA_GRAPH=0``) in tokens, logits, recorded routing and
+tier uses; the H200 run of tests/test_backend_cuda.py-style checks the kernels themselves."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from colibri_plan.backends import get_backend
+from colibri_plan.engine.decode_graph import EAGER_EVERY, ENV
+from colibri_plan.engine.fixture import FixtureConfig, build_fixture
+from colibri_plan.engine.forward import Model
+from colibri_plan.engine.moe import RoutingRecorder
+from colibri_plan.engine.pack import open_pack
+from colibri_plan.engine.placement import LayerPlacement, Placement
+from colibri_plan.engine.residency import ResidencyManager
+from colibri_plan.errors import InputError, UnsupportedError
+
+PROMPT = [5, 80, 200, 7, 31]
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory):
+    d = tmp_path_factory.mktemp("graph") / "fx"
+    build_fixture(d, FixtureConfig.small(layers=2, experts=16, top_k=4, vocab=300))
+    return d
+
+
+@pytest.fixture(params=["cuda-sim", "cuda"])
+def be(request, monkeypatch):
+    """The simulated GPU here; the real one too where CuPy sees one (else skipped with the reason)."""
+    sim = None
+    if request.param == "cuda-sim":
+        monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+        from tests.test_backend_cuda_device_sim import device_cupy
+        from tests.test_backend_cuda_sim import Sim
+
+        sim = Sim()
+        monkeypatch.setitem(sys.modules, "cupy", device_cupy(sim))
+    else:
+        why = get_backend("cuda").unavailable_reason()
+        if why:
+            pytest.skip(why)
+    b = get_backend("cuda").open(0)
+    b.sim = sim
+    yield b
+    b.close()
+
+
+def _decode(pack, be, monkeypatch, graph: bool, n_tokens: int, local=None, patch=None, requests=1):
+    """(tokens, logits of every decode step [n, V] of the last of ``requests`` generations, manager uses,
+    routing counts, (graph_off, captures, capacity)) with experts ``local`` (default: all) of each layer on
+    ``be`` and the rest pinned in RAM."""
+    monkeypatch.setenv(ENV, "1" if graph else "0")
+    a = pack.arch
+    local = range(a.n_experts) if local is None else local
+    rest = [e for e in range(a.n_experts) if e not in local]
+    placement = Placement({l: LayerPlacement(vram={"cuda:0": list(local)}, ram_pinned=rest)
+                           for l in a.moe_layers})
+    cpu, rec = get_backend("numpy").open(0), RoutingRecorder(a)
+    rm = ResidencyManager(pack, placement, cpu, devices={"cuda:0": be})
+    try:
+        with Model(pack, experts=rm, recorder=rec, trunk_backend=be, context_tokens=8) as model:
+            if patch is not None:
+                patch(model)
+            for _ in range(requests):  # each a fresh cache, as a server's requests
+                cache, toks, logits = model.new_cache(), [], []
+                lg = model.trunk.last_logits(np.array(PROMPT), cache)
+                for _ in range(n_tokens):
+                    toks.append(int(np.argmax(lg)))
+                    lg = model.trunk.last_logits(np.array(toks[-1:]), cache)
+                    logits.append(lg[0])
+            trunk = model.trunk
+            info = (trunk.graph_off, getattr(trunk._step_graph, "captures", 0), cache.capacity)
+    finally:
+        rm.close()
+        cpu.close()
+    return toks, np.array(logits), dict(rm.stats.uses), rec.counts.copy(), info
+
+
+def test_replayed_steps_equal_eager_ones_across_a_cache_growth(fx, be, monkeypatch):
+    """70 steps from a 5-token prompt: the cache grows past its first 64-token page (a new capture), one
+    step in EAGER_EVERY and the first timed one run eagerly; tokens, logits bit for bit, the recorded
+    routing and the "vram" uses equal the eager run's."""
+    n = EAGER_EVERY + 6
+    with open_pack(fx) as pack:
+        eager = _decode(pack, be, monkeypatch, False, n)
+        eager_launches = be.sim.launches if be.sim else 0
+        replay = _decode(pack, be, monkeypatch, True, n)
+        replay_launches = be.sim.launches - eager_launches if be.sim else 0
+    assert eager[4][0] == f"{ENV}=0" and replay[4][0] is None
+    assert replay[0] == eager[0]
+    np.testing.assert_array_equal(replay[1], eager[1])
+    assert replay[2] == eager[2] and replay[2]["vram"] > 0
+    np.testing.assert_array_equal(replay[3], eager[3])
+    captures, capacity = replay[4][1], replay[4][2]
+    assert capacity > 64 and 1 <= captures <= 4  # a capture per RoPE table / attention slice count
+    if be.sim is not None:  # host launches: the prefill, captures and eager steps (a replay is one call)
+        assert 0 < replay_launches < eager_launches / 5
+
+
+def test_a_second_cache_replays_the_first_ones_graph(fx, be, monkeypatch):
+    """Two requests of 10 steps, each on a fresh cache: the second replays the graph captured for the
+    first (the cache's arrays are input slots), with the first's tokens and the eager run's logits."""
+    with open_pack(fx) as pack:
+        one = _decode(pack, be, monkeypatch, True, 10)
+        two = _decode(pack, be, monkeypatch, True, 10, requests=2)
+        eager = _decode(pack, be, monkeypatch, False, 10, requests=2)
+    assert two[4][1] == one[4][1] >= 1 and two[0] == one[0] == eager[0]
+    np.testing.assert_array_equal(two[1], eager[1])
+    np.testing.assert_array_equal(two[3], eager[3])
+
+
+def test_a_hybrid_placement_and_the_switch_decode_eagerly_and_say_why(fx, be, monkeypatch):
+    with open_pack(fx) as pack:
+        hybrid = _decode(pack, be, monkeypatch, True, 3, local=range(8))
+        off = _decode(pack, be, monkeypatch, False, 3, local=range(8))
+    assert "8 of 16 experts live off this GPU" in hybrid[4][0] and hybrid[4][1] == 0
+    assert off[4][0] == f"{ENV}=0" and hybrid[0] == off[0]
+
+
+def test_a_capture_the_backend_refuses_falls_back_to_eager_steps(fx, be, monkeypatch):
+    def refuse(model):
+        def no(*a, **k):
+            raise UnsupportedError("cuda: the decode step could not be captured: test")
+        model.trunk.be.d_capture_step = no
+
+    with open_pack(fx) as pack:
+        eager = _decode(pack, be, monkeypatch, False, 4)
+        refused = _decode(pack, be, monkeypatch, True, 4, patch=refuse)
+    assert refused[4][0] == "cuda: the decode step could not be captured: test"
+    assert refused[0] == eager[0] and refused[2] == eager[2]
+
+
+def test_indexed_experts_equal_the_listed_ones_and_refuse_bad_shapes(fx, be):
+    """d_expert_ffn_indexed on ids in device memory (in choice order, unsorted) equals d_expert_ffn on
+    the same experts listed by ascending id with their gates: the same kernels and summation order."""
+    with open_pack(fx) as pack:
+        a = pack.arch
+        layer = a.moe_layers[0]
+        ws = [be.upload_expert(*pack.expert(layer, e)) for e in range(a.n_experts)]
+        table = be.d_expert_table(ws)
+        x = be.d_put(np.random.default_rng(0).standard_normal((1, a.hidden_size), dtype=np.float32))
+        ids = np.array([11, 2, 7, 5], np.int32)
+        gates = np.array([0.4, 0.3, 0.2, 0.1], np.float32)
+        route = be.d_put(np.concatenate([ids.view(np.float32), gates]))
+        from colibri_plan.backends.handles import DArray
+
+        d_ids = DArray((1, 4), route.buf, route.owner, 0)
+        d_w = DArray((1, 4), route.buf, route.owner, 4)
+        got = be.d_get(be.d_expert_ffn_indexed(x, d_ids, d_w, table))
+        order = np.argsort(ids)
+        want = be.d_get(be.d_expert_ffn(x, [ws[int(ids[i])] for i in order], gates[order]))
+        np.testing.assert_array_equal(got, want)
+        with pytest.raises(InputError, match="one token"):
+            be.d_expert_ffn_indexed(be.d_put(np.ones((2, a.hidden_size), np.float32)), d_ids, d_w, table)
+        with pytest.raises(InputError, match="no experts"):
+            be.d_expert_table([])
