@@ -30,7 +30,7 @@ from colibri_plan.errors import UnsupportedError
 ENV = "COLIBRI_CUDA_GRAPH"
 #: one decode step in this many runs eagerly and timed (the report's measured terms)
 EAGER_EVERY = 64
-_KEEP = 4  # graphs kept (different caches or attention slices), least recently used dropped
+_KEEP = 4  # graphs kept (RoPE tables, attention key slices), least recently used dropped
 
 
 def _off_reason(trunk) -> str | None:

@@ -77,11 +77,15 @@ class DeviceRouter:
             self.close()
             raise
 
+    def on_device(self, x, layer: int):
+        """The routing of the device x [T, H] (post-norm) of MoE layer ``layer`` left on the device: (ids,
+        weights) DArrays [T, K] as ``d_router_topk`` returns them (a captured step reads them there)."""
+        return self.be.d_router_topk(x, self._w[layer], self._bias.get(layer), self.rule)  # [T, K] each
+
     def route(self, x, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The routing of the device x [T, H] (post-norm) of MoE layer ``layer``, brought down: (ids int64
         [T, K] in descending choice order, weights float32 [T, K]), as ``engine.moe.route`` returns them."""
-        ids, w = self.be.d_router_topk(x, self._w[layer], self._bias.get(layer), self.rule)  # [T, K] each
-        ids_h, w_h = self.be.d_get_routing(ids, w)  # one copy down where the backend packed them
+        ids_h, w_h = self.be.d_get_routing(*self.on_device(x, layer))  # one copy down where packed
         return ids_h.astype(np.int64), w_h
 
     def close(self) -> None:

@@ -268,8 +268,7 @@ class Trunk:
         if split is None or (T != 1 and rows_op is None):  # all through the provider
             return be.d_put(routed_experts(xh, i, a, m.dense, m.experts, m.routing))
         if self._graph_routes is not None:  # a captured step: every expert here, indexed on the device
-            r = self._router
-            ids, weights = be.d_router_topk(x, r._w[i], r._bias.get(i), r.rule)  # [1, K] each, on the device
+            ids, weights = self._router.on_device(x, i)  # [1, K] each, left on the device
             if weights.buf is not ids.buf or weights.offset != ids.offset + a.top_k:
                 raise UnsupportedError(f"{be.name}: d_router_topk's ids and weights are not back to back")
             self._graph_routes.append(DArray((2 * a.top_k,), ids.buf, ids.owner, ids.offset))  # [ids | w]

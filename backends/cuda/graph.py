@@ -206,8 +206,6 @@ class CudaStepGraphs:
             finally:
                 ops.graph = None
                 graph = s.end_capture()
-        except UnsupportedError:
-            raise
         except (cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError) as exc:
             raise UnsupportedError(f"cuda: the decode step could not be captured: {exc}") from None
         work = list(ops._dstate["work"]._bufs.values())  # buffers the graph reads, held past a regrowth
