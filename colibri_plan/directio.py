@@ -52,13 +52,16 @@ def filesystem_of(path: str | os.PathLike) -> str:
     return fstype
 
 
-def open_for_read(path: str | os.PathLike) -> tuple[int, bool, str, str | None]:
+def open_for_read(path: str | os.PathLike, buffered: bool = False) -> tuple[int, bool, str, str | None]:
     """Open ``path`` read-only, with O_DIRECT when it really bypasses the page cache.
+
+    ``buffered`` (a plan that chose buffered reads, planner/reads.py): open without O_DIRECT; the caller
+    keeps the page cache within the plan's bytes (``page_cache_method`` "buffered+bounded_lru").
 
     Returns:
         (fd, o_direct, page_cache_method, warning or None); ``page_cache_method`` is "o_direct",
-        "buffered+fadvise_dontneed" or "buffered" (RAM filesystems). A test read of one 4 KiB page
-        checks that O_DIRECT works.
+        "buffered+fadvise_dontneed", "buffered+bounded_lru" or "buffered" (RAM filesystems). A test read
+        of one 4 KiB page checks that O_DIRECT works.
 
     Raises:
         OSError: the file cannot be opened at all.
@@ -68,6 +71,8 @@ def open_for_read(path: str | os.PathLike) -> tuple[int, bool, str, str | None]:
         fd = os.open(path, os.O_RDONLY)
         return fd, False, "buffered", (f"{path} is on {fstype}, which keeps files in RAM: O_DIRECT bypasses "
                                        "nothing there, so reads are memory reads, not disk reads")
+    if buffered:
+        return os.open(path, os.O_RDONLY), False, "buffered+bounded_lru", None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError as exc:

@@ -49,13 +49,16 @@ class Placement:
     :mod:`colibri_plan.engine.unified`). ``repin`` is the live re-pinning policy (a
     :class:`colibri_plan.engine.repin.RepinPolicy`, None = off). ``trunk`` is a
     :class:`colibri_plan.formats.plan_trunk.TrunkPlacement` (None = the host CPU); its device is opened
-    beside :meth:`device_keys` by the session.
+    beside :meth:`device_keys` by the session. ``page_cache_experts`` (None: O_DIRECT reads) is a plan
+    that chose buffered reads: the page cache may keep the last that many streamed experts read
+    (the plan's ``knobs.page_cache.capacity_bytes`` plus the LRU slots' copies, planner/reads.py).
     """
 
     layers: dict[int, LayerPlacement]
     compute: dict[str, str] = field(default_factory=dict)
     repin: object = None
     trunk: object = None
+    page_cache_experts: int | None = None
 
     def layer(self, layer_id: int) -> LayerPlacement:
         """The tiers of one MoE layer (an empty placement — everything streamed, no slots — if absent)."""
@@ -127,7 +130,7 @@ class Placement:
         n_layers = plan.doc["model"].get("n_layers")
         trunk = parse_trunk(plan.doc, plan.device_keys, n_layers if isinstance(n_layers, int) else None)
         return cls(out, compute=dict(plan.doc.get("compute") or {}), repin=RepinPolicy.from_plan(plan),
-                   trunk=trunk)
+                   trunk=trunk, page_cache_experts=_page_cache_experts(plan.doc, sum(slots)))
 
     @classmethod
     def all_resident(cls, moe_layers: Iterable[int], n_experts: int, device: str | None = None) -> Placement:
@@ -145,3 +148,15 @@ class Placement:
             "ram_pinned": sum(len(lp.ram_pinned) for lp in self.layers.values()),
             "lru_slots": sum(lp.lru_slots for lp in self.layers.values()),
         }
+
+
+def _page_cache_experts(doc: dict, lru_slots_total: int) -> int | None:
+    """Experts the page cache may keep under a plan with ``knobs.o_direct`` false (None: O_DIRECT): its
+    ``knobs.page_cache.capacity_bytes`` in experts, plus the LRU slots, whose experts the page cache
+    holds a second copy of (the cost model prices those bytes twice, planner/page_cache.py)."""
+    knobs = doc.get("knobs") or {}
+    if knobs.get("o_direct", True) is not False:
+        return None
+    cap = (knobs.get("page_cache") or {}).get("capacity_bytes", 0)
+    expert_bytes = doc["model"]["expert_bytes"]
+    return int(cap // expert_bytes) + int(lru_slots_total) if expert_bytes > 0 else int(lru_slots_total)

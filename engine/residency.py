@@ -100,7 +100,7 @@ class ResidencyManager(StreamedExperts):
         else:
             self.block_bytes = max(pack.expert_location(l, 0)[1] for l in arch.moe_layers)
             self.fd, self.o_direct, self.page_cache_method, self.io_warning = open_for_read(
-                pack.experts_path)
+                pack.experts_path, buffered=placement.page_cache_experts is not None)
         self.stats = TierStats()
         self._vram: dict[tuple[int, int], tuple[str, object]] = {}
         self._pinned: dict[tuple[int, int], Slot] = {}
@@ -110,10 +110,16 @@ class ResidencyManager(StreamedExperts):
         self._pool = ThreadPoolExecutor(max(1, int(read_threads)), thread_name_prefix="expert-read")
         self._dev_pool = ThreadPoolExecutor(max(1, len(self.devices)), thread_name_prefix="device")
         self._lock = threading.Lock()
+        # buffered reads (a plan's choice): the streamed experts the page cache keeps, least recent first
+        self._page_cache: OrderedDict | None = None
+        self._page_cache_cap = int(placement.page_cache_experts or 0)
+        self._page_cache_lock = threading.Lock()
         self._closed = False
         try:
             self._load_vram()
             self._load_pinned()
+            if placement.page_cache_experts is not None and not self.in_memory:
+                self._page_cache = OrderedDict()   # start-up reads were dropped: decode starts cold
             n_work = 1 if self.in_memory else int(working_buffers or arch.top_k)   # never used in memory
             total = n_work + sum(placement.layer(l).lru_slots for l in arch.moe_layers)
             self._free = [Slot(self.block_bytes) for _ in range(total)]

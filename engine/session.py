@@ -321,6 +321,8 @@ class EngineSession:
             expert_uses_per_token=st.expert_uses / n,
             peak_rss_bytes=peak_rss_bytes(), resident_bytes=rm.resident_bytes(),
             o_direct=rm.o_direct, io_warning=rm.io_warning, placement=self.placement.summary(),
+            page_cache_hit_rate=(st.page_cache_hits / st.uses["disk"] if st.uses["disk"] else 0.0)
+            if self.placement.page_cache_experts is not None else None,
             prefill_terms=prefill_terms(marks["prefill_stats"]))
         if rm.repinner is not None:
             report.repins, report.repin_bytes, report.repin_s = st.repins, st.repin_bytes, st.repin_s

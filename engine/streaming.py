@@ -4,8 +4,9 @@
 the manager's ``pack``, ``fd``, ``o_direct``, ``verify``, ``cpu``, ``tc``, ``stats``, ``placement``,
 ``_pool``, ``_free``, ``_lru`` and ``_garbage``). A miss takes a :class:`Slot` from the free pool, is
 read with one O_DIRECT read of its whole 4096-aligned block (all misses of a wave in flight together on
-the reader pool), checked against its crc32, computed as soon as its read completes, then admitted to its
-layer's LRU list (evicted slots return to the pool; no copies).
+the reader pool; buffered reads when the plan chose them, the page cache kept within its bytes
+by :meth:`StreamedExperts._after_buffered_read`), checked against its crc32, computed as soon as its
+read completes, then admitted to its layer's LRU list (evicted slots return to the pool; no copies).
 """
 
 from __future__ import annotations
@@ -51,13 +52,31 @@ class StreamedExperts:
             raise IntegrityError(f"expert (layer {layer}, expert {e}): short read ({got} of {nbytes} B): "
                                  f"{self.pack.experts_path} was truncated; re-create the pack")
         if not self.o_direct:
-            drop_cache(self.fd, off, nbytes)  # keep the page cache from hiding the next read
+            self._after_buffered_read(layer, e, off, nbytes)
         slot.t_read_end = time.perf_counter()
         seconds = slot.t_read_end - t0
         slot.weights = self.pack.expert_from_bytes(slot.buf, layer, e, check=self.verify)  # views of buf
         slot.qts = slot.weights
         slot.key = (layer, e)
         return seconds
+
+    def _after_buffered_read(self, layer: int, e: int, off: int, nbytes: int) -> None:
+        """After a buffered read: without a plan's page cache (start-up, or O_DIRECT refused) drop the
+        pages, so the page cache cannot hide the next read; with one, keep the last
+        ``_page_cache_cap`` streamed experts' pages (one LRU over all layers, as the cost model prices
+        it) and drop the least recent beyond that, so the cache stays within the plan's bytes."""
+        pc = self._page_cache
+        if pc is None:
+            drop_cache(self.fd, off, nbytes)
+            return
+        with self._page_cache_lock:   # reader threads call this concurrently
+            key = (int(layer), int(e))
+            self.stats.page_cache_hits += key in pc
+            pc[key] = (off, nbytes)
+            pc.move_to_end(key)
+            evicted = [pc.popitem(last=False)[1] for _ in range(len(pc) - self._page_cache_cap)]
+        for ev_off, ev_nbytes in evicted:
+            drop_cache(self.fd, ev_off, ev_nbytes)
 
     def _on_device(self, slot: Slot, key: str):
         """The upload of ``slot``'s expert on device ``key`` (made now if the slot has none there)."""

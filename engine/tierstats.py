@@ -18,7 +18,8 @@ class TierStats:
     ``disk_wait_s`` is the time the CPU path waited for reads it had nothing else to do during;
     ``device_compute_s`` is per device key ("cuda:0"), wall time of its share of each layer
     (activation transfers included); ``layer_wall_s`` is the wall time inside :meth:`run`;
-    ``repins``, ``repin_bytes``, ``repin_s`` count live re-pinning swaps, their bytes and seconds.
+    ``repins``, ``repin_bytes``, ``repin_s`` count live re-pinning swaps, their bytes and seconds;
+    ``page_cache_hits`` counts disk uses read from pages the plan's page cache kept (buffered reads).
     """
 
     uses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HIT_TIERS, 0))
@@ -32,6 +33,7 @@ class TierStats:
     repins: int = 0           # live re-pinning swaps (engine.repin)
     repin_bytes: int = 0      # bytes read (and uploaded) for them
     repin_s: float = 0.0      # seconds the swaps took (between tokens, inside decode time)
+    page_cache_hits: int = 0  # disk uses whose expert the plan's page cache kept (buffered reads)
 
     @property
     def expert_uses(self) -> int:

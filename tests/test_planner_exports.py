@@ -31,8 +31,10 @@ def test_direct_and_the_displaced_pins(tmp_path):
     assert "do not fit its VRAM budget (L" in note and "displace the plan's" in note
     assert "coldest pins (L" in note
     doc = json.loads(json.dumps(plan.doc))
-    doc["knobs"]["o_direct"] = False                # a plan that counts on buffered reads: colibrì's default
-    assert "DIRECT" not in export_colibri(Plan(doc), tmp_path / "u2")["vars"]
+    doc["knobs"]["o_direct"] = False   # our buffered reads (page cache inside --ram): colibrì keeps DIRECT=1
+    assert export_colibri(Plan(doc), tmp_path / "u2")["vars"]["DIRECT"] == "1"
+    doc["knobs"]["target"] = "colibri"   # a colibrì plan that counts on buffered reads: colibrì's default
+    assert "DIRECT" not in export_colibri(Plan(doc), tmp_path / "u3")["vars"]
 
 
 def test_a_colibri_target_plan_needs_no_correction(tmp_path):

@@ -96,6 +96,11 @@ def _queue_depth(_ctx, _param, value: str) -> str:
                    "target engine's.")
 @click.option("--keep-host-copies", is_flag=True, default=D.keep_host_copies,
               help="VRAM experts keep a host copy in RAM (colibrì CUDA_RELEASE_HOST=0): charged to --ram.")
+@click.option("--reads", type=click.Choice(["auto", "o_direct", "buffered"]), default=D.reads,
+              show_default=True,
+              help="How our engine reads streamed experts: O_DIRECT, or buffered with the page cache kept "
+                   "inside --ram (one LRU over all layers); 'auto': buffered when it beats O_DIRECT by more "
+                   "than 5%, priced with a warm cache (the Reads: line).")
 @click.option("--repin-every", default=D.repin_every, show_default=True, type=click.IntRange(0, 1_000_000),
               help="Live re-pinning: every N decode tokens the engine swaps cold pins/VRAM experts for hot "
                    "streamed ones when it pays (the plan's repin section); 0: off.")
@@ -201,10 +206,6 @@ def solve(opts, profile_path, machine, model_name, heat, quant, files, compare, 
         opts.target == "llama.cpp" or compare) else None
     if opts.target == "llama.cpp":
         plan.doc["llamacpp"] = llama
-    if opts.target == "colibri-plan":   # our engine's reads, priced (planner/reads.py)
-        from colibri_plan.planner.reads import reads_section
-
-        plan.doc["reads"] = reads_section(setup, sol.tiers, sol.lru_slots)
     for w in setup.warnings:
         warn(w)
     paths = _deploy_paths(out_path, model_name, files.get("gguf"), files.get("colibri_model"))

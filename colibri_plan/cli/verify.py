@@ -91,7 +91,9 @@ def verify(opts, plan_path, model_path, prompt_ids, prompt_file, reference, repo
                  f"trunk (dense, attention, KV cache) on {m.get('trunk_device') or 'cpu'}"
                  + (f"; KV cache {tb['kv'] / 1e6:.1f} MB, dense {tb['dense'] / 1e6:.1f} MB on the device"
                     if tb else ""),
-                 f"peak RSS {m['peak_rss_bytes'] / 1e9:.2f} GB; O_DIRECT {'yes' if m['o_direct'] else 'no'}; "
+                 f"peak RSS {m['peak_rss_bytes'] / 1e9:.2f} GB; O_DIRECT {'yes' if m['o_direct'] else 'no'}"
+                 + (f" (the plan's buffered reads: page-cache hits {m['page_cache_hit_rate']:.1%} of the "
+                    "disk uses)" if m.get("page_cache_hit_rate") is not None else "") + "; "
                  f"median decode {m['decode_s_median'] * 1e3:.0f} ms/token",
                  *([f"re-pins: {m['repins']} swaps, {(m.get('repin_bytes') or 0) / 1e6:.1f} MB read, "
                     f"{(m.get('repin_s') or 0.0) * 1e3:.1f} ms"] if m.get("repins") is not None else []),

@@ -76,7 +76,9 @@ class RunReport:
         tokens: generated ids (prompt excluded); prompt_tokens; decode_steps (tokens - 1); load_s:
             start-up (experts uploaded/read); prefill_s: the prompt's forward pass.
         expert_uses_per_token, peak_rss_bytes, resident_bytes {tier: bytes}, o_direct, io_warning,
-            placement {tier: experts} (measured).
+            placement {tier: experts} (measured). page_cache_hit_rate: with buffered reads (a plan that
+            chose them), the share of disk uses whose expert the plan's page cache kept (measured; None
+            with O_DIRECT), as the plan's ``predicted.page_cache.hit_rate``.
         cpu_path_layers, per_layer_s: the plan's per-layer CPU-path parts and layer times (predicted).
         repins, repin_bytes, repin_s: live re-pinning swaps over the decode, the bytes they read and the
             seconds they took (totals, not per token; measured, only when re-pinning is on).
@@ -119,6 +121,7 @@ class RunReport:
     resident_bytes: dict[str, int] = field(default_factory=dict)
     peak_rss_bytes: int | None = None
     o_direct: bool | None = None
+    page_cache_hit_rate: float | None = None
     io_warning: str | None = None
     placement: dict = field(default_factory=dict)
     cpu_path_layers: dict | None = None

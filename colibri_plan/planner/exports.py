@@ -150,7 +150,7 @@ def colibri_env(plan: Plan, usage_path: str | os.PathLike, heat_probs: np.ndarra
     env["CAP"] = str(int(slots.max()) if slots.size and slots.max() > 0 else 1)
     env["CAP_RAISE"] = "0"
     env["CTX"] = str(budgets.get("context_tokens", DEFAULTS.context_tokens))   # older plans lack it
-    if knobs.get("o_direct", True):
+    if _colibri_direct(knobs):
         env["DIRECT"] = "1"
     notes = [f"{n_vram} VRAM experts and {counts['ram_pinned']} pinned RAM experts rank first in "
              f"{usage_path} "
@@ -254,10 +254,17 @@ def _pushed_out_note(n_lost: int, extra: int, lost: list, displaced: list) -> st
                    "stay in RAM (solve with target colibri to count the overhead in the plan itself)")
 
 
+def _colibri_direct(knobs: dict) -> bool:
+    """colibrì's line sets DIRECT=1 unless a colibrì plan assumed buffered reads: our engine's buffered reads
+    keep the page cache inside --ram (planner/reads.py), colibrì's DIRECT=0 does not, so a plan of ours
+    always exports O_DIRECT to it."""
+    return bool(knobs.get("o_direct", True)) or knobs.get("target", "colibri-plan") != "colibri"
+
+
 def _knob_notes(plan: Plan, knobs: dict, keep_host: bool) -> list[str]:
     """Notes on the knobs the line sets: DIRECT, host copies, MTP widths, colibrì's queue depth."""
     notes = []
-    if knobs.get("o_direct", True):
+    if _colibri_direct(knobs):
         notes.append("DIRECT=1: the plan assumes O_DIRECT reads (the page cache is not counted as a tier)")
     if keep_host:
         notes.append(f"CUDA_RELEASE_HOST=0: the plan keeps a host copy of every VRAM expert "

@@ -173,9 +173,11 @@ def knobs_section(setup, tiers: np.ndarray, slots: np.ndarray, cost: dict) -> di
         "o_direct": bool(k["o_direct"]),
         "vram_overhead_bytes_per_expert": int(pr.vram_overhead_bytes),
         "keep_host_copies": bool(pr.keep_host_copies), "host_copy_bytes": int(host * pr.expert_bytes),
-        "page_cache": {"pool_bytes": int(k["page_cache_pool_bytes"]),
+        # the pool priced: the engine's own (buffered reads inside the budget) when used, else the machine's
+        "page_cache": {"pool_bytes": int(res.page_cache_pool_bytes or k["page_cache_pool_bytes"]),
                        "capacity_bytes": pr.expert_bytes * page_cache_experts(
-                           int(k["page_cache_pool_bytes"]), pr.expert_bytes, resident, int(np.sum(slots))),
+                           int(res.page_cache_pool_bytes or k["page_cache_pool_bytes"]), pr.expert_bytes,
+                           resident, int(np.sum(slots))),
                        "used": bool(res.page_cache_pool_bytes > 0)},
         "ram_warnings": list(k.get("ram_warnings", [])),
     }

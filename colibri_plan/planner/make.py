@@ -114,6 +114,13 @@ def check_options(opts: SolveOptions) -> dict | None:
         raise InputError(f"--lru-slots must be 'auto' or a whole number, got {opts.lru_slots!r}")
     repin = repin_section(opts.repin_every, opts.repin_window)
     check_target(opts.target)
+    from colibri_plan.planner.reads import READ_CHOICES
+
+    if opts.reads not in READ_CHOICES:
+        raise InputError(f"--reads {opts.reads!r}: use one of {', '.join(READ_CHOICES)}")
+    if opts.reads == "buffered" and opts.target != "colibri-plan":
+        raise InputError(f"--reads buffered is our engine's choice; --target {opts.target} reads as that "
+                         "engine does")
     if opts.vram_reserve_gb < 0:
         raise BudgetError(f"--vram-reserve cannot be negative ({opts.vram_reserve_gb} GB)")
     return repin
@@ -338,7 +345,14 @@ def make_plan(profile, spec, heat=None, opts: SolveOptions = DEFAULTS,
                               "give a longer --time-limit to use the whole trace")
     solver = {"status": sol.status, "gap": sol.gap, "seconds": round(sol.seconds, 3), "method": sol.method,
               "iterations": sol.iterations, "trunk": report}
+    reads = None
+    if opts.target == "colibri-plan":   # O_DIRECT or buffered reads, priced and chosen (planner/reads.py)
+        from colibri_plan.planner.reads import choose_reads
+
+        setup, reads = choose_reads(setup, sol.tiers, sol.lru_slots, opts.reads)
     plan = plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source)
+    if reads is not None:
+        plan.doc["reads"] = _jsonable(reads)
     if repin is not None:
         plan.doc["repin"] = repin
     if opts.prompt_tokens is not None:

@@ -39,7 +39,9 @@ class SolveOptions:
     Engine knobs (planner.knobs):
         target: "colibri-plan" (ours) or "colibri" [--target]. queue_depth: "auto" (the target's) or
             expert reads in flight, 1..64 [--queue-depth]. keep_host_copies: VRAM experts keep a host
-            copy in RAM, charged to ``ram`` [--keep-host-copies].
+            copy in RAM, charged to ``ram`` [--keep-host-copies]. reads: how our engine reads streamed
+            experts: "auto" (buffered when they beat O_DIRECT inside the budget, planner.reads),
+            "o_direct" or "buffered" [--reads].
         repin_every: live re-pinning every N decode tokens; 0: off [--repin-every]. repin_window: tokens
             of routing the re-pinning remembers; None: 4 x ``repin_every`` [--repin-window].
     Predictions and the solver:
@@ -61,6 +63,7 @@ class SolveOptions:
     target: str = "colibri-plan"
     queue_depth: str | int = "auto"
     keep_host_copies: bool = False
+    reads: str = "auto"
     repin_every: int = 0
     repin_window: int | None = None
     prompt_tokens: int | None = None
