@@ -1,0 +1,88 @@
+"""Where a CUDA decode step's GPU time goes: every kernel of a replayed (or op-by-op) step, by name.
+
+On a CUDA host (not CI): opens a pack (``--pack``, e.g. bench/h200_trunk.py's fixture) with every expert in
+VRAM and the trunk on ``cuda:0``, decodes ``--warm`` tokens, then records ``--tokens`` decode steps with
+torch's profiler (CUPTI sees every kernel of the process, CuPy's included) and prints, per kernel name,
+launches per token, GPU microseconds per token and the share of the step; plus the wall time per token and
+the sum of kernel times (their difference: gaps between kernels, i.e. launch latency and host work).
+``COLIBRI_CUDA_GRAPH=0`` in the environment profiles the op-by-op step instead. Writes JSON with ``--out``.
+
+    python3 bench/cuda_step_profile.py --pack /tmp/w/fixture --out /tmp/prof.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import defaultdict
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pack", required=True)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--warm", type=int, default=8)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from colibri_plan.backends import get_backend
+    from colibri_plan.engine.forward import Model
+    from colibri_plan.engine.pack import open_pack
+    from colibri_plan.engine.placement import Placement
+    from colibri_plan.engine.residency import ResidencyManager
+
+    pack = open_pack(args.pack)
+    a = pack.arch
+    gpu = get_backend("cuda").open(0)
+    cpu = get_backend("cpu").open(0)
+    placement = Placement.all_resident(a.moe_layers, a.n_experts, "cuda:0")
+    rm = ResidencyManager(pack, placement, cpu, devices={"cuda:0": gpu})
+    model = Model(pack, experts=rm, trunk_backend=gpu, context_tokens=args.context)
+    cache = model.new_cache(args.context)
+    tok = int(np.argmax(model._last_logits([1, 2, 3, 4, 5, 6, 7, 8], cache)))
+    for _ in range(args.warm):
+        tok = int(np.argmax(model._last_logits([tok], cache)))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(args.tokens):
+            tok = int(np.argmax(model._last_logits([tok], cache)))
+        wall = (time.perf_counter() - t0) / args.tokens
+    per = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA":
+            continue
+        d = per[ev.name[:80]]
+        d[0] += 1
+        d[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    n = args.tokens
+    rows = sorted(({"kernel": k, "launches_per_token": c / n, "us_per_token": us / n}
+                   for k, (c, us) in per.items()), key=lambda r: -r["us_per_token"])
+    total = sum(r["us_per_token"] for r in rows)
+    print(f"{'kernel':<60} {'n/tok':>7} {'us/tok':>9} {'share':>6}")
+    for r in rows[:40]:
+        print(f"{r['kernel'][:60]:<60} {r['launches_per_token']:>7.1f} {r['us_per_token']:>9.1f} "
+              f"{r['us_per_token'] / total:>6.1%}")
+    launches = sum(r["launches_per_token"] for r in rows)
+    print(f"kernels {launches:.0f} per token, GPU busy {total:.0f} us/token, "
+          f"wall {wall * 1e6:.0f} us/token ({1 / wall:.1f} tok/s), graph "
+          f"{os.environ.get('COLIBRI_CUDA_GRAPH', '1')}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"source": "bench/cuda_step_profile.py", "pack": args.pack, "layers": a.n_layers,
+                       "graph": os.environ.get("COLIBRI_CUDA_GRAPH", "1"), "tokens": n,
+                       "wall_us_per_token": wall * 1e6, "kernel_us_per_token": total, "kernels": rows},
+                      f, indent=1)
+    model.close()
+    rm.close()
+
+
+if __name__ == "__main__":
+    main()
