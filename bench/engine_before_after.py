@@ -9,7 +9,8 @@ asked in turn, the order inside each pair alternating (before, after / after, be
   cache), and greedy decode of ``--decode-tokens`` tokens after a 16-token prompt (tok/s);
 - placement as `run` places it without a plan: a residency manager with every expert pinned in RAM and the
   CPU trunk (``--backend cpu``), or every expert in VRAM on ``<backend>:0`` with the trunk there
-  (``--backend cuda|opencl|vulkan``).
+  (``--backend cuda|opencl|vulkan``); or a plan's placement (``--plan``: its VRAM experts on
+  ``<backend>:0``, the rest pinned in RAM, the trunk on ``<backend>:0``).
 
 The pack is a random Qwen3-MoE (``bench/peer_llamacpp.py``'s checkpoint: hidden 2048, 16/4 heads of 128,
 32 experts top-8 of width 1024, vocab 8192; ``--layers``), experts and dense trunk in ``--format``, or
@@ -44,13 +45,19 @@ from colibri_plan.engine.placement import Placement
 from colibri_plan.engine.residency import ResidencyManager
 
 pack_dir, backend, context = sys.argv[1], sys.argv[2], int(sys.argv[3])
+plan = sys.argv[4] if len(sys.argv) > 4 else ""
 pack = open_pack(pack_dir)
 a = pack.arch
 cpu = get_backend("cpu").open(0)
 devices, trunk = {}, None
 if backend != "cpu":
     trunk = devices[f"{backend}:0"] = get_backend(backend).open(0)
-placement = Placement.all_resident(a.moe_layers, a.n_experts, None if backend == "cpu" else f"{backend}:0")
+if plan:  # a plan's placement (its VRAM experts on <backend>:0, the rest pinned in RAM), the trunk there
+    from colibri_plan.formats.plan import load_plan
+    placement = Placement.from_plan(load_plan(plan))
+else:
+    placement = Placement.all_resident(a.moe_layers, a.n_experts,
+                                       None if backend == "cpu" else f"{backend}:0")
 rm = ResidencyManager(pack, placement, cpu, devices=devices)
 model = Model(pack, experts=rm, trunk_backend=trunk, context_tokens=context)
 print(json.dumps({"ready": True, "engine": __import__("colibri_plan.engine", fromlist=["x"]).__file__}),
@@ -75,6 +82,9 @@ for line in sys.stdin:
         toks.append(tok)
     res["decode_tok_s"] = req["decode"] / (time.perf_counter() - t0)
     res["tokens"] = toks
+    g = getattr(model.trunk, "_step_graph", None) if model.trunk is not None else None
+    res["graph"] = {"off": getattr(model.trunk, "graph_off", None),
+                    **{k: getattr(g, k) for k in ("waits", "handoffs", "captures") if hasattr(g, k)}}
     print(json.dumps(res), flush=True)
 """
 
@@ -86,9 +96,10 @@ def log(msg: str) -> None:
 class Worker:
     """One warm engine process of an install, answering one JSON request per line."""
 
-    def __init__(self, python: str, pack: Path, backend: str, context: int):
+    def __init__(self, python: str, pack: Path, backend: str, context: int, plan: str = ""):
         # cwd "/": each install imports its own colibri_plan, not the source tree's
-        self.p = subprocess.Popen([python, "-c", WORKER, str(pack.resolve()), backend, str(context)],
+        plan = str(Path(plan).resolve()) if plan else ""
+        self.p = subprocess.Popen([python, "-c", WORKER, str(pack.resolve()), backend, str(context), plan],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
         self.info = json.loads(self.p.stdout.readline())
 
@@ -137,6 +148,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--work", default="out/before-after")
     ap.add_argument("--pack", help="an existing pack to run instead (e.g. bench/h200_trunk.py fixture's)")
+    ap.add_argument("--plan", default="", help="place experts as this plan does (its VRAM on <backend>:0, "
+                    "the rest pinned in RAM; e.g. the 2.5 GB GPU plan) instead of all in one tier")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.pairs < 1 or a.decode_tokens < 1 or a.layers < 1:
@@ -151,7 +164,7 @@ def main() -> None:
     rng = __import__("random").Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in prefill]
     req = {"prefill": prompts, "prompt": prompts[0][:16] if prompts else [1] * 16, "decode": a.decode_tokens}
-    workers = {k: Worker(py, pack, a.backend, a.context)
+    workers = {k: Worker(py, pack, a.backend, a.context, a.plan)
                for k, py in (("before", a.before), ("after", a.after))}
     for w in workers.values():
         log(f"worker: {w.info}")
@@ -171,7 +184,8 @@ def main() -> None:
               "cpu_count": os.cpu_count(), "args": vars(a), "pack": str(pack),
               "engines": {k: w.info for k, w in workers.items()},
               "same_tokens": all(b["tokens"] == f["tokens"] for b, f in zip(runs["before"], runs["after"])),
-              "tokens": {k: runs[k][0]["tokens"] for k in runs}, "metrics": {}}
+              "tokens": {k: runs[k][0]["tokens"] for k in runs},
+              "graph": {k: runs[k][-1].get("graph") for k in runs}, "metrics": {}}
     print(f"{'metric':<16} {'before':>22} {'after':>22} {'after/before (faster > 1)':>28}")
     for key in keys:
         b, f = [r[key] for r in runs["before"]], [r[key] for r in runs["after"]]

@@ -1,4 +1,4 @@
-"""Decode steps replayed from a captured graph (issue 25, Build 3): :class:`DecodeGraph`, used by
+"""Decode steps replayed from captured graphs (issue 25, Builds 3 and 4): :class:`DecodeGraph`, used by
 :class:`~colibri_plan.engine.trunk.Trunk` on a backend that declares ``d_capture_step`` (CUDA).
 
 When every expert of every MoE layer lives in this GPU's VRAM and routing runs on the device, a decode
@@ -9,13 +9,24 @@ logits and every layer's routing come down, in one synchronisation. The host the
 (``RoutingRecorder``), counts the "vram" uses and charges the local experts' seconds measured on the
 trunk's last timed eager step, exactly as an eager step would.
 
+Hybrid placement (Build 4: some experts of a layer live on the host, the 2.5 GB case): the step is
+captured as segments (``d_capture_segments``), cut after the router of each *hybrid* layer (one with
+experts off this GPU). A hybrid layer i is three pieces: the segment ending with the router copies the
+routing and x down (one small copy); the next, launched at once, runs this GPU's experts of layer i with the
+indexed kernel (the layer's expert table marks host experts absent: gate 0, nothing added); the host waits
+only for the copy, runs its own chosen experts of the layer while the device computes (:meth:`DecodeGraph.
+_host_part`: the eager step's calls, accounting and summation order) and the segment after starts by
+copying that partial sum up (zeros when every choice was on this GPU) and adding it. Layers whose experts
+all live here are not cut: they never sync. Same bits as the eager step: the device's sum over its
+experts in ascending id gets +0 from the absent ones, then the host's sum is added as ``d_add`` did.
+
 A graph reads the cache's arrays through address slots filled at each replay, so it serves every cache of
 the model: it is kept per (RoPE table, attention key slices); a RoPE table that grows, or a context whose
 attention splits its keys into another number of slices (every 64 tokens up to a few thousand), is
 captured again. One step in :data:`EAGER_EVERY` (and the first timed one) runs eagerly, timed, so the
 report's attention and expert terms stay measured; so does the first decode step (kernels compile
 outside any capture). Off with ``COLIBRI_CUDA_GRAPH=0``; ``Trunk.graph_off`` says why a trunk does not
-capture (hybrid placement: each token hands experts to the host, Build 4).
+capture.
 """
 
 from __future__ import annotations
@@ -24,6 +35,8 @@ import os
 
 import numpy as np
 
+from colibri_plan.backends.handles import DArray
+from colibri_plan.engine.moe import group_routes, scatter_sum
 from colibri_plan.errors import UnsupportedError
 
 #: environment switch: "0" decodes eagerly (the before/after of bench/h200_graph.sh)
@@ -69,9 +82,15 @@ class DecodeGraph:
 
     def __init__(self, trunk, key, tables: dict):
         self.trunk, self.key, self.tables = trunk, key, tables
-        self._graphs: dict = {}  # key -> CapturedStep
+        a = trunk.arch
+        #: MoE layers with experts off this GPU: the step is cut after their routers (module docstring)
+        self.hybrid = [i for i in a.moe_layers if i not in tables or tables[i].absent]
+        self._graphs: dict = {}  # key -> CapturedStep / CapturedSegments
         self._steps, self._sampled = 0, 0  # decode steps asked about, eager timed steps taken
         self.captures = 0
+        self.waits = 0  # host waits of replayed steps (one per hybrid layer per step)
+        self.handoffs = 0  # of them, the ones where some chosen expert lived on the host
+        self._cut = None  # while a segmented step is captured: d_capture_segments' cut
 
     @classmethod
     def make(cls, trunk) -> tuple[DecodeGraph | None, str | None]:
@@ -84,13 +103,13 @@ class DecodeGraph:
         try:
             for i in a.moe_layers:
                 key, held = mgr.held_on(be, i)
-                if len(held) != a.n_experts:
-                    return None, (f"layer {i}: {a.n_experts - len(held)} of {a.n_experts} experts live off "
-                                  "this GPU (a token's experts are handed to the host)")
-                keys.add(key)
-                tables[i] = be.d_expert_table([held[e] for e in range(a.n_experts)])
+                if held:  # a layer with no expert here hands all to the host: no table
+                    keys.add(key)
+                    tables[i] = be.d_expert_table([held.get(e) for e in range(a.n_experts)])
         except UnsupportedError as exc:
             return None, str(exc)
+        if len(keys) > 1:
+            return None, f"the trunk's GPU is known by {len(keys)} device keys"
         return cls(trunk, keys.pop() if keys else None, tables), None
 
     def takes(self, calls: int) -> bool:
@@ -127,7 +146,12 @@ class DecodeGraph:
         self._graphs[key] = g  # most recent last
         while len(self._graphs) > _KEEP:
             del self._graphs[next(iter(self._graphs))]
-        outs = g.run(np.asarray(t.model.dense["embed"][tok], np.float32), pos, slots)  # [H] in
+        x = np.asarray(t.model.dense["embed"][tok], np.float32)  # [H] in
+        if self.hybrid:
+            outs = g.run(x, pos, slots, self._host_part)
+            self.waits += g.waits
+        else:
+            outs = g.run(x, pos, slots)
         self._account(outs[1:])
         cache.advance(1)
         t._calls += 1
@@ -137,27 +161,70 @@ class DecodeGraph:
         t, be, a = self.trunk, self.trunk.be, self.trunk.arch
         H, K = a.hidden_size, a.top_k
 
-        def body(inp):
-            t._graph_routes = []
+        def body(inp, cut=None):
+            t._graph_routes, self._cut = [], cut
             try:
                 h = t.layers(be.d_view(inp, (1, H)), cache)  # [1, H] final hidden states
                 return [be.d_matmul(h, t.w["lm_head"]), *t._graph_routes]  # logits [1, V], routes [2K] each
             finally:
-                t._graph_routes = None
+                t._graph_routes, self._cut = None, None
 
-        n_out = a.vocab_size + 2 * K * len(a.moe_layers)
+        n_full = len(a.moe_layers) - len(self.hybrid)
+        n_out = a.vocab_size + 2 * K * n_full
         self.captures += 1
-        return be.d_capture_step(H, n_out, body, pos, slots)
+        if not self.hybrid:
+            return be.d_capture_step(H, n_out, body, pos, slots)
+        n_out += len(self.hybrid) * (2 * K + H)  # each hand-off's routing and x
+        return be.d_capture_segments(H, n_out, len(self.hybrid) * H, body, pos, slots)
+
+    def handoff(self, x, i: int, ids, weights):
+        """Inside a segmented capture, MoE layer ``i``'s routed experts on the device x [1, H] with the
+        router's ids/weights [1, K] left on the device: the segment ends with the routing and x copied down
+        (the host then runs :meth:`_host_part`), the next one runs this GPU's experts of the layer (host
+        experts at gate 0) and the one after adds the host's partial sum, copied up: [1, H]."""
+        be, H, K = self.trunk.be, self.trunk.arch.hidden_size, self.trunk.arch.top_k
+        route = DArray((2 * K,), ids.buf, ids.owner, ids.offset)  # [ids | weights]
+        table = self.tables.get(i)
+        if table is None:  # no expert of this layer here: the host's sum is the layer's
+            return be.d_view(self._cut([route, be.d_view(x, (H,))], H), (1, H))
+        self._cut([route, be.d_view(x, (H,))], 0)
+        y = be.d_expert_ffn_indexed(x, ids, weights, table)  # [1, H]: runs while the host computes
+        return be.d_add(y, be.d_view(self._cut([], H), (1, H)))
+
+    def _host_part(self, j: int, outs: list) -> np.ndarray:
+        """The host's share of hybrid layer ``self.hybrid[j]`` from its routing [2K] and x [H] brought
+        down: the experts off this GPU weighted and summed as the eager step does (float32 [H]; zeros when
+        every choice is on this GPU). Records the routing, counts the tier uses and charges the local
+        experts the trunk's measured seconds per expert."""
+        t, a = self.trunk, self.trunk.arch
+        m, K, i = t.model, a.top_k, self.hybrid[j]
+        r, xh = outs[0], outs[1][None]  # [2K], [1, H]
+        ids = r[:K].view(np.int32).astype(np.int64)[None]  # [1, K], descending choice order
+        w = r[K:][None]
+        if m.routing is not None:
+            m.routing.record(i, ids, w)
+        uniq, tok_of, gates = group_routes(ids, w, K)
+        local, rest = m.experts.local_experts(i, uniq, tok_of, t.be)  # counts the "vram" uses
+        if local and t._local_n:
+            m.experts.add_local_seconds(self.key, t._local_s / t._local_n * len(local))
+        if not rest:
+            return np.zeros(a.hidden_size, np.float32)
+        self.handoffs += 1
+        ys = m.experts.run(i, [uniq[q] for q in rest], [xh] * len(rest), [gates[q] for q in rest],
+                           observed=True)
+        return scatter_sum(xh, [tok_of[q] for q in rest], ys)[0]
 
     def _account(self, routes: list) -> None:
-        """Record each MoE layer's routing ([ids as int32 bits | weights], 2K floats) as an eager step
-        would, count its "vram" uses and charge its experts the trunk's measured seconds per expert."""
+        """Record each all-VRAM MoE layer's routing ([ids as int32 bits | weights], 2K floats) as an eager
+        step would, count its "vram" uses and charge its experts the trunk's measured seconds per expert
+        (hybrid layers: :meth:`_host_part`)."""
         t, a = self.trunk, self.trunk.arch
         m, K = t.model, a.top_k
-        for i, r in zip(a.moe_layers, routes):
+        full = [i for i in a.moe_layers if i not in self.hybrid]
+        for i, r in zip(full, routes):
             ids = r[:K].view(np.int32).astype(np.int64)[None]  # [1, K], descending choice order
             if m.routing is not None:
                 m.routing.record(i, ids, r[K:][None])
             m.experts.count_local(i, K)
-        if a.moe_layers and t._local_n:
-            m.experts.add_local_seconds(self.key, t._local_s / t._local_n * K * len(a.moe_layers))
+        if full and t._local_n:
+            m.experts.add_local_seconds(self.key, t._local_s / t._local_n * K * len(full))

@@ -30,7 +30,8 @@ def _copy_rows_at(sim, grid, block, args, trunk_sim):
 
 
 def _expert_table(sim, grid, block, args, trunk_sim):
-    """tr_expert_table: the K choices by ascending id, matmul.cu's table entries and the gates."""
+    """tr_expert_table: the K choices by ascending id, matmul.cu's table entries and the gates (0 for a row
+    marked absent: bit 0 of its gate W)."""
     ids, w, experts, out, K, x, h, y, hrow, yrow = (int(a) if i != 1 else a for i, a in enumerate(args))
     assert grid == (1, 1, 1) and block == (32,)
     got = sim.mem(ids, 4 * K).view(np.int32).copy()
@@ -42,9 +43,10 @@ def _expert_table(sim, grid, block, args, trunk_sim):
     for j, i in enumerate(order):
         e = tab[got[i]]
         hj, yj = h + j * hrow, y + j * yrow
-        ent[j] = [e[0], e[1], e[2], e[3], x, hj, 1, 0]
+        ent[j] = [e[0] & ~np.uint64(1), e[1], e[2], e[3], x, hj, 1, 0]
         ent[K + j] = [e[4], e[5], hj, yj, 1, 0, 0, 0]
-    o[128 * K:].view(np.float32)[:] = gates[order]
+    absent = (tab[got[order], 0] & np.uint64(1)) != 0  # experts on the host: gate 0
+    o[128 * K:].view(np.float32)[:] = np.where(absent, np.float32(0), gates[order])
 
 
 def attention_at(sim, grid, block, smem, args, attention_sim):

@@ -57,14 +57,16 @@ def be(request, monkeypatch):
 
 def _decode(pack, be, monkeypatch, graph: bool, n_tokens: int, local=None, patch=None, requests=1):
     """(tokens, logits of every decode step [n, V] of the last of ``requests`` generations, manager uses,
-    routing counts, (graph_off, captures, capacity)) with experts ``local`` (default: all) of each layer on
-    ``be`` and the rest pinned in RAM."""
+    routing counts, (graph_off, captures, capacity), (hybrid layers, replayed steps, host waits, hand-offs)
+    or None) with experts ``local`` (default: all; a dict: per layer) of each layer on ``be`` and the rest
+    pinned in RAM."""
     monkeypatch.setenv(ENV, "1" if graph else "0")
     a = pack.arch
     local = range(a.n_experts) if local is None else local
-    rest = [e for e in range(a.n_experts) if e not in local]
-    placement = Placement({l: LayerPlacement(vram={"cuda:0": list(local)}, ram_pinned=rest)
-                           for l in a.moe_layers})
+    by_layer = local if isinstance(local, dict) else dict.fromkeys(a.moe_layers, local)
+    placement = Placement({l: LayerPlacement(vram={"cuda:0": list(v)} if len(v) else {},
+                                             ram_pinned=[e for e in range(a.n_experts) if e not in v])
+                           for l, v in by_layer.items()})
     cpu, rec = get_backend("numpy").open(0), RoutingRecorder(a)
     rm = ResidencyManager(pack, placement, cpu, devices={"cuda:0": be})
     try:
@@ -80,10 +82,12 @@ def _decode(pack, be, monkeypatch, graph: bool, n_tokens: int, local=None, patch
                     logits.append(lg[0])
             trunk = model.trunk
             info = (trunk.graph_off, getattr(trunk._step_graph, "captures", 0), cache.capacity)
+            g = trunk._step_graph
+            segs = (g.hybrid, g._steps - 1 - g._sampled, g.waits, g.handoffs) if g is not None else None
     finally:
         rm.close()
         cpu.close()
-    return toks, np.array(logits), dict(rm.stats.uses), rec.counts.copy(), info
+    return toks, np.array(logits), dict(rm.stats.uses), rec.counts.copy(), info, segs
 
 
 def test_replayed_steps_equal_eager_ones_across_a_cache_growth(fx, be, monkeypatch):
@@ -119,12 +123,33 @@ def test_a_second_cache_replays_the_first_ones_graph(fx, be, monkeypatch):
     np.testing.assert_array_equal(two[3], eager[3])
 
 
-def test_a_hybrid_placement_and_the_switch_decode_eagerly_and_say_why(fx, be, monkeypatch):
+@pytest.mark.parametrize("local", [range(8), "mixed"])
+def test_a_hybrid_placement_replays_segments_equal_to_eager_steps(fx, be, monkeypatch, local):
+    """Experts split VRAM / RAM (every layer hybrid, or layer 0 all in VRAM and layer 1 with none): the
+    step replays as segments cut after each hybrid layer's router; over EAGER_EVERY + 6 steps (a cache
+    growth, eager timed steps between) tokens, logits bit for bit, the recorded routing and every tier's
+    uses equal the eager run's; the host waits once per hybrid layer per replayed step, never at a layer
+    whose experts all live in VRAM, and hands experts over only when the token chose some."""
+    n = EAGER_EVERY + 6
+    local = {0: range(16), 1: ()} if local == "mixed" else local
     with open_pack(fx) as pack:
-        hybrid = _decode(pack, be, monkeypatch, True, 3, local=range(8))
+        eager = _decode(pack, be, monkeypatch, False, n, local=local)
+        replay = _decode(pack, be, monkeypatch, True, n, local=local)
+    assert eager[4][0] == f"{ENV}=0" and replay[4][0] is None
+    assert replay[0] == eager[0]
+    np.testing.assert_array_equal(replay[1], eager[1])
+    np.testing.assert_array_equal(replay[3], eager[3])
+    assert replay[2] == eager[2] and replay[2]["vram"] > 0 and replay[2]["ram_pinned"] > 0
+    hybrid, replayed, waits, handoffs = replay[5]
+    assert hybrid == ([1] if isinstance(local, dict) else [0, 1])
+    assert replayed > n // 2 and waits == replayed * len(hybrid)
+    assert 0 < handoffs <= waits
+
+
+def test_the_switch_decodes_a_hybrid_placement_eagerly_and_says_why(fx, be, monkeypatch):
+    with open_pack(fx) as pack:
         off = _decode(pack, be, monkeypatch, False, 3, local=range(8))
-    assert "8 of 16 experts live off this GPU" in hybrid[4][0] and hybrid[4][1] == 0
-    assert off[4][0] == f"{ENV}=0" and hybrid[0] == off[0]
+    assert off[4][0] == f"{ENV}=0" and off[4][1] == 0
 
 
 def test_a_capture_the_backend_refuses_falls_back_to_eager_steps(fx, be, monkeypatch):

@@ -26,6 +26,7 @@ from colibri_plan.backends.cuda.experts import CudaExperts, expert_rows_args, ff
 from colibri_plan.backends.cuda.graph import CudaStepGraphs
 from colibri_plan.backends.cuda.launch import Launcher
 from colibri_plan.backends.cuda.routing import CudaRouting
+from colibri_plan.backends.cuda.segments import CudaSegments
 from colibri_plan.backends.handles import DArray
 from colibri_plan.backends.pools import Replays, WorkBuffers
 from colibri_plan.backends.staging import PaddedWeight
@@ -95,6 +96,7 @@ class CUDABackend(Backend):
         experts = self.bind(CudaExperts(self, self.dops))
         self.bind(CudaRouting(self.dops))
         self.bind(CudaStepGraphs(self, self.dops, experts))  # a decode step captured once, replayed
+        self.bind(CudaSegments(self, self.dops))  # ... or as segments between host hand-offs
         self.bind(BatchedExperts(self, self._ffn_batch))
 
     def _close(self) -> None:

@@ -39,12 +39,14 @@ MAX_TOP_K = 32  # trunk.cu tr_expert_table's id array
 @dataclass
 class ExpertTable:
     """One MoE layer's experts on the device: ``dev`` a CuPy uint64 [E, 6] array (gate W, S, up W, S,
-    down W, S addresses); ``first`` an ExpertWeights (format and shapes of all); ``experts`` the E
-    ExpertWeights, held so that their memory outlives the table."""
+    down W, S addresses; bit 0 of gate W set on an absent expert's row); ``first`` an ExpertWeights
+    (format and shapes of all); ``experts`` the ExpertWeights held, so that their memory outlives the
+    table; ``absent`` how many of the E live off this GPU."""
 
     dev: Any
     first: Any
     experts: list = field(repr=False)
+    absent: int = 0  # experts that live off this GPU (gate 0 on the device)
 
 
 @dataclass
@@ -104,26 +106,34 @@ class CudaStepGraphs:
         return self.d.attention_splits(T, hq, hkv, keys)
 
     def d_expert_table(self, experts: list) -> ExpertTable:
-        """The device table of one layer's E experts (ExpertWeights of this backend, in expert id order).
+        """The device table of one layer's E experts (ExpertWeights of this backend, in expert id order; None
+        for an expert that lives off this GPU: its row holds another expert's addresses with bit 0 of the
+        gate weight's set, and ``tr_expert_table`` gives it gate 0, so it adds nothing to the device's sum).
 
         Raises:
-            InputError: an expert of another backend. UnsupportedError: experts of mixed formats or
-            shapes, or whose gate and up formats differ (the fused kernels take one kind per launch).
+            InputError: no expert on this backend, or one of another backend. UnsupportedError: experts of
+            mixed formats or shapes, or whose gate and up formats differ (the fused kernels take one kind
+            per launch).
         """
-        if not experts:
+        held = [e for e in experts if e is not None]
+        if not held:
             raise InputError("d_expert_table: no experts")
-        kind = ffn_kind(experts[0])
-        if not ffn_fusable(experts[0]) or any(ffn_kind(e) != kind for e in experts[1:]):
+        kind = ffn_kind(held[0])
+        if not ffn_fusable(held[0]) or any(ffn_kind(e) != kind for e in held[1:]):
             raise UnsupportedError("cuda: a layer's experts differ in format or shape; the indexed kernels "
                                    "take one kind per layer")
         rows = []
-        for e in experts:
+        for e in held:
             for w in e:
                 self.be._check_weight(w)
             rows.append([e.gate.payload.data, e.gate.payload.scales, e.up.payload.data, e.up.payload.scales,
                          e.down.payload.data, e.down.payload.scales])
+        if any(r[0] & 1 for r in rows):
+            raise UnsupportedError("cuda: an expert's gate weight at an odd address (the table's absent bit)")
+        it = iter(rows)
+        rows = [next(it) if e is not None else [rows[0][0] | 1, *rows[0][1:]] for e in experts]
         dev = self.d._d_put(np.array(rows, np.uint64).view(np.float32).reshape(-1))  # [E, 6] u64
-        return ExpertTable(dev, experts[0], list(experts))
+        return ExpertTable(dev, held[0], list(held), len(experts) - len(held))
 
     def d_expert_ffn_indexed(self, x: DArray, ids: DArray, weights: DArray, table: ExpertTable) -> DArray:
         """Σ_j weights[j] · expert_{ids[j]}(x) of one decode token on the device: x float32 [1, H];

@@ -24,6 +24,13 @@ DESIGN.md §7). Per decode token:
 * ``gpu_l,d``     = Σ_{e on d} p_e · (c_gpu · b / GPU d matmul GB/s + expert_call_d): expert_call_d is the
                      host's launch cost per expert on the GPU that holds the trunk (its device_ops op
                      seconds; 0 elsewhere, where the layer call's cost is in xfer_l,d)
+* segmented step (the GPU that holds the trunk replays its decode step as graph segments, engine/
+  decode_graph.py): a layer with experts off that GPU t costs max(gpu_l,t, handoff_s + the host's paths)
+  instead of the max of all paths: the step is cut after the router, the host waits for the copy down
+  (routing and x), computes its experts while t computes its own, and the next segment adds the host's
+  sum copied up; handoff_s (``GpuResource.handoff_s``: the wait, both copies and the next launches) is
+  paid at every such layer, whatever the token chose; a layer whose experts all live on t adds gpu_l,t
+  alone (no sync), and expert_call_t is 0 (the launches are captured)
 * ``xfer_l,d``    = c_transfer · (activation H2D + D2H + 2 link latencies) + gpu_call_s, paid by each
                      GPU that holds any expert of the layer (the hidden state goes there and back once;
                      the host's call costs about the same for 1 expert or 8); no transfer on the GPU
@@ -91,6 +98,8 @@ class GpuResource:
         expert_call_s: host seconds per selected expert on this device beyond its matmul time: the
             engine's launches of the experts on the trunk's GPU (:func:`.path_rows.gpu_expert_seconds`;
             0 on other GPUs and without a figure).
+        segmented: the trunk's GPU replays its decode step as graph segments cut at the layers with
+            experts elsewhere (module docstring); handoff_s: seconds of one such cut.
     """
 
     key: str
@@ -102,6 +111,8 @@ class GpuResource:
     link_latency_s: float = 10e-6
     holds_trunk: bool = False
     expert_call_s: float = 0.0
+    segmented: bool = False
+    handoff_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -249,8 +260,10 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
         disk_s (read time of the misses), disk_wait_s (the CPU path's time beyond its CPU work), cpu_path_s
         (max(a, disk_s) + (1 − c_overlap) · min(a, disk_s) + cpu_stream_s, a = cpu_resident_s +
         verify_s), gpu_s [G], transfer_s [G] (transfers + call overhead), gpu_calls, time_s (the slowest
-        path + the layer overhead), and expected selections per tier: vram, ram_pinned, lru, disk (misses:
-        reads the engine issues), page_cache (of those reads, the ones the page cache serves).
+        path, or a segmented step's max(device, hand-off + host), + the layer overhead), handoff_s (the
+        cut's seconds when the layer has one, else 0), and expected selections per tier: vram,
+        ram_pinned, lru, disk (misses: reads the engine issues), page_cache (of those reads, the ones
+        the page cache serves).
     """
     p = np.asarray(p, dtype=np.float64)
     tier = np.asarray(tier)
@@ -284,14 +297,33 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
         calls += int(mine.any())
         gpu_s.append(float(p[mine].sum()) * gpu_expert_seconds(g, expert_bytes, coef))
         xfer_s.append(gpu_fixed_seconds(g, activation_bytes, coef) if mine.any() else 0.0)
-    time_s = max([cpu_path_s] + [a + b for a, b in zip(gpu_s, xfer_s)]) + coef.layer_overhead_s
+    time_s, handoff_s = segmented_layer_seconds(res.gpus, tier, cpu_path_s, gpu_s, xfer_s)
+    time_s += coef.layer_overhead_s
     return {"cpu_resident_s": cpu_res_s, "cpu_stream_s": cpu_stream_s, "cpu_s": cpu_res_s + cpu_stream_s,
+            "handoff_s": handoff_s,
             "verify_s": verify_s, "disk_s": disk_s, "disk_wait_s": max(0.0, cpu_path_s - cpu_stream_s - a),
             "cpu_path_s": cpu_path_s,
             "gpu_s": gpu_s, "transfer_s": xfer_s, "gpu_calls": calls,
             "time_s": time_s,
             "vram": float(p[tier >= 0].sum()), "ram_pinned": float(p[tier == TIER_RAM].sum()),
             "lru": lru_hits, "disk": misses, "page_cache": cached}
+
+
+def segmented_layer_seconds(gpus, tier: np.ndarray, cpu_path_s: float, gpu_s: list, xfer_s: list
+                            ) -> tuple[float, float]:
+    """(the layer's expert seconds, its hand-off seconds) from its paths (module docstring): the slowest
+    path, or on a segmented trunk GPU t, max(gpu_t, handoff_s + the slowest other path) when some of the
+    layer's experts (``tier`` [E]) live off t, gpu_t alone when none does. E.g. gpu_t 0.1 ms, CPU 1 ms,
+    hand-off 0.05 ms: 1.05 ms; CPU 0.02 ms: 0.1 ms (the host's work hides behind the device's)."""
+    paths = [a + b for a, b in zip(gpu_s, xfer_s)]
+    seg = next((d for d, g in enumerate(gpus) if g.segmented and g.holds_trunk and not g.unified), None)
+    if seg is None:
+        return max([cpu_path_s] + paths), 0.0
+    others = max([cpu_path_s] + [p for d, p in enumerate(paths) if d != seg])
+    if not np.any(np.asarray(tier) != seg):
+        return max(paths[seg], others), 0.0
+    cut = float(gpus[seg].handoff_s)
+    return max(paths[seg], cut + others), cut
 
 
 def dense_seconds(dense_read_bytes: int, res: Resources, coef: Coefficients) -> float:
@@ -337,8 +369,9 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
         dict with decode_s_per_token, tok_s, terms {dense_s, attention_s, expert_layers_s,
         expert_compute_s {"cpu", "<gpu key>"...}, disk_wait_s (reads not hidden by compute), disk_read_s
         (all reads), transfer_s (transfers and GPU call overhead), gpu_calls (GPU layer calls per
-        token: Σ_l w_l · GPUs holding experts of l)}, hit_rate {vram, ram_pinned, lru, disk} (shares of
-        expert selections),
+        token: Σ_l w_l · GPUs holding experts of l), handoff_s and handoffs (a segmented trunk GPU's
+        cuts per token and their seconds, inside expert_layers_s)}, hit_rate {vram, ram_pinned, lru,
+        disk} (shares of expert selections),
         disk_bytes_per_token (read from the disk itself), per_layer_s [rows], cpu_path_layers {weight,
         cpu_resident_s, cpu_stream_s, disk_s, verify_s} (lists [rows], the CPU path's parts per layer;
         calibrate refits on them), page_cache {capacity_experts, hit_rate (share of selections the page
@@ -351,7 +384,7 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
     dense_s = dense_seconds(token.dense_read_bytes, res, coef)
     attn_s = attention_seconds(token.context_tokens, token.kv_bytes_per_token, res, coef)
     comp = {"cpu": 0.0, **{g.key: 0.0 for g in res.gpus}}
-    disk_s = read_s = xfer_s = layers_s = calls = 0.0
+    disk_s = read_s = xfer_s = layers_s = calls = handoff_s = handoffs = 0.0
     parts = {"weight": [float(x) for x in w], "cpu_resident_s": [], "cpu_stream_s": [], "disk_s": [],
              "verify_s": []}
     share = dict.fromkeys(("vram", "ram_pinned", "lru", "disk", "page_cache"), 0.0)
@@ -379,6 +412,8 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
         for k in ("cpu_resident_s", "cpu_stream_s", "disk_s", "verify_s"):
             parts[k].append(t[k])
         xfer_s += w[i] * sum(t["transfer_s"])
+        handoff_s += w[i] * t["handoff_s"]
+        handoffs += w[i] * (t["handoff_s"] > 0)
         calls += w[i] * t["gpu_calls"]
         for k in share:
             share[k] += w[i] * t[k]
@@ -388,7 +423,8 @@ def decode_cost(probs: np.ndarray, tiers: np.ndarray, slots: np.ndarray, expert_
     return {"decode_s_per_token": total, "tok_s": 1.0 / total if total > 0 else float("inf"),
             "terms": {"dense_s": dense_s, "attention_s": attn_s, "expert_layers_s": layers_s,
                       "expert_compute_s": comp, "disk_wait_s": disk_s, "disk_read_s": read_s,
-                      "transfer_s": xfer_s, "gpu_calls": calls},
+                      "transfer_s": xfer_s, "gpu_calls": calls, "handoff_s": handoff_s,
+                      "handoffs": handoffs},
             "hit_rate": {k: (v / total_sel if total_sel else 0.0) for k, v in share.items()},
             "disk_bytes_per_token": (share["disk"] - cached) * expert_bytes,
             "per_layer_s": per_layer, "cpu_path_layers": parts,

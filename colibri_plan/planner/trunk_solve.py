@@ -88,6 +88,22 @@ def option_fit(setup, opt) -> None:
                               "--context, or a smaller --dense-format")
 
 
+#: backends whose trunk replays its decode step as captured graph segments (engine/decode_graph.py)
+SEGMENTED_BACKENDS = ("cuda",)
+#: families whose attention the captured step does not take (MLA writes its cache rows in blocks)
+UNCAPTURED_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa",
+                       "glm4_moe_lite")
+
+
+def segmented_step(opt, spec) -> bool:
+    """Whether the engine replays ``opt``'s decode step as graph segments (its trunk on one CUDA GPU, a
+    family the capture takes): the cost model then prices a hand-off per hybrid layer
+    (:func:`~colibri_plan.planner.costmodel.segmented_layer_seconds`) instead of the trunk's round trip
+    at every MoE layer and a host launch per expert."""
+    return (not opt.split and opt.name.split(":")[0] in SEGMENTED_BACKENDS
+            and getattr(spec, "family", "") not in UNCAPTURED_FAMILIES)
+
+
 def option_setup(setup, opt, spec, lru_slots_fn):
     """A copy of ``setup`` with ``opt``'s trunk: budgets, resources, LRU reserve (``lru_slots_fn``:
     planner.make.auto_lru_slots, passed in as make imports this module) and fixed seconds."""
@@ -107,16 +123,23 @@ def option_setup(setup, opt, spec, lru_slots_fn):
         b, ram_budget_bytes=ram, vram_budget_bytes=vram, explain=explain, trunk_device=opt.device,
         trunk_vram_bytes=dict(opt.vram_bytes), dense_bytes=b.dense_bytes - opt.dense_bytes if moved
         else b.dense_bytes, kv_bytes=0 if moved else b.kv_bytes)
-    # the trunk's own GPU: its experts need no transfer, and the host launches each of them
+    # the trunk's own GPU: its experts need no transfer, and the host launches each of them, or (a
+    # segmented step) the launches are captured and the round trip is a hand-off at hybrid layers only
+    seg = segmented_step(opt, spec)
+    n_moe = max(1, sum(1 for lid in spec.moe_layers if lid < spec.n_layers))  # as the trunk's round trip
     res = dataclasses.replace(setup.res, gpus=tuple(
         dataclasses.replace(g, budget_bytes=vram[g.key], holds_trunk=(mine := not opt.split
                                                                       and g.key == opt.device),
-                            expert_call_s=opt.expert_call_s if mine else 0.0)
+                            expert_call_s=opt.expert_call_s if mine and not seg else 0.0,
+                            segmented=mine and seg,
+                            handoff_s=opt.roundtrip_s / n_moe if mine and seg else 0.0)
         for g in setup.res.gpus))
     pr = setup.problem
     knobs = dict(setup.knobs)
     req = "auto" if knobs.get("lru_slots_mode") == "auto" else int(pr.lru_slots.max(initial=0))
     slots = lru_slots_fn(spec, res, ram, pr.weights, pr.probs, req)
+    if seg:  # the round trip moves into the expert layers, as a hand-off where the placement has one
+        opt = dataclasses.replace(opt, dense_s=opt.dense_s - opt.roundtrip_s, roundtrip_s=0.0)
     problem = dataclasses.replace(pr, res=res, ram_budget_bytes=ram, lru_slots=slots,
                                   fixed_cost_s=opt.seconds)
     return dataclasses.replace(setup, budgets=budgets, res=res, problem=problem, knobs=knobs, trunk=opt)
