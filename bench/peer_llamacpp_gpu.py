@@ -54,8 +54,12 @@ def log(msg: str) -> None:
 
 
 def paths(work: Path) -> dict:
-    return {"ckpt": work / "ckpt", "f16": work / "model-f16.gguf", "gguf": work / f"model-{QUANT}.gguf",
-            "pack": work / f"pack-{OURS}"}
+    return {
+        "ckpt": work / "ckpt",
+        "f16": work / "model-f16.gguf",
+        "gguf": work / f"model-{QUANT}.gguf",
+        "pack": work / f"pack-{OURS}",
+    }
 
 
 # ---- prepare ---------------------------------------------------------------------------------------
@@ -64,9 +68,17 @@ def prepare(a) -> dict:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     p, times = paths(work), {}
-    sizes = {**q3.H200_SIZES, "num_hidden_layers": a.layers, "num_experts": a.experts,
-             "moe_intermediate_size": a.width, "hidden_size": a.hidden, "vocab_size": a.vocab,
-             "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "num_experts_per_tok": a.top_k}
+    sizes = {
+        **q3.H200_SIZES,
+        "num_hidden_layers": a.layers,
+        "num_experts": a.experts,
+        "moe_intermediate_size": a.width,
+        "hidden_size": a.hidden,
+        "vocab_size": a.vocab,
+        "num_attention_heads": a.heads,
+        "num_key_value_heads": a.kv_heads,
+        "num_experts_per_tok": a.top_k,
+    }
     if not (p["ckpt"] / "config.json").exists():
         log(f"checkpoint: {sizes}")
         times["checkpoint_s"] = q3.build(p["ckpt"], sizes, seed=0)["seconds"]
@@ -75,8 +87,21 @@ def prepare(a) -> dict:
     t_pack = time.perf_counter()
     if not (p["pack"] / "pack.json").exists():
         log("our pack (int8 experts + int8 dense), beside the converter ...")
-        packer = subprocess.Popen([colibri, "model", "pack", str(p["ckpt"]), str(p["pack"]), "--quant", OURS,
-                                   "--dense-quant", OURS, "--force"], stdout=subprocess.DEVNULL)
+        packer = subprocess.Popen(
+            [
+                colibri,
+                "model",
+                "pack",
+                str(p["ckpt"]),
+                str(p["pack"]),
+                "--quant",
+                OURS,
+                "--dense-quant",
+                OURS,
+                "--force",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
     if not p["gguf"].exists():
         if not p["f16"].exists():
             t0 = time.perf_counter()
@@ -125,9 +150,19 @@ def worker(pack: str, backend: str, plan_path: str, context: int) -> None:
     cpu = backend if backend in runner.HOST_BACKENDS else "cpu"
     s = EngineSession(weights, placement, cpu_backend=cpu, trunk=where, context_tokens=context)
     model = s.model
-    print(json.dumps({"ready": True, "backend": backend, "plan": plan_path or None, "trunk": s.key,
-                      "graph_env": os.environ.get("COLIBRI_CUDA_GRAPH", "unset (default on)"),
-                      "load_s": s.load_s}), flush=True)
+    print(
+        json.dumps(
+            {
+                "ready": True,
+                "backend": backend,
+                "plan": plan_path or None,
+                "trunk": s.key,
+                "graph_env": os.environ.get("COLIBRI_CUDA_GRAPH", "unset (default on)"),
+                "load_s": s.load_s,
+            }
+        ),
+        flush=True,
+    )
 
     def last(ids, cache):
         return int(np.argmax(model._last_logits(ids, cache)))
@@ -153,16 +188,41 @@ def worker(pack: str, backend: str, plan_path: str, context: int) -> None:
 
 
 def ours(a, backend: str, plan: str | None) -> peer.Worker:
-    argv = [sys.executable, str(Path(__file__).resolve()), "worker", "--pack", str(paths(Path(a.work))["pack"]),
-            "--backend", backend, "--plan", plan or "", "--context", str(a.context)]
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "worker",
+        "--pack",
+        str(paths(Path(a.work))["pack"]),
+        "--backend",
+        backend,
+        "--plan",
+        plan or "",
+        "--context",
+        str(a.context),
+    ]
     return peer.Worker(argv, dict(os.environ))
 
 
 # ---- llama.cpp -----------------------------------------------------------------------------------------
 def llama_bench(a, gguf: Path, p: ll.Placement) -> tuple[dict, dict]:
     """One llama-bench run at its defaults but ``p``: ({prefill_N_s, decode_tok_s}, its other fields)."""
-    argv = [str(Path(a.llama_bin) / "llama-bench"), "-m", str(gguf), "-p", str(a.prefill), "-n",
-            str(a.decode_tokens), "-d", f"0,{a.depth}", "-r", "1", "-o", "json", *p.bench_args()]
+    argv = [
+        str(Path(a.llama_bin) / "llama-bench"),
+        "-m",
+        str(gguf),
+        "-p",
+        str(a.prefill),
+        "-n",
+        str(a.decode_tokens),
+        "-d",
+        f"0,{a.depth}",
+        "-r",
+        "1",
+        "-o",
+        "json",
+        *p.bench_args(),
+    ]
     r = subprocess.run(argv, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"llama-bench failed (exit {r.returncode}): {r.stderr.strip()[-500:]}")
@@ -172,9 +232,25 @@ def llama_bench(a, gguf: Path, p: ll.Placement) -> tuple[dict, dict]:
             out[f"prefill_{t['n_prompt']}_s"] = t["n_prompt"] / t["avg_ts"]
         elif t["test"] == "tg" and t["n_depth"] == a.depth:
             out["decode_tok_s"] = t["avg_ts"]
-        info = {k: t.get(k) for k in ("n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "n_cpu_moe",
-                                      "tensor_buft_overrides", "flash_attn", "type_k", "type_v", "backends",
-                                      "build_commit", "cpu_info", "model_size", "model_n_params")}
+        info = {
+            k: t.get(k)
+            for k in (
+                "n_gpu_layers",
+                "n_threads",
+                "n_batch",
+                "n_ubatch",
+                "n_cpu_moe",
+                "tensor_buft_overrides",
+                "flash_attn",
+                "type_k",
+                "type_v",
+                "backends",
+                "build_commit",
+                "cpu_info",
+                "model_size",
+                "model_n_params",
+            )
+        }
     return out, {"argv": argv, **info}
 
 
@@ -183,7 +259,7 @@ def pairs(a, name: str, w: peer.Worker, gguf: Path, p: ll.Placement, req: dict) 
     """``--pairs`` counterbalanced pairs of one case; per-pair ratios ours / llama.cpp."""
     runs: dict = {"ours": [], "llama": []}
     info: dict = {}
-    w.ask(req)                                  # warm-up (compiles, captures); llama-bench warms up itself
+    w.ask(req)  # warm-up (compiles, captures); llama-bench warms up itself
     for i in range(a.pairs):
         order = ("ours", "llama") if i % 2 == 0 else ("llama", "ours")
         for side in order:
@@ -194,18 +270,27 @@ def pairs(a, name: str, w: peer.Worker, gguf: Path, p: ll.Placement, req: dict) 
                 runs["llama"].append(res)
         o, t = runs["ours"][-1], runs["llama"][-1]
         key = f"prefill_{a.prefill}_s"
-        log(f"  {name} pair {i + 1}/{a.pairs} ({' then '.join(order)}): decode {o['decode_tok_s']:.1f} vs "
+        log(
+            f"  {name} pair {i + 1}/{a.pairs} ({' then '.join(order)}): decode {o['decode_tok_s']:.1f} vs "
             f"{t['decode_tok_s']:.1f} tok/s; prefill {a.prefill} {a.prefill / o[key]:.0f} vs "
-            f"{a.prefill / t[key]:.0f} tok/s")
+            f"{a.prefill / t[key]:.0f} tok/s"
+        )
     metrics = {}
     for m in ("decode_tok_s", f"prefill_{a.prefill}_s"):
         o, t = [r[m] for r in runs["ours"]], [r[m] for r in runs["llama"]]
         ratio = [x / y for x, y in zip(o, t)] if m == "decode_tok_s" else [y / x for x, y in zip(o, t)]
         metrics[m] = {"ours": peer._stat(o), "llama": peer._stat(t), "ratio": peer._stat(ratio)}
-    return {"llama_placement": p.to_dict(), "llama_bench": info, "ours_worker": w.info, "metrics": metrics,
-            "order": ["ours first" if i % 2 == 0 else "llama.cpp first" for i in range(a.pairs)],
-            "tokens": {"ours": runs["ours"][0]["tokens"],
-                       "ours_all_runs_same": all(r["tokens"] == runs["ours"][0]["tokens"] for r in runs["ours"])}}
+    return {
+        "llama_placement": p.to_dict(),
+        "llama_bench": info,
+        "ours_worker": w.info,
+        "metrics": metrics,
+        "order": ["ours first" if i % 2 == 0 else "llama.cpp first" for i in range(a.pairs)],
+        "tokens": {
+            "ours": runs["ours"][0]["tokens"],
+            "ours_all_runs_same": all(r["tokens"] == runs["ours"][0]["tokens"] for r in runs["ours"]),
+        },
+    }
 
 
 def bench(a) -> dict:
@@ -215,35 +300,63 @@ def bench(a) -> dict:
     import random
 
     rnd = random.Random(1)
-    prompts = {"prefill": [[rnd.randrange(2, vocab) for _ in range(a.prefill)]],
-               "prompt": [rnd.randrange(2, vocab) for _ in range(a.depth)]}
+    prompts = {
+        "prefill": [[rnd.randrange(2, vocab) for _ in range(a.prefill)]],
+        "prompt": [rnd.randrange(2, vocab) for _ in range(a.depth)],
+    }
     req = {**prompts, "decode": a.decode_tokens}
-    doc: dict = {"kind": "peer-llamacpp-gpu", "backend": a.backend, "pairs": a.pairs, "prefill": a.prefill,
-                 "depth": a.depth, "decode_tokens": a.decode_tokens, "vram_gb": a.vram_gb,
-                 "model": {"sizes": json.loads((Path(a.work) / "prepare-times.json").read_text()).get("sizes"),
-                           "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "pack": str(p["pack"]),
-                           "pack_bytes": peer._size(p["pack"]), "ours_format": OURS, "llama_format": QUANT,
-                           "bits_per_weight": {"llama": rm.gguf_bits_per_weight(QUANT)}},
-                 "machine": {"cpu": peer._cpu(), "gpu": rg.gpu_memory_mib()},
-                 "llama_cpp_build": peer.llama_version(a), "llama_cpp_environment": "as inherited, no overrides",
-                 "cases": {}}
+    doc: dict = {
+        "kind": "peer-llamacpp-gpu",
+        "backend": a.backend,
+        "pairs": a.pairs,
+        "prefill": a.prefill,
+        "depth": a.depth,
+        "decode_tokens": a.decode_tokens,
+        "vram_gb": a.vram_gb,
+        "model": {
+            "sizes": json.loads((Path(a.work) / "prepare-times.json").read_text()).get("sizes"),
+            "gguf": str(gguf),
+            "gguf_bytes": gguf.stat().st_size,
+            "pack": str(p["pack"]),
+            "pack_bytes": peer._size(p["pack"]),
+            "ours_format": OURS,
+            "llama_format": QUANT,
+            "bits_per_weight": {"llama": rm.gguf_bits_per_weight(QUANT)},
+        },
+        "machine": {"cpu": peer._cpu(), "gpu": rg.gpu_memory_mib()},
+        "llama_cpp_build": peer.llama_version(a),
+        "llama_cpp_environment": "as inherited, no overrides",
+        "cases": {},
+    }
     fit = None
     if a.vram_gb:
         gpu = rg.gpu_memory_mib()
         budget_mib = a.vram_gb * 1e9 / ll.MiB
         ctx = max(a.prefill, a.depth + a.decode_tokens)
-        fit = rg.fit_at_vram(argparse.Namespace(llama_bin=a.llama_bin, threads=None), gguf, budget_mib,
-                             gpu["free_mib"] if gpu else None, ctx, doc)
+        fit = rg.fit_at_vram(
+            argparse.Namespace(llama_bin=a.llama_bin, threads=None),
+            gguf,
+            budget_mib,
+            gpu["free_mib"] if gpu else None,
+            ctx,
+            doc,
+        )
         log(f"fit at {a.vram_gb:g} GB: {doc['fit'].get('args') or doc['fit'].get('refused')}")
         if fit is not None:
-            mem = rg.memory(argparse.Namespace(llama_bin=a.llama_bin, threads=None, ubatch=512), gguf, fit, ctx)
+            mem = rg.memory(
+                argparse.Namespace(llama_bin=a.llama_bin, threads=None, ubatch=512), gguf, fit, ctx
+            )
             doc["fit"]["memory"] = mem
-            doc["fit"]["projected_gpu_mib"] = rg.projection(argparse.Namespace(llama_bin=a.llama_bin,
-                                                                              threads=None), gguf, fit, ctx)[0]
+            doc["fit"]["projected_gpu_mib"] = rg.projection(
+                argparse.Namespace(llama_bin=a.llama_bin, threads=None), gguf, fit, ctx
+            )[0]
     cases = [("all_vram", None, ll.Placement("defaults", "llama-bench's defaults"))]
     if a.vram_gb and a.plan and fit is not None:
         cases.append(("vram_budget", a.plan, fit))
-        doc["ours_plan"] = {"path": a.plan, "predicted": json.loads(Path(a.plan).read_text()).get("predicted")}
+        doc["ours_plan"] = {
+            "path": a.plan,
+            "predicted": json.loads(Path(a.plan).read_text()).get("predicted"),
+        }
     for name, plan, pl in cases:
         log(f"case {name}: ours on {a.backend}{' with ' + plan if plan else ', all in VRAM'}")
         w = ours(a, a.backend, plan)
@@ -265,31 +378,47 @@ def bench(a) -> dict:
 
 
 def report(doc: dict) -> None:
-    print(f"\n{doc['pairs']} counterbalanced pairs; ours {doc['model']['ours_format']} on {doc['backend']}, "
-          f"llama.cpp {doc['model']['llama_format']} at its defaults; decode {doc['decode_tokens']} after "
-          f"{doc['depth']}, prefill {doc['prefill']}")
+    print(
+        f"\n{doc['pairs']} counterbalanced pairs; ours {doc['model']['ours_format']} on {doc['backend']}, "
+        f"llama.cpp {doc['model']['llama_format']} at its defaults; decode {doc['decode_tokens']} after "
+        f"{doc['depth']}, prefill {doc['prefill']}"
+    )
     print(f"{'case':12} {'metric':10} {'ours':>26} {'llama.cpp':>26} {'ours/llama.cpp (per pair)':>28}")
     for name, c in doc["cases"].items():
         for m, mm in c["metrics"].items():
             n = int(m.split("_")[1]) if m.startswith("prefill") else None
 
-            def f(s, n=n):   # tok/s: prefill seconds -> prompt tok/s
-                v = [n / x for x in (s["median"], s["max"], s["min"])] if n else [s["median"], s["min"], s["max"]]
+            def f(s, n=n):  # tok/s: prefill seconds -> prompt tok/s
+                v = (
+                    [n / x for x in (s["median"], s["max"], s["min"])]
+                    if n
+                    else [s["median"], s["min"], s["max"]]
+                )
                 return f"{v[0]:9.1f} [{v[1]:.1f}..{v[2]:.1f}] tok/s"
+
             rs = " ".join(f"{x:.2f}" for x in mm["ratio"]["runs"])
-            print(f"{name:12} {'decode' if n is None else f'prefill{n}':10} {f(mm['ours']):>26} "
-                  f"{f(mm['llama']):>26}   {mm['ratio']['median']:.2f} ({rs})")
+            print(
+                f"{name:12} {'decode' if n is None else f'prefill{n}':10} {f(mm['ours']):>26} "
+                f"{f(mm['llama']):>26}   {mm['ratio']['median']:.2f} ({rs})"
+            )
         ag = c.get("agreement_with_cpu")
         lb = c["llama_bench"]
-        print(f"{'':12} llama-bench: -ngl {lb.get('n_gpu_layers')} -t {lb.get('n_threads')} "
-              f"-ub {lb.get('n_ubatch')} backends {lb.get('backends')}; "
-              + (f"our tokens vs our CPU engine: {ag['same']}/{ag['of']} same, {ag['leading']} leading"
-                 if ag else "tokens not checked"))
+        print(
+            f"{'':12} llama-bench: -ngl {lb.get('n_gpu_layers')} -t {lb.get('n_threads')} "
+            f"-ub {lb.get('n_ubatch')} backends {lb.get('backends')}; "
+            + (
+                f"our tokens vs our CPU engine: {ag['same']}/{ag['of']} same, {ag['leading']} leading"
+                if ag
+                else "tokens not checked"
+            )
+        )
     if doc.get("fit"):
         f = doc["fit"]
         gpu = (f.get("memory") or {}).get("gpu_self_mib")
-        print(f"fit at {doc['vram_gb']:g} GB: {' '.join(f.get('args') or [f.get('refused', '?')])}; GPU MiB "
-              f"projected {f.get('projected_gpu_mib')}, used at exit {gpu}")
+        print(
+            f"fit at {doc['vram_gb']:g} GB: {' '.join(f.get('args') or [f.get('refused', '?')])}; GPU MiB "
+            f"projected {f.get('projected_gpu_mib')}, used at exit {gpu}"
+        )
 
 
 def main(argv=None) -> int:
@@ -298,15 +427,27 @@ def main(argv=None) -> int:
     pr, be, wk = (sub.add_parser(x) for x in ("prepare", "bench", "worker"))
     for p in (pr, be):
         p.add_argument("--work", required=True, help="cache folder (checkpoint, GGUF, pack)")
-        p.add_argument("--llama-bin", required=True, help="folder of llama-bench, llama-fit-params, "
-                       "llama-completion, llama-quantize")
+        p.add_argument(
+            "--llama-bin",
+            required=True,
+            help="folder of llama-bench, llama-fit-params, llama-completion, llama-quantize",
+        )
         p.add_argument("--colibri", default=None, help="colibri-plan command (default: this python's)")
-    pr.add_argument("--llama-src", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py, gguf-py)")
+    pr.add_argument(
+        "--llama-src", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py, gguf-py)"
+    )
     pr.add_argument("--wait-for", default=None, help="a file whose appearance says llama-quantize is built")
     pr.add_argument("--wait-s", type=float, default=900.0)
-    for key, name in (("num_hidden_layers", "layers"), ("num_experts", "experts"), ("moe_intermediate_size",
-                      "width"), ("hidden_size", "hidden"), ("vocab_size", "vocab"), ("num_attention_heads",
-                      "heads"), ("num_key_value_heads", "kv-heads"), ("num_experts_per_tok", "top-k")):
+    for key, name in (
+        ("num_hidden_layers", "layers"),
+        ("num_experts", "experts"),
+        ("moe_intermediate_size", "width"),
+        ("hidden_size", "hidden"),
+        ("vocab_size", "vocab"),
+        ("num_attention_heads", "heads"),
+        ("num_key_value_heads", "kv-heads"),
+        ("num_experts_per_tok", "top-k"),
+    ):
         pr.add_argument(f"--{name}", type=int, default=q3.H200_SIZES[key])
     be.add_argument("--backend", default="cuda", help="our engine's backend (cpu: the off-GPU test)")
     be.add_argument("--pairs", type=int, default=4)

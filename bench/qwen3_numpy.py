@@ -26,36 +26,76 @@ from pathlib import Path
 import numpy as np
 
 #: the H200 fixture's widths (bench/h200_trunk.py: Qwen3-30B-A3B's hidden, heads and expert width)
-H200_SIZES = dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
-                  num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
-                  num_experts=32, num_experts_per_tok=8)
+H200_SIZES = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    num_hidden_layers=24,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=32,
+    num_experts_per_tok=8,
+)
 
 
 def config(sizes: dict) -> dict:
     """config.json as transformers 5 writes a Qwen3MoeConfig (plus ``num_experts``, its 4.x name)."""
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **sizes,
-            "num_local_experts": sizes["num_experts"], "attention_bias": False, "attention_dropout": 0.0,
-            "bos_token_id": 0, "eos_token_id": 1, "decoder_sparse_step": 1, "mlp_only_layers": [],
-            "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 4096,
-            "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "router_aux_loss_coef": 0.001,
-            "output_router_logits": False, "sliding_window": None, "use_sliding_window": False,
-            "tie_word_embeddings": False, "use_cache": True, "dtype": "bfloat16"}
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        **sizes,
+        "num_local_experts": sizes["num_experts"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "max_position_embeddings": 4096,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "dtype": "bfloat16",
+    }
 
 
 def layer_shapes(sizes: dict, layer: int) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of decoder layer ``layer`` (transformers' Qwen3-MoE names)."""
     h, hd = sizes["hidden_size"], sizes["head_dim"]
-    q, kv, i = sizes["num_attention_heads"] * hd, sizes["num_key_value_heads"] * hd, sizes["moe_intermediate_size"]
+    q, kv, i = (
+        sizes["num_attention_heads"] * hd,
+        sizes["num_key_value_heads"] * hd,
+        sizes["moe_intermediate_size"],
+    )
     p = f"model.layers.{layer}."
-    out = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-           p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-           p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-           p + "mlp.gate.weight": (sizes["num_experts"], h)}
+    out = {
+        p + "input_layernorm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (q, h),
+        p + "self_attn.k_proj.weight": (kv, h),
+        p + "self_attn.v_proj.weight": (kv, h),
+        p + "self_attn.o_proj.weight": (h, q),
+        p + "self_attn.q_norm.weight": (hd,),
+        p + "self_attn.k_norm.weight": (hd,),
+        p + "mlp.gate.weight": (sizes["num_experts"], h),
+    }
     for e in range(sizes["num_experts"]):
-        out |= {p + f"mlp.experts.{e}.gate_proj.weight": (i, h), p + f"mlp.experts.{e}.up_proj.weight": (i, h),
-                p + f"mlp.experts.{e}.down_proj.weight": (h, i)}
+        out |= {
+            p + f"mlp.experts.{e}.gate_proj.weight": (i, h),
+            p + f"mlp.experts.{e}.up_proj.weight": (i, h),
+            p + f"mlp.experts.{e}.down_proj.weight": (h, i),
+        }
     return out
 
 
@@ -74,7 +114,7 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> int:
         off += a.nbytes
     header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)                      # the data starts 8-byte aligned
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
@@ -85,14 +125,15 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> int:
 
 
 def _draw(seq: np.random.SeedSequence, name: str, shape: tuple) -> np.ndarray:
-    if len(shape) == 1:                                 # norms: ones, as transformers initialises them
+    if len(shape) == 1:  # norms: ones, as transformers initialises them
         return bf16_bits(np.ones(shape, np.float32))
     g = np.random.default_rng(seq)
     return bf16_bits(g.standard_normal(shape, dtype=np.float32) * np.float32(0.02))
 
 
-def build(folder: Path, sizes: dict = H200_SIZES, seed: int = 0, threads: int | None = None,
-          tokenizer: bool = True) -> dict:
+def build(
+    folder: Path, sizes: dict = H200_SIZES, seed: int = 0, threads: int | None = None, tokenizer: bool = True
+) -> dict:
     """Write the checkpoint into ``folder`` (config.json last: it marks the folder complete).
     Returns {"bytes": tensor bytes, "seconds": wall time}."""
     t0 = time.perf_counter()
@@ -103,16 +144,17 @@ def build(folder: Path, sizes: dict = H200_SIZES, seed: int = 0, threads: int | 
     plans = [layer_shapes(sizes, lay) for lay in range(n)]
     plans.append({"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)})
     names = [name for p in plans for name in p]
-    seqs = dict(zip(names, np.random.SeedSequence(seed).spawn(len(names))))   # one stream per tensor
+    seqs = dict(zip(names, np.random.SeedSequence(seed).spawn(len(names))))  # one stream per tensor
     weight_map, total = {}, 0
-    with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:   # numpy's fills release the GIL
+    with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:  # numpy's fills release the GIL
         for shard, shapes in zip(shards, plans):
             arrays = dict(zip(shapes, pool.map(lambda kv: _draw(seqs[kv[0]], *kv), shapes.items())))
             total += write_safetensors(folder / shard, arrays)
             weight_map |= {name: shard for name in shapes}
             del arrays
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     if tokenizer:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import peer_llamacpp
@@ -125,10 +167,16 @@ def build(folder: Path, sizes: dict = H200_SIZES, seed: int = 0, threads: int | 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
-    for key, name in (("num_hidden_layers", "layers"), ("num_experts", "experts"),
-                      ("moe_intermediate_size", "width"), ("hidden_size", "hidden"), ("vocab_size", "vocab"),
-                      ("num_attention_heads", "heads"), ("num_key_value_heads", "kv-heads"),
-                      ("num_experts_per_tok", "top-k")):
+    for key, name in (
+        ("num_hidden_layers", "layers"),
+        ("num_experts", "experts"),
+        ("moe_intermediate_size", "width"),
+        ("hidden_size", "hidden"),
+        ("vocab_size", "vocab"),
+        ("num_attention_heads", "heads"),
+        ("num_key_value_heads", "kv-heads"),
+        ("num_experts_per_tok", "top-k"),
+    ):
         ap.add_argument(f"--{name}", type=int, default=H200_SIZES[key], dest=key)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)

@@ -101,13 +101,15 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--n-gen", type=_count, default=64)
     pl.add_argument("--n-cpu-moe", type=_count, default=None,
                     help="N of the --n-cpu-moe row (default: half the layers)")
-    gp = sub.add_parser("gpu-placements", help="placements under a VRAM budget on a GPU build (bench/replay_gpu.py)")
-    gp.add_argument("--llama-bin", required=True, help="folder of a GPU build's llama-bench, llama-fit-params, "
-                    "llama-completion")
+    gp = sub.add_parser("gpu-placements",
+                        help="placements under a VRAM budget on a GPU build (bench/replay_gpu.py)")
+    gp.add_argument("--llama-bin", required=True, help="folder of a GPU build's llama-bench, "
+                    "llama-fit-params, llama-completion")
     gp.add_argument("--gguf", required=True, help="the GGUF to replay")
     gp.add_argument("--quant", choices=("Q8_0", "Q4_0"), default="Q8_0", help="its type (--pure)")
     gp.add_argument("--vram-gb", type=_positive_gb, required=True, help="the VRAM budget (GB = 1e9 B)")
-    gp.add_argument("--plan", default=None, help="our plan at that budget (its export --to llama.cpp is a row)")
+    gp.add_argument("--plan", default=None,
+                    help="our plan at that budget (its export --to llama.cpp is a row)")
     gp.add_argument("--profile", default=None, help="our profile of this machine (calibrate's default)")
     gp.add_argument("--colibri", default=None, help="colibri-plan command (default: this venv's)")
     gp.add_argument("--threads", type=_count, default=None, help="llama.cpp's -t (default: its own)")
