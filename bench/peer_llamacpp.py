@@ -164,7 +164,6 @@ def llama_version(a) -> str:
 # ---- preparation ------------------------------------------------------------------------------------
 def build_checkpoint(folder: Path) -> None:
     """Random bf16 Qwen3-MoE checkpoint (seed 0) and a 512-token byte-level BPE tokenizer."""
-    import tokenizers
     import torch
     import transformers
 
@@ -176,6 +175,15 @@ def build_checkpoint(folder: Path) -> None:
         transformers.Qwen3MoeForCausalLM(cfg).eval().save_pretrained(str(folder))
     finally:
         torch.set_default_dtype(torch.float32)
+    build_tokenizer(folder)
+
+
+def build_tokenizer(folder: Path) -> None:
+    """A 512-token byte-level BPE (its vocabulary does not matter: prompts are token ids) saved with
+    transformers' fast-tokenizer files, which llama.cpp's converter reads."""
+    import tokenizers
+    import transformers
+
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()

@@ -12,6 +12,10 @@ down/gate-up split and ``--load-mode none`` (its ``--no-mmap``), ``--repeats`` r
 run in a fresh memory cgroup of the budget with the GGUF evicted from the page cache first; per placement
 one ``llama-completion`` run for llama.cpp's own memory breakdown and ``--fit-print`` for its projection.
 
+``gpu-placements`` (Build 1 on the H200; bench/replay_gpu.py): the same on a CUDA build under a VRAM
+budget (``--vram-gb``): fit's arguments, our ``--plan``'s export, ``-ngl N`` variants, ``--n-cpu-moe N``,
+``--cpu-moe`` and a down-exps split, each sized by llama.cpp's own projection to fit the budget.
+
 ``beyond-ram`` (Build 4; bench/replay_beyond.py): a GLM-4.5-style checkpoint with skewed routing several
 GB larger than ``--ram-gb``: our engine on ``solve --ram`` (O_DIRECT, pinned hot experts, LRU), colibrì's
 hot-first fill on our engine, llama.cpp at its defaults (mmap) and with ``--load-mode none``, all under
@@ -97,6 +101,24 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--n-gen", type=_count, default=64)
     pl.add_argument("--n-cpu-moe", type=_count, default=None,
                     help="N of the --n-cpu-moe row (default: half the layers)")
+    gp = sub.add_parser("gpu-placements",
+                        help="placements under a VRAM budget on a GPU build (bench/replay_gpu.py)")
+    gp.add_argument("--llama-bin", required=True, help="folder of a GPU build's llama-bench, "
+                    "llama-fit-params, llama-completion")
+    gp.add_argument("--gguf", required=True, help="the GGUF to replay")
+    gp.add_argument("--quant", choices=("Q8_0", "Q4_0"), default="Q8_0", help="its type (--pure)")
+    gp.add_argument("--vram-gb", type=_positive_gb, required=True, help="the VRAM budget (GB = 1e9 B)")
+    gp.add_argument("--plan", default=None,
+                    help="our plan at that budget (its export --to llama.cpp is a row)")
+    gp.add_argument("--profile", default=None, help="our profile of this machine (calibrate's default)")
+    gp.add_argument("--colibri", default=None, help="colibri-plan command (default: this venv's)")
+    gp.add_argument("--threads", type=_count, default=None, help="llama.cpp's -t (default: its own)")
+    gp.add_argument("--repeats", type=_count, default=3, help="interleaved rounds per row")
+    gp.add_argument("--ubatch", type=_count, default=512, help="recorded: llama-bench's default -ub")
+    gp.add_argument("--n-prompt", type=_count, default=512)
+    gp.add_argument("--n-gen", type=_count, default=64)
+    gp.add_argument("--source", default="random Qwen3-MoE (bench/qwen3_numpy.py)", help="what the GGUF is")
+    gp.add_argument("--out", required=True, help="result JSON")
     br = sub.choices["beyond-ram"]
     br.add_argument("--layers", type=_count, default=17, help="decoder layers (the first one dense)")
     br.add_argument("--experts", type=_count, default=64)
@@ -124,6 +146,10 @@ def check_args(ap, a) -> None:
         ap.error(f"--profile {a.profile}: no such file")
     if not Path(a.out).resolve().parent.is_dir():
         ap.error(f"--out {a.out}: its folder does not exist")
+    if a.mode == "gpu-placements":
+        if a.plan and not Path(a.plan).is_file():
+            ap.error(f"--plan {a.plan}: no such file")
+        return   # no RAM limit: no cgroup needed
     why = cg.check_cgroup()
     if why:
         ap.error(why)
@@ -350,6 +376,11 @@ def main(argv=None) -> int:
     if a.mode == "placements":
         doc = run_placements(a)
         report(doc)
+    elif a.mode == "gpu-placements":
+        import replay_gpu
+
+        doc = replay_gpu.run_gpu_placements(a, sys.modules[__name__])
+        replay_gpu.report(doc)
     else:
         import replay_beyond
 

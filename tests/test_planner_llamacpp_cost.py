@@ -67,6 +67,22 @@ def test_experts_overridden_to_cpu_on_a_gpu_layer_cost_two_splits_and_a_copy_per
     assert decode_seconds(t, c) == pytest.approx(0.9e-3 + 6e-3 + 2e-4 + 2e-4)
 
 
+def test_prefill_offloads_the_dense_weights_of_cpu_layers_too():
+    # -ngl 2: layer 1 and the head on the GPU, layer 0 (1 MB dense + its 12 MB expert tensors) on the host.
+    # A 512-token micro-batch copies every host weight (13 MB) to the GPU once and computes it there, as
+    # llama.cpp's scheduler offloads any op whose weight sits in a host buffer (KV is 0 here: nothing of
+    # layer 0 is left for the CPU)
+    pl = LlamaPlacement(ngl=2, context=512, ubatch=512)
+    t = raw_terms(G, M, pl)
+    assert t["cpu_s"] == pytest.approx(7e-3)                   # decode: 1 MB dense + 2 x 3 MB experts
+    assert t["xfer_s"] == pytest.approx(13e-3 / 512)
+    assert t["pp_cpu_s"] == 0
+    assert t["pp_gpu_s"] == pytest.approx(15e-3 / 100e9 * 1e9)  # all 15 MB a token reads, on the GPU
+    # a micro-batch below 32 tokens is not offloaded: the CPU computes layer 0's 7 MB per token
+    t = raw_terms(G, M, dataclasses.replace(pl, ubatch=16))
+    assert t["xfer_s"] == 0 and t["pp_cpu_s"] == pytest.approx(7e-3 / 10)
+
+
 def test_down_projection_apart_splits_a_layer_between_cpu_and_gpu():
     pl = LlamaPlacement(ngl=3, cpu_experts={0: ("down",)})
     t = raw_terms(G, M, pl)

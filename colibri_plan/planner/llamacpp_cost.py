@@ -21,9 +21,11 @@ Per prompt token, with the prompt run in micro-batches of U = ``-ub`` tokens::
     prefill_s = c_pp_cpu · pp_cpu_s + c_pp_gpu · pp_gpu_s + c_xfer · xfer_s + c_fault · pp_fault_s
                 + split_s · splits / U + graph_s / U
     pp_cpu_s  = host active bytes per token / CPU batched GB/s   (every token multiplies its top-k experts)
-    xfer_s    = host expert-tensor bytes / (U · H2D GB/s)        (with a GPU, U >= 32: llama.cpp copies a
-                                                                  host weight to the GPU per micro-batch and
-                                                                  computes it there; pp_cpu_s drops it)
+    xfer_s    = host weight bytes / (U · H2D GB/s)               (with a GPU, U >= 32: llama.cpp copies a
+                                                                  host weight - experts, and the dense ones
+                                                                  of CPU layers - to the GPU per micro-batch
+                                                                  and computes it there; pp_cpu_s keeps only
+                                                                  the host KV's attention)
 
 The page cache (mmap, no mlock): dense weights are read every token and stay cached; the experts share
 what is left, ``cache = RAM limit − anonymous (KV, compute buffers, no-mmap weights) − dense host bytes``,
@@ -257,15 +259,18 @@ def raw_terms(g: LlamaGeometry, m: LlamaMachine, pl: LlamaPlacement, probs: np.n
     gpu_exp = p * (1 - share) * g.expert_bytes
     kv = pl.context * g.kv_bytes_per_token_layer
     dense_host = dense_gpu = 0.0
+    weights_host = 0.0                                              # dense weights in host buffers
     for lay in range(g.n_layers):
         if pl.on_gpu(lay, g.n_layers):
             dense_gpu += g.layer_dense_bytes + (kv if pl.kv_on_gpu else 0)
             dense_host += 0 if pl.kv_on_gpu else kv
         else:
             dense_host += g.layer_dense_bytes + kv
+            weights_host += g.layer_dense_bytes
     head_gpu = pl.on_gpu(g.n_layers, g.n_layers)
     dense_gpu += g.head_bytes if head_gpu else 0
     dense_host += 0 if head_gpu else g.head_bytes
+    weights_host += 0 if head_gpu else g.head_bytes
     hit = _cached_share(g, m, pl, np.where(share > 0, p, 0.0))
     fault_bytes = float(np.sum(host_exp * (1 - hit)))
     host_bytes = dense_host + float(host_exp.sum())
@@ -284,11 +289,14 @@ def raw_terms(g: LlamaGeometry, m: LlamaMachine, pl: LlamaPlacement, probs: np.n
     gpu = m.gpu_gbps > 0 and pl.ngl > 0
     offload = gpu and u >= OFFLOAD_MIN_BATCH and m.h2d_gbps > 0
     host_exp_tensor = float(np.sum(share[:, 0] * np.asarray(g.moe)) * g.n_experts * g.expert_bytes)
+    # op offload moves every host weight of a GPU-supported op, dense ones included (ggml_backend_sched:
+    # a weight buffer on the host, a batch of >= 32): only the host KV's attention stays on the CPU
+    offloaded = weights_host if offload else 0.0
     # prefill: all touched experts' pages once per micro-batch; a batch of u touches 1-(1-p)^u of them
     touched = 1.0 - (1.0 - np.clip(p, 0, 1)) ** u
     pp_fault = float(np.sum(touched * share * g.expert_bytes * (1 - hit))) / u
     plain = g.repackable and not pl.repack                       # --no-repack of a repacked quant
-    pp_cpu = (dense_host + (0.0 if offload else float(host_exp.sum()))) / (m.cpu_batch_gbps * 1e9)
+    pp_cpu = (dense_host - offloaded + (0.0 if offload else float(host_exp.sum()))) / (m.cpu_batch_gbps * 1e9)
     return {
         "cpu_s": host_bytes / (m.cpu_gbps * 1e9),
         "gpu_s": gpu_bytes / (m.gpu_gbps * 1e9) if gpu_bytes and m.gpu_gbps > 0 else 0.0,
@@ -296,9 +304,9 @@ def raw_terms(g: LlamaGeometry, m: LlamaMachine, pl: LlamaPlacement, probs: np.n
         "splits": float(splits), "graph": 1.0,
         "pp_cpu_s": pp_cpu, "norepack_s": host_bytes / (m.cpu_gbps * 1e9) if plain else 0.0,
         "pp_norepack_s": pp_cpu if plain else 0.0,
-        "pp_gpu_s": ((gpu_bytes + (float(host_exp.sum()) if offload else 0.0)) / (m.gpu_batch_gbps * 1e9)
-                     if gpu and m.gpu_batch_gbps > 0 else 0.0),
-        "xfer_s": host_exp_tensor / (u * m.h2d_gbps * 1e9) if offload else 0.0,
+        "pp_gpu_s": ((gpu_bytes + (float(host_exp.sum()) + offloaded if offload else 0.0))
+                     / (m.gpu_batch_gbps * 1e9) if gpu and m.gpu_batch_gbps > 0 else 0.0),
+        "xfer_s": (host_exp_tensor + offloaded) / (u * m.h2d_gbps * 1e9) if offload else 0.0,
         "pp_fault_s": pp_fault / (m.fault_gbps * 1e9) if pp_fault and m.fault_gbps else 0.0,
         "pp_splits": splits / u, "pp_graph": 1.0 / u,
         "host_read_bytes": host_bytes, "fault_bytes": fault_bytes,
