@@ -9,12 +9,10 @@ dimension while -inf and NaN keep their meaning.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from numba import njit, prange
 
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # see kernels
+from colibri_plan.backends.cpu import kernels as _kernels  # noqa: F401 (OpenMP's spin, first)
 
 
 @njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)

@@ -27,12 +27,17 @@ import os
 import numpy as np
 from numba import njit, prange
 
-# OpenMP threads that sleep instead of spin between kernels, unless the user chose: on the shared
-# 2-core host, spinning barriers made the int4 GEMV collapse (0.4-0.8 GB/s instead of 18) whenever
-# other processes were busy; sleeping costs up to ~1.5x on an idle machine, where
-# OMP_WAIT_POLICY=active gets it back (docs/backends.md). Read once, when numba starts its OpenMP
-# pool (first parallel call), so set here, before any kernel runs.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# OpenMP threads spin a bounded while before they sleep between kernels, unless the user chose
+# (OMP_WAIT_POLICY or GOMP_SPINCOUNT set): a decode step runs ~50 parallel kernels a few hundred µs
+# apart, and waking sleeping workers (OMP_WAIT_POLICY=passive, the earlier default) cost ~45 µs a
+# kernel (a cached 2048x2048 int4-g32h GEMV on 2 threads: 100 µs passive, 41 µs with
+# GOMP_SPINCOUNT=200000, 66 µs active; shared 2-core host). Spinning without bound (active) made the
+# int4 GEMV collapse whenever other processes were busy on the shared host; a bounded spin sleeps
+# once a step is over. Read once, when numba starts its OpenMP pool (first parallel call), so set
+# here, before any kernel runs (docs/backends.md).
+OMP_SPINS = "200000"
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = OMP_SPINS
 
 _F16 = np.float32(1.0 / 16.0)
 _F4 = np.float32(0.25)

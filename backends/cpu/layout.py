@@ -114,7 +114,26 @@ def int_layout(qt: QuantTensor, k) -> HostWeight:
     if g == 64:  # q4g sums a group's lanes in int32: its own scales, [out, groups]
         return HostWeight(qt, _lanes(data, groups, fold, bg // fold), scales, groups * g, g, fold)
     lane_scales = np.repeat(scales, fold, axis=1) if fold > 1 else scales  # [out, groups·fold]
-    return HostWeight(qt, _lanes(data, groups, fold, bg // fold), lane_scales, groups * g, g, fold)
+    wt = _lanes(data, groups, fold, bg // fold)
+    if getattr(k, "VNNI", False) and wt.shape[3] == 64:  # q4t's vpdpbusd kernels read the byte layout
+        wt = bytes_layout(wt)
+    return HostWeight(qt, wt, lane_scales, groups * g, g, fold)
+
+
+def bytes_layout(wt: np.ndarray) -> np.ndarray:
+    """The transposed layout [N, C, J, L = 64] (byte j of lane k at [c, j, k]) -> the byte layout of
+    ``vnni.byte_dots``, same shape: per chunk, quarter q (lanes 16q..16q + 15), dword d, the 4 bytes
+    4d..4d + 3 of lane 16q + i at 4i of a 64-byte line (a copy)."""
+    n, C, J, L = wt.shape
+    t = wt.reshape(n, C, J // 4, 4, 4, 16).transpose(0, 1, 4, 2, 5, 3)  # [N, C, q, d, i, b]
+    return np.ascontiguousarray(t).reshape(n, C, J, L)
+
+
+def unbytes_layout(wt: np.ndarray) -> np.ndarray:
+    """:func:`bytes_layout` undone (the transposed layout of the numba loops; tests)."""
+    n, C, J, L = wt.shape
+    t = wt.reshape(n, C, 4, J // 4, 16, 4).transpose(0, 1, 3, 5, 2, 4)  # [N, C, d, b, q, i]
+    return np.ascontiguousarray(t).reshape(n, C, J, L)
 
 
 def _fold(groups: int, folds: tuple[int, ...]) -> int:

@@ -19,18 +19,17 @@ scratch and one float32 sum per layout makes y from them for every loop shape, s
 same bits alone, in a batch, serially or in parallel (tests/test_backend_cpu_kernels.py).
 
 Loop shapes (AVX-512 VNNI hosts, rows in chunks of 64 lanes; else the numba loop of ``_dots1``,
-unpacking in registers, with ``_lane_sum``). Below ``PREFILL_TOKENS`` tokens per weight (decode), the
-bytes are unpacked in registers into (low, high) nibble pairs, one int16 pair per 32-bit lane, and
-multiplied with the activation pairs ``x2 = xe | xo << 16`` by ``vpdpwssd`` (32 products an
-instruction; LLVM's own vectorisation of the numba loop gets 16, and does not form the pairs from numba
-code): ``_packed_dots``. From ``PREFILL_TOKENS`` tokens, ``RB`` rows at a time are unpacked once into
-an int32 scratch of signed pairs (code − 8) and every group of ``NT`` tokens runs over them with one
-weight load per ``NT`` products (``_scratch_dots``): no unpacking per token. Each call covers a chunk
-of 64 lanes (4 vectors of independent sums). The float32 sum is
+unpacking in registers, with ``_lane_sum``). The weights are stored in the byte layout of
+``vnni.byte_dots`` (``layout.bytes_layout``: each 32-bit lane holds 4 bytes of one lane) and the int16
+activations split in bytes (``_xbytes``, xq = 256·xh + xl): ``vpdpbusd`` multiplies the nibbles with
+the bytes, 64 products an instruction from 2 instructions of unpacking per 128 (the vpdpwssd pairs
+before it: 32 from 5), the same integers a_k. One token (decode) runs two rows a call sharing the
+activation loads (``vnni.byte_dots2``: two rows of a weight, or an expert's gate row and its up row);
+a batch runs NT = 4, 2, 1 tokens per weight load over RB rows at a time. The float32 sum is
 ``_vsum``: one fused multiply-add per 16 lanes in lane order, then halves added, written out so that no
-loop shape can reassociate it differently. Measured on one core of a Zen 5 host (2048x2048, weight in
-cache): 16 tokens 0.76 ms against 1.89 ms for the numba loop (88 against 35 GMAC/s); 2048x1024 (8 bytes
-a lane) 0.51 ms; one token from L1 66 against 32 GMAC/s.
+loop shape can reassociate it differently. Measured on one core of the shared 2-core EPYC host
+(2048x2048 int4-g32h, one token, weight in cache): 76 µs against 131 µs for the vpdpwssd pairs
+(31 against 18 GB/s of weight).
 """
 
 from __future__ import annotations
@@ -44,29 +43,25 @@ from numba import njit, prange
 from colibri_plan.backends.cpu.qkernels import EXPERTS
 from colibri_plan.backends.cpu.vnni import (
     VNNI,
-    _pk4,
-    _pk8,
-    _pk16,
-    _s4x1,
-    _s4x2,
-    _s4x4,
-    _s8x1,
-    _s8x2,
-    _s8x4,
-    _s16x1,
-    _s16x2,
-    _s16x4,
-    _unpack16,
+    _b4r2,
+    _b4x1,
+    _b4x2,
+    _b4x4,
+    _b8r2,
+    _b8x1,
+    _b8x2,
+    _b8x4,
+    _b16r2,
+    _b16x1,
+    _b16x2,
+    _b16x4,
     _vsum,
     _vsum4,
 )
 
 #: sha256 (16 hex digits) of backends/cpu/vnni.py as these kernels were compiled against: updating it
 #: with vnni makes numba recompile them (tests/test_backend_cpu_kernels.py compares)
-VNNI_SOURCE = "545ddce21112fada"
-#: tokens per weight from which rows are unpacked once into the scratch (2048x2048 on one core: 2 tokens
-#: 0.21 ms either way, 4 tokens 0.28 against 0.45 ms unpacking in registers per token)
-PREFILL_TOKENS = 2
+VNNI_SOURCE = "b0dca0d59b9ceea8"
 #: rows per parallel step (qkernels' ROW_TILE is 32): longer runs of memory per step read RAM
 #: faster, measured from RAM on a shared 2-core host (best of 15-30, interleaved): 8 int4-g32 experts'
 #: decode 21 against 15 GB/s gate+up, 17-19 against 13 down; GEMV 2048x2048 17.6 against 13.4 GB/s,
@@ -129,67 +124,56 @@ def _dots1(wt, r, xe3, xo3, t, xsl, ai):
 # ---- AVX-512 VNNI (the intrinsics: vnni) -----------------------------------------------------
 #: tokens per weight load of the prefill loop shape (a batch runs in groups of 4, then 2, then 1)
 NT = 4
-#: rows unpacked at a time: RB unpacked rows and NT tokens' activations stay in L1 (2048 columns:
-#: 16 + 16 KiB) while every row meets every token group; one row at a time (all tokens' activations
-#: from L2 for each row) was 0.67x as fast at 16 tokens (8 rows: 0.96x)
+#: rows at a time of a batch: RB rows (4 KiB at 2048 columns) and NT tokens' activation bytes (32 KiB)
+#: stay in L1 while every row meets every token group (measured with the earlier unpacked rows: one row
+#: at a time was 0.67x as fast at 16 tokens, 8 rows 0.96x)
 RB = 4
 
 
-def _pick(a: int, b: int, fa, fb, fc):
-    """A dispatch numba inlines: ``fa(...)`` when its key is ``a``, ``fb(...)`` when ``b``, else ``fc(...)``,
-    over the nine arguments of the vnni intrinsics (the keys and functions are closure constants)."""
+def _by_tokens(f4, f2, f1):
+    """A dispatch numba inlines over the token count m (4, 2 or 1) of one vnni.byte_dots(J, m) family,
+    the intrinsics' eleven arguments passed on (the functions are closure constants)."""
 
     @njit(fastmath=True, cache=True, inline="always")
-    def run(key, p0, p1, p2, p3, p4, p5, p6, p7, p8):
-        if key == a:
-            fa(p0, p1, p2, p3, p4, p5, p6, p7, p8)
-        elif key == b:
-            fb(p0, p1, p2, p3, p4, p5, p6, p7, p8)
+    def run(m, p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10):
+        if m == 4:
+            f4(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10)
+        elif m == 2:
+            f2(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10)
         else:
-            fc(p0, p1, p2, p3, p4, p5, p6, p7, p8)
+            f1(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10)
 
     return run
 
 
-# _pk(J, ai, ao, w, wo, x2, xo, step, xsl, so): the one-token shape at J = 16, 8 or 4 bytes a lane;
-# _sc(J, n, ai, ao, astep, ws, wo, x2, xo, xstep, step): the prefill shape of n = 4, 2 or 1 tokens
-_pk = _pick(16, 8, _pk16, _pk8, _pk4)
-_sc16, _sc8, _sc4 = (_pick(4, 2, f4, f2, f1) for f4, f2, f1 in (
-    (_s16x4, _s16x2, _s16x1), (_s8x4, _s8x2, _s8x1), (_s4x4, _s4x2, _s4x1)))
+_bd16, _bd8, _bd4 = (_by_tokens(*f) for f in (
+    (_b16x4, _b16x2, _b16x1), (_b8x4, _b8x2, _b8x1), (_b4x4, _b4x2, _b4x1)))
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _sc(J, n, ai, ao, astep, ws, wo, x2, xo, xstep, step):
-    if J == 16:
-        _sc16(n, ai, ao, astep, ws, wo, x2, xo, xstep, step)
-    elif J == 8:
-        _sc8(n, ai, ao, astep, ws, wo, x2, xo, xstep, step)
-    else:
-        _sc4(n, ai, ao, astep, ws, wo, x2, xo, xstep, step)
-
-
-@njit(fastmath=True, cache=True, inline="always")
-def _pairs(xe3, xo3):
-    # x2 int32 [T·C·J·L] (flat): the even and odd column of each byte as one int16 pair
+def _xbytes(xe3, xo3):
+    # xb uint8 [T·4·C·J·L] (flat): the activations' bytes in the byte layout of vnni.byte_dots: per token,
+    # chunk c, quarter q, dword d: 4 x 64 bytes (xl even, xh even, xl odd, xh odd), lane 16q + i's
+    # bytes 4d..4d + 3 at 4i
     T, C, J, L = xe3.shape
-    x2 = np.empty(T * C * J * L, np.int32)
-    i = 0
+    D = J // 4
+    xb = np.empty(T * 4 * C * J * L, np.uint8)
     for t in range(T):
         for c in range(C):
-            for j in range(J):
-                for k in range(L):
-                    lo = np.int32(xe3[t, c, j, k]) & np.int32(0xFFFF)
-                    x2[i] = lo | (np.int32(xo3[t, c, j, k]) << np.int32(16))
-                    i += 1
-    return x2
-
-
-@njit(fastmath=True, cache=True, inline="always")
-def _unpack(wf, r, n, ws, o):
-    # row r of the flat packed weight (n bytes a row) -> ws[o:o + n] int32: the pair (low − 8,
-    # high − 8) of each byte
-    for i in range(0, n, 16):
-        _unpack16(ws, o + i, wf, r * n + i)
+            for q in range(4):
+                for d in range(D):
+                    o = (((t * C + c) * 4 + q) * D + d) * 256
+                    for i in range(16):
+                        k = 16 * q + i
+                        for b in range(4):
+                            e = np.int32(xe3[t, c, 4 * d + b, k])
+                            v = np.int32(xo3[t, c, 4 * d + b, k])
+                            p = o + 4 * i + b
+                            xb[p] = np.uint8(e & 255)
+                            xb[p + 64] = np.uint8((e >> 8) & 255)
+                            xb[p + 128] = np.uint8(v & 255)
+                            xb[p + 192] = np.uint8((v >> 8) & 255)
+    return xb
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -200,17 +184,53 @@ def _fast(wt):
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _x2_for(xe3, xo3, wt):
+def _xb_for(xe3, xo3, wt):
     if _fast(wt):
-        return _pairs(xe3, xo3)
-    return np.empty(1, np.int32)
+        return _xbytes(xe3, xo3)
+    return np.empty(1, np.uint8)
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _rows(wt, sl, xe3, xo3, x2, sx, xsl, y, r0, r1, t0, t1, ws, ai):
-    # y[t, r] = sx[t]·Σ_k sl[r, k]·a_k for rows r0:r1 and tokens t0:t1; ws int32 [C·J·L] and ai int32
-    # [NT, C·L] scratch. Without VNNI: unpacking in registers (_dots1). With it: one token at a time in
-    # registers below PREFILL_TOKENS tokens, else each row unpacked once and NT tokens per weight load
+def _bd(J, m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep):
+    # m tokens (4, 2 or 1) of one chunk of 64 lanes: vnni.byte_dots(J, m)
+    if J == 16:
+        _bd16(m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep)
+    elif J == 8:
+        _bd8(m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep)
+    else:
+        _bd4(m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _bd2(J, ai, ao, bo, w, wo, v, vo, xb, xo, xs, so):
+    # one token, two rows (w at wo, v at vo) of one chunk of 64 lanes: vnni.byte_dots2(J)
+    if J == 16:
+        _b16r2(ai, ao, bo, w, wo, v, vo, xb, xo, xs, so)
+    elif J == 8:
+        _b8r2(ai, ao, bo, w, wo, v, vo, xb, xo, xs, so)
+    else:
+        _b4r2(ai, ao, bo, w, wo, v, vo, xb, xo, xs, so)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _pair_rows(C, J, L, wf, vf, sf, vl, xb, sx, xs, y, z, r, q, t, af):
+    # one token t, row r of the flat weight wf (into y[t, r]) and row q of vf (into z[t, q]), lane scales
+    # sf / vl flat, with the activation loads shared (vnni.byte_dots2); the integers and the float sum
+    # of _rows, so the same bits (flat arguments: a reshape per row would cost more than its row)
+    n = C * L
+    row = C * J * L
+    for c in range(C):
+        _bd2(J, af, c * L, n + c * L, wf, r * row + c * J * L, vf, q * row + c * J * L, xb,
+             t * 4 * row + c * 4 * J * L, xs, t * n + c * L)
+    y[t, r] = _vsum(sf, r * n, af, 0, n, n) * sx[t]
+    z[t, q] = _vsum(vl, q * n, af, n, n, n) * sx[t]
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _rows(wt, sl, xe3, xo3, xb, sx, xsl, y, r0, r1, t0, t1, ai):
+    # y[t, r] = sx[t]·Σ_k sl[r, k]·a_k for rows r0:r1 and tokens t0:t1; ai int32 [NT, C·L] scratch.
+    # Without VNNI: unpacking in registers (_dots1). With it: vnni.byte_dots on the byte layout, NT
+    # tokens per weight load, RB rows at a time (their bytes and a token group's activations in L1)
     C, J, L = wt.shape[1], wt.shape[2], wt.shape[3]
     n = C * L
     if not _fast(wt):
@@ -222,25 +242,23 @@ def _rows(wt, sl, xe3, xo3, x2, sx, xsl, y, r0, r1, t0, t1, ws, ai):
         return
     wf, af, xs, sf = wt.reshape(-1), ai.reshape(-1), xsl.reshape(-1), sl.reshape(-1)
     row = C * J * L
+    xrow = 4 * row  # activation bytes a token
     f4 = np.empty(4, np.float32)
-    if t1 - t0 < PREFILL_TOKENS:
-        for t in range(t0, t1):
-            for r in range(r0, r1):
-                for c in range(C):  # a chunk of 64 lanes a call
-                    _pk(J, af, c * L, wf, r * row + c * J * L, x2, t * row + c * J * L, L, xs, t * n + c * L)
-                y[t, r] = _vsum(sf, r * n, af, 0, n, n) * sx[t]
-        return
-    for rb in range(r0, r1, RB):  # RB rows unpacked, then NT tokens at a time over them (L1)
+    if t1 - t0 == 1:  # one token (decode): two rows a call, sharing the activation loads
+        for r in range(r0, r1 - 1, 2):
+            _pair_rows(C, J, L, wf, wf, sf, sf, xb, sx, xs, y, y, r, r + 1, t0, af)
+        if (r1 - r0) % 2 == 0:
+            return
+        r0 = r1 - 1
+    for rb in range(r0, r1, RB):
         re = min(rb + RB, r1)
-        for r in range(rb, re):
-            _unpack(wf, r, row, ws, (r - rb) * row)
         t = t0
         while t < t1:
             m = 4 if t1 - t >= 4 else (2 if t1 - t >= 2 else 1)
             for r in range(rb, re):
-                wo = (r - rb) * row
                 for c in range(C):
-                    _sc(J, m, af, c * L, n, ws, wo + c * J * L, x2, t * row + c * J * L, row, L)
+                    _bd(J, m, af, c * L, n, wf, r * row + c * J * L, xb, t * xrow + c * 4 * J * L, xrow,
+                        xs, t * n + c * L, n)
                 if m == 4:
                     _vsum4(sf, r * n, af, 0, n, n, f4)
                     for u in range(4):
@@ -251,13 +269,6 @@ def _rows(wt, sl, xe3, xo3, x2, sx, xsl, y, r0, r1, t0, t1, ws, ai):
             t += m
 
 
-@njit(fastmath=True, cache=True, inline="always")
-def _rows_scratch(C, J, L, tokens):
-    # ws int32: RB unpacked rows when a weight sees PREFILL_TOKENS tokens, else a placeholder (a decode
-    # step allocates no 16 KiB it does not touch)
-    return np.empty(RB * C * J * L if tokens >= PREFILL_TOKENS else 1, np.int32)
-
-
 @njit(parallel=True, fastmath=True, cache=True)
 def i4t_matmul(wt, scales2, xe3, xo3, sx, xsum, y):
     """int4-g32/g64 GEMM on the transposed layout: wt uint8 [out, C, J, L] (C·L = groups · fold lanes in
@@ -265,26 +276,24 @@ def i4t_matmul(wt, scales2, xe3, xo3, sx, xsum, y):
     activations in the same layout); sx float32 [T]; xsum int32 [T, C·L] (Σ xq per lane); y float32
     [T, out] written in place."""
     T = xe3.shape[0]
-    x2 = _x2_for(xe3, xo3, wt)
-    C, J, L = wt.shape[1], wt.shape[2], wt.shape[3]
+    xb = _xb_for(xe3, xo3, wt)
+    C, L = wt.shape[1], wt.shape[3]
     for b in prange((wt.shape[0] + TILE_ROWS - 1) // TILE_ROWS):
-        ws = _rows_scratch(C, J, L, T)
         ai = np.empty((NT, C * L), np.int32)
         r0 = b * TILE_ROWS
-        _rows(wt, scales2, xe3, xo3, x2, sx, xsum, y, r0, min(r0 + TILE_ROWS, wt.shape[0]), 0, T, ws, ai)
+        _rows(wt, scales2, xe3, xo3, xb, sx, xsum, y, r0, min(r0 + TILE_ROWS, wt.shape[0]), 0, T, ai)
 
 
 @njit(fastmath=True, cache=True)
 def i4t_matmul_1(wt, scales2, xe3, xo3, sx, xsum, y):
     """:func:`i4t_matmul` on the calling thread (small weights), same result."""
     T = xe3.shape[0]
-    x2 = _x2_for(xe3, xo3, wt)
-    C, J, L = wt.shape[1], wt.shape[2], wt.shape[3]
-    ws = _rows_scratch(C, J, L, T)
+    xb = _xb_for(xe3, xo3, wt)
+    C, L = wt.shape[1], wt.shape[3]
     ai = np.empty((NT, C * L), np.int32)
     for b in range((wt.shape[0] + TILE_ROWS - 1) // TILE_ROWS):
         r0 = b * TILE_ROWS
-        _rows(wt, scales2, xe3, xo3, x2, sx, xsum, y, r0, min(r0 + TILE_ROWS, wt.shape[0]), 0, T, ws, ai)
+        _rows(wt, scales2, xe3, xo3, xb, sx, xsum, y, r0, min(r0 + TILE_ROWS, wt.shape[0]), 0, T, ai)
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -311,7 +320,7 @@ def _silu_rows(g, h, t0, t1, r0, r1):
 # ---- routed experts, batched (see qkernels): every expert of a layer in one parallel call -------
 # gate+up runs a tile of gate rows, then the tile of up rows (not a gate row and an up row in turn):
 # 8 int4-g32 gate+up pairs of 1.3 MB from RAM, 1 token, 0.82x the time (4 tokens 0.90x). An expert with
-# PREFILL_TOKENS or more tokens runs the unpacked-row loop shape; the gate tile's results wait in g
+# one token runs each gate row with its up row (vnni.byte_dots2); the gate tile's results wait in g
 # [ΣT, I] (h's shape) until the up rows multiply them.
 
 
@@ -326,16 +335,21 @@ def experts_gate_up_t(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
     """
     inter = gw[0].shape[0]
     tiles = (inter + TILE_ROWS - 1) // TILE_ROWS
-    x2 = _x2_for(xa3, xb3, gw[0])
+    xb = _xb_for(xa3, xb3, gw[0])
     g = np.empty_like(h)  # gate results of each tile
     C, J, L = gw[0].shape[1], gw[0].shape[2], gw[0].shape[3]
     for i in prange(EXPERTS * tiles):
         e, r0, r1 = _tile(i, tiles, inter)
         t0, t1 = offs[e], offs[e + 1]
-        ws = _rows_scratch(C, J, L, t1 - t0)
         ai = np.empty((NT, C * L), np.int32)
-        _rows(gw[e], gs[e], xa3, xb3, x2, sx, xsum, g, r0, r1, t0, t1, ws, ai)
-        _rows(uw[e], us[e], xa3, xb3, x2, sx, xsum, h, r0, r1, t0, t1, ws, ai)
+        if t1 - t0 == 1 and _fast(gw[0]):  # decode: a gate row and its up row share the activations
+            gf, uf, gl, ul = gw[e].reshape(-1), uw[e].reshape(-1), gs[e].reshape(-1), us[e].reshape(-1)
+            af, xs = ai.reshape(-1), xsum.reshape(-1)
+            for r in range(r0, r1):
+                _pair_rows(C, J, L, gf, uf, gl, ul, xb, sx, xs, g, h, r, r, t0, af)
+        else:
+            _rows(gw[e], gs[e], xa3, xb3, xb, sx, xsum, g, r0, r1, t0, t1, ai)
+            _rows(uw[e], us[e], xa3, xb3, xb, sx, xsum, h, r0, r1, t0, t1, ai)
         _silu_rows(g, h, t0, t1, r0, r1)
 
 
@@ -345,10 +359,9 @@ def experts_matmul_t(kind, ws_, ss, xa3, xb3, sx, xsum, offs, y):
     arguments as :func:`experts_gate_up_t`, y float32 written in place."""
     out = ws_[0].shape[0]
     tiles = (out + TILE_ROWS - 1) // TILE_ROWS
-    x2 = _x2_for(xa3, xb3, ws_[0])
-    C, J, L = ws_[0].shape[1], ws_[0].shape[2], ws_[0].shape[3]
+    xb = _xb_for(xa3, xb3, ws_[0])
+    C, L = ws_[0].shape[1], ws_[0].shape[3]
     for i in prange(EXPERTS * tiles):
         e, r0, r1 = _tile(i, tiles, out)
-        ws = _rows_scratch(C, J, L, offs[e + 1] - offs[e])
         ai = np.empty((NT, C * L), np.int32)
-        _rows(ws_[e], ss[e], xa3, xb3, x2, sx, xsum, y, r0, r1, offs[e], offs[e + 1], ws, ai)
+        _rows(ws_[e], ss[e], xa3, xb3, xb, sx, xsum, y, r0, r1, offs[e], offs[e + 1], ai)

@@ -29,13 +29,10 @@ batch: the tile stays in L2 while it is reused, so a prefill batch reads each we
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from numba import njit, prange
 
-# see kernels: sleeping OpenMP workers on a shared host (set before numba starts its pool)
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+from colibri_plan.backends.cpu import kernels as _kernels  # noqa: F401 (OpenMP's spin, first)
 
 #: a matmul reading at most this many weight bytes × tokens runs the ``_1`` kernels on the calling
 #: thread: waking the sleeping workers of a parallel region costs ~45 µs, and one core streams ~25 GB/s

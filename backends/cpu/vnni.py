@@ -57,15 +57,9 @@ def vpdpwssd(builder, acc, w, x):
     return builder.call(fn, [acc, builder.bitcast(w, W32), builder.bitcast(x, W32)])
 
 
-def nibble_pairs(builder, ptr):
-    """16 packed bytes at ptr -> <16 x i32>: (low nibble, high nibble) as an int16 pair per lane."""
-    d = builder.zext(load(builder, ptr, B16), V16)
-    hi = builder.shl(builder.and_(d, splat(0xF0)), splat(12))  # high nibble to bit 16
-    return builder.or_(builder.and_(d, splat(15)), hi)
-
-
-#: the one-token loop shape prefetches the weight bytes this far ahead (4 rows of 2048 columns): 8
-#: int4-g32 experts' decode from RAM 24.7 against 21.3 GB/s gate+up, 20.5 against 19.0 down (best of
+#: the one-token loop shapes prefetch the weight bytes this far ahead (4 rows of 2048 columns): 8
+#: int4-g32 experts' decode from RAM (the vpdpwssd pairs before the byte kernels) 24.7 against 21.3 GB/s
+#: gate+up, 20.5 against 19.0 down (best of
 #: 30, interleaved, shared 2-core host; 2048 and 8192 bytes measured alike)
 PREFETCH_BYTES = 4096
 
@@ -83,102 +77,8 @@ def plus(builder, value, n: int):
     return builder.add(value, ir.Constant(value.type, n)) if n else value
 
 
-# ---- AVX-512 VNNI: the lane dots as explicit vpdpwssd (two int16 products per 32-bit lane) ---------
-# LLVM vectorises the loops above with one useful product per 32-bit lane (the codes zero-extended to
-# 32 bits) and does not form full int16 pairs from numba code (interleaved loads come out as
-# shifts and vpmulld), so these intrinsics write the vector code: 16 lanes at a time, the weights as
-# (low, high) nibble pairs in each 32-bit lane against the activation pairs x2 = xe | xo << 16.
-# Measured from L1 on one core: 66 GMAC/s against 32 for the loop above.
-
-_I32, _V16, _W32, _B16 = I32, V16, W32, B16
-_at, _load, _store, _splat, _vpdpwssd, _c = at, load, store, splat, vpdpwssd, plus
-
-
-def _void9(codegen):
-    """A numba intrinsic of nine arguments that returns nothing, its code written by ``codegen``."""
-
-    @intrinsic
-    def op(typingctx, a0, a1, a2, a3, a4, a5, a6, a7, a8):
-        return types.void(a0, a1, a2, a3, a4, a5, a6, a7, a8), codegen
-
-    return op
-
-
-def _packed_dots(J: int, CH: int):
-    """Intrinsic ``(ai, ao, w, wo, x2, xo, step, xsl, so)``: 16·CH lanes of ``ai[ao:] = Σ_j code·x −
-    8·xsl`` from the packed bytes w[wo + j·step] (uint8, unpacked in registers) and the pairs
-    x2[xo + j·step] (int32), xsl[so:] int32: the one-token loop shape (CH independent sums)."""
-
-    def codegen(context, builder, sig, args):
-        ai_, ao_, w_, wo_, x_, xo_, step_, s_, so_ = args
-        pw, px = _at(context, builder, sig.args[2], w_, wo_), _at(context, builder, sig.args[4], x_, xo_)
-        acc = [_splat(0)] * CH
-        for j in range(J):
-            line = builder.mul(step_, ir.Constant(step_.type, j))
-            prefetch(builder, builder.gep(pw, [_c(builder, line, PREFETCH_BYTES)]))
-            for ch in range(CH):
-                off = _c(builder, line, 16 * ch)
-                pair = nibble_pairs(builder, builder.gep(pw, [off]))
-                acc[ch] = _vpdpwssd(builder, acc[ch], pair, _load(builder, builder.gep(px, [off]), _V16))
-        ps, pa = _at(context, builder, sig.args[7], s_, so_), _at(context, builder, sig.args[0], ai_, ao_)
-        for ch in range(CH):
-            xs = _load(builder, builder.gep(ps, [ir.Constant(so_.type, 16 * ch)]), _V16)
-            dst = builder.gep(pa, [ir.Constant(ao_.type, 16 * ch)])
-            _store(builder, builder.sub(acc[ch], builder.shl(xs, _splat(3))), dst)  # − 8·Σ xq
-        return context.get_dummy_value()
-
-    return _void9(codegen)
-
-
-def _scratch_dots(J: int, NT: int, CH: int):
-    """Intrinsic ``(ai, ao, astep, ws, wo, x2, xo, xstep, step)``: 16·CH lanes of NT tokens,
-    ``ai[ao + u·astep:] = Σ_j ws·x2`` over the unpacked signed pairs ws[wo + j·step] and token u's pairs
-    x2[xo + u·xstep + j·step] (int32 each): the prefill loop shape, one weight load for NT tokens
-    (NT·CH independent sums: 64 lanes at once were 1.3-1.4x as fast as 16 at 4 and 16 tokens)."""
-
-    def codegen(context, builder, sig, args):
-        ai_, ao_, astep_, w_, wo_, x_, xo_, xstep_, step_ = args
-        pw, px = _at(context, builder, sig.args[3], w_, wo_), _at(context, builder, sig.args[5], x_, xo_)
-        pa = _at(context, builder, sig.args[0], ai_, ao_)
-        acc = [[_splat(0)] * NT for _ in range(CH)]
-        for j in range(J):
-            for ch in range(CH):
-                off = _c(builder, builder.mul(step_, ir.Constant(step_.type, j)), 16 * ch)
-                wv = _load(builder, builder.gep(pw, [off]), _V16)
-                for u in range(NT):
-                    xoff = builder.add(off, builder.mul(xstep_, ir.Constant(xstep_.type, u)))
-                    acc[ch][u] = _vpdpwssd(builder, acc[ch][u], wv,
-                                           _load(builder, builder.gep(px, [xoff]), _V16))
-        for ch in range(CH):
-            for u in range(NT):
-                dst = _c(builder, builder.mul(astep_, ir.Constant(astep_.type, u)), 16 * ch)
-                _store(builder, acc[ch][u], builder.gep(pa, [dst]))
-        return context.get_dummy_value()
-
-    return _void9(codegen)
-
-
-#: the intrinsics by (J, tokens), each over a whole chunk of L = 64 lanes (4 vectors: 1.3-1.4x as fast
-#: as one vector a call at 4 and 16 tokens, and as a loop over 16-lane calls)
-_pk16, _pk8, _pk4 = (_packed_dots(J, 4) for J in (16, 8, 4))
-_s16x4, _s8x4, _s4x4 = (_scratch_dots(J, 4, 4) for J in (16, 8, 4))
-_s16x2, _s8x2, _s4x2 = (_scratch_dots(J, 2, 4) for J in (16, 8, 4))
-_s16x1, _s8x1, _s4x1 = (_scratch_dots(J, 1, 4) for J in (16, 8, 4))
-@intrinsic
-def _unpack16(typingctx, ws, so, w, wo):
-    """16 lanes of ``ws[so:] = pair(low − 8, high − 8)`` of the bytes w[wo:] (int32 ← uint8): vector
-    stores, so the loads that follow are forwarded (scalar stores under a 64-byte load cost ~400 ns a
-    row)."""
-    sig = types.void(ws, so, w, wo)
-
-    def codegen(context, builder, sig, args):
-        ws_, so_, w_, wo_ = args
-        pair = builder.bitcast(nibble_pairs(builder, _at(context, builder, sig.args[2], w_, wo_)), _W32)
-        signed = builder.bitcast(builder.sub(pair, _splat(8, _W32)), _V16)  # int16 lanes: no borrow
-        _store(builder, signed, _at(context, builder, sig.args[0], ws_, so_))
-        return context.get_dummy_value()
-
-    return sig, codegen
+_I32, _V16 = I32, V16
+_at, _load, _store = at, load, store
 
 
 def _fsum_chunks(context, builder, sig, args, tokens):
@@ -324,3 +224,124 @@ def group_dots(J: int, R: int, NT: int):
 _g16r2x1, _g16r2x2, _g16r2x4 = (group_dots(16, 2, n) for n in (1, 2, 4))
 _g16r4x1, _g16r4x2, _g16r4x4 = (group_dots(16, 4, n) for n in (1, 2, 4))
 _g8r4x1, _g8r4x2, _g8r4x4 = (group_dots(8, 4, n) for n in (1, 2, 4))
+
+
+# ---- int4-g32 by bytes: vpdpbusd on the int16 activations split in bytes ----------------------
+# The transposed int4-g32 layout of the one-token shape above unpacks 16 bytes into 16 int16 pairs for
+# one vpdpwssd (32 products, 5 instructions of unpacking). Here each 32-bit lane holds 4 bytes of one
+# lane (group part) instead, and ``vpdpbusd`` (u8 x s8, 4 products a 32-bit lane, 64 an instruction)
+# multiplies the codes with the activations' bytes: xq = 256·xh + xl (xh the signed high byte, xl the
+# unsigned low byte), so Σ code·xq = 256·Σ code·xh + Σ xl·code, exact in int32 (|Σ code·xh| ≤
+# 32·15·128): the same integers a_k as the pairs give, from 2 instructions of unpacking per 128
+# products. Layout of a chunk of 64 lanes (J bytes each; ``layout.bytes_layout``): for quarter q (lanes
+# 16q..16q + 15), dword d (bytes 4d..4d + 3 of each lane), 64 bytes: lane 16q + i's 4 bytes at 4i. The
+# activations of a token (``q4t._xbytes``): for each (q, d) 4 x 64 bytes: xl of the even columns, xh
+# of the even, xl of the odd, xh of the odd, in the same byte order.
+
+B64 = ir.VectorType(ir.IntType(8), 64)
+
+
+def vpdpbusd(builder, acc, u, s):
+    """acc + Σ of the four u8·s8 products in each 32-bit lane of u (unsigned) and s (signed)."""
+    fnty = ir.FunctionType(V16, [V16, B64, B64])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpbusd.512")
+    return builder.call(fn, [acc, u, s])
+
+
+def byte_dots(J: int, NT: int):
+    """Intrinsic ``(ai, ao, astep, w, wo, xb, xo, xstep, xsl, so, sstep)``: the 64 lanes of one chunk
+    (J·64 bytes of w uint8 at wo, the layout above) times NT tokens' activation bytes (xb uint8, token u
+    at xo + u·xstep, 4·J·64 bytes a chunk), ``ai[ao + u·astep + k] = Σ code·xq − 8·xsl[so + u·sstep + k]``
+    (int32, exact: the integers of the int16 pairs), one weight load and unpacking for NT tokens."""
+    D = J // 4
+
+    @intrinsic
+    def dots(typingctx, ai, ao, astep, w, wo, xb, xo, xstep, xsl, so, sstep):
+        sig = types.void(ai, ao, astep, w, wo, xb, xo, xstep, xsl, so, sstep)
+
+        def codegen(context, builder, sig, args):
+            ai_, ao_, astep_, w_, wo_, xb_, xo_, xstep_, xs_, so_, sstep_ = args
+            pw = at(context, builder, sig.args[3], w_, wo_)
+            px0 = at(context, builder, sig.args[5], xb_, xo_)
+            px = [builder.gep(px0, [builder.mul(xstep_, ir.Constant(xstep_.type, u))]) for u in range(NT)]
+            pa = at(context, builder, sig.args[0], ai_, ao_)
+            ps = at(context, builder, sig.args[8], xs_, so_)
+            m15 = splat(15, B64)
+            four = splat(4, B64)
+            for q in range(4):
+                acc_h = [splat(0)] * NT
+                acc_l = [splat(0)] * NT
+                for d in range(D):
+                    line = 64 * (q * D + d)
+                    if NT == 1:
+                        prefetch(builder, builder.gep(pw, [_c64(line + PREFETCH_BYTES)]))
+                    wv = load(builder, builder.gep(pw, [_c64(line)]), B64)
+                    lo = builder.and_(wv, m15)
+                    hi = builder.lshr(wv, four)
+                    for u in range(NT):
+                        xl_e, xh_e, xl_o, xh_o = (load(builder, builder.gep(px[u], [_c64(4 * line + 64 * i)]),
+                                                       B64) for i in range(4))
+                        acc_l[u] = vpdpbusd(builder, vpdpbusd(builder, acc_l[u], xl_e, lo), xl_o, hi)
+                        acc_h[u] = vpdpbusd(builder, vpdpbusd(builder, acc_h[u], lo, xh_e), hi, xh_o)
+                for u in range(NT):
+                    so = plus(builder, builder.mul(sstep_, ir.Constant(sstep_.type, u)), 16 * q)
+                    xs = load(builder, builder.gep(ps, [so]), V16)
+                    a = builder.add(builder.shl(acc_h[u], splat(8)), acc_l[u])
+                    a = builder.sub(a, builder.shl(xs, splat(3)))  # − 8·Σ xq
+                    dst = plus(builder, builder.mul(astep_, ir.Constant(astep_.type, u)), 16 * q)
+                    store(builder, a, builder.gep(pa, [dst]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dots
+
+
+#: the byte intrinsics by J (16, 8, 4 bytes a lane) and tokens (1, 2, 4)
+_b16x1, _b16x2, _b16x4 = (byte_dots(16, n) for n in (1, 2, 4))
+_b8x1, _b8x2, _b8x4 = (byte_dots(8, n) for n in (1, 2, 4))
+_b4x1, _b4x2, _b4x4 = (byte_dots(4, n) for n in (1, 2, 4))
+
+
+def byte_dots2(J: int):
+    """Intrinsic ``(ai, ao, bo, w, wo, v, vo, xb, xo, xsl, so)``: :func:`byte_dots` of one token for two
+    rows at once, w at wo (into ai[ao:]) and v at vo (into ai[bo:]), sharing the activation loads (a
+    gate and an up row, or two rows of one weight): the same integers as two calls."""
+    D = J // 4
+
+    @intrinsic
+    def dots(typingctx, ai, ao, bo, w, wo, v, vo, xb, xo, xsl, so):
+        sig = types.void(ai, ao, bo, w, wo, v, vo, xb, xo, xsl, so)
+
+        def codegen(context, builder, sig, args):
+            ai_, ao_, bo_, w_, wo_, v_, vo_, xb_, xo_, xs_, so_ = args
+            pws = [at(context, builder, sig.args[3], w_, wo_), at(context, builder, sig.args[5], v_, vo_)]
+            px = at(context, builder, sig.args[7], xb_, xo_)
+            pas = [at(context, builder, sig.args[0], ai_, ao_), at(context, builder, sig.args[0], ai_, bo_)]
+            ps = at(context, builder, sig.args[9], xs_, so_)
+            m15, four = splat(15, B64), splat(4, B64)
+            for q in range(4):
+                acc_h, acc_l = [splat(0)] * 2, [splat(0)] * 2
+                for d in range(D):
+                    line = 64 * (q * D + d)
+                    xl_e, xh_e, xl_o, xh_o = (load(builder, builder.gep(px, [_c64(4 * line + 64 * i)]), B64)
+                                              for i in range(4))
+                    for r, pw in enumerate(pws):
+                        prefetch(builder, builder.gep(pw, [_c64(line + PREFETCH_BYTES)]))
+                        wv = load(builder, builder.gep(pw, [_c64(line)]), B64)
+                        lo, hi = builder.and_(wv, m15), builder.lshr(wv, four)
+                        acc_l[r] = vpdpbusd(builder, vpdpbusd(builder, acc_l[r], xl_e, lo), xl_o, hi)
+                        acc_h[r] = vpdpbusd(builder, vpdpbusd(builder, acc_h[r], lo, xh_e), hi, xh_o)
+                xs = builder.shl(load(builder, builder.gep(ps, [_c64(16 * q)]), V16), splat(3))  # 8·Σ xq
+                for r, pa in enumerate(pas):
+                    a = builder.sub(builder.add(builder.shl(acc_h[r], splat(8)), acc_l[r]), xs)
+                    store(builder, a, builder.gep(pa, [_c64(16 * q)]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dots
+
+
+#: two rows, one token, by J
+_b16r2, _b8r2, _b4r2 = (byte_dots2(J) for J in (16, 8, 4))
