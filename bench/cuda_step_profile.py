@@ -5,7 +5,9 @@ VRAM and the trunk on ``cuda:0``, decodes ``--warm`` tokens, then records ``--to
 torch's profiler (CUPTI sees every kernel of the process, CuPy's included) and prints, per kernel name,
 launches per token, GPU microseconds per token and the share of the step; plus the wall time per token and
 the sum of kernel times (their difference: gaps between kernels, i.e. launch latency and host work).
-``COLIBRI_CUDA_GRAPH=0`` in the environment profiles the op-by-op step instead. Writes JSON with ``--out``.
+``COLIBRI_CUDA_GRAPH=0`` in the environment profiles the op-by-op step instead. ``--plan PLAN`` takes the
+placement of a plan (experts on the host too: a hybrid step) and ``--host-profile N`` also prints the N
+host functions with the most own time over the recorded steps (cProfile). Writes JSON with ``--out``.
 
     python3 bench/cuda_step_profile.py --pack /tmp/w/fixture --out /tmp/prof.json
 """
@@ -26,6 +28,8 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=8)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plan", default=None)
+    ap.add_argument("--host-profile", type=int, default=0)
     args = ap.parse_args()
 
     import numpy as np
@@ -42,7 +46,12 @@ def main() -> None:
     a = pack.arch
     gpu = get_backend("cuda").open(0)
     cpu = get_backend("cpu").open(0)
-    placement = Placement.all_resident(a.moe_layers, a.n_experts, "cuda:0")
+    if args.plan:
+        from colibri_plan.formats.plan import load_plan
+
+        placement = Placement.from_plan(load_plan(args.plan))
+    else:
+        placement = Placement.all_resident(a.moe_layers, a.n_experts, "cuda:0")
     rm = ResidencyManager(pack, placement, cpu, devices={"cuda:0": gpu})
     model = Model(pack, experts=rm, trunk_backend=gpu, context_tokens=args.context)
     cache = model.new_cache(args.context)
@@ -50,6 +59,18 @@ def main() -> None:
     for _ in range(args.warm):
         tok = int(np.argmax(model._last_logits([tok], cache)))
     torch.cuda.synchronize()
+    if args.host_profile:
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        t0 = time.perf_counter()
+        for _ in range(args.tokens):
+            tok = int(np.argmax(model._last_logits([tok], cache)))
+        print(f"host-profiled: {(time.perf_counter() - t0) / args.tokens * 1e6:.0f} us/token")
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(args.host_profile)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(args.tokens):
