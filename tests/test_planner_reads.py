@@ -23,7 +23,7 @@ def _setup(ram: str):
 
 def test_cold_buffered_reads_pay_a_copy_per_miss_on_top_of_o_direct():
     _, sol, setup = _setup("0.58")
-    sec = reads_section(setup, sol.tiers, sol.lru_slots)
+    sec = reads_section(setup, sol.tiers, sol.lru_slots, cost_of)
     d, cold = sec["o_direct"], sec["buffered_cold"]
     assert d["tok_s"] == pytest.approx(cost_of(setup, sol.tiers, sol.lru_slots)["tok_s"])
     # the copy out of the page cache: disk bytes per token at the toy's 40 GB/s RAM read
@@ -34,7 +34,7 @@ def test_cold_buffered_reads_pay_a_copy_per_miss_on_top_of_o_direct():
 
 def test_warm_page_cache_inside_the_budget_is_what_the_pins_and_slots_leave_and_beyond_is_apart():
     _, sol, setup = _setup("0.58")
-    sec = reads_section(setup, sol.tiers, sol.lru_slots)
+    sec = reads_section(setup, sol.tiers, sol.lru_slots, cost_of)
     warm, beyond = sec["buffered_warm"], sec["buffered_warm_beyond"]
     b = setup.problem.expert_bytes
     held = (int((sol.tiers == TIER_RAM).sum()) + 2 * int(sol.lru_slots.sum())) * b   # pins, slots x 2
@@ -43,5 +43,5 @@ def test_warm_page_cache_inside_the_budget_is_what_the_pins_and_slots_leave_and_
     assert "beyond --ram" in sec["why"] and reads_line(sec).startswith("Reads: O_DIRECT")
     # without memory beyond the budget the two warm figures agree
     tight = dataclasses.replace(setup, knobs={**setup.knobs, "page_cache_pool_bytes": 0})
-    sec2 = reads_section(tight, sol.tiers, sol.lru_slots)
+    sec2 = reads_section(tight, sol.tiers, sol.lru_slots, cost_of)
     assert sec2["buffered_warm_beyond"]["tok_s"] == pytest.approx(sec2["buffered_warm"]["tok_s"])

@@ -58,8 +58,8 @@ def test_auto_takes_buffered_reads_only_beyond_the_noise(monkeypatch):
     assert plan.doc["reads"]["chosen"] == "o_direct"   # the toy's pins fill the budget: nothing to gain
     real = reads_mod.reads_section
 
-    def better(setup, tiers, slots):   # the same section with buffered warm 10% faster than O_DIRECT
-        sec = real(setup, tiers, slots)
+    def better(setup, tiers, slots, cost_of):   # the same section, buffered warm 10% faster than O_DIRECT
+        sec = real(setup, tiers, slots, cost_of)
         return {**sec, "buffered_warm": {**sec["buffered_warm"], "tok_s": sec["o_direct"]["tok_s"] * 1.10}}
 
     monkeypatch.setattr(reads_mod, "reads_section", better)

@@ -349,7 +349,7 @@ def make_plan(profile, spec, heat=None, opts: SolveOptions = DEFAULTS,
     if opts.target == "colibri-plan":   # O_DIRECT or buffered reads, priced and chosen (planner/reads.py)
         from colibri_plan.planner.reads import choose_reads
 
-        setup, reads = choose_reads(setup, sol.tiers, sol.lru_slots, opts.reads)
+        setup, reads = choose_reads(setup, sol.tiers, sol.lru_slots, cost_of, opts.reads)
     plan = plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source)
     if reads is not None:
         plan.doc["reads"] = _jsonable(reads)

@@ -26,9 +26,7 @@ import dataclasses
 NOISE = 0.05
 
 
-def _priced(setup, tiers, slots, pool: int) -> dict:
-    from colibri_plan.planner.make import cost_of
-
+def _priced(setup, tiers, slots, pool: int, cost_of) -> dict:
     res = dataclasses.replace(setup.res, page_cache_pool_bytes=max(0, int(pool)))
     s = dataclasses.replace(setup, res=res, problem=dataclasses.replace(setup.problem, res=res))
     c = cost_of(s, tiers, slots)
@@ -38,15 +36,16 @@ def _priced(setup, tiers, slots, pool: int) -> dict:
             "disk_bytes_per_token": c["disk_bytes_per_token"]}
 
 
-def reads_section(setup, tiers, slots) -> dict:
-    """The plan's ``reads`` section (module docstring): {"o_direct", "buffered_warm",
+def reads_section(setup, tiers, slots, cost_of) -> dict:
+    """The plan's ``reads`` section (module docstring), priced by ``cost_of`` (planner.make's, passed in:
+    make imports this module): {"o_direct", "buffered_warm",
     "buffered_warm_beyond", "buffered_cold": {tok_s, decode_s_per_token, page_cache_hit_rate,
     page_cache_bytes, disk_bytes_per_token}, "chosen", "why", "engine_supports"}."""
     budget = int(setup.problem.ram_budget_bytes)
     machine_pool = int(setup.knobs.get("page_cache_pool_bytes", 0))
-    direct = _priced(setup, tiers, slots, 0)
-    warm = _priced(setup, tiers, slots, budget)
-    beyond = _priced(setup, tiers, slots, max(budget, machine_pool))
+    direct = _priced(setup, tiers, slots, 0, cost_of)
+    warm = _priced(setup, tiers, slots, budget, cost_of)
+    beyond = _priced(setup, tiers, slots, max(budget, machine_pool), cost_of)
     copy_s = direct["disk_bytes_per_token"] / (setup.res.ram_read_gbps * 1e9)
     cold_s = direct["decode_s_per_token"] + copy_s
     cold = {**direct, "decode_s_per_token": cold_s, "tok_s": 1 / cold_s if cold_s > 0 else 0.0}
@@ -79,7 +78,7 @@ def reads_line(sec: dict) -> str:
 READ_CHOICES = ("auto", "o_direct", "buffered")
 
 
-def choose_reads(setup, tiers, slots, mode: str = "auto"):
+def choose_reads(setup, tiers, slots, cost_of, mode: str = "auto"):
     """O_DIRECT or buffered reads for our engine: ``(setup, section)``.
 
     ``mode`` "o_direct" / "buffered" forces one; "auto" takes buffered when its warm price inside the
@@ -88,7 +87,7 @@ def choose_reads(setup, tiers, slots, mode: str = "auto"):
     the plan document then predicts and the engine enforces (``knobs.page_cache.capacity_bytes``:
     engine/streaming.py keeps that many experts' pages, plus the LRU slots' copies); otherwise ``setup``
     unchanged. ``section``: :func:`reads_section` with ``chosen`` set and why."""
-    sec = reads_section(setup, tiers, slots)
+    sec = reads_section(setup, tiers, slots, cost_of)
     direct_tok_s = sec["o_direct"]["tok_s"]
     gain = sec["buffered_warm"]["tok_s"] / direct_tok_s - 1 if direct_tok_s > 0 else 0.0
     buffered = mode == "buffered" or (mode == "auto" and gain > NOISE)
