@@ -19,8 +19,9 @@ Where each expert's bytes come from, so the tiers' accounting and checks hold as
   as its read lands, then admitted to the layer's LRU: a "disk" use with its bytes and read seconds.
 
 Experts another device holds (a second GPU's VRAM) or that a unified device computes (the plan's
-``compute`` map) stay on the host path (:meth:`ResidencyManager.run`). The upload seconds are the trunk
-device's expert time (``device_compute_s``) and the layer's wall time, and are counted apart in
+``compute`` map) stay on the host path (:meth:`ResidencyManager.run`), and so do those beyond the device's
+free capacity (``capacity_bytes`` less what it holds: the uploads never fail for room). The upload seconds
+are the trunk device's expert time (``device_compute_s``) and the layer's wall time, and are counted apart in
 ``offload_h2d_s`` / ``offload_h2d_bytes`` / ``offloaded`` of the stats (the run report's
 ``prefill_terms``). ``COLIBRI_PREFILL_OFFLOAD=0`` turns the offload off (the host computes them, as before).
 """
@@ -111,19 +112,31 @@ class PrefillOffload:
         st, lru, tc = self.stats, self._lru[layer], self.tc
         off = Offload(backend, key, getattr(backend, "name", "") in HOST_BACKENDS)
         misses: list[int] = []
+        cap = backend.capacity_bytes()
+        room = float("inf") if cap is None else cap - backend.memory_used()  # bytes the uploads may take
+
+        def fits(nbytes: int) -> bool:  # what does not fit stays on the host path (no upload fails for room)
+            nonlocal room
+            room -= nbytes
+            return room >= 0
         try:
             for i in positions:
                 k = (layer, int(expert_ids[i]))
                 if k in self._pinned:   # pinned and computed by the CPU (a unified device's: _pinned_dev)
                     qts = self._pinned[k].qts
-                    off.taken.append((i, off.upload(qts if qts is not None else self.pack.expert(*k))))
+                    qts = qts if qts is not None else self.pack.expert(*k)
+                    if not fits(sum(q.nbytes for q in qts)):
+                        off.left.append(i)
+                        continue
+                    off.taken.append((i, off.upload(qts)))
                     st.uses["ram_pinned"] += 1
-                elif k in lru and tc.device("lru") is None:
+                elif k in lru and tc.device("lru") is None and fits(sum(q.nbytes for q in lru[k].qts)):
                     lru.move_to_end(k)
                     off.taken.append((i, off.upload(lru[k].qts)))
                     st.uses["lru"] += 1
                 elif (k not in lru and k not in self._vram and k not in self._pinned_dev
-                      and tc.device("disk") is None and not self.in_memory):
+                      and tc.device("disk") is None and not self.in_memory
+                      and fits(self.pack.expert_location(*k)[1])):
                     misses.append(i)
                 else:
                     off.left.append(i)

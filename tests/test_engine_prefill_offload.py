@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _backend_params import backend_params
 
 from colibri_plan.backends import get_backend
 from colibri_plan.engine.fixture import FixtureConfig, build_fixture
@@ -56,7 +57,7 @@ class _RowsNumpy(get_backend("numpy")):
         return self.d_put(out)
 
 
-def _run(pack, be, key: str):
+def _run(pack, be, key: str, before_prefill=None):
     """Prefill then greedy decode with ``be`` as the trunk's device: (tokens, the manager's stats after,
     the prefill's stats, layers whose run() the prefill called, the prefill's host expert_ffn calls, the
     device's bytes held before / after the prefill)."""
@@ -69,6 +70,8 @@ def _run(pack, be, key: str):
     try:
         with Model(pack, experts=rm, trunk_backend=be, context_tokens=64) as model:
             cache = model.new_cache()
+            if before_prefill is not None:
+                before_prefill(be)
             held = be.memory_used()
             tok = int(np.argmax(model.trunk.last_logits(np.array(PROMPT), cache)))
             after = be.memory_used()
@@ -120,6 +123,30 @@ def test_prefill_offload_on_a_host_device(fx):
         _check_offloaded(got, ref, want, pack.arch)
 
 
+def test_prefill_offload_takes_only_what_fits_in_the_device(fx):
+    """Room for one expert beyond the device's own: one host expert a layer goes up, the rest stay on the
+    host path (the manager's run()), same tokens and tier uses."""
+    folder, want = fx
+
+    class Small(_RowsNumpy):
+        cap = None
+
+        def capacity_bytes(self):
+            return self.cap
+
+    with open_pack(folder) as pack:
+        ref = _host_path(pack)
+        be = Small.open(0)
+        room = sum(q.nbytes for q in pack.expert(pack.arch.moe_layers[0], 0))  # one expert's bytes
+        try:
+            tokens, _, pre, runs, _, _ = _run(pack, be, "numpy:0", lambda b: setattr(
+                b, "cap", b.memory_used() + 3 * room // 2))
+        finally:
+            be.close()
+    assert tokens == want and runs == list(pack.arch.moe_layers)
+    assert pre.offloaded == len(pack.arch.moe_layers) and pre.uses == ref[2].uses
+
+
 def test_prefill_offload_off_by_the_switch_and_below_the_threshold(fx, monkeypatch):
     folder, want = fx
     monkeypatch.setenv(OFFLOAD_ENV, "0")
@@ -157,3 +184,17 @@ def test_prefill_offload_on_the_simulated_cuda_backend(fx, monkeypatch):
     prefill = [c for c in rows_calls if c[0] == len(PROMPT)]
     assert len(prefill) == len(pack.arch.moe_layers)
     assert sum(n for _, n in prefill) == sum(pre.uses.values())
+
+
+@pytest.mark.parametrize("backend", backend_params(("cuda",)))
+def test_prefill_offload_on_a_gpu(fx, backend):
+    """The real GPU (skipped here without one): the uploads, the rows op and the frees on the device."""
+    folder, want = fx
+    be = get_backend(backend).open(0)
+    try:
+        with open_pack(folder) as pack:
+            ref = _host_path(pack)
+            got = _run(pack, be, f"{backend}:0")
+    finally:
+        be.close()
+    _check_offloaded(got, ref, want, pack.arch)
