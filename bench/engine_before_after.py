@@ -70,9 +70,14 @@ for line in sys.stdin:
     req, res = json.loads(line), {}
     for p in req["prefill"]:
         cache = model.new_cache(context)
+        rm.reset_stats()
         t0 = time.perf_counter()
-        last(p, cache)
+        res[f"prefill_{len(p)}_token"] = last(p, cache)
         res[f"prefill_{len(p)}_s"] = time.perf_counter() - t0
+        st = rm.reset_stats()  # the prefill's tiers (and, where the install has it, its GPU offload)
+        res[f"prefill_{len(p)}_stats"] = {"uses": st.uses, "cpu_compute_s": st.cpu_compute_s,
+                                          **{k: getattr(st, k) for k in ("offloaded", "offload_h2d_bytes",
+                                                                         "offload_h2d_s") if hasattr(st, k)}}
     cache = model.new_cache(context)
     tok = last(req["prompt"], cache)
     toks = [tok]
@@ -145,6 +150,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--prefill", default="16,64")
+    ap.add_argument("--decode-prompt", type=int, default=16,
+                    help="prompt tokens before the timed decode (the first of the first --prefill prompt)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--work", default="out/before-after")
     ap.add_argument("--pack", help="an existing pack to run instead (e.g. bench/h200_trunk.py fixture's)")
@@ -152,18 +159,22 @@ def main() -> None:
                     "the rest pinned in RAM; e.g. the 2.5 GB GPU plan) instead of all in one tier")
     ap.add_argument("--out")
     a = ap.parse_args()
-    if a.pairs < 1 or a.decode_tokens < 1 or a.layers < 1:
-        ap.error("--pairs, --decode-tokens and --layers must be >= 1")
+    if a.pairs < 1 or a.decode_tokens < 1 or a.layers < 1 or a.decode_prompt < 1:
+        ap.error("--pairs, --decode-tokens, --decode-prompt and --layers must be >= 1")
     prefill = [int(n) for n in a.prefill.split(",") if n]
     if any(n < 1 or n + 1 > a.context for n in prefill):
         ap.error("--prefill lengths must be >= 1 and below --context")
+    if a.decode_prompt + a.decode_tokens > a.context:
+        ap.error("--decode-prompt + --decode-tokens must fit in --context")
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     pack = Path(a.pack) if a.pack else build_pack(work, a.layers, a.format, a.after)
     vocab = json.loads((pack / "pack.json").read_text())["arch"]["vocab_size"]
     rng = __import__("random").Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in prefill]
-    req = {"prefill": prompts, "prompt": prompts[0][:16] if prompts else [1] * 16, "decode": a.decode_tokens}
+    n = a.decode_prompt  # the decode's prompt: the first n tokens of the first prefill prompt (same rng)
+    head = prompts[0] if prompts and len(prompts[0]) >= n else [rng.randrange(vocab) for _ in range(n)]
+    req = {"prefill": prompts, "prompt": head[:n], "decode": a.decode_tokens}
     workers = {k: Worker(py, pack, a.backend, a.context, a.plan)
                for k, py in (("before", a.before), ("after", a.after))}
     for w in workers.values():
@@ -185,6 +196,10 @@ def main() -> None:
               "engines": {k: w.info for k, w in workers.items()},
               "same_tokens": all(b["tokens"] == f["tokens"] for b, f in zip(runs["before"], runs["after"])),
               "tokens": {k: runs[k][0]["tokens"] for k in runs},
+              # each prefill's greedy token, per run, and the prefill's tier statistics (the last run)
+              "prefill_tokens": {k: [[r[f"prefill_{n}_token"] for n in prefill] for r in runs[k]]
+                                 for k in runs},
+              "prefill_stats": {k: {n: runs[k][-1].get(f"prefill_{n}_stats") for n in prefill} for k in runs},
               "graph": {k: runs[k][-1].get("graph") for k in runs}, "metrics": {}}
     print(f"{'metric':<16} {'before':>22} {'after':>22} {'after/before (faster > 1)':>28}")
     for key in keys:

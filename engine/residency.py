@@ -18,6 +18,9 @@ At decode (one token) :meth:`ResidencyManager.run_sum` computes a layer whose ch
 on the CPU backend in one ``expert_ffn_sum`` call (same bits as :meth:`ResidencyManager.run` then
 ``scatter_sum``).
 
+A device trunk's long prefill may compute the host tiers' experts on its GPU instead
+(:meth:`ResidencyManager.offload_experts`, :mod:`colibri_plan.engine.offload`).
+
 A placement's ``compute`` map may hand the host tiers (pinned, LRU, disk) to a unified-memory device
 (:mod:`colibri_plan.engine.unified`): those experts are uploaded to it (pinned once at start-up, streamed
 once per slot fill) and computed there, beside the CPU path.
@@ -37,6 +40,7 @@ import numpy as np
 
 from colibri_plan.directio import open_for_read
 from colibri_plan.engine.moe import scatter_sum
+from colibri_plan.engine.offload import PrefillOffload
 from colibri_plan.engine.placement import LayerPlacement, Placement
 from colibri_plan.engine.repin import Repinner
 from colibri_plan.engine.streaming import Slot, StreamedExperts
@@ -45,7 +49,7 @@ from colibri_plan.engine.unified import TierCompute
 from colibri_plan.errors import InputError
 
 
-class ResidencyManager(StreamedExperts):
+class ResidencyManager(StreamedExperts, PrefillOffload):
     """Serve a pack's experts from VRAM / pinned RAM / LRU / disk as a :class:`Placement` says.
 
     Args:

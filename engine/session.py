@@ -189,7 +189,10 @@ def prefill_terms(st) -> dict | None:
     return {"experts_s": st.layer_wall_s,
             "expert_compute_s": {"cpu": st.cpu_compute_s, **st.device_compute_s},
             "disk_wait_s": st.disk_wait_s, "disk_read_s": st.disk_read_s, "disk_busy_s": st.disk_busy_s,
-            "disk_bytes": st.disk_bytes, "hit_rate": st.hit_rates()}
+            "disk_bytes": st.disk_bytes, "hit_rate": st.hit_rates(),
+            # host experts computed on the trunk's GPU (engine/offload.py): count, bytes up, upload seconds
+            "offloaded_experts": st.offloaded, "offload_h2d_bytes": st.offload_h2d_bytes,
+            "offload_h2d_s": st.offload_h2d_s}
 
 
 class EngineSession:

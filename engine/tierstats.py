@@ -19,7 +19,10 @@ class TierStats:
     ``device_compute_s`` is per device key ("cuda:0"), wall time of its share of each layer
     (activation transfers included); ``layer_wall_s`` is the wall time inside :meth:`run`;
     ``repins``, ``repin_bytes``, ``repin_s`` count live re-pinning swaps, their bytes and seconds;
-    ``page_cache_hits`` counts disk uses read from pages the plan's page cache kept (buffered reads).
+    ``page_cache_hits`` counts disk uses read from pages the plan's page cache kept (buffered reads);
+    ``offloaded``, ``offload_h2d_bytes``, ``offload_h2d_s``: host experts a prefill copied to the trunk's GPU
+    and computed there (engine/offload.py), their bytes and the upload seconds (inside the device's
+    ``device_compute_s`` and ``layer_wall_s``; their uses count in the tiers they came from).
     """
 
     uses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HIT_TIERS, 0))
@@ -34,6 +37,9 @@ class TierStats:
     repin_bytes: int = 0      # bytes read (and uploaded) for them
     repin_s: float = 0.0      # seconds the swaps took (between tokens, inside decode time)
     page_cache_hits: int = 0  # disk uses whose expert the plan's page cache kept (buffered reads)
+    offloaded: int = 0        # host experts a prefill computed on the trunk's GPU (engine.offload)
+    offload_h2d_bytes: int = 0
+    offload_h2d_s: float = 0.0
 
     @property
     def expert_uses(self) -> int:

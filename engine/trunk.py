@@ -30,7 +30,9 @@ the LM head, as in the transformers modeling code of every supported family:
   one fused call per decode step on the cpu backend). On a GPU, with a residency manager as provider, the
   chosen experts it holds in VRAM on this very backend run on the device x (``d_expert_ffn``; at prefill
   ``d_expert_ffn_rows`` where the backend has it), queued before the host's work; the others run through
-  the manager and their sum goes up once (``d_put``). Shared experts (Qwen2-MoE's sigmoid gate from the
+  the manager and their sum goes up once (``d_put``) — but for a prefill of at least
+  ``PREFILL_OFFLOAD_TOKENS`` rows on such a backend, the host tiers' experts are copied up and computed in
+  the same call (:mod:`~colibri_plan.engine.offload`). Shared experts (Qwen2-MoE's sigmoid gate from the
   host's x, applied with ``d_scale_rows``) and dense FFN layers run on the device.
 
 Local experts are accounted as the manager's own: a "vram" use each, and their seconds charged to that
@@ -51,6 +53,7 @@ from colibri_plan.engine.device_route import DeviceRouter, device_routing_off_re
 from colibri_plan.engine.kv_device import DeviceKVCache, DeviceLatentCache
 from colibri_plan.engine.mla import LATENT_NORM_EPS, check_dsa_context
 from colibri_plan.engine.moe import group_routes, route_tokens, routed_experts, scatter_sum
+from colibri_plan.engine.offload import PREFILL_OFFLOAD_TOKENS, offload_enabled
 from colibri_plan.engine.trunk_weights import (
     absorbed_weights,
     rope_positions,
@@ -103,6 +106,9 @@ class Trunk:
         self._split = getattr(model.experts, "local_experts", None) if held else None
         # prefill's routed rows on the device x, where the backend declares the op (CUDA)
         self._rows_op = backend.d_expert_ffn_rows if backend.supports("d_expert_ffn_rows") else None
+        # ... and a long prefill's host experts copied up and run there too (engine/offload.py)
+        self._offload = (self._rows_op is not None and self._split is not None and offload_enabled()
+                         and hasattr(model.experts, "offload_experts"))
         # routing on the device where the experts' split runs here (engine/device_route.py)
         self.routing_off = (device_routing_off_reason(backend, self.arch) if self._split is not None
                             else "no experts of a residency manager on this device")
@@ -286,32 +292,52 @@ class Trunk:
         # the split reads only each expert's row count: rows are gathered for the host's experts alone (a
         # prefill's gather of every expert's rows cost more than the device's experts did)
         local, rest = split(i, uniq, tok_of, be)
+        off = None
+        if rest and T >= PREFILL_OFFLOAD_TOKENS and self._offload:  # host experts up, computed here
+            off = m.experts.offload_experts(i, uniq, rest, be)  # engine/offload.py
+            rest = off.left
         y = None
-        if local:
-            timed = sampled or T != 1  # a prefill's local experts are timed on their own (not per token)
-            if timed:
-                be.synchronize()  # the queued trunk work is not the experts'
-            t0 = time.perf_counter()
-            ws = [w for _, _, w in local]
-            if T == 1:
-                y = be.d_expert_ffn(x, ws, np.array([gates[j][0] for j, _, _ in local], np.float32))  # [1, H]
-            else:  # each expert on its own tokens' rows of the device x, [T, H]
-                y = rows_op(x, ws, [tok_of[j] for j, _, _ in local], [gates[j] for j, _, _ in local])
-            if timed:
-                be.synchronize()
-                seconds = time.perf_counter() - t0
-                if T == 1:
-                    self._local_s, self._local_n = self._local_s + seconds, self._local_n + len(local)
-            per_expert = seconds / len(local) if T != 1 else self._local_s / max(1, self._local_n)
-            keys = [k for _, k, _ in local]
-            for k in sorted(set(keys)):  # one device key but for aliases of one backend
-                m.experts.add_local_seconds(k, per_expert * keys.count(k))
+        try:
+            if local or (off is not None and off.taken):
+                y = self._device_experts(x, local, [] if off is None else off.taken,
+                                         None if off is None else off.key, tok_of, gates, sampled)
+        finally:
+            if off is not None:
+                off.release()
         if rest:  # x comes down when some chosen experts live off this device (once per layer)
             xh = be.d_get(x) if xh is None else xh
             xs = [xh if T == 1 else np.ascontiguousarray(xh[tok_of[j]]) for j in rest]  # [T_j, H] each
             ys = m.experts.run(i, [uniq[j] for j in rest], xs, [gates[j] for j in rest], observed=True)
             host = be.d_put(scatter_sum(xh, [tok_of[j] for j in rest], ys))  # [T, H] up once
             y = host if y is None else be.d_add(y, host)
+        return y
+
+    def _device_experts(self, x: DArray, local: list, taken: list, off_key: str | None, tok_of, gates,
+                        sampled: bool) -> DArray:
+        """The device's own experts ``local`` [(position, key, weights)] and a prefill's offloaded host
+        experts ``taken`` [(position, weights on this device)] on the device x: their weighted sum [T, H]."""
+        be, m, T = self.be, self.model, x.shape[0]
+        timed = sampled or T != 1  # a prefill's device experts are timed on their own (not per token)
+        if timed:
+            be.synchronize()  # the queued trunk work is not the experts'
+        t0 = time.perf_counter()
+        if T == 1:
+            y = be.d_expert_ffn(x, [w for _, _, w in local],
+                                np.array([gates[j][0] for j, _, _ in local], np.float32))  # [1, H]
+        else:  # each expert on its own tokens' rows of the device x, ascending positions, [T, H]
+            jobs = sorted([(j, w) for j, _, w in local] + list(taken), key=lambda t: t[0])
+            pos = [j for j, _ in jobs]
+            y = self._rows_op(x, [w for _, w in jobs], [tok_of[j] for j in pos], [gates[j] for j in pos])
+        if timed:
+            be.synchronize()
+            seconds = time.perf_counter() - t0
+            if T == 1:
+                self._local_s, self._local_n = self._local_s + seconds, self._local_n + len(local)
+        per_expert = (seconds / (len(local) + len(taken)) if T != 1
+                      else self._local_s / max(1, self._local_n))
+        keys = [k for _, k, _ in local] + [off_key] * len(taken)
+        for k in sorted(set(keys)):  # one device key but for aliases of one backend
+            m.experts.add_local_seconds(k, per_expert * keys.count(k))
         return y
 
     # ---- the forward pass ------------------------------------------------------------------------

@@ -163,3 +163,26 @@ def test_figures_mark_only_the_cuda_trunk_gpu_as_device_x():
     for trunk, want in (("cuda:0", True), ("cpu", False)):
         _, _, setup = make_plan(prof, spec, None, SolveOptions(ram="2", context_tokens=100, trunk=trunk))
         assert figures_from_setup(prof, setup)["gpus"][0]["device_x"] is want
+
+
+def test_a_cuda_trunks_long_prefill_offloads_the_host_experts_to_its_gpu():
+    # one expert on the trunk's GPU (p 1), one pinned and one on disk (p 0.5 each: q ≈ 1 at P = 32, 16 rows)
+    gpus = [dict(figures()["gpus"][0], device_x=True)]
+    fig = figures(gpus=gpus, offload_tokens=32)
+    p, tiers = np.array([1.0, 0.5, 0.5]), np.array([0, -1, -2])
+    lay = layer_seconds(p, tiers, 32, fig)
+    # uploads at 10 GB/s: 0.1 s each; the miss's read (0.5 s) then its upload (0.1 s) is the host path
+    assert lay["offload_h2d_s"] == pytest.approx(0.2)
+    assert lay["cpu_s"] == pytest.approx(max(0.1 + 0.1, 0.5 + 0.1))
+    # the device: its own expert (32 rows, f = 4: 0.04 s), the host path, the two uploaded (f(16) = 2: 0.02 s)
+    assert lay["gpu_s"]["cuda:0"] == pytest.approx(0.04 + 0.6 + 2 * 0.02)
+    assert lay["layer_s"] == pytest.approx(0.68)
+    # below the threshold, and a plan recorded without it: the CPU computes them (16 rows at r 16: 1.6 s)
+    for n, f in ((31, fig), (32, figures(gpus=gpus))):
+        lay = layer_seconds(p, tiers, n, f)
+        assert lay["offload_h2d_s"] == 0.0 and lay["cpu_s"] > 1.5 and lay["layer_s"] == lay["cpu_s"]
+    # not a CUDA trunk (no device_x): no offload either
+    assert layer_seconds(p, tiers, 32, figures(offload_tokens=32))["offload_h2d_s"] == 0.0
+    out = predict_prefill(p[None], tiers[None], np.array([True]), 32, fig)
+    assert out["terms"]["offload_h2d_s"] == pytest.approx(0.2)
+    assert out["terms"]["experts_s"] == pytest.approx(0.68)

@@ -29,6 +29,9 @@ TIER_RAM = -1
 TIER_DISK = -2
 #: the host tiers a plan's ``compute`` section assigns a processor ("cpu" or a unified device key)
 COMPUTE_TIERS = ("ram_pinned", "lru", "disk")
+#: a prefill of at least this many tokens on a CUDA trunk copies each host-held expert it touches to the GPU
+#: and computes it there (engine/offload.py; the prefill cost model prices it: planner/prefill.py)
+PREFILL_OFFLOAD_TOKENS = 32
 _TOP_KEYS = ("model", "profile", "heat", "budgets", "expert_format", "devices", "layers", "predicted",
              "solver")
 

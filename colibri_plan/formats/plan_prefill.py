@@ -12,7 +12,7 @@ of a KeyError or TypeError in ``plan show``, ``run --plan`` or ``verify``:
   planner writes them so; a hand edit of one figure alone would print a time the others contradict);
 - ``terms``: an object whose ``experts_s``, ``dense_s``, ``lm_head_s``, ``attention_s``, ``handoff_s``
   and ``distinct_experts_per_layer`` are finite numbers >= 0 (printed), and whose optional
-  ``disk_read_s`` and ``verify_s`` are too when present;
+  ``disk_read_s``, ``verify_s`` and ``offload_h2d_s`` are too when present;
 - ``curve`` (optional): a list of ``[prompt tokens (whole number >= 1), prefill seconds (finite >= 0)]``
   pairs, prompt lengths ascending without repeats (``verify`` interpolates it at a run's prompt length);
 - ``figures`` (optional): an object (``planner.prefill.prefill_for_plan`` reads it).
@@ -28,7 +28,7 @@ from colibri_plan.formats.fields import At
 #: the ``terms`` figures ``solve`` and ``plan show`` print (required), and the ones added later (optional)
 REQUIRED_TERMS = ("experts_s", "dense_s", "lm_head_s", "attention_s", "handoff_s",
                   "distinct_experts_per_layer")
-OPTIONAL_TERMS = ("disk_read_s", "verify_s")
+OPTIONAL_TERMS = ("disk_read_s", "verify_s", "offload_h2d_s")
 
 
 def check_prefill(predicted: dict, at: At) -> None:

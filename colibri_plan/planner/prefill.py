@@ -30,6 +30,18 @@ run's disk wait was a third of its read time at 64 and 256 prompt tokens, not th
                   + (P² / 2) · kv_bytes_per_token / kv GB/s(P)  +  n_moe · handoff_t(P)
     handoff_t(P) = roundtrip_s + (P − 1) · H · 4 · (1/h2d + 1/d2h) / 1e9   (0 with the trunk on the CPU)
 
+**Offload** (a CUDA trunk, ``P >= offload_tokens``: the engine's PREFILL_OFFLOAD_TOKENS, recorded in the
+figures; engine/offload.py): every touched host expert (pinned or on disk) is copied to the trunk's GPU t
+and computed there with its VRAM experts, in place of the CPU compute::
+
+    h2d_l       = Σ_{e pinned or on disk} q_e · b / h2d_t            (the uploads; ``offload_h2d_s``)
+    host_l      = max(h2d_pinned_l + verify_l + h2d_disk_l, disk_l + h2d_disk_l / max(1, M_l))
+                                                  (each miss goes up as its read lands, as it computed)
+    gpu_l,t     = Σ_{e on t} q_e · b / g_t · f(n_e, r_t) + host_l + Σ_{e host} q_e · b / g_t · f(n_e, r_t)
+                                                  (one device call after the uploads: no overlap)
+
+and cpu_l is host_l. Plans recorded without ``offload_tokens`` are priced as before.
+
 ``p_e`` is the heat's per-token selection probability (a layer's p sum to top-k), ``b`` the expert's
 bytes, ``g`` a tier's weight GB/s at 1 token (the plan's decode figures). **Independence**: the P
 tokens are taken to select experts independently of each other with the heat's probabilities, so
@@ -50,7 +62,8 @@ split trunk is priced on its first device. Every GPU holding experts of a layer 
 trip, except the trunk's own GPU on CUDA (``device_x``: its VRAM experts run on the device's rows at
 prefill, ``d_expert_ffn_rows``; on other backends a device trunk's prefill sends every routed expert
 through the host path, so its GPU pays the trip too), and the host tiers are computed on the CPU even
-where a unified GPU computes them at decode (the plan's ``compute`` section). Coefficients are not
+where a unified GPU computes them at decode (the plan's ``compute`` section), unless the offload above
+moves them to a CUDA trunk's GPU. Coefficients are not
 applied (they are fitted on decode runs): the prefill figures are uncalibrated.
 
 The plan records the figures (``predicted.prefill.figures``) so :func:`prefill_for_plan` can predict
@@ -63,6 +76,7 @@ from __future__ import annotations
 import numpy as np
 
 from colibri_plan.errors import InputError
+from colibri_plan.formats.plan import PREFILL_OFFLOAD_TOKENS
 from colibri_plan.formats.profile_trunk import kv_gbps_at
 
 #: the token count of the profile's batched ``matmul`` figure
@@ -113,7 +127,7 @@ def layer_seconds(p: np.ndarray, tiers: np.ndarray, prompt_tokens: int, fig: dic
 
     Returns:
         {"layer_s", "cpu_s", "disk_read_s", "verify_s", "gpu_s": {key: s incl. transfer},
-        "distinct_experts"}.
+        "offload_h2d_s" (0 without the offload), "distinct_experts"}.
     """
     p, tiers = np.asarray(p, dtype=np.float64), np.asarray(tiers)
     q = distinct_experts(p, prompt_tokens)
@@ -136,6 +150,15 @@ def layer_seconds(p: np.ndarray, tiers: np.ndarray, prompt_tokens: int, fig: dic
     # CPU work against all the reads plus the last miss's compute
     last_s = stream_s / max(1.0, misses)   # one miss's compute (all of it when < 1 is expected)
     cpu_s = max(ram_s + verify_s + stream_s, disk_s + last_s)
+    t = offload_gpu(fig, prompt_tokens)
+    h2d_s = offload_s = 0.0
+    if t is not None:   # the host experts go up to the trunk's GPU and run there (module docstring)
+        up_ram = float(q[ram].sum()) * b / (t["h2d_gbps"] * 1e9)
+        up_disk = misses * b / (t["h2d_gbps"] * 1e9)
+        h2d_s = up_ram + up_disk
+        cpu_s = max(up_ram + verify_s + up_disk, disk_s + up_disk / max(1.0, misses))
+        host = ram | disk
+        offload_s = cpu_s + _rows_seconds(p[host], q[host], prompt_tokens, b, t["gbps"], t["r"])
     gpu = {}
     h = int(fig["hidden_size"])
     for d, g in enumerate(fig["gpus"]):
@@ -148,8 +171,20 @@ def layer_seconds(p: np.ndarray, tiers: np.ndarray, prompt_tokens: int, fig: dic
             act = prompt_tokens * h * 4
             xfer = used * (act / (g["h2d_gbps"] * 1e9) + act / (g["d2h_gbps"] * 1e9) + 2 * g["latency_s"])
         gpu[g["key"]] = _rows_seconds(p[on], q[on], prompt_tokens, b, g["gbps"], g["r"]) + xfer
+    if t is not None and offload_s > 0:
+        gpu[t["key"]] = gpu.get(t["key"], 0.0) + offload_s
     return {"layer_s": max([cpu_s, *gpu.values()]), "cpu_s": cpu_s, "disk_read_s": disk_s, "gpu_s": gpu,
-            "verify_s": verify_s, "distinct_experts": float(q.sum())}
+            "verify_s": verify_s, "offload_h2d_s": h2d_s, "distinct_experts": float(q.sum())}
+
+
+def offload_gpu(fig: dict, prompt_tokens: int) -> dict | None:
+    """The figures of the trunk's CUDA GPU (``device_x``) when a ``prompt_tokens`` prefill offloads the host
+    experts to it (at least ``fig["offload_tokens"]`` tokens); None otherwise, and for plans recorded
+    without ``offload_tokens``."""
+    n = fig.get("offload_tokens")
+    if not n or int(prompt_tokens) < int(n):
+        return None
+    return next((g for g in fig["gpus"] if g.get("device_x") and not g.get("unified")), None)
 
 
 def trunk_prefill_seconds(prompt_tokens: int, fig: dict) -> dict:
@@ -179,7 +214,8 @@ def predict_prefill(probs: np.ndarray, tiers: np.ndarray, decode_rows: np.ndarra
     Returns:
         {"prompt_tokens", "prefill_s", "ttft_s", "prefill_tok_s", "terms": {experts_s, dense_s,
         lm_head_s, attention_s, handoff_s, disk_read_s, verify_s (crc32 of streamed experts, inside
-        experts_s), distinct_experts_per_layer}, "figures"}.
+        experts_s), offload_h2d_s (host experts' uploads to the trunk's GPU, inside experts_s),
+        distinct_experts_per_layer}, "figures"}.
 
     Raises:
         InputError: a prompt length < 1, or disk experts without a disk figure.
@@ -187,16 +223,17 @@ def predict_prefill(probs: np.ndarray, tiers: np.ndarray, decode_rows: np.ndarra
     n = int(prompt_tokens)
     if n < 1:
         raise InputError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
-    experts = disk = verify = distinct = 0.0
+    experts = disk = verify = distinct = h2d = 0.0
     rows = [i for i, keep in enumerate(np.asarray(decode_rows, dtype=bool)) if keep]
     for i in rows:
         lay = layer_seconds(probs[i], tiers[i], n, fig)
         experts += lay["layer_s"]
         disk += lay["disk_read_s"]
         verify += lay["verify_s"]
+        h2d += lay["offload_h2d_s"]
         distinct += lay["distinct_experts"]
     terms = {"experts_s": experts, **trunk_prefill_seconds(n, fig), "disk_read_s": disk, "verify_s": verify,
-             "distinct_experts_per_layer": distinct / max(1, len(rows))}
+             "offload_h2d_s": h2d, "distinct_experts_per_layer": distinct / max(1, len(rows))}
     total = sum(terms[k] for k in ("experts_s", "dense_s", "lm_head_s", "attention_s", "handoff_s"))
     return {"prompt_tokens": n, "prefill_s": total, "ttft_s": total, "prefill_tok_s": n / total,
             "terms": terms, "figures": fig}
@@ -298,7 +335,8 @@ def figures_from_setup(profile, setup) -> dict:
     cpu_dev = _cpu_device(profile, fmt)
     fig = {"expert_bytes": int(spec.expert_bytes()), "hidden_size": int(h),
            "disk_gbps": res.disk_read_gbps, "checksum_gbps": res.checksum_gbps,
-           "cpu": {"gbps": res.cpu_matmul_gbps, "r": _ffn_ratio(profile, cpu_dev, fmt, i, h)}, "gpus": []}
+           "cpu": {"gbps": res.cpu_matmul_gbps, "r": _ffn_ratio(profile, cpu_dev, fmt, i, h)}, "gpus": [],
+           "offload_tokens": PREFILL_OFFLOAD_TOKENS}   # a longer prefill's host experts run on a CUDA trunk
     for g in res.gpus:
         backend, _, idx = g.key.partition(":")
         fig["gpus"].append({"key": g.key, "gbps": g.matmul_gbps, "unified": g.unified,
