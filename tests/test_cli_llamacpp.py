@@ -129,6 +129,10 @@ def test_solve_target_llama_cpp_prints_its_pick_and_export_follows_it(toy, tmp_p
         assert out["args"] == "" and out["notes"][0].startswith("keep --fit")
     text = _solve(toy, "--target", "llama.cpp")
     assert f"llama.cpp (uncalibrated): {sec['verdict']}" in text.stdout
+    # the per-engine table's llama.cpp row is that pick, at its predicted speed, with export's command
+    row = json.loads(r.stdout)["engines"][2]
+    assert row["engine"] == "llama.cpp" and row["tok_s"] == sec["chosen"]["decode_tok_s"]
+    assert row["command"] == out["command"] and row["what"].startswith(f"{sec['verdict']}: its own placement")
 
 
 def test_compare_rows_say_what_they_were_calibrated_on(toy, tmp_path):

@@ -101,7 +101,9 @@ def test_prefill_terms_are_the_residency_statistics_of_the_prefill():
     assert prefill_terms(st) == {"experts_s": 0.3, "expert_compute_s": {"cpu": 0.2, "cuda:0": 0.05},
                                  "disk_wait_s": 0.01, "disk_read_s": 0.03, "disk_busy_s": 0.02,
                                  "disk_bytes": 3_000_000,
-                                 "hit_rate": {"vram": 0.0, "ram_pinned": 0.75, "lru": 0.0, "disk": 0.25}}
+                                 "hit_rate": {"vram": 0.0, "ram_pinned": 0.75, "lru": 0.0, "disk": 0.25},
+                                 # host experts a long GPU prefill computed on the device (engine/offload.py)
+                                 "offloaded_experts": 0, "offload_h2d_bytes": 0, "offload_h2d_s": 0.0}
 
 
 def test_parse_prompt():

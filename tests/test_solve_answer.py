@@ -40,7 +40,9 @@ def test_one_line_per_engine_with_tok_s_ttft_and_command(answered):
         assert r["tok_s"] > 0 and r["ttft_s"] > 0
         assert f"{r['tok_s']:.3g} tok/s" in line and line.endswith(r["command"]), line
     # llama.cpp is priced as it runs: whole layers, the rest through mmap, not the plan's own placement
-    assert rows["llama.cpp"]["tok_s"] != rows["colibri-plan"]["tok_s"]
+    # (on this machine every layer fits the GPU, so its price may equal ours: the segmented step prices a
+    # layer all in VRAM at the device's work alone, as for llama.cpp's)
+    assert rows["llama.cpp"]["what"].startswith("whole layers: 16 of 16 on the GPUs")
     assert "Details (budgets, trunk, placement, knobs): add -v" in out and "Budgets:" not in out
 
 

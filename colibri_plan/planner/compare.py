@@ -299,6 +299,9 @@ def _llama_row(setup, plan, paths: DeployPaths) -> dict:
     from colibri_plan.planner.exports_llama import placeholder_gguf as placeholder
     from colibri_plan.planner.solve import evaluate
 
+    sec = plan.doc.get("llamacpp")
+    if isinstance(sec, dict) and isinstance(sec.get("chosen"), dict):   # --target llama.cpp: its own pick
+        return _llama_pick_row(plan, paths, sec)
     layout = llama_candidates(plan)[0]          # issue 27: price every candidate, keep the fastest
     tiers, slots = llama_tiers(plan, layout)
     llama = _engine_setup(setup, depth=LLAMA_QUEUE_DEPTH, page_cache=True, checksums=False)
@@ -318,6 +321,22 @@ def _llama_row(setup, plan, paths: DeployPaths) -> dict:
             "rest read through mmap", "tok_s": cost["tok_s"],
             "ttft_s": _prefill_at(plan, tiers, {"disk_gbps": gbps, "checksum_gbps": None}),
             "command": llama_command(layout, gguf), "why_not": None, "notes": notes}
+
+
+def _llama_pick_row(plan, paths: DeployPaths, sec: dict) -> dict:
+    """The llama.cpp row of a plan solved with ``--target llama.cpp``: the placement its cost model picked
+    (planner/llamacpp_choice), at its predicted speed and with the arguments ``export --to llama.cpp``
+    prints, not our engine's model of a whole-layer export (which prices the CPU layers at our kernels'
+    rates: 10.2 tok/s beside 113 measured on an H200 host, bench/results/h200-llamacpp/)."""
+    from colibri_plan.planner.exports_llama import export_llama_cpp
+
+    c, ex = sec["chosen"], export_llama_cpp(plan, paths.gguf)
+    n = (plan.doc["predicted"].get("prefill") or {}).get("prompt_tokens")
+    pre = c.get("prefill_tok_s")
+    return {"engine": "llama.cpp", "what": f"{sec['verdict']}: its own placement, priced by its cost model "
+            f"({sec.get('calibrated_on') or 'uncalibrated'})", "tok_s": c["decode_tok_s"],
+            "ttft_s": n / pre if n and pre else None, "command": ex["command"], "why_not": None,
+            "notes": list(ex.get("notes", []))}
 
 
 def engine_rows(setup, plan, paths: DeployPaths, ours_unsupported: str | None = None) -> list[dict]:
