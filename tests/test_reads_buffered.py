@@ -118,3 +118,23 @@ def test_the_engine_keeps_the_page_cache_to_the_plans_experts(fixture_dir, monke
                 evicted += 1
     assert rm.stats.page_cache_hits == hits and 0 < hits < rm.stats.misses
     assert len(dropped) == evicted and len(rm._page_cache) == cap
+
+
+def test_a_plan_named_like_its_usage_file_is_refused_before_solving(tmp_path):
+    from _cli_fixtures import invoke
+
+    out = tmp_path / "plan.coli_usage"
+    r = invoke("solve", "--model", "olmoe-1b-7b", "--machine", "gpu=24G ram=64G nvme=gen4 cpu=16", "--out",
+               str(out))
+    assert r.exit_code != 0 and "give the plan a .json name" in r.output and not out.exists()
+
+
+def test_a_null_o_direct_knob_reads_and_shows_as_o_direct():
+    from colibri_plan.cli.common import knob_lines
+    from colibri_plan.engine.placement import _page_cache_experts
+
+    doc = {"knobs": {"o_direct": None}, "model": {"expert_bytes": 100}}
+    assert _page_cache_experts(doc, 3) is None
+    assert "O_DIRECT reads" in knob_lines(doc["knobs"])[0]
+    doc["knobs"]["o_direct"] = False
+    assert _page_cache_experts(doc, 3) == 3 and "buffered reads" in knob_lines(doc["knobs"])[0]

@@ -361,7 +361,8 @@ def knob_lines(knobs: dict | None, *, compute: dict | None = None, compute_expla
     if "target" in k:
         parts.append(f"target {k['target']}")
     if "o_direct" in k:
-        parts.append("O_DIRECT reads" if k["o_direct"] else "buffered reads")
+        # the engine reads buffered only for an explicit false (engine/placement.py): null is O_DIRECT
+        parts.append("buffered reads" if k["o_direct"] is False else "O_DIRECT reads")
     if "vram_overhead_bytes_per_expert" in k:
         parts.append(f"VRAM overhead {k['vram_overhead_bytes_per_expert'] / 2**20:.3f} MiB/expert")
     if "keep_host_copies" in k:

@@ -164,6 +164,9 @@ def solve(opts, profile_path, machine, model_name, heat, quant, files, compare, 
     inputs = [p for p in (profile_path, model_name, heat, coef_path, llama_coef_path)
               if p and Path(p).exists()]
     usage = str(Path(out_path).with_suffix(".coli_usage")) if out_path else None
+    if usage is not None and Path(usage) == Path(out_path):   # the plan and colibrì's usage file collide
+        raise InputError(f"--out {out_path}: the plan would overwrite colibrì's usage file of the same name "
+                         "(the plan's name with .coli_usage); give the plan a .json name")
     for p in (out_path, usage, png_path):  # before the solve, not after it
         if p is not None:
             check_output_path(p, inputs)
