@@ -158,18 +158,9 @@ class PrefillOffload:
     def _upload_wave(self, layer: int, expert_ids, pending: list, off: Offload) -> None:
         """:meth:`_complete_wave` with the compute replaced by an upload: each miss goes up as soon as its
         read completes, then joins the LRU (its CPU weights made, for a later hit on the host)."""
-        st = self.stats
         done: list = []
-        for n, (i, slot, fut) in enumerate(pending):
-            t0 = time.perf_counter()
-            try:
-                st.disk_read_s += fut.result()
-            except BaseException:
-                self._abort_reads(pending[n:], done)
-                raise
-            st.disk_wait_s += time.perf_counter() - t0
-            st.uses["disk"] += 1
-            st.disk_bytes += self.pack.expert_location(layer, int(expert_ids[i]))[1]
+        for n, (i, slot, _) in enumerate(pending):
+            self._await_read(layer, expert_ids, pending, n, done)
             slot.weights = self.cpu.upload_expert(*slot.weights)  # zero-copy on host backends
             done.append(slot)
             try:
@@ -177,7 +168,4 @@ class PrefillOffload:
             except BaseException:
                 self._abort_reads(pending[n + 1:], done)
                 raise
-        if done:
-            st.disk_busy_s += max(s.t_read_end for s in done) - min(s.t_submit for s in done)
-        for slot in done:
-            self._admit(layer, slot)
+        self._admit_wave(layer, done)

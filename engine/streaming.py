@@ -112,16 +112,8 @@ class StreamedExperts:
         """Compute each streamed expert as soon as its read completes, then admit it to the LRU."""
         st = self.stats
         done: list[Slot] = []
-        for n, (i, slot, fut) in enumerate(pending):
-            t0 = time.perf_counter()
-            try:
-                st.disk_read_s += fut.result()
-            except BaseException:
-                self._abort_reads(pending[n:], done)
-                raise
-            st.disk_wait_s += time.perf_counter() - t0
-            st.uses["disk"] += 1
-            st.disk_bytes += self.pack.expert_location(layer, int(expert_ids[i]))[1]
+        for n, (i, slot, _) in enumerate(pending):
+            self._await_read(layer, expert_ids, pending, n, done)
             t0 = time.perf_counter()
             slot.weights = self.cpu.upload_expert(*slot.weights)  # zero-copy on host backends
             dev = self.tc.device("disk")
@@ -132,8 +124,27 @@ class StreamedExperts:
                 out[i] = self.tc.call(dev, [xs[i]], [self._on_device(slot, dev)])[0][0]
                 self._add_device_s(dev, time.perf_counter() - t0)
             done.append(slot)
+        self._admit_wave(layer, done)
+
+    def _await_read(self, layer: int, expert_ids, pending: list, n: int, done: list) -> None:
+        """Wait for the wave's read ``n`` and count it (a disk use, its bytes, read and wait seconds); a
+        failed read returns the wave's buffers (``pending[n:]`` and ``done``) to the pool and re-raises."""
+        st = self.stats
+        i, _, fut = pending[n]
+        t0 = time.perf_counter()
+        try:
+            st.disk_read_s += fut.result()
+        except BaseException:
+            self._abort_reads(pending[n:], done)
+            raise
+        st.disk_wait_s += time.perf_counter() - t0
+        st.uses["disk"] += 1
+        st.disk_bytes += self.pack.expert_location(layer, int(expert_ids[i]))[1]
+
+    def _admit_wave(self, layer: int, done: list) -> None:
+        """Charge the wave's disk time and admit its slots to the layer's LRU."""
         if done:  # the wave's reads were in flight together: its wall time is what the disk delivered in
-            st.disk_busy_s += max(s.t_read_end for s in done) - min(s.t_submit for s in done)
+            self.stats.disk_busy_s += max(s.t_read_end for s in done) - min(s.t_submit for s in done)
         for slot in done:
             self._admit(layer, slot)
 
