@@ -18,8 +18,10 @@
 # 256-token prompt and `solve --vram VRAM_GB --vram-reserve 0 --trunk cuda:0` (OUT/plan.json).
 # peer: bench/peer_llamacpp_gpu.py bench: PAIRS counterbalanced pairs, all in VRAM and at the budget
 # (llama.cpp through llama-fit-params --fit-target), tokens against our CPU engine -> OUT/peer-gpu.json.
-# replay: bench/replay_llamacpp.py gpu-placements (fit, our export, -ngl N, -ngl N/2, --n-cpu-moe M,
-# --cpu-moe, a down split; REPEATS rounds) -> OUT/replay-gpu.json; `calibrate --engine llama.cpp` on it
+# replay: with COEF (an earlier replay's coefficients) first `solve --target llama.cpp` -> OUT/plan-pick.json,
+# then bench/replay_llamacpp.py gpu-placements (fit at the same self bytes, fit-device, the pick, our export,
+# -ngl N, -ngl N/2, --n-cpu-moe M, --cpu-moe, a down split; REPEATS rounds) -> OUT/replay-gpu.json, priced
+# with COEF (out of sample: OUT/check-gpu.txt); `calibrate --engine llama.cpp` on it
 # -> OUT/llamacpp-coefficients-h200.json (predicted vs measured per placement, OUT/calibrate.txt), and
 # `solve --target llama.cpp --llama-coefficients` at the same budget (OUT/solve-llamacpp.txt).
 # Needs: CUDA (nvcc in /usr/local/cuda/bin), cmake + ninja, python3 with torch + transformers (the
@@ -34,6 +36,7 @@ VRAM_GB=${VRAM_GB:-2.5}
 PAIRS=${PAIRS:-4}
 REPEATS=${REPEATS:-3}
 SRC_TAR=${SRC_TAR:-.carry/llama.cpp-src.tar.xz}
+COEF=${COEF:-bench/results/h200-llamacpp/llamacpp-coefficients-h200.json}   # replay: out-of-sample
 PY=${PY:-python3}
 CP=${CP:-colibri-plan}
 BIN=$LLAMA/llama.cpp/build/bin
@@ -97,11 +100,24 @@ peer() {
 
 replay() {
   ready || prep
+  pick=()
+  if [ -f "$COEF" ]; then   # coefficients of an EARLIER replay: the pick and an out-of-sample check
+    say "solve --target llama.cpp with $COEF (fitted on an earlier replay)"
+    $CP solve --profile "$OUT/profile.json" --model "$WORK/pack-int8" --heat "$WORK/heat.json" --ram auto \
+      --context 576 --prompt-tokens 512 --vram "$VRAM_GB" --vram-reserve 0 --trunk cuda:0 --target llama.cpp \
+      --llama-coefficients "$COEF" --gguf "$WORK/model-Q8_0.gguf" \
+      --out "$OUT/plan-pick.json" -v 2>&1 | tee "$OUT/solve-pick.txt" | tail -8 && pick=(--pick "$OUT/plan-pick.json")
+  fi
   say "replay: llama.cpp placements at $VRAM_GB GB of VRAM, $REPEATS rounds"
   $PY bench/replay_llamacpp.py gpu-placements --llama-bin "$BIN" --gguf "$WORK/model-Q8_0.gguf" \
     --vram-gb "$VRAM_GB" --plan "$OUT/plan.json" --profile "$OUT/profile.json" --repeats "$REPEATS" \
-    --colibri "$CPABS" \
+    --colibri "$CPABS" "${pick[@]}" \
     --out "$OUT/replay-gpu.json" 2>&1 | tee "$OUT/replay-gpu.txt"
+  if [ -f "$COEF" ]; then
+    say "out-of-sample: the replay priced with $COEF"
+    $PY bench/replay_check.py "$OUT/replay-gpu.json" --coefficients "$COEF" --profile "$OUT/profile.json" \
+      --model "$WORK/model-Q8_0.gguf" --out "$OUT/check-gpu.json" 2>&1 | tee "$OUT/check-gpu.txt"
+  fi
   say "calibrate --engine llama.cpp"
   $CP calibrate --engine llama.cpp "$OUT/replay-gpu.json" --profile "$OUT/profile.json" \
     --model "$WORK/model-Q8_0.gguf" --out "$OUT/llamacpp-coefficients-h200.json" 2>&1 | tee "$OUT/calibrate.txt"

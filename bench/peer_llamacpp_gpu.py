@@ -333,14 +333,12 @@ def bench(a) -> dict:
         gpu = rg.gpu_memory_mib()
         budget_mib = a.vram_gb * 1e9 / ll.MiB
         ctx = max(a.prefill, a.depth + a.decode_tokens)
-        fit = rg.fit_at_vram(
-            argparse.Namespace(llama_bin=a.llama_bin, threads=None),
-            gguf,
-            budget_mib,
-            gpu["free_mib"] if gpu else None,
-            ctx,
-            doc,
-        )
+        # fit counts llama.cpp's CUDA context inside its target; our budget (and every replayed row's)
+        # is model + KV + compute: subtract the context so both engines get the same bytes of weights
+        ns = argparse.Namespace(llama_bin=a.llama_bin, threads=None, ubatch=512)
+        context_mib = rg.context_probe_mib(ns, gguf, ctx)
+        fit = rg.fit_at_vram(ns, gguf, budget_mib, gpu["free_mib"] if gpu else None, ctx, doc,
+                             context_mib=context_mib)
         log(f"fit at {a.vram_gb:g} GB: {doc['fit'].get('args') or doc['fit'].get('refused')}")
         if fit is not None:
             mem = rg.memory(

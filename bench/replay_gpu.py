@@ -8,8 +8,13 @@ real use is recorded from ``llama-completion``'s memory breakdown (the ``CUDA0``
 * ``all-gpu``: llama-bench's defaults (``-ngl -1``: every layer and the output on the GPU) - over the
   budget by design, the reference;
 * ``fit``: ``llama-fit-params --fit-target M`` with M = the GPU's free MiB (nvidia-smi) minus the budget
-  (fit leaves M free on the device), its arguments replayed;
+  minus llama.cpp's own CUDA context (the breakdown's ``unaccounted`` MiB of a probe run): fit counts the
+  context inside its target, every other row is sized by its model + KV + compute MiB, so this is fit at
+  the same bytes of llama.cpp's own accounting ("self");
+* ``fit-device``: the same with M = free minus the budget (what ``--fit-target`` gives a user who sets it
+  from nvidia-smi: the context inside the budget, fewer bytes for weights than every other row);
 * ``export``: ``colibri-plan export --to llama.cpp`` of our plan at the same budget (``--plan``);
+* ``pick``: the export of a plan solved with ``solve --target llama.cpp`` (``--pick``), with its ``-ub``;
 * ``ngl-N`` and ``ngl-N/2``: the last N whole layers on the GPU, N the most that fit;
 * ``n-cpu-moe-M``: every layer on the GPU but the experts of the first M, M the fewest that fit;
 * ``cpu-moe``: every expert tensor on the CPU, the rest on the GPU;
@@ -106,7 +111,8 @@ def fewest_that_fit(make, lo: int, hi: int, fits) -> int:
     return lo
 
 
-def sized_placements(a, gguf: Path, n_layers: int, ctx: int, budget_mib: float, fit, export) -> list:
+def sized_placements(a, gguf: Path, n_layers: int, ctx: int, budget_mib: float, fit, export,
+                     extra=()) -> list:
     """The placements of the module docstring, each sized by llama.cpp's projection to fit the budget."""
     cache: dict = {}
 
@@ -148,7 +154,7 @@ def sized_placements(a, gguf: Path, n_layers: int, ctx: int, budget_mib: float, 
             "(over the budget: the reference)",
         )
     ]
-    out += [p for p in (fit, export) if p is not None]
+    out += [p for p in (fit, *extra, export) if p is not None]
     out += [ngl(n_layers + 1 - n_gpu)]
     if n_gpu // 2 >= 1 and n_gpu // 2 != n_gpu:
         out += [ngl(n_layers + 1 - n_gpu // 2)]
@@ -165,9 +171,11 @@ def sized_placements(a, gguf: Path, n_layers: int, ctx: int, budget_mib: float, 
     return [(p, cache[tuple(p.bench_args())]) for p in out]
 
 
-def fit_at_vram(a, gguf: Path, budget_mib: float, free_mib: int | None, ctx: int, doc: dict):
-    """llama-fit-params leaving ``free - budget`` MiB free on the GPU; its placement or None (refused)."""
-    margin = max(0, int((free_mib or 0) - budget_mib))
+def fit_at_vram(a, gguf: Path, budget_mib: float, free_mib: int | None, ctx: int, doc: dict,
+                context_mib: float = 0.0, name: str = "fit", key: str = "fit"):
+    """llama-fit-params leaving ``free - budget - context_mib`` MiB free on the GPU; its placement (named
+    ``name``, recorded under ``doc[key]``) or None (refused)."""
+    margin = max(0, int((free_mib or 0) - budget_mib - context_mib))
     argv = [
         str(Path(a.llama_bin) / "llama-fit-params"),
         "-m",
@@ -183,11 +191,12 @@ def fit_at_vram(a, gguf: Path, budget_mib: float, free_mib: int | None, ctx: int
         "argv": argv,
         "margin_mib": margin,
         "gpu_free_mib": free_mib,
+        "context_mib_subtracted": context_mib,
         "rc": r.returncode,
         "stdout": r.stdout.strip(),
         "log": [ln for ln in r.stderr.splitlines() if "fit" in ln][-12:],
     }
-    doc["fit"] = fit
+    doc[key] = fit
     if r.returncode != 0:
         fit["refused"] = next((ln for ln in r.stderr.splitlines() if "fit" in ln), "llama-fit-params failed")
         return None
@@ -197,22 +206,42 @@ def fit_at_vram(a, gguf: Path, budget_mib: float, free_mib: int | None, ctx: int
         fit["refused"] = str(e)
         return None
     fit["args"] = p.common_args() + ["-c", str(p.ctx)]
+    if name != p.name:
+        p = ll.Placement(name, p.what + (" (target including llama.cpp's CUDA context)" if context_mib == 0
+                                         else ""), overrides=p.overrides, n_cpu_moe=p.n_cpu_moe,
+                         cpu_moe=p.cpu_moe, ngl=p.ngl, ctx=p.ctx)
     return p
 
 
-def export_placement(a, doc: dict):
-    """Our plan's ``export --to llama.cpp`` as a placement (None without ``--plan``)."""
-    if not a.plan:
+def context_probe_mib(a, gguf: Path, ctx: int) -> float:
+    """llama.cpp's own CUDA context on the GPU, MiB: the ``unaccounted`` MiB of the GPU row of a short
+    ``--cpu-moe`` run's breakdown at exit (device memory in use beyond model + KV + compute); 0 when the
+    breakdown has none."""
+    probe = memory(a, gguf, ll.Placement("probe", "context probe", cpu_moe=True), ctx)
+    rows = (probe["completion"]["breakdown"] or {}).get("at_exit") or []
+    gpu = [x for x in rows if x["name"].startswith(GPU_PREFIXES)]
+    return float(max(0, sum(x.get("unaccounted_mib", 0) for x in gpu)))
+
+
+def export_placement(a, doc: dict, plan: str | None = None, name: str = "export"):
+    """``export --to llama.cpp`` of ``plan`` (default ``--plan``) as a placement named ``name`` (None
+    without a plan); a ``--target llama.cpp`` plan's pick keeps its ``-ub``."""
+    plan = plan if plan is not None else a.plan
+    if not plan:
         return None
     import replay_ours as ro
 
-    exp = ro.export_llama(a.colibri or ro.default_cli(), Path(a.plan))
-    doc["ours"] = {**(doc.get("ours") or {}), "plan": a.plan, "export": exp}
+    exp = ro.export_llama(a.colibri or ro.default_cli(), Path(plan))
+    got = {"plan": plan, "export": exp}
+    doc["ours"] = {**(doc.get("ours") or {}), **(got if name == "export" else {name: got})}
+    args = str(exp.get("args") or "").split()
+    ub = int(args[args.index("-ub") + 1]) if "-ub" in args[:-1] else None
     return ll.Placement(
-        "export",
-        "colibri-plan export --to llama.cpp of our plan at the VRAM budget: " + str(exp.get("args")),
+        name,
+        f"colibri-plan export --to llama.cpp of {plan} at the VRAM budget: " + str(exp.get("args")),
         overrides=list(exp.get("patterns") or []),
         ngl=exp.get("ngl"),
+        ubatch=ub,
     )
 
 
@@ -320,10 +349,17 @@ def run_gpu_placements(a, rx) -> dict:
     }
     if a.profile:
         doc["ours"] = {"profile": a.profile}
-    fit = fit_at_vram(a, gguf, budget_mib, gpu["free_mib"] if gpu else None, ctx, doc)
+    free = gpu["free_mib"] if gpu else None
+    context_mib = context_probe_mib(a, gguf, ctx)
+    doc["budget"]["llama_context_mib"] = context_mib
+    log(f"llama.cpp's CUDA context: {context_mib:.0f} MiB (unaccounted in its breakdown)")
+    fit = fit_at_vram(a, gguf, budget_mib, free, ctx, doc, context_mib=context_mib)
     log(f"fit: {doc['fit'].get('args') or doc['fit'].get('refused')}")
+    fit_dev = fit_at_vram(a, gguf, budget_mib, free, ctx, doc, name="fit-device", key="fit_device")
+    log(f"fit-device: {doc['fit_device'].get('args') or doc['fit_device'].get('refused')}")
     export = export_placement(a, doc)
-    sized = sized_placements(a, gguf, spec.n_layers, ctx, budget_mib, fit, export)
+    pick = export_placement(a, doc, a.pick, "pick") if a.pick else None
+    sized = sized_placements(a, gguf, spec.n_layers, ctx, budget_mib, fit, export, (fit_dev, pick))
     rows = {
         p.name: {**p.to_dict(), "projected_gpu_mib": mib, "within_budget": mib <= budget_mib, "runs": []}
         for p, mib in sized

@@ -59,6 +59,7 @@ class Placement:
     load_mode: str | None = None
     repack: bool | None = None
     ctx: int | None = None
+    ubatch: int | None = None  # -ub (None: llama.cpp's default 512)
 
     def bench_args(self) -> list[str]:
         """The arguments in llama-bench's spelling."""
@@ -67,6 +68,7 @@ class Placement:
         out += ["-ncmoe", str(self.n_cpu_moe)] if self.n_cpu_moe is not None else []
         out += ["-ngl", str(self.ngl)] if self.ngl is not None else []
         out += ["--repack", "0"] if self.repack is False else []
+        out += ["-ub", str(self.ubatch)] if self.ubatch is not None else []
         return out + (["-lm", self.load_mode] if self.load_mode else [])
 
     def common_args(self) -> list[str]:
@@ -76,13 +78,14 @@ class Placement:
         out += ["--n-cpu-moe", str(self.n_cpu_moe)] if self.n_cpu_moe is not None else []
         out += ["-ngl", str(self.ngl)] if self.ngl is not None else []
         out += ["--no-repack"] if self.repack is False else []
+        out += ["-ub", str(self.ubatch)] if self.ubatch is not None else []
         return out + (["--load-mode", self.load_mode] if self.load_mode else [])
 
     def to_dict(self) -> dict:
         return {"name": self.name, "what": self.what, "overrides": self.overrides,
                 "n_cpu_moe": self.n_cpu_moe, "cpu_moe": self.cpu_moe, "ngl": self.ngl,
                 "load_mode": self.load_mode, "repack": self.repack, "fit_ctx": self.ctx,
-                "bench_args": self.bench_args(), "common_args": self.common_args()}
+                "ubatch": self.ubatch, "bench_args": self.bench_args(), "common_args": self.common_args()}
 
 
 def standard_placements(n_layers: int, fit: Placement | None, export: Placement | None,
@@ -221,15 +224,16 @@ def bench_argv(llama_bin: Path, gguf: Path, placement: Placement, threads: int, 
                ubatch: int) -> list[str]:
     """One llama-bench measurement (one repetition, JSON on stdout) of ``placement``."""
     return [str(llama_bin / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(n_prompt),
-            "-n", str(n_gen), "-ub", str(ubatch), "-r", "1", "-o", "json", *placement.bench_args()]
+            "-n", str(n_gen), *([] if placement.ubatch else ["-ub", str(ubatch)]), "-r", "1", "-o", "json",
+            *placement.bench_args()]
 
 
 def completion_argv(llama_bin: Path, gguf: Path, placement: Placement, threads: int, ctx: int,
                     ubatch: int, n_predict: int = 4) -> list[str]:
     """A short greedy llama-completion run of ``placement`` that logs its buffers and memory breakdown."""
     return [str(llama_bin / "llama-completion"), "-m", str(gguf), "-t", str(threads), "-c", str(ctx),
-            "-ub", str(ubatch), "-n", str(n_predict), "-p", "the quick brown fox", "-no-cnv", "--temp", "0",
-            "-lv", "4", *placement.common_args()]
+            *([] if placement.ubatch else ["-ub", str(ubatch)]), "-n", str(n_predict),
+            "-p", "the quick brown fox", "-no-cnv", "--temp", "0", "-lv", "4", *placement.common_args()]
 
 
 def fit_argv(llama_bin: Path, gguf: Path, threads: int, margin_mib: int) -> list[str]:

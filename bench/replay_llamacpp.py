@@ -110,6 +110,8 @@ def parser() -> argparse.ArgumentParser:
     gp.add_argument("--vram-gb", type=_positive_gb, required=True, help="the VRAM budget (GB = 1e9 B)")
     gp.add_argument("--plan", default=None,
                     help="our plan at that budget (its export --to llama.cpp is a row)")
+    gp.add_argument("--pick", default=None,
+                    help="a plan solved with solve --target llama.cpp: its export replayed as row 'pick'")
     gp.add_argument("--profile", default=None, help="our profile of this machine (calibrate's default)")
     gp.add_argument("--colibri", default=None, help="colibri-plan command (default: this venv's)")
     gp.add_argument("--threads", type=_count, default=None, help="llama.cpp's -t (default: its own)")

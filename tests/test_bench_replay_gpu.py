@@ -82,3 +82,50 @@ def test_numpy_checkpoint_loads_in_transformers(tmp_path):
     assert (tmp_path / "ck" / "model-00002-of-00003.safetensors").read_bytes() == (
         tmp_path / "ck2" / "model-00002-of-00003.safetensors"
     ).read_bytes()
+
+
+def test_a_placements_ubatch_goes_to_both_spellings_once():
+    import replay_llama as ll
+
+    p = ll.Placement("pick", "a pick", ngl=25, overrides=[r"blk\.(1|2)\.ffn_(gate|up|down)_exps=CPU"],
+                     ubatch=1024)
+    assert p.bench_args()[-2:] == ["-ub", "1024"] and p.common_args()[-2:] == ["-ub", "1024"]
+    argv = ll.bench_argv(Path("bin"), Path("m.gguf"), p, 16, 512, 64, 512)
+    assert argv.count("-ub") == 1 and argv[argv.index("-ub") + 1] == "1024"   # not the replay's 512
+    plain = ll.bench_argv(Path("bin"), Path("m.gguf"), ll.Placement("x", "x"), 16, 512, 64, 512)
+    assert plain[plain.index("-ub") + 1] == "512"
+    assert p.to_dict()["ubatch"] == 1024
+
+
+def test_the_context_probe_reads_the_gpu_rows_unaccounted_mib(monkeypatch):
+    at_exit = [{"name": "CUDA0 (H200)", "self_mib": 680, "unaccounted_mib": 597},
+               {"name": "Host", "self_mib": 4212}]
+    seen = {}
+
+    def memory(a, gguf, p, ctx):
+        seen["p"] = p
+        return {"completion": {"breakdown": {"at_exit": at_exit}}}
+
+    monkeypatch.setattr(rg, "memory", memory)
+    assert rg.context_probe_mib(argparse.Namespace(), Path("m.gguf"), 576) == 597.0
+    assert seen["p"].cpu_moe                                      # a small run: every expert on the CPU
+    at_exit[0]["unaccounted_mib"] = -1278                         # a projection's negative: no context
+    assert rg.context_probe_mib(argparse.Namespace(), Path("m.gguf"), 576) == 0.0
+
+
+def test_fit_at_the_same_self_bytes_leaves_the_context_out_of_its_margin(monkeypatch):
+    calls = []
+
+    class R:
+        returncode, stderr = 0, ""
+        stdout = '-c 576 -ngl 25 -ot "blk\\.9\\.ffn_(up|down|gate_up|gate)_(ch|)exps=CPU"'
+
+    monkeypatch.setattr(rg, "run", lambda argv, timeout_s=600.0: calls.append(argv) or R())
+    a = argparse.Namespace(llama_bin="bin", threads=None)
+    doc: dict = {}
+    p = rg.fit_at_vram(a, Path("m.gguf"), 2384.2, 143156, 576, doc, context_mib=597.0)
+    d = rg.fit_at_vram(a, Path("m.gguf"), 2384.2, 143156, 576, doc, name="fit-device", key="fit_device")
+    assert calls[0][calls[0].index("-fitt") + 1] == str(int(143156 - 2384.2 - 597))   # 140174
+    assert calls[1][calls[1].index("-fitt") + 1] == str(int(143156 - 2384.2))
+    assert (p.name, d.name) == ("fit", "fit-device") and p.ngl == 25 and d.overrides == p.overrides
+    assert doc["fit"]["context_mib_subtracted"] == 597.0 and doc["fit_device"]["margin_mib"] == 140771

@@ -145,3 +145,20 @@ def test_compare_rows_say_what_they_were_calibrated_on(toy, tmp_path):
     assert rows["llama.cpp --fit layers"]["calibrated_on"].startswith(str(Q4))
     text = _solve(toy, "--compare").stdout
     assert "Calibrated on: our cost model rows: uncalibrated; llama.cpp rows: uncalibrated" in text
+
+
+def test_check_prices_a_replay_with_coefficients_fitted_on_another(tmp_path):
+    """bench/replay_check.py's core: coefficients fitted on the Q8_0 replay, the Q4_0 replay priced with
+    them and nothing refitted; in sample (the same file) it gives calibrate's own table."""
+    from colibri_plan.model import load_model_spec
+
+    coef, detail = lc.calibrate_replays([str(R8)], [str(PROFILES[3])], [str(MODEL[1])], load_model_spec)
+    same = lc.check_replays([str(R8)], [str(PROFILES[3])], [str(MODEL[1])], load_model_spec, coef)
+    assert same["rows"] == detail["rows"] and same["checked_with"] == list(coef.fitted_on)
+    other = lc.check_replays([str(R4)], [str(PROFILES[1])], [str(MODEL[1])], load_model_spec, coef)
+    assert len(other["rows"]) == 8 and other["rows"] != detail["rows"]
+    assert all(r["file"] == str(R4) for r in other["rows"])
+    refit, _ = lc.calibrate_replays([str(R4)], [str(PROFILES[1])], [str(MODEL[1])], load_model_spec)
+    def numbers(c):
+        return {k: v for k, v in c.to_dict().items() if k != "fitted_on"}
+    assert numbers(refit) != numbers(coef)      # so the check above is not the Q4_0 replay's own fit

@@ -90,7 +90,8 @@ def _placement(row: dict, at: At, n_layers: int, settings: dict, has_gpu: bool) 
     lm = row.get("load_mode")
     return LlamaPlacement(ngl=ngl, cpu_experts=host_projections(overrides, n_layers, bool(row.get("cpu_moe")),
                                                                 ncm),
-                          context=int(settings["context"]), ubatch=int(settings["ubatch"]),
+                          context=int(settings["context"]),
+                          ubatch=int(row.get("ubatch") or settings["ubatch"]),  # a pick's own -ub
                           threads=int(settings["threads"]), load="no-mmap" if lm == "none" else "mmap",
                           repack=row.get("repack") is not False)
 
@@ -179,6 +180,16 @@ def fit(rows: list[dict], fitted_on: list[str], base: LlamaCoefficients | None =
         got = _nnls(list(PREFILL_COEF), pre, np.maximum(y, 0.0), ())
         vals.update({PREFILL_COEF[k]: float(v) for k, v in got.items()})
     coef = LlamaCoefficients(**{**vals, "fitted_on": tuple(fitted_on)})
+    return coef, {**priced(rows, coef), "method": "nnls on seconds per token (planner/llamacpp_calibrate.py)"}
+
+
+def priced(rows: list[dict], coef: LlamaCoefficients) -> dict:
+    """Replay ``rows`` (:func:`replay_rows`) priced with ``coef`` beside what was measured: {"rows": [{file,
+    placement, decode_tok_s, prefill_tok_s: {measured, predicted}}], "decode_rows", "prefill_rows",
+    "max_rel_error": {decode, prefill}}. With coefficients fitted on other replays this is an
+    out-of-sample check (``bench/replay_check.py``)."""
+    dec = [r for r in rows if r["decode_s"] is not None]
+    pre = [r for r in rows if r["prefill_s"] is not None]
     table = []
     for r in rows:
         pd, pp = decode_seconds(r["terms"], coef), prefill_seconds(r["terms"], coef)
@@ -192,18 +203,18 @@ def fit(rows: list[dict], fitted_on: list[str], base: LlamaCoefficients | None =
         errs = [abs(t[key]["predicted"] / t[key]["measured"] - 1) for t in table
                 if t[key]["measured"] and t[key]["predicted"]]
         return max(errs) if errs else None
-    detail = {"rows": table, "decode_rows": len(dec), "prefill_rows": len(pre),
-              "max_rel_error": {"decode": worst("decode_tok_s"), "prefill": worst("prefill_tok_s")},
-              "method": "nnls on seconds per token (planner/llamacpp_calibrate.py)"}
-    return coef, detail
+    return {"rows": table, "decode_rows": len(dec), "prefill_rows": len(pre),
+            "max_rel_error": {"decode": worst("decode_tok_s"), "prefill": worst("prefill_tok_s")}}
 
 
 def fitted_on_line(doc: dict, name: str, n_rows: int) -> str:
     """One line naming a replay: its file, placements, machine, model and budget."""
     m, b = doc.get("machine") or {}, doc.get("budget") or {}
     model = doc.get("model") or {}
+    limit = (f"a {b['vram_gb']} GB VRAM budget" if b.get("vram_gb") is not None
+             else f"a {b.get('ram_gb', '?')} GB limit")
     return (f"{name}: {n_rows} llama.cpp placement(s) of a {model.get('quant', '?')} "
-            f"{model.get('n_layers', '?')}-layer model at a {b.get('ram_gb', '?')} GB limit on a "
+            f"{model.get('n_layers', '?')}-layer model at {limit} on a "
             f"{m.get('cores', '?')}-core {m.get('cpu', '?')}")
 
 
@@ -249,6 +260,13 @@ def calibrate_replays(paths: list[str], profiles: list[str], models: list[str], 
         InputError: counts that do not match, a replay naming no profile/model that exists; FormatError:
         a replay that is not one.
     """
+    rows, names = replay_rows_of(paths, profiles, models, load_spec)
+    return fit(rows, names, base)
+
+
+def replay_rows_of(paths: list[str], profiles: list[str], models: list[str], load_spec) -> tuple:
+    """(rows of every replay priced raw, one line naming each replay): :func:`calibrate_replays`'s
+    inputs."""
     from colibri_plan.formats.profile import resolve_profile
     from colibri_plan.planner.budgets import resources_from_profile
     from colibri_plan.planner.llamacpp_inputs import GGUF_BITS, geometry, machine, profile_format
@@ -287,5 +305,13 @@ def calibrate_replays(paths: list[str], profiles: list[str], models: list[str], 
         got = replay_rows(doc, path, g, machine(profile, res, int(limit), 0))
         rows += got
         names.append(fitted_on_line(doc, path, len(got)))
-    coef, detail = fit(rows, names, base)
-    return coef, detail
+    return rows, names
+
+
+def check_replays(paths: list[str], profiles: list[str], models: list[str], load_spec,
+                  coef: LlamaCoefficients) -> dict:
+    """Replays priced with given coefficients, nothing fitted (:func:`priced`'s detail, plus
+    ``checked_with``: what the coefficients were fitted on). Arguments and errors as
+    :func:`calibrate_replays`."""
+    rows, _ = replay_rows_of(paths, profiles, models, load_spec)
+    return {**priced(rows, coef), "checked_with": list(coef.fitted_on)}
