@@ -183,6 +183,11 @@ def worker(pack: str, backend: str, plan_path: str, context: int) -> None:
             toks.append(tok)
         res["decode_tok_s"] = req["decode"] / (time.perf_counter() - t0)
         res["tokens"] = toks
+        tr = model.trunk
+        g = getattr(tr, "_step_graph", None)
+        # whether decode replayed captured graphs, and why not (a slow budget case is read from this)
+        res["graph"] = {"off": getattr(tr, "graph_off", None), "hybrid_layers": len(g.hybrid) if g else None,
+                        "waits": g.waits if g else None, "handoffs": g.handoffs if g else None}
         print(json.dumps(res), flush=True)
     s.close()
 
@@ -284,6 +289,7 @@ def pairs(a, name: str, w: peer.Worker, gguf: Path, p: ll.Placement, req: dict) 
         "llama_placement": p.to_dict(),
         "llama_bench": info,
         "ours_worker": w.info,
+        "ours_graph": [r.get("graph") for r in runs["ours"]],
         "metrics": metrics,
         "order": ["ours first" if i % 2 == 0 else "llama.cpp first" for i in range(a.pairs)],
         "tokens": {
