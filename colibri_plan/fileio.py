@@ -330,6 +330,9 @@ def read_document(path: str | os.PathLike, kind: str, schema_version: int) -> di
     path = check_input_file(path, f"{kind} file")
     doc = read_json_object(path, f"{kind} file")
     if doc.get("kind") != kind:
+        if "kind" not in doc:  # not one of ours at all (or hand-written): say what it lacks
+            raise FormatError(f"{path} is not a colibri-plan {kind} file: it has no \"kind\" field (a {kind} "
+                              f"file says \"kind\": {kind!r}); give the file `colibri-plan` wrote")
         raise FormatError(f"{path} is a {doc.get('kind')!r} file, expected {kind!r}")
     if doc.get("schema_version") != schema_version:
         raise FormatError(

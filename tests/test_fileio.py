@@ -160,3 +160,15 @@ def test_a_killed_model_pack_and_profile_leave_nothing_the_next_run_keeps(tmp_pa
     probe_disk(tmp_path, block_bytes=4096, file_bytes=1 << 16, queue_depths=(1,), repetitions=1,
                seconds=0.01)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fx"]
+
+
+def test_a_file_without_a_kind_is_named_for_what_it_lacks(tmp_path):
+    from colibri_plan.errors import FormatError
+
+    (tmp_path / "e.json").write_text("{}")
+    with pytest.raises(FormatError, match='no "kind" field') as e:
+        read_document(tmp_path / "e.json", "plan", 1)
+    assert "None" not in str(e.value)
+    (tmp_path / "p.json").write_text('{"kind": "profile", "schema_version": 1}')
+    with pytest.raises(FormatError, match="is a 'profile' file, expected 'plan'"):
+        read_document(tmp_path / "p.json", "plan", 1)
