@@ -234,6 +234,9 @@ def export_placement(a, doc: dict, plan: str | None = None, name: str = "export"
     exp = ro.export_llama(a.colibri or ro.default_cli(), Path(plan))
     got = {"plan": plan, "export": exp}
     doc["ours"] = {**(doc.get("ours") or {}), **(got if name == "export" else {name: got})}
+    if exp.get("verdict") == "keep --fit":  # the abstain: its placement is fit's own row
+        log(f"{name}: keep --fit ({(exp.get('choice') or {}).get('why')})")
+        return None
     args = str(exp.get("args") or "").split()
     ub = int(args[args.index("-ub") + 1]) if "-ub" in args[:-1] else None
     return ll.Placement(

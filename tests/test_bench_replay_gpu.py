@@ -129,3 +129,20 @@ def test_fit_at_the_same_self_bytes_leaves_the_context_out_of_its_margin(monkeyp
     assert calls[1][calls[1].index("-fitt") + 1] == str(int(143156 - 2384.2))
     assert (p.name, d.name) == ("fit", "fit-device") and p.ngl == 25 and d.overrides == p.overrides
     assert doc["fit"]["context_mib_subtracted"] == 597.0 and doc["fit_device"]["margin_mib"] == 140771
+
+
+def test_a_pick_is_replayed_with_its_ub_and_an_abstain_is_not(monkeypatch):
+    import replay_ours as ro
+
+    ot = r"blk\.(11|12)\.ffn_(gate|up|down)_exps=CPU"
+    docs = {"use.json": {"verdict": "use", "ngl": 25, "patterns": [ot],
+                         "args": f'-ngl 25 -ot "{ot}" -c 576 -ub 1024 -t 16'},
+            "keep.json": {"verdict": "keep --fit", "args": "", "patterns": [], "ngl": 25,
+                          "choice": {"why": "within the noise"}}}
+    monkeypatch.setattr(ro, "export_llama", lambda cli, plan: docs[plan.name])
+    a, doc = argparse.Namespace(plan=None, colibri="cp"), {}
+    p = rg.export_placement(a, doc, "use.json", "pick")
+    assert (p.name, p.ngl, p.ubatch) == ("pick", 25, 1024) and p.overrides == docs["use.json"]["patterns"]
+    assert doc["ours"]["pick"]["plan"] == "use.json"
+    assert rg.export_placement(a, doc, "keep.json", "pick") is None
+    assert rg.export_placement(a, doc) is None                  # no --plan: no export row
