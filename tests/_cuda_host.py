@@ -1,6 +1,7 @@
 """C++ stand-ins for the CUDA built-ins the kernels of ``shaders/cuda`` use, so g++ compiles them for the
 host harnesses of test_backend_cuda_prefill.py and test_backend_cuda_imma.py (an OS thread per lane,
-std::barrier per warp and per block). A harness is this prelude, then its own emulations (mma.sync,
+std::barrier per warp and per block; ``COLIBRI_HOST_WARP`` defined first: real warp shuffles and
+``__syncwarp`` for warps of 32 OS threads). A harness is this prelude, then its own emulations (mma.sync,
 shuffles, cp.async), then the kernel sources. ``COLIBRI_HOST_MMA`` drops the kernels' inline-PTX helpers;
 ``asm`` is defined away for the few inline ones left (matmul.cu's half conversion)."""
 
@@ -41,9 +42,20 @@ static unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // CUDA seman
   unsigned char in[8]; memcpy(in, &x, 4); memcpy(in + 4, &y, 4); unsigned r = 0;
   for (int n = 0; n < 4; n++) r |= (unsigned)in[(s >> (4 * n)) & 7] << (8 * n);
   return r; }
-static float __shfl_xor_sync(unsigned, float v, int) { return v; }
 static std::barrier<> *block_bar;
 static std::vector<std::barrier<> *> warp_bar;
+#ifdef COLIBRI_HOST_WARP  // a warp of 32 OS threads: shuffles exchanged through memory between two barriers
+static float shfl_f[1024];
+static int shfl_i[1024];
+template <class V> static V shfl_xor(V *x, V v, int m) {
+  const unsigned t = threadIdx.x; std::barrier<> &b = *warp_bar[t >> 5];
+  x[t] = v; b.arrive_and_wait(); const V r = x[t ^ m]; b.arrive_and_wait(); return r; }
+static float __shfl_xor_sync(unsigned, float v, int m) { return shfl_xor(shfl_f, v, m); }
+static int __shfl_xor_sync(unsigned, int v, int m) { return shfl_xor(shfl_i, v, m); }
+static void __syncwarp(unsigned = 0xffffffffu) { warp_bar[threadIdx.x >> 5]->arrive_and_wait(); }
+#else  // one thread per block: a warp of one lane
+static float __shfl_xor_sync(unsigned, float v, int) { return v; }
+#endif
 static void __syncthreads() { block_bar->arrive_and_wait(); }
 static float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 template <class T> T __ldg(const T *p) { return *p; }

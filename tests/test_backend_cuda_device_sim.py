@@ -102,8 +102,10 @@ def _route_sim(sim, grid, block, args):
 
 
 def _trunk_sim(sim, name, grid, block, args):
-    """trunk.cu kernels and matmul.cu's rmsnorm on device addresses."""
-    assert block == (256,)
+    """trunk.cu kernels and matmul.cu's rmsnorm on device addresses (rmsnorm: one warp per short row)."""
+    from colibri_plan.backends.cuda.device import rms_threads
+
+    assert block == ((rms_threads(int(args[3])),) if name == "rmsnorm" else (256,))
     if name == "tr_add":
         a, b, y, n, d, bcast = args
         n, d = int(n), int(d)

@@ -172,15 +172,34 @@ HARNESS = r"""
 #undef __shared__
 #define __shared__ static
 ROUTE
-// one block (grid-strided over the rows) of nt OS threads, __syncthreads a std::barrier
+// nb blocks of nt OS threads each (one after another), warps of 32 with their own barriers: the shuffles
+// and __syncwarp of tests/_cuda_host.py's COLIBRI_HOST_WARP
 extern "C" void run_route(const float *l, const float *b, int *ids, float *w, int T, int E, int K, int sm,
-                          int g, int tg, int gmax, int norm, float eps, float scale, int nt) {
-    blockIdx = {0, 0, 0}; blockDim = {(unsigned)nt, 1, 1}; gridDim = {1, 1, 1};
-    std::barrier<> bb(nt); block_bar = &bb;
+                          int g, int tg, int gmax, int norm, float eps, float scale, int nt, int nb) {
+    blockDim = {(unsigned)nt, 1, 1}; gridDim = {(unsigned)nb, 1, 1};
+    for (int blk = 0; blk < nb; blk++) {
+        blockIdx = {(unsigned)blk, 0, 0};
+        std::barrier<> bb(nt); block_bar = &bb;
+        std::vector<std::barrier<> *> wb;
+        for (int i = 0; i < nt / 32; i++) wb.push_back(new std::barrier<>(32));
+        warp_bar = wb;
+        std::vector<std::thread> ts;
+        for (int t = 0; t < nt; t++) ts.emplace_back([=] {
+            threadIdx = {(unsigned)t, 0, 0};
+            route_topk(l, b, ids, w, T, E, K, sm, g, tg, gmax, norm, eps, scale); });
+        for (auto &t : ts) t.join();
+        for (auto *p : wb) delete p;
+    }
+}
+// the int and float warp shuffles themselves: out[t] = the value lane t ^ m held (one warp)
+extern "C" void run_shfl(const int *in_i, const float *in_f, int *out_i, float *out_f, int m) {
+    blockDim = {32, 1, 1};
+    std::barrier<> wb(32); warp_bar = {&wb};
     std::vector<std::thread> ts;
-    for (int t = 0; t < nt; t++) ts.emplace_back([=] {
+    for (int t = 0; t < 32; t++) ts.emplace_back([=] {
         threadIdx = {(unsigned)t, 0, 0};
-        route_topk(l, b, ids, w, T, E, K, sm, g, tg, gmax, norm, eps, scale); });
+        out_i[t] = __shfl_xor_sync(0xffffffffu, in_i[t], m);
+        out_f[t] = __shfl_xor_sync(0xffffffffu, in_f[t], m); });
     for (auto &t : ts) t.join();
 }
 """
@@ -194,7 +213,8 @@ def cuda_route(tmp_path_factory):
     from tests._cuda_host import HOST_PRELUDE
 
     d = tmp_path_factory.mktemp("route")
-    (d / "route.cpp").write_text(HOST_PRELUDE + HARNESS.replace("ROUTE", ROUTE_CU.read_text()))
+    (d / "route.cpp").write_text("#define COLIBRI_HOST_WARP\n" + HOST_PRELUDE
+                                 + HARNESS.replace("ROUTE", ROUTE_CU.read_text()))
     build = subprocess.run([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o",
                             str(d / "route.so"),
                             str(d / "route.cpp")], capture_output=True, text=True)
@@ -204,38 +224,84 @@ def cuda_route(tmp_path_factory):
     return ctypes.CDLL(str(d / "route.so"))
 
 
-def _run_cuda_route(lib, logits, bias, rule, threads: int = ROUTE_THREADS):
+def _run_cuda_route(lib, logits, bias, rule, threads: int = ROUTE_THREADS, blocks: int = 1):
     from colibri_plan.backends.routing import kernel_params
 
     (e, k, sm, _, g, tg, gmax, norm), (eps, scale) = kernel_params(rule, logits.shape[1], bias is not None)
     t = logits.shape[0]
-    ids, w = np.zeros((t, k), np.int32), np.zeros((t, k), np.float32)
+    ids, w = np.full((t, k), -7, np.int32), np.full((t, k), np.nan, np.float32)
     ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
     lib.run_route(ptr(logits), None if bias is None else ptr(bias), ptr(ids), ptr(w), t, e, k, sm, g, tg,
-                  gmax, norm, ctypes.c_float(eps), ctypes.c_float(scale), threads)
+                  gmax, norm, ctypes.c_float(eps), ctypes.c_float(scale), threads, blocks)
     return ids, w
+
+
+def test_host_warp_shuffles_exchange_lanes(cuda_route):
+    """The harness's shuffles are real: lane t gets lane t ^ m's int and float (a no-op would fail)."""
+    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    vi = (np.arange(32, dtype=np.int32) * 7 - 100)
+    vf = np.arange(32, dtype=np.float32) * np.float32(0.5) + np.float32(0.25)
+    for m in (1, 2, 4, 8, 16, 5):
+        oi, of = np.zeros(32, np.int32), np.zeros(32, np.float32)
+        cuda_route.run_shfl(ptr(vi), ptr(vf), ptr(oi), ptr(of), m)
+        lanes = np.arange(32) ^ m
+        np.testing.assert_array_equal(oi, vi[lanes])
+        np.testing.assert_array_equal(of, vf[lanes])
 
 
 @pytest.mark.parametrize("name", list(RULES))
 @PROPERTY
 @given(data=st.data())
 def test_cuda_kernel_rule_equals_host_rule(cuda_route, name, data):
-    """The block's threads share a row's experts (the launch's 32, an odd 5, and 1: the serial order)."""
+    """One warp per row: a block of the launch's one warp, or of 2 / 4 warps (rows per block), over 1 or
+    2 blocks (rows grid-strided)."""
     rule = RULES[name]
     logits, bias = _draw(data, rule)
-    threads = data.draw(st.sampled_from([ROUTE_THREADS, 5, 1]))
-    ids, w = _run_cuda_route(cuda_route, np.ascontiguousarray(logits), bias, rule, threads)
+    threads = data.draw(st.sampled_from([ROUTE_THREADS, 64, 128]))
+    blocks = data.draw(st.sampled_from([1, 2]))
+    ids, w = _run_cuda_route(cuda_route, np.ascontiguousarray(logits), bias, rule, threads, blocks)
+    _check_same(ids, w, logits, bias, rule)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_cuda_kernel_on_every_router_width(cuda_route, data):
+    """E of 32 .. 512 (16 experts per lane at 512, lanes without experts at 160), K 1..8, softmax and
+    sigmoid with a bias, flat or grouped (n_group a divisor of E, lanes scoring groups), T of 1..5 rows;
+    near-ties excluded by the margin."""
+    e = data.draw(st.sampled_from([32, 64, 128, 160, 256, 512]))
+    k = data.draw(st.integers(1, 8))
+    scoring = data.draw(st.sampled_from(["softmax", "sigmoid"]))
+    groups = [g for g in (1, 2, 4, 8, 16, 32) if e % g == 0]
+    g = data.draw(st.sampled_from(groups))
+    tg = data.draw(st.integers(1, g))
+    assume(g == 1 or tg == g or tg * (e // g) >= k)
+    rule = RouteRule(scoring, k, g, tg if g > 1 else 1, data.draw(st.sampled_from(["top2_sum", "max"])),
+                     data.draw(st.booleans()), data.draw(st.sampled_from([1.0, 2.5])))
+    t = data.draw(st.integers(1, 5))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    logits = (rng.standard_normal((t, e)) * data.draw(st.sampled_from([1.0, 4.0]))).astype(np.float32)
+    bias = (rng.standard_normal(e) * 0.02).astype(np.float32) if scoring == "sigmoid" else None
+    assume(_gaps_ok(logits, bias, rule))
+    ids, w = _run_cuda_route(cuda_route, logits, bias, rule, data.draw(st.sampled_from([32, 64])))
     _check_same(ids, w, logits, bias, rule)
 
 
 def test_cuda_kernel_breaks_ties_to_the_lower_id(cuda_route):
-    """Equal logits: the stable sort's order (lower id first), groups too."""
-    logits = np.zeros((1, 16), np.float32)
+    """Equal logits: the stable sort's order (lower id first), groups too; ties within a lane (3 and 35,
+    67), across lanes (3, 9, 12) and between groups."""
+    logits = np.zeros((2, 128), np.float32)
     logits[0, [3, 9, 12]] = 2.0
-    for rule in (RouteRule("softmax", 5), RouteRule("sigmoid", 4, 4, 2, "max", True, 1.0)):
-        for threads in (ROUTE_THREADS, 3, 1):   # ties across threads too: 3 and 9 sit on other threads
+    logits[1, [67, 35, 3, 100]] = 1.5
+    for rule in (RouteRule("softmax", 5), RouteRule("sigmoid", 4, 4, 2, "max", True, 1.0),
+                 RouteRule("sigmoid", 6, 8, 3, "top2_sum", False, 1.0)):
+        for threads in (ROUTE_THREADS, 64):
             ids, w = _run_cuda_route(cuda_route, logits, None, rule, threads)
             _check_same(ids, w, logits, None, rule)
+    logits = np.zeros((1, 16), np.float32)  # fewer experts than lanes
+    logits[0, [3, 9, 12]] = 2.0
+    ids, w = _run_cuda_route(cuda_route, logits, None, RouteRule("softmax", 5))
+    _check_same(ids, w, logits, None, RouteRule("softmax", 5))
 
 
 def test_cuda_launch_on_the_simulated_gpu(monkeypatch):

@@ -43,6 +43,7 @@ from colibri_plan.backends.pools import WorkBuffers
 from colibri_plan.errors import UnsupportedError
 
 _THREADS = 256  # threads per block of the elementwise, norm and attention kernels
+_RMS_WARP_MAX = 1024  # rmsnorm rows up to this width: one warp per row (matmul.cu RMS_VEC float4s a lane)
 _ATT_TILE = 256  # attention.cu ATT_TILE: keys per tile
 _GQA_HEADS = 8  # attention.cu GQA_HEADS: query heads per block
 ATT_MAX_HEAD_DIM = 608  # widest head_dim whose attention_gqa block fits 48 KiB of shared memory (d threads)
@@ -65,6 +66,12 @@ _SIGNATURES = {"tr_add": "pppqii", "tr_silu_mul": "pppq", "tr_scale_rows": "ppfp
 _CURRENT = threading.local()  # .token: the backend whose device and stream this thread has made current
 _TOKENS = itertools.count(1)  # one per backend state (an id() could be reused by a later backend)
 _PACK = {"p": "Q", "q": "Q", "i": "i4x", "f": "f4x", "t": f"{8 * _MM_ARGS_MAX}Q"}  # one 8-byte slot each
+
+
+def rms_threads(d: int) -> int:
+    """Threads per block (one row) of matmul.cu's ``rmsnorm`` for rows of ``d`` floats: 32 up to
+    ``_RMS_WARP_MAX`` (no shared memory, no block barrier), else ``_THREADS``."""
+    return 32 if d <= _RMS_WARP_MAX else _THREADS
 
 
 class _Launch:
@@ -275,15 +282,15 @@ class CudaDeviceOps:
 
     # ---- kernels ---------------------------------------------------------------------------------
     # (the hot path: a decode layer is ~15 of these, each a few µs of Python around one driver call)
-    def _d_launch(self, name: str, n_out: int, grid: int, yi: int, *args):
-        """A new float32 [n_out] y and one launch of ``name`` with y's address inserted at parameter
-        ``yi`` of ``args`` (skipped when there is no work)."""
+    def _d_launch(self, name: str, n_out: int, grid: int, yi: int, *args, threads: int = _THREADS):
+        """A new float32 [n_out] y and one launch of ``name`` (blocks of ``threads``) with y's address
+        inserted at parameter ``yi`` of ``args`` (skipped when there is no work)."""
         self._d_go()
         st = self._dstate
         k = st["launches"].get(name) or self._d_kernel(name)
         y = st["ndarray"]((n_out,), st["f32"])  # _d_empty
         if n_out:
-            k(grid, 1, 1, _THREADS, 0, st["sptr"], *args[:yi], y.data.ptr, *args[yi:])
+            k(grid, 1, 1, threads, 0, st["sptr"], *args[:yi], y.data.ptr, *args[yi:])
         return y
 
     def _d_elementwise(self, name: str, a: DArray, yi: int, *args) -> Any:
@@ -316,8 +323,9 @@ class CudaDeviceOps:
                                    int(interleave))
 
     def _d_rmsnorm(self, x: DArray, weight: DArray, eps: float) -> Any:
-        rows, d = x.shape  # a block per row
-        return self._d_launch("rmsnorm", x.size, rows, 2, self._ptr(x), self._ptr(weight), d, eps)
+        rows, d = x.shape  # a block per row: one warp for short rows (per-head norms), else _THREADS
+        return self._d_launch("rmsnorm", x.size, rows, 2, self._ptr(x), self._ptr(weight), d, eps,
+                              threads=rms_threads(d))
 
     def _d_matmul(self, x: DArray, w) -> Any:
         T, n_in = x.shape

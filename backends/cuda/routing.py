@@ -1,8 +1,8 @@
 """The CUDA backend's ``d_router_topk`` hook (``_d_route``): ``shaders/cuda/route.cu``'s ``route_topk``, one
-token row per block of ``ROUTE_THREADS`` threads sharing its experts, on the router logits that
-``d_matmul`` left in device memory; ids and weights are fresh pool arrays of the stream. One direct
-``cuLaunchKernel`` (the device ops' :class:`_Launch`), no host wait: a decode step's routing is two launches
-(the router GEMV, this) and nothing comes down."""
+token row per warp (a block of ``ROUTE_THREADS``: one warp, one row), its lanes sharing the row's experts,
+on the router logits that ``d_matmul`` left in device memory; ids and weights are fresh pool arrays of the
+stream. One direct ``cuLaunchKernel`` (the device ops' :class:`_Launch`), no host wait: a decode step's
+routing is two launches (the router GEMV, this) and nothing comes down."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 from colibri_plan.backends.handles import DArray
 from colibri_plan.backends.routing import check_kernel_limits
 
-ROUTE_THREADS = 32  # threads per token row (route.cu ROUTE_MAXT at most): one warp; a thread per row
-# made a decode step's top-k 28 us of serial latency on an H200 (bench/cuda_step_profile.py)
+ROUTE_THREADS = 32  # threads per block: one warp, one token row (route.cu: a multiple of 32, at most
+# 32 * ROUTE_WARPS); a thread per row made a decode step's top-k 28 us of serial latency on an H200
+# (bench/cuda_step_profile.py), a block with lane-0 reductions 14.5 us (bench/results/h200-step-profile)
 ROUTE_MAX_BLOCKS = 65535  # rows beyond are grid-strided
 
 

@@ -391,26 +391,71 @@ __global__ void gate_up(const u64 *__restrict__ table, int rows, int in_pad, int
     }
 }
 
-// RMSNorm, one block per token: y = x / sqrt(mean(x^2) + eps) * w
+// RMSNorm, one block per token row: y = x / sqrt(mean(x^2) + eps) * w. A row of at most
+// blockDim.x * 4 * RMS_VEC floats (H a multiple of 4, 16-byte aligned rows) is read once as float4s into
+// registers, w's float4s loaded with it (their latency overlapped), summed by one warp butterfly and (more
+// than one warp) one shared-memory step, then scaled from the registers; any other row takes the strided
+// loops. backends/cuda/device.py picks the threads: one warp for rows of up to 1024 (Qwen3's per-head
+// q_norm / k_norm rows of 128: no shared memory, no __syncthreads), 256 beyond. The old form (x read
+// twice, a strided loop of 256 threads per row) took 5.5 us for a row of 2048 on an H200.
+#define RMS_VEC 8  // float4s per thread held across the two passes (a row of 8192 floats with 256 threads)
+// a float4 of four floats (the host harnesses lack CUDA's constructor helper)
+__device__ __forceinline__ float4 rms_f4(float a, float b, float c, float d) {
+    float4 v;
+    v.x = a; v.y = b; v.z = c; v.w = d;
+    return v;
+}
+#ifndef RMS_SHARED  // the host harness (tests/test_backend_cuda_rmsnorm.py): static, one block at a time
+#define RMS_SHARED __shared__
+#endif
 extern "C" __global__ void rmsnorm(const float *__restrict__ x, const float *__restrict__ w, float *y, int H,
                                    float eps) {
-    __shared__ float part[32];
+    RMS_SHARED float part[32];
     const float *xr = x + (u64)blockIdx.x * H;
+    float *yr = y + (u64)blockIdx.x * H;
+    const int tid = threadIdx.x, nt = blockDim.x, n4 = H >> 2;
+    const bool vec = (H & 3) == 0 && n4 <= nt * RMS_VEC && (((u64)xr | (u64)w | (u64)yr) & 15u) == 0;
+    float4 xv[RMS_VEC], wv[RMS_VEC];
     float s = 0.0f;
-    // unrolled: a thread's loads in flight together (the sum's order is unchanged); rolled, a row of 2048
-    // took 5.6 us of load latency on an H200
+    if (vec) {  // uniform across the block
+        const float4 *x4 = reinterpret_cast<const float4 *>(xr), *w4 = reinterpret_cast<const float4 *>(w);
+#pragma unroll
+        for (int i = 0; i < RMS_VEC; i++) {
+            const int c = tid + i * nt;
+            xv[i] = c < n4 ? x4[c] : rms_f4(0.0f, 0.0f, 0.0f, 0.0f);
+            wv[i] = c < n4 ? w4[c] : rms_f4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int i = 0; i < RMS_VEC; i++) {
+            s = fmaf(xv[i].x, xv[i].x, s);
+            s = fmaf(xv[i].y, xv[i].y, s);
+            s = fmaf(xv[i].z, xv[i].z, s);
+            s = fmaf(xv[i].w, xv[i].w, s);
+        }
+    } else {
+        // unrolled: a thread's loads in flight together (the sum's order is unchanged)
 #pragma unroll 8
-    for (int c = threadIdx.x; c < H; c += blockDim.x) s = fmaf(xr[c], xr[c], s);
-    s = warp_sum(s);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.0f;
-        v = warp_sum(v);
-        if (threadIdx.x == 0) part[0] = v;
+        for (int c = tid; c < H; c += nt) s = fmaf(xr[c], xr[c], s);
     }
-    __syncthreads();
-    const float inv = rsqrtf(part[0] / (float)H + eps);
+    s = warp_sum(s);  // every lane of the warp: the warp's sum
+    if (nt > 32) {    // uniform: the warps' sums through shared memory
+        if ((tid & 31) == 0) part[tid >> 5] = s;
+        __syncthreads();
+        s = 0.0f;
+        for (int i = 0; i < (nt >> 5); i++) s += part[i];  // warp order: the same sum in every thread
+    }
+    const float inv = rsqrtf(s / (float)H + eps);
+    if (vec) {
+        float4 *y4 = reinterpret_cast<float4 *>(yr);
+#pragma unroll
+        for (int i = 0; i < RMS_VEC; i++) {
+            const int c = tid + i * nt;
+            if (c < n4)
+                y4[c] = rms_f4(xv[i].x * inv * wv[i].x, xv[i].y * inv * wv[i].y, xv[i].z * inv * wv[i].z,
+                               xv[i].w * inv * wv[i].w);
+        }
+    } else {
 #pragma unroll 8
-    for (int c = threadIdx.x; c < H; c += blockDim.x) y[(u64)blockIdx.x * H + c] = xr[c] * inv * w[c];
+        for (int c = tid; c < H; c += nt) yr[c] = xr[c] * inv * w[c];
+    }
 }

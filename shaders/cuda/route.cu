@@ -1,20 +1,36 @@
 // Router top-k of d_router_topk (backends/cuda/routing.py): the rule of backends/routing.py on router
-// logits [T, E], one block per token row (grid-stride over rows), its threads (at most ROUTE_MAXT; any
-// count, 1 included) sharing the row's experts e = tid, tid + nt, ...: the max and the softmax sum reduce
-// through shared memory (each thread's partial in expert order, then the partials in thread order: with
-// one thread, the expert order), each top-k round takes every thread's best unchosen expert and the
-// best of those (ties to the lower id, as a stable sort). Outputs: ids [T, K] int32 in descending choice
-// order, w [T, K] float32. No fast math (NVRTC's defaults), so expf and the divisions round as the host's
-// float32 within an ulp or two. Compiled by NVRTC with trunk.cu's options; no headers.
+// logits [T, E], one warp per token row (the block's warps take consecutive rows, grid-strided). Lane l
+// holds experts e = l + 32 j (j < ROUTE_PER_LANE) in registers: the max and the softmax sum are xor
+// butterflies of __shfl_xor_sync (each lane's partial in its expert order, then the butterfly: every lane
+// ends with the same bits, as float addition commutes), each top-k round is every lane's best unchosen
+// expert then a butterfly argmax of (choice score, id), ties to the lower id (a stable sort). Grouped
+// routing: lane g scores group g from the warp's shared copy of the scores, the kept groups are
+// topk_group butterfly argmax rounds. No __syncthreads, no lane-0 serial loops: a decode step's routing
+// was 14.5 us per launch with them on an H200 (bench/results/h200-step-profile). Outputs: ids [T, K]
+// int32 in descending choice order, w [T, K] float32. No fast math (NVRTC's defaults), so expf and the
+// divisions round as the host's float32 within an ulp or two. Compiled by NVRTC with trunk.cu's
+// options; no headers. blockDim.x must be a multiple of 32 (ROUTE_THREADS).
 
 #define ROUTE_MAXE 512  // backends/routing.py MAX_EXPERTS
-#define ROUTE_MAXG 32   // MAX_GROUPS: one bit per group
-#define ROUTE_MAXT 32   // threads per block at most (backends/cuda/routing.py ROUTE_THREADS)
+#define ROUTE_MAXG 32   // MAX_GROUPS: one lane (and one bit) per group
+#define ROUTE_WARPS 4   // warps per block at most (rows per block; the launch's ROUTE_THREADS: one)
+#define ROUTE_PER_LANE (ROUTE_MAXE / 32)
 #define ROUTE_NEG (-3.402823466e38f)
+#define ROUTE_FULL 0xffffffffu
 
-// s: the row's scores; c(e) = s[e] (+ bias[e]): the choice score
-__device__ __forceinline__ float route_choice(const float *s, const float *bias, int e) {
-    return bias ? s[e] + bias[e] : s[e];
+// the better of (v, i) and (ov, oi): the larger score, ties (and equal scores) to the lower id; id -1: none
+__device__ __forceinline__ void route_best(float &v, int &i, float ov, int oi) {
+    if (oi >= 0 && (i < 0 || ov > v || (ov == v && oi < i))) { v = ov; i = oi; }
+}
+
+// the warp's best (v, i) in every lane: a butterfly, each step commutative, so all lanes agree
+__device__ __forceinline__ void route_warp_best(float &v, int &i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(ROUTE_FULL, v, o);
+        const int oi = __shfl_xor_sync(ROUTE_FULL, i, o);
+        route_best(v, i, ov, oi);
+    }
 }
 
 // ints as routing.kernel_params: E, K, softmax, (bias: a null pointer when none), n_group (1: not
@@ -23,91 +39,92 @@ extern "C" __global__ void route_topk(const float *__restrict__ logits, const fl
                                       int *__restrict__ ids, float *__restrict__ w, int T, int E, int K,
                                       int softmax, int n_group, int topk_group, int group_max, int norm,
                                       float eps, float scale) {
-    __shared__ float s[ROUTE_MAXE];           // the row's scores
-    __shared__ float pv[ROUTE_MAXT];          // a thread's partial (max, sum) or its best choice score
-    __shared__ int pi[ROUTE_MAXT];            // and that choice's expert id (-1: none left)
-    __shared__ unsigned taken[ROUTE_MAXE / 32];
-    __shared__ unsigned keep_s;               // bit g: group g competes
-    const int tid = threadIdx.x, nt = blockDim.x;
-    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    __shared__ float ss[ROUTE_WARPS][ROUTE_MAXE];  // a warp's row scores (weights, group scores)
+    __shared__ float cs[ROUTE_WARPS][ROUTE_MAXE];  // and choice scores (grouped routing only)
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+    float *s = ss[wib], *cc = cs[wib];
+    for (int t = blockIdx.x * wpb + wib; t < T; t += gridDim.x * wpb) {  // uniform across the warp
         const float *l = logits + (long long)t * E;
+        float c[ROUTE_PER_LANE];  // the lane's choice scores, then ROUTE_NEG once unavailable
+        unsigned left = 0u;       // bit j: expert lane + 32 j still competes
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; j++) {
+            const int e = lane + 32 * j;
+            c[j] = e < E ? l[e] : ROUTE_NEG;
+            if (e < E) left |= 1u << j;
+        }
         if (softmax) {
             float m = ROUTE_NEG;
-            for (int e = tid; e < E; e += nt) m = fmaxf(m, l[e]);
-            pv[tid] = m;
-            __syncthreads();
-            m = pv[0];
-            for (int i = 1; i < nt; i++) m = fmaxf(m, pv[i]);  // every thread: the same max
-            __syncthreads();  // pv is rewritten below
-            float part = 0.0f;
-            for (int e = tid; e < E; e += nt) { s[e] = expf(l[e] - m); part += s[e]; }
-            pv[tid] = part;
-            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < ROUTE_PER_LANE; j++) m = fmaxf(m, c[j]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(ROUTE_FULL, m, o));
             float sum = 0.0f;
-            for (int i = 0; i < nt; i++) sum += pv[i];  // thread order: the same sum in every thread
-            for (int e = tid; e < E; e += nt) s[e] = s[e] / sum;
+#pragma unroll
+            for (int j = 0; j < ROUTE_PER_LANE; j++)
+                if ((left >> j) & 1u) { c[j] = expf(c[j] - m); sum += c[j]; }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(ROUTE_FULL, sum, o);
+#pragma unroll
+            for (int j = 0; j < ROUTE_PER_LANE; j++)
+                if ((left >> j) & 1u) c[j] = c[j] / sum;
         } else {
-            for (int e = tid; e < E; e += nt) s[e] = 1.0f / (1.0f + expf(-l[e]));
+#pragma unroll
+            for (int j = 0; j < ROUTE_PER_LANE; j++)
+                if ((left >> j) & 1u) c[j] = 1.0f / (1.0f + expf(-c[j]));
         }
-        for (int i = tid; i < ROUTE_MAXE / 32; i += nt) taken[i] = 0u;
-        __syncthreads();  // s complete, pv free
-        const int gs = E / n_group;  // experts per group (E when not grouped)
-        if (tid == 0) {
-            unsigned keep = 1u;
-            if (n_group > 1) {  // the groups' best and second best choice scores (few: one thread)
-                float gsc[ROUTE_MAXG];
-                for (int g = 0; g < n_group; g++) {
-                    float b1 = ROUTE_NEG, b2 = ROUTE_NEG;
-                    for (int j = 0; j < gs; j++) {
-                        const float c = route_choice(s, bias, g * gs + j);
-                        if (c > b1) { b2 = b1; b1 = c; } else if (c > b2) b2 = c;
-                    }
-                    gsc[g] = (group_max || gs == 1) ? b1 : b2 + b1;
-                }
-                keep = 0u;
-                for (int r = 0; r < topk_group; r++) {
-                    int bg = -1;
-                    for (int g = 0; g < n_group; g++)
-                        if (!((keep >> g) & 1u) && (bg < 0 || gsc[g] > gsc[bg])) bg = g;
-                    keep |= 1u << bg;
-                }
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; j++)  // c: s, then the choice score s (+ bias)
+            if ((left >> j) & 1u) {
+                const int e = lane + 32 * j;
+                s[e] = c[j];
+                if (bias) c[j] = c[j] + bias[e];
+                cc[e] = c[j];
             }
-            keep_s = keep;
+        __syncwarp();  // s and cc complete for every lane
+        if (n_group > 1) {  // lane g scores group g (its best and second best choice scores)
+            const int gs = E / n_group;
+            float gsc = ROUTE_NEG;
+            if (lane < n_group) {
+                float b1 = ROUTE_NEG, b2 = ROUTE_NEG;
+                for (int q = 0; q < gs; q++) {
+                    const float v = cc[lane * gs + q];
+                    if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) b2 = v;
+                }
+                gsc = (group_max || gs == 1) ? b1 : b2 + b1;
+            }
+            unsigned keep = 0u;  // bit g: group g competes
+            for (int r = 0; r < topk_group; r++) {
+                float v = gsc;
+                int g = (lane < n_group && !((keep >> lane) & 1u)) ? lane : -1;
+                route_warp_best(v, g);
+                keep |= 1u << g;
+            }
+#pragma unroll
+            for (int j = 0; j < ROUTE_PER_LANE; j++)
+                if (!((keep >> ((lane + 32 * j) / gs)) & 1u)) left &= ~(1u << j);
         }
-        __syncthreads();
-        const unsigned keep = keep_s;
-        int *id = ids + (long long)t * K;
-        float *wt = w + (long long)t * K;
-        float sum = 0.0f;  // thread 0's: the chosen scores in choice order
+        int id0 = 0, id1 = 0;  // lane l keeps choices l and l + 32 (scalars: an array indexed by k would
+        float w0 = 0.0f, w1 = 0.0f;  // sit in local memory)
+        float sum = 0.0f;  // the chosen scores in choice order (every lane the same)
         for (int k = 0; k < K; k++) {
             int bi = -1;
             float bv = 0.0f;
-            for (int e = tid; e < E; e += nt) {  // ascending: the lower id wins a tie
-                if (!((keep >> (e / gs)) & 1u) || ((taken[e >> 5] >> (e & 31)) & 1u)) continue;
-                const float c = route_choice(s, bias, e);
-                if (bi < 0 || c > bv) { bi = e; bv = c; }
-            }
-            pv[tid] = bv;
-            pi[tid] = bi;
-            __syncthreads();
-            if (tid == 0) {
-                int b = -1;
-                float v = 0.0f;
-                for (int i = 0; i < nt; i++) {
-                    const int j = pi[i];
-                    if (j >= 0 && (b < 0 || pv[i] > v || (pv[i] == v && j < b))) { b = j; v = pv[i]; }
-                }
-                taken[b >> 5] |= 1u << (b & 31);
-                id[k] = b;
-                wt[k] = s[b];
-                sum += s[b];
-            }
-            __syncthreads();  // taken updated, pv / pi free
+#pragma unroll
+            for (int j = 0; j < ROUTE_PER_LANE; j++)  // ascending ids: the lower wins a tie
+                if (((left >> j) & 1u) && (bi < 0 || c[j] > bv)) { bi = lane + 32 * j; bv = c[j]; }
+            route_warp_best(bv, bi);
+            if ((bi & 31) == lane) left &= ~(1u << (bi >> 5));
+            const float sb = s[bi];
+            sum += sb;
+            if (k == lane) { id0 = bi; w0 = sb; }
+            if (k == lane + 32) { id1 = bi; w1 = sb; }
         }
-        if (tid == 0) {
-            const float den = sum + eps;
-            for (int k = 0; k < K; k++) wt[k] = (norm ? wt[k] / den : wt[k]) * scale;
-        }
-        __syncthreads();  // s is the next row's
+        const float den = sum + eps;
+        int *id = ids + (long long)t * K;
+        float *wt = w + (long long)t * K;
+        if (lane < K) { id[lane] = id0; wt[lane] = (norm ? w0 / den : w0) * scale; }
+        if (lane + 32 < K) { id[lane + 32] = id1; wt[lane + 32] = (norm ? w1 / den : w1) * scale; }
+        __syncwarp();  // s and cc are the warp's next row's
     }
 }
