@@ -83,6 +83,23 @@ class DeviceOps:
             raise InputError(f"d_rmsnorm: x {x.shape} with weight {weight.shape}")
         return DArray(x.shape, self._d_rmsnorm(x, weight, float(eps)), id(self))
 
+    def d_add_rmsnorm(self, a: DArray, b: DArray, weight: DArray, eps: float) -> tuple[DArray, DArray]:
+        """The residual add and the next RMSNorm, a and b [N, d], weight [d]: (h = a + b, rmsnorm(h)), the
+        bits of :meth:`d_add` then :meth:`d_rmsnorm`; one launch where the backend binds an
+        ``_d_add_rmsnorm`` hook (CUDA), else those two ops."""
+        fused = getattr(self, "_d_add_rmsnorm", None)
+        if fused is None:
+            h = self.d_add(a, b)
+            return h, self.d_rmsnorm(h, weight, eps)
+        self._d_check(a, ndim=2)
+        self._d_check(b, ndim=2)
+        self._d_check(weight, ndim=1)
+        if b.shape != a.shape or weight.shape[0] != a.shape[1]:
+            raise InputError(f"d_add_rmsnorm: {a.shape} + {b.shape} with weight {weight.shape}")
+        h, y = fused(a, b, weight, float(eps))
+        me = id(self)
+        return DArray(a.shape, h, me), DArray(a.shape, y, me)
+
     def d_add(self, a: DArray, b: DArray) -> DArray:
         """a [N, d] + b ([N, d], or [d] broadcast over the rows)."""
         self._d_check(a, ndim=2)

@@ -364,12 +364,15 @@ class Trunk:
         at ``cache.length`` (the caller advances it): final hidden states [T, H]."""
         be, a, w, eps = self.be, self.arch, self.w, self.arch.rms_norm_eps
         attn = self._mla_attn if self._mla else self._gqa
+        # each residual add fused with the norm after it (d_add_rmsnorm: one launch on CUDA, the same bits)
+        x = be.d_rmsnorm(h, w["layers.0.attn_norm"], eps) if a.n_layers else None
         for i in range(a.n_layers):
             p = f"layers.{i}."
-            h = be.d_add(h, attn(be.d_rmsnorm(h, w[p + "attn_norm"], eps), i, cache, timed))
-            x = be.d_rmsnorm(h, w[p + "ffn_norm"], eps)  # [T, H]
-            h = be.d_add(h, self._moe(x, i, sampled) if a.is_moe_layer(i) else self._swiglu(x, p + "ffn."))
-        return be.d_rmsnorm(h, w["final_norm"], eps)
+            h, x = be.d_add_rmsnorm(h, attn(x, i, cache, timed), w[p + "ffn_norm"], eps)  # [T, H] each
+            y = self._moe(x, i, sampled) if a.is_moe_layer(i) else self._swiglu(x, p + "ffn.")
+            nxt = f"layers.{i + 1}.attn_norm" if i + 1 < a.n_layers else "final_norm"
+            h, x = be.d_add_rmsnorm(h, y, w[nxt], eps)
+        return x if a.n_layers else be.d_rmsnorm(h, w["final_norm"], eps)
 
     def hidden_states(self, ids: np.ndarray, cache) -> np.ndarray:
         """Final-norm hidden states float32 [T, H] on the host (ids checked by the Model)."""

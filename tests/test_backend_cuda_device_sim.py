@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from colibri_plan.backends.device_ops import attention_ref, rope_ref
-from colibri_plan.errors import UnsupportedError
+from colibri_plan.errors import InputError, UnsupportedError
 from tests._cuda_graph_sim import GRAPH_KERNELS, add_pool, attention_at
 from tests.test_backend_cuda_sim import Sim, fake_cupy
 from tests.test_backends_device_ops import (  # noqa: F401 - collected here with the simulated `be`
@@ -105,7 +105,7 @@ def _trunk_sim(sim, name, grid, block, args):
     """trunk.cu kernels and matmul.cu's rmsnorm on device addresses (rmsnorm: one warp per short row)."""
     from colibri_plan.backends.cuda.device import rms_threads
 
-    assert block == ((rms_threads(int(args[3])),) if name == "rmsnorm" else (256,))
+    assert block == ((rms_threads(int(args[5])),) if name == "rmsnorm" else (256,))
     if name == "tr_add":
         a, b, y, n, d, bcast = args
         n, d = int(n), int(d)
@@ -151,9 +151,13 @@ def _trunk_sim(sim, name, grid, block, args):
                 acc[t] = acc[t] + gg[j, t] * yy[pp[j, t]]
         _f32(sim, y, n)[:] = acc.reshape(-1)
     elif name == "rmsnorm":
-        x, w, y, H, eps = args
+        x, b, w, y, h, H, eps = args
         rows, H = grid[0], int(H)
-        xx = _f32(sim, x, rows * H).reshape(rows, H).astype(np.float64)
+        xs = _f32(sim, x, rows * H)
+        if int(b):  # fused with the residual add: h = x + b (float32), normalised
+            xs = xs + _f32(sim, b, rows * H)
+            _f32(sim, h, rows * H)[:] = xs
+        xx = xs.reshape(rows, H).astype(np.float64)
         ref = xx / np.sqrt((xx ** 2).mean(axis=1, keepdims=True) + float(eps)) * _f32(sim, w, H)
         _f32(sim, y, rows * H)[:] = ref.reshape(-1)
     else:
@@ -400,3 +404,23 @@ def test_mla_device_ops_are_one_driver_call_each(be):
     with pytest.raises(UnsupportedError, match="head_dim 609"):
         z = be.d_put(np.zeros((1, 1, 609), np.float32))
         be.d_attention(z, z, z, 1, 0, 1.0)
+
+
+@pytest.mark.parametrize("rows, d", [(1, 2048), (3, 128)])
+def test_add_rmsnorm_is_one_launch_with_the_bits_of_add_then_norm(be, rows, d):
+    """d_add_rmsnorm on the CUDA backend: one rmsnorm launch (its b and h set) for both outputs, equal to
+    d_add then d_rmsnorm (two launches) bit for bit; mismatched shapes are a typed error."""
+    rng = np.random.default_rng(rows)
+    a, b = rng.standard_normal((2, rows, d), dtype=np.float32)
+    w = rng.standard_normal(d, dtype=np.float32)
+    da, db, dw = be.d_put(a), be.d_put(b), be.d_put(w)
+    before = be.sim.launches
+    h, x = be.d_add_rmsnorm(da, db, dw, 1e-6)
+    assert be.sim.launches - before == 1 and h.shape == x.shape == (rows, d)
+    h2 = be.d_add(da, db)
+    x2 = be.d_rmsnorm(h2, dw, 1e-6)
+    assert be.sim.launches - before == 3
+    np.testing.assert_array_equal(be.d_get(h), a + b)
+    np.testing.assert_array_equal(be.d_get(x), be.d_get(x2))
+    with pytest.raises(InputError, match="d_add_rmsnorm"):
+        be.d_add_rmsnorm(da, be.d_put(b[:, :-1].copy()), dw, 1e-6)

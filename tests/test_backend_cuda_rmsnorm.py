@@ -18,14 +18,17 @@ from colibri_plan.backends.cuda.device import rms_threads
 HARNESS = "#define COLIBRI_HOST_WARP\n" + HOST_PRELUDE + r"""
 #define RMS_SHARED static  // one block at a time: a block's shared memory is one static array
 #include "MATMUL"
-// reads: rows H threads eps off, then x [rows, H] and w [H]; x, w and y sit off floats past an aligned
-// start (off 1: every row misaligned); prints y [rows, H]
+// reads: rows H threads eps off fused, then x [rows, H], (fused) b [rows, H], w [H]; the arrays sit off
+// floats past an aligned start (off 1: every row misaligned); prints y [rows, H], then (fused) h
 int main() {
-  int rows, H, nt, off; float eps;
-  if (scanf("%d %d %d %f %d", &rows, &H, &nt, &eps, &off) != 5) return 2;
+  int rows, H, nt, off, fused; float eps;
+  if (scanf("%d %d %d %f %d %d", &rows, &H, &nt, &eps, &off, &fused) != 6) return 2;
   std::vector<float4> xs((size_t)rows * H / 4 + 2), ws(H / 4 + 2), ys(xs.size());
+  std::vector<float4> bs(xs.size()), hs(xs.size());
   float *x = (float *)xs.data() + off, *w = (float *)ws.data() + off, *y = (float *)ys.data() + off;
+  float *b = fused ? (float *)bs.data() + off : nullptr, *h = (float *)hs.data() + off;
   for (size_t i = 0; i < (size_t)rows * H; i++) if (scanf("%f", &x[i]) != 1) return 3;
+  if (fused) for (size_t i = 0; i < (size_t)rows * H; i++) if (scanf("%f", &b[i]) != 1) return 3;
   for (int i = 0; i < H; i++) if (scanf("%f", &w[i]) != 1) return 4;
   blockDim = {(unsigned)nt, 1, 1}; gridDim = {(unsigned)rows, 1, 1};
   for (int r = 0; r < rows; r++) {
@@ -36,11 +39,12 @@ int main() {
     warp_bar = wb;
     std::vector<std::thread> ts;
     for (int t = 0; t < nt; t++) ts.emplace_back([&, t] { threadIdx = {(unsigned)t, 0, 0};
-                                                         rmsnorm(x, w, y, H, eps); });
+                                                         rmsnorm(x, b, w, y, h, H, eps); });
     for (auto &t : ts) t.join();
     for (auto *p : wb) delete p;
   }
   for (size_t i = 0; i < (size_t)rows * H; i++) printf("%.9g\n", y[i]);
+  if (fused) for (size_t i = 0; i < (size_t)rows * H; i++) printf("%.9g\n", h[i]);
   return 0;
 }
 """
@@ -56,13 +60,17 @@ def rms_harness(tmp_path_factory):
     return exe
 
 
-def _run(exe, x, w, threads, eps=1e-6, off=0):
+def _run(exe, x, w, threads, eps=1e-6, off=0, b=None):
+    """y [rows, H] float64 (and, b given: the fused kernel's h as float32)."""
     rows, h = x.shape
-    text = " ".join([f"{rows} {h} {threads} {eps!r} {off}", " ".join(repr(float(v)) for v in x.reshape(-1)),
-                     " ".join(repr(float(v)) for v in w)])
+    text = " ".join([f"{rows} {h} {threads} {eps!r} {off} {int(b is not None)}",
+                     *(" ".join(repr(float(v)) for v in a.reshape(-1)) for a in (x, b, w) if a is not None)])
     run = subprocess.run([str(exe)], input=text, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    return np.array(run.stdout.split(), np.float64).reshape(rows, h)
+    out = np.array(run.stdout.split(), np.float64)
+    if b is None:
+        return out.reshape(rows, h)
+    return out[: rows * h].reshape(rows, h), out[rows * h:].reshape(rows, h).astype(np.float32)
 
 
 @pytest.mark.parametrize("rows, h, threads, off", [
@@ -84,6 +92,19 @@ def test_rmsnorm_kernel_on_the_host(rms_harness, rows, h, threads, off):
     xx = x.astype(np.float64)
     ref = xx / np.sqrt((xx ** 2).mean(axis=1, keepdims=True) + 1e-6) * w
     assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("rows, h, off", [(3, 128, 0), (1, 2048, 0), (2, 130, 0), (2, 256, 1)])
+def test_fused_add_rmsnorm_is_the_add_then_the_norm(rms_harness, rows, h, off):
+    """b given: h = x + b exactly (float32) and y bit for bit what the plain kernel makes of that h (the
+    registers path and the strided one)."""
+    threads = rms_threads(h)
+    rng = np.random.default_rng([rows, h, off, 1])
+    x, b = (rng.standard_normal((2, rows, h)) * 3).astype(np.float32)
+    w = rng.standard_normal(h).astype(np.float32)
+    y, hh = _run(rms_harness, x, w, threads, off=off, b=b)
+    np.testing.assert_array_equal(hh, x + b)
+    np.testing.assert_array_equal(y, _run(rms_harness, x + b, w, threads, off=off))
 
 
 def test_rms_threads():

@@ -55,7 +55,7 @@ _ZEROS = (0,) * (8 * _MM_ARGS_MAX)  # the table entries an mm_args launch leaves
 # parameter kinds of each kernel, in the order of its CUDA signature: p pointer / u64, i int, f float,
 # t matmul.cu's MMArgs (8 · _MM_ARGS_MAX u64 by value)
 _SIGNATURES = {"tr_add": "pppqii", "tr_silu_mul": "pppq", "tr_scale_rows": "ppfpqi", "tr_rope": "pppqiiiii",
-               "tr_pad_rows": "ppiii", "rmsnorm": "pppif", "attention_gqa": "pppppiiiiifi",
+               "tr_pad_rows": "ppiii", "rmsnorm": "pppppif", "attention_gqa": "pppppiiiiifi",
                "attention_combine": "ppii", "mm_args": "tiiii", "tr_expert_sum": "pppqi",
                "tr_expert_scatter": "ppppqii",
                "route_topk": "ppppiiiiiiiiff",
@@ -111,8 +111,8 @@ class CudaDeviceOps:
     """
 
     HOOKS = ("_d_put", "_d_get", "_d_zeros", "_d_write_rows", "_d_write_block", "_d_head_matmul", "_d_add",
-             "_d_silu_mul", "_d_scale_rows", "_d_rope", "_d_rmsnorm", "_d_matmul", "_d_matmul_many",
-             "_d_attention")
+             "_d_silu_mul", "_d_scale_rows", "_d_rope", "_d_rmsnorm", "_d_add_rmsnorm", "_d_matmul",
+             "_d_matmul_many", "_d_attention")
 
     def __init__(self, backend):
         b = self.be = backend
@@ -324,8 +324,17 @@ class CudaDeviceOps:
 
     def _d_rmsnorm(self, x: DArray, weight: DArray, eps: float) -> Any:
         rows, d = x.shape  # a block per row: one warp for short rows (per-head norms), else _THREADS
-        return self._d_launch("rmsnorm", x.size, rows, 2, self._ptr(x), self._ptr(weight), d, eps,
+        return self._d_launch("rmsnorm", x.size, rows, 3, self._ptr(x), 0, self._ptr(weight), 0, d, eps,
                               threads=rms_threads(d))
+
+    def _d_add_rmsnorm(self, a: DArray, b: DArray, weight: DArray, eps: float) -> tuple[Any, Any]:
+        # h = a + b and rmsnorm(h) in one launch (rmsnorm's b, h): the bits of d_add then d_rmsnorm
+        rows, d = a.shape
+        self._d_go()
+        h = self._d_empty(a.size)
+        y = self._d_launch("rmsnorm", a.size, rows, 3, self._ptr(a), self._ptr(b), self._ptr(weight),
+                           h.data.ptr, d, eps, threads=rms_threads(d))
+        return h, y
 
     def _d_matmul(self, x: DArray, w) -> Any:
         T, n_in = x.shape

@@ -408,13 +408,16 @@ __device__ __forceinline__ float4 rms_f4(float a, float b, float c, float d) {
 #ifndef RMS_SHARED  // the host harness (tests/test_backend_cuda_rmsnorm.py): static, one block at a time
 #define RMS_SHARED __shared__
 #endif
-extern "C" __global__ void rmsnorm(const float *__restrict__ x, const float *__restrict__ w, float *y, int H,
-                                   float eps) {
+// Fused with the residual add (b not null: d_add_rmsnorm): the row normalised is x + b, also written to h
+// (the same float add as trunk.cu's tr_add; the norm's order that of the plain form: the same bits).
+extern "C" __global__ void rmsnorm(const float *__restrict__ x, const float *__restrict__ b,
+                                   const float *__restrict__ w, float *y, float *h, int H, float eps) {
     RMS_SHARED float part[32];
-    const float *xr = x + (u64)blockIdx.x * H;
-    float *yr = y + (u64)blockIdx.x * H;
+    const float *xr = x + (u64)blockIdx.x * H, *br = b ? b + (u64)blockIdx.x * H : b;
+    float *yr = y + (u64)blockIdx.x * H, *hr = b ? h + (u64)blockIdx.x * H : h;
     const int tid = threadIdx.x, nt = blockDim.x, n4 = H >> 2;
-    const bool vec = (H & 3) == 0 && n4 <= nt * RMS_VEC && (((u64)xr | (u64)w | (u64)yr) & 15u) == 0;
+    const bool vec = (H & 3) == 0 && n4 <= nt * RMS_VEC &&
+                     (((u64)xr | (u64)w | (u64)yr | (u64)br | (u64)hr) & 15u) == 0;
     float4 xv[RMS_VEC], wv[RMS_VEC];
     float s = 0.0f;
     if (vec) {  // uniform across the block
@@ -424,6 +427,19 @@ extern "C" __global__ void rmsnorm(const float *__restrict__ x, const float *__r
             const int c = tid + i * nt;
             xv[i] = c < n4 ? x4[c] : rms_f4(0.0f, 0.0f, 0.0f, 0.0f);
             wv[i] = c < n4 ? w4[c] : rms_f4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        if (br) {
+            const float4 *b4 = reinterpret_cast<const float4 *>(br);
+            float4 *h4 = reinterpret_cast<float4 *>(hr);
+#pragma unroll
+            for (int i = 0; i < RMS_VEC; i++) {
+                const int c = tid + i * nt;
+                if (c < n4) {
+                    const float4 u = b4[c];
+                    xv[i] = rms_f4(xv[i].x + u.x, xv[i].y + u.y, xv[i].z + u.z, xv[i].w + u.w);
+                    h4[c] = xv[i];
+                }
+            }
         }
 #pragma unroll
         for (int i = 0; i < RMS_VEC; i++) {
@@ -435,7 +451,11 @@ extern "C" __global__ void rmsnorm(const float *__restrict__ x, const float *__r
     } else {
         // unrolled: a thread's loads in flight together (the sum's order is unchanged)
 #pragma unroll 8
-        for (int c = tid; c < H; c += nt) s = fmaf(xr[c], xr[c], s);
+        for (int c = tid; c < H; c += nt) {
+            const float v = br ? xr[c] + br[c] : xr[c];
+            if (br) hr[c] = v;
+            s = fmaf(v, v, s);
+        }
     }
     s = warp_sum(s);  // every lane of the warp: the warp's sum
     if (nt > 32) {    // uniform: the warps' sums through shared memory
@@ -456,6 +476,6 @@ extern "C" __global__ void rmsnorm(const float *__restrict__ x, const float *__r
         }
     } else {
 #pragma unroll 8
-        for (int c = tid; c < H; c += nt) yr[c] = xr[c] * inv * w[c];
+        for (int c = tid; c < H; c += nt) yr[c] = (br ? xr[c] + br[c] : xr[c]) * inv * w[c];
     }
 }
