@@ -21,6 +21,9 @@ GB larger than ``--ram-gb``: our engine on ``solve --ram`` (O_DIRECT, pinned hot
 hot-first fill on our engine, llama.cpp at its defaults (mmap) and with ``--load-mode none``, all under
 the same limit; token-exactness by ``colibri-plan verify``, predictions beside the measurements.
 
+``reprice FILE`` re-prices a stored beyond-ram result with the current planner (no llama.cpp run) and
+``fault-probe`` measures the page faults of a mapped file it needs (bench/replay_reprice.py).
+
     flock /tmp/colibri-cpu.lock .venv/bin/python bench/replay_llamacpp.py placements \\
         --llama-bin /work/llama-build/build/bin --quant Q8_0 --ram-gb 4 --out bench/results/replay-q8-4gb.json
 """
@@ -121,6 +124,19 @@ def parser() -> argparse.ArgumentParser:
     gp.add_argument("--n-gen", type=_count, default=64)
     gp.add_argument("--source", default="random Qwen3-MoE (bench/qwen3_numpy.py)", help="what the GGUF is")
     gp.add_argument("--out", required=True, help="result JSON")
+    rp = sub.add_parser("reprice", help="re-price a stored beyond-ram result with the current planner "
+                        "(no llama.cpp run; bench/replay_reprice.py)")
+    rp.add_argument("file", help="a beyond-ram result JSON")
+    rp.add_argument("--fault-probe", required=True, help="fault-probe's JSON of the same machine")
+    rp.add_argument("--profile", required=True, help="a profile of the same machine (batched CPU, QD1 disk)")
+    rp.add_argument("--coef", default=None, help="llama.cpp coefficients (calibrate --engine llama.cpp)")
+    rp.add_argument("--heat", default=None, help="the run's heat file (default: the path it stores)")
+    rp.add_argument("--out", default=None, help="where to write (default: rewrite FILE)")
+    fp = sub.add_parser("fault-probe", help="measure page faults of a mapped file (profiler/fault.py)")
+    fp.add_argument("--path", required=True, help="a folder on the disk that holds the GGUF")
+    fp.add_argument("--size-gb", type=_positive_gb, default=2.0, help="test file size (GiB)")
+    fp.add_argument("--runs", default="262144,2228224,8388608,67108864", help="run lengths, bytes")
+    fp.add_argument("--out", required=True, help="result JSON")
     br = sub.choices["beyond-ram"]
     br.add_argument("--layers", type=_count, default=17, help="decoder layers (the first one dense)")
     br.add_argument("--experts", type=_count, default=64)
@@ -374,6 +390,21 @@ def report(doc: dict) -> None:
 def main(argv=None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
+    if a.mode in ("reprice", "fault-probe"):   # no llama.cpp and no cgroup: the stored file, the planner
+        import replay_reprice
+
+        for f in ([a.file, a.fault_probe, a.profile] + [x for x in (a.coef,) if x]
+                  if a.mode == "reprice" else []):
+            if not Path(f).is_file():
+                ap.error(f"{f}: no such file")
+        if a.mode == "fault-probe" and not Path(a.path).is_dir():
+            ap.error(f"--path {a.path}: not a folder")
+        doc = (replay_reprice.run_reprice(a, log) if a.mode == "reprice"
+               else replay_reprice.run_fault_probe(a, machine()))
+        out = a.out or a.file
+        write_json(doc, out)
+        log(f"wrote {out}")
+        return 0
     check_args(ap, a)
     if a.mode == "placements":
         doc = run_placements(a)

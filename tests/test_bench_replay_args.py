@@ -231,3 +231,37 @@ def test_doc_tables_resolve_against_their_result_files(tmp_path):
         md.write_text(table[:first.start] + wrong + table[first.start + len(first.text):] + "\n")
         fig, file, expr = df.scan(md)[0][0]
         assert df.check(fig, file, expr) is not None
+
+
+def test_reprice_rewrites_llama_rows_and_keeps_ours(tmp_path):
+    """`reprice` of the stored beyond-ram file with the stored fault probe: the llama.cpp rows get the
+    page-fault model's figures (the cyclic worst case: every mapped page a token reads is a miss), the
+    --no-mmap row the predicted outcome the run had, and our rows keep their plans' predictions."""
+    m = bench("replay_llamacpp")
+    root = Path(__file__).resolve().parents[1]
+    src = json.loads((root / "bench/results/replay-beyond-ram-2.5gb.json").read_text())
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(src))
+    probe = root / "bench/results/mmap-fault-probe-2core.json"
+    assert m.main(["reprice", str(f), "--fault-probe", str(probe),
+                   "--profile", str(root / "tests/data/replay-profile-int8.json"),
+                   "--coef", str(root / "bench/results/llamacpp-coefficients-2core.json")]) == 0
+    out = json.loads(f.read_text())
+    ll = out["rows"]["llama.cpp mmap"]
+    assert ll["predicted_terms"]["fault_regime"] == "cyclic"
+    t = ll["predicted_terms"]
+    assert t["fault_bytes"] == pytest.approx(t["host_read_bytes"], rel=0.01)
+    assert ll["predicted_tok_s"] == pytest.approx(src["rows"]["llama.cpp mmap"]["predicted_tok_s"], rel=1e-6)
+    assert ll["before_reprice"]["predicted_tok_s"] == pytest.approx(7.5958926896597125)   # kept over re-runs
+    nm = out["rows"]["llama.cpp no-mmap"]
+    assert nm["predicted_outcome"] == "does not fit (OOM)" and nm["outcome_matches"] is True
+    for name in ("ours", "hot-first"):
+        assert out["rows"][name]["predicted_tok_s"] == src["rows"][name]["predicted_tok_s"]
+    assert "reprice at planner commit" in out["repriced"]["by"]
+
+
+def test_reprice_missing_file_is_a_usage_error(tmp_path, capsys):
+    m = bench("replay_llamacpp")
+    with pytest.raises(SystemExit) as e:
+        m.main(["reprice", str(tmp_path / "nope.json"), "--fault-probe", "x", "--profile", "y"])
+    assert e.value.code == 2 and "no such file" in capsys.readouterr().err

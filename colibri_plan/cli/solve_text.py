@@ -162,7 +162,8 @@ def compare_tables(rows: list[dict]) -> list[str]:
     placement predicts as its engine runs it, where its selections are served from, and the engine knobs
     it was priced with."""
     names = [r["placement"] for r in rows]
-    pred = [[n, f"{r['tok_s']:.3f}", f"{r['decode_s_per_token'] * 1e3:.1f}",
+    pred = [[n, r["outcome"], "-", "-", "-", "-"] if r.get("outcome") else
+            [n, f"{r['tok_s']:.3f}", f"{r['decode_s_per_token'] * 1e3:.1f}",
              f"{r['disk_bytes_per_token'] / 1e6:.1f}", _ratio(r.get("vs_best_baseline")),
              _ratio(r.get("vs_best_baseline_our_engine"))] for n, r in zip(names, rows)]
     served = [[n, _pct(h["vram"]), _pct(h["ram_pinned"]), _pct(h["lru"]), _pct(h["disk"]),

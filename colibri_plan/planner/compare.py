@@ -163,9 +163,9 @@ def compare_placements(setup, sol, *, host_copy_toggle: bool = True,
     best = max(r["tok_s"] for r in rows[1:n_base])
     same = max(r["tok_s_our_engine"] for r in rows[1:n_base])
     for r in rows:   # a row beyond the budget is not comparable: no ratio
-        r["vs_best_baseline"] = r["tok_s"] / best if best > 0 and not r.get("outside_budget") else None
-        r["vs_best_baseline_our_engine"] = (r["tok_s_our_engine"] / same if same > 0
-                                            and not r.get("outside_budget") else None)
+        off = r.get("outside_budget") or r.get("not_comparable")
+        r["vs_best_baseline"] = r["tok_s"] / best if best > 0 and not off else None
+        r["vs_best_baseline_our_engine"] = (r["tok_s_our_engine"] / same if same > 0 and not off else None)
     return rows
 
 

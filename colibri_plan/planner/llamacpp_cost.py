@@ -13,7 +13,9 @@ do not fit); ``--mlock`` pins the mapped pages. Per decode token (seconds)::
     cpu_s     = (host bytes read per token) / CPU GB/s      (dense of CPU layers + top-k experts of the
                                                              host expert tensors + KV of CPU layers)
     gpu_s     = (GPU bytes read per token) / GPU GB/s
-    fault_s   = (host mapped bytes a token reads that the page cache misses) / disk GB/s at queue depth 1
+    fault_s   = (host mapped bytes a token reads that the page cache misses) / disk GB/s at queue depth 1,
+                or, with the profile's fault probe and a model larger than the cache, the page-fault
+                model of :mod:`.llamacpp_faults` (read-around windows, one LRU, the cyclic worst case)
     splits    = backend changes along the layer order (each is a graph split: a copy and a sync)
 
 Per prompt token, with the prompt run in micro-batches of U = ``-ub`` tokens::
@@ -95,7 +97,9 @@ class LlamaMachine:
     h2d_gbps: host-to-device copy GB/s; ram_limit_bytes: memory the process and its page cache may use
     (the cgroup limit, or --ram); vram_bytes: the GPUs' bytes for llama.cpp (0: no GPU); n_gpus: over
     how many GPUs llama.cpp splits its GPU layers (its default ``-sm layer``: whole layers per GPU, the
-    VRAM pooled; each GPU holds its own compute buffer, each boundary between them is one more split)."""
+    VRAM pooled; each GPU holds its own compute buffer, each boundary between them is one more split);
+    fault_runs: the fault probe's ((run_bytes, seconds, read_bytes), ...) for isolated uncached runs of a
+    mapped file (:mod:`colibri_plan.profiler.fault`); empty: faults priced at ``fault_gbps``."""
 
     cpu_gbps: float
     cpu_batch_gbps: float
@@ -106,6 +110,7 @@ class LlamaMachine:
     ram_limit_bytes: int = 0
     vram_bytes: int = 0
     n_gpus: int = 1
+    fault_runs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -295,9 +300,14 @@ def raw_terms(g: LlamaGeometry, m: LlamaMachine, pl: LlamaPlacement, probs: np.n
     # prefill: all touched experts' pages once per micro-batch; a batch of u touches 1-(1-p)^u of them
     touched = 1.0 - (1.0 - np.clip(p, 0, 1)) ** u
     pp_fault = float(np.sum(touched * share * g.expert_bytes * (1 - hit))) / u
+    faults = _fault_model(g, m, pl, p, share[:, 0], u)
+    if faults is not None:                        # the probe's page-fault model replaces the GB/s terms
+        dec, pre = faults
+        fault_bytes = dec["missed_bytes"]
+        pp_fault = pre["missed_bytes"] / u
     plain = g.repackable and not pl.repack                       # --no-repack of a repacked quant
     pp_cpu = (dense_host - offloaded + (0.0 if offload else float(host_exp.sum()))) / (m.cpu_batch_gbps * 1e9)
-    return {
+    out = {
         "cpu_s": host_bytes / (m.cpu_gbps * 1e9),
         "gpu_s": gpu_bytes / (m.gpu_gbps * 1e9) if gpu_bytes and m.gpu_gbps > 0 else 0.0,
         "fault_s": fault_bytes / (m.fault_gbps * 1e9) if fault_bytes and m.fault_gbps else 0.0,
@@ -311,6 +321,36 @@ def raw_terms(g: LlamaGeometry, m: LlamaMachine, pl: LlamaPlacement, probs: np.n
         "pp_splits": splits / u, "pp_graph": 1.0 / u,
         "host_read_bytes": host_bytes, "fault_bytes": fault_bytes,
     }
+    if faults is not None:
+        out.update(fault_s=dec["seconds"], pp_fault_s=pre["seconds"] / u, fault_regime=dec["regime"],
+                   faults_per_token=dec["faults"], fault_read_bytes=dec["read_bytes"],
+                   fault_insert_bytes=dec["insert_bytes"], fault_dense_hit=dec["dense_hit"],
+                   pp_fault_regime=pre["regime"], pp_faults_per_batch=pre["faults"])
+    return out
+
+
+def _fault_model(g: LlamaGeometry, m: LlamaMachine, pl: LlamaPlacement, p: np.ndarray, share: np.ndarray,
+                 u: int):
+    """(decode pass, micro-batch pass) of :func:`.llamacpp_faults.pass_cost` when llama.cpp maps a model
+    larger than the page cache it is left and the profile has the fault probe; None otherwise."""
+    if pl.load != "mmap" or not m.ram_limit_bytes or not m.fault_runs:
+        return None
+    from colibri_plan.planner.llamacpp_faults import FaultCurve, pass_cost
+
+    mem = memory(g, pl)
+    cache = m.ram_limit_bytes - mem["anon_host"]
+    if mem["host_model"] <= cache:
+        return None
+    dense = np.array([0.0 if pl.on_gpu(lay, g.n_layers) else float(g.layer_dense_bytes)
+                      for lay in range(g.n_layers)])
+    if not pl.on_gpu(g.n_layers, g.n_layers):
+        dense[-1] += g.head_bytes                 # the head, read after the last layer
+    proj = np.round(share * len(PROJECTIONS))
+    q = np.where(proj[:, None] > 0, p, 0.0)
+    curve = FaultCurve(m.fault_runs)
+    touched = 1.0 - (1.0 - np.clip(q, 0, 1)) ** u
+    return (pass_cost(q, g.expert_bytes, dense, curve, cache, proj),
+            pass_cost(touched, g.expert_bytes, dense, curve, cache, proj))
 
 
 def decode_seconds(t: dict, c: LlamaCoefficients) -> float:

@@ -5,7 +5,8 @@
   gives its own figure (file bytes over parameters).
 * :func:`machine` — the profile's CPU matmul at the nearest of our formats (our kernels, not llama.cpp's:
   ``c_cpu`` takes up the difference once calibrated), its batched figure at the most rows measured, the
-  disk at queue depth 1 (one page fault in flight per faulting thread), the first discrete GPU.
+  disk at queue depth 1 (one page fault in flight per faulting thread), the page-fault probe's runs
+  (:func:`fault_runs`), the first discrete GPU.
 """
 
 from __future__ import annotations
@@ -79,11 +80,25 @@ def machine(profile, res, ram_limit_bytes: int, vram_bytes: int) -> LlamaMachine
         fault = res.disk_read_gbps
     gpu = next((g for g in res.gpus if not g.unified), None)
     gb, gi = (gpu.key.split(":")[0], int(gpu.key.split(":")[1])) if gpu else ("", 0)
-    return LlamaMachine(cpu_gbps=res.cpu_gbps, cpu_batch_gbps=_batched_gbps(profile, b, i, res.cpu_gbps),
+    return LlamaMachine(fault_runs=fault_runs(profile.doc), cpu_gbps=res.cpu_gbps,
+                        cpu_batch_gbps=_batched_gbps(profile, b, i, res.cpu_gbps),
                         fault_gbps=fault, gpu_gbps=gpu.matmul_gbps if gpu else 0.0,
                         gpu_batch_gbps=_batched_gbps(profile, gb, gi, gpu.matmul_gbps) if gpu else 0.0,
                         h2d_gbps=gpu.h2d_gbps if gpu else 0.0, ram_limit_bytes=int(ram_limit_bytes),
                         vram_bytes=int(vram_bytes) if gpu else 0)
+
+
+def fault_runs(profile_doc: dict) -> tuple:
+    """The profile's page-fault probe rows as ((run_bytes, seconds, read_bytes), ...) for
+    :class:`LlamaMachine` (``disk.mmap_fault``, :mod:`colibri_plan.profiler.fault`); () when the profile
+    predates the probe or it was unavailable (faults are then priced at the QD1 disk GB/s)."""
+    sec = ((profile_doc.get("disk") or {}).get("mmap_fault") or {})
+    rows = sec.get("rows") if isinstance(sec, dict) else None
+    if not isinstance(rows, list):
+        return ()
+    return tuple((int(r["run_bytes"]), float(r["seconds_per_run"]), float(r.get("read_bytes_per_run") or
+                                                                          r["run_bytes"]))
+                 for r in rows if isinstance(r, dict) and r.get("seconds_per_run"))
 
 
 #: our formats nearest each llama.cpp type, best first (the profile's CPU figure is taken at one of them)
@@ -159,8 +174,31 @@ def section(setup, profile=None, coef=None, quant: str | None = None) -> dict:
 
     x = from_setup(setup, profile, quant)
     out = choose(x["geometry"], x["machine"], x["base"], coef, x["probs"])
+    out["no_mmap"] = no_mmap_outcome(x["geometry"], x["machine"], x["base"], coef, x["probs"])
     out["budgets"] = {"ram_limit_bytes": x["ram_limit_bytes"], "vram_bytes": x["vram_bytes"],
                       "vram_device": x["vram_device"],
                       "accounting": "llama.cpp's buffers (model, KV, compute)"}
     out["bytes_per_weight_from"] = x["bits"]
     return out
+
+
+def no_mmap_outcome(g, m, base, coef=None, probs=None) -> dict:
+    """llama.cpp with ``--no-mmap`` at ``--fit``'s placement (all on the CPU without a GPU): its weights
+    are read into anonymous memory, so when they and its buffers exceed the RAM limit the process is
+    killed at load; the outcome is then "does not fit (OOM)", never a speed.
+
+    Returns:
+        {"args", "outcome": "runs" | "does not fit (OOM)", "why" (None when it runs), "decode_tok_s",
+        "prefill_tok_s" (None when it does not fit), "memory"}.
+    """
+    from colibri_plan.planner.llamacpp_choice import fit_placement, llama_args
+    from colibri_plan.planner.llamacpp_cost import LlamaCoefficients, predict
+
+    pl = fit_placement(g, m, base) if m.gpu_gbps > 0 and m.vram_bytes else base
+    pl = dataclasses.replace(pl, load="no-mmap")
+    pred = predict(g, m, pl, coef or LlamaCoefficients(), probs)
+    oom = pred["infeasible"]
+    return {"args": llama_args(pl, g.n_layers), "outcome": "does not fit (OOM)" if oom else "runs",
+            "why": oom,
+            "decode_tok_s": None if oom else pred["decode_tok_s"],
+            "prefill_tok_s": None if oom else pred["prefill_tok_s"], "memory": pred["memory"]}

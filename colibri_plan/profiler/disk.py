@@ -229,6 +229,7 @@ def probe_disk(path: str | os.PathLike | None = None, block_bytes: int = DEFAULT
         say("disk: sequential reads")
         seq = measure(fd, size, block, 1, repetitions, seconds, direct, sequential=True)
         seq["method"] = "one reader, consecutive blocks from a random start"
+        fault = _fault_probe(probe_file, size, block, say)
     finally:
         if fd >= 0:
             os.close(fd)
@@ -240,5 +241,23 @@ def probe_disk(path: str | os.PathLike | None = None, block_bytes: int = DEFAULT
         "block_bytes": block, "offset_alignment_bytes": ALIGN,
         "method": "os.preadv into page-aligned mmap buffers, one thread per request in flight, "
                   "random 4 KiB-aligned offsets, fixed wall time per repetition",
-        "random": random_rows, "sequential": seq, "warnings": [warning] if warning else [],
+        "random": random_rows, "sequential": seq, "mmap_fault": fault,
+        "warnings": [warning] if warning else [],
     }
+
+
+def _fault_probe(probe_file: Path, size: int, block: int, say: Progress) -> dict:
+    """The page-fault figures of a mapped file (:mod:`.fault`: what llama.cpp's mmap gets) on the same
+    test file: runs from a quarter MiB to 64 MiB and one projection of the model's expert block, those
+    that fit twice in the file; ``{"unavailable": why}`` when mapping fails."""
+    from colibri_plan.profiler import fault
+
+    runs = sorted({256 << 10, max(4096, block // 3 // 4096 * 4096), 8 << 20, 64 << 20})
+    runs = [r for r in runs if 2 * r <= size]
+    if not runs:
+        return {"unavailable": f"test file of {size} B too small for the fault probe"}
+    say("disk: page faults of a mapped file (llama.cpp's mmap)")
+    try:
+        return fault.probe_faults(probe_file, runs, total_bytes=min(256 << 20, size // 2))
+    except (OSError, ValueError) as exc:
+        return {"unavailable": f"fault probe failed: {exc}"}
