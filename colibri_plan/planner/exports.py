@@ -16,7 +16,9 @@ llama.cpp (``-ot`` patterns, ``-ngl``, the full ``llama-server`` line) is :mod:`
 exports_llama`; :func:`export_llama_cpp` is re-exported here.
 
 The plan's trunk (its ``trunk`` section): on a GPU, colibrì gets ``CUDA_DENSE=1 COLI_CUDA_ATTN=1`` (the
-trunk's devices joined to ``COLI_GPUS``). A CPU trunk (or a plan without the section) exports as before.
+trunk's devices joined to ``COLI_GPUS``). A plan solved for colibrì carries the solver's GPU split
+(``trunk_gpus``, planner/trunk_gpus.py): one GPU exports ``COLI_GPU=i``, a spread ``COLI_GPUS`` over its
+GPUs. A CPU trunk (or a plan without the section) exports as before.
 
 :func:`colibri_env` builds the environment line without writing anything (``PIN`` is the usage file's
 absolute path), :func:`export_colibri` also writes the usage file, :func:`colibri_command` is the line to

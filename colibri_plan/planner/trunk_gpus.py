@@ -110,9 +110,9 @@ def _why(target: str, chosen: str, spread: dict | None, one_tok: float | None) -
             chosen, "our engine runs one trunk device; the layer split is for exports (llama.cpp "
                     "--tensor-split)")
     if spread is None:
-        return "one GPU: fewer than two discrete CUDA GPUs to spread over"
+        return "no spread: fewer than two discrete CUDA GPUs"
     if spread.get("tok_s") is None:
-        return f"one GPU: the spread does not fit ({spread.get('why') or 'not solved'})"
+        return f"no spread: it does not fit ({spread.get('why') or 'not solved'})"
     one = f"{one_tok:.3f}" if one_tok is not None else "(none fits)"
     name = {"spread": "spread", "one": "one GPU", "cpu": "the CPU"}[chosen]
     return (f"spread over {len(spread['vram_trunk_bytes'])} GPUs {spread['tok_s']:.3f} tok/s against one "
