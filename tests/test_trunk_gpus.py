@@ -103,6 +103,10 @@ def test_colibri_spread_or_one_gpu_chosen_by_time_written_to_plan_and_export(tmp
     else:
         assert sec["env"] == {"COLI_GPU": "0", "CUDA_DENSE": "1"} and plan.counts()["cuda:1"] == 0
     assert sec["spread"]["tok_s"] == rows["split"]["tok_s"]
+    # --compare's "colibri hot-first (CUDA_DENSE=1 ...)" row: colibrì spreads CUDA_DENSE over COLI_GPUS
+    from colibri_plan.planner.compare import trunk_setups
+
+    assert trunk_setups(setup)[1].trunk.name == "split"
     back = load_plan(save_plan(plan, tmp_path / "p.json"))
     assert back.doc["trunk_gpus"] == sec
     env = colibri_env(back, tmp_path / "u")["vars"]
