@@ -221,7 +221,8 @@ def solve(opts, profile_path, machine, model_name, heat, quant, files, compare, 
               "compute": plan.doc.get("compute"), "compute_explain": plan.doc.get("compute_explain"),
               "repin": plan.doc.get("repin"), "trunk": {**plan.doc["trunk"], **plan.doc["solver"]["trunk"]},
               "warnings": setup.warnings, **({"llamacpp": llama} if opts.target == "llama.cpp" else {}),
-              **({"reads": plan.doc["reads"]} if "reads" in plan.doc else {})}
+              **({"reads": plan.doc["reads"]} if "reads" in plan.doc else {}),
+              "trunk_gpus": plan.doc.get("trunk_gpus")}
     from colibri_plan.planner.compare import engine_rows
 
     result["engines"] = engine_rows(setup, plan, paths, _engine_refusal(spec))
@@ -264,6 +265,10 @@ def _human(result: dict) -> str:
             from colibri_plan.planner.reads import reads_line
 
             out.append(reads_line(result["reads"]))
+        if result.get("trunk_gpus"):  # the trunk's GPU split, priced (planner/trunk_gpus.py)
+            from colibri_plan.planner.trunk_gpus import gpu_split_line
+
+            out.append(gpu_split_line(result["trunk_gpus"]))
     if result.get("llamacpp"):  # --target llama.cpp: its pick or "keep --fit"
         from colibri_plan.planner.llamacpp_report import llama_lines
 

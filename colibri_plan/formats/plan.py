@@ -188,6 +188,10 @@ _FIELDS = (
     ("compute?", "object", None), ("compute_explain?", "object", None), ("repin?", "object", None),
     ("repin.enabled", "bool", None), ("repin.every_tokens", "int", (1, 1_000_000)),
     ("repin.window_tokens", "int", (1, 1_000_000)), ("repin.max_swaps?", "int", (1, None)),
+    # the trunk's GPU split decision (planner/trunk_gpus.py; version 1; older plans lack it)
+    ("trunk_gpus?", "object", None), ("trunk_gpus.version", "int", (1, 1)),
+    ("trunk_gpus.chosen", "str", None), ("trunk_gpus.devices", "list", None),
+    ("trunk_gpus.env?", "object", None),
 )
 _READ = {"object": f.mapping, "list": f.items, "str": f.text, "bool": f.flag, "int": f.whole, "num": f.number}
 

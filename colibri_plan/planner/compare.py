@@ -108,6 +108,8 @@ def trunk_setups(setup):
     alts[name] = setup
     gpu = [s for k, s in alts.items() if k != "cpu"]
     best = min(gpu, key=lambda s: s.trunk.seconds) if gpu else None
+    if "split" in alts and setup.knobs.get("target") == "colibri":   # colibrì's CUDA_DENSE over COLI_GPUS
+        best = alts["split"]
     return alts.get("cpu", setup), best
 
 

@@ -37,10 +37,24 @@ def host_seconds(res, expert_bytes: int, coef: Coefficients) -> tuple[float, flo
     def on_gpu(tier: str) -> bool:
         return who.get(tier, "cpu") in gpus
 
+    def copy(tier: str) -> float:   # a zero-copy GPU reads the slab where the read put it
+        return 0.0 if gpus[who[tier]].zero_copy else copy_s
+
     out = [coef.cpu_expert * expert_bytes / (rate(t) * 1e9) for t in ("ram_pinned", "lru", "disk")]
-    out[2] += copy_s if on_gpu("disk") else 0.0
-    out[1] += copy_s if on_gpu("lru") and who.get("lru") != who.get("disk", "cpu") else 0.0
+    out[2] += copy("disk") if on_gpu("disk") else 0.0
+    out[1] += copy("lru") if on_gpu("lru") and who.get("lru") != who.get("disk", "cpu") else 0.0
     return out[0], out[1], out[2]
+
+
+def colibri_unified_compute(res):
+    """Resources as colibrì runs a unified-memory GPU (reference notes; its ENVIRONMENT.md:
+    ``COLI_CUDA_UNIFIED`` auto-on for GB10/Grace, "all experts are GPU-served"; Metal computes the routed
+    experts zero-copy from the RAM slabs): every host tier (pinned, LRU hits, streamed misses) on the
+    first unified GPU, which reads the slabs in place (``zero_copy``: no upload copy). Not a choice:
+    colibrì does it whatever the speeds (a CPU faster than the GPU is priced as the slower path it is)."""
+    gpu = next(g for g in res.gpus if g.unified)
+    gpus = tuple(dataclasses.replace(g, zero_copy=True) if g.key == gpu.key else g for g in res.gpus)
+    return dataclasses.replace(res, gpus=gpus, compute=tuple((t, gpu.key) for t in sorted(HOST_TIERS)))
 
 
 def choose_compute(res, expert_bytes: int, coef: Coefficients) -> tuple:

@@ -100,6 +100,8 @@ class GpuResource:
             0 on other GPUs and without a figure).
         segmented: the trunk's GPU replays its decode step as graph segments cut at the layers with
             experts elsewhere (module docstring); handoff_s: seconds of one such cut.
+        zero_copy: a unified GPU that reads the host's expert slabs in place (colibrì's
+            COLI_CUDA_UNIFIED): no upload copy for a streamed expert it computes (planner.compute).
     """
 
     key: str
@@ -113,6 +115,7 @@ class GpuResource:
     expert_call_s: float = 0.0
     segmented: bool = False
     handoff_s: float = 0.0
+    zero_copy: bool = False
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ llama.cpp (``-ot`` patterns, ``-ngl``, the full ``llama-server`` line) is :mod:`
 exports_llama`; :func:`export_llama_cpp` is re-exported here.
 
 The plan's trunk (its ``trunk`` section): on a GPU, colibrì gets ``CUDA_DENSE=1 COLI_CUDA_ATTN=1`` (the
-trunk's devices joined to ``COLI_GPUS``). A CPU trunk (or a plan without the section) exports as before.
+trunk's devices joined to ``COLI_GPUS``). A plan solved for colibrì carries the solver's GPU split
+(``trunk_gpus``, planner/trunk_gpus.py): one GPU exports ``COLI_GPU=i``, a spread ``COLI_GPUS`` over its
+GPUs. A CPU trunk (or a plan without the section) exports as before.
 
 :func:`colibri_env` builds the environment line without writing anything (``PIN`` is the usage file's
 absolute path), :func:`export_colibri` also writes the usage file, :func:`colibri_command` is the line to
@@ -222,6 +224,14 @@ def _colibri_trunk(plan: Plan, env: dict) -> list[str]:
     env["COLI_GPUS"] = ",".join(sorted(set(gpus) | {k.split(":")[1] for k in devs}, key=int))
     env["CUDA_DENSE"] = "1"
     env["COLI_CUDA_ATTN"] = "1"
+    split = plan.doc.get("trunk_gpus") or {}
+    if split.get("target") == "colibri" and split.get("chosen") in ("one", "spread"):
+        # the solver's GPU split decision (planner/trunk_gpus.py): the device list colibrì reads
+        if split["chosen"] == "one" and env["COLI_GPUS"] == devs[0].split(":")[1]:
+            env["COLI_GPU"] = env.pop("COLI_GPUS")
+        how = ("one GPU: COLI_GPU names it for trunk and experts" if split["chosen"] == "one" else
+               f"spread by layers over COLI_GPUS as priced ({split.get('handoffs', 0)} hand-offs)")
+        return [f"CUDA_DENSE=1 COLI_CUDA_ATTN=1: the dense trunk and attention on {', '.join(devs)}, {how}"]
     return ["CUDA_DENSE=1 COLI_CUDA_ATTN=1: the plan runs the dense trunk and attention on "
             f"{', '.join(devs)}; colibrì spreads the dense tensors round-robin over COLI_GPUS (the plan's "
             "device split is not reproduced) and counts them against each device's expert room"]

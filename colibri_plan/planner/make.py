@@ -22,7 +22,7 @@ from colibri_plan.planner.budgets import (
     vram_budgets,
 )
 from colibri_plan.planner.cache_model import TraceHits
-from colibri_plan.planner.compute import choose_compute
+from colibri_plan.planner.compute import choose_compute, colibri_unified_compute
 from colibri_plan.planner.costmodel import Coefficients, Resources, attention_seconds, dense_seconds
 from colibri_plan.planner.knobs import (
     COLIBRI_VRAM_OVERHEAD_BYTES,
@@ -197,6 +197,8 @@ def build_setup(profile, spec, heat=None, opts: SolveOptions = DEFAULTS, *,
                                            o.queue_depth, o.target)
     if o.target == "colibri-plan" and any(g.unified for g in res.gpus):   # ours computes host tiers there
         res = choose_compute(res, spec.expert_bytes(), coef)[0]
+    elif o.target == "colibri" and any(g.unified for g in res.gpus):     # colibrì's GPU serves them all
+        res = colibri_unified_compute(res)
     budgets = Budgets(ram_budget_bytes=ram_bytes, vram_budget_bytes=vram_b,
                       explain=ram_explain + vram_explain, context_tokens=o.context_tokens,
                       ram_mode=str(o.ram), vram_mode=str(o.vram), **parts)
@@ -351,6 +353,9 @@ def make_plan(profile, spec, heat=None, opts: SolveOptions = DEFAULTS,
 
         setup, reads = choose_reads(setup, sol.tiers, sol.lru_slots, cost_of, opts.reads)
     plan = plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source)
+    from colibri_plan.planner.trunk_gpus import gpu_split_section
+
+    plan.doc["trunk_gpus"] = _jsonable(gpu_split_section(setup, report))   # one GPU or spread, priced
     if reads is not None:
         plan.doc["reads"] = _jsonable(reads)
     if repin is not None:

@@ -42,6 +42,7 @@ was used.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -233,6 +234,9 @@ class TrunkOption:
             lives on the trunk's device with its attention.
         expert_call_s: host seconds per routed expert run on this GPU's own hidden state (the device's
             small-op seconds: the engine launches them from the host each layer; 0 on the CPU and split).
+        expert_devices: the only GPUs that may hold experts with this option (() = all): colibrì's one
+            device list (COLI_GPU) holds trunk and experts alike (:mod:`.trunk_gpus`).
+        handoff_s: seconds per token of the hidden state's hops between GPUs (a spread; in roundtrip_s).
     """
 
     name: str
@@ -248,6 +252,8 @@ class TrunkOption:
     sources: dict = field(default_factory=dict)
     kv_bytes_per_token: int = 0
     expert_call_s: float = 0.0
+    expert_devices: tuple = ()
+    handoff_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -263,9 +269,11 @@ def dense_read_bytes(spec, dense_fmt: str) -> int:
 
 def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_tokens: int,
                   vram_budget: dict[str, int], coef, ops_per_layer: int = DEFAULT_OPS_PER_LAYER,
-                  host_kv_bytes_per_token: int | None = None) -> list:
+                  host_kv_bytes_per_token: int | None = None, target: str = "colibri-plan") -> list:
     """The CPU, every GPU, and (when no single discrete GPU's budget holds trunk + KV but their budgets
-    together do) a layer split over the discrete GPUs in proportion to their budgets.
+    together do) a layer split over the discrete GPUs in proportion to their budgets. ``target``
+    "colibri": colibrì's options instead (:mod:`.trunk_gpus`): a one-GPU trunk keeps the experts on that
+    GPU, and with two or more discrete CUDA GPUs the split is colibrì's round-robin spread over all of them.
 
     Args:
         figs: :func:`device_figures`. vram_budget: key -> the device's expert budget with the trunk on the
@@ -300,6 +308,15 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
         out.append(TrunkOption(key, key, (), *price(f, bpt_dev), dense, kv_dev,
                                {key: dense + kv_dev} if f.discrete else {}, ram_charged if f.discrete else 0,
                                {key: f.sources}, bpt_dev, f.op_s))
+    if target == "colibri":
+        from colibri_plan.planner.trunk_gpus import colibri_gpus, spread_option
+
+        out = [dataclasses.replace(o, expert_devices=(o.name,)) if o.vram_bytes else o for o in out]
+        keys = colibri_gpus(figs)
+        if len(keys) > 1:
+            out.append(spread_option(figs, spec, dense_fmt, keys, context_tokens, ram_charged, coef, bpt_dev,
+                                     price_trunk, TrunkOption, ops_per_layer))
+        return out
     discrete = {k: int(v) for k, v in vram_budget.items() if k in figs and figs[k].discrete}
     need = dense + kv_paged
     if len(discrete) > 1 and all(v < need for v in discrete.values()) and sum(discrete.values()) >= need:

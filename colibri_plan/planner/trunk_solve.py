@@ -108,9 +108,13 @@ def option_setup(setup, opt, spec, lru_slots_fn):
     """A copy of ``setup`` with ``opt``'s trunk: budgets, resources, LRU reserve (``lru_slots_fn``:
     planner.make.auto_lru_slots, passed in as make imports this module) and fixed seconds."""
     b = setup.budgets
-    vram = {k: int(v) - int(opt.vram_bytes.get(k, 0)) for k, v in b.vram_budget_bytes.items()}
+    vram = {k: int(v) - int(opt.vram_bytes.get(k, 0)) if not opt.expert_devices or k in opt.expert_devices
+            else 0 for k, v in b.vram_budget_bytes.items()}   # colibrì's one device list: no experts there
     ram = int(b.ram_budget_bytes) + int(opt.ram_freed_bytes)
     explain = list(b.explain)
+    for key in [k for k in b.vram_budget_bytes if opt.expert_devices and k not in opt.expert_devices]:
+        explain.append({"what": f"{key}: no experts (colibrì's COLI_GPU={opt.device.split(':')[1]} names "
+                                "one device for trunk and experts)", "bytes": 0})
     for key, n in opt.vram_bytes.items():
         explain.append({"what": f"{key}: dense trunk + KV cache placed on it", "bytes": -n})
         explain.append({"what": f"{key}: left for experts", "bytes": vram[key]})
@@ -163,7 +167,9 @@ def _row(opt, setup, chosen=False) -> dict:
             "dense_bytes": opt.dense_bytes, "kv_bytes": opt.kv_bytes,
             "vram_trunk_bytes": dict(opt.vram_bytes),
             "vram_expert_budget_bytes": {k: int(vram.get(k, 0)) - int(opt.vram_bytes.get(k, 0))
+                                         if not opt.expert_devices or k in opt.expert_devices else 0
                                          for k in vram},
+            "handoff_s": opt.handoff_s,
             "ram_budget_bytes": int(setup.budgets.ram_budget_bytes) + int(opt.ram_freed_bytes),
             "feasible": True, "why": None, "solved": False, "same_as": None, "tok_s": None,
             "decode_s_per_token": None, "chosen": chosen, "figures": opt.sources}
@@ -188,10 +194,10 @@ def choose_trunk(profile, setup, spec, choice: str, solve, lru_slots_fn):
     keys = [g.key for g in setup.res.gpus]
     check_trunk_choice(choice, keys)
     figs = device_figures(profile, setup.res, spec, setup.dense_fmt, setup.problem.coef)
+    target = setup.knobs.get("target", "colibri-plan")
     opts = trunk_options(figs, spec, setup.dense_fmt, setup.budgets.context_tokens,
                          setup.budgets.vram_budget_bytes, setup.problem.coef,
-                         host_kv_bytes_per_token=ram_kv_bytes_per_token(spec, setup.knobs.get("target",
-                                                                                              "colibri-plan")))
+                         host_kv_bytes_per_token=ram_kv_bytes_per_token(spec, target), target=target)
     names = [o.name for o in opts]
     if choice not in (AUTO, *names):
         raise InputError(_no_split_message(opts, setup.budgets.vram_budget_bytes, [AUTO, *names],
