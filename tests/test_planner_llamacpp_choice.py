@@ -101,3 +101,15 @@ def test_solve_target_llama_cpp_writes_the_section_and_compare_prices_fit_as_lla
     assert fit["tok_s"] == pytest.approx(sec["fit"]["decode_tok_s"])
     assert fit["calibrated_on"] == "uncalibrated" and fit["llama_args"] == sec["fit"]["args"]
     assert all("calibrated_on" in r for r in rows)
+
+
+def test_without_a_gpu_the_reference_is_llama_cpps_defaults():
+    cpu_m = dataclasses.replace(M, gpu_gbps=0.0, vram_bytes=0)
+    c = choose(G, cpu_m, BASE)
+    # nothing to place and RAM unlimited: every CPU placement costs the defaults' 15 ms (2 x 2 selected
+    # 3 MB experts, 2 MB of dense and the 1 MB head at 1 GB/s) -> keep --fit, with the defaults' figures
+    assert c["fit"] is None and c["verdict"] == "keep --fit"
+    assert "nothing to place" in c["why"] and "+0%" in c["why"] and "llama.cpp's defaults" in c["why"]
+    assert c["chosen"]["decode_tok_s"] == pytest.approx(1 / 15e-3)
+    out = export_hook({"args": "-ngl 0", "notes": []}, c)
+    assert out["args"] == "" and out["notes"][0].startswith("keep --fit")

@@ -111,6 +111,15 @@ def _summary(g, pl, pred) -> dict:
             "fault_bytes_per_token": pred["terms"]["fault_bytes"]}
 
 
+def _versus(pred: dict, ref: dict, ref_name: str) -> tuple[float, float, str]:
+    """(decode gain, prefill gain, the sentence) of predicted figures ``pred`` over ``ref``'s."""
+    gain_d = pred["decode_tok_s"] / ref["decode_tok_s"] - 1
+    gain_p = pred["prefill_tok_s"] / ref["prefill_tok_s"] - 1
+    return gain_d, gain_p, (f"predicted decode {pred['decode_tok_s']:.1f} vs {ref['decode_tok_s']:.1f} tok/s "
+                            f"({gain_d:+.0%}), prefill {pred['prefill_tok_s']:.0f} vs "
+                            f"{ref['prefill_tok_s']:.0f} tok/s ({gain_p:+.0%}) for {ref_name}")
+
+
 def choose(g, m, base: LlamaPlacement, coef: LlamaCoefficients | None = None, probs: np.ndarray | None = None,
            noise: float = NOISE) -> dict:
     """The recommended placement and the verdict against ``--fit`` (module docstring).
@@ -148,16 +157,18 @@ def choose(g, m, base: LlamaPlacement, coef: LlamaCoefficients | None = None, pr
     fit_pred = price(fit) if fit is not None else None
     out = {"chosen": _summary(g, pl, pred), "fit": _summary(g, fit, fit_pred) if fit is not None else None,
            "candidates": len(cands) + len(UBATCHES), "noise": noise, "calibrated_on": coef.calibrated_on}
-    if fit_pred is None:
-        out["verdict"] = "use"
-        out["why"] = "no GPU in the budget: llama.cpp runs on the CPU (--fit has nothing to place)"
+    if fit_pred is None:  # no GPU: fit has nothing to place, so the reference is llama.cpp's defaults
+        gain_d, gain_p, figures = _versus(pred, price(cpu_only), "llama.cpp's defaults")
+        if gain_d > noise or gain_p > noise:
+            out["verdict"] = "use"
+            out["why"] = (f"no GPU in the budget (--fit has nothing to place); faster than llama.cpp's "
+                          f"defaults beyond the {noise:.0%} noise: {figures}")
+        else:
+            out["verdict"] = "keep --fit"
+            out["why"] = (f"no GPU in the budget: --fit has nothing to place, and the best CPU placement is "
+                          f"within the {noise:.0%} noise of llama.cpp's defaults: {figures}")
         return out
-    gain_d = pred["decode_tok_s"] / fit_pred["decode_tok_s"] - 1
-    gain_p = pred["prefill_tok_s"] / fit_pred["prefill_tok_s"] - 1
-    figures = (f"predicted decode {pred['decode_tok_s']:.1f} vs {fit_pred['decode_tok_s']:.1f} tok/s "
-               f"({gain_d:+.0%}), prefill {pred['prefill_tok_s']:.0f} vs "
-               f"{fit_pred['prefill_tok_s']:.0f} tok/s "
-               f"({gain_p:+.0%})")
+    gain_d, gain_p, figures = _versus(pred, fit_pred, "--fit")
     if gain_d <= noise and gain_p <= noise:
         out["verdict"] = "keep --fit"
         out["why"] = (f"the best placement llama.cpp can express is within the {noise:.0%} noise of --fit: "
