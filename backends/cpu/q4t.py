@@ -62,7 +62,7 @@ from colibri_plan.backends.cpu.vnni import (
 
 #: sha256 (16 hex digits) of backends/cpu/vnni.py as these kernels were compiled against: updating it
 #: with vnni makes numba recompile them (tests/test_backend_cpu_kernels.py compares)
-VNNI_SOURCE = "1e71bc35e72328dd"
+VNNI_SOURCE = "4a6dcb8b1be9474e"
 #: rows per parallel step (qkernels' ROW_TILE is 32): longer runs of memory per step read RAM
 #: faster, measured from RAM on a shared 2-core host (best of 15-30, interleaved): 8 int4-g32 experts'
 #: decode 21 against 15 GB/s gate+up, 17-19 against 13 down; GEMV 2048x2048 17.6 against 13.4 GB/s,
@@ -193,7 +193,7 @@ def _xb_for(xe3, xo3, wt):
 
 @njit(fastmath=True, cache=True, inline="always")
 def _bd(J, m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep, nq):
-    # m tokens (4, 2 or 1) of nq quarters of 16 lanes (a whole row): vnni.byte_dots(J, m)
+    # m tokens (4, 2 or 1) of one chunk of nq quarters of 16 lanes: vnni.byte_dots(J, m)
     if J == 16:
         _bd16(m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep, nq)
     elif J == 8:
@@ -204,7 +204,7 @@ def _bd(J, m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep, nq):
 
 @njit(fastmath=True, cache=True, inline="always")
 def _bd2(J, ai, ao, bo, w, wo, v, vo, xb, xo, xs, so, nq):
-    # one token, two rows (w at wo, v at vo) of nq quarters of 16 lanes: vnni.byte_dots2(J)
+    # one token, two rows (w at wo, v at vo) of one chunk of nq quarters: vnni.byte_dots2(J)
     if J == 16:
         _b16r2(ai, ao, bo, w, wo, v, vo, xb, xo, xs, so, nq)
     elif J == 8:
@@ -220,8 +220,9 @@ def _pair_rows(C, J, L, wf, vf, sf, vl, xb, sx, xs, y, z, r, q, t, af):
     # of _rows, so the same bits (flat arguments: a reshape per row would cost more than its row)
     n = C * L
     row = C * J * L
-    # a row's chunks are n / 16 quarters one after the other, in the weight, xb, xs and af alike
-    _bd2(J, af, 0, n, wf, r * row, vf, q * row, xb, t * 4 * row, xs, t * n, n // 16)
+    for c in range(C):  # L / 16 quarters a chunk
+        _bd2(J, af, c * L, n + c * L, wf, r * row + c * J * L, vf, q * row + c * J * L, xb,
+             t * 4 * row + c * 4 * J * L, xs, t * n + c * L, L // 16)
     y[t, r] = _vsum(sf, r * n, af, 0, n, n) * sx[t]
     z[t, q] = _vsum(vl, q * n, af, n, n, n) * sx[t]
 
@@ -256,7 +257,9 @@ def _rows(wt, sl, xe3, xo3, xb, sx, xsl, y, r0, r1, t0, t1, ai):
         while t < t1:
             m = 4 if t1 - t >= 4 else (2 if t1 - t >= 2 else 1)
             for r in range(rb, re):
-                _bd(J, m, af, 0, n, wf, r * row, xb, t * xrow, xrow, xs, t * n, n, n // 16)
+                for c in range(C):
+                    _bd(J, m, af, c * L, n, wf, r * row + c * J * L, xb, t * xrow + c * 4 * J * L, xrow,
+                        xs, t * n + c * L, n, L // 16)
                 if m == 4:
                     _vsum4(sf, r * n, af, 0, n, n, f4)
                     for u in range(4):

@@ -250,10 +250,16 @@ def vpdpbusd(builder, acc, u, s):
 
 
 def _quarters(builder, nq, body):
-    """``body(q)`` for q = 0 .. nq − 1 (a runtime loop: a chunk of L lanes has L / 16 quarters, a row of
-    C chunks C·L / 16 in a row)."""
-    with cgutils.for_range(builder, nq) as loop:
-        body(loop.index)
+    """``body(q)`` for q = 0 .. nq − 1, the quarters of one chunk (L / 16 of a chunk of L lanes): a chunk
+    of 64 lanes written out as one block of code with constant offsets (the 4 quarters; measured a
+    runtime loop 5-15% slower there), other chunks a runtime loop."""
+    with builder.if_else(builder.icmp_unsigned("==", nq, ir.Constant(nq.type, 4))) as (four, other):
+        with four:
+            for k in range(4):
+                body(_c64(k))
+        with other:
+            with cgutils.for_range(builder, nq) as loop:
+                body(loop.index)
 
 
 def byte_dots(J: int, NT: int):
