@@ -112,8 +112,8 @@ def int_layout(qt: QuantTensor, k) -> HostWeight:
     # g32/g64 transposed: wt[r, j, g·fold + s] = byte s·(bg/fold) + j of group g
     # q4t's vpdpbusd kernels take any whole number of 16-lane quarters: an int4-g32 row of 24 groups (768
     # columns, a Qwen3-MoE expert's down) folds by 2 into 48 lanes for them, where it took the numba loop
-    # at fold 4 (96 lanes: not whole chunks of 64) before; 8 such experts' down from L3 on 2 threads,
-    # 0.23 against 0.62 ms (bench/results/cpu-int4-decode-h26.json)
+    # at fold 4 (96 lanes: not whole chunks of 64) before: a 2048x768 GEMV in cache on 2 threads 23-31
+    # against 58-69 µs; a decode step's routed experts, bench/results/cpu-int4-decode-h26-experts-768.json
     vnni = bool(getattr(k, "VNNI", False)) and g == 32
     fold = _fold(groups, k.FOLDS[bg], 16 if vnni else 64)
     if g == 64:  # q4g sums a group's lanes in int32: its own scales, [out, groups]
