@@ -110,36 +110,46 @@ def int_layout(qt: QuantTensor, k) -> HostWeight:
             return HostWeight(qt, _lanes(data, groups, 4, 16), scales, groups * g, g, 4)
         return HostWeight(qt, data.reshape(out, groups, bg), scales, groups * g, g)  # blocks (qkernels)
     # g32/g64 transposed: wt[r, j, g·fold + s] = byte s·(bg/fold) + j of group g
-    fold = _fold(groups, k.FOLDS[bg])
+    # q4t's vpdpbusd kernels take any whole number of 16-lane quarters: an int4-g32 row of 24 groups (768
+    # columns, a Qwen3-MoE expert's down) folds by 2 into 48 lanes for them, where it took the numba loop
+    # at fold 4 (96 lanes: not whole chunks of 64) before: a 2048x768 GEMV in cache on 2 threads 23-31
+    # against 58-69 µs; a decode step's routed experts, bench/results/cpu-int4-decode-h26-experts-768.json
+    vnni = bool(getattr(k, "VNNI", False)) and g == 32
+    fold = _fold(groups, k.FOLDS[bg], 16 if vnni else 64)
     if g == 64:  # q4g sums a group's lanes in int32: its own scales, [out, groups]
         return HostWeight(qt, _lanes(data, groups, fold, bg // fold), scales, groups * g, g, fold)
     lane_scales = np.repeat(scales, fold, axis=1) if fold > 1 else scales  # [out, groups·fold]
     wt = _lanes(data, groups, fold, bg // fold)
-    if getattr(k, "VNNI", False) and wt.shape[3] == 64:  # q4t's vpdpbusd kernels read the byte layout
+    if vnni and wt.shape[3] % 16 == 0:  # q4t's vpdpbusd kernels read the byte layout
         wt = bytes_layout(wt)
     return HostWeight(qt, wt, lane_scales, groups * g, g, fold)
 
 
 def bytes_layout(wt: np.ndarray) -> np.ndarray:
-    """The transposed layout [N, C, J, L = 64] (byte j of lane k at [c, j, k]) -> the byte layout of
-    ``vnni.byte_dots``, same shape: per chunk, quarter q (lanes 16q..16q + 15), dword d, the 4 bytes
-    4d..4d + 3 of lane 16q + i at 4i of a 64-byte line (a copy)."""
+    """The transposed layout [N, C, J, L] (byte j of lane k at [c, j, k]; L a multiple of 16) -> the byte
+    layout of ``vnni.byte_dots``, same shape: per chunk, quarter q (lanes 16q..16q + 15), dword d, the 4
+    bytes 4d..4d + 3 of lane 16q + i at 4i of a 64-byte line (a copy)."""
     n, C, J, L = wt.shape
-    t = wt.reshape(n, C, J // 4, 4, 4, 16).transpose(0, 1, 4, 2, 5, 3)  # [N, C, q, d, i, b]
+    t = wt.reshape(n, C, J // 4, 4, L // 16, 16).transpose(0, 1, 4, 2, 5, 3)  # [N, C, q, d, i, b]
     return np.ascontiguousarray(t).reshape(n, C, J, L)
 
 
 def unbytes_layout(wt: np.ndarray) -> np.ndarray:
     """:func:`bytes_layout` undone (the transposed layout of the numba loops; tests)."""
     n, C, J, L = wt.shape
-    t = wt.reshape(n, C, 4, J // 4, 16, 4).transpose(0, 1, 3, 5, 2, 4)  # [N, C, d, b, q, i]
+    t = wt.reshape(n, C, L // 16, J // 4, 16, 4).transpose(0, 1, 3, 5, 2, 4)  # [N, C, d, b, q, i]
     return np.ascontiguousarray(t).reshape(n, C, J, L)
 
 
-def _fold(groups: int, folds: tuple[int, ...]) -> int:
+def _fold(groups: int, folds: tuple[int, ...], quantum: int = 64) -> int:
     """Parts to split each group in: the fewest of ``folds`` making groups · parts a multiple of 64
-    lanes (qkernels), else the most."""
-    return next((f for f in folds if (groups * f) % 64 == 0), folds[-1])
+    lanes (whole chunks), else the fewest making it a multiple of ``quantum`` lanes (16: q4t's byte
+    kernels' quarters), else the most."""
+    for q in (64, quantum):
+        f = next((f for f in folds if (groups * f) % q == 0), None)
+        if f is not None:
+            return f
+    return folds[-1]
 
 
 def _lanes(a: np.ndarray, groups: int, fold: int, J: int) -> np.ndarray:

@@ -18,7 +18,8 @@ each lane's dot product is an exact int32 ``a_k = Σ code·xq − 8·Σ xq = Σ 
 scratch and one float32 sum per layout makes y from them for every loop shape, so a token gives the
 same bits alone, in a batch, serially or in parallel (tests/test_backend_cpu_kernels.py).
 
-Loop shapes (AVX-512 VNNI hosts, rows in chunks of 64 lanes; else the numba loop of ``_dots1``,
+Loop shapes (AVX-512 VNNI hosts, rows of whole quarters of 16 lanes: chunks of 64, or one chunk of
+16·n lanes, e.g. 48 for the 24 groups of 768 columns at fold 2; else the numba loop of ``_dots1``,
 unpacking in registers, with ``_lane_sum``). The weights are stored in the byte layout of
 ``vnni.byte_dots`` (``layout.bytes_layout``: each 32-bit lane holds 4 bytes of one lane) and the int16
 activations split in bytes (``_xbytes``, xq = 256·xh + xl): ``vpdpbusd`` multiplies the nibbles with
@@ -61,7 +62,7 @@ from colibri_plan.backends.cpu.vnni import (
 
 #: sha256 (16 hex digits) of backends/cpu/vnni.py as these kernels were compiled against: updating it
 #: with vnni makes numba recompile them (tests/test_backend_cpu_kernels.py compares)
-VNNI_SOURCE = "b0dca0d59b9ceea8"
+VNNI_SOURCE = "4a6dcb8b1be9474e"
 #: rows per parallel step (qkernels' ROW_TILE is 32): longer runs of memory per step read RAM
 #: faster, measured from RAM on a shared 2-core host (best of 15-30, interleaved): 8 int4-g32 experts'
 #: decode 21 against 15 GB/s gate+up, 17-19 against 13 down; GEMV 2048x2048 17.6 against 13.4 GB/s,
@@ -132,16 +133,16 @@ RB = 4
 
 def _by_tokens(f4, f2, f1):
     """A dispatch numba inlines over the token count m (4, 2 or 1) of one vnni.byte_dots(J, m) family,
-    the intrinsics' eleven arguments passed on (the functions are closure constants)."""
+    the intrinsics' twelve arguments passed on (the functions are closure constants)."""
 
     @njit(fastmath=True, cache=True, inline="always")
-    def run(m, p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10):
+    def run(m, p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11):
         if m == 4:
-            f4(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10)
+            f4(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11)
         elif m == 2:
-            f2(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10)
+            f2(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11)
         else:
-            f1(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10)
+            f1(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11)
 
     return run
 
@@ -153,16 +154,16 @@ _bd16, _bd8, _bd4 = (_by_tokens(*f) for f in (
 @njit(fastmath=True, cache=True, inline="always")
 def _xbytes(xe3, xo3):
     # xb uint8 [T·4·C·J·L] (flat): the activations' bytes in the byte layout of vnni.byte_dots: per token,
-    # chunk c, quarter q, dword d: 4 x 64 bytes (xl even, xh even, xl odd, xh odd), lane 16q + i's
-    # bytes 4d..4d + 3 at 4i
+    # chunk c, quarter q (L / 16 a chunk), dword d: 4 x 64 bytes (xl even, xh even, xl odd, xh odd),
+    # lane 16q + i's bytes 4d..4d + 3 at 4i
     T, C, J, L = xe3.shape
-    D = J // 4
+    D, Q = J // 4, L // 16
     xb = np.empty(T * 4 * C * J * L, np.uint8)
     for t in range(T):
         for c in range(C):
-            for q in range(4):
+            for q in range(Q):
                 for d in range(D):
-                    o = (((t * C + c) * 4 + q) * D + d) * 256
+                    o = (((t * C + c) * Q + q) * D + d) * 256
                     for i in range(16):
                         k = 16 * q + i
                         for b in range(4):
@@ -178,9 +179,9 @@ def _xbytes(xe3, xo3):
 
 @njit(fastmath=True, cache=True, inline="always")
 def _fast(wt):
-    # the vpdpwssd path applies: compiled in, and chunks of 64 lanes (every row of >= 64 groups·fold
-    # lanes; only small odd rows have fewer, and take the numba loop)
-    return VNNI and wt.shape[3] == 64
+    # the vpdpbusd path applies: compiled in, and chunks of whole quarters of 16 lanes (layout.int_layout
+    # folds the groups of a row to a multiple of 16 lanes where it can; small odd rows take the numba loop)
+    return VNNI and wt.shape[3] % 16 == 0
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -191,25 +192,25 @@ def _xb_for(xe3, xo3, wt):
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _bd(J, m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep):
-    # m tokens (4, 2 or 1) of one chunk of 64 lanes: vnni.byte_dots(J, m)
+def _bd(J, m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep, nq):
+    # m tokens (4, 2 or 1) of one chunk of nq quarters of 16 lanes: vnni.byte_dots(J, m)
     if J == 16:
-        _bd16(m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep)
+        _bd16(m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep, nq)
     elif J == 8:
-        _bd8(m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep)
+        _bd8(m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep, nq)
     else:
-        _bd4(m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep)
+        _bd4(m, ai, ao, astep, w, wo, xb, xo, xstep, xs, so, sstep, nq)
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _bd2(J, ai, ao, bo, w, wo, v, vo, xb, xo, xs, so):
-    # one token, two rows (w at wo, v at vo) of one chunk of 64 lanes: vnni.byte_dots2(J)
+def _bd2(J, ai, ao, bo, w, wo, v, vo, xb, xo, xs, so, nq):
+    # one token, two rows (w at wo, v at vo) of one chunk of nq quarters: vnni.byte_dots2(J)
     if J == 16:
-        _b16r2(ai, ao, bo, w, wo, v, vo, xb, xo, xs, so)
+        _b16r2(ai, ao, bo, w, wo, v, vo, xb, xo, xs, so, nq)
     elif J == 8:
-        _b8r2(ai, ao, bo, w, wo, v, vo, xb, xo, xs, so)
+        _b8r2(ai, ao, bo, w, wo, v, vo, xb, xo, xs, so, nq)
     else:
-        _b4r2(ai, ao, bo, w, wo, v, vo, xb, xo, xs, so)
+        _b4r2(ai, ao, bo, w, wo, v, vo, xb, xo, xs, so, nq)
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -219,9 +220,9 @@ def _pair_rows(C, J, L, wf, vf, sf, vl, xb, sx, xs, y, z, r, q, t, af):
     # of _rows, so the same bits (flat arguments: a reshape per row would cost more than its row)
     n = C * L
     row = C * J * L
-    for c in range(C):
+    for c in range(C):  # L / 16 quarters a chunk
         _bd2(J, af, c * L, n + c * L, wf, r * row + c * J * L, vf, q * row + c * J * L, xb,
-             t * 4 * row + c * 4 * J * L, xs, t * n + c * L)
+             t * 4 * row + c * 4 * J * L, xs, t * n + c * L, L // 16)
     y[t, r] = _vsum(sf, r * n, af, 0, n, n) * sx[t]
     z[t, q] = _vsum(vl, q * n, af, n, n, n) * sx[t]
 
@@ -258,7 +259,7 @@ def _rows(wt, sl, xe3, xo3, xb, sx, xsl, y, r0, r1, t0, t1, ai):
             for r in range(rb, re):
                 for c in range(C):
                     _bd(J, m, af, c * L, n, wf, r * row + c * J * L, xb, t * xrow + c * 4 * J * L, xrow,
-                        xs, t * n + c * L, n)
+                        xs, t * n + c * L, n, L // 16)
                 if m == 4:
                     _vsum4(sf, r * n, af, 0, n, n, f4)
                     for u in range(4):

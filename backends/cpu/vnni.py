@@ -233,8 +233,9 @@ _g8r4x1, _g8r4x2, _g8r4x4 = (group_dots(8, 4, n) for n in (1, 2, 4))
 # multiplies the codes with the activations' bytes: xq = 256·xh + xl (xh the signed high byte, xl the
 # unsigned low byte), so Σ code·xq = 256·Σ code·xh + Σ xl·code, exact in int32 (|Σ code·xh| ≤
 # 32·15·128): the same integers a_k as the pairs give, from 2 instructions of unpacking per 128
-# products. Layout of a chunk of 64 lanes (J bytes each; ``layout.bytes_layout``): for quarter q (lanes
-# 16q..16q + 15), dword d (bytes 4d..4d + 3 of each lane), 64 bytes: lane 16q + i's 4 bytes at 4i. The
+# products. Layout of a chunk of L lanes, L a multiple of 16 (J bytes each; ``layout.bytes_layout``): for
+# quarter q (lanes 16q..16q + 15), dword d (bytes 4d..4d + 3 of each lane), 64 bytes: lane 16q + i's 4
+# bytes at 4i; a row of C chunks is C·L / 16 quarters one after the other. The
 # activations of a token (``q4t._xbytes``): for each (q, d) 4 x 64 bytes: xl of the even columns, xh
 # of the even, xl of the odd, xh of the odd, in the same byte order.
 
@@ -248,31 +249,49 @@ def vpdpbusd(builder, acc, u, s):
     return builder.call(fn, [acc, u, s])
 
 
+def _quarters(builder, nq, body):
+    """``body(q)`` for q = 0 .. nq − 1, the quarters of one chunk (L / 16 of a chunk of L lanes): a chunk
+    of 64 lanes written out as one block of code with constant offsets (the 4 quarters; measured a
+    runtime loop 5-15% slower there), other chunks a runtime loop."""
+    with builder.if_else(builder.icmp_unsigned("==", nq, ir.Constant(nq.type, 4))) as (four, other):
+        with four:
+            for k in range(4):
+                body(_c64(k))
+        with other:
+            with cgutils.for_range(builder, nq) as loop:
+                body(loop.index)
+
+
 def byte_dots(J: int, NT: int):
-    """Intrinsic ``(ai, ao, astep, w, wo, xb, xo, xstep, xsl, so, sstep)``: the 64 lanes of one chunk
-    (J·64 bytes of w uint8 at wo, the layout above) times NT tokens' activation bytes (xb uint8, token u
-    at xo + u·xstep, 4·J·64 bytes a chunk), ``ai[ao + u·astep + k] = Σ code·xq − 8·xsl[so + u·sstep + k]``
-    (int32, exact: the integers of the int16 pairs), one weight load and unpacking for NT tokens."""
+    """Intrinsic ``(ai, ao, astep, w, wo, xb, xo, xstep, xsl, so, sstep, nq)``: the 16·nq lanes of nq
+    quarters (J·16 bytes each of w uint8 at wo, the layout above; a chunk of L lanes is L / 16 of them,
+    any number) times NT tokens' activation bytes (xb uint8, token u at xo + u·xstep, 4·J·16 bytes a
+    quarter), ``ai[ao + u·astep + k] = Σ code·xq − 8·xsl[so + u·sstep + k]`` (int32, exact: the integers
+    of the int16 pairs), one weight load and unpacking for NT tokens."""
     D = J // 4
 
     @intrinsic
-    def dots(typingctx, ai, ao, astep, w, wo, xb, xo, xstep, xsl, so, sstep):
-        sig = types.void(ai, ao, astep, w, wo, xb, xo, xstep, xsl, so, sstep)
+    def dots(typingctx, ai, ao, astep, w, wo, xb, xo, xstep, xsl, so, sstep, nq):
+        sig = types.void(ai, ao, astep, w, wo, xb, xo, xstep, xsl, so, sstep, nq)
 
         def codegen(context, builder, sig, args):
-            ai_, ao_, astep_, w_, wo_, xb_, xo_, xstep_, xs_, so_, sstep_ = args
-            pw = at(context, builder, sig.args[3], w_, wo_)
+            ai_, ao_, astep_, w_, wo_, xb_, xo_, xstep_, xs_, so_, sstep_, nq_ = args
+            pw0 = at(context, builder, sig.args[3], w_, wo_)
             px0 = at(context, builder, sig.args[5], xb_, xo_)
-            px = [builder.gep(px0, [builder.mul(xstep_, ir.Constant(xstep_.type, u))]) for u in range(NT)]
-            pa = at(context, builder, sig.args[0], ai_, ao_)
-            ps = at(context, builder, sig.args[8], xs_, so_)
+            px0 = [builder.gep(px0, [builder.mul(xstep_, ir.Constant(xstep_.type, u))]) for u in range(NT)]
+            pa0 = at(context, builder, sig.args[0], ai_, ao_)
+            ps0 = at(context, builder, sig.args[8], xs_, so_)
             m15 = splat(15, B64)
             four = splat(4, B64)
-            for q in range(4):
+
+            def quarter(q):
+                q = builder.sext(q, I64) if q.type != I64 else q
+                pw = builder.gep(pw0, [builder.mul(q, _c64(64 * D))])
+                px = [builder.gep(p, [builder.mul(q, _c64(256 * D))]) for p in px0]
                 acc_h = [splat(0)] * NT
                 acc_l = [splat(0)] * NT
                 for d in range(D):
-                    line = 64 * (q * D + d)
+                    line = 64 * d
                     if NT == 1:
                         prefetch(builder, builder.gep(pw, [_c64(line + PREFETCH_BYTES)]))
                     wv = load(builder, builder.gep(pw, [_c64(line)]), B64)
@@ -283,13 +302,16 @@ def byte_dots(J: int, NT: int):
                                                        B64) for i in range(4))
                         acc_l[u] = vpdpbusd(builder, vpdpbusd(builder, acc_l[u], xl_e, lo), xl_o, hi)
                         acc_h[u] = vpdpbusd(builder, vpdpbusd(builder, acc_h[u], lo, xh_e), hi, xh_o)
+                q16 = builder.mul(q, _c64(16))
                 for u in range(NT):
-                    so = plus(builder, builder.mul(sstep_, ir.Constant(sstep_.type, u)), 16 * q)
-                    xs = load(builder, builder.gep(ps, [so]), V16)
+                    so = builder.add(builder.mul(sstep_, ir.Constant(sstep_.type, u)), q16)
+                    xs = load(builder, builder.gep(ps0, [so]), V16)
                     a = builder.add(builder.shl(acc_h[u], splat(8)), acc_l[u])
                     a = builder.sub(a, builder.shl(xs, splat(3)))  # − 8·Σ xq
-                    dst = plus(builder, builder.mul(astep_, ir.Constant(astep_.type, u)), 16 * q)
-                    store(builder, a, builder.gep(pa, [dst]))
+                    dst = builder.add(builder.mul(astep_, ir.Constant(astep_.type, u)), q16)
+                    store(builder, a, builder.gep(pa0, [dst]))
+
+            _quarters(builder, nq_, quarter)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -304,26 +326,31 @@ _b4x1, _b4x2, _b4x4 = (byte_dots(4, n) for n in (1, 2, 4))
 
 
 def byte_dots2(J: int):
-    """Intrinsic ``(ai, ao, bo, w, wo, v, vo, xb, xo, xsl, so)``: :func:`byte_dots` of one token for two
-    rows at once, w at wo (into ai[ao:]) and v at vo (into ai[bo:]), sharing the activation loads (a
-    gate and an up row, or two rows of one weight): the same integers as two calls."""
+    """Intrinsic ``(ai, ao, bo, w, wo, v, vo, xb, xo, xsl, so, nq)``: :func:`byte_dots` of one token for two
+    rows at once over nq quarters, w at wo (into ai[ao:]) and v at vo (into ai[bo:]), sharing the
+    activation loads (a gate and an up row, or two rows of one weight): the same integers as two calls."""
     D = J // 4
 
     @intrinsic
-    def dots(typingctx, ai, ao, bo, w, wo, v, vo, xb, xo, xsl, so):
-        sig = types.void(ai, ao, bo, w, wo, v, vo, xb, xo, xsl, so)
+    def dots(typingctx, ai, ao, bo, w, wo, v, vo, xb, xo, xsl, so, nq):
+        sig = types.void(ai, ao, bo, w, wo, v, vo, xb, xo, xsl, so, nq)
 
         def codegen(context, builder, sig, args):
-            ai_, ao_, bo_, w_, wo_, v_, vo_, xb_, xo_, xs_, so_ = args
-            pws = [at(context, builder, sig.args[3], w_, wo_), at(context, builder, sig.args[5], v_, vo_)]
-            px = at(context, builder, sig.args[7], xb_, xo_)
-            pas = [at(context, builder, sig.args[0], ai_, ao_), at(context, builder, sig.args[0], ai_, bo_)]
-            ps = at(context, builder, sig.args[9], xs_, so_)
+            ai_, ao_, bo_, w_, wo_, v_, vo_, xb_, xo_, xs_, so_, nq_ = args
+            pws0 = [at(context, builder, sig.args[3], w_, wo_), at(context, builder, sig.args[5], v_, vo_)]
+            px0 = at(context, builder, sig.args[7], xb_, xo_)
+            pas0 = [at(context, builder, sig.args[0], ai_, ao_), at(context, builder, sig.args[0], ai_, bo_)]
+            ps0 = at(context, builder, sig.args[9], xs_, so_)
             m15, four = splat(15, B64), splat(4, B64)
-            for q in range(4):
+
+            def quarter(q):
+                q = builder.sext(q, I64) if q.type != I64 else q
+                pws = [builder.gep(p, [builder.mul(q, _c64(64 * D))]) for p in pws0]
+                px = builder.gep(px0, [builder.mul(q, _c64(256 * D))])
+                q16 = builder.mul(q, _c64(16))
                 acc_h, acc_l = [splat(0)] * 2, [splat(0)] * 2
                 for d in range(D):
-                    line = 64 * (q * D + d)
+                    line = 64 * d
                     xl_e, xh_e, xl_o, xh_o = (load(builder, builder.gep(px, [_c64(4 * line + 64 * i)]), B64)
                                               for i in range(4))
                     for r, pw in enumerate(pws):
@@ -332,10 +359,12 @@ def byte_dots2(J: int):
                         lo, hi = builder.and_(wv, m15), builder.lshr(wv, four)
                         acc_l[r] = vpdpbusd(builder, vpdpbusd(builder, acc_l[r], xl_e, lo), xl_o, hi)
                         acc_h[r] = vpdpbusd(builder, vpdpbusd(builder, acc_h[r], lo, xh_e), hi, xh_o)
-                xs = builder.shl(load(builder, builder.gep(ps, [_c64(16 * q)]), V16), splat(3))  # 8·Σ xq
-                for r, pa in enumerate(pas):
+                xs = builder.shl(load(builder, builder.gep(ps0, [q16]), V16), splat(3))  # 8·Σ xq
+                for r, pa in enumerate(pas0):
                     a = builder.sub(builder.add(builder.shl(acc_h[r], splat(8)), acc_l[r]), xs)
-                    store(builder, a, builder.gep(pa, [_c64(16 * q)]))
+                    store(builder, a, builder.gep(pa, [q16]))
+
+            _quarters(builder, nq_, quarter)
             return context.get_dummy_value()
 
         return sig, codegen
