@@ -315,7 +315,7 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
         keys = colibri_gpus(figs)
         if len(keys) > 1:
             out.append(spread_option(figs, spec, dense_fmt, keys, context_tokens, ram_charged, coef, bpt_dev,
-                                     price_trunk, TrunkOption, ops_per_layer))
+                                     price_trunk, TrunkOption, ops_per_layer, dense_bytes=dense))
         return out
     discrete = {k: int(v) for k, v in vram_budget.items() if k in figs and figs[k].discrete}
     need = dense + kv_paged

@@ -57,7 +57,8 @@ def handoffs(split) -> int:
 
 
 def spread_option(figs, spec, dense_fmt: str, keys: list[str], context_tokens: int, ram_charged: int,
-                  coef, kv_bytes_per_token: int, price_trunk, option_cls, ops_per_layer: int):
+                  coef, kv_bytes_per_token: int, price_trunk, option_cls, ops_per_layer: int, *,
+                  dense_bytes: int):
     """The ``split`` option of ``--target colibri``: the trunk spread over ``keys`` by
     :func:`round_robin_layers` (module docstring for its seconds).
 
@@ -66,14 +67,13 @@ def spread_option(figs, spec, dense_fmt: str, keys: list[str], context_tokens: i
         ram_charged: bytes the RAM budget charged for trunk + KV (it gets them back).
         kv_bytes_per_token: the cache's bytes per context token (all layers), as the one-GPU options price
             it, so the options compare like with like. price_trunk, option_cls: planner.trunk's
-            (passed in: trunk imports this module).
+            (passed in: trunk imports this module). dense_bytes: planner.trunk's ``dense_read_bytes`` of
+            the model in ``dense_fmt`` (the trunk's bytes less the embedding table).
 
     Returns:
         TrunkOption "split" (``vram_bytes``: each GPU's share of dense + paged KV bytes, rounded up).
     """
-    from colibri_plan.planner.trunk import dense_read_bytes
-
-    dense = dense_read_bytes(spec, dense_fmt)
+    dense = dense_bytes
     kv_paged = kv_bytes(context_tokens, kv_bytes_per_token)
     n = spec.n_layers
     moe = {lid for lid in spec.moe_layers if lid < n}
