@@ -38,8 +38,10 @@ def test_spread_seconds_and_vram_by_hand():
                            dense_bytes=lambda fmt: 4 * 10**9)
     figs = {"cuda:0": TrunkFigures("cuda:0", 100.0, 0.0, 1e-4, ((0, 100.0),), True),
             "cuda:1": TrunkFigures("cuda:1", 50.0, 0.0, 2e-4, ((0, 50.0),), True)}
-    opt = spread_option(figs, spec, "int4", ["cuda:0", "cuda:1"], 0, 123, Coefficients(), 1024, price_trunk,
-                        TrunkOption, 14, dense_bytes=dense_read_bytes(spec, "int4"))
+    def price(key, work, share):
+        return price_trunk(figs[key], spec, "int4", work, 14, Coefficients(), share)
+    opt = spread_option(figs, spec, ["cuda:0", "cuda:1"], 0, 123, 1024, price, TrunkOption,
+                        dense_bytes=dense_read_bytes(spec, "int4"))
     assert opt.split == ((0, 0, "cuda:0"), (1, 1, "cuda:1"), (2, 2, "cuda:0"), (3, 3, "cuda:1"))
     # cuda:0 layers 0, 2: 2 GB at 100 GB/s = 0.02 s, one MoE layer (2) x 1e-4; cuda:1 layers 1, 3: 2 GB at
     # 50 GB/s = 0.04 s, two MoE layers x 2e-4; 3 hand-offs x cuda:0's round trip 1e-4

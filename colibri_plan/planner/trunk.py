@@ -314,8 +314,10 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
         out = [dataclasses.replace(o, expert_devices=(o.name,)) if o.vram_bytes else o for o in out]
         keys = colibri_gpus(figs)
         if len(keys) > 1:
-            out.append(spread_option(figs, spec, dense_fmt, keys, context_tokens, ram_charged, coef, bpt_dev,
-                                     price_trunk, TrunkOption, ops_per_layer, dense_bytes=dense))
+            def price(key, work, share):  # one GPU's layers of the spread, as the one-GPU options price
+                return price_trunk(figs[key], spec, dense_fmt, work, ops_per_layer, coef, share)
+            out.append(spread_option(figs, spec, keys, context_tokens, ram_charged, bpt_dev, price,
+                                     TrunkOption, dense_bytes=dense))
         return out
     discrete = {k: int(v) for k, v in vram_budget.items() if k in figs and figs[k].discrete}
     need = dense + kv_paged

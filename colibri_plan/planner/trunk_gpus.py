@@ -56,9 +56,8 @@ def handoffs(split) -> int:
     return sum(1 for a, b in zip(split, split[1:]) if a[2] != b[2])
 
 
-def spread_option(figs, spec, dense_fmt: str, keys: list[str], context_tokens: int, ram_charged: int,
-                  coef, kv_bytes_per_token: int, price_trunk, option_cls, ops_per_layer: int, *,
-                  dense_bytes: int):
+def spread_option(figs, spec, keys: list[str], context_tokens: int, ram_charged: int,
+                  kv_bytes_per_token: int, price, option_cls, *, dense_bytes: int):
     """The ``split`` option of ``--target colibri``: the trunk spread over ``keys`` by
     :func:`round_robin_layers` (module docstring for its seconds).
 
@@ -66,9 +65,10 @@ def spread_option(figs, spec, dense_fmt: str, keys: list[str], context_tokens: i
         figs: key -> :class:`~colibri_plan.planner.trunk.TrunkFigures`. keys: the GPUs, in COLI_GPUS order.
         ram_charged: bytes the RAM budget charged for trunk + KV (it gets them back).
         kv_bytes_per_token: the cache's bytes per context token (all layers), as the one-GPU options price
-            it, so the options compare like with like. price_trunk, option_cls: planner.trunk's
-            (passed in: trunk imports this module). dense_bytes: planner.trunk's ``dense_read_bytes`` of
-            the model in ``dense_fmt`` (the trunk's bytes less the embedding table).
+            it, so the options compare like with like. price: ``price(key, work, share) -> (dense_s,
+            attention_s, _)``, planner.trunk's ``price_trunk`` of one GPU's layers; option_cls: its
+            TrunkOption (both passed in: trunk imports this module). dense_bytes: planner.trunk's
+            ``dense_read_bytes`` (the trunk's bytes less the embedding table).
 
     Returns:
         TrunkOption "split" (``vram_bytes``: each GPU's share of dense + paged KV bytes, rounded up).
@@ -87,7 +87,7 @@ def spread_option(figs, spec, dense_fmt: str, keys: list[str], context_tokens: i
         share = len(ls) / n
         n_moe = sum(1 for lid in ls if lid in moe)
         work = TrunkWork(int(dense * share), len(ls), 0, context_tokens, int(kv_bytes_per_token * share))
-        d, at, _ = price_trunk(figs[key], spec, dense_fmt, work, ops_per_layer, coef, share)
+        d, at, _ = price(key, work, share)
         dense_s, attention_s = dense_s + d, attention_s + at
         roundtrip_s += n_moe * figs[key].roundtrip_s
         vram[key] = int(math.ceil((dense + kv_paged) * share))
