@@ -77,6 +77,12 @@ def test_d_rmsnorm_add_silu_scale(be, n, d):  # noqa: F811
     assert _err(be.d_get(be.d_silu_mul(dx, be.d_put(b))), _silu(x64) * b) < 1e-5
     s = _r(n)
     assert _err(be.d_get(be.d_scale_rows(dx, s)), x64 * s[:, None]) < 1e-6
+    # the residual add fused with the next norm (CUDA: one launch): h = x + b exactly, y = rmsnorm(h)
+    h, y = be.d_add_rmsnorm(dx, be.d_put(b), be.d_put(w), 1e-6)
+    h64 = x64 + b
+    assert np.array_equal(be.d_get(h), (x + b).astype(np.float32))
+    assert _err(be.d_get(y), h64 / np.sqrt((h64 * h64).mean(axis=1, keepdims=True) + 1e-6) * w) < 1e-5
+    np.testing.assert_array_equal(be.d_get(y), be.d_get(be.d_rmsnorm(h, be.d_put(w), 1e-6)))
     assert np.array_equal(x, x0), "an op changed its input"
 
 
