@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
-from pathlib import Path
 
 
 def main(argv=None) -> int:
@@ -27,10 +24,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     from colibri_plan.errors import ColibriError
+    from colibri_plan.fileio import atomic_write_text, check_output_path
     from colibri_plan.model import load_model_spec
     from colibri_plan.planner import llamacpp_calibrate as lc
 
-    try:
+    try:  # the output is none of the inputs, its folder exists: checked before any work
+        check_output_path(a.out, (*a.replays, a.coefficients, *a.profile, *a.model), kind=None)
         coef = lc.load(a.coefficients)
         detail = lc.check_replays(a.replays, a.profile, a.model, load_model_spec, coef)
     except ColibriError as e:
@@ -52,13 +51,7 @@ def main(argv=None) -> int:
         print(f"{r['placement']:<16} {cells[0]}  {cells[1]}")
     print(f"within 20%: decode {within['decode_tok_s']}/{detail['decode_rows']}, "
           f"prefill {within['prefill_tok_s']}/{detail['prefill_rows']} (coefficients: {a.coefficients})")
-    out = Path(a.out)
-    fd, tmp = tempfile.mkstemp(dir=out.parent or ".", prefix=out.name + ".")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(doc, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, out)
+    atomic_write_text(a.out, json.dumps(doc, indent=1) + "\n")
     return 0
 
 

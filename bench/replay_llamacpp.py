@@ -208,9 +208,10 @@ def cgroup_summary(run: cg.CgroupRun, files: list) -> dict:
 
 
 def write_json(doc: dict, out: str) -> None:
-    tmp = Path(out + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, out)
+    """``doc`` to ``out`` atomically (a temporary in the same folder, fsync, rename)."""
+    from colibri_plan.fileio import atomic_write_text
+
+    atomic_write_text(out, json.dumps(doc, indent=1) + "\n")
 
 
 def llama_memory(a, gguf: Path, p: ll.Placement, limit: int, ctx: int) -> dict:
@@ -399,9 +400,18 @@ def main(argv=None) -> int:
                 ap.error(f"{f}: no such file")
         if a.mode == "fault-probe" and not Path(a.path).is_dir():
             ap.error(f"--path {a.path}: not a folder")
-        doc = (replay_reprice.run_reprice(a, log) if a.mode == "reprice"
-               else replay_reprice.run_fault_probe(a, machine()))
-        out = a.out or a.file
+        from colibri_plan.errors import ColibriError
+        from colibri_plan.fileio import check_output_path
+
+        out = a.out or a.file  # reprice rewrites FILE in place unless --out says otherwise
+        others = [a.fault_probe, a.profile, a.coef, a.heat] if a.mode == "reprice" else []
+        try:
+            check_output_path(out, [x for x in others if x], kind=None)
+            doc = (replay_reprice.run_reprice(a, log) if a.mode == "reprice"
+                   else replay_reprice.run_fault_probe(a, machine()))
+        except (ColibriError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+            ap.exit(2, f"{ap.prog}: error: {a.mode}: {type(e).__name__}: {e} (give the files the replay, "
+                       "fault-probe and profile commands wrote)\n")
         write_json(doc, out)
         log(f"wrote {out}")
         return 0

@@ -180,6 +180,11 @@ def run_reprice(a, log) -> dict:
 
     doc = json.loads(Path(a.file).read_text())
     probe_doc = json.loads(Path(a.fault_probe).read_text())
+    if not isinstance(doc, dict) or doc.get("mode") != "beyond-ram":
+        raise ValueError(f"{a.file} is not a beyond-ram result (bench/replay_llamacpp.py beyond-ram)")
+    if not isinstance(probe_doc, dict) or probe_doc.get("kind") != "mmap-fault-probe":
+        raise ValueError(f"{a.fault_probe} is not a fault-probe result "
+                         "(bench/replay_llamacpp.py fault-probe)")
     coef = load_coef(a.coef) if a.coef else LlamaCoefficients()
     rec = reprice(doc, probe=probe_doc["probe"], profile_doc=json.loads(Path(a.profile).read_text()),
                   coef=coef, heat_path=a.heat, sources={"fault_probe": a.fault_probe, "profile": a.profile,

@@ -265,3 +265,36 @@ def test_reprice_missing_file_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         m.main(["reprice", str(tmp_path / "nope.json"), "--fault-probe", "x", "--profile", "y"])
     assert e.value.code == 2 and "no such file" in capsys.readouterr().err
+
+
+def test_reprice_and_check_refuse_bad_files_and_outputs_that_are_inputs(tmp_path, capsys):
+    """Bad JSON, another kind of file, an output that is an input or a folder: a one-line usage error
+    (exit 2), nothing written."""
+    root = Path(__file__).resolve().parents[1]
+    m = bench("replay_llamacpp")
+    probe = root / "bench/results/mmap-fault-probe-2core.json"
+    prof = root / "tests/data/replay-profile-int8.json"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    other = root / "tests/data/replay-llamacpp-q4-4gb.json"   # a placements replay, not beyond-ram
+    for argv, said in (([str(bad)], "JSONDecodeError"), ([str(other), "--out", str(tmp_path / "o.json")],
+                                                         "not a beyond-ram result")):
+        with pytest.raises(SystemExit) as e:
+            m.main(["reprice", *argv, "--fault-probe", str(probe), "--profile", str(prof)])
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    src = tmp_path / "r.json"
+    src.write_text((root / "bench/results/replay-beyond-ram-2.5gb.json").read_text())
+    with pytest.raises(SystemExit) as e:
+        m.main(["reprice", str(src), "--fault-probe", str(probe), "--profile", str(prof), "--out", str(prof)])
+    assert e.value.code == 2 and "it is the input" in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()
+    c = bench("replay_check")
+    args = [str(root / "tests/data/replay-llamacpp-q8-4gb-r3.json"), "--coefficients",
+            str(root / "bench/results/llamacpp-coefficients-2core.json"), "--profile", str(prof), "--model",
+            str(root / "tests/data/replay-qwen3-8l.spec.json")]
+    assert c.main([*args, "--out", str(tmp_path)]) == 2                       # a folder
+    assert c.main([*args, "--out", args[0]]) == 2                             # the replay itself
+    assert "it is the input" in capsys.readouterr().err
+    assert c.main([*args, "--out", str(tmp_path / "chk.json")]) == 0
+    assert json.loads((tmp_path / "chk.json").read_text())["within_20pct"]["decode_tok_s"] == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "chk.json", "r.json"]   # no temporaries
