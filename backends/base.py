@@ -111,6 +111,7 @@ class Backend(DeviceOps):
     def __init__(self, device: DeviceInfo):
         self.device = device
         self.held_bytes = 0
+        self.mapped_bytes = 0  # weights in mapped host memory (upload_expert_mapped): not device memory
         self.closed = False
         #: True: after each op, ``last_device_seconds`` holds the device's own time of it (CUDA events,
         #: Vulkan timestamps), which separates kernel time from host overhead in benchmarks
@@ -287,7 +288,10 @@ class Backend(DeviceOps):
         self._free(w)
         w.freed = True
         w.payload = None
-        self.held_bytes -= w.nbytes
+        if w.host_mapped:
+            self.mapped_bytes -= w.nbytes
+        else:
+            self.held_bytes -= w.nbytes
 
     def memory_used(self) -> int:
         """Bytes of weights this backend instance holds."""

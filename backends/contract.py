@@ -66,6 +66,8 @@ OPTIONAL_OPS = {
     "d_router_topk": "the router GEMV and top-k rule on the device x, ids and weights left on the device",
     "d_expert_ffn_rows": "a prefill's routed experts on the device x, each on its own tokens' rows (CUDA)",
     "expert_ffn_sum": "a decode step's routed sum in one call on host arrays (cpu)",
+    "upload_expert_mapped": ("an expert in mapped page-locked host memory that the device's kernels read "
+                             "over the bus, zero-copy (a discrete GPU computing the pinned tier; CUDA)"),
     "d_capture_step": ("a decode step captured once and replayed, its experts indexed on the device; with "
                        "experts on the host, captured as segments between hand-offs (CUDA)"),
 }

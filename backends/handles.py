@@ -47,7 +47,9 @@ class DeviceInfo:
 
 @dataclass(eq=False)
 class DeviceWeight:
-    """A weight resident on a device. ``payload`` is the backend's own buffer object(s)."""
+    """A weight resident on a device. ``payload`` is the backend's own buffer object(s); ``host_mapped``:
+    held in mapped page-locked host memory the device reads over the bus (``upload_expert_mapped``), not
+    in device memory (counted in ``Backend.mapped_bytes``, not ``held_bytes``)."""
 
     fmt: str
     out_features: int
@@ -56,6 +58,7 @@ class DeviceWeight:
     payload: Any = field(repr=False)
     owner: int = field(repr=False, default=0)
     freed: bool = field(repr=False, default=False)
+    host_mapped: bool = field(repr=False, default=False)
 
 
 class ExpertWeights(NamedTuple):

@@ -5,8 +5,11 @@ When every expert of every MoE layer lives in this GPU's VRAM and routing runs o
 step needs nothing from the host between its first op and its logits. The trunk's own layer code then runs
 once under capture (``Trunk.layers`` with each MoE layer's experts indexed on the device:
 ``d_expert_ffn_indexed``), and each later token is one replay: its embedding row and position go up, the
-logits and every layer's routing come down, in one synchronisation. The host then records the routing
-(``RoutingRecorder``), counts the "vram" uses and charges the local experts' seconds measured on the
+logits and every layer's routing come down, in one synchronisation. "Lives in this GPU's VRAM" includes
+the pinned experts this GPU computes zero-copy from mapped host memory (a plan's ``compute.ram_pinned``
+naming it: engine/unified.py): their rows of the layer's expert table hold host addresses, so such a
+layer is not hybrid. The host then records the routing (``RoutingRecorder``), counts the "vram" (and
+mapped "ram_pinned") uses and charges the local experts' seconds measured on the
 trunk's last timed eager step, exactly as an eager step would.
 
 Hybrid placement (Build 4: some experts of a layer live on the host, the 2.5 GB case): the step is
@@ -225,6 +228,6 @@ class DecodeGraph:
             ids = r[:K].view(np.int32).astype(np.int64)[None]  # [1, K], descending choice order
             if m.routing is not None:
                 m.routing.record(i, ids, r[K:][None])
-            m.experts.count_local(i, K)
+            m.experts.count_local(i, ids[0].tolist())
         if full and t._local_n:
             m.experts.add_local_seconds(self.key, t._local_s / t._local_n * K * len(full))

@@ -23,7 +23,9 @@ A device trunk's long prefill may compute the host tiers' experts on its GPU ins
 
 A placement's ``compute`` map may hand the host tiers (pinned, LRU, disk) to a unified-memory device
 (:mod:`colibri_plan.engine.unified`): those experts are uploaded to it (pinned once at start-up, streamed
-once per slot fill) and computed there, beside the CPU path.
+once per slot fill) and computed there, beside the CPU path. It may hand the pinned tier alone to a
+discrete GPU that maps host memory: those experts live in mapped page-locked RAM and a device trunk on
+that GPU computes them with its VRAM experts, zero-copy over PCIe.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ class ResidencyManager(StreamedExperts, PrefillOffload):
         dev = self.tc.device("ram_pinned")
         for layer in self.pack.arch.moe_layers:
             for e in self.placement.layer(layer).ram_pinned:
-                if dev is not None:   # unified device: its upload is the only copy (as for VRAM)
+                if dev is not None:   # unified device or mapped RAM: its upload is the only copy (as VRAM)
                     if self.in_memory:
                         self._pinned_dev[(layer, e)] = (dev, self.tc.upload(dev, self.pack.expert(layer, e)))
                         continue
@@ -170,11 +172,12 @@ class ResidencyManager(StreamedExperts, PrefillOffload):
     # ---- the ExpertProvider call ---------------------------------------------------------------
     def local_experts(self, layer: int, expert_ids: Sequence[int], xs: Sequence[np.ndarray], backend
                       ) -> tuple[list[tuple[int, str, object]], list[int]]:
-        """Split a layer's chosen experts for a device trunk on ``backend``: the ones in VRAM on that very
-        backend run on the trunk's device x (``d_expert_ffn``), the rest through :meth:`run` with
-        ``observed=True``. Counts the routing of all (re-pinning, which may swap tiers, runs first) and
-        a "vram" use per local one; their seconds come back through :meth:`add_local_seconds`. ``xs[i]``:
-        expert i's token rows, or any sequence of their length (only the row counts are read here).
+        """Split a layer's chosen experts for a device trunk on ``backend``: the ones that backend holds
+        (in VRAM, or pinned in host memory it maps) run on the trunk's device x (``d_expert_ffn``), the
+        rest through :meth:`run` with ``observed=True``. Counts the routing of all (re-pinning, which may
+        swap tiers, runs first) and a "vram" or "ram_pinned" use per local one; their seconds come back
+        through :meth:`add_local_seconds`. ``xs[i]``: expert i's token rows, or any sequence of their
+        length (only the row counts are read here).
 
         Returns:
             ([(position in expert_ids, device key, ExpertWeights)] of the local ones, [positions of the
@@ -186,30 +189,44 @@ class ResidencyManager(StreamedExperts, PrefillOffload):
             self.repinner.observe(layer, expert_ids, xs)
         local, rest = [], []
         for i, e in enumerate(expert_ids):
-            held = self._vram.get((layer, int(e)))
-            if held is not None and self.devices[held[0]] is backend:
+            tier, held = self._on(backend, layer, int(e))
+            if held is not None:
                 local.append((i, *held))
+                self.stats.uses[tier] += 1
             else:
                 rest.append(i)
-        self.stats.uses["vram"] += len(local)
         return local, rest
 
+    def _on(self, backend, layer: int, e: int) -> tuple[str | None, tuple | None]:
+        """("vram" | "ram_pinned", (device key, ExpertWeights)) of expert ``e`` of ``layer`` when it is
+        held on ``backend`` itself (VRAM, or mapped pinned memory it computes: engine/unified.py), else
+        (None, None)."""
+        for tier, where in (("vram", self._vram), ("ram_pinned", self._pinned_dev)):
+            held = where.get((layer, e))
+            if held is not None and self.devices[held[0]] is backend:
+                return tier, held
+        return None, None
+
     def held_on(self, backend, layer: int) -> tuple[str | None, dict[int, object]]:
-        """The experts of MoE ``layer`` held in VRAM on ``backend`` itself: (its device key, or None when
-        none is, {expert id: ExpertWeights}). A captured decode step (engine/decode_graph.py) reads their
-        addresses once; the tiers hold still unless a repinner moves them (``repinner``)."""
+        """The experts of MoE ``layer`` held on ``backend`` itself, in its VRAM or pinned in host memory it
+        maps: (its device key, or None when none is, {expert id: ExpertWeights}). A captured decode step
+        (engine/decode_graph.py) reads their addresses once; the tiers hold still unless a repinner moves
+        them (``repinner``)."""
         if self._closed:
             raise InputError("residency manager is closed")
         out, key = {}, None
-        for (lay, e), (k, ew) in self._vram.items():
+        for (lay, e), (k, ew) in [*self._vram.items(), *self._pinned_dev.items()]:
             if lay == layer and self.devices.get(k) is backend:
                 out[e], key = ew, k
         return key, out
 
-    def count_local(self, layer: int, n: int) -> None:
-        """Count ``n`` "vram" uses of MoE ``layer`` served on a trunk's device without :meth:`local_experts`
-        (a captured decode step, whose experts all live there)."""
-        self.stats.uses["vram"] += int(n)
+    def count_local(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """Count the uses of MoE ``layer``'s experts ``expert_ids`` served on a trunk's device without
+        :meth:`local_experts` (a captured decode step, whose experts all live there): "ram_pinned" for
+        the pinned ones it maps, "vram" for the rest."""
+        n_pinned = sum((layer, int(e)) in self._pinned_dev for e in expert_ids)
+        self.stats.uses["ram_pinned"] += n_pinned
+        self.stats.uses["vram"] += len(expert_ids) - n_pinned
 
     def add_local_seconds(self, key: str, seconds: float) -> None:
         """Charge ``seconds`` of local experts (:meth:`local_experts`) on device ``key`` to its expert
@@ -338,6 +355,9 @@ class ResidencyManager(StreamedExperts, PrefillOffload):
         """Bytes held per tier: each device key, "ram_pinned", "ram_buffers" (LRU slots + working)."""
         d: dict[str, int] = {k: b.memory_used() for k, b in self.devices.items()}
         d["ram_pinned"] = len(self._pinned) * self.block_bytes   # pinned on a unified device: its key
+        mapped = {k for k in self.devices if getattr(self.devices[k], "mapped_bytes", 0)}
+        for k in mapped:   # a discrete GPU's mapped pinned experts are host memory, not its VRAM
+            d["ram_pinned"] += self.devices[k].mapped_bytes
         d["ram_buffers"] = (len(self._free) + sum(len(v) for v in self._lru.values())) * self.block_bytes
         return d
 

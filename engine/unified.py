@@ -15,6 +15,14 @@ twice: host slot + device copy; on unified memory the upload is a memcpy at RAM 
 planner as one extra read of the expert at RAM GB/s). An LRU hit on a device-computed tier reuses the
 upload made when its slot was filled.
 
+A discrete GPU that declares ``upload_expert_mapped`` (CUDA) may compute the **pinned** tier too, zero-copy:
+its pinned experts are written once at start-up into mapped page-locked host memory in the GPU's weight
+layout (the only copy, as for VRAM) and its kernels read them over PCIe. A device trunk on that GPU runs
+them like its VRAM experts (``ResidencyManager.local_experts`` / ``held_on``: the same indexed kernels in
+a captured step, no hand-off to the host); any other caller computes them through :meth:`TierCompute.call`.
+The LRU and disk tiers stay on unified devices and the CPU: a streamed slot is refilled per miss, and a
+mapped copy of it would be a second host copy per fill.
+
 Backends are not thread-safe: every call into one device goes through that device's lock
 (:meth:`TierCompute.call`), whether it comes from the device thread (VRAM experts) or the CPU path
 (streamed experts).
@@ -62,7 +70,8 @@ class TierCompute:
             have unified memory (``DeviceInfo.unified_memory``).
 
     Raises:
-        InputError: a device is not open, or is a discrete GPU (its tier would need PCIe copies per use).
+        InputError: a device is not open, or is a discrete GPU for the LRU or disk tier, or for the pinned
+            tier without ``upload_expert_mapped`` (its tier would need PCIe copies per use).
     """
 
     def __init__(self, compute: dict | None, devices: dict):
@@ -74,10 +83,19 @@ class TierCompute:
                 continue
             if who not in devices:
                 raise InputError(f"compute.{tier} names {who}, but no such device is open")
-            info = getattr(devices[who], "device", None)
-            if info is not None and not info.unified_memory:
+            if not self.mapped(who):
+                continue
+            maps = getattr(devices[who], "supports", lambda op: False)("upload_expert_mapped")
+            if tier != "ram_pinned" or not maps:
+                info = devices[who].device
                 raise InputError(f"compute.{tier}: {who} ({info.name}) has no unified memory; host tiers "
-                                 "run on the CPU or on a unified-memory device")
+                                 "run on the CPU or on a unified-memory device (a discrete GPU that maps "
+                                 "pinned host memory may compute the pinned tier alone)")
+
+    def mapped(self, key: str) -> bool:
+        """Whether device ``key`` is a discrete GPU: the tier it computes lives in mapped host memory."""
+        info = getattr(self.devices[key], "device", None)
+        return info is not None and not info.unified_memory
 
     def device(self, tier: str) -> str | None:
         """The device key computing ``tier``, or None for the CPU backend."""
@@ -96,9 +114,11 @@ class TierCompute:
             return ys, time.perf_counter() - t0
 
     def upload(self, key: str, weights) -> object:
-        """Upload host expert weights (gate, up, down) to device ``key`` under its lock."""
+        """Upload host expert weights (gate, up, down) to device ``key`` under its lock: into mapped host
+        memory on a discrete GPU (:meth:`mapped`), else into its device-visible memory."""
         with self.locks[key]:
-            return self.devices[key].upload_expert(*weights)
+            be = self.devices[key]
+            return (be.upload_expert_mapped if self.mapped(key) else be.upload_expert)(*weights)
 
     def free(self, key: str, weights) -> None:
         """Free an expert uploaded with :meth:`upload`."""

@@ -424,3 +424,55 @@ def test_add_rmsnorm_is_one_launch_with_the_bits_of_add_then_norm(be, rows, d):
     np.testing.assert_array_equal(be.d_get(x), be.d_get(x2))
     with pytest.raises(InputError, match="d_add_rmsnorm"):
         be.d_add_rmsnorm(da, be.d_put(b[:, :-1].copy()), dw, 1e-6)
+
+
+def test_a_mapped_expert_lives_in_pinned_host_memory_and_computes_the_same_bits(be):
+    """upload_expert_mapped: the weights' addresses are pinned host buffers (no device heap used), the
+    kernels read them there, so expert_ffn gives the VRAM copy's bits; the bytes count as mapped, not as
+    device memory held, and free returns them."""
+    from colibri_plan import quant
+
+    rng = np.random.default_rng(5)
+    qts = [quant.quantize(rng.standard_normal(s, dtype=np.float32), "int8") for s in ((64, 128), (64, 128),
+                                                                                       (128, 64))]
+    dev = be.upload_expert(*qts)
+    held, top = be.held_bytes, be.sim.top
+    mapped = be.upload_expert_mapped(*qts)
+    assert be.sim.top == top and be.held_bytes == held and be.mapped_bytes == sum(q.nbytes for q in qts)
+    pinned = [(a.ctypes.data, a.ctypes.data + a.size) for a in be.sim.pinned]
+    assert all(w.host_mapped and any(p0 <= w.payload.data < p1 for p0, p1 in pinned) for w in mapped)
+    x = rng.standard_normal((1, 128), dtype=np.float32)
+    np.testing.assert_array_equal(be.expert_ffn([x], [mapped])[0], be.expert_ffn([x], [dev])[0])
+    for w in mapped:
+        be.free(w)
+    assert be.mapped_bytes == 0 and be.held_bytes == held
+    with pytest.raises(InputError, match="not a QuantTensor"):
+        be.upload_expert_mapped(qts[0], qts[1], "down")
+
+
+def test_a_prefill_copies_its_busy_mapped_experts_to_vram_first(be, monkeypatch):
+    """d_expert_ffn_rows with mapped experts: one with more than STAGE_MIN_TOKENS rows is copied up
+    first (one host-to-device copy per matrix, from its mapped address), one with few rows is read in
+    place; the result has the bits of the same experts in VRAM."""
+    from colibri_plan import quant
+    from colibri_plan.backends.cuda.experts import STAGE_MIN_TOKENS
+
+    rng = np.random.default_rng(9)
+    shapes = ((64, 128), (64, 128), (128, 64))
+    qts = [[quant.quantize(rng.standard_normal(s, dtype=np.float32), "int8") for s in shapes]
+           for _ in range(2)]
+    dev = [be.upload_expert(*q) for q in qts]
+    mapped = [be.upload_expert_mapped(*q) for q in qts]
+    T = STAGE_MIN_TOKENS + 8
+    x = be.d_put(rng.standard_normal((T, 128), dtype=np.float32))
+    rows = [np.arange(T), np.array([1, 4])]
+    gates = [np.full(T, 0.5, np.float32), np.array([0.25, 0.75], np.float32)]
+    want = be.d_get(be.d_expert_ffn_rows(x, dev, rows, gates))
+    sources, copy = [], be.rt.memcpyAsync
+    monkeypatch.setattr(be.rt, "memcpyAsync",
+                        lambda d, s, n, k, st: (sources.append(s), copy(d, s, n, k, st)))
+    got = be.d_get(be.d_expert_ffn_rows(x, mapped, rows, gates))
+    np.testing.assert_array_equal(got, want)
+    staged = [w.payload.data for w in mapped[0]]
+    assert [s for s in sources if s in staged] == staged
+    assert not {w.payload.data for w in mapped[1]} & set(sources)

@@ -32,6 +32,7 @@ class Sim:
     def __init__(self):
         self.heap = np.full(HEAP, 0xFF, np.uint8)  # NaN garbage
         self.top = 0
+        self.pinned: list[np.ndarray] = []  # pinned host buffers (views), in allocation order
         self.capturing: list | None = None
         self.launches = 0
         self.functions: dict = {}  # CUfunction "address" -> kernel (driver launches)
@@ -45,8 +46,19 @@ class Sim:
         return BASE + self.top - n
 
     def mem(self, ptr: int, n: int) -> np.ndarray:
+        if not BASE <= ptr < BASE + HEAP:  # unified addressing: a pinned host buffer reads in place
+            for a in self.pinned:
+                p0 = a.ctypes.data
+                if p0 <= ptr and ptr + n <= p0 + a.size:
+                    return a[ptr - p0:ptr - p0 + n]
         assert BASE <= ptr and ptr + n <= BASE + self.top, "device access out of bounds"
         return self.heap[ptr - BASE:ptr - BASE + n]
+
+    def alloc_pinned(self, n: int) -> bytearray:
+        """Pinned host memory (NaN garbage, like fresh memory), readable by the kernels at its address."""
+        buf = bytearray(b"\xff" * n)
+        self.pinned.append(np.frombuffer(buf, np.uint8))
+        return buf
 
     def run(self, op):
         if self.capturing is not None:
@@ -247,7 +259,7 @@ def fake_cupy(sim: Sim):
                                         launchKernel=lambda *a: launch_kernel(sim, *a))
     cuda.stream = types.SimpleNamespace(get_current_stream_ptr=lambda: sim.current_stream)
     cuda.Device, cuda.Stream, cuda.Event = Device, Stream, Event
-    cuda.alloc_pinned_memory = lambda n: bytearray(b"\xff" * n)  # NaN garbage, like fresh memory
+    cuda.alloc_pinned_memory = sim.alloc_pinned
     cuda.get_elapsed_time = lambda a, b: 0.05
     cp.RawModule = RawModule
     cp.asarray = Arr

@@ -207,7 +207,8 @@ def test_every_backend_is_one_class_over_the_base_and_declares_its_optional_ops(
     from colibri_plan.backends.device_ops import DeviceOps
 
     assert {"d_add", "d_head_matmul", "d_write_rows", "matmul", "upload", "close"} <= REQUIRED_OPS
-    assert set(OPTIONAL_OPS) == {"d_expert_ffn_rows", "d_router_topk", "expert_ffn_sum", "d_capture_step"}
+    assert set(OPTIONAL_OPS) == {"d_expert_ffn_rows", "d_router_topk", "expert_ffn_sum", "d_capture_step",
+                                 "upload_expert_mapped"}
     declared = {}
     for name in BACKEND_NAMES:
         cls = get_backend(name)
@@ -218,6 +219,7 @@ def test_every_backend_is_one_class_over_the_base_and_declares_its_optional_ops(
     assert [n for n in BACKEND_NAMES if "d_expert_ffn_rows" in declared[n]] == ["cuda"]
     assert [n for n in BACKEND_NAMES if "d_capture_step" in declared[n]] == ["cuda"]
     assert [n for n in BACKEND_NAMES if "expert_ffn_sum" in declared[n]] == ["cpu"]
+    assert [n for n in BACKEND_NAMES if "upload_expert_mapped" in declared[n]] == ["cuda"]
     assert all("d_router_topk" in ops for ops in declared.values())  # a kernel or the host arrays' rule
     assert not any(Backend.supports(op) for op in OPTIONAL_OPS)  # the base declares none
     with pytest.raises(InputError, match="'d_ad' is not an op"):

@@ -55,18 +55,19 @@ def be(request, monkeypatch):
     b.close()
 
 
-def _decode(pack, be, monkeypatch, graph: bool, n_tokens: int, local=None, patch=None, requests=1):
+def _decode(pack, be, monkeypatch, graph: bool, n_tokens: int, local=None, patch=None, requests=1,
+            mapped=False):
     """(tokens, logits of every decode step [n, V] of the last of ``requests`` generations, manager uses,
     routing counts, (graph_off, captures, capacity), (hybrid layers, replayed steps, host waits, hand-offs)
     or None) with experts ``local`` (default: all; a dict: per layer) of each layer on ``be`` and the rest
-    pinned in RAM."""
+    pinned in RAM (``mapped``: in RAM mapped by ``be``, which computes them: compute.ram_pinned)."""
     monkeypatch.setenv(ENV, "1" if graph else "0")
     a = pack.arch
     local = range(a.n_experts) if local is None else local
     by_layer = local if isinstance(local, dict) else dict.fromkeys(a.moe_layers, local)
     placement = Placement({l: LayerPlacement(vram={"cuda:0": list(v)} if len(v) else {},
                                              ram_pinned=[e for e in range(a.n_experts) if e not in v])
-                           for l, v in by_layer.items()})
+                           for l, v in by_layer.items()}, compute={"ram_pinned": "cuda:0"} if mapped else {})
     cpu, rec = get_backend("numpy").open(0), RoutingRecorder(a)
     rm = ResidencyManager(pack, placement, cpu, devices={"cuda:0": be})
     try:
@@ -84,10 +85,11 @@ def _decode(pack, be, monkeypatch, graph: bool, n_tokens: int, local=None, patch
             info = (trunk.graph_off, getattr(trunk._step_graph, "captures", 0), cache.capacity)
             g = trunk._step_graph
             segs = (g.hybrid, g._steps - 1 - g._sampled, g.waits, g.handoffs) if g is not None else None
+            held = rm.resident_bytes()
     finally:
         rm.close()
         cpu.close()
-    return toks, np.array(logits), dict(rm.stats.uses), rec.counts.copy(), info, segs
+    return toks, np.array(logits), dict(rm.stats.uses), rec.counts.copy(), info, segs, held
 
 
 def test_replayed_steps_equal_eager_ones_across_a_cache_growth(fx, be, monkeypatch):
@@ -144,6 +146,44 @@ def test_a_hybrid_placement_replays_segments_equal_to_eager_steps(fx, be, monkey
     assert hybrid == ([1] if isinstance(local, dict) else [0, 1])
     assert replayed > n // 2 and waits == replayed * len(hybrid)
     assert 0 < handoffs <= waits
+
+
+def test_mapped_pinned_experts_replay_as_one_graph_without_hand_offs(fx, be, monkeypatch):
+    """Half of each layer's experts in VRAM, the rest pinned in RAM that the GPU maps and computes
+    (compute.ram_pinned = cuda:0): no layer is hybrid, a replayed step never waits for the host, and the
+    tokens, routing and tier uses equal the run whose host computes those pinned experts (logits within
+    float32 rounding: the GPU sums all chosen experts itself). The pinned bytes are host memory, not VRAM."""
+    n = EAGER_EVERY + 6
+    with open_pack(fx) as pack:
+        host = _decode(pack, be, monkeypatch, True, n, local=range(8))
+        eager = _decode(pack, be, monkeypatch, False, n, local=range(8), mapped=True)
+        mapped = _decode(pack, be, monkeypatch, True, n, local=range(8), mapped=True)
+        expert_bytes = sum(q.nbytes for q in pack.expert(pack.arch.moe_layers[0], 0))
+    assert mapped[4][0] is None and mapped[5][0] == [] and mapped[5][2:] == (0, 0)
+    assert host[5][2] > 0  # the CPU-pinned run waits at every hybrid layer
+    assert mapped[0] == eager[0] == host[0]
+    np.testing.assert_array_equal(mapped[1], eager[1])
+    np.testing.assert_allclose(mapped[1], host[1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(mapped[3], host[3])
+    assert mapped[2] == eager[2] == host[2] and mapped[2]["ram_pinned"] > 0 and mapped[2]["vram"] > 0
+    n_pinned = 8 * len(pack.arch.moe_layers)
+    assert mapped[6]["ram_pinned"] == n_pinned * expert_bytes
+    assert mapped[6]["cuda:0"] == host[6]["cuda:0"] < host[6]["cuda:0"] + n_pinned * expert_bytes
+
+
+def test_a_discrete_gpu_computes_no_streamed_tier(fx, be):
+    """compute.lru / compute.disk on a discrete GPU would need a host copy per slot fill: refused at
+    start-up with what to do instead."""
+    with open_pack(fx) as pack:
+        a = pack.arch
+        pl = Placement({l: LayerPlacement(ram_pinned=list(range(a.n_experts))) for l in a.moe_layers},
+                       compute={"lru": "cuda:0"})
+        cpu = get_backend("numpy").open(0)
+        try:
+            with pytest.raises(InputError, match="no unified memory.*pinned tier alone"):
+                ResidencyManager(pack, pl, cpu, devices={"cuda:0": be})
+        finally:
+            cpu.close()
 
 
 def test_the_switch_decodes_a_hybrid_placement_eagerly_and_says_why(fx, be, monkeypatch):

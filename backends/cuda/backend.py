@@ -27,9 +27,10 @@ from colibri_plan.backends.cuda.graph import CudaStepGraphs
 from colibri_plan.backends.cuda.launch import Launcher
 from colibri_plan.backends.cuda.routing import CudaRouting
 from colibri_plan.backends.cuda.segments import CudaSegments
-from colibri_plan.backends.handles import DArray
+from colibri_plan.backends.handles import DArray, DeviceWeight, ExpertWeights
 from colibri_plan.backends.pools import Replays, WorkBuffers
 from colibri_plan.backends.staging import PaddedWeight
+from colibri_plan.errors import DeviceOutOfMemoryError, InputError
 from colibri_plan.quant import QuantTensor
 
 _RESERVE_BYTES = 512 << 20  # left free at open (at most 1/8 of it) for the module and work buffers
@@ -40,7 +41,7 @@ class CUDABackend(Backend):
     :mod:`~colibri_plan.backends.cuda.device`) on NVIDIA GPUs."""
 
     name = "cuda"
-    optional_ops = frozenset({"d_expert_ffn_rows", "d_router_topk", "d_capture_step"})
+    optional_ops = frozenset({"d_expert_ffn_rows", "d_router_topk", "d_capture_step", "upload_expert_mapped"})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -150,7 +151,49 @@ class CUDABackend(Backend):
         self._h2d(mem.ptr + dbytes, scales)
         return PaddedWeight(mem.ptr, mem.ptr + dbytes, in_pad, mem)
 
+    def upload_expert_mapped(self, gate: QuantTensor, up: QuantTensor, down: QuantTensor) -> ExpertWeights:
+        """An expert's three matrices in mapped page-locked host memory (``cudaHostAlloc``), in the layout
+        of :meth:`_upload`: every kernel that takes a VRAM expert reads these over PCIe, zero-copy (with
+        unified addressing a pinned allocation's host address is its device address: CUDA Programming
+        Guide, "Unified Virtual Address Space"). The pinned tier of a plan whose ``compute.ram_pinned``
+        names this discrete GPU (engine/unified.py). Not counted against the VRAM capacity
+        (``mapped_bytes``).
+
+        Raises:
+            InputError: not QuantTensors, or a format this backend does not take.
+            DeviceOutOfMemoryError: the host could not page-lock that much memory (nothing stays held).
+        """
+        self._check_open()
+        done = []
+        for qt in (gate, up, down):
+            if not isinstance(qt, QuantTensor) or qt.fmt not in self.formats:
+                raise InputError(f"upload_expert_mapped: {getattr(qt, 'fmt', type(qt).__name__)} is not a "
+                                 f"QuantTensor of a format of {self.name} ({', '.join(self.formats)})")
+            data, scales, in_pad = staging.padded_layout(qt)
+            dbytes = -(-data.nbytes // 256) * 256
+            n = dbytes + scales.nbytes
+            try:
+                host = np.frombuffer(self.cp.cuda.alloc_pinned_memory(n), np.uint8, n)
+            except (MemoryError, self.rt.CUDARuntimeError) as exc:
+                for w in done:
+                    self.free(w)
+                raise DeviceOutOfMemoryError(
+                    f"{self.name}: could not page-lock {n} B of host memory for a mapped expert "
+                    f"({self.mapped_bytes} B mapped): {exc}; pin fewer experts (solve --ram) or compute "
+                    "the pinned tier on the CPU", requested_bytes=n, held_bytes=self.mapped_bytes,
+                    capacity_bytes=None) from exc
+            host[:data.nbytes] = data.reshape(-1).view(np.uint8)
+            host[dbytes:] = scales.reshape(-1).view(np.uint8)
+            ptr = host.ctypes.data
+            pw = PaddedWeight(ptr, ptr + dbytes, in_pad, host)  # host holds the memory
+            done.append(DeviceWeight(qt.fmt, qt.out_features, qt.in_features, qt.nbytes, pw, id(self),
+                                     host_mapped=True))
+            self.mapped_bytes += qt.nbytes
+        return ExpertWeights(*done)
+
     def _free(self, w) -> None:
+        if w.host_mapped:  # pinned memory goes back to CuPy's pool at once: no queued kernel may read it
+            self._synchronize()
         w.payload.mem = None  # cudaFree when the last reference goes (it waits for running kernels)
 
     # ---- launches --------------------------------------------------------------------------------

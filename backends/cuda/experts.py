@@ -21,22 +21,31 @@ differ, take the contract's host path. Not thread-safe, like the other device op
 
 A prefill (T > 1) routes each token to its own experts: ``d_expert_ffn_rows`` runs expert i on its rows
 ``rows[i]`` of the device x only (:func:`expert_rows_args` checks its arguments). gate_up's entries carry
-those row indices (its 8th slot), so x is never gathered; the down outputs of all experts are
-consecutive rows, and ``tr_expert_scatter`` adds each token's gated rows in expert order. With T > 1 the
-launcher picks the tensor-core kernels of ``shaders/cuda/prefill.cu`` (each weight read once per 16
-tokens).
+those row indices (its 8th slot), so x is never gathered; an expert in mapped host memory with more
+than 16 tokens is first copied to a VRAM work buffer (:meth:`CudaExperts._staged`); the down outputs of
+all experts are consecutive rows, and ``tr_expert_scatter`` adds each token's gated rows in expert
+order. With T > 1 the launcher picks the tensor-core kernels of ``shaders/cuda/prefill.cu`` (each
+weight read once per 16 tokens).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
 from colibri_plan.backends.batched import ffn_fusable, ffn_kind
 from colibri_plan.backends.device_ops import DeviceOps
-from colibri_plan.backends.handles import DArray
+from colibri_plan.backends.handles import DArray, ExpertWeights
+from colibri_plan.backends.staging import PaddedWeight
 from colibri_plan.errors import InputError
+
+#: a prefill expert in mapped host memory with more tokens than this is copied to VRAM first (its
+#: weights would otherwise cross PCIe once per 16-token tile of the prefill kernels)
+STAGE_MIN_TOKENS = 16
+#: VRAM one call's copies may take (the rest read in place)
+STAGE_MAX_BYTES = 256 << 20
 
 
 def _one_kind(experts: list) -> bool:
@@ -121,6 +130,7 @@ class CudaExperts:
         routing = ops._d_put(np.concatenate((np.concatenate(rows).astype(np.int32).view(np.float32),
                                              pos.reshape(-1).view(np.float32), gmat.reshape(-1))))
         rp, total = routing.data.ptr, offs[-1]
+        experts = self._staged(experts, counts)  # mapped experts read many times: a VRAM copy first
         xp, h, y = self._buffers(x, experts, total)  # expert i's h [T_i, Ip] and y [T_i, H] at row offs[i]
         args = ops._d_put(np.array(ffn_table(experts, counts, offs, [xp] * n, h, y, rp), np.uint64)
                           .view(np.float32))
@@ -129,6 +139,32 @@ class CudaExperts:
         out = ops._d_launch("tr_expert_scatter", n_out, ops._blocks(n_out), 3, y,
                             rp + 4 * total, rp + 4 * (total + n * T), n_out, H, n)
         del routing, args  # pool memory: reused only by work queued after these launches
+        return out
+
+    def _staged(self, experts: list, counts: list) -> list:
+        """``experts`` with each one held in mapped host memory (``upload_expert_mapped``) and more than
+        :data:`STAGE_MIN_TOKENS` tokens replaced by a copy in a grow-only VRAM work buffer, copied on the
+        stream (PCIe, asynchronous; up to :data:`STAGE_MAX_BYTES` a call, the rest read in place). The
+        prefill kernels read an expert's weights once per 16 tokens: over PCIe that is many reads of
+        what one copy brings up."""
+        big = [i for i, (e, T) in enumerate(zip(experts, counts))
+               if T > STAGE_MIN_TOKENS and e.gate.host_mapped and e.up.host_mapped and e.down.host_mapped]
+        sizes = [sum(-(-w.payload.mem.size // 256) * 256 for w in experts[i]) for i in big]
+        while big and sum(sizes) > STAGE_MAX_BYTES:
+            big.pop(), sizes.pop()
+        if not big:
+            return experts
+        be, out = self.be, list(experts)
+        at = self.d._d_work("ex_stage", sum(sizes))
+        for i in big:
+            ws = []
+            for w in experts[i]:
+                pw, n = w.payload, w.payload.mem.size
+                be.rt.memcpyAsync(at, pw.data, n, be.rt.memcpyHostToDevice, be.stream.ptr)
+                copy = PaddedWeight(at, at + pw.scales - pw.data, pw.in_pad)  # the scales' offset kept
+                ws.append(dataclasses.replace(w, payload=copy, host_mapped=False))
+                at += -(-n // 256) * 256
+            out[i] = ExpertWeights(*ws)
         return out
 
     def _buffers(self, x: DArray, experts: list, rows: int) -> tuple[int, int, int]:
