@@ -320,10 +320,16 @@ def compute_lines(compute: dict | None, explain: dict | None = None) -> list[str
     """Which processor computes each host tier (the plan's ``compute`` section), and from
     ``compute_explain`` the seconds per expert of every candidate, as up to two lines: ``Compute: pinned
     on cpu, LRU hits on vulkan:0, streamed on vulkan:0`` and ``Compute per expert: pinned cpu 0.12 ms /
-    vulkan:0 0.5 ms; ...``. No section: every host tier on the CPU."""
+    vulkan:0 0.5 ms; ...``, and (``ram_pinned_decode_s``) the whole placement's tok/s with the pinned tier
+    zero-copy on the trunk's GPU and without. No section: every host tier on the CPU."""
     if not compute:
         return ["Compute: host tiers (pinned, LRU hits, streamed) on the CPU (no unified-memory GPU chosen)"]
     out = ["Compute: " + ", ".join(f"{w} on {compute.get(t, 'cpu')}" for t, w in _TIER_WORDS.items())]
+    whole = (explain or {}).get("ram_pinned_decode_s") or {}
+    if whole:   # the trunk's GPU could compute the pins zero-copy: both whole placements, priced
+        out.append("Compute pinned (zero-copy from mapped host memory on the trunk's GPU, or not), whole "
+                   "placement: " + " / ".join(
+            f"{k} {1 / v:.3f} tok/s" for k, v in whole.items() if isinstance(v, (int, float)) and v > 0))
     why = []
     for tier, word in _TIER_WORDS.items():
         cand = (explain or {}).get(tier) or {}

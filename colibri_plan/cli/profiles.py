@@ -185,8 +185,12 @@ def render(doc: dict) -> str:
     if isinstance(ffn, list) and ffn:
         rows = [[f"{e['backend']}:{e['device_index']}", e["fmt"], e["experts"], _fig(e["weight_gbps"]),
                  f"{e['seconds']['median'] * 1e3:.3f}"] for e in ffn]
+        head = ["device", "fmt", "k", "weight GB/s", "ms"]
+        if any(e.get("memory") == "mapped" for e in ffn):   # the zero-copy pinned tier's rows
+            rows = [r + [e.get("memory", "device")] for r, e in zip(rows, ffn)]
+            head.append("memory")
         out.append("\nexpert_ffn (k experts, 1 token each)")
-        out.append(table(rows, ["device", "fmt", "k", "weight GB/s", "ms"]))
+        out.append(table(rows, head))
     out += render_trunk(doc)
     if doc.get("skipped"):
         out.append("\nskipped")

@@ -314,12 +314,32 @@ def _check_layer(e: dict, n: int, keys: list[str], here: At, at: At) -> None:
     f.whole(e, "lru_slots", here, lo=0)
 
 
+def _trunk_device(doc: dict) -> str | None:
+    """The discrete device that holds the whole trunk (the ``trunk`` section's device, not split), else
+    the resources' GPU marked ``holds_trunk``; None: the trunk runs on the CPU."""
+    trunk = doc.get("trunk")
+    if isinstance(trunk, dict) and isinstance(trunk.get("device"), str) and not trunk.get("split"):
+        return trunk["device"] if trunk["device"] != "cpu" else None
+    gpus = (doc.get("resources") or {}).get("gpus") or []
+    return next((g.get("key") for g in gpus if isinstance(g, dict) and g.get("holds_trunk")
+                 and not g.get("unified")), None)
+
+
 def _check_compute(doc: dict, where: str) -> None:
-    """``compute``: host tiers -> "cpu" or a unified device of the plan; ``repin``: the policy's keys."""
+    """``compute``: host tiers -> "cpu" or a unified device of the plan, and ``ram_pinned`` also the
+    discrete device that holds the trunk (zero-copy pins in mapped host memory); ``repin``: the
+    policy's keys."""
     unified = {d.get("key") for d in doc["devices"] if isinstance(d, dict) and d.get("unified")}
     for tier, who in (doc.get("compute") or {}).items():
         if tier not in COMPUTE_TIERS:
             _fail(where, f"compute has unknown tier {tier!r} (tiers: {', '.join(COMPUTE_TIERS)})")
+        if tier == "ram_pinned" and who not in unified and who != "cpu":
+            trunk = _trunk_device(doc)
+            if who != trunk:
+                holder = trunk or "none: the trunk is on the cpu"
+                _fail(where, f"compute.ram_pinned names {who!r}, but only 'cpu', a unified-memory device or "
+                             f"the discrete device that holds the trunk ({holder}) can compute them")
+            continue
         if who != "cpu" and who not in unified:
             _fail(where, f"compute.{tier} must be 'cpu' or a unified-memory device of the plan "
                          f"({', '.join(sorted(unified)) or 'none'}), got {who!r}")

@@ -13,7 +13,10 @@ A profile is a JSON document (kind ``"profile"``, schema_version 1, written atom
 - ``matmul``: backend, device_index, device_name, device_kind, fmt, out_features, in_features, tokens,
   weight_gbps, seconds
 - ``expert_ffn`` (optional): backend, device_index, fmt, experts, tokens, hidden, width, seconds,
-  weight_gbps
+  weight_gbps, memory (optional): where the timed experts lived, ``"device"`` (the device's own memory;
+  the default, which older profiles imply by leaving it out) or ``"mapped"`` (mapped page-locked host
+  memory the device reads over its link: the backend's ``upload_expert_mapped``, the zero-copy pinned
+  tier; only backends that support it have such rows)
 - ``peer_links`` (optional; older profiles lack it): per ordered pair of CUDA devices: src, dst ("cuda:0"),
   src_name, dst_name, block_bytes, can_access_peer, peer_access_enabled, copy_gbps (GB/s of
   ``cudaMemcpyPeer`` at the expert block), or ``{"unavailable": reason}`` with fewer than two GPUs
@@ -164,13 +167,36 @@ class MachineProfile:
 
     def expert_ffn_s(self, backend: str, device_index: int, fmt: str, experts: int) -> float:
         """Median seconds of one ``expert_ffn`` call over ``experts`` experts at 1 token, scaled linearly
-        from the nearest measured expert count."""
+        from the nearest measured expert count; experts in the device's own memory only (rows without
+        ``memory`` or with ``"device"``), never the mapped rows of :meth:`mapped_expert_ffn_s`."""
+        return self._ffn_s(backend, device_index, fmt, experts, "device")
+
+    def mapped_expert_ffn_s(self, backend: str, device_index: int, fmt: str, experts: int) -> float:
+        """As :meth:`expert_ffn_s` for the ``"memory": "mapped"`` rows: the experts in mapped page-locked
+        host memory, read by the device over its link (InputError when the profile has none)."""
+        return self._ffn_s(backend, device_index, fmt, experts, "mapped")
+
+    def mapped_expert_ffn_gbps(self, backend: str, device_index: int, fmt: str, experts: int) -> float:
+        """Weight GB/s (1e9 B/s) of the mapped-memory ``expert_ffn`` row nearest ``experts``: its
+        weight_bytes / median seconds (a read over the link: the rate, unlike the seconds, carries over
+        to another expert size); InputError without a mapped row. A row without weight_bytes: None
+        (the caller sizes the seconds itself)."""
+        e = self._ffn_row(backend, device_index, fmt, experts, "mapped")
+        return float(e["weight_bytes"]) / float(e["seconds"]["median"]) / 1e9 if e.get("weight_bytes") \
+            else None
+
+    def _ffn_row(self, backend: str, device_index: int, fmt: str, experts: int, memory: str) -> dict:
         rows = [e for e in self._section("expert_ffn")
-                if e["backend"] == backend and e["device_index"] == device_index and e["fmt"] == fmt]
+                if e["backend"] == backend and e["device_index"] == device_index and e["fmt"] == fmt
+                and e.get("memory", "device") == memory]
         if not rows:
-            raise InputError(f"profile has no expert_ffn figure for {backend}:{device_index} at {fmt}; "
+            what = "expert_ffn" if memory == "device" else "mapped-memory expert_ffn"
+            raise InputError(f"profile has no {what} figure for {backend}:{device_index} at {fmt}; "
                              f"{MEASURE_HINT} --backends {backend}")
-        e = min(rows, key=lambda r: abs(r["experts"] - experts))
+        return min(rows, key=lambda r: abs(r["experts"] - experts))
+
+    def _ffn_s(self, backend: str, device_index: int, fmt: str, experts: int, memory: str) -> float:
+        e = self._ffn_row(backend, device_index, fmt, experts, memory)
         return float(e["seconds"]["median"]) * experts / e["experts"]
 
     # links

@@ -10,6 +10,8 @@ from colibri_plan.formats import fields as f
 from colibri_plan.formats.fields import At
 from colibri_plan.quant import FORMATS
 
+#: where an ``expert_ffn`` row's experts lived: the device's memory, or mapped host memory (zero-copy)
+FFN_MEMORY = ("device", "mapped")
 #: sections every profile has (a section the machine lacks is ``{"unavailable": reason}``)
 SECTIONS = ("machine", "disk", "ram", "devices", "links", "matmul")
 
@@ -158,6 +160,7 @@ def validate_profile(doc: dict) -> dict:
         _entry(e, ("backend", "device_index", "fmt", "experts", "tokens", "seconds"), w)
         f.text(e, "backend", w)
         f.text(e, "fmt", w)
+        f.text(e, "memory", w, optional=True, choices=FFN_MEMORY)
         f.whole(e, "device_index", w, lo=0)
         for k in ("experts", "tokens"):
             f.whole(e, k, w, lo=1)

@@ -40,7 +40,7 @@ from colibri_plan.planner.costmodel import (
     miss_seconds,
     verify_seconds,
 )
-from colibri_plan.planner.path_rows import gpu_expert_seconds, solver_host_seconds
+from colibri_plan.planner.path_rows import gpu_expert_seconds, solver_rates
 from colibri_plan.planner.quiet import no_native_stdout
 
 N_BREAKPOINTS = 5
@@ -91,7 +91,8 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
     rows = [r for r in range(probs.shape[0]) if w[r] > 0 and probs[r].sum() > 0]
     xfer = [gpu_fixed_seconds(g, problem.activation_bytes, coef) for g in res.gpus]
     zdev = [d for d in range(len(res.gpus)) if xfer[d] > 0]
-    cpu_c = solver_host_seconds(res, b, coef)   # per host tier (pinned, LRU hit, miss), calls included
+    # per host tier (pinned, LRU hit, miss), calls included; zero-copy pins go on GPU zc's row instead
+    cpu_c, zc, map_s = solver_rates(res, b, coef)
     gpu_c = [gpu_expert_seconds(g, b, coef) for g in res.gpus]
     t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
     nl = len(rows)
@@ -145,11 +146,14 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
             row([tcol(i), mcol(i, t_ram), mcol(i, t_disk)], [1.0, -ram_c[j], -float(disk_c[j])], 0.0, np.inf)
         for d in range(n_gpu):
             cols, cf = [tcol(i), mcol(i, d)], [1.0, -gpu_c[d]]
+            if d == zc:                                     # the zero-copy pins run on d's path
+                cols, cf = cols + [mcol(i, t_ram)], cf + [-map_s]
             if d in zdev:
                 j = zdev.index(d)
                 cols.append(zcol(i, j))
                 cf.append(-xfer[d])
-                row([ncol(i, d), zcol(i, j)], [1.0, -float(e)], -np.inf, 0.0)
+                mine = [ncol(i, d)] + ([ncol(i, t_ram)] if d == zc else [])
+                row(mine + [zcol(i, j)], [1.0] * len(mine) + [-float(e)], -np.inf, 0.0)
             row(cols, cf, 0.0, np.inf)
     slot_bytes = int(np.sum(problem.lru_slots)) * b
     fixed_ram = slot_bytes + 0
@@ -213,14 +217,15 @@ def solve_counts(problem, miss_factor_row: np.ndarray, z_fixed: np.ndarray | Non
 
 
 def realise_layer(p: np.ndarray, counts: np.ndarray, masses: np.ndarray, rate: np.ndarray,
-                  extra: np.ndarray, max_swaps: int = 400) -> np.ndarray:
+                  extra: np.ndarray, max_swaps: int = 400, ram_on: int | None = None) -> np.ndarray:
     """Assign one layer's experts to tiers with the given counts, then improve by pairwise swaps.
 
     Args:
         p: ``[E]`` probabilities; counts, masses: ``[T]`` targets (GPUs, RAM, disk).
         rate: ``[T]`` seconds per unit of p on each tier (disk = CPU + miss cost);
         extra: ``[T]`` fixed seconds of a tier when it holds any expert (GPU transfers).
-    Resources: each GPU alone, and the CPU (RAM and disk together).
+        ram_on: the GPU whose resource the RAM tier uses (zero-copy pins; None: the CPU's).
+    Resources: each GPU alone, and the CPU (RAM and disk together, or disk alone with ``ram_on``).
 
     Returns:
         int ``[E]`` tier index 0..T-1 (GPUs, then RAM = T-2, disk = T-1).
@@ -230,7 +235,8 @@ def realise_layer(p: np.ndarray, counts: np.ndarray, masses: np.ndarray, rate: n
     order = np.argsort(-p, kind="stable")
     n_disk = int(counts[t_disk])
     hot = order[: len(p) - n_disk]
-    res_of = np.array(list(range(t_ram)) + [t_ram, t_ram])  # RAM and disk share the CPU resource
+    # RAM and disk share the CPU resource, unless the trunk's GPU computes the pins zero-copy
+    res_of = np.array(list(range(t_ram)) + [t_ram if ram_on is None else ram_on, t_ram])
     n_res = t_ram + 1
 
     def times(tr):
@@ -294,11 +300,19 @@ def realise_layer(p: np.ndarray, counts: np.ndarray, masses: np.ndarray, rate: n
     return tier
 
 
-def _layer_time(p, tier, rate, fixed, n_gpu, cpu_path) -> float:
-    """Slowest resource of one realised layer: each GPU alone, and the CPU path ``cpu_path(p_ram,
-    p_disk)`` (seconds; the cost model's :func:`~colibri_plan.planner.costmodel.cpu_path_seconds`)."""
-    times = [rate[d] * p[tier == d].sum() + (fixed[d] if np.any(tier == d) else 0.0) for d in range(n_gpu)]
-    times.append(cpu_path(p[tier == n_gpu].sum(), p[tier == n_gpu + 1].sum()))
+def _layer_time(p, tier, rate, fixed, n_gpu, cpu_path, ram_on=None) -> float:
+    """Slowest resource of one realised layer: each GPU alone (GPU ``ram_on`` with the pinned experts,
+    zero-copy), and the CPU path ``cpu_path(p_ram, p_disk)`` (seconds; the cost model's
+    :func:`~colibri_plan.planner.costmodel.cpu_path_seconds`)."""
+    held = [tier == d for d in range(n_gpu)]
+    times = [rate[d] * p[held[d]].sum() for d in range(n_gpu)]
+    p_ram = p[tier == n_gpu].sum()
+    if ram_on is not None:
+        held[ram_on] = held[ram_on] | (tier == n_gpu)
+        times[ram_on] += rate[n_gpu] * p_ram
+        p_ram = 0.0
+    times = [t + (fixed[d] if np.any(held[d]) else 0.0) for d, t in enumerate(times)]
+    times.append(cpu_path(p_ram, p[tier == n_gpu + 1].sum()))
     return max(times)
 
 
@@ -338,10 +352,11 @@ def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[
         z = z.astype(float)
         if not any(np.array_equal(z, c) for c in candidates):
             candidates.append(z)
-    cpu_c = solver_host_seconds(res, b, coef)   # per host tier (pinned, LRU hit, miss), calls included
+    cpu_c, zc, map_s = solver_rates(res, b, coef)   # (pinned, LRU hit, miss) on the host; zero-copy pins
     t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
     t_verify = verify_seconds(b, res)
-    rate = np.array([gpu_expert_seconds(g, b, coef) for g in res.gpus] + [cpu_c[0], cpu_c[2]])
+    rate = np.array([gpu_expert_seconds(g, b, coef) for g in res.gpus]
+                    + [cpu_c[0] if zc is None else map_s, cpu_c[2]])
     fixed = np.array([gpu_fixed_seconds(g, problem.activation_bytes, coef) for g in res.gpus] + [0.0, 0.0])
     best = None
     t1 = time.perf_counter()
@@ -359,7 +374,7 @@ def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[
             f = row_miss[r]
             rr = rate.copy()   # the swaps' additive rate of a disk-tier expert: all four CPU-path parts
             rr[-1] = sum(cpu_path_parts(0.0, 1.0 - f, f, cpu_c, coef.disk * t_miss, t_verify))
-            t = realise_layer(problem.probs[r], counts[r], masses[r], rr, fixed)
+            t = realise_layer(problem.probs[r], counts[r], masses[r], rr, fixed, ram_on=zc)
             tiers[r] = np.where(t < n_gpu, t, np.where(t == n_gpu, TIER_RAM, TIER_DISK))
 
             def cpu_path(p_ram, p_disk, f=f):
@@ -367,7 +382,7 @@ def place_large(problem, miss_factor: np.ndarray, time_limit_s: float) -> tuple[
                                        t_verify)
                 return float(cpu_path_seconds(*parts, coef.overlap))
 
-            total += problem.weights[r] * _layer_time(problem.probs[r], t, rr, fixed, n_gpu, cpu_path)
+            total += problem.weights[r] * _layer_time(problem.probs[r], t, rr, fixed, n_gpu, cpu_path, zc)
         if best is None or total < best[1]:
             best = (tiers, total)
     if best is None:

@@ -274,6 +274,23 @@ def gpu_expert_gbps(profile, backend: str, index: int, fmt: str, spec) -> float:
                                           spec.hidden_size)
 
 
+def gpu_mapped_gbps(profile, backend: str, index: int, fmt: str, spec) -> float:
+    """Weight GB/s of a discrete GPU on routed experts in mapped page-locked host memory (the zero-copy
+    pinned tier), from the profile's ``"memory": "mapped"`` expert_ffn row: its bytes / seconds (k
+    experts of the probed shape; e.g. 8 of 18.9 MB in 3.36 ms: 45 GB/s), which is top-k · b / seconds
+    when the probe ran at this model's shape and, the call being bound by the link, the rate a model of
+    other expert bytes gets too (the device rows' seconds are not: :func:`gpu_expert_gbps`). A row
+    without bytes: top-k · b / its seconds. 0.0 without such a row (no zero-copy pins)."""
+    try:
+        gbps = profile.mapped_expert_ffn_gbps(backend, index, fmt, spec.top_k)
+        if gbps is None:
+            return spec.top_k * spec.expert_bytes(fmt) / profile.mapped_expert_ffn_s(
+                backend, index, fmt, spec.top_k) / 1e9
+    except InputError:
+        return 0.0
+    return gbps
+
+
 def _matmul_kinds(profile, fmt: str) -> list[tuple[dict, str | None]]:
     """[(row, device kind)] of the profile's ``matmul`` rows at ``fmt``: the kind as measured, else as its
     device lists it (None: unknown)."""
@@ -297,7 +314,8 @@ def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str 
     CPU matmul: the best CPU-device backend measured at ``fmt`` (1 token, nearest expert shape). Disk: the
     random-read GB/s at :func:`best_queue_depth` (<= top-k), recorded as ``disk_queue_depth``: the plan
     carries it and the engine reads with that many threads; None when the profile has no disk section.
-    GPUs: every gpu/igpu device with its matmul and link figures.
+    GPUs: every gpu/igpu device with its matmul and link figures (and a discrete one's mapped-memory
+    expert GB/s, :func:`gpu_mapped_gbps`).
 
     Raises:
         InputError: a needed figure is missing (the message says how to measure it).
@@ -323,12 +341,14 @@ def resources_from_profile(profile, spec, vram_budget: dict[str, int], fmt: str 
         key = f"{g['backend']}:{g['index']}"
         unified = bool(g.get("unified_memory"))
         gbps = gpu_expert_gbps(profile, g["backend"], g["index"], fmt, spec)
-        h2d = d2h = 0.0
+        h2d = d2h = mapped = 0.0
         if not unified:
             h2d = profile.h2d_gbps(g["backend"], g["index"], pinned=True)
             d2h = profile.d2h_gbps(g["backend"], g["index"], pinned=True)
+            mapped = gpu_mapped_gbps(profile, g["backend"], g["index"], fmt, spec)
         gpus.append(GpuResource(key=key, matmul_gbps=gbps, h2d_gbps=h2d, d2h_gbps=d2h,
-                                budget_bytes=int(vram_budget.get(key, 0)), unified=unified))
+                                budget_bytes=int(vram_budget.get(key, 0)), unified=unified,
+                                mapped_gbps=mapped))
     return Resources(cpu_matmul_gbps=cpu, ram_read_gbps=profile.ram_read_gbps(), disk_read_gbps=disk,
                      disk_queue_depth=qd, gpus=tuple(gpus), checksum_gbps=profile.checksum_gbps(),
                      disk_depth_gbps=disk_depth_table(profile) if disk is not None else (),

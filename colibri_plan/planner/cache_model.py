@@ -255,3 +255,31 @@ def lru_hit_rates(p: np.ndarray, on_disk: np.ndarray, slots: int, row: int | Non
     if trace_hits is not None and row is not None and trace_hits.covers(row) and not trace_hits.expired:
         return trace_hits.hit_rates(row, on_disk, slots)
     return che_hit_rates(np.where(on_disk, p, 0.0), slots)
+
+
+def simulate_lru(trace: np.ndarray, slots: int, members: np.ndarray | None = None) -> float:
+    """Replay a routing trace ``[T, K]`` of expert ids through an LRU of ``slots`` entries.
+
+    Only ids with ``members[id]`` True (the non-pinned experts) use the cache; each token's selected
+    experts are looked up, then the misses are inserted (evicting the least recently used), as the
+    engine does per token. Returns the hit rate over member requests (0.0 when there are none).
+    """
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = total = 0
+    for row in np.asarray(trace):
+        missed = []
+        for e in row:  # look up every expert of the token first ...
+            e = int(e)
+            if members is not None and not members[e]:
+                continue
+            total += 1
+            if e in cache:
+                hits += 1
+                cache.move_to_end(e)
+            else:
+                missed.append(e)
+        for e in missed[-slots:] if slots > 0 else ():  # ... then promote the misses, evicting the LRU
+            cache[e] = None
+            if len(cache) > slots:
+                cache.popitem(last=False)
+    return hits / total if total else 0.0

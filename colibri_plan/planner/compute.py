@@ -1,19 +1,54 @@
-"""Which processor computes each host tier (pinned, LRU hits, streamed misses): the CPU or a unified GPU.
+"""Which processor computes each host tier (pinned, LRU hits, streamed misses): the CPU, a unified GPU,
+or (pinned only) the discrete GPU that holds the trunk, zero-copy.
 
 On a unified-memory device (an integrated GPU, Apple silicon, lavapipe) the GPU reads the RAM pool the
 CPU reads, so it can compute the experts the CPU path would: pinned ones (uploaded once into
 device-visible memory) and streamed ones (uploaded once per slot fill, a copy at RAM GB/s). The engine
 does what the plan's ``compute`` section says (docs/engine.md); the cost model prices it here.
+
+A discrete GPU that holds the dense trunk and can read mapped page-locked host memory
+(``GpuResource.mapped_gbps`` > 0: the profile's ``"memory": "mapped"`` expert_ffn row) may compute the
+pinned tier zero-copy: the pinned experts live in mapped host memory (still the RAM budget's bytes) and
+the GPU runs them inside its decode step with its VRAM experts, reading them over the link. Never the LRU
+or streamed tiers: each slot fill would need its own mapped host copy. Seconds per pinned expert there:
+c_gpu · b / mapped GB/s + the GPU's ``expert_call_s`` (:func:`mapped_expert_seconds`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from colibri_plan.errors import InputError
 from colibri_plan.formats.coefficients import Coefficients
 
 #: the host tiers, in the plan's vocabulary
 HOST_TIERS = ("ram_pinned", "lru", "disk")
+
+
+def mapped_candidates(res) -> list:
+    """Keys of the GPUs that may compute the pinned tier zero-copy: discrete, holding the trunk, with a
+    mapped-memory figure (``mapped_gbps`` > 0)."""
+    return [g.key for g in res.gpus if not g.unified and g.holds_trunk and g.mapped_gbps > 0]
+
+
+def mapped_gpu(res) -> int | None:
+    """Index of the discrete GPU ``res.compute`` names for the pinned tier (zero-copy), else None."""
+    who = dict(res.compute).get("ram_pinned", "cpu")
+    return next((d for d, g in enumerate(res.gpus) if g.key == who and not g.unified), None)
+
+
+def mapped_expert_seconds(gpu, expert_bytes: int, coef: Coefficients) -> float:
+    """Seconds one pinned expert computed zero-copy on discrete ``gpu`` adds to its path: c_gpu · b /
+    mapped GB/s + ``gpu.expert_call_s``. E.g. b = 1e9 B at 50 GB/s, c_gpu 1, no call cost: 0.02 s.
+
+    Raises:
+        InputError: the GPU has no mapped-memory figure (``mapped_gbps`` 0).
+    """
+    if gpu.mapped_gbps <= 0:
+        raise InputError(f"compute.ram_pinned names {gpu.key}, which has no mapped-memory expert_ffn figure "
+                         "(mapped_gbps 0): it cannot compute pinned experts zero-copy; re-profile it with a "
+                         "backend that has upload_expert_mapped, or compute the pinned tier on the cpu")
+    return coef.gpu_expert * expert_bytes / (gpu.mapped_gbps * 1e9) + float(gpu.expert_call_s)
 
 
 def host_seconds(res, expert_bytes: int, coef: Coefficients) -> tuple[float, float, float]:
@@ -22,7 +57,8 @@ def host_seconds(res, expert_bytes: int, coef: Coefficients) -> tuple[float, flo
     A tier on the CPU: b / min(CPU matmul, RAM read) GB/s. A tier on a unified GPU (``res.compute``): b /
     min(its matmul, RAM read) GB/s; a streamed expert there also pays its upload into device-visible
     memory, a copy at RAM GB/s (the engine uploads each slot fill: docs/engine.md), so does an LRU hit
-    whose slot was filled for the CPU (never, when lru and disk share a processor).
+    whose slot was filled for the CPU (never, when lru and disk share a processor). Pinned on the discrete
+    GPU that holds the trunk: :func:`mapped_expert_seconds` (c_gpu, not c_cpu: the GPU's kernels).
     """
     who = dict(res.compute)
     gpus = {g.key: g for g in res.gpus}
@@ -43,6 +79,9 @@ def host_seconds(res, expert_bytes: int, coef: Coefficients) -> tuple[float, flo
     out = [coef.cpu_expert * expert_bytes / (rate(t) * 1e9) for t in ("ram_pinned", "lru", "disk")]
     out[2] += copy("disk") if on_gpu("disk") else 0.0
     out[1] += copy("lru") if on_gpu("lru") and who.get("lru") != who.get("disk", "cpu") else 0.0
+    d = mapped_gpu(res)
+    if d is not None:
+        out[0] = mapped_expert_seconds(res.gpus[d], expert_bytes, coef)
     return out[0], out[1], out[2]
 
 
@@ -60,7 +99,9 @@ def colibri_unified_compute(res):
 def choose_compute(res, expert_bytes: int, coef: Coefficients) -> tuple:
     """Pick the processor of each host tier: the CPU or a unified GPU, whichever computes one expert of
     the tier in fewer seconds (:func:`host_seconds`, the upload copy included for a streamed expert on a
-    GPU). LRU hits go where the misses go (a hit reuses the slot's upload).
+    GPU); for the pinned tier, the trunk's discrete GPU zero-copy too (:func:`mapped_candidates`). LRU
+    hits go where the misses go (a hit reuses the slot's upload). Per expert only: the trunk's solve
+    (planner.trunk_solve) prices a zero-copy choice against the best other by the whole placement.
 
     Returns:
         (resources with ``compute`` set, {tier: {processor: seconds per expert}}: the comparison).
@@ -68,10 +109,35 @@ def choose_compute(res, expert_bytes: int, coef: Coefficients) -> tuple:
     keys = ["cpu"] + [g.key for g in res.gpus if g.unified]
     explain: dict = {}
     for tier, i in (("ram_pinned", 0), ("disk", 2)):
+        cand = keys + (mapped_candidates(res) if tier == "ram_pinned" else [])
         explain[tier] = {k: host_seconds(dataclasses.replace(res, compute=((tier, k),)), expert_bytes,
-                                         coef)[i] for k in keys}
+                                         coef)[i] for k in cand}
     choice = {t: min(explain[t], key=explain[t].get) for t in explain}
     choice["lru"] = choice["disk"]
     explain["lru"] = {k: host_seconds(dataclasses.replace(res, compute=(("lru", k), ("disk", k))),
                                       expert_bytes, coef)[1] for k in keys}
     return dataclasses.replace(res, compute=tuple(sorted(choice.items()))), explain
+
+
+def pinned_alternative(res, expert_bytes: int, coef: Coefficients):
+    """``res`` with the pinned tier on the fastest processor per expert other than a zero-copy discrete
+    GPU (the CPU or a unified GPU), or None when ``res`` does not compute it zero-copy: the other side of
+    the trunk solve's whole-placement comparison."""
+    if mapped_gpu(res) is None:
+        return None
+    base = dataclasses.replace(res, gpus=tuple(dataclasses.replace(g, mapped_gbps=0.0) for g in res.gpus))
+    best = choose_compute(base, expert_bytes, coef)[0]
+    who = dict(res.compute)
+    who["ram_pinned"] = dict(best.compute)["ram_pinned"]
+    return dataclasses.replace(res, compute=tuple(sorted(who.items())))
+
+
+def compute_section(setup) -> tuple[dict, dict]:
+    """The plan's ``compute`` ({host tier: processor}) and ``compute_explain`` ({tier: {processor:
+    seconds per expert}}, plus ``ram_pinned_decode_s`` {processor: decode seconds per token of the whole
+    placement} when the trunk's solve priced zero-copy pins both ways) of a planner.make Setup."""
+    res = setup.res
+    explain = choose_compute(res, setup.spec.expert_bytes(), setup.problem.coef)[1]
+    if getattr(setup, "pinned_decode_s", None):
+        explain["ram_pinned_decode_s"] = dict(setup.pinned_decode_s)
+    return dict(res.compute), explain

@@ -31,6 +31,12 @@ DESIGN.md §7). Per decode token:
   sum copied up; handoff_s (``GpuResource.handoff_s``: the wait, both copies and the next launches) is
   paid at every such layer, whatever the token chose; a layer whose experts all live on t adds gpu_l,t
   alone (no sync), and expert_call_t is 0 (the launches are captured)
+* zero-copy pinned tier (``compute.ram_pinned`` = t, the discrete GPU that holds the trunk,
+  :mod:`colibri_plan.planner.compute`): the pinned experts move from the CPU path to t's:
+  gpu_l,t += Σ_{e in RAM} p_e · (c_gpu · b / mapped GB/s + expert_call_t), cpu_resident_l loses their
+  compute and their share of the resident call, and for the segmentation they count as on t (a layer
+  whose off-t experts are all pinned has no hand-off). Their bytes stay in the RAM budget. E.g. two
+  pinned experts of p = 0.5, b = 1e9 B, 50 GB/s: 1.0 · 0.02 = 0.02 s on t's path, no handoff_s
 * ``xfer_l,d``    = c_transfer · (activation H2D + D2H + 2 link latencies) + gpu_call_s, paid by each
                      GPU that holds any expert of the layer (the hidden state goes there and back once;
                      the host's call costs about the same for 1 expert or 8); no transfer on the GPU
@@ -59,7 +65,6 @@ The layer's expert time is the slowest of its concurrently working resources, ta
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,8 +72,8 @@ import numpy as np
 from colibri_plan.errors import InputError
 from colibri_plan.formats.coefficients import Coefficients
 from colibri_plan.formats.plan import TIER_DISK, TIER_RAM
-from colibri_plan.planner.cache_model import che_hit_rates, lru_hit_rates
-from colibri_plan.planner.compute import host_seconds
+from colibri_plan.planner.cache_model import che_hit_rates, lru_hit_rates, simulate_lru
+from colibri_plan.planner.compute import host_seconds, mapped_gpu
 from colibri_plan.planner.page_cache import page_cache_experts, page_cache_hit_rates
 from colibri_plan.planner.path_rows import (
     cpu_path_bounds,
@@ -78,8 +83,9 @@ from colibri_plan.planner.path_rows import (
     gpu_expert_seconds,
 )
 
-# re-exported: the independent-request LRU model lives in cache_model, the per-selection rows in path_rows
-__all__ = ["che_hit_rates", "cpu_path_bounds", "cpu_path_parts", "cpu_path_rows", "cpu_path_seconds"]
+# re-exported: the LRU models (Che, trace replay) live in cache_model, the per-selection rows in path_rows
+__all__ = ["che_hit_rates", "cpu_path_bounds", "cpu_path_parts", "cpu_path_rows", "cpu_path_seconds",
+           "simulate_lru"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,9 @@ class GpuResource:
             experts elsewhere (module docstring); handoff_s: seconds of one such cut.
         zero_copy: a unified GPU that reads the host's expert slabs in place (colibrì's
             COLI_CUDA_UNIFIED): no upload copy for a streamed expert it computes (planner.compute).
+        mapped_gbps: expert GB/s (1e9 B/s) of this discrete GPU on experts in mapped page-locked host
+            memory (the profile's ``"memory": "mapped"`` expert_ffn row: top-k · b / seconds); 0 = it
+            cannot compute pinned experts zero-copy.
     """
 
     key: str
@@ -116,6 +125,7 @@ class GpuResource:
     segmented: bool = False
     handoff_s: float = 0.0
     zero_copy: bool = False
+    mapped_gbps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -187,34 +197,6 @@ class Resources:
         return dataclasses.replace(self, disk_read_gbps=g, disk_queue_depth=q)
 
 
-def simulate_lru(trace: np.ndarray, slots: int, members: np.ndarray | None = None) -> float:
-    """Replay a routing trace ``[T, K]`` of expert ids through an LRU of ``slots`` entries.
-
-    Only ids with ``members[id]`` True (the non-pinned experts) use the cache; each token's selected
-    experts are looked up, then the misses are inserted (evicting the least recently used), as the
-    engine does per token. Returns the hit rate over member requests (0.0 when there are none).
-    """
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = total = 0
-    for row in np.asarray(trace):
-        missed = []
-        for e in row:  # look up every expert of the token first ...
-            e = int(e)
-            if members is not None and not members[e]:
-                continue
-            total += 1
-            if e in cache:
-                hits += 1
-                cache.move_to_end(e)
-            else:
-                missed.append(e)
-        for e in missed[-slots:] if slots > 0 else ():  # ... then promote the misses, evicting the LRU
-            cache[e] = None
-            if len(cache) > slots:
-                cache.popitem(last=False)
-    return hits / total if total else 0.0
-
-
 def miss_seconds(expert_bytes: int, res: Resources) -> float:
     """Seconds of disk time per expected miss: b / disk GB/s (InputError without a disk figure)."""
     if res.disk_read_gbps is None:
@@ -276,14 +258,16 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
     lru_hits = float(np.sum(p * h * on_disk))
     cached = 0.0 if page_hits is None else float(np.sum(p * (1 - h) * on_disk * page_hits))
     per_sel = host_seconds(res, expert_bytes, coef)   # seconds per expert computed, per host tier
+    ram_p = float(p[tier == TIER_RAM].sum())
+    zc = mapped_gpu(res)   # the trunk's GPU computing the pinned tier zero-copy (None: a host path does)
+    map_s = per_sel[0] if zc is not None else 0.0
     per_miss = 0.0
     if misses > 0:   # a read from disk, or (page cache) a copy at RAM GB/s
         copy_s = expert_bytes / (res.ram_read_gbps * 1e9)
         disk_part = (misses - cached) * miss_seconds(expert_bytes, res) if misses - cached > 1e-15 else 0.0
         per_miss = coef.disk * (disk_part + cached * copy_s) / misses
     cpu_res_s, cpu_stream_s, disk_s, verify_s = cpu_path_parts(
-        float(p[tier == TIER_RAM].sum()), lru_hits, misses, per_sel, per_miss,
-        verify_seconds(expert_bytes, res))
+        ram_p if zc is None else 0.0, lru_hits, misses, per_sel, per_miss, verify_seconds(expert_bytes, res))
     if res.cpu_call_s > 0:   # the host's per-call cost: resident experts in one call, each miss alone
         on_cpu = {t: dict(res.compute).get(t, "cpu") == "cpu" for t in ("ram_pinned", "lru", "disk")}
         q = np.where(tier == TIER_RAM, p * on_cpu["ram_pinned"], p * h * on_disk * on_cpu["lru"])
@@ -294,13 +278,15 @@ def layer_terms(p: np.ndarray, tier: np.ndarray, slots: int, expert_bytes: int, 
     # (a share ``overlap`` of the shorter one hides); each streamed expert is computed after its read
     a = cpu_res_s + verify_s
     cpu_path_s = float(cpu_path_seconds(cpu_res_s, cpu_stream_s, disk_s, verify_s, coef.overlap))
+    where = tier if zc is None else np.where(tier == TIER_RAM, zc, tier)   # zero-copy pins: on the GPU
     gpu_s, xfer_s, calls = [], [], 0
     for d, g in enumerate(res.gpus):
-        mine = tier == d
+        mine = where == d
         calls += int(mine.any())
-        gpu_s.append(float(p[mine].sum()) * gpu_expert_seconds(g, expert_bytes, coef))
+        gpu_s.append(float(p[tier == d].sum()) * gpu_expert_seconds(g, expert_bytes, coef)
+                     + (ram_p * map_s if d == zc else 0.0))
         xfer_s.append(gpu_fixed_seconds(g, activation_bytes, coef) if mine.any() else 0.0)
-    time_s, handoff_s = segmented_layer_seconds(res.gpus, tier, cpu_path_s, gpu_s, xfer_s)
+    time_s, handoff_s = segmented_layer_seconds(res.gpus, where, cpu_path_s, gpu_s, xfer_s)
     time_s += coef.layer_overhead_s
     return {"cpu_resident_s": cpu_res_s, "cpu_stream_s": cpu_stream_s, "cpu_s": cpu_res_s + cpu_stream_s,
             "handoff_s": handoff_s,

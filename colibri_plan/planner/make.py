@@ -22,7 +22,7 @@ from colibri_plan.planner.budgets import (
     vram_budgets,
 )
 from colibri_plan.planner.cache_model import TraceHits
-from colibri_plan.planner.compute import choose_compute, colibri_unified_compute
+from colibri_plan.planner.compute import choose_compute, colibri_unified_compute, compute_section
 from colibri_plan.planner.costmodel import Coefficients, Resources, attention_seconds, dense_seconds
 from colibri_plan.planner.knobs import (
     COLIBRI_VRAM_OVERHEAD_BYTES,
@@ -160,6 +160,7 @@ class Setup:
     knobs: dict = dataclasses.field(default_factory=dict)
     trunk: object = None   # the chosen planner.trunk.TrunkOption (None: priced as a CPU trunk)
     trunk_alternatives: dict = dataclasses.field(default_factory=dict)   # option name -> its solved Setup
+    pinned_decode_s: dict = dataclasses.field(default_factory=dict)   # zero-copy pins vs not (trunk_solve)
 
 
 def build_setup(profile, spec, heat=None, opts: SolveOptions = DEFAULTS, *,
@@ -280,9 +281,8 @@ def plan_document(setup: Setup, profile, tiers: np.ndarray, slots: np.ndarray, s
         from colibri_plan.planner.trunk_solve import predicted_trunk, trunk_section
 
         doc["trunk"], doc["predicted"]["trunk"] = trunk_section(setup), predicted_trunk(setup)
-    if res.compute:   # a unified GPU could compute the host tiers: who does, and the comparison
-        doc["compute"] = dict(res.compute)
-        doc["compute_explain"] = choose_compute(res, spec.expert_bytes(), setup.problem.coef)[1]
+    if res.compute:   # a unified GPU or zero-copy pins: who computes the host tiers, and the comparison
+        doc["compute"], doc["compute_explain"] = compute_section(setup)
     return Plan(_jsonable(doc))
 
 

@@ -45,6 +45,21 @@ def solver_host_seconds(res, expert_bytes: int, coef: Coefficients) -> tuple:
     return host_miss_seconds(host_seconds(res, expert_bytes, coef), res.cpu_call_s, on_cpu)
 
 
+def solver_rates(res, expert_bytes: int, coef: Coefficients) -> tuple:
+    """What the solvers charge per selection of a host tier, split by path: (host tiers' seconds (pinned,
+    LRU hit, miss) as :func:`solver_host_seconds`, with pinned 0 when a discrete GPU computes it
+    zero-copy; that GPU's index or None; its seconds per pinned expert, else 0). The solvers then put
+    p · that seconds on the GPU's row instead of the CPU path's (costmodel's docstring). E.g. the
+    pinned tier on cuda:0 at 50 GB/s, b = 1e9 B: ((0, lru, miss), 0, 0.02)."""
+    from colibri_plan.planner.compute import mapped_gpu
+
+    cpu_c = solver_host_seconds(res, expert_bytes, coef)
+    zc = mapped_gpu(res)
+    if zc is None:
+        return cpu_c, None, 0.0
+    return (0.0, cpu_c[1], cpu_c[2]), zc, float(cpu_c[0])
+
+
 def cpu_path_parts(ram_p, lru_p, miss_p, cpu_s, disk_s: float, verify_s: float) -> tuple:
     """The CPU path's four parts from expected selections per token (floats or arrays alike).
 

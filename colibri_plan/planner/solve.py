@@ -12,6 +12,8 @@ linear program solved by HiGHS (``scipy.optimize.milp``):
   stream, and the crc32 check v of each streamed expert) and
   τ_l >= Σ_e p_e (m_e + (1 − h_e) c_cpu) x_disk (disk + stream); and τ_l >= each GPU's
   Σ_e p_e x[l,e,d] c_d + xfer_d z[l,d] — the epigraph of the layer's max, which is exact at the optimum.
+  When the trunk's discrete GPU d computes the pinned tier zero-copy (planner.compute), the pinned
+  columns leave the CPU rows and join d's: + Σ_e p_e x_RAM c_mapped (and d's linking row).
 * capacities: per discrete GPU Σ b x[·,·,d] <= budget_d; RAM Σ b x_RAM + b·(unified-GPU experts) +
   b·LRU slots <= RAM budget (a unified device shares the RAM pool and is never counted twice).
 * objective Σ_l w_l τ_l (w_l = 1 for decode rows, 0 for MTP rows).
@@ -53,7 +55,7 @@ from colibri_plan.planner.costmodel import (
     verify_seconds,
 )
 from colibri_plan.planner.options import DEFAULTS
-from colibri_plan.planner.path_rows import gpu_expert_seconds, solver_host_seconds
+from colibri_plan.planner.path_rows import gpu_expert_seconds, solver_rates
 from colibri_plan.planner.quiet import no_native_stdout
 
 #: above this many expert-level binaries the count-and-mass method is used (method="auto")
@@ -159,7 +161,8 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
     n_var = n_x + n_z + n_tau
     zcol = {(rpos[r], d): n_x + i * len(zdev) + j for i, r in enumerate(rows) for j, d in enumerate(zdev)}
     taucol = n_x + n_z
-    cpu_c = solver_host_seconds(res, b, coef)   # per host tier (pinned, LRU hit, miss), calls included
+    # per host tier (pinned, LRU hit, miss), calls included; zero-copy pins go on GPU zc's row instead
+    cpu_c, zc, map_s = solver_rates(res, b, coef)
     gpu_c = [gpu_expert_seconds(g, b, coef) for g in res.gpus]
     t_miss = miss_seconds(b, res) if res.disk_read_gbps is not None else 0.0
     t_verify = verify_seconds(b, res)
@@ -189,19 +192,22 @@ def _milp(problem: Problem, miss_factor: np.ndarray, time_limit_s: float, gap: f
         ri = np.concatenate([r_of, r_of, np.arange(n_tau)])
         v = np.concatenate([-p_of * ram_c[j], -p_of * disk_c[j], np.ones(n_tau)])
         add(ri, ci, v, [0.0] * n_tau, [np.inf] * n_tau, n_tau)
-    for d in range(n_gpu):   # GPU epigraph: tau_r - sum p c_d x_d - xfer_d z_rd >= 0
+    for d in range(n_gpu):   # GPU epigraph: tau_r - sum p c_d x_d - xfer_d z_rd >= 0 (+ zero-copy pins)
         ci = [idx * n_t + d, taucol + np.arange(n_tau)]
         ri = [r_of, np.arange(n_tau)]
         v = [-p_of * gpu_c[d], np.ones(n_tau)]
+        if d == zc:
+            ci, ri, v = ci + [idx * n_t + t_ram], ri + [r_of], v + [-p_of * map_s]
         if d in zdev:
             ci.append(np.array([zcol[(i, d)] for i in range(n_tau)]))
             ri.append(np.arange(n_tau))
             v.append(np.full(n_tau, -xfer[d]))
         add(np.concatenate(ri), np.concatenate(ci), np.concatenate(v), [0.0] * n_tau, [np.inf] * n_tau, n_tau)
-        if d in zdev:        # linking: sum_e x_rd - E z_rd <= 0
-            zc = np.array([zcol[(i, d)] for i in range(n_tau)])
-            add(np.concatenate([r_of, np.arange(n_tau)]), np.concatenate([idx * n_t + d, zc]),
-                np.concatenate([np.ones(len(act)), np.full(n_tau, -float(n_exp))]),
+        if d in zdev:        # linking: sum_e x_rd (+ x_r,RAM for zero-copy pins) - E z_rd <= 0
+            zs = np.array([zcol[(i, d)] for i in range(n_tau)])
+            mine = [idx * n_t + d] + ([idx * n_t + t_ram] if d == zc else [])
+            add(np.concatenate([np.tile(r_of, len(mine)), np.arange(n_tau)]), np.concatenate([*mine, zs]),
+                np.concatenate([np.ones(len(act) * len(mine)), np.full(n_tau, -float(n_exp))]),
                 [-np.inf] * n_tau, [0.0] * n_tau, n_tau)
     # capacities (in experts: every expert has the same bytes)
     slot_bytes = int(np.sum(problem.lru_slots)) * b

@@ -25,6 +25,7 @@ from colibri_plan.formats.plan_trunk import (
     parse_trunk,
 )
 from colibri_plan.planner.budgets import fmt_gb, ram_kv_bytes_per_token
+from colibri_plan.planner.compute import choose_compute, mapped_candidates, pinned_alternative
 from colibri_plan.planner.trunk import device_figures, trunk_options
 
 AUTO = "auto"
@@ -138,6 +139,8 @@ def option_setup(setup, opt, spec, lru_slots_fn):
                             segmented=mine and seg,
                             handoff_s=opt.roundtrip_s / n_moe if mine and seg else 0.0)
         for g in setup.res.gpus))
+    if setup.knobs.get("target", "colibri-plan") == "colibri-plan" and mapped_candidates(res):
+        res = choose_compute(res, spec.expert_bytes(), setup.problem.coef)[0]   # zero-copy pins, per expert
     pr = setup.problem
     knobs = dict(setup.knobs)
     req = "auto" if knobs.get("lru_slots_mode") == "auto" else int(pr.lru_slots.max(initial=0))
@@ -156,7 +159,7 @@ def _signature(setup, opt, figs):
     f = figs[opt.name]
     g = next(g for g in setup.res.gpus if g.key == opt.name)
     return (f.dense_gbps, f.op_s, f.roundtrip_s, f.kv_gbps, f.discrete, g.matmul_gbps, g.h2d_gbps,
-            g.d2h_gbps, g.unified, g.budget_bytes, g.link_latency_s)
+            g.d2h_gbps, g.unified, g.budget_bytes, g.link_latency_s, g.mapped_gbps)
 
 
 def _row(opt, setup, chosen=False) -> dict:
@@ -221,7 +224,7 @@ def choose_trunk(profile, setup, spec, choice: str, solve, lru_slots_fn):
             continue
         s = option_setup(setup, opt, spec, lru_slots_fn)
         try:
-            sol = solve(s)
+            s, sol = _pinned_by_cost(s, solve)
         except ColibriError as exc:
             if choice != AUTO and opt.name == choice:
                 raise
@@ -244,6 +247,26 @@ def choose_trunk(profile, setup, spec, choice: str, solve, lru_slots_fn):
     s, sol = solved[best]
     s.trunk_alternatives = {k: v[0] for k, v in solved.items()}   # solve --compare prices both trunks
     return s, sol, {"mode": choice, "chosen": best, "options": rows}
+
+
+def _pinned_by_cost(s, solve):
+    """(setup, solution) of ``s``, whose pinned tier may be computed zero-copy by its trunk GPU
+    (planner.compute): the placement is solved with that choice and with the best other processor, and
+    the faster whole placement kept; ``s.pinned_decode_s`` records both ({processor: decode s/token})."""
+    sol = solve(s)
+    alt_res = pinned_alternative(s.res, s.spec.expert_bytes(), s.problem.coef)
+    if alt_res is None:
+        return s, sol
+    alt = dataclasses.replace(s, res=alt_res, problem=dataclasses.replace(s.problem, res=alt_res))
+    try:
+        alt_sol = solve(alt)
+    except ColibriError:     # the other choice cannot be solved: the zero-copy one stands
+        return s, sol
+    mine, other = dict(s.res.compute)["ram_pinned"], dict(alt_res.compute)["ram_pinned"]
+    secs = {mine: sol.cost["decode_s_per_token"], other: alt_sol.cost["decode_s_per_token"]}
+    best = (s, sol) if secs[mine] <= secs[other] else (alt, alt_sol)
+    best[0].pinned_decode_s = secs
+    return best
 
 
 def trunk_section(setup) -> dict:

@@ -4,7 +4,10 @@ Each figure goes through the backend's own ``time_matmul`` (the ``matmul`` call 
 synchronized, after one warm-up), at the routed expert's two shapes — gate/up ``[I, H]`` (hidden ->
 width) and down ``[H, I]`` (width -> hidden) — and at 1 token (decode) and 16 tokens (prefill batch).
 ``weight_gbps`` = stored weight bytes (data + scales) / seconds / 1e9. The fused ``expert_ffn`` over
-``k`` experts at 1 token (what decode runs per layer) is timed the same way.
+``k`` experts at 1 token (what decode runs per layer) is timed the same way. On a backend that declares
+``upload_expert_mapped`` (experts in mapped page-locked host memory, read by the device over its link:
+the zero-copy pinned tier) a second ``expert_ffn`` row times the same call with the experts uploaded
+that way, tagged ``"memory": "mapped"`` (the device-memory row says ``"memory": "device"``).
 
 Time budget: after the first timed call, a figure takes only as many repetitions (up to the asked
 number, at least one) as fit in ``budget_s``, so a slow reference backend cannot stall the profile; the
@@ -131,14 +134,27 @@ def probe_device(backend: str, index: int, cfg: MatmulSettings,
                 skip(fmt, "expert_ffn", f"estimated {estimate:.2f} s per call ({ffn_experts} experts) "
                                         f"exceeds the {ffn_budget_s:g} s budget of this mode")
                 continue
-            try:
-                ffn_rows.append(_probe_ffn(be, base, fmt, hidden, width, ffn_experts, repetitions,
-                                           ffn_budget_s))
-            except Exception as exc:  # noqa: BLE001
-                skip(fmt, "expert_ffn", f"{type(exc).__name__}: {exc}")
+            for memory in ("device", "mapped") if maps_experts(cls) else ("device",):
+                try:
+                    ffn_rows.append(_probe_ffn(be, base, fmt, (hidden, width), ffn_experts, repetitions,
+                                               ffn_budget_s, memory))
+                except Exception as exc:  # noqa: BLE001
+                    skip(fmt, "expert_ffn" if memory == "device" else "expert_ffn mapped",
+                         f"{type(exc).__name__}: {exc}")
     finally:
         be.close()
     return rows, ffn_rows, skipped
+
+
+def maps_experts(cls) -> bool:
+    """Whether backend class ``cls`` declares ``upload_expert_mapped`` (False, too, under a contract that
+    does not know the op yet: ``supports`` refuses an op it does not know)."""
+    from colibri_plan.errors import InputError
+
+    try:
+        return bool(cls.supports("upload_expert_mapped"))
+    except InputError:
+        return False
 
 
 def _probe_fmt(be, base: dict, fmt: str, hidden: int, width: int, tokens: Sequence[int],
@@ -159,9 +175,14 @@ def _probe_fmt(be, base: dict, fmt: str, hidden: int, width: int, tokens: Sequen
     return rows
 
 
-def _probe_ffn(be, base: dict, fmt: str, hidden: int, width: int, k: int, repetitions: int,
-               budget_s: float) -> dict:
+def _probe_ffn(be, base: dict, fmt: str, shape: tuple[int, int], k: int, repetitions: int,
+               budget_s: float, memory: str = "device") -> dict:
+    """One ``expert_ffn`` row: k experts of ``shape`` (H, I) at 1 token each, uploaded into the device's
+    memory (``memory`` "device": ``upload_expert``) or mapped host memory ("mapped":
+    ``upload_expert_mapped``)."""
     # k distinct experts (own memory each, so no cache reuse flatters the figure) at 1 token each
+    hidden, width = shape
+    upload = be.upload_expert if memory == "device" else be.upload_expert_mapped
     proto = [random_weight(fmt, width, hidden, 2), random_weight(fmt, width, hidden, 3),
              random_weight(fmt, hidden, width, 4)]
     experts, held = [], 0
@@ -169,7 +190,7 @@ def _probe_ffn(be, base: dict, fmt: str, hidden: int, width: int, k: int, repeti
         for _ in range(k):
             copies = [QuantTensor(q.fmt, q.out_features, q.in_features, q.data.copy(),
                                   None if q.scales is None else q.scales.copy()) for q in proto]
-            experts.append(be.upload_expert(*copies))
+            experts.append(upload(*copies))
             held += sum(q.nbytes for q in copies)
         xs = [np.random.default_rng(i).standard_normal((1, hidden), dtype=np.float32) for i in range(k)]
         secs = budgeted(lambda n: be.time_expert_ffn(xs, experts, repeats=n), repetitions, budget_s)
@@ -178,7 +199,9 @@ def _probe_ffn(be, base: dict, fmt: str, hidden: int, width: int, k: int, repeti
             for w in e:
                 be.free(w)
     return {**base, "fmt": fmt, "experts": k, "tokens": 1, "hidden": hidden, "width": width,
-            "weight_bytes": held, "method": "backend.expert_ffn over k experts, 1 token each",
+            "weight_bytes": held, "memory": memory,
+            "method": "backend.expert_ffn over k experts, 1 token each"
+                      + ("" if memory == "device" else ", in mapped host memory (upload_expert_mapped)"),
             "seconds": stat(secs), "weight_gbps": stat(held / s / 1e9 for s in secs)}
 
 
