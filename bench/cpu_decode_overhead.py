@@ -6,7 +6,9 @@ in ``--rounds`` rounds prefills a 4-token prompt and decodes ``--tokens`` tokens
 tok/s figure) and once with every numba kernel of the backend wrapped by a timer (the kernel namespace
 is wrapped before the model uploads its weights, so the kernels chosen at upload are the wrapped ones).
 "kernel" = wall time inside those calls (numba's dispatch, its thread pool and the compiled code);
-"other" = the decode wall time minus that: the host overhead of issue 14's item 4. The wrappers add
+"other" = the decode wall time minus that: the host overhead of issue 14's item 4. Per layer, the
+trunk's attention, MoE block and dense FFN are timed too ("sections": wall, kernel inside, python =
+the difference; "rest" = the wall outside them). The wrappers add
 ~0.3 µs a call (~100 calls a token); the plain runs show what they cost. Medians over rounds.
 
 ``--roots NAME=DIR ...`` runs each round once per source tree (a ``git worktree`` of this repository,
@@ -67,13 +69,17 @@ def worker(pack: str, tokens: int, root: str | None) -> dict:
     on = [False]
     pc = time.perf_counter
 
+    total = [0.0]  # kernel seconds so far (all names): the sections below read it before and after
+
     def wrap(name, f):
         def timed(*a):
             if not on[0]:
                 return f(*a)
             t0 = pc()
             r = f(*a)
-            acc[name] += pc() - t0
+            dt = pc() - t0
+            acc[name] += dt
+            total[0] += dt
             cnt[name] += 1
             return r
         return timed
@@ -83,6 +89,26 @@ def worker(pack: str, tokens: int, root: str | None) -> dict:
             setattr(k, name, wrap(name, v))
     from colibri_plan.engine.forward import Model
     from colibri_plan.engine.pack import open_pack
+    from colibri_plan.engine.trunk import Trunk
+
+    seg: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # "attn.3" -> [wall s, kernel s]
+
+    def section(kind, f):
+        def timed(self, x, key, *a):
+            if not on[0]:
+                return f(self, x, key, *a)
+            k0, t0 = total[0], pc()
+            r = f(self, x, key, *a)
+            s = seg[f"{kind}.{key}"]
+            s[0] += pc() - t0
+            s[1] += total[0] - k0
+            return r
+        return timed
+
+    # per layer: attention, the MoE block (router, routed + shared experts), a dense FFN (by its prefix)
+    for attr, kind in (("_gqa", "attn"), ("_mla_attn", "attn"), ("_moe", "moe")):
+        setattr(Trunk, attr, section(kind, getattr(Trunk, attr)))
+    Trunk._swiglu = section("ffn", Trunk._swiglu)
 
     m = Model(open_pack(pack), backend_name="cpu")
 
@@ -92,6 +118,7 @@ def worker(pack: str, tokens: int, root: str | None) -> dict:
         out = []
         acc.clear()
         cnt.clear()
+        seg.clear()
         on[0] = timed
         t0 = pc()
         for _ in range(tokens):
@@ -106,7 +133,10 @@ def worker(pack: str, tokens: int, root: str | None) -> dict:
     timed_s, toks2 = decode(True)
     kernel_s = sum(acc.values()) / tokens
     m.close()
-    return {"plain_s_per_token": plain_s, "timed_s_per_token": timed_s, "kernel_s_per_token": kernel_s,
+    sections = {k: {"wall_s_per_token": v[0] / tokens, "kernel_s_per_token": v[1] / tokens}
+                for k, v in seg.items() if not k.startswith("ffn.layers.") or ".shared." not in k}
+    return {"sections": sections, "plain_s_per_token": plain_s, "timed_s_per_token": timed_s,
+            "kernel_s_per_token": kernel_s,
             "other_s_per_token": timed_s - kernel_s, "tokens": toks, "tokens_same": toks == toks2,
             "kernels": {n: {"s_per_token": acc[n] / tokens, "calls_per_token": cnt[n] / tokens}
                         for n in sorted(acc, key=acc.get, reverse=True)}}
@@ -141,8 +171,33 @@ def summarize(runs: list[dict]) -> dict:
                                                         for r in runs]),
                             "calls_per_token": runs[-1]["kernels"].get(n, {}).get("calls_per_token", 0.0)}
                         for n in names},
+            "sections": _sections(runs),
             "tokens": runs[0]["tokens"][:8], "tokens_same_all": all(r["tokens"] == runs[0]["tokens"]
                                                                      and r["tokens_same"] for r in runs)}
+
+
+def _sections(runs: list[dict]) -> dict:
+    """Per layer section ("attn.3", "moe.3", "ffn.layers.0.ffn."), medians over rounds of ms a token:
+    wall, kernel (inside the numba kernels) and python (wall - kernel: the engine's and the backend's
+    host code, numpy's small ops, the router's BLAS call); "rest" = the token's wall outside every
+    section (embedding, norms and residual adds, the LM head, the loop)."""
+    names = sorted({n for r in runs for n in r.get("sections", {})},
+                   key=lambda n: (n.split(".")[0], int(n.split(".")[1]) if n.split(".")[1].isdigit() else 0))
+    if not names:
+        return {}
+    out = {}
+    for n in names:
+        w = [r["sections"].get(n, {}).get("wall_s_per_token", 0.0) for r in runs]
+        k = [r["sections"].get(n, {}).get("kernel_s_per_token", 0.0) for r in runs]
+        out[n] = {"wall_ms": 1e3 * _med(w), "kernel_ms": 1e3 * _med(k),
+                  "python_ms": 1e3 * _med([a - b for a, b in zip(w, k)])}
+    rest_w = [r["timed_s_per_token"] - sum(v["wall_s_per_token"] for v in r["sections"].values())
+              for r in runs]
+    rest_k = [r["kernel_s_per_token"] - sum(v["kernel_s_per_token"] for v in r["sections"].values())
+              for r in runs]
+    out["rest"] = {"wall_ms": 1e3 * _med(rest_w), "kernel_ms": 1e3 * _med(rest_k),
+                   "python_ms": 1e3 * _med([a - b for a, b in zip(rest_w, rest_k)])}
+    return out
 
 
 def report(res: dict) -> None:
@@ -153,6 +208,11 @@ def report(res: dict) -> None:
             print(f"{Path(pack).name[:28]:28} {tree:8} {s['tok_s']:7.1f} {s['timed_ms']:7.2f} "
                   f"{s['kernel_ms']:7.2f} {s['other_ms']:7.2f} {100 * s['other_share']:7.1f}%  "
                   f"{s['other_ms_min_max'][0]:.2f}..{s['other_ms_min_max'][1]:.2f}")
+        for tree, s in trees.items():
+            sec = s.get("sections", {})
+            if sec:
+                print(f"  {tree} per section, ms a token (python / kernel): " + ", ".join(
+                    f"{n} {v['python_ms']:.2f}/{v['kernel_ms']:.2f}" for n, v in sec.items()))
         for tree, s in trees.items():
             ks = ", ".join(f"{n} {v['ms_per_token']:.2f} ms ({v['calls_per_token']:.0f})"
                            for n, v in sorted(s["kernels"].items(), key=lambda kv: -kv[1]["ms_per_token"]))

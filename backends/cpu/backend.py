@@ -153,7 +153,8 @@ class CpuBackend(Backend):
             raise BackendUnavailableError(f"cpu backend unavailable: numba failed to import: {exc}") from exc
         # parts: host arrays as device activations (this backend's matmul; attention and RMSNorm are its
         # kernels, below), the batched routed experts (expert_ffn's hook and the one-call decode sum)
-        self.bind(HostArrays(self), [h for h in HostArrays.HOOKS if h not in ("_d_attention", "_d_rmsnorm")])
+        self.bind(HostArrays(self), [h for h in HostArrays.HOOKS
+                                     if h not in ("_d_attention", "_d_rmsnorm", "_d_rope")])
         self.bind(CpuExperts(self), ("_expert_ffn", "expert_ffn_sum"))
 
     def capacity_bytes(self) -> int | None:
@@ -204,14 +205,52 @@ class CpuBackend(Backend):
             x0, d1, d2, d3, xsum = int2_activations(x, qt.data.shape[1])
             self._par(qt.out_features, self._k.q2_matmul, qt.data, qt.scales, x0, d1, d2, d3, xsum, y)
             return y
-        y = np.empty((x.shape[0], qt.out_features), np.float32)  # [T, out]
-        xa = self._xq(x, hw)
-        if hw.serial is not None and qt.nbytes * x.shape[0] <= self.serial_bytes:
+        return self._matmul_q(self._xq(x, hw), x.shape[0], hw)
+
+    def _matmul_q(self, xa: tuple, tokens: int, hw: HostWeight) -> np.ndarray:
+        """y float32 [tokens, out] of an integer weight ``hw`` on activations ``xa`` already quantized
+        for its layout (:meth:`_xq`)."""
+        qt = hw.qt
+        y = np.empty((tokens, qt.out_features), np.float32)  # [T, out]
+        if hw.serial is not None and qt.nbytes * tokens <= self.serial_bytes:
             hw.serial(hw.data3, hw.scales2, *xa, y)  # small: this thread, no pool wake-up, no lock
             return y
         self._par(-(-qt.out_features // self._step_rows(hw)), hw.kernel, hw.data3, hw.scales2, *xa, y,
                   chunks=Q4T_CHUNKS if hw.fold else 64)
         return y
+
+    def _d_matmul_many(self, x, ws) -> list:
+        """x [T, in] (a host DArray) · W_iᵀ for each weight of ``ws``: weights whose activations are
+        quantized alike (:func:`_act_key`: q/k/v, gate/up of one format) share one quantization of x
+        (the same numbers each would make: the same bits), the others run :meth:`_matmul`."""
+        xh = np.ascontiguousarray(HostArrays._host(x))  # [T, in] float32
+        shared: dict = {}
+        out = []
+        for w in ws:
+            hw: HostWeight = w.payload
+            key = _act_key(hw)
+            if key is None:
+                out.append(self._matmul(xh, w))
+                continue
+            xa = shared.get(key)
+            if xa is None:
+                xa = shared[key] = self._xq(xh, hw)
+            out.append(self._matmul_q(xa, xh.shape[0], hw))
+        return out
+
+    def _d_add_rmsnorm(self, a, b, weight, eps: float) -> tuple:
+        # h = a + b and its RMSNorm in one kernel call: the bits of _d_add then _d_rmsnorm
+        aa, bb = HostArrays._host(a), HostArrays._host(b)  # [N, d] each
+        h, out = np.empty(aa.shape, np.float32), np.empty(aa.shape, np.float32)
+        self._k.add_rms_norm(aa, bb, HostArrays._host(weight).reshape(1, -1), np.float32(eps), h, out)
+        return h, out
+
+    def _d_rope(self, x, table, pos0: int, rotary_dim: int, interleave: bool):
+        # one kernel call for reference.rope_ref's eight numpy ops (its bits)
+        xx = HostArrays._host(x)  # [T, heads, d]
+        out = np.empty(xx.shape, np.float32)
+        self._k.rope(xx, HostArrays._host(table), int(pos0), int(rotary_dim), bool(interleave), out)
+        return out
 
     def _par(self, iterations: int, kernel, *args, chunks: int = 64) -> None:
         """``kernel(*args)`` under the process lock, its ``iterations`` prange steps scheduled dynamically
@@ -238,6 +277,15 @@ class CpuBackend(Backend):
         self._par(qq.shape[0] * qq.shape[1], self._k.gqa_attention, qq, kk, vv, n_keys, pos0,
                   np.float32(scale), window, out)
         return out
+
+
+def _act_key(hw: HostWeight) -> tuple | None:
+    """What :meth:`CpuBackend._xq` reads of ``hw`` (format, padded columns, group, fold, activation
+    block shape): weights of one key take the same quantized activations; None for the float / int2
+    path (not quantized per call)."""
+    if hw.kernel is None:
+        return None
+    return hw.qt.fmt, hw.cols, hw.group, hw.fold, hw.data3.shape[1:]
 
 
 BACKEND = CpuBackend

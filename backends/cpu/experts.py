@@ -91,8 +91,11 @@ class CpuExperts:
         then down, one call each. Returns (y float32 [ΣT, H], bounds: expert i's rows are
         bounds[i]:bounds[i + 1])."""
         n, k = len(xs), self._k
-        x = np.concatenate(xs) if n > 1 else xs[0]  # [ΣT, H]
-        rows = x.shape[0]
+        # a decode step's one token routed to every expert (expert_ffn_sum): quantized once, its rows
+        # repeated (the numbers n quantizations of the n equal rows would make)
+        one = n > 1 and xs[0].shape[0] == 1 and all(xi is xs[0] for xi in xs)
+        x = xs[0] if n == 1 or one else np.concatenate(xs)  # [ΣT, H], or the shared [1, H]
+        rows = n if one else x.shape[0]
         if rows == n:  # one token per expert (decode): offsets 0..n, padding experts own no tokens
             offs, bounds = self._offs1[n], range(n + 1)
         else:
@@ -105,7 +108,7 @@ class CpuExperts:
         h = np.empty((rows, g0.qt.out_features), np.float32)  # [ΣT, I]
         gate_up = g0.experts[0]
         self._par(self._expert_steps(h.shape[1], g0), gate_up, _kind(g0), gw, gs, uw, us,
-                  *self._xq_any(x, g0), offs, h, chunks=EXPERT_CHUNKS)
+                  *self._xq_any(x, g0, n if one else 1), offs, h, chunks=EXPERT_CHUNKS)
         y = np.empty((rows, d0.qt.out_features), np.float32)  # [ΣT, H]
         down = d0.experts[1]
         self._par(self._expert_steps(y.shape[1], d0), down, _kind(d0), dw, ds, *self._xq_any(h, d0), offs, y,
@@ -117,9 +120,12 @@ class CpuExperts:
         ``_step_rows(hw)`` rows (the backend's)."""
         return self._k.EXPERTS * -(-rows // self._step_rows(hw))
 
-    def _xq_any(self, x: np.ndarray, hw):
-        """(xa3, xb3, sx, xsum) for the batched kernels; int8 fills the unused slots."""
+    def _xq_any(self, x: np.ndarray, hw, repeat: int = 1):
+        """(xa3, xb3, sx, xsum) for the batched kernels; int8 fills the unused slots. ``repeat`` > 1: x
+        is one row [1, H], quantized once and each array's row repeated that many times."""
         a = self._xq(x, hw)
+        if repeat > 1:
+            a = tuple(np.repeat(v, repeat, axis=0) for v in a)
         return a if len(a) == 4 else (a[0], a[0], a[1], _NO_SUMS)
 
 

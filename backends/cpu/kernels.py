@@ -171,3 +171,32 @@ def rms_norm(x, w, eps, out):
         wr = r if w.shape[0] > 1 else 0
         for j in range(h):
             out[r, j] = (x[r, j] / s) * w[wr, j]
+
+
+@njit(cache=True)
+def add_rms_norm(a, b, w, eps, h, out):
+    """h [R, H] = a + b, then out = :func:`rms_norm` of h (w float32 [1, H], eps float32): the bits of
+    the residual add then the norm (each step float32, no fast-math), in one call."""
+    for r in range(a.shape[0]):
+        for j in range(a.shape[1]):
+            h[r, j] = a[r, j] + b[r, j]
+    rms_norm(h, w, eps, out)
+
+
+@njit(cache=True)
+def rope(x, table, pos0, rd, interleave, out):
+    """out [T, heads, d] = x rotated by the (cos, sin) rows ``table[pos0 + t]`` (float32 [P, rd/2, 2])
+    on its first ``rd`` channels (rotate_half pairs (i, i + rd/2), or interleaved pairs (2i, 2i + 1)),
+    the other channels copied: ``reference.rope_ref``'s float32 products and sums, the same bits (no
+    fast-math: nothing is fused into an FMA)."""
+    half = rd // 2
+    for t in range(x.shape[0]):
+        for hd in range(x.shape[1]):
+            for j in range(rd, x.shape[2]):
+                out[t, hd, j] = x[t, hd, j]
+            for i in range(half):
+                c, s = table[pos0 + t, i, 0], table[pos0 + t, i, 1]
+                ia, ib = (2 * i, 2 * i + 1) if interleave else (i, i + half)
+                a, b = x[t, hd, ia], x[t, hd, ib]
+                out[t, hd, ia] = a * c - b * s
+                out[t, hd, ib] = b * c + a * s
