@@ -20,9 +20,12 @@ checkpoint (run beside the converter).
   budget), fit's arguments replayed in llama-bench, its memory breakdown (llama-completion) recorded.
 
 Per measurement: prefill of ``--prefill`` tokens (ours: fresh cache to the last position's logits;
-llama.cpp pp at depth 0) and decode of ``--decode-tokens`` after ``--depth`` (ours: greedy after a
-``--depth``-token prompt; llama.cpp tg at depth ``--depth``). Our greedy tokens on the GPU (both cases)
-are checked against our CPU engine on the same pack and prompt. JSON (``--out``) and a printed table.
+llama.cpp pp at depth 0) and decode of ``--decode-tokens`` after ``--depth`` (ours: a
+``--depth``-token prompt, then ``--decode-tokens`` random ids fed one at a time, as llama-bench's tg feeds
+random ids; ``--greedy-decode``: our greedy chain instead; llama.cpp tg at depth ``--depth``). The tiers
+that served the timed decode's selections are recorded (``ours_hit_rate``). Our greedy tokens on the GPU
+(both cases, an untimed pass) are checked against our CPU engine on the same pack and prompt. JSON
+(``--out``) and a printed table.
 
     python bench/peer_llamacpp_gpu.py prepare --work /tmp/llw --llama-bin B --llama-src S
     python bench/peer_llamacpp_gpu.py bench --work /tmp/llw --llama-bin B --plan plan.json --out peer.json
@@ -174,14 +177,25 @@ def worker(pack: str, backend: str, plan_path: str, context: int) -> None:
             t0 = time.perf_counter()
             last(p, cache)
             res[f"prefill_{len(p)}_s"] = time.perf_counter() - t0
+        feed = req.get("decode_ids")
         cache = model.new_cache(context)
         tok = last(req["prompt"], cache)
         toks = [tok]
+        uses0 = dict(model.experts.stats.uses)
         t0 = time.perf_counter()
-        for _ in range(req["decode"]):
-            tok = last([tok], cache)
+        for i in range(req["decode"]):
+            # llama-bench's tg feeds a random id each step (std::rand() % n_vocab): so do we when given
+            # ids, so that both engines route the same kind of input; else our greedy chain
+            tok = last([feed[i] if feed else tok], cache)
             toks.append(tok)
         res["decode_tok_s"] = req["decode"] / (time.perf_counter() - t0)
+        # tiers that served the timed decode's expert selections (the measured hit rate)
+        res["decode_uses"] = {k: v - uses0.get(k, 0) for k, v in model.experts.stats.uses.items()}
+        if feed:  # the greedy chain for the token check, untimed
+            cache = model.new_cache(context)
+            toks = [last(req["prompt"], cache)]
+            for _ in range(req["decode"]):
+                toks.append(last([toks[-1]], cache))
         res["tokens"] = toks
         tr = model.trunk
         g = getattr(tr, "_step_graph", None)
@@ -260,6 +274,12 @@ def llama_bench(a, gguf: Path, p: ll.Placement) -> tuple[dict, dict]:
 
 
 # ---- pairs ---------------------------------------------------------------------------------------------
+def _hit_rate(uses: dict) -> dict:
+    """Share of the timed decode's expert selections each tier served ({} when none were counted)."""
+    n = sum(uses.values())
+    return {k: v / n for k, v in uses.items()} if n else {}
+
+
 def pairs(a, name: str, w: peer.Worker, gguf: Path, p: ll.Placement, req: dict) -> dict:
     """``--pairs`` counterbalanced pairs of one case; per-pair ratios ours / llama.cpp."""
     runs: dict = {"ours": [], "llama": []}
@@ -290,6 +310,8 @@ def pairs(a, name: str, w: peer.Worker, gguf: Path, p: ll.Placement, req: dict) 
         "llama_bench": info,
         "ours_worker": w.info,
         "ours_graph": [r.get("graph") for r in runs["ours"]],
+        "ours_decode_uses": [r.get("decode_uses") for r in runs["ours"]],
+        "ours_hit_rate": _hit_rate(runs["ours"][-1].get("decode_uses") or {}),
         "metrics": metrics,
         "order": ["ours first" if i % 2 == 0 else "llama.cpp first" for i in range(a.pairs)],
         "tokens": {
@@ -310,7 +332,11 @@ def bench(a) -> dict:
         "prefill": [[rnd.randrange(2, vocab) for _ in range(a.prefill)]],
         "prompt": [rnd.randrange(2, vocab) for _ in range(a.depth)],
     }
-    req = {**prompts, "decode": a.decode_tokens}
+    # decode input: random ids as llama-bench's tg feeds (its own std::rand(); ours seeded, the same every
+    # run), unless --greedy-decode (our greedy chain: a random checkpoint's repeats one token, whose
+    # routing then stands for no traffic)
+    feed = None if a.greedy_decode else [rnd.randrange(2, vocab) for _ in range(a.decode_tokens)]
+    req = {**prompts, "decode": a.decode_tokens, "decode_ids": feed}
     doc: dict = {
         "kind": "peer-llamacpp-gpu",
         "backend": a.backend,
@@ -318,6 +344,7 @@ def bench(a) -> dict:
         "prefill": a.prefill,
         "depth": a.depth,
         "decode_tokens": a.decode_tokens,
+        "decode_input": "greedy chain" if feed is None else "random ids, seeded (llama-bench tg: random ids)",
         "vram_gb": a.vram_gb,
         "model": {
             "sizes": json.loads((Path(a.work) / "prepare-times.json").read_text()).get("sizes"),
@@ -407,6 +434,9 @@ def report(doc: dict) -> None:
             )
         ag = c.get("agreement_with_cpu")
         lb = c["llama_bench"]
+        if c.get("ours_hit_rate"):
+            print(f"{'':12} ours: selections served by " + ", ".join(
+                f"{k} {v:.1%}" for k, v in c["ours_hit_rate"].items() if v))
         print(
             f"{'':12} llama-bench: -ngl {lb.get('n_gpu_layers')} -t {lb.get('n_threads')} "
             f"-ub {lb.get('n_ubatch')} backends {lb.get('backends')}; "
@@ -461,6 +491,8 @@ def main(argv=None) -> int:
     be.add_argument("--context", type=int, default=1024, help="our KV cache's tokens")
     be.add_argument("--vram-gb", type=float, default=2.5, help="the budget case (0: skip it)")
     be.add_argument("--plan", default=None, help="our plan at --vram-gb (colibri-plan solve --vram)")
+    be.add_argument("--greedy-decode", action="store_true",
+                    help="decode our greedy chain instead of random ids (llama-bench's tg feeds random ids)")
     be.add_argument("--no-check-cpu", dest="check_cpu", action="store_false", help="skip the CPU tokens")
     be.add_argument("--out", default=None)
     wk.add_argument("--pack", required=True)

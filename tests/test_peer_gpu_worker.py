@@ -1,0 +1,34 @@
+"""bench/peer_llamacpp_gpu.py's worker on the CPU backend and a tiny pack: the decode it times feeds the
+given random ids (as llama-bench's tg does), counts the tiers that served every selection, and still
+returns the greedy chain for the token check."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "peer_llamacpp_gpu.py"
+
+
+def _ask(pack: Path, reqs: list[dict]) -> list[dict]:
+    argv = [sys.executable, str(BENCH), "worker", "--pack", str(pack), "--backend", "cpu", "--context", "64"]
+    p = subprocess.run(argv, input="".join(json.dumps(r) + "\n" for r in reqs), capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert json.loads(lines[0])["ready"] is True
+    return [json.loads(x) for x in lines[1:]]
+
+
+def test_random_id_decode_counts_selections_and_keeps_the_greedy_chain(tiny_pack):
+    arch = json.loads((tiny_pack / "pack.json").read_text())["arch"]
+    n = 5
+    base = {"prefill": [], "prompt": [3, 4, 5]}
+    feed = [(7 * i + 11) % arch["vocab_size"] for i in range(n)]
+    greedy, fed = _ask(tiny_pack, [{**base, "decode": n}, {**base, "decode": n, "decode_ids": feed}])
+    assert fed["tokens"] == greedy["tokens"] and len(greedy["tokens"]) == n + 1
+    # every MoE layer's top-k selections of every timed step, served by some tier
+    n_moe = arch["n_layers"] - arch["first_k_dense_replace"]
+    for r in (greedy, fed):
+        assert sum(r["decode_uses"].values()) == n * n_moe * arch["top_k"], r["decode_uses"]
