@@ -476,3 +476,62 @@ def test_a_prefill_copies_its_busy_mapped_experts_to_vram_first(be, monkeypatch)
     staged = [w.payload.data for w in mapped[0]]
     assert [s for s in sources if s in staged] == staged
     assert not {w.payload.data for w in mapped[1]} & set(sources)
+
+
+def test_captured_step_brings_adjacent_outputs_down_in_one_copy(be, monkeypatch):
+    """A captured body's routings are cut back to back from the step's region (``graph.take``), so the
+    logits and three layers' routings come down in two device-to-host copies, not four; the replayed
+    outputs are what the body wrote. ``_runs`` merges exactly the adjacent parts."""
+    from colibri_plan.backends.cuda.graph import _runs
+    from colibri_plan.backends.handles import DArray
+
+    assert _runs([(100, 8), (108, 4), (200, 4), (204, 0), (300, 4)]) == [(100, 12), (200, 4), (300, 4)]
+    rt = be.cp.cuda.runtime
+    kinds, real = [], rt.memcpyAsync
+
+    def counted(dst, src, n, kind, stream):
+        kinds.append(kind)
+        return real(dst, src, n, kind, stream)
+
+    monkeypatch.setattr(rt, "memcpyAsync", counted)
+
+    from colibri_plan import quant
+    from colibri_plan.backends.routing import RouteRule
+
+    rng = np.random.default_rng(3)
+    routers = [be.upload(quant.quantize(rng.standard_normal((6, 16), dtype=np.float32), "f32"))
+               for _ in range(3)]
+    rule = RouteRule("softmax", 2, 1, 1, "max", True, 1.0)
+    x = rng.standard_normal(16, dtype=np.float32)
+
+    def body(inp):
+        outs = [be.d_add(be.d_view(inp, (1, 16)), be.d_view(inp, (1, 16)))]  # "logits" [1, 16]: 2 x
+        for w in routers:  # each layer's routing [ids | weights], as decode_graph.py returns them
+            ids, _ = be.d_router_topk(be.d_view(inp, (1, 16)), w, None, rule)
+            outs.append(DArray((4,), ids.buf, ids.owner, ids.offset))
+        return outs
+
+    step = be.d_capture_step(16, 16 + 3 * 4, body, 0, [])
+    assert kinds.count(2) == 2  # the logits, then the three routings in one copy
+    got = step.run(x, 0, [])
+    np.testing.assert_array_equal(got[0], 2 * x)
+    for w, r in zip(routers, got[1:]):
+        ids, wts = be.d_router_topk(be.d_put(x[None]), w, None, rule)  # eager, the same kernels
+        assert r[:2].view(np.int32).tolist() == be.d_get_ids(ids).reshape(-1).tolist()
+        np.testing.assert_array_equal(r[2:], be.d_get(wts).reshape(-1))
+
+
+def test_captured_attention_slices_follow_doublings_of_the_context(be, monkeypatch):
+    """A captured step holds its slice count: at 4 SMs (simulated), 2 kv heads of 4 query heads, 130 keys
+    are 3 slices eagerly (64 keys each at least) but 4 captured (the 256 above them), as every context up
+    to 256 is, so one graph serves them; "fill" takes the most the SMs allow (8) at any context and
+    "exact" the eager count."""
+    from colibri_plan.backends.cuda import device
+
+    assert be.dops.attention_splits(1, 4, 2, 130) == 3
+    assert {be.d_attention_splits(1, 4, 2, n) for n in range(129, 257)} == {4}
+    assert be.d_attention_splits(1, 4, 2, 257) == 8
+    monkeypatch.setattr(device, "_ATT_CAPTURED", "fill")
+    assert {be.d_attention_splits(1, 4, 2, n) for n in (1, 17, 130, 5000)} == {8}
+    monkeypatch.setattr(device, "_ATT_CAPTURED", "exact")
+    assert be.d_attention_splits(1, 4, 2, 130) == 3

@@ -48,6 +48,10 @@ _ATT_TILE = 256  # attention.cu ATT_TILE: keys per tile
 _GQA_HEADS = 8  # attention.cu GQA_HEADS: query heads per block
 ATT_MAX_HEAD_DIM = 608  # widest head_dim whose attention_gqa block fits 48 KiB of shared memory (d threads)
 _ATT_MIN_KEYS = 64  # fewest keys per split of a query row's key range (below that, merging costs more)
+# a captured step's slices: "bucket" counts its keys as the power of two above them (a graph per doubling),
+# "fill" as many as fill the SMs at any context (one graph; short contexts leave slices empty), "exact"
+# the eager count (a graph per _ATT_MIN_KEYS keys)
+_ATT_CAPTURED = "bucket"
 _PUT_SLOTS = 8  # pinned staging slots of d_put, reused round-robin (an event says when a slot is free)
 _PUT_RING_BYTES = 1 << 20  # larger uploads (weights, tables) go through the chunked, synchronous staging
 _MM_ARGS_MAX = 4  # matmul.cu MM_ARGS_MAX: matrices per mm_args launch
@@ -389,9 +393,13 @@ class CudaDeviceOps:
                                       pad, T, n_in, in_pad)
         return pad
 
-    def attention_splits(self, T: int, hq: int, hkv: int, keys: int) -> int:
+    def attention_splits(self, T: int, hq: int, hkv: int, keys: int, captured: bool = False) -> int:
         """Slices of each query row's ``keys`` keys that ``d_attention`` launches: more when (row, kv head)
-        blocks alone would leave SMs idle (decode at long contexts). A captured step holds its count."""
+        blocks alone would leave SMs idle (decode at long contexts). A captured step holds its count, so
+        there ``keys`` counts as _ATT_CAPTURED says: a graph serves many contexts, not _ATT_MIN_KEYS keys
+        (the kernel divides the step's real keys among the slices; a slice may be empty)."""
+        if captured and _ATT_CAPTURED != "exact":
+            keys = 1 << 30 if _ATT_CAPTURED == "fill" else 1 << max(0, keys - 1).bit_length()
         base = T * hkv * -(-(hq // hkv) // _GQA_HEADS)
         return max(1, min(-(-keys // _ATT_MIN_KEYS), -(-4 * self._sms // base), 1024))
 
@@ -411,8 +419,8 @@ class CudaDeviceOps:
                                    "block's 48 KiB of shared memory holds; run it on another backend")
         chunks = -(-(hq // hkv) // _GQA_HEADS)
         keys = min(pos0 + T, window) if window > 0 else pos0 + T  # the longest query row's key range
-        splits = self.attention_splits(T, hq, hkv, keys)
         g = self.graph
+        splits = self.attention_splits(T, hq, hkv, keys, g is not None)
         gqa = self._d_kernel("attention_gqa" if g is None else "attention_gqa_at")
         combine = self._d_kernel("attention_combine") if splits > 1 else None
         self._d_go()

@@ -82,6 +82,17 @@ class CapturedStep:
         return out
 
 
+class _RouteCut:
+    """``size`` floats at float offset ``off`` of a captured step's route region (a CuPy array): what a
+    device array is to the device ops (``data.ptr``), the region kept alive with it. Routings cut back to
+    back from one region come down in one copy, not one per MoE layer."""
+
+    def __init__(self, region, off: int, size: int):
+        from types import SimpleNamespace as NS
+
+        self.region, self.size, self.data = region, size, NS(ptr=region.data.ptr + 4 * off)
+
+
 def _slot0(n_in: int) -> int:
     """Float index of the first slot in a step's inputs: after n_in floats and the position, 8-aligned."""
     return -(-(n_in + 1) // 2) * 2
@@ -103,7 +114,7 @@ class CudaStepGraphs:
     def d_attention_splits(self, T: int, hq: int, hkv: int, keys: int) -> int:
         """Key slices ``d_attention`` launches for T query rows over ``keys`` keys (part of a captured
         step's identity: a replay keeps the count it was captured with)."""
-        return self.d.attention_splits(T, hq, hkv, keys)
+        return self.d.attention_splits(T, hq, hkv, keys, captured=True)
 
     def d_expert_table(self, experts: list) -> ExpertTable:
         """The device table of one layer's E experts (ExpertWeights of this backend, in expert id order; None
@@ -198,7 +209,16 @@ class CudaStepGraphs:
         out_host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * max(1, n_out)), np.float32, max(1, n_out))
         pool = cp.cuda.MemoryPool()  # the capture's allocations: never handed out to anything else
         mode = getattr(rt, "streamCaptureModeRelaxed", None)  # the pool may cudaMalloc while capturing
-        ops.graph = NS(posp=inp.data.ptr + 4 * n_in, pos=int(pos), slot=slot)
+        # the routings (route_topk's [ids | weights]) are cut from one region, in layer order
+        region, cut = ops._d_empty(max(1, n_out)), [0]
+
+        def take(n: int):
+            if cut[0] + n > region.size:
+                return None
+            cut[0] += n
+            return _RouteCut(region, cut[0] - n, n)
+
+        ops.graph = NS(posp=inp.data.ptr + 4 * n_in, pos=int(pos), slot=slot, take=take)
         try:
             s.begin_capture() if mode is None else s.begin_capture(mode)
             try:
@@ -209,14 +229,25 @@ class CudaStepGraphs:
                     sizes, off = [o.size for o in outs], 0
                     if sum(sizes) > n_out:
                         raise InputError(f"d_capture_step: {sum(sizes)} output floats, {n_out} reserved")
-                    for o in outs:
-                        rt.memcpyAsync(out_host.ctypes.data + 4 * off, ops._ptr(o), o.nbytes,
-                                       rt.memcpyDeviceToHost, s.ptr)
-                        off += o.size
+                    for src, n in _runs([(ops._ptr(o), o.nbytes) for o in outs]):  # adjacent: one copy
+                        rt.memcpyAsync(out_host.ctypes.data + off, src, n, rt.memcpyDeviceToHost, s.ptr)
+                        off += n
             finally:
                 ops.graph = None
                 graph = s.end_capture()
         except (cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError) as exc:
             raise UnsupportedError(f"cuda: the decode step could not be captured: {exc}") from None
         work = list(ops._dstate["work"]._bufs.values())  # buffers the graph reads, held past a regrowth
-        return CapturedStep(graph, s, n_in, sizes, inp_host, out_host, [pool, inp, outs, work])
+        return CapturedStep(graph, s, n_in, sizes, inp_host, out_host, [pool, inp, outs, work, region])
+
+
+def _runs(parts: list) -> list:
+    """(address, bytes) parts -> the same bytes as fewer parts: each part that starts where the one before
+    it ends joins it."""
+    runs: list = []
+    for ptr, n in parts:
+        if runs and runs[-1][0] + runs[-1][1] == ptr:
+            runs[-1][1] += n
+        elif n:
+            runs.append([ptr, n])
+    return [tuple(r) for r in runs]

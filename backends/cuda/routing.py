@@ -37,7 +37,10 @@ class CudaRouting:
         e, k, softmax, _, g, tg, gmax, norm = ints  # a null bias pointer says "no bias"
         d._d_go()
         st = d._dstate
-        buf = d._d_empty(2 * T * k)  # [ids | weights], [T, K] each: one copy brings both down
+        # [ids | weights], [T, K] each: one copy brings both down (a captured step's: all layers' in one)
+        cap = d.graph
+        buf = cap.take(2 * T * k) if cap is not None and hasattr(cap, "take") else None
+        buf = buf or d._d_empty(2 * T * k)
         if T:
             launch = st["launches"].get("route_topk") or d._d_kernel("route_topk")
             launch(min(T, ROUTE_MAX_BLOCKS), 1, 1, ROUTE_THREADS, 0, st["sptr"], d._ptr(logits),
