@@ -14,8 +14,9 @@
 # Qwen3-MoE (bench/qwen3_numpy.py: LAYERS layers, hidden 2048, 32/4 heads of 128, 32 experts top-8 of
 # width 768, vocab 32000, bf16, seed 0), converts it with llama.cpp's converter (f16) and packs ours
 # (int8 experts + int8 dense) beside it; then, once the build is done, llama-quantize --pure Q8_0; then
-# our profile of this machine (cpu + cuda, after the build so nothing competes), routing heat from a
-# 256-token prompt and `solve --vram VRAM_GB --vram-reserve 0 --trunk cuda:0` (OUT/plan.json).
+# our profile of this machine (cpu + cuda, after the build so nothing competes), routing heat of the
+# decode the bench times (random ids after a 16-token prompt: `peer_llamacpp_gpu.py heat`) and
+# `solve --vram VRAM_GB --vram-reserve 0 --trunk cuda:0` (OUT/plan.json).
 # peer: bench/peer_llamacpp_gpu.py bench: PAIRS counterbalanced pairs, all in VRAM and at the budget
 # (llama.cpp through llama-fit-params --fit-target), tokens against our CPU engine -> OUT/peer-gpu.json.
 # replay: with COEF (an earlier replay's coefficients) first `solve --target llama.cpp` -> OUT/plan-pick.json,
@@ -75,12 +76,13 @@ prep() {
     $CP profile --quick --backends cpu,cuda --formats int8 --dense-formats int8,f32 --model "$WORK/pack-int8" \
       --path "$WORK" --out "$OUT/profile.json" >> "$OUT/log.txt" 2>&1
   fi
-  if [ ! -f "$WORK/heat.json" ]; then
-    say "routing heat (256-token prompt, all in VRAM)"
-    ids=$($PY -c "import random; r=random.Random(7); print(','.join(str(r.randrange(2, 32000)) for _ in range(256)))")
-    $CP run --model "$WORK/pack-int8" --backend cuda --prompt-ids "$ids" --tokens 4 --stats-out "$WORK/heat.json" \
-      >> "$OUT/log.txt" 2>&1
+  if [ ! -f "$WORK/heat-decode.json" ]; then
+    # the traffic the bench times: a 16-token prompt, then random ids (llama-bench's tg), all in VRAM
+    say "routing heat (16-token prompt + 256 random-id decode steps, all in VRAM)"
+    $PY bench/peer_llamacpp_gpu.py heat --pack "$WORK/pack-int8" --backend cuda --depth 16 --tokens 256 \
+      --out "$WORK/heat-decode.json" >> "$OUT/log.txt" 2>&1
   fi
+  cp "$WORK/heat-decode.json" "$WORK/heat.json"
   cp "$WORK/heat.json" "$OUT/heat.json"
   say "solve at $VRAM_GB GB of VRAM"
   $CP solve --profile "$OUT/profile.json" --model "$WORK/pack-int8" --heat "$WORK/heat.json" --ram auto \

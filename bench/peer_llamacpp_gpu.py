@@ -455,10 +455,37 @@ def report(doc: dict) -> None:
         )
 
 
+def heat(a) -> None:
+    """Routing heat of the decode the bench times: a --depth-token prompt, then --tokens decode steps fed
+    random ids (seed 2: other ids than the bench's, the same kind), every expert on --backend; written as
+    a heat JSON (engine/runner.write_stats) for `solve --heat`, so the plan is priced on that traffic."""
+    import random
+
+    import numpy as np
+
+    from colibri_plan.engine import runner
+    from colibri_plan.engine.moe import RoutingRecorder
+    from colibri_plan.engine.session import EngineSession
+
+    weights = runner.open_weights(a.pack, None)
+    rec = RoutingRecorder(weights.arch)
+    vocab, rnd = weights.arch.vocab_size, random.Random(2)
+    s = EngineSession(weights, runner.placement_for(weights, None, a.backend, 0), cpu_backend="cpu",
+                      trunk=runner.trunk_placement(weights, None, None, a.backend, 0),
+                      context_tokens=a.depth + a.tokens + 1, recorder=rec)
+    with s:
+        cache = s.model.new_cache(a.depth + a.tokens + 1)
+        s.model._last_logits([rnd.randrange(2, vocab) for _ in range(a.depth)], cache)
+        for _ in range(a.tokens):
+            np.asarray(s.model._last_logits([rnd.randrange(2, vocab)], cache))
+    written = runner.write_stats(rec, weights, a.out, None)
+    log(f"heat of {a.depth} prompt + {a.tokens} random-id decode tokens -> {written['stats_out']}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="mode", required=True)
-    pr, be, wk = (sub.add_parser(x) for x in ("prepare", "bench", "worker"))
+    pr, be, wk, ht = (sub.add_parser(x) for x in ("prepare", "bench", "worker", "heat"))
     for p in (pr, be):
         p.add_argument("--work", required=True, help="cache folder (checkpoint, GGUF, pack)")
         p.add_argument(
@@ -499,7 +526,15 @@ def main(argv=None) -> int:
     wk.add_argument("--backend", required=True)
     wk.add_argument("--plan", default="")
     wk.add_argument("--context", type=int, required=True)
+    ht.add_argument("--pack", required=True)
+    ht.add_argument("--backend", default="cuda")
+    ht.add_argument("--depth", type=int, default=16)
+    ht.add_argument("--tokens", type=int, default=256)
+    ht.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if a.mode == "heat":
+        heat(a)
+        return 0
     if a.mode == "worker":
         worker(a.pack, a.backend, a.plan, a.context)
         return 0

@@ -32,3 +32,21 @@ def test_random_id_decode_counts_selections_and_keeps_the_greedy_chain(tiny_pack
     n_moe = arch["n_layers"] - arch["first_k_dense_replace"]
     for r in (greedy, fed):
         assert sum(r["decode_uses"].values()) == n * n_moe * arch["top_k"], r["decode_uses"]
+
+
+def test_heat_of_the_random_id_decode_counts_every_selection(tiny_pack, tmp_path):
+    """`heat`: a 3-token prompt then 6 random-id decode steps on the CPU -> a heat file holding each MoE
+    layer's top-k selections of all 9 tokens (the plan is then priced on the traffic the bench times)."""
+    from colibri_plan.formats.heat import load_heat
+
+    arch = json.loads((tiny_pack / "pack.json").read_text())["arch"]
+    out = tmp_path / "heat.json"
+    argv = [sys.executable, str(BENCH), "heat", "--pack", str(tiny_pack), "--backend", "cpu", "--depth", "3",
+            "--tokens", "6", "--out", str(out)]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    heat = load_heat(out)
+    counts = heat.counts  # [MoE layers, E]
+    n_moe = arch["n_layers"] - arch["first_k_dense_replace"]
+    assert len(counts) == n_moe
+    assert counts.sum(axis=1).tolist() == [9.0 * arch["top_k"]] * n_moe and heat.tokens == 9
