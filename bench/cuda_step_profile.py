@@ -119,6 +119,16 @@ def main() -> None:
             model._last_logits(ids, model.new_cache(args.context))
             torch.cuda.synchronize()
             pwall = time.perf_counter() - t0
+        if args.host_profile:  # where the prefill's host time goes (cProfile, one more call)
+            import cProfile
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            model._last_logits(ids, model.new_cache(args.context))
+            torch.cuda.synchronize()
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(args.host_profile)
         prows, ptotal, plaunch = _kernel_table(prof, 1, "prefill")
         print(f"prefill {args.prefill}: kernels {plaunch:.0f}, GPU busy {ptotal / 1e3:.1f} ms, wall "
               f"{pwall * 1e3:.1f} ms ({args.prefill / pwall:.0f} tok/s)")

@@ -328,11 +328,14 @@ def test_matmul_many_is_one_launch_per_format(be):
 
 @pytest.mark.parametrize("T, pos0, window, splits", [(1, 999, 0, 8), (1, 200, 0, 4), (64, 0, 0, 1),
                                                       (1, 300, 32, 1)])
-def test_attention_splits_the_keys_when_blocks_are_few(be, T, pos0, window, splits):
+def test_attention_splits_the_keys_when_blocks_are_few(be, monkeypatch, T, pos0, window, splits):
     """4 SMs (simulated), 2 kv heads: one decode row makes 2 (row, kv head) blocks, so its keys go in
     slices of at least 64 keys, up to 4 blocks per SM: 1000 keys -> 8 slices, 201 keys -> 4; 64 prefill
     rows fill the SMs unsplit; a window of 32 keys is one slice. Split results are merged (a second
     launch) and equal the reference."""
+    from colibri_plan.backends.cuda import device
+
+    monkeypatch.setattr(device, "_ATT_MIN_KEYS", 64)  # the hand counts' slice floor
     rng = np.random.default_rng(T + pos0)
     hq, hkv, d = 4, 2, 16
     n = pos0 + T
@@ -376,9 +379,13 @@ def test_expert_ffn_on_the_device_x_is_three_launches_and_one_copy_up(be, hidden
     np.testing.assert_allclose(be.d_get(dy), want, rtol=1e-5, atol=1e-6)
 
 
-def test_mla_device_ops_are_one_driver_call_each(be):
+def test_mla_device_ops_are_one_driver_call_each(be, monkeypatch):
     """d_head_matmul is one cuBLAS strided-batched SGEMM on the stream (no kernel launch of ours), a block
-    write one cudaMemcpy2DAsync, and attention over a 576-wide MLA head one launch of 576 threads."""
+    write one cudaMemcpy2DAsync, and attention over a 576-wide MLA head one launch of 576 threads (its
+    9 keys unsplit: slices of 64 keys at least)."""
+    from colibri_plan.backends.cuda import device
+
+    monkeypatch.setattr(device, "_ATT_MIN_KEYS", 64)
     rng = np.random.default_rng(9)
     x, w = (rng.standard_normal(s, dtype=np.float32) for s in ((3, 16, 24), (16, 8, 24)))
     dx, dw = be.d_put(x), be.d_put(w)
@@ -523,15 +530,32 @@ def test_captured_step_brings_adjacent_outputs_down_in_one_copy(be, monkeypatch)
 
 def test_captured_attention_slices_follow_doublings_of_the_context(be, monkeypatch):
     """A captured step holds its slice count: at 4 SMs (simulated), 2 kv heads of 4 query heads, 130 keys
-    are 3 slices eagerly (64 keys each at least) but 4 captured (the 256 above them), as every context up
-    to 256 is, so one graph serves them; "fill" takes the most the SMs allow (8) at any context and
+    are 3 slices for 2 query rows (64 keys each at least) but 4 for a decode row (the 256 above them, an
+    eager step as a captured one), as every context up to 256 is, so one graph serves them; "fill" takes the most the SMs allow (8) at any context and
     "exact" the eager count."""
     from colibri_plan.backends.cuda import device
 
-    assert be.dops.attention_splits(1, 4, 2, 130) == 3
+    monkeypatch.setattr(device, "_ATT_MIN_KEYS", 64)  # the hand counts' slice floor
+    assert be.dops.attention_splits(2, 4, 2, 130) == 3  # prefill rows: their own count
+    assert be.dops.attention_splits(1, 4, 2, 130) == 4  # an eager decode step: a replay's (the same bits)
     assert {be.d_attention_splits(1, 4, 2, n) for n in range(129, 257)} == {4}
     assert be.d_attention_splits(1, 4, 2, 257) == 8
     monkeypatch.setattr(device, "_ATT_CAPTURED", "fill")
     assert {be.d_attention_splits(1, 4, 2, n) for n in (1, 17, 130, 5000)} == {8}
     monkeypatch.setattr(device, "_ATT_CAPTURED", "exact")
     assert be.d_attention_splits(1, 4, 2, 130) == 3
+
+
+@pytest.mark.parametrize("T, gemms", [(15, 0), (16, 1)])
+def test_float32_router_at_prefill_is_one_sgemm(be, T, gemms):
+    """A float32 weight (a router, 6 x 40: padded to 40) at 16 tokens or more is one cuBLAS SGEMM on the
+    padded x, below that the GEMV kernel; both equal the float32 reference."""
+    from colibri_plan import quant
+
+    rng = np.random.default_rng(T)
+    qt = quant.quantize(rng.standard_normal((6, 37), dtype=np.float32), "f32")
+    x = rng.standard_normal((T, 37), dtype=np.float32)
+    before = be.sim.gemms
+    y = be.d_get(be.d_matmul(be.d_put(x), be.upload(qt)))
+    assert be.sim.gemms - before == gemms
+    np.testing.assert_allclose(y, quant.matmul_ref(x, qt), rtol=1e-5, atol=1e-5)

@@ -47,7 +47,9 @@ _RMS_WARP_MAX = 1024  # rmsnorm rows up to this width: one warp per row (matmul.
 _ATT_TILE = 256  # attention.cu ATT_TILE: keys per tile
 _GQA_HEADS = 8  # attention.cu GQA_HEADS: query heads per block
 ATT_MAX_HEAD_DIM = 608  # widest head_dim whose attention_gqa block fits 48 KiB of shared memory (d threads)
-_ATT_MIN_KEYS = 64  # fewest keys per split of a query row's key range (below that, merging costs more)
+# fewest keys per split of a query row's key range: 8 with captured slices per doubling decoded 64 tokens
+# after 16 at 470 tok/s, 64 at 454 (H200, 24 layers; bench/results/h200-step-profile-r3/prof-bucket-8.json)
+_ATT_MIN_KEYS = 8
 # a captured step's slices: "bucket" counts its keys as the power of two above them (a graph per doubling),
 # "fill" as many as fill the SMs at any context (one graph; short contexts leave slices empty), "exact"
 # the eager count (a graph per _ATT_MIN_KEYS keys)
@@ -55,6 +57,9 @@ _ATT_CAPTURED = "bucket"
 _PUT_SLOTS = 8  # pinned staging slots of d_put, reused round-robin (an event says when a slot is free)
 _PUT_RING_BYTES = 1 << 20  # larger uploads (weights, tables) go through the chunked, synchronous staging
 _MM_ARGS_MAX = 4  # matmul.cu MM_ARGS_MAX: matrices per mm_args launch
+# float32 weights (routers) at this many tokens or more go to cuBLAS: the GEMV's 4-token passes over a
+# 32-row router at a 512-token prefill were 570 us a layer on an H200 (bench/results/h200-step-profile-r3)
+_BLAS_MIN_TOKENS = 16
 _ZEROS = (0,) * (8 * _MM_ARGS_MAX)  # the table entries an mm_args launch leaves unused
 # parameter kinds of each kernel, in the order of its CUDA signature: p pointer / u64, i int, f float,
 # t matmul.cu's MMArgs (8 · _MM_ARGS_MAX u64 by value)
@@ -374,6 +379,15 @@ class CudaDeviceOps:
         rows = ws[0].out_features if n == 1 else max(w.out_features for w in ws)
         sptr = self._dstate["sptr"]
         xp = self._d_padded(xp, T, n_in, in_pad)
+        if T >= _BLAS_MIN_TOKENS and ws[0].fmt == "f32":  # routers at prefill: one SGEMM each, not T/4 passes
+            blas, handle = self._dstate.get("cublas") or self._d_cublas()
+            blas.setStream(handle, sptr)
+            for w, y in zip(ws, ys):  # column-major y (out x T) = W^T-op (out x in_pad) . x (in_pad x T)
+                out, st = w.out_features, self._dstate
+                blas.sgemmStridedBatched(handle, blas.CUBLAS_OP_T, blas.CUBLAS_OP_N, out, T, in_pad,
+                                         st["one"], w.payload.data, in_pad, 0, xp, in_pad, 0, st["zero"],
+                                         y.data.ptr, out, 0, 1)
+            return
         fn, (blocks, _), (block,), smem, scalars = self._launcher("mm_args", ws[0].fmt, n, rows, rows, in_pad,
                                                                   rows, T)
         table = []  # entry m: W, S, x, y, T, rows, y_stride (y [T, out]), 0; unused entries 0
@@ -398,7 +412,7 @@ class CudaDeviceOps:
         blocks alone would leave SMs idle (decode at long contexts). A captured step holds its count, so
         there ``keys`` counts as _ATT_CAPTURED says: a graph serves many contexts, not _ATT_MIN_KEYS keys
         (the kernel divides the step's real keys among the slices; a slice may be empty)."""
-        if captured and _ATT_CAPTURED != "exact":
+        if (captured or T == 1) and _ATT_CAPTURED != "exact":  # eager decode too: a replay's bits
             keys = 1 << 30 if _ATT_CAPTURED == "fill" else 1 << max(0, keys - 1).bit_length()
         base = T * hkv * -(-(hq // hkv) // _GQA_HEADS)
         return max(1, min(-(-keys // _ATT_MIN_KEYS), -(-4 * self._sms // base), 1024))
