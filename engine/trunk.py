@@ -155,6 +155,7 @@ class Trunk:
         """Zero the attention timing (the session calls it after the prefill)."""
         self.attention_s, self.attention_steps, self._calls = 0.0, 0, 0
         self._local_s, self._local_n = 0.0, 0  # measured seconds of local experts, and how many
+        self._prefill_expert_s = 0.0  # a prefill's device seconds per expert, last timed (sampled) call
 
     def _grow_rope(self, tokens: int) -> None:
         rows = rope_positions(tokens)
@@ -317,7 +318,9 @@ class Trunk:
         """The device's own experts ``local`` [(position, key, weights)] and a prefill's offloaded host
         experts ``taken`` [(position, weights on this device)] on the device x: their weighted sum [T, H]."""
         be, m, T = self.be, self.model, x.shape[0]
-        timed = sampled or T != 1  # a prefill's device experts are timed on their own (not per token)
+        # a sampled call's device experts are timed on their own; the others queue behind the trunk's work
+        # and the next layer's is queued behind them (no wait: a prefill's GPU no longer idles per layer)
+        timed = sampled
         if timed:
             be.synchronize()  # the queued trunk work is not the experts'
         t0 = time.perf_counter()
@@ -333,8 +336,10 @@ class Trunk:
             seconds = time.perf_counter() - t0
             if T == 1:
                 self._local_s, self._local_n = self._local_s + seconds, self._local_n + len(local)
-        per_expert = (seconds / (len(local) + len(taken)) if T != 1
-                      else self._local_s / max(1, self._local_n))
+            elif local or taken:
+                self._prefill_expert_s = seconds / (len(local) + len(taken))
+        # untimed: charged at the last timed call's seconds per expert (decode: the mean of the timed ones)
+        per_expert = self._local_s / max(1, self._local_n) if T == 1 else self._prefill_expert_s
         keys = [k for _, k, _ in local] + [off_key] * len(taken)
         for k in sorted(set(keys)):  # one device key but for aliases of one backend
             m.experts.add_local_seconds(k, per_expert * keys.count(k))
