@@ -108,7 +108,9 @@ def test_replayed_steps_equal_eager_ones_across_a_cache_growth(fx, be, monkeypat
     assert replay[2] == eager[2] and replay[2]["vram"] > 0
     np.testing.assert_array_equal(replay[3], eager[3])
     captures, capacity = replay[4][1], replay[4][2]
-    assert capacity > 64 and 1 <= captures <= 4  # a capture per RoPE table / attention slice count
+    # a capture per RoPE table / attention slice count (decode slices per doubling of the context: 75
+    # keys are 8, 16, 32, 64, 128 at 8 keys a slice at least, fewer where the SMs cap the slices)
+    assert capacity > 64 and 1 <= captures <= 6
     if be.sim is not None:  # host launches: the prefill, captures and eager steps (a replay is one call)
         assert 0 < replay_launches < eager_launches / 5
 
