@@ -25,7 +25,9 @@ from tests._cuda_graph_sim import GRAPH_KERNELS, add_pool, attention_at
 from tests.test_backend_cuda_sim import Sim, fake_cupy
 from tests.test_backends_device_ops import (  # noqa: F401 - collected here with the simulated `be`
     test_a_gqa_layer_chain_stays_on_the_device,
+    test_captured_attention_prologue_replays_the_eager_bits,
     test_d_attention,
+    test_d_attention_prologue,
     test_d_expert_ffn,
     test_d_expert_ffn_edges,
     test_d_head_matmul,
