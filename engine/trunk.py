@@ -13,7 +13,8 @@ the LM head, as in the transformers modeling code of every supported family:
   round trip, a rare option); RoPE of the first ``rotary_dim`` channels (rotate_half or interleaved
   pairs, YaRN's attention factor in the table); K/V appended to the
   :class:`~colibri_plan.engine.kv_device.DeviceKVCache`; causal ``d_attention`` (sliding-window layers
-  too); o-proj (+ bias).
+  too); o-proj (+ bias). Where the backend declares ``d_attention_prologue`` (CUDA), the per-head norms,
+  RoPE and the cache append are that one op (one launch, the same bits).
 - MLA attention (DeepSeek-V2/V3/V3.2, Kimi-K2, GLM-5), weight-absorbed at every length: q (through the
   normed q_a when ``q_lora_rank``); the latent (kv_a's latent rows, RMSNorm) and the rope key (kv_a's rope
   rows, RoPE) written as one cache row [k_rope | latent] of the
