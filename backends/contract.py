@@ -70,6 +70,8 @@ OPTIONAL_OPS = {
                              "over the bus, zero-copy (a discrete GPU computing the pinned tier; CUDA)"),
     "d_capture_step": ("a decode step captured once and replayed, its experts indexed on the device; with "
                        "experts on the host, captured as segments between hand-offs (CUDA)"),
+    "d_attention_prologue": ("a GQA layer's per-head q/k RMSNorm, RoPE and KV cache append in one launch, "
+                             "the bits of those ops (CUDA)"),
 }
 
 

@@ -10,9 +10,10 @@ placement of a plan (experts on the host too: a hybrid step) and ``--host-profil
 host functions with the most own time over the recorded steps (cProfile). ``--prefill N`` also profiles
 one warm prefill of N random token ids on a fresh cache (its own table, ``prefill`` in the JSON);
 ``--att-min-keys K`` / ``--att-captured MODE`` set backends/cuda/device.py's _ATT_MIN_KEYS / _ATT_CAPTURED
-(attention slices) for an A/B of the decode attention split. First it times, unprofiled, the peer
-benchmark's decode (64 tokens after a 16-token prompt, recaptures included: ``decode64_tok_s``).
-Writes JSON with ``--out``.
+(attention slices) for an A/B of the decode attention split; ``--no-prologue`` runs each GQA layer's
+q/k norms, RoPE and cache append as the unfused ops (the A/B of ``d_attention_prologue``). First it
+times, unprofiled, the peer benchmark's decode (64 tokens after a 16-token prompt, recaptures included:
+``decode64_tok_s``). Writes JSON with ``--out``.
 
     python3 bench/cuda_step_profile.py --pack /tmp/w/fixture --out /tmp/prof.json
 """
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0)
     ap.add_argument("--att-min-keys", type=int, default=0)
     ap.add_argument("--att-captured", choices=("bucket", "fill", "exact"), default=None)
+    ap.add_argument("--no-prologue", action="store_true")
     args = ap.parse_args()
 
     import numpy as np
@@ -70,6 +72,8 @@ def main() -> None:
         placement = Placement.all_resident(a.moe_layers, a.n_experts, "cuda:0")
     rm = ResidencyManager(pack, placement, cpu, devices={"cuda:0": gpu})
     model = Model(pack, experts=rm, trunk_backend=gpu, context_tokens=args.context)
+    if args.no_prologue:  # before the first decode step: no graph has captured the fused op yet
+        model.trunk._prologue, model.trunk.prologue_off = None, "--no-prologue"
     # the peer benchmark's decode: 64 tokens after a 16-token prompt, any recapture included (unprofiled)
     for _rep in range(2):  # the first compiles and captures (graphs are kept: see decode_graph._KEEP)
         c64 = model.new_cache(args.context)
@@ -108,7 +112,8 @@ def main() -> None:
     n = args.tokens
     doc = {"source": "bench/cuda_step_profile.py", "pack": args.pack, "layers": a.n_layers,
            "graph": os.environ.get("COLIBRI_CUDA_GRAPH", "1"), "tokens": n, "att_min_keys": args.att_min_keys,
-           "att_captured": args.att_captured, "decode64_tok_s": decode64_tok_s,
+           "att_captured": args.att_captured, "prologue": model.trunk._prologue is not None,
+           "decode64_tok_s": decode64_tok_s,
            "wall_us_per_token": wall * 1e6, "kernel_us_per_token": total, "kernels": rows}
     if args.prefill:
         ids = [int(v) for v in np.random.default_rng(5).integers(2, a.vocab_size, args.prefill)]

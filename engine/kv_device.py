@@ -124,6 +124,16 @@ class DeviceKVCache:
         self.backend.d_write_rows(self.v[layer], self.length, v)
         return self.k[layer], self.v[layer]
 
+    def rows(self, layer: int, t: int) -> tuple[DArray, DArray]:
+        """The layer's whole K and V arrays, once rows length..length+T-1 are checked to fit: where a fused
+        append (the backend's ``d_attention_prologue``) writes this call's rows itself.
+
+        Raises:
+            InputError: the rows pass the capacity (call :meth:`reserve` first).
+        """
+        self._check_rows(t)
+        return self.k[layer], self.v[layer]
+
     def _check_rows(self, t: int) -> None:
         end = self.length + t
         if end > self.capacity:

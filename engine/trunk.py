@@ -13,7 +13,8 @@ the LM head, as in the transformers modeling code of every supported family:
   round trip, a rare option); RoPE of the first ``rotary_dim`` channels (rotate_half or interleaved
   pairs, YaRN's attention factor in the table); K/V appended to the
   :class:`~colibri_plan.engine.kv_device.DeviceKVCache`; causal ``d_attention`` (sliding-window layers
-  too); o-proj (+ bias).
+  too); o-proj (+ bias). Where the backend declares ``d_attention_prologue`` (CUDA), the per-head norms,
+  RoPE and the cache append are that one op (one launch, the same bits).
 - MLA attention (DeepSeek-V2/V3/V3.2, Kimi-K2, GLM-5), weight-absorbed at every length: q (through the
   normed q_a when ``q_lora_rank``); the latent (kv_a's latent rows, RMSNorm) and the rope key (kv_a's rope
   rows, RoPE) written as one cache row [k_rope | latent] of the
@@ -113,6 +114,10 @@ class Trunk:
         self.routing_off = (device_routing_off_reason(backend, self.arch) if self._split is not None
                             else "no experts of a residency manager on this device")
         self._router = None
+        # a GQA layer's q/k norms, RoPE and cache append in one launch, where the backend declares it
+        fused = not self._mla and backend.supports("d_attention_prologue")
+        self._prologue = backend.d_attention_prologue if fused else None
+        self.prologue_off = None if self._prologue is not None else "no d_attention_prologue here"
         self._step_graph = None  # engine/decode_graph.py's DecodeGraph, made at the first decode step
         self._graph_routes = None  # while a decode step is captured: each MoE layer's device routing
         self.graph_off = _NOT_TRIED  # why decode steps run eagerly (None: they replay a graph)
@@ -199,7 +204,8 @@ class Trunk:
         if timed:
             be.synchronize()
             t0 = time.perf_counter()
-        keys, values = cache.append(i, k, v)  # [C, Hkv, d] each, rows < pos0 + T valid
+        # [C, Hkv, d] each, rows < pos0 + T valid (k None: the fused prologue wrote this call's rows)
+        keys, values = cache.append(i, k, v) if k is not None else (cache.k[i], cache.v[i])
         o = be.d_attention(q, keys, values, pos0 + t, pos0, scale, window)  # [T, Hq·d]
         if timed:
             be.synchronize()
@@ -210,7 +216,7 @@ class Trunk:
         """GQA self-attention of the normed x [T, H] -> [T, H]."""
         be, a, w = self.be, self.arch, self.w
         p = f"layers.{i}.attn."
-        t, nh, nkv, d, eps = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim, a.rms_norm_eps
+        d, eps = a.head_dim, a.rms_norm_eps
         q, k, v = be.d_matmul_many(x, [w[p + n] for n in "qkv"])  # [T, nh·d], [T, nkv·d], [T, nkv·d]
         q, k, v = (self._bias(m, p + n + "_bias") for m, n in zip((q, k, v), "qkv"))
         if a.qk_norm == "full":  # OLMoE: one RMSNorm over the whole projection
@@ -218,16 +224,35 @@ class Trunk:
         if a.clip_qkv is not None:  # rare option: a host round trip keeps the device ops few
             c = np.float32(a.clip_qkv)
             q, k, v = (be.d_put(np.clip(be.d_get(m), -c, c)) for m in (q, k, v))
-        if a.qk_norm == "head":  # per head: rows of [T·heads, d]
-            q = be.d_rmsnorm(be.d_view(q, (t * nh, d)), w[p + "q_norm"], eps)
-            k = be.d_rmsnorm(be.d_view(k, (t * nkv, d)), w[p + "k_norm"], eps)
-        q, k, v = be.d_view(q, (t, nh, d)), be.d_view(k, (t, nkv, d)), be.d_view(v, (t, nkv, d))
-        if a.rotary_dim:
-            q = be.d_rope(q, self._rope, cache.length, a.rotary_dim, a.rope_interleave)
-            k = be.d_rope(k, self._rope, cache.length, a.rotary_dim, a.rope_interleave)
+        q, k, v = self._qk_prologue(q, k, v, i, cache)  # [T, heads, d]; k, v None: already in the cache
         window = a.sliding_window if a.sliding_window and i in a.sliding_layers else 0
         o = self._attend(q, cache, i, k, v, d ** -0.5, window, timed)  # [T, nh·d]
         return self._bias(be.d_matmul(o, w[p + "o"]), p + "o_bias")  # [T, H]
+
+    def _qk_prologue(self, q: DArray, k: DArray, v: DArray, i: int, cache: DeviceKVCache) -> tuple:
+        """Per-head q/k RMSNorm (``qk_norm == "head"``) and RoPE of q [T, nh·d], k and v [T, nkv·d] ->
+        q, k, v [T, heads, d]; on a backend with ``d_attention_prologue`` one launch that also appends
+        k and v to the cache: (q, None, None). Same bits either way."""
+        be, a, w = self.be, self.arch, self.w
+        p = f"layers.{i}.attn."
+        t, nh, nkv, d, eps = q.shape[0], a.n_heads, a.n_kv_heads, a.head_dim, a.rms_norm_eps
+        head = a.qk_norm == "head"
+        q, k, v = be.d_view(q, (t, nh, d)), be.d_view(k, (t, nkv, d)), be.d_view(v, (t, nkv, d))
+        if self._prologue is not None and (head or a.rotary_dim):
+            norms = (w[p + "q_norm"], w[p + "k_norm"]) if head else None
+            rope = (self._rope, a.rotary_dim, a.rope_interleave) if a.rotary_dim else None
+            keys, values = cache.rows(i, t)
+            try:
+                return self._prologue(q, k, v, norms, eps, rope, keys, values, cache.length), None, None
+            except UnsupportedError as exc:  # refused before any work (a head too wide): unfused from now on
+                self._prologue, self.prologue_off = None, str(exc)
+        if head:  # per head: rows of [T·heads, d]
+            q = be.d_view(be.d_rmsnorm(be.d_view(q, (t * nh, d)), w[p + "q_norm"], eps), (t, nh, d))
+            k = be.d_view(be.d_rmsnorm(be.d_view(k, (t * nkv, d)), w[p + "k_norm"], eps), (t, nkv, d))
+        if a.rotary_dim:
+            q = be.d_rope(q, self._rope, cache.length, a.rotary_dim, a.rope_interleave)
+            k = be.d_rope(k, self._rope, cache.length, a.rotary_dim, a.rope_interleave)
+        return q, k, v
 
     def _mla_attn(self, x: DArray, i: int, cache: DeviceLatentCache, timed: bool) -> DArray:
         """Weight-absorbed MLA self-attention of the normed x [T, H] -> [T, H] (module docstring)."""

@@ -1,7 +1,8 @@
 """Simulations of the kernels a captured decode step adds (``shaders/cuda/trunk.cu`` tr_rope_at,
-tr_copy_rows_at, tr_expert_table; ``attention.cu`` attention_gqa_at) for the stand-in cupy of
-``test_backend_cuda_device_sim.py``, and its memory pool / allocator context. Each reads the step's
-position from device memory when it runs (at replay, inside a captured graph), as the GPU does."""
+tr_copy_rows_at, tr_expert_table, tr_qkv_prologue(_at); ``attention.cu`` attention_gqa_at) for the
+stand-in cupy of ``test_backend_cuda_device_sim.py``, and its memory pool / allocator context. Each
+reads the step's position from device memory when it runs (at replay, inside a captured graph), as the
+GPU does."""
 
 from __future__ import annotations
 
@@ -56,8 +57,38 @@ def attention_at(sim, grid, block, smem, args, attention_sim):
                                            scale, splits))
 
 
+def _prologue(sim, grid, block, args, trunk_sim):
+    """tr_qkv_prologue(_at): the unfused sequence it replaces, on the same simulations: rmsnorm of each q
+    and k head row (weights set), tr_rope of q and k (a table and rotary_dim set), the roped q into qo,
+    the roped k and the v rows into the caches at the position (the _at form: read from device memory,
+    the caches' addresses from their slots)."""
+    from colibri_plan.backends.cuda.device import rms_threads
+
+    q, k, v, qw, kw, table, qo, kc, vc, T, hq, hkv, d, rd, inter, eps = args[:16]
+    T, hq, hkv, d, rd = (int(a) for a in (T, hq, hkv, d, rd))
+    if len(args) == 18:  # tr_qkv_prologue_at
+        pos0, kc, vc = _pos(sim, args[16], args[17]), _slot(sim, kc), _slot(sim, vc)
+    else:
+        pos0 = int(args[16])
+    rows = T * (hq + 2 * hkv)
+    assert block == (128,) and grid == (min(-(-rows // 4), 65535), 1, 1)
+    at = 4 * pos0 * hkv * d  # bytes to the caches' row pos0
+    for x, w, heads, dst in ((q, qw, hq, int(qo)), (k, kw, hkv, int(kc) + at)):
+        n, src = T * heads * d, int(x)
+        if int(w):  # into scratch memory, as rmsnorm's output would be
+            src = sim.alloc(4 * n)
+            trunk_sim(sim, "rmsnorm", (T * heads, 1, 1), (rms_threads(d),), (x, 0, w, src, 0, d, eps))
+        if int(table) and rd:
+            trunk_sim(sim, "tr_rope", (1, 1, 1), (256,), (src, table, dst, n, heads, d, rd, pos0, inter))
+        else:
+            sim.mem(dst, 4 * n)[:] = sim.mem(src, 4 * n).copy()
+    nv = 4 * T * hkv * d
+    sim.mem(int(vc) + at, nv)[:] = sim.mem(int(v), nv).copy()
+
+
 #: kernel name -> fn(sim, grid, block, args, trunk_sim)
-GRAPH_KERNELS = {"tr_rope_at": _rope_at, "tr_copy_rows_at": _copy_rows_at, "tr_expert_table": _expert_table}
+GRAPH_KERNELS = {"tr_rope_at": _rope_at, "tr_copy_rows_at": _copy_rows_at, "tr_expert_table": _expert_table,
+                 "tr_qkv_prologue": _prologue, "tr_qkv_prologue_at": _prologue}
 
 
 def add_pool(cp) -> None:

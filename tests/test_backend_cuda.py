@@ -295,3 +295,48 @@ def test_device_ops_queue_without_waiting_and_reuse_pool_memory_in_order():
         y = be.d_get(be.d_matmul(be.d_matmul(be.d_put(hosts[2]), be.upload(w1)), be.upload(w2)))
         ref = quant.matmul_ref(quant.matmul_ref(hosts[2], w1), w2)
         np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@needs_gpu
+@pytest.mark.parametrize("t, pos0, shift", [(1, 50, 0), (13, 40, 0), (1, 20, 1)])
+def test_fused_attention_prologue_gives_the_unfused_bits_on_the_gpu(t, pos0, shift):
+    """d_attention_prologue at Qwen3-30B-A3B's attention shape (32 q heads, 4 kv heads of 128, q/k norms,
+    full RoPE): decode and prefill rows, and q/k rows 4 bytes off alignment (``shift``: the norm's strided
+    sums on both sides): roped q and both caches bit for bit the unfused ops (rmsnorm, tr_rope, copies);
+    a decode row captured at one position and replayed at another, into other caches, too."""
+    from test_backends_device_ops import prologue_inputs, unfused_prologue
+
+    from colibri_plan.backends.handles import DArray
+
+    hq, hkv, d = 32, 4, 128
+    with CUDA.open(0) as be:
+        (q, k, v, _, _), norms, rope = prologue_inputs(be, t, hq, hkv, d, d, False, True)
+
+        def put(a):  # a DArray of a's values, ``shift`` floats into its buffer
+            buf = be.d_put(np.concatenate([np.zeros(shift, np.float32), a.reshape(-1)]))
+            return DArray(a.shape, buf.buf, buf.owner, buf.offset + shift)
+
+        dq, dk, dv = put(q), put(k), be.d_put(v)
+        caches = [be.d_zeros((64, hkv, d)) for _ in range(4)]
+        got = be.d_get(be.d_attention_prologue(dq, dk, dv, norms, 1e-6, rope, caches[0], caches[1], pos0))
+        want = be.d_get(unfused_prologue(be, dq, dk, dv, norms, rope, caches[2], caches[3], pos0))
+        np.testing.assert_array_equal(got, want)
+        for a, b in ((0, 2), (1, 3)):
+            np.testing.assert_array_equal(be.d_get(caches[a]), be.d_get(caches[b]))
+        if t != 1:
+            return
+        kc0, vc0, kc, vc = (be.d_zeros((64, hkv, d)) for _ in range(4))
+        ptr = be.dops._ptr
+
+        def body(inp):
+            qq, kk, vv = (DArray(s, inp.buf, inp.owner, inp.offset + o) for s, o in
+                          (((1, hq, d), 0), ((1, hkv, d), hq * d), ((1, hkv, d), (hq + hkv) * d)))
+            return [be.d_attention_prologue(qq, kk, vv, norms, 1e-6, rope, kc0, vc0, 3)]
+
+        step = be.d_capture_step((hq + 2 * hkv) * d, hq * d, body, 3, [ptr(kc0), ptr(vc0)])
+        (rep,) = step.run(np.concatenate([q.reshape(-1), k.reshape(-1), v.reshape(-1)]), pos0,
+                          [ptr(kc), ptr(vc)])
+        if shift == 0:  # the step's inputs are aligned: the eager unfused ops on aligned rows
+            np.testing.assert_array_equal(rep.reshape(1, hq, d), want)
+            np.testing.assert_array_equal(be.d_get(kc), be.d_get(caches[2]))
+            np.testing.assert_array_equal(be.d_get(vc), be.d_get(caches[3]))

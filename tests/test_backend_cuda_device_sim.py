@@ -25,7 +25,9 @@ from tests._cuda_graph_sim import GRAPH_KERNELS, add_pool, attention_at
 from tests.test_backend_cuda_sim import Sim, fake_cupy
 from tests.test_backends_device_ops import (  # noqa: F401 - collected here with the simulated `be`
     test_a_gqa_layer_chain_stays_on_the_device,
+    test_captured_attention_prologue_replays_the_eager_bits,
     test_d_attention,
+    test_d_attention_prologue,
     test_d_expert_ffn,
     test_d_expert_ffn_edges,
     test_d_head_matmul,
@@ -531,8 +533,8 @@ def test_captured_step_brings_adjacent_outputs_down_in_one_copy(be, monkeypatch)
 def test_captured_attention_slices_follow_doublings_of_the_context(be, monkeypatch):
     """A captured step holds its slice count: at 4 SMs (simulated), 2 kv heads of 4 query heads, 130 keys
     are 3 slices for 2 query rows (64 keys each at least) but 4 for a decode row (the 256 above them, an
-    eager step as a captured one), as every context up to 256 is, so one graph serves them; "fill" takes the most the SMs allow (8) at any context and
-    "exact" the eager count."""
+    eager step as a captured one), as every context up to 256 is, so one graph serves them; "fill" takes
+    the most the SMs allow (8) at any context and "exact" the eager count."""
     from colibri_plan.backends.cuda import device
 
     monkeypatch.setattr(device, "_ATT_MIN_KEYS", 64)  # the hand counts' slice floor
@@ -559,3 +561,98 @@ def test_float32_router_at_prefill_is_one_sgemm(be, T, gemms):
     y = be.d_get(be.d_matmul(be.d_put(x), be.upload(qt)))
     assert be.sim.gemms - before == gemms
     np.testing.assert_allclose(y, quant.matmul_ref(x, qt), rtol=1e-5, atol=1e-5)
+
+
+def _prologue_case(be, T, d, rd, inter, normed, seed):
+    """Host inputs of a prologue: q [T, 4, d], k, v [T, 2, d], norm weights [d], a RoPE table of 32 rows."""
+    from colibri_plan.backends.device_ops import rope_table
+
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal(s, dtype=np.float32) * 2 for s in ((T, 4, d), (T, 2, d), (T, 2, d)))
+    wq, wk = (rng.standard_normal(d, dtype=np.float32) for _ in range(2))
+    inv = 1.0 / (1e4 ** (np.arange(0, rd, 2) / max(rd, 1)))
+    norms = (be.d_put(wq), be.d_put(wk)) if normed else None
+    rope = (be.d_put(rope_table(inv, 32, attention_factor=1.0)), rd, inter) if rd else None
+    return q, k, v, norms, rope
+
+
+def _unfused(be, q, k, v, norms, rope, kc, vc, row0):
+    """The ops the prologue replaces: rmsnorm per head row, tr_rope of q and k, the cache append."""
+    (T, hq, d), hkv = q.shape, k.shape[1]
+    if norms is not None:
+        q = be.d_view(be.d_rmsnorm(be.d_view(q, (T * hq, d)), norms[0], 1e-6), (T, hq, d))
+        k = be.d_view(be.d_rmsnorm(be.d_view(k, (T * hkv, d)), norms[1], 1e-6), (T, hkv, d))
+    if rope is not None:
+        q, k = (be.d_rope(m, rope[0], row0, rope[1], rope[2]) for m in (q, k))
+    be.d_write_rows(kc, row0, k)
+    be.d_write_rows(vc, row0, v)
+    return q
+
+
+@pytest.mark.parametrize("T, d, rd, inter, normed", [(1, 16, 16, False, True), (3, 16, 8, True, True),
+                                                     (2, 12, 12, False, False), (1, 18, 0, False, True)])
+def test_fused_attention_prologue_gives_the_unfused_bits_in_one_launch(be, T, d, rd, inter, normed):
+    """d_attention_prologue: one tr_qkv_prologue launch for the 4 of the unfused ops (2 rmsnorm + 2 tr_rope;
+    the eager cache append is two copies), the same roped q and the same cache rows (k roped, v as it is;
+    the other rows untouched), bit for bit: per-head norms or none, rotate_half or interleaved pairs, a
+    partial rotary_dim or none, prefill rows. Rows past the cache and a head wider than one warp's
+    buffer are typed errors."""
+    from colibri_plan.backends.cuda.prologue import PRO_MAX_HEAD_DIM
+
+    assert be.supports("d_attention_prologue")
+    q, k, v, norms, rope = _prologue_case(be, T, d, rd, inter, normed, T * d)
+    dq, dk, dv = be.d_put(q), be.d_put(k), be.d_put(v)
+    kc1, vc1, kc2, vc2 = (be.d_zeros((9, 2, d)) for _ in range(4))
+    before = be.sim.launches
+    want = be.d_get(_unfused(be, dq, dk, dv, norms, rope, kc1, vc1, 5))
+    assert be.sim.launches - before == 2 * normed + 2 * bool(rd)
+    before = be.sim.launches
+    got = be.d_attention_prologue(dq, dk, dv, norms, 1e-6, rope, kc2, vc2, 5)
+    assert be.sim.launches - before == 1 and got.shape == (T, 4, d)
+    np.testing.assert_array_equal(be.d_get(got), want)
+    np.testing.assert_array_equal(be.d_get(kc2), be.d_get(kc1))
+    np.testing.assert_array_equal(be.d_get(vc2), be.d_get(vc1))
+    assert not be.d_get(kc2)[:5].any() and np.array_equal(be.d_get(vc2)[5:5 + T], v)
+    if normed and rd:  # the kernel really normed and roped (not a copy)
+        assert not np.array_equal(be.d_get(kc2)[5:5 + T], k)
+    with pytest.raises(InputError, match="do not fit the cache"):
+        be.d_attention_prologue(dq, dk, dv, norms, 1e-6, rope, kc2, vc2, 9 - T + 1)
+    wide = be.d_zeros((1, 1, PRO_MAX_HEAD_DIM + 4))
+    with pytest.raises(UnsupportedError, match="head_dim"):
+        be.d_attention_prologue(wide, wide, wide, None, 1e-6, None, be.d_zeros((2, 1, PRO_MAX_HEAD_DIM + 4)),
+                                be.d_zeros((2, 1, PRO_MAX_HEAD_DIM + 4)), 0)
+
+
+@pytest.mark.parametrize("normed, rd", [(True, 16), (False, 8)])
+def test_captured_prologue_reads_position_and_caches_on_the_device(be, normed, rd):
+    """Inside a captured step the fused prologue is one tr_qkv_prologue_at launch where the unfused ops are
+    six (2 rmsnorm, 2 tr_rope_at, 2 tr_copy_rows_at; four without norms); replayed at another position
+    and into other caches (their slots), both give the eager unfused step's q and cache rows bit for
+    bit."""
+    from colibri_plan.backends.handles import DArray
+
+    T, d = 1, 16
+    q, k, v, norms, rope = _prologue_case(be, T, d, rd, False, normed, 7)
+    n_in = (4 + 2 + 2) * d
+    inputs = np.concatenate([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
+    kc0, vc0 = be.d_zeros((9, 2, d)), be.d_zeros((9, 2, d))  # the capture's caches
+    eager_k, eager_v = be.d_zeros((9, 2, d)), be.d_zeros((9, 2, d))
+    want = be.d_get(_unfused(be, be.d_put(q), be.d_put(k), be.d_put(v), norms, rope, eager_k, eager_v, 6))
+    ptr = be.dops._ptr
+    for fused, launches in ((True, 1), (False, 2 * normed + 2 + 2)):  # (norms,) ropes, row copies
+        def body(inp, fused=fused):
+            qq, kk, vv = (DArray(s, inp.buf, inp.owner, inp.offset + o) for s, o in
+                          (((T, 4, d), 0), ((T, 2, d), 4 * d), ((T, 2, d), 6 * d)))
+            if fused:
+                return [be.d_attention_prologue(qq, kk, vv, norms, 1e-6, rope, kc0, vc0, 2)]
+            return [_unfused(be, qq, kk, vv, norms, rope, kc0, vc0, 2)]
+
+        before = be.sim.launches
+        step = be.d_capture_step(n_in, 4 * d, body, 2, [ptr(kc0), ptr(vc0)])
+        assert be.sim.launches - before == launches
+        kc, vc = be.d_zeros((9, 2, d)), be.d_zeros((9, 2, d))  # replayed into these, at row 6
+        (got,) = step.run(inputs, 6, [ptr(kc), ptr(vc)])
+        np.testing.assert_array_equal(got.reshape(T, 4, d), want)
+        np.testing.assert_array_equal(be.d_get(kc), be.d_get(eager_k))
+        np.testing.assert_array_equal(be.d_get(vc), be.d_get(eager_v))
+        assert not be.d_get(kc0).any()  # the capture itself wrote nothing

@@ -260,3 +260,93 @@ def test_device_arrays_of_another_backend_are_refused(be):  # noqa: F811
     with pytest.raises(InputError, match="positions"):
         be.d_rope(be.d_put(np.zeros((2, 1, 4), np.float32)), be.d_put(np.zeros((1, 2, 2), np.float32)), 0, 4,
                   False)
+
+
+def prologue_inputs(be, t, hq, hkv, d, rd, interleave, normed):  # noqa: F811 - a backend, not the fixture
+    """Host q [t, hq, d], k and v [t, hkv, d], norm weights [2, d] and a RoPE table [64, rd/2, 2], with
+    the device (norms, rope) arguments of d_attention_prologue (None where off)."""
+    q, k, v = _r(t, hq, d, scale=3.0), _r(t, hkv, d, scale=3.0), _r(t, hkv, d)
+    w = _r(2, d)
+    table = rope_table(1.0 / (1e4 ** (np.arange(0, rd, 2) / max(rd, 1))), 64, attention_factor=1.0)
+    norms = (be.d_put(w[0]), be.d_put(w[1])) if normed else None
+    rope = (be.d_put(table), rd, interleave) if rd else None
+    return (q, k, v, w, table), norms, rope
+
+
+def unfused_prologue(be, q, k, v, norms, rope, kc, vc, row0):  # noqa: F811 - a backend, not the fixture
+    """What d_attention_prologue fuses, as the trunk ran it: d_rmsnorm of each head row, d_rope of q and
+    k, the cache append (d_write_rows of k and v): the roped q [T, Hq, d]."""
+    (t, hq, d), hkv = q.shape, k.shape[1]
+    if norms is not None:
+        q = be.d_view(be.d_rmsnorm(be.d_view(q, (t * hq, d)), norms[0], 1e-6), (t, hq, d))
+        k = be.d_view(be.d_rmsnorm(be.d_view(k, (t * hkv, d)), norms[1], 1e-6), (t, hkv, d))
+    if rope is not None:
+        q, k = (be.d_rope(m, rope[0], row0, rope[1], rope[2]) for m in (q, k))
+    be.d_write_rows(kc, row0, k)
+    be.d_write_rows(vc, row0, v)
+    return q
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,rd,interleave,normed,pos0", [
+    (1, 16, 4, 128, 128, False, True, 37),  # Qwen3's decode: heads of 128, q/k norms, full RoPE
+    (5, 8, 2, 128, 64, False, True, 0),     # a prefill, partial rotary_dim (GLM-4)
+    (2, 4, 2, 64, 64, True, True, 3),       # interleaved pairs
+    (1, 4, 1, 80, 40, False, False, 9),     # no norms: RoPE and the append
+    (3, 6, 2, 36, 0, False, True, 1),       # no RoPE: the norms and the append
+    (2, 4, 2, 18, 18, False, True, 5),      # a head not a multiple of 4 floats: the norm's strided sums
+])
+def test_d_attention_prologue(be, t, hq, hkv, d, rd, interleave, normed, pos0):  # noqa: F811
+    """The optional fused prologue (per-head q/k RMSNorm, RoPE, cache append) where a backend declares it:
+    against the float64 reference, and bit for bit the backend's own unfused ops (q and both caches)."""
+    if not be.supports("d_attention_prologue"):
+        pytest.skip(f"{be.name} declares no d_attention_prologue")
+    (q, k, v, w, table), norms, rope = prologue_inputs(be, t, hq, hkv, d, rd, interleave, normed)
+    dq, dk, dv = be.d_put(q), be.d_put(k), be.d_put(v)
+    cap = pos0 + t + 2
+    kc, vc, kc2, vc2 = (be.d_zeros((cap, hkv, d)) for _ in range(4))
+    y = be.d_get(be.d_attention_prologue(dq, dk, dv, norms, 1e-6, rope, kc, vc, pos0))
+
+    def ref(x, wi):
+        xx = x.astype(np.float64)
+        if normed:
+            xx = xx / np.sqrt((xx ** 2).mean(axis=2, keepdims=True) + 1e-6) * wi
+        return rope_ref(xx, table.astype(np.float64), pos0, rd, interleave) if rd else xx
+
+    assert y.shape == (t, hq, d) and _err(y, ref(q, w[0])) < 1e-5
+    keys, values = be.d_get(kc), be.d_get(vc)
+    assert _err(keys[pos0:pos0 + t], ref(k, w[1])) < 1e-5
+    np.testing.assert_array_equal(values[pos0:pos0 + t], v)
+    assert not keys[:pos0].any() and not keys[pos0 + t:].any() and not values[pos0 + t:].any()
+    want = be.d_get(unfused_prologue(be, dq, dk, dv, norms, rope, kc2, vc2, pos0))
+    np.testing.assert_array_equal(y, want)
+    np.testing.assert_array_equal(keys, be.d_get(kc2))
+    np.testing.assert_array_equal(values, be.d_get(vc2))
+
+
+@pytest.mark.parametrize("normed, rd", [(True, 128), (False, 64)])
+def test_captured_attention_prologue_replays_the_eager_bits(be, normed, rd):  # noqa: F811
+    """Where a backend also captures decode steps: the fused prologue captured at position 2 and replayed
+    at 40 into other caches (read through their slots) gives the eager unfused ops' q and cache rows."""
+    from colibri_plan.backends.handles import DArray
+
+    if not (be.supports("d_attention_prologue") and be.supports("d_capture_step")):
+        pytest.skip(f"{be.name} does not capture a fused prologue")
+    hq, hkv, d = 16, 4, 128
+    (q, k, v, _, _), norms, rope = prologue_inputs(be, 1, hq, hkv, d, rd, False, normed)
+    ek, ev = be.d_zeros((48, hkv, d)), be.d_zeros((48, hkv, d))
+    want = be.d_get(unfused_prologue(be, be.d_put(q), be.d_put(k), be.d_put(v), norms, rope, ek, ev, 40))
+    kc0, vc0 = be.d_zeros((48, hkv, d)), be.d_zeros((48, hkv, d))
+    ptr = be.dops._ptr
+
+    def body(inp):
+        qq, kk, vv = (DArray(s, inp.buf, inp.owner, inp.offset + o) for s, o in
+                      (((1, hq, d), 0), ((1, hkv, d), hq * d), ((1, hkv, d), (hq + hkv) * d)))
+        return [be.d_attention_prologue(qq, kk, vv, norms, 1e-6, rope, kc0, vc0, 2)]
+
+    step = be.d_capture_step((hq + 2 * hkv) * d, hq * d, body, 2, [ptr(kc0), ptr(vc0)])
+    kc, vc = be.d_zeros((48, hkv, d)), be.d_zeros((48, hkv, d))
+    (got,) = step.run(np.concatenate([q.reshape(-1), k.reshape(-1), v.reshape(-1)]), 40, [ptr(kc), ptr(vc)])
+    np.testing.assert_array_equal(got.reshape(1, hq, d), want)
+    np.testing.assert_array_equal(be.d_get(kc), be.d_get(ek))
+    np.testing.assert_array_equal(be.d_get(vc), be.d_get(ev))
+    assert not be.d_get(kc0).any()

@@ -157,7 +157,7 @@ def test_int8_trunk_of_a_pack_runs_its_quantized_matrices(models, tmp_path):
             _close(model.forward(PROMPT), want_logits)
 
 
-@pytest.mark.parametrize("variant", ["qwen2_moe", "olmoe", "glm4_moe", "mixtral_sliding"])
+@pytest.mark.parametrize("variant", ["qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "mixtral_sliding"])
 def test_device_trunk_on_the_simulated_cuda_backend(models, variant, monkeypatch):
     """backends/cuda_device.py's host side (buffers, offsets of views, staging, launch arguments) under the
     trunk, on the stand-in cupy of test_backend_cuda_device_sim.py: the CUDA path without a GPU."""
@@ -180,5 +180,44 @@ def test_device_trunk_on_the_simulated_cuda_backend(models, variant, monkeypatch
                     want = ref.generate(PROMPT, 70)
                 cache = model.new_cache(8)
                 assert model.generate(PROMPT, 70, cache=cache) == want and cache.grown_pages == 1
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe", "glm4_moe"])
+def test_the_fused_attention_prologue_keeps_the_bits_in_fewer_launches(models, variant, monkeypatch):
+    """On the simulated CUDA backend the trunk runs each GQA layer's per-head q/k norms, RoPE and cache
+    append as one d_attention_prologue launch (Qwen3: qk_norm "head"; GLM-4 with qk norms, q/k/v biases
+    and a partial rotary_dim): a prefill and a decode step give the logits of the unfused ops bit for bit,
+    with 3 launches fewer per layer and call (2 rmsnorm + 2 tr_rope -> 1; the eager append is copies)."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from tests.test_backend_cuda_device_sim import device_cupy
+    from tests.test_backend_cuda_sim import Sim
+
+    sim = Sim()
+    monkeypatch.setitem(sys.modules, "cupy", device_cupy(sim))
+    w = models[variant][0]
+    be = get_backend("cuda").open(0)
+    try:
+        with Model(w, trunk_backend=be, context_tokens=8) as model:
+            t = model.trunk
+            assert t._prologue is not None and t.arch.qk_norm == "head"
+            runs = []
+            for fused in (True, False):
+                t._prologue = be.d_attention_prologue if fused else None
+                cache, launches = model.new_cache(), []
+                logits = []
+                for ids in (PROMPT, [7]):
+                    before = sim.launches
+                    logits.append(model.forward(ids, cache))
+                    launches.append(sim.launches - before)
+                runs.append((logits, launches))
+        (fused_logits, fused_n), (plain_logits, plain_n) = runs
+        for a, b in zip(fused_logits, plain_logits):
+            np.testing.assert_array_equal(a, b)
+        assert [p - f for f, p in zip(fused_n, plain_n)] == [3 * t.arch.n_layers] * 2
     finally:
         be.close()

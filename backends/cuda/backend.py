@@ -25,6 +25,7 @@ from colibri_plan.backends.cuda.device import CudaDeviceOps
 from colibri_plan.backends.cuda.experts import CudaExperts, expert_rows_args, ffn_table
 from colibri_plan.backends.cuda.graph import CudaStepGraphs
 from colibri_plan.backends.cuda.launch import Launcher
+from colibri_plan.backends.cuda.prologue import CudaPrologue
 from colibri_plan.backends.cuda.routing import CudaRouting
 from colibri_plan.backends.cuda.segments import CudaSegments
 from colibri_plan.backends.handles import DArray, DeviceWeight, ExpertWeights
@@ -41,7 +42,8 @@ class CUDABackend(Backend):
     :mod:`~colibri_plan.backends.cuda.device`) on NVIDIA GPUs."""
 
     name = "cuda"
-    optional_ops = frozenset({"d_expert_ffn_rows", "d_router_topk", "d_capture_step", "upload_expert_mapped"})
+    optional_ops = frozenset({"d_expert_ffn_rows", "d_router_topk", "d_capture_step", "upload_expert_mapped",
+                              "d_attention_prologue"})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -96,6 +98,7 @@ class CUDABackend(Backend):
         self.dops = self.bind(CudaDeviceOps(self))
         experts = self.bind(CudaExperts(self, self.dops))
         self.bind(CudaRouting(self.dops))
+        self.bind(CudaPrologue(self, self.dops))  # a GQA layer's q/k norms, RoPE and cache append: one launch
         self.bind(CudaStepGraphs(self, self.dops, experts))  # a decode step captured once, replayed
         self.bind(CudaSegments(self, self.dops))  # ... or as segments between host hand-offs
         self.bind(BatchedExperts(self, self._ffn_batch))

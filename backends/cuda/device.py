@@ -70,7 +70,8 @@ _SIGNATURES = {"tr_add": "pppqii", "tr_silu_mul": "pppq", "tr_scale_rows": "ppfp
                "route_topk": "ppppiiiiiiiiff",
                # a captured decode step's (backends/cuda/graph.py): the position read from device memory
                "tr_rope_at": "pppqiiipii", "tr_copy_rows_at": "ppqqpi", "tr_expert_table": "ppppiqqqii",
-               "attention_gqa_at": "pppppiiipiifi",
+               "attention_gqa_at": "pppppiiipiifi", "tr_qkv_prologue": "pppppppppiiiiiifi",
+               "tr_qkv_prologue_at": "pppppppppiiiiiifpi",  # backends/cuda/prologue.py's
                "gate_up": "piiii", "mm": "piiii"}  # gate_up, mm: the host path's, table in device memory
 _CURRENT = threading.local()  # .token: the backend whose device and stream this thread has made current
 _TOKENS = itertools.count(1)  # one per backend state (an id() could be reused by a later backend)

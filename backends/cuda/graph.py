@@ -193,7 +193,8 @@ class CudaStepGraphs:
 
         cp, rt, ops, s = self.cp, self.rt, self.d, self.be.stream
         ops._d_go()
-        for name in ("tr_rope_at", "tr_copy_rows_at", "tr_expert_table", "attention_gqa_at", "tr_expert_sum"):
+        for name in ("tr_rope_at", "tr_copy_rows_at", "tr_expert_table", "attention_gqa_at", "tr_expert_sum",
+                     "tr_qkv_prologue_at"):
             ops._d_kernel(name)  # compiled and loaded before the capture, not inside it
         n_inp = _slot0(n_in) + 2 * len(slots)  # [inputs | position | pad | slots]: inp_host's device copy
         inp = ops._d_empty(n_inp)

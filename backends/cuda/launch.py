@@ -66,7 +66,8 @@ _TOKENS_PER_PASS = 4  # T > 1: tokens summed per read of the weights (their acti
 
 #: the kernels of shaders/cuda/trunk.cu (the device-activation ops'), compiled as one module
 _TRUNK_KERNELS = ("tr_add", "tr_silu_mul", "tr_scale_rows", "tr_rope", "tr_pad_rows", "tr_expert_sum",
-                  "tr_expert_scatter", "tr_rope_at", "tr_copy_rows_at", "tr_expert_table")
+                  "tr_expert_scatter", "tr_rope_at", "tr_copy_rows_at", "tr_expert_table", "tr_qkv_prologue",
+                  "tr_qkv_prologue_at")
 
 
 def _family(fmt: str) -> str:

@@ -119,7 +119,7 @@ class CudaSegments:
         cp, rt, ops, s = self.cp, self.rt, self.d, self.be.stream
         ops._d_go()
         for name in ("tr_rope_at", "tr_copy_rows_at", "tr_expert_table", "attention_gqa_at", "tr_expert_sum",
-                     "tr_add"):
+                     "tr_add", "tr_qkv_prologue_at"):
             ops._d_kernel(name)  # compiled and loaded before the capture, not inside it
         n_inp = _slot0(n_in) + 2 * len(slots)
         inp, cin = ops._d_empty(n_inp), ops._d_empty(max(1, n_cut))
