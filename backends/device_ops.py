@@ -212,12 +212,26 @@ class DeviceOps:
         x [T, H], ``w_router`` a DeviceWeight [E, H], ``bias`` a DArray [E] (e_score_correction_bias) or
         None, ``rule`` a :class:`~colibri_plan.backends.routing.RouteRule` -> (ids [T, K], weights [T, K]),
         both left on the device: ids' 4-byte elements are int32 expert ids in descending choice order
-        (:meth:`d_get_ids` reads them), weights float32. The host rule is ``routing.route_ref``.
+        (:meth:`d_get_ids` reads them), weights float32. The host rule is ``routing.route_ref``. Where the
+        backend binds an ``_d_route_fused`` hook (CUDA, a decode token), GEMV and rule are one launch.
 
         Raises:
             InputError: wrong shapes, another backend's arrays, a rule that cannot choose K of E.
             UnsupportedError: the backend has no kernel, or the router is wider than its kernel takes.
         """
+        ints, floats = self._d_router_check(x, w_router, bias, rule)
+        fused = getattr(self, "_d_route_fused", None)
+        got = None if fused is None else fused(x, w_router, bias, ints, floats)  # None: not this call
+        if got is None:
+            logits = DArray((x.shape[0], ints[0]), self._d_matmul(x, w_router), id(self))  # [T, E]
+            # the hook's buffers; a GPU may pack both in one ([ids | weights], w_offset = T·K) for one copy
+            got = self._d_route(logits, bias, rule, ints, floats)
+        ids, weights, w_offset = got
+        shape, me = (x.shape[0], rule.top_k), id(self)
+        return DArray(shape, ids, me), DArray(shape, weights, me, w_offset)
+
+    def _d_router_check(self, x: DArray, w_router, bias: DArray | None, rule) -> tuple[tuple, tuple]:
+        """:meth:`d_router_topk`'s checks (its Raises); the kernels' scalars ``routing.kernel_params``."""
         from colibri_plan.backends.routing import kernel_params
 
         self._d_check(x, ndim=2)
@@ -232,12 +246,7 @@ class DeviceOps:
         rule.check(e)
         if not self.supports("d_router_topk"):
             raise UnsupportedError(f"{self.name}: d_router_topk has no kernel here (route on the host)")
-        ints, floats = kernel_params(rule, e, bias is not None)
-        logits = DArray((x.shape[0], e), self._d_matmul(x, w_router), id(self))  # [T, E]
-        # the hook's buffers; a GPU may pack both in one ([ids | weights], w_offset = T·K) for one copy down
-        ids, weights, w_offset = self._d_route(logits, bias, rule, ints, floats)
-        shape, me = (x.shape[0], rule.top_k), id(self)
-        return DArray(shape, ids, me), DArray(shape, weights, me, w_offset)
+        return kernel_params(rule, e, bias is not None)
 
     def d_get_ids(self, ids: DArray) -> np.ndarray:
         """Host int32 copy of a device ids array (``d_router_topk``'s first result), with its shape."""

@@ -180,18 +180,19 @@ class DecodeGraph:
         n_out += len(self.hybrid) * (2 * K + H)  # each hand-off's routing and x
         return be.d_capture_segments(H, n_out, len(self.hybrid) * H, body, pos, slots)
 
-    def handoff(self, x, i: int, ids, weights):
+    def handoff(self, x, i: int, ids, weights, prep=None):
         """Inside a segmented capture, MoE layer ``i``'s routed experts on the device x [1, H] with the
-        router's ids/weights [1, K] left on the device: the segment ends with the routing and x copied down
-        (the host then runs :meth:`_host_part`), the next one runs this GPU's experts of the layer (host
-        experts at gate 0) and the one after adds the host's partial sum, copied up: [1, H]."""
+        router's ids/weights [1, K] left on the device (``prep``: the experts' launch table the router
+        wrote, or None): the segment ends with the routing and x copied down (the host then runs
+        :meth:`_host_part`), the next one runs this GPU's experts of the layer (host experts at gate 0)
+        and the one after adds the host's partial sum, copied up: [1, H]."""
         be, H, K = self.trunk.be, self.trunk.arch.hidden_size, self.trunk.arch.top_k
         route = DArray((2 * K,), ids.buf, ids.owner, ids.offset)  # [ids | weights]
         table = self.tables.get(i)
         if table is None:  # no expert of this layer here: the host's sum is the layer's
             return be.d_view(self._cut([route, be.d_view(x, (H,))], H), (1, H))
         self._cut([route, be.d_view(x, (H,))], 0)
-        y = be.d_expert_ffn_indexed(x, ids, weights, table)  # [1, H]: runs while the host computes
+        y = be.d_expert_ffn_indexed(x, ids, weights, table, prep)  # [1, H]: runs while the host computes
         return be.d_add(y, be.d_view(self._cut([], H), (1, H)))
 
     def _host_part(self, j: int, outs: list) -> np.ndarray:

@@ -82,6 +82,13 @@ class DeviceRouter:
         weights) DArrays [T, K] as ``d_router_topk`` returns them (a captured step reads them there)."""
         return self.be.d_router_topk(x, self._w[layer], self._bias.get(layer), self.rule)  # [T, K] each
 
+    def on_device_indexed(self, x, layer: int, table):
+        """Inside a captured decode step (a backend declaring ``d_capture_step``): the routing of the device
+        x [1, H] of MoE layer ``layer`` with its experts' launch table written from ``table`` (the layer's
+        ``d_expert_table``, or None) where the backend can, in the same launch: (ids, weights [1, K] left on
+        the device, the prepared table for ``d_expert_ffn_indexed``, or None)."""
+        return self.be.d_router_indexed(x, self._w[layer], self._bias.get(layer), self.rule, table)
+
     def route(self, x, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The routing of the device x [T, H] (post-norm) of MoE layer ``layer``, brought down: (ids int64
         [T, K] in descending choice order, weights float32 [T, K]), as ``engine.moe.route`` returns them."""

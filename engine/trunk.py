@@ -300,14 +300,14 @@ class Trunk:
         if split is None or (T != 1 and rows_op is None):  # all through the provider
             return be.d_put(routed_experts(xh, i, a, m.dense, m.experts, m.routing))
         if self._graph_routes is not None:  # a captured step: this GPU's experts indexed on the device
-            ids, weights = self._router.on_device(x, i)  # [1, K] each, left on the device
+            graph = self._step_graph  # ids, weights [1, K] left on the device; prep: the experts' table
+            ids, weights, prep = self._router.on_device_indexed(x, i, graph.tables.get(i))
             if weights.buf is not ids.buf or weights.offset != ids.offset + a.top_k:
                 raise UnsupportedError(f"{be.name}: d_router_topk's ids and weights are not back to back")
-            graph = self._step_graph
             if i in graph.hybrid:  # some experts on the host: the step is cut here (decode_graph.py)
-                return graph.handoff(x, i, ids, weights)
+                return graph.handoff(x, i, ids, weights, prep)
             self._graph_routes.append(DArray((2 * a.top_k,), ids.buf, ids.owner, ids.offset))  # [ids | w]
-            return be.d_expert_ffn_indexed(x, ids, weights, graph.tables[i])
+            return be.d_expert_ffn_indexed(x, ids, weights, graph.tables[i], prep)
         if self._router is not None:  # ids and weights [T, K] come down, not x
             ids, weights = self._router.route(x, i)
             if m.routing is not None:

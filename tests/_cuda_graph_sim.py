@@ -1,8 +1,8 @@
 """Simulations of the kernels a captured decode step adds (``shaders/cuda/trunk.cu`` tr_rope_at,
-tr_copy_rows_at, tr_expert_table, tr_qkv_prologue(_at); ``attention.cu`` attention_gqa_at) for the
-stand-in cupy of ``test_backend_cuda_device_sim.py``, and its memory pool / allocator context. Each
-reads the step's position from device memory when it runs (at replay, inside a captured graph), as the
-GPU does."""
+tr_copy_rows_at, tr_expert_table, tr_qkv_prologue(_at); ``attention.cu`` attention_gqa_at; ``route_fused.cu``
+route_fused) for the stand-in cupy of ``test_backend_cuda_device_sim.py``, and its memory pool / allocator
+context. Each reads the step's position from device memory when it runs (at replay, inside a captured
+graph), as the GPU does."""
 
 from __future__ import annotations
 
@@ -48,6 +48,32 @@ def _expert_table(sim, grid, block, args, trunk_sim):
         ent[K + j] = [e[4], e[5], hj, yj, 1, 0, 0, 0]
     absent = (tab[got[order], 0] & np.uint64(1)) != 0  # experts on the host: gate 0
     o[128 * K:].view(np.float32)[:] = np.where(absent, np.float32(0), gates[order])
+
+
+ROUTE_FUSED_STATIC_SMEM = 6672  # route_fused's static shared bytes (nvcc -Xptxas -v, sm_90)
+
+
+def route_fused(sim, grid, block, smem, args, route_sim):
+    """route_fused: the f32 router GEMV as the simulated mm_args computes it (float64 products of the
+    zero-padded x, rounded to float32) into the logits scratch, then the simulated route_topk on them and,
+    experts not null, tr_expert_table's simulation on its ids and weights. The count of finished blocks is
+    0 at every launch (the last block sets it back)."""
+    from colibri_plan.backends.cuda.routing import FUSED_THREADS, fused_blocks
+
+    wr, x, bias, logits, count, ids, w, experts, out, xe, h, y, hrow, yrow = (int(a) for a in args[:14])
+    E, H, in_pad, K, sm, g, tg, gmax, norm = (int(a) for a in args[14:23])
+    eps, scale = args[23:]
+    assert grid == (fused_blocks(E), 1, 1) and block == (FUSED_THREADS,) and smem == 4 * in_pad
+    assert smem + ROUTE_FUSED_STATIC_SMEM <= 48 * 1024 and in_pad % 128 == 0 and H <= in_pad
+    assert sim.mem(count, 4).view(np.int32)[0] == 0
+    sim.route_fused_args = (E, H, in_pad, K, sm, g, tg, gmax, norm, bool(experts))
+    W = sim.mem(wr, 4 * E * in_pad).view(np.float32).reshape(E, in_pad).astype(np.float64)
+    xx = np.zeros(in_pad, np.float64)
+    xx[:H] = sim.mem(x, 4 * H).view(np.float32)
+    sim.mem(logits, 4 * E).view(np.float32)[:] = xx @ W.T
+    route_sim(sim, (1, 1, 1), (32,), (logits, bias, ids, w, 1, E, K, sm, g, tg, gmax, norm, eps, scale))
+    if experts:
+        _expert_table(sim, (1, 1, 1), (32,), (ids, w, experts, out, K, xe, h, y, hrow, yrow), None)
 
 
 def attention_at(sim, grid, block, smem, args, attention_sim):

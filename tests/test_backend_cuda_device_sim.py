@@ -21,7 +21,7 @@ import pytest
 
 from colibri_plan.backends.device_ops import attention_ref, rope_ref
 from colibri_plan.errors import InputError, UnsupportedError
-from tests._cuda_graph_sim import GRAPH_KERNELS, add_pool, attention_at
+from tests._cuda_graph_sim import GRAPH_KERNELS, add_pool, attention_at, route_fused
 from tests.test_backend_cuda_sim import Sim, fake_cupy
 from tests.test_backends_device_ops import (  # noqa: F401 - collected here with the simulated `be`
     test_a_gqa_layer_chain_stays_on_the_device,
@@ -191,6 +191,8 @@ def device_cupy(sim: Sim):
                 op = lambda: _combine_sim(sim, grid, args)  # noqa: E731
             elif name == "route_topk":
                 op = lambda: _route_sim(sim, grid, block, args)  # noqa: E731
+            elif name == "route_fused":
+                op = lambda: route_fused(sim, grid, block, shared_mem, args, _route_sim)  # noqa: E731
             else:
                 op = lambda: _trunk_sim(sim, name, grid, block, args)  # noqa: E731
             sim.launches += 1

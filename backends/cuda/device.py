@@ -67,7 +67,7 @@ _SIGNATURES = {"tr_add": "pppqii", "tr_silu_mul": "pppq", "tr_scale_rows": "ppfp
                "tr_pad_rows": "ppiii", "rmsnorm": "pppppif", "attention_gqa": "pppppiiiiifi",
                "attention_combine": "ppii", "mm_args": "tiiii", "tr_expert_sum": "pppqi",
                "tr_expert_scatter": "ppppqii",
-               "route_topk": "ppppiiiiiiiiff",
+               "route_topk": "ppppiiiiiiiiff", "route_fused": "pppppppppqqqiiiiiiiiiiiff",
                # a captured decode step's (backends/cuda/graph.py): the position read from device memory
                "tr_rope_at": "pppqiiipii", "tr_copy_rows_at": "ppqqpi", "tr_expert_table": "ppppiqqqii",
                "attention_gqa_at": "pppppiiipiifi", "tr_qkv_prologue": "pppppppppiiiiiifi",

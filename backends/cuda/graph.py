@@ -1,6 +1,6 @@
 """A decode step captured once and replayed (issue 25, Builds 2 and 3): :class:`CudaStepGraphs`, the part
-whose ops ``d_capture_step``, ``d_expert_table`` and ``d_expert_ffn_indexed`` (optional op
-``d_capture_step``) :class:`~colibri_plan.backends.cuda.backend.CUDABackend` binds at open.
+whose ops ``d_capture_step``, ``d_expert_table``, ``d_router_indexed`` and ``d_expert_ffn_indexed``
+(optional op ``d_capture_step``) :class:`~colibri_plan.backends.cuda.backend.CUDABackend` binds at open.
 
 A decode step of the device trunk is ~15 launches a layer, each a few µs of Python: at 24 layers the host,
 not the GPU, sets the pace. Here the trunk's own code runs once under CUDA stream capture (CuPy's
@@ -15,7 +15,10 @@ The routed experts stay on the device too (llama.cpp's ``mul_mat_id`` idea): ``d
 builds matmul.cu's launch table from the router's ids in device memory and the layer's expert table
 (``d_expert_table``: each expert's weight and scale addresses), then runs the host path's ``gate_up`` and
 ``mm`` kernels and ``tr_expert_sum`` — the same kernels, launch shapes and summation order (experts by
-ascending id) as ``d_expert_ffn``, so a replayed step gives the eager step's bits.
+ascending id) as ``d_expert_ffn``, so a replayed step gives the eager step's bits. ``d_router_indexed``
+routes the token and writes that launch table in the same launch (routing.py's ``route_fused``: router
+GEMV, top-k rule, table) and hands it to ``d_expert_ffn_indexed``, which then skips ``tr_expert_table``: a
+captured MoE layer is four launches, not six.
 
 Memory: everything the capture allocates comes from a memory pool of the graph's own (PyTorch's private
 pool idea), kept with the graph, so no later allocation can take a block a replay writes; the work
@@ -47,6 +50,22 @@ class ExpertTable:
     first: Any
     experts: list = field(repr=False)
     absent: int = 0  # experts that live off this GPU (gate 0 on the device)
+
+
+@dataclass
+class IndexedRoute:
+    """The launch table ``route_fused`` wrote for one decode token's experts (``d_router_indexed``), for
+    ``d_expert_ffn_indexed`` to run instead of ``tr_expert_table``: ``args`` the CuPy float32 array it lies
+    in ([K gate/up | K down entries] of 8 u64, then K gates); ``ids``, ``x``, ``h``, ``y`` the device
+    addresses of the ids it was made from, of the token's x (read in place: rows of the experts' in_pad)
+    and of the work buffers it names; ``table`` the layer's ExpertTable."""
+
+    args: Any
+    ids: int
+    x: int
+    h: int
+    y: int
+    table: ExpertTable
 
 
 @dataclass
@@ -105,7 +124,8 @@ class CudaStepGraphs:
         backend: the open CUDA backend; dops: its CudaDeviceOps; experts: its CudaExperts.
     """
 
-    HOOKS = ("d_capture_step", "d_expert_table", "d_expert_ffn_indexed", "d_attention_splits")
+    HOOKS = ("d_capture_step", "d_expert_table", "d_router_indexed", "d_expert_ffn_indexed",
+             "d_attention_splits")
 
     def __init__(self, backend, dops, experts):
         self.be, self.d, self.ex = backend, dops, experts
@@ -146,11 +166,41 @@ class CudaStepGraphs:
         dev = self.d._d_put(np.array(rows, np.uint64).view(np.float32).reshape(-1))  # [E, 6] u64
         return ExpertTable(dev, held[0], list(held), len(experts) - len(held))
 
-    def d_expert_ffn_indexed(self, x: DArray, ids: DArray, weights: DArray, table: ExpertTable) -> DArray:
+    def d_router_indexed(self, x: DArray, w_router, bias: DArray | None, rule, table: ExpertTable | None
+                         ) -> tuple[DArray, DArray, IndexedRoute | None]:
+        """``d_router_topk`` of one decode token x [1, H] that also writes its experts' launch table from
+        ``table`` (the layer's :meth:`d_expert_table`; None: routing alone), all in one ``route_fused``
+        launch: (ids [1, K], weights [1, K] as d_router_topk leaves them, the :class:`IndexedRoute` to hand
+        to :meth:`d_expert_ffn_indexed`, or None where the table is not written here: no table, K > 32,
+        x not already rows of the experts' in_pad, or the fused kernel off; d_expert_ffn_indexed then
+        builds it). Raises as ``d_router_topk``."""
+        be, ops = self.be, self.d
+        ints, floats = be._d_router_check(x, w_router, bias, rule)
+        K, e0 = rule.top_k, None if table is None else table.first
+        fits = (e0 is not None and x.shape == (1, e0.gate.in_features) and K <= MAX_TOP_K
+                and e0.gate.payload.in_pad == x.shape[1] and ops._ptr(x) % 16 == 0)
+        if not fits:
+            return (*be.d_router_topk(x, w_router, bias, rule), None)
+        ops._d_go()
+        xp, h, y = self.ex._buffers(x, [e0], K)  # x in place (fits), h_j [Ip] and y_j [H] at rows j
+        args = ops._d_empty(32 * K + K)  # [K gate/up entries | K down entries] of 8 u64, then K gates
+        got = be._d_route_fused(x, w_router, bias, ints, floats, (
+            table.dev.data.ptr, args.data.ptr, xp, h, y, 4 * e0.down.payload.in_pad, 4 * x.shape[1]))
+        if got is None:
+            return (*be.d_router_topk(x, w_router, bias, rule), None)
+        buf, _, w_offset = got
+        me = id(be)
+        return (DArray((1, K), buf, me), DArray((1, K), buf, me, w_offset),
+                IndexedRoute(args, buf.data.ptr, ops._ptr(x), h, y, table))
+
+    def d_expert_ffn_indexed(self, x: DArray, ids: DArray, weights: DArray, table: ExpertTable,
+                             routed: IndexedRoute | None = None) -> DArray:
         """Σ_j weights[j] · expert_{ids[j]}(x) of one decode token on the device: x float32 [1, H];
         ids [1, K] int32 and weights [1, K] float32 as ``d_router_topk`` leaves them; ``table`` the
-        layer's :meth:`d_expert_table`. -> [1, H], summed over the experts by ascending id (the host's
-        order). No host wait, nothing staged: it may run inside a captured step.
+        layer's :meth:`d_expert_table`; ``routed`` the :meth:`d_router_indexed` that made ids and weights
+        with the launch table (``tr_expert_table`` is then not launched). -> [1, H], summed over the
+        experts by ascending id (the host's order). No host wait, nothing staged: it may run inside a
+        captured step.
 
         Raises:
             InputError: x not [1, H] of this backend, or ids/weights not [1, K] with K <= 32.
@@ -167,11 +217,15 @@ class CudaStepGraphs:
                              f"[1, {e0.gate.in_features}]")
         ops._d_go()
         xp, h, y = self.ex._buffers(x, [e0], K)  # h_j [Ip], y_j [H] at rows j
-        args = ops._d_empty(32 * K + K)  # [K gate/up entries | K down entries] of 8 u64, then K gates
+        if (routed is not None and routed.table is table and routed.x == xp == ops._ptr(x)
+                and (routed.ids, routed.h, routed.y) == (ops._ptr(ids), h, y) and routed.args.size == 33 * K):
+            args = routed.args  # route_fused wrote it for these buffers
+        else:
+            args = ops._d_empty(32 * K + K)  # [K gate/up entries | K down entries] of 8 u64, then K gates
+            ops._d_kernel("tr_expert_table")(1, 1, 1, 32, 0, ops._dstate["sptr"], ops._ptr(ids),
+                                             ops._ptr(weights), table.dev.data.ptr, args.data.ptr, K, xp, h,
+                                             y, 4 * e0.down.payload.in_pad, 4 * H)
         ap = args.data.ptr
-        ops._d_kernel("tr_expert_table")(1, 1, 1, 32, 0, ops._dstate["sptr"], ops._ptr(ids),
-                                         ops._ptr(weights), table.dev.data.ptr, ap, K, xp, h, y,
-                                         4 * e0.down.payload.in_pad, 4 * H)
         self.ex._launch([e0] * K, ap, 1, H)  # gate_up, then mm, K experts
         out = ops._d_launch("tr_expert_sum", H, ops._blocks(H), 2, y, ap + 128 * K, H, K)
         return DArray((1, H), out, id(self.be))

@@ -70,6 +70,10 @@ _TRUNK_KERNELS = ("tr_add", "tr_silu_mul", "tr_scale_rows", "tr_rope", "tr_pad_r
                   "tr_qkv_prologue_at")
 
 
+#: NVRTC sources compiled after others, as one: route_fused.cu reuses matmul.cu's GEMV and route.cu's rule
+_MODULES = {"route_fused.cu": ("matmul.cu", "route.cu", "route_fused.cu")}
+
+
 def _family(fmt: str) -> str:
     return "int4" if fmt.startswith("int4") else fmt
 
@@ -209,16 +213,19 @@ class Launcher:
         return hit
 
     def module_fn(self, name: str):
-        """Kernel ``name`` of trunk.cu / attention.cu / route.cu / matmul.cu (rmsnorm: d_rmsnorm's), a
-        CuPy RawKernel, compiled by NVRTC once per source file on first use (CuPy caches the binaries)."""
+        """Kernel ``name`` of trunk.cu / attention.cu / route.cu / route_fused.cu (after matmul.cu and
+        route.cu: _MODULES) / matmul.cu (rmsnorm: d_rmsnorm's), a CuPy RawKernel, compiled by NVRTC once per
+        source file on first use (CuPy caches the binaries)."""
         fn = self.fns.get(name)
         if fn is None:
             source = ("trunk.cu" if name in _TRUNK_KERNELS else "matmul.cu" if name == "rmsnorm"
-                      else "route.cu" if name == "route_topk" else "attention.cu")
+                      else "route.cu" if name == "route_topk" else "route_fused.cu" if name == "route_fused"
+                      else "attention.cu")
             with self.dev:
                 mod = self.fns.get(source)
                 if mod is None:
-                    mod = self.fns[source] = self.cp.RawModule(code=programs.kernel_source("cuda", source),
+                    code = "".join(programs.kernel_source("cuda", f) for f in _MODULES.get(source, (source,)))
+                    mod = self.fns[source] = self.cp.RawModule(code=code,
                                                                 options=("--std=c++14",))  # cuda.py's
                 fn = self.fns[name] = mod.get_function(name)
         return fn

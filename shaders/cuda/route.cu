@@ -33,98 +33,107 @@ __device__ __forceinline__ void route_warp_best(float &v, int &i) {
     }
 }
 
-// ints as routing.kernel_params: E, K, softmax, (bias: a null pointer when none), n_group (1: not
-// grouped), topk_group, group_max, norm; eps added to a renormalised sum, scale multiplies the weights
+// One token row's rule (route_topk's and route_fused's, route_fused.cu): the warp's lanes score the row's
+// logits l [E] (global or shared memory), s and cc [E] the warp's shared scratch (weights, choice scores);
+// writes id [K] and wt [K] (lanes < K, and lanes < K - 32). Ints as routing.kernel_params: E, K, softmax,
+// (bias: a null pointer when none), n_group (1: not grouped), topk_group, group_max, norm; eps added to a
+// renormalised sum, scale multiplies the weights. The caller __syncwarp()s before reusing s and cc.
+__device__ __forceinline__ void route_row(const float *__restrict__ l, const float *__restrict__ bias,
+                                          int *id, float *wt, float *s, float *cc, int E, int K,
+                                          int softmax, int n_group, int topk_group, int group_max, int norm,
+                                          float eps, float scale) {
+    const int lane = threadIdx.x & 31;
+    float c[ROUTE_PER_LANE];  // the lane's choice scores, then ROUTE_NEG once unavailable
+    unsigned left = 0u;       // bit j: expert lane + 32 j still competes
+#pragma unroll
+    for (int j = 0; j < ROUTE_PER_LANE; j++) {
+        const int e = lane + 32 * j;
+        c[j] = e < E ? l[e] : ROUTE_NEG;
+        if (e < E) left |= 1u << j;
+    }
+    if (softmax) {
+        float m = ROUTE_NEG;
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; j++) m = fmaxf(m, c[j]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(ROUTE_FULL, m, o));
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; j++)
+            if ((left >> j) & 1u) { c[j] = expf(c[j] - m); sum += c[j]; }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(ROUTE_FULL, sum, o);
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; j++)
+            if ((left >> j) & 1u) c[j] = c[j] / sum;
+    } else {
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; j++)
+            if ((left >> j) & 1u) c[j] = 1.0f / (1.0f + expf(-c[j]));
+    }
+#pragma unroll
+    for (int j = 0; j < ROUTE_PER_LANE; j++)  // c: s, then the choice score s (+ bias)
+        if ((left >> j) & 1u) {
+            const int e = lane + 32 * j;
+            s[e] = c[j];
+            if (bias) c[j] = c[j] + bias[e];
+            cc[e] = c[j];
+        }
+    __syncwarp();  // s and cc complete for every lane
+    if (n_group > 1) {  // lane g scores group g (its best and second best choice scores)
+        const int gs = E / n_group;
+        float gsc = ROUTE_NEG;
+        if (lane < n_group) {
+            float b1 = ROUTE_NEG, b2 = ROUTE_NEG;
+            for (int q = 0; q < gs; q++) {
+                const float v = cc[lane * gs + q];
+                if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) b2 = v;
+            }
+            gsc = (group_max || gs == 1) ? b1 : b2 + b1;
+        }
+        unsigned keep = 0u;  // bit g: group g competes
+        for (int r = 0; r < topk_group; r++) {
+            float v = gsc;
+            int g = (lane < n_group && !((keep >> lane) & 1u)) ? lane : -1;
+            route_warp_best(v, g);
+            keep |= 1u << g;
+        }
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; j++)
+            if (!((keep >> ((lane + 32 * j) / gs)) & 1u)) left &= ~(1u << j);
+    }
+    int id0 = 0, id1 = 0;  // lane l keeps choices l and l + 32 (scalars: an array indexed by k would
+    float w0 = 0.0f, w1 = 0.0f;  // sit in local memory)
+    float sum = 0.0f;  // the chosen scores in choice order (every lane the same)
+    for (int k = 0; k < K; k++) {
+        int bi = -1;
+        float bv = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; j++)  // ascending ids: the lower wins a tie
+            if (((left >> j) & 1u) && (bi < 0 || c[j] > bv)) { bi = lane + 32 * j; bv = c[j]; }
+        route_warp_best(bv, bi);
+        if ((bi & 31) == lane) left &= ~(1u << (bi >> 5));
+        const float sb = s[bi];
+        sum += sb;
+        if (k == lane) { id0 = bi; w0 = sb; }
+        if (k == lane + 32) { id1 = bi; w1 = sb; }
+    }
+    const float den = sum + eps;
+    if (lane < K) { id[lane] = id0; wt[lane] = (norm ? w0 / den : w0) * scale; }
+    if (lane + 32 < K) { id[lane + 32] = id1; wt[lane + 32] = (norm ? w1 / den : w1) * scale; }
+}
+
+// logits [T, E] -> ids [T, K], w [T, K]: one warp per row, the block's warps on consecutive rows
 extern "C" __global__ void route_topk(const float *__restrict__ logits, const float *__restrict__ bias,
                                       int *__restrict__ ids, float *__restrict__ w, int T, int E, int K,
                                       int softmax, int n_group, int topk_group, int group_max, int norm,
                                       float eps, float scale) {
     __shared__ float ss[ROUTE_WARPS][ROUTE_MAXE];  // a warp's row scores (weights, group scores)
     __shared__ float cs[ROUTE_WARPS][ROUTE_MAXE];  // and choice scores (grouped routing only)
-    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
-    float *s = ss[wib], *cc = cs[wib];
+    const int wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
     for (int t = blockIdx.x * wpb + wib; t < T; t += gridDim.x * wpb) {  // uniform across the warp
-        const float *l = logits + (long long)t * E;
-        float c[ROUTE_PER_LANE];  // the lane's choice scores, then ROUTE_NEG once unavailable
-        unsigned left = 0u;       // bit j: expert lane + 32 j still competes
-#pragma unroll
-        for (int j = 0; j < ROUTE_PER_LANE; j++) {
-            const int e = lane + 32 * j;
-            c[j] = e < E ? l[e] : ROUTE_NEG;
-            if (e < E) left |= 1u << j;
-        }
-        if (softmax) {
-            float m = ROUTE_NEG;
-#pragma unroll
-            for (int j = 0; j < ROUTE_PER_LANE; j++) m = fmaxf(m, c[j]);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(ROUTE_FULL, m, o));
-            float sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < ROUTE_PER_LANE; j++)
-                if ((left >> j) & 1u) { c[j] = expf(c[j] - m); sum += c[j]; }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(ROUTE_FULL, sum, o);
-#pragma unroll
-            for (int j = 0; j < ROUTE_PER_LANE; j++)
-                if ((left >> j) & 1u) c[j] = c[j] / sum;
-        } else {
-#pragma unroll
-            for (int j = 0; j < ROUTE_PER_LANE; j++)
-                if ((left >> j) & 1u) c[j] = 1.0f / (1.0f + expf(-c[j]));
-        }
-#pragma unroll
-        for (int j = 0; j < ROUTE_PER_LANE; j++)  // c: s, then the choice score s (+ bias)
-            if ((left >> j) & 1u) {
-                const int e = lane + 32 * j;
-                s[e] = c[j];
-                if (bias) c[j] = c[j] + bias[e];
-                cc[e] = c[j];
-            }
-        __syncwarp();  // s and cc complete for every lane
-        if (n_group > 1) {  // lane g scores group g (its best and second best choice scores)
-            const int gs = E / n_group;
-            float gsc = ROUTE_NEG;
-            if (lane < n_group) {
-                float b1 = ROUTE_NEG, b2 = ROUTE_NEG;
-                for (int q = 0; q < gs; q++) {
-                    const float v = cc[lane * gs + q];
-                    if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) b2 = v;
-                }
-                gsc = (group_max || gs == 1) ? b1 : b2 + b1;
-            }
-            unsigned keep = 0u;  // bit g: group g competes
-            for (int r = 0; r < topk_group; r++) {
-                float v = gsc;
-                int g = (lane < n_group && !((keep >> lane) & 1u)) ? lane : -1;
-                route_warp_best(v, g);
-                keep |= 1u << g;
-            }
-#pragma unroll
-            for (int j = 0; j < ROUTE_PER_LANE; j++)
-                if (!((keep >> ((lane + 32 * j) / gs)) & 1u)) left &= ~(1u << j);
-        }
-        int id0 = 0, id1 = 0;  // lane l keeps choices l and l + 32 (scalars: an array indexed by k would
-        float w0 = 0.0f, w1 = 0.0f;  // sit in local memory)
-        float sum = 0.0f;  // the chosen scores in choice order (every lane the same)
-        for (int k = 0; k < K; k++) {
-            int bi = -1;
-            float bv = 0.0f;
-#pragma unroll
-            for (int j = 0; j < ROUTE_PER_LANE; j++)  // ascending ids: the lower wins a tie
-                if (((left >> j) & 1u) && (bi < 0 || c[j] > bv)) { bi = lane + 32 * j; bv = c[j]; }
-            route_warp_best(bv, bi);
-            if ((bi & 31) == lane) left &= ~(1u << (bi >> 5));
-            const float sb = s[bi];
-            sum += sb;
-            if (k == lane) { id0 = bi; w0 = sb; }
-            if (k == lane + 32) { id1 = bi; w1 = sb; }
-        }
-        const float den = sum + eps;
-        int *id = ids + (long long)t * K;
-        float *wt = w + (long long)t * K;
-        if (lane < K) { id[lane] = id0; wt[lane] = (norm ? w0 / den : w0) * scale; }
-        if (lane + 32 < K) { id[lane + 32] = id1; wt[lane + 32] = (norm ? w1 / den : w1) * scale; }
+        route_row(logits + (long long)t * E, bias, ids + (long long)t * K, w + (long long)t * K, ss[wib],
+                  cs[wib], E, K, softmax, n_group, topk_group, group_max, norm, eps, scale);
         __syncwarp();  // s and cc are the warp's next row's
     }
 }
