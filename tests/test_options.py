@@ -51,7 +51,7 @@ def test_profile_flags_left_out_keep_the_field_defaults():
     """`profile`'s flags left out are None (the field's default then applies: the mode's sizes, all probes,
     the formats) or the field's default itself."""
     flags = _flag_defaults(profile, ProfileOptions)
-    assert set(_fields(ProfileOptions)) - set(flags) == {"model_arch"}   # read from --model, not a flag
+    assert set(_fields(ProfileOptions)) - set(flags) == {"model_arch", "step_runner"}   # --model's, not flags
     for name, value in flags.items():
         assert value is None or value == getattr(ProfileOptions(), name), name
     assert ProfileOptions().formats == ("int4", "int4-g64") and "trunk" in ProfileOptions().probes

@@ -200,7 +200,10 @@ def profile(opts, out):
                                 and not (p == path and Path(p).is_dir())])
     if "trunk" in opts.probes:
         arch, why = model_arch(model)
-        opts = dataclasses.replace(opts, model_arch=arch)
+        from colibri_plan.engine import step_timing
+
+        opts = dataclasses.replace(opts, model_arch=arch,
+                                   step_runner=step_timing if arch is not None else None)
         if why:
             warn(why)
     stages = ["machine", *[p for p in PROBES if p in opts.probes]]

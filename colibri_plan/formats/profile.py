@@ -29,6 +29,13 @@ A profile is a JSON document (kind ``"profile"``, schema_version 1, written atom
   roundtrip_bytes (both directions)
 - ``attention`` (optional): backend, device_index, device_name, n_heads, n_kv_heads, head_dim,
   context_tokens, seconds (one decode ``d_attention`` of one layer), kv_gbps (K+V float32 bytes / s / 1e9)
+- ``step_graph`` (optional; GPU backends that declare ``d_capture_step``, measured with ``profile --model``:
+  :mod:`colibri_plan.profiler.step_probe`): backend, device_index, device_name, fmt (dense), expert_fmt,
+  hidden, n_heads, n_kv_heads, head_dim, vocab, n_experts, top_k, expert_width, expert_bytes,
+  layer_trunk_bytes, context_tokens, layers_short, layers_long; step_short_seconds / step_long_seconds (one
+  replayed decode token of the synthetic model of that many layers, every expert in VRAM), layer_seconds
+  ((long − short) / (layers_long − layers_short): one layer's trunk and its top-k VRAM experts) and
+  fixed_seconds (short − layers_short · layer: embedding in, LM head, logits out, host)
   Accessors: :mod:`colibri_plan.formats.profile_trunk`.
 
 Every measured figure is a *stat*: ``{"min", "median", "max", "repetitions"}`` (non-negative, finite,

@@ -204,12 +204,17 @@ TRUNK_INTS = {"dense_gemv": (("out_features", 1), ("in_features", 1), ("tokens",
               "device_ops": (("roundtrip_bytes", 1),),
               "attention": (("n_heads", 1), ("n_kv_heads", 1), ("head_dim", 1), ("context_tokens", 1)),
               "trunk_layer": (("hidden", 1), ("n_heads", 1), ("n_kv_heads", 1), ("head_dim", 1),
-                              ("context_tokens", 1), ("layers", 1), ("weight_bytes", 1))}
+                              ("context_tokens", 1), ("layers", 1), ("weight_bytes", 1)),
+              "step_graph": (("hidden", 1), ("n_heads", 1), ("n_kv_heads", 1), ("head_dim", 1), ("vocab", 1),
+                             ("n_experts", 1), ("top_k", 1), ("expert_width", 1), ("expert_bytes", 1),
+                             ("context_tokens", 1), ("layers_short", 1), ("layers_long", 2),
+                             ("layer_trunk_bytes", 1))}
 TRUNK_STATS = {"dense_gemv": ("seconds", "weight_gbps"), "device_ops": ("op_seconds", "roundtrip_seconds"),
                "attention": ("seconds", "kv_gbps"),
-               "trunk_layer": ("block_seconds", "moe_layer_seconds", "handoff_seconds", "attention_seconds")}
+               "trunk_layer": ("block_seconds", "moe_layer_seconds", "handoff_seconds", "attention_seconds"),
+               "step_graph": ("layer_seconds", "fixed_seconds", "step_short_seconds", "step_long_seconds")}
 #: sections whose entries name a quant format
-TRUNK_FMT = ("dense_gemv", "trunk_layer")
+TRUNK_FMT = ("dense_gemv", "trunk_layer", "step_graph")
 #: ``trunk_layer.path``: the device trunk's d_* ops, or the CPU trunk's host path
 LAYER_PATHS = ("device", "host")
 #: trunk_layer rows the probe writes on one path only: the cpu backend is the CPU trunk's host path, a
@@ -219,14 +224,17 @@ EITHER_PATH_BACKENDS = ("numpy",)
 
 
 def _check_trunk(doc: dict) -> None:
-    """The optional ``dense_gemv``, ``device_ops``, ``attention`` and ``trunk_layer`` sections (profiles
-    written before the trunk probe, or before its layer figure, lack them): a non-empty list of typed
+    """The optional ``dense_gemv``, ``device_ops``, ``attention``, ``trunk_layer`` and ``step_graph``
+    sections (profiles written before the trunk probe, or before its layer or step figure, lack them): a
+    non-empty list of typed
     entries, or ``{"unavailable": reason}``. A ``trunk_layer`` entry (one decoder layer's op sequence,
     :mod:`colibri_plan.profiler.trunk_layer_probe`) also names its ``fmt`` and its ``path`` ("device":
     the d_* ops of a device trunk; "host": the CPU trunk's host path); its seconds are per layer;
     optional: ``attention_long_seconds`` with ``long_context_tokens``, and on the host path the routed
     experts' calls ``expert_one_seconds``, ``expert_topk_seconds`` with ``expert_width``,
-    ``expert_topk``, ``expert_fmt``."""
+    ``expert_topk``, ``expert_fmt``. A ``step_graph`` entry (the replayed decode step,
+    :mod:`colibri_plan.profiler.step_probe`) names its dense ``fmt`` and its experts' ``expert_fmt``; its
+    ``layers_long`` is more than its ``layers_short``."""
     for name, ints in TRUNK_INTS.items():
         if name not in doc:
             continue
@@ -256,6 +264,13 @@ def _check_trunk(doc: dict) -> None:
                 f.whole(e, "expert_topk", w, lo=2)
                 if e.get("expert_fmt") not in FORMATS:
                     w.fail(f"expert_fmt {e.get('expert_fmt')!r} is not a quant format")
+            if name == "step_graph":
+                if e.get("expert_fmt") not in FORMATS:
+                    w.fail(f"expert_fmt {e.get('expert_fmt')!r} is not a quant format")
+                if not (isinstance(e["layers_long"], int) and isinstance(e["layers_short"], int)
+                        and e["layers_long"] > e["layers_short"]):
+                    w.fail(f"layers_long {e['layers_long']!r} must be more than layers_short "
+                           f"{e['layers_short']!r} (the per-layer figure is their difference)")
             if fmt_key and e["fmt"] not in FORMATS:
                 w.fail(f"fmt {e['fmt']!r} is not a quant format (one of {', '.join(FORMATS)})")
             f.whole(e, "device_index", w, lo=0)

@@ -1,5 +1,5 @@
-"""Readers of a profile's optional trunk sections: ``dense_gemv``, ``device_ops``, ``attention`` and
-``trunk_layer``.
+"""Readers of a profile's optional trunk sections: ``dense_gemv``, ``device_ops``, ``attention``,
+``trunk_layer`` and ``step_graph``.
 
 The sections are described in :mod:`colibri_plan.formats.profile` (``trunk_layer``: in
 :mod:`colibri_plan.formats.profile_check` and :mod:`colibri_plan.profiler.trunk_layer_probe`) and written
@@ -146,3 +146,33 @@ def expert_call_s(profile, fmt: str | None = None) -> float | None:
             t1, tk = float(e["expert_one_seconds"]["median"]), float(e["expert_topk_seconds"]["median"])
             return max(0.0, t1 - (tk - t1) / (int(e["expert_topk"]) - 1))
     return None
+
+
+def step_graph(profile, backend: str, device_index: int, match: dict | None = None) -> dict | None:
+    """The device's replayed decode step (section ``step_graph``,
+    :mod:`colibri_plan.profiler.step_probe`): None when not measured or when no entry matches every key of
+    ``match`` (e.g. ``{"hidden": 2048, "top_k": 8, "expert_width": 768, "expert_fmt": "int8",
+    "fmt": "int8"}``: the figure holds for that model's shapes only), else a dict, seconds per token::
+
+        {"fmt", "expert_fmt", "hidden", "n_heads", "n_kv_heads", "head_dim", "vocab", "n_experts", "top_k",
+         "expert_width", "expert_bytes", "layer_trunk_bytes", "context_tokens", "layers_short",
+         "layers_long", "layer_s" (one layer: trunk + its top-k VRAM experts), "fixed_s" (once per token)}
+
+    Medians; the first matching entry."""
+    want = match or {}
+    for e in _entries(profile, "step_graph", backend, device_index):
+        if all(e.get(k) == v for k, v in want.items()):
+            out = {k: e[k] for k in ("fmt", "expert_fmt", "hidden", "n_heads", "n_kv_heads", "head_dim",
+                                     "vocab", "n_experts", "top_k", "expert_width", "expert_bytes",
+                                     "layer_trunk_bytes", "context_tokens", "layers_short", "layers_long")}
+            out.update(layer_s=float(e["layer_seconds"]["median"]),
+                       fixed_s=float(e["fixed_seconds"]["median"]))
+            return out
+    return None
+
+
+def fastest_gemv_gbps(profile, backend: str, device_index: int) -> float | None:
+    """The highest ``dense_gemv`` weight GB/s (median) the device reached at any shape and format: its
+    rate on a read large enough to be bound by memory, not by a launch; None when not measured."""
+    rows = _entries(profile, "dense_gemv", backend, device_index)
+    return max(float(e["weight_gbps"]["median"]) for e in rows) if rows else None

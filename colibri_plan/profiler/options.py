@@ -43,6 +43,8 @@ class ProfileOptions:
             tokens [--contexts]. trunk_seconds: trunk probe seconds per device [--trunk-seconds].
         model_arch: the model's ArchConfig (``profile --model`` reads it): its trunk shapes join
             ``dense_gemv`` and its layer is the ``trunk_layer`` figure; None: generic shapes.
+        step_runner: :mod:`colibri_plan.engine.step_timing`, handed in by the CLI with ``model_arch``: the
+            ``step_graph`` figure of a GPU that replays its decode step; None: not measured.
     """
 
     path: str | None = None
@@ -63,6 +65,7 @@ class ProfileOptions:
     dense_formats: Sequence[str] = DENSE_FORMATS
     contexts: Sequence[int] | None = None
     trunk_seconds: float | None = None
+    step_runner: object = None
 
 
 #: the defaults, for the CLI's flags

@@ -3,7 +3,8 @@
 Two modes: ``quick`` (CI; under ~30 s on a 2-core machine: smaller test file, queue depths {1, 4},
 fewer repetitions) and ``default`` (under ~120 s there). Every size can be overridden (tests use tiny
 blocks and files). Sections the machine lacks, or that were not asked for, are ``{"unavailable": why}``;
-the optional trunk sections (``dense_gemv``, ``device_ops``, ``attention``) are left out when the
+the optional trunk sections (``dense_gemv``, ``device_ops``, ``attention``, ``trunk_layer``, and with
+``--model`` on a GPU that replays its decode step ``step_graph``) are left out when the
 ``trunk`` probe is not asked for, as in profiles written before it existed.
 """
 
@@ -29,6 +30,7 @@ from colibri_plan.profiler.machine import (
 from colibri_plan.profiler.matmul_probe import MatmulSettings, probe_matmul
 from colibri_plan.profiler.options import PROBES, ProfileOptions
 from colibri_plan.profiler.ram import probe_ram
+from colibri_plan.profiler.step_probe import StepSettings
 from colibri_plan.profiler.trunk_layer_probe import LayerGeometry
 from colibri_plan.profiler.trunk_probe import SECTIONS as TRUNK_SECTIONS
 from colibri_plan.profiler.trunk_probe import TrunkSettings, probe_trunk
@@ -238,14 +240,17 @@ def _run_trunk(doc: dict, opts: ProfileOptions, st: dict, compute: list[dict], m
                         formats=list(opts.dense_formats), contexts=list(opts.contexts or CONTEXTS),
                         repetitions=st["trunk_repetitions"], chain_s=st["trunk_chain_s"],
                         budget_s=opts.trunk_seconds or st["trunk_budget_s"], max_bytes=st["trunk_max_bytes"],
-                        layer=_layer_geometry(opts, model))
+                        layer=_layer_geometry(opts, model),
+                        step=StepSettings(runner=opts.step_runner)
+                        if opts.model_arch is not None and opts.step_runner is not None else None)
     extra = model_dense_shapes(opts.model_arch, model["name"]) if opts.model_arch is not None else []
     doc["settings"]["trunk"] = {
         "shapes": [list(s) for s in cfg.shapes], "model_shapes": [list(s) for s in extra],
         "formats": list(cfg.formats), "contexts": list(cfg.contexts), "n_heads": cfg.n_heads,
         "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden": cfg.hidden,
         "budget_s_per_device": cfg.budget_s, "max_bytes": cfg.max_bytes,
-        "layer": None if cfg.layer is None else asdict(cfg.layer)}
+        "layer": None if cfg.layer is None else asdict(cfg.layer),
+        "step": None if cfg.step is None else {k: v for k, v in cfg.step.__dict__.items() if k != "runner"}}
     got, skipped = probe_trunk(devices, cfg, extra, machine.get("ram_available_bytes"), say)
     for name in TRUNK_SECTIONS:
         doc[name] = got.get(name) or {"unavailable": _reasons(skipped)}

@@ -70,6 +70,7 @@ class LayerGeometry:
     source: str = "generic"
     expert_width: int = 0
     expert_fmt: str = "int4"
+    vocab: int = 0  # the model's vocabulary (the step probe's LM head; 0: a generic layer, no step probe)
 
     @classmethod
     def from_arch(cls, arch, name: str = "model", expert_fmt: str = "int4") -> LayerGeometry | None:
@@ -79,7 +80,8 @@ class LayerGeometry:
             return None
         return cls(int(arch.hidden_size), int(arch.n_heads), int(arch.n_kv_heads), int(arch.head_dim),
                    max(1, int(arch.n_experts or 1)), max(1, int(arch.top_k or 1)), f"{name}",
-                   int(getattr(arch, "moe_intermediate_size", 0) or 0), expert_fmt)
+                   int(getattr(arch, "moe_intermediate_size", 0) or 0), expert_fmt,
+                   int(getattr(arch, "vocab_size", 0) or 0))
 
     def projection_shapes(self) -> tuple[tuple[int, int], ...]:
         """[out, in] of q, k, v, o (elements), in that order."""

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri_plan.formats.profile import stat
+from colibri_plan.profiler.step_probe import StepSettings, probe_step
 from colibri_plan.profiler.trunk_layer_probe import (  # noqa: F401 - MAX_CHAIN, time_chain re-exported
     MAX_CHAIN,
     LayerGeometry,
@@ -55,7 +56,7 @@ from colibri_plan.quant import tensor_bytes
 
 Progress = Callable[[str], None]
 
-SECTIONS = ("dense_gemv", "device_ops", "attention", "trunk_layer")
+SECTIONS = ("dense_gemv", "device_ops", "attention", "trunk_layer", "step_graph")
 #: the most bytes the trunk_layer chain places on a device (weights beyond the largest caches)
 LAYER_MAX_BYTES = 384 << 20
 
@@ -70,7 +71,9 @@ class TrunkSettings:
         hidden: H of the device-op and round-trip figures (elements).
         repetitions: most repetitions per figure. budget_s: seconds per device for all three sections.
         chain_s: target seconds of one timed chain. layer: the decoder layer of the ``trunk_layer``
-            figure (:mod:`colibri_plan.profiler.trunk_layer_probe`; None: not measured).
+            figure (:mod:`colibri_plan.profiler.trunk_layer_probe`; None: not measured). step: the
+            replayed decode step's figure on a backend with ``d_capture_step``, at ``layer``'s shapes when
+            they are a model's (:mod:`colibri_plan.profiler.step_probe`; None: not measured).
         memory_fraction, max_bytes: the largest weight or KV
             cache tried, as a fraction of the device's free memory and in bytes (building larger ones
             would take longer than measuring them).
@@ -89,6 +92,7 @@ class TrunkSettings:
     memory_fraction: float = 0.25
     max_bytes: int = 512 << 20
     layer: LayerGeometry | None = LayerGeometry()
+    step: StepSettings | None = None
 
 
 def device_limit_bytes(device: dict, ram_available_bytes: int | None, fraction: float) -> int | None:
@@ -352,8 +356,16 @@ def probe_trunk_device(device: dict, cfg: TrunkSettings, model_shapes: Sequence[
                                                       cfg.repetitions, max(0.3 * cfg.budget_s, 0.5)))
             except Exception as exc:  # noqa: BLE001
                 skip("trunk_layer", f"{type(exc).__name__}: {exc}")
+        if cfg.step is not None and cfg.layer is not None and cfg.layer.vocab and formats \
+                and be.supports("d_capture_step"):  # beside the budget too: the replayed step's figure
+            try:
+                out["step_graph"].append(probe_step(be, base, cfg.layer, formats[0], cfg.step, progress=say))
+            except Exception as exc:  # noqa: BLE001
+                skip("step_graph", f"{type(exc).__name__}: {exc}")
     finally:
         be.close()
+    if not out["step_graph"]:  # optional: no empty section (a profile's sections list entries)
+        del out["step_graph"]
     return out, skipped
 
 
@@ -375,6 +387,8 @@ def probe_trunk(devices: list[dict], cfg: TrunkSettings, model_shapes: Sequence[
                             "reason": f"{type(exc).__name__}: {exc}"})
             continue
         for k in SECTIONS:
-            out[k] += got[k]
+            out[k] += got.get(k, [])
         skipped += s
+    if not out["step_graph"]:
+        del out["step_graph"]
     return out, skipped
