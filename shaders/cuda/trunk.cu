@@ -34,6 +34,20 @@ __device__ __forceinline__ float tr_rope_value(float v, float w, float cos_v, fl
     return first ? v * cos_v - w * sin_v : v * cos_v + w * sin_v;
 }
 
+// Rotated channel c < rd: its pair index k in the table, its partner's offset (partner = x[c + off]) and
+// whether it is the pair's first (rotate_half: c and c + rd/2; interleave: 2i and 2i + 1)
+__device__ __forceinline__ void tr_rope_pair(int c, int half, int interleave, int &k, int &off, bool &first) {
+    if (interleave) {
+        k = c >> 1;
+        first = (c & 1) == 0;
+        off = first ? 1 : -1;
+    } else {
+        first = c < half;
+        k = first ? c : c - half;
+        off = first ? half : -half;
+    }
+}
+
 // RoPE of x [T, heads, d] at positions pos0 + t from table [P, rd/2, 2] of (cos, sin); channels >= rd copied.
 // rotate_half pairs c with c + rd/2; interleave pairs (2i, 2i+1).
 __device__ __forceinline__ void tr_rope_rows(const float *__restrict__ x, const float *__restrict__ table,
@@ -47,18 +61,9 @@ __device__ __forceinline__ void tr_rope_rows(const float *__restrict__ x, const 
             continue;
         }
         const tr_u64 t = i / ((tr_u64)d * heads);
-        // pair index k, partner offset (partner = x[i + off]) and whether this is the first of the pair
         int k, off;
         bool first;
-        if (interleave) {
-            k = c >> 1;
-            first = (c & 1) == 0;
-            off = first ? 1 : -1;
-        } else {
-            first = c < half;
-            k = first ? c : c - half;
-            off = first ? half : -half;
-        }
+        tr_rope_pair(c, half, interleave, k, off, first);
         const float *cs = table + ((tr_u64)(pos0 + t) * half + k) * 2;
         y[i] = tr_rope_value(x[i], x[(long long)i + off], cs[0], cs[1], first);
     }
@@ -164,15 +169,7 @@ __device__ __forceinline__ void tr_rope_row(const float *src, float *__restrict_
         }
         int k, off;
         bool first;
-        if (interleave) {
-            k = c >> 1;
-            first = (c & 1) == 0;
-            off = first ? 1 : -1;
-        } else {
-            first = c < half;
-            k = first ? c : c - half;
-            off = first ? half : -half;
-        }
+        tr_rope_pair(c, half, interleave, k, off, first);
         const float *cs = table + ((tr_u64)pos * half + k) * 2;
         y[c] = tr_rope_value(src[c], src[c + off], cs[0], cs[1], first);
     }
