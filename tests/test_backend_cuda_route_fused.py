@@ -9,51 +9,18 @@ CuPy sees one, on the real GPU (the kernel's own bits: tests/test_backend_cuda_r
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+import test_engine_decode_graph as _graph
 from test_backends_routing import RULES, _gaps_ok
 
-from colibri_plan.backends import get_backend
 from colibri_plan.backends.cuda import routing as cuda_routing
 from colibri_plan.backends.handles import DArray
 from colibri_plan.backends.routing import route_ref
 from colibri_plan.quant import quantize
 
+be, fx = _graph.be, _graph.fx  # fixtures: the simulated GPU and the real one (else skipped), the pack
 H, I = 256, 64  # hidden (rows of in_pad: x read in place), expert width
-
-
-@pytest.fixture(scope="module")
-def fx(tmp_path_factory):
-    """tests/test_engine_decode_graph.py's fixture pack (2 MoE layers of 16 experts, top-4)."""
-    from colibri_plan.engine.fixture import FixtureConfig, build_fixture
-
-    d = tmp_path_factory.mktemp("route_fused") / "fx"
-    build_fixture(d, FixtureConfig.small(layers=2, experts=16, top_k=4, vocab=300))
-    return d
-
-
-@pytest.fixture(params=["cuda-sim", "cuda"])
-def be(request, monkeypatch):
-    """The simulated GPU; the real one too where CuPy sees one (else skipped with the reason)."""
-    sim = None
-    if request.param == "cuda-sim":
-        monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-        from tests.test_backend_cuda_device_sim import device_cupy
-        from tests.test_backend_cuda_sim import Sim
-
-        sim = Sim()
-        monkeypatch.setitem(sys.modules, "cupy", device_cupy(sim))
-    else:
-        why = get_backend("cuda").unavailable_reason()
-        if why:
-            pytest.skip(why)
-    b = get_backend("cuda").open(0)
-    b.sim = sim
-    yield b
-    b.close()
 
 
 def _launches(be) -> int:
