@@ -18,6 +18,7 @@ import types
 
 import numpy as np
 import pytest
+from test_backends_device_ops import unfused_prologue  # the ops d_attention_prologue replaces
 
 from colibri_plan.backends.device_ops import attention_ref, rope_ref
 from colibri_plan.errors import InputError, UnsupportedError
@@ -578,19 +579,6 @@ def _prologue_case(be, T, d, rd, inter, normed, seed):
     return q, k, v, norms, rope
 
 
-def _unfused(be, q, k, v, norms, rope, kc, vc, row0):
-    """The ops the prologue replaces: rmsnorm per head row, tr_rope of q and k, the cache append."""
-    (T, hq, d), hkv = q.shape, k.shape[1]
-    if norms is not None:
-        q = be.d_view(be.d_rmsnorm(be.d_view(q, (T * hq, d)), norms[0], 1e-6), (T, hq, d))
-        k = be.d_view(be.d_rmsnorm(be.d_view(k, (T * hkv, d)), norms[1], 1e-6), (T, hkv, d))
-    if rope is not None:
-        q, k = (be.d_rope(m, rope[0], row0, rope[1], rope[2]) for m in (q, k))
-    be.d_write_rows(kc, row0, k)
-    be.d_write_rows(vc, row0, v)
-    return q
-
-
 @pytest.mark.parametrize("T, d, rd, inter, normed", [(1, 16, 16, False, True), (3, 16, 8, True, True),
                                                      (2, 12, 12, False, False), (1, 18, 0, False, True)])
 def test_fused_attention_prologue_gives_the_unfused_bits_in_one_launch(be, T, d, rd, inter, normed):
@@ -606,7 +594,7 @@ def test_fused_attention_prologue_gives_the_unfused_bits_in_one_launch(be, T, d,
     dq, dk, dv = be.d_put(q), be.d_put(k), be.d_put(v)
     kc1, vc1, kc2, vc2 = (be.d_zeros((9, 2, d)) for _ in range(4))
     before = be.sim.launches
-    want = be.d_get(_unfused(be, dq, dk, dv, norms, rope, kc1, vc1, 5))
+    want = be.d_get(unfused_prologue(be, dq, dk, dv, norms, rope, kc1, vc1, 5))
     assert be.sim.launches - before == 2 * normed + 2 * bool(rd)
     before = be.sim.launches
     got = be.d_attention_prologue(dq, dk, dv, norms, 1e-6, rope, kc2, vc2, 5)
@@ -639,7 +627,8 @@ def test_captured_prologue_reads_position_and_caches_on_the_device(be, normed, r
     inputs = np.concatenate([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
     kc0, vc0 = be.d_zeros((9, 2, d)), be.d_zeros((9, 2, d))  # the capture's caches
     eager_k, eager_v = be.d_zeros((9, 2, d)), be.d_zeros((9, 2, d))
-    want = be.d_get(_unfused(be, be.d_put(q), be.d_put(k), be.d_put(v), norms, rope, eager_k, eager_v, 6))
+    want = be.d_get(unfused_prologue(be, be.d_put(q), be.d_put(k), be.d_put(v), norms, rope, eager_k, eager_v,
+                                     6))
     ptr = be.dops._ptr
     for fused, launches in ((True, 1), (False, 2 * normed + 2 + 2)):  # (norms,) ropes, row copies
         def body(inp, fused=fused):
@@ -647,7 +636,7 @@ def test_captured_prologue_reads_position_and_caches_on_the_device(be, normed, r
                           (((T, 4, d), 0), ((T, 2, d), 4 * d), ((T, 2, d), 6 * d)))
             if fused:
                 return [be.d_attention_prologue(qq, kk, vv, norms, 1e-6, rope, kc0, vc0, 2)]
-            return [_unfused(be, qq, kk, vv, norms, rope, kc0, vc0, 2)]
+            return [unfused_prologue(be, qq, kk, vv, norms, rope, kc0, vc0, 2)]
 
         before = be.sim.launches
         step = be.d_capture_step(n_in, 4 * d, body, 2, [ptr(kc0), ptr(vc0)])
