@@ -304,7 +304,7 @@ def test_fused_attention_prologue_gives_the_unfused_bits_on_the_gpu(t, pos0, shi
     full RoPE): decode and prefill rows, and q/k rows 4 bytes off alignment (``shift``: the norm's strided
     sums on both sides): roped q and both caches bit for bit the unfused ops (rmsnorm, tr_rope, copies);
     a decode row captured at one position and replayed at another, into other caches, too."""
-    from test_backends_device_ops import prologue_inputs, unfused_prologue
+    from test_backends_device_ops import prologue_inputs, replay_prologue, unfused_prologue
 
     from colibri_plan.backends.handles import DArray
 
@@ -326,16 +326,7 @@ def test_fused_attention_prologue_gives_the_unfused_bits_on_the_gpu(t, pos0, shi
         if t != 1:
             return
         kc0, vc0, kc, vc = (be.d_zeros((64, hkv, d)) for _ in range(4))
-        ptr = be.dops._ptr
-
-        def body(inp):
-            qq, kk, vv = (DArray(s, inp.buf, inp.owner, inp.offset + o) for s, o in
-                          (((1, hq, d), 0), ((1, hkv, d), hq * d), ((1, hkv, d), (hq + hkv) * d)))
-            return [be.d_attention_prologue(qq, kk, vv, norms, 1e-6, rope, kc0, vc0, 3)]
-
-        step = be.d_capture_step((hq + 2 * hkv) * d, hq * d, body, 3, [ptr(kc0), ptr(vc0)])
-        (rep,) = step.run(np.concatenate([q.reshape(-1), k.reshape(-1), v.reshape(-1)]), pos0,
-                          [ptr(kc), ptr(vc)])
+        rep = replay_prologue(be, q, k, v, norms, rope, (kc0, vc0), 3, (kc, vc), pos0)
         if shift == 0:  # the step's inputs are aligned: the eager unfused ops on aligned rows
             np.testing.assert_array_equal(rep.reshape(1, hq, d), want)
             np.testing.assert_array_equal(be.d_get(kc), be.d_get(caches[2]))

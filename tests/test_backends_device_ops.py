@@ -323,12 +323,30 @@ def test_d_attention_prologue(be, t, hq, hkv, d, rd, interleave, normed, pos0): 
     np.testing.assert_array_equal(values, be.d_get(vc2))
 
 
+def replay_prologue(be, q, k, v, norms, rope, captured: tuple, pos_captured: int, caches: tuple,  # noqa: F811
+                    pos: int):  # be: a backend, not the fixture
+    """One decode row's d_attention_prologue captured (``d_capture_step``) at ``pos_captured`` into the
+    caches ``captured`` (k, v), then replayed at ``pos`` into ``caches`` through their slots: q [1, Hq, d]
+    (host float32) as the replay returns it."""
+    from colibri_plan.backends.handles import DArray
+
+    (_, hq, d), hkv, ptr = q.shape, k.shape[1], be.dops._ptr
+
+    def body(inp):
+        qq, kk, vv = (DArray(s, inp.buf, inp.owner, inp.offset + o) for s, o in
+                      (((1, hq, d), 0), ((1, hkv, d), hq * d), ((1, hkv, d), (hq + hkv) * d)))
+        return [be.d_attention_prologue(qq, kk, vv, norms, 1e-6, rope, *captured, pos_captured)]
+
+    step = be.d_capture_step((hq + 2 * hkv) * d, hq * d, body, pos_captured, [ptr(a) for a in captured])
+    (got,) = step.run(np.concatenate([q.reshape(-1), k.reshape(-1), v.reshape(-1)]), pos,
+                      [ptr(a) for a in caches])
+    return got
+
+
 @pytest.mark.parametrize("normed, rd", [(True, 128), (False, 64)])
 def test_captured_attention_prologue_replays_the_eager_bits(be, normed, rd):  # noqa: F811
     """Where a backend also captures decode steps: the fused prologue captured at position 2 and replayed
     at 40 into other caches (read through their slots) gives the eager unfused ops' q and cache rows."""
-    from colibri_plan.backends.handles import DArray
-
     if not (be.supports("d_attention_prologue") and be.supports("d_capture_step")):
         pytest.skip(f"{be.name} does not capture a fused prologue")
     hq, hkv, d = 16, 4, 128
@@ -336,16 +354,8 @@ def test_captured_attention_prologue_replays_the_eager_bits(be, normed, rd):  # 
     ek, ev = be.d_zeros((48, hkv, d)), be.d_zeros((48, hkv, d))
     want = be.d_get(unfused_prologue(be, be.d_put(q), be.d_put(k), be.d_put(v), norms, rope, ek, ev, 40))
     kc0, vc0 = be.d_zeros((48, hkv, d)), be.d_zeros((48, hkv, d))
-    ptr = be.dops._ptr
-
-    def body(inp):
-        qq, kk, vv = (DArray(s, inp.buf, inp.owner, inp.offset + o) for s, o in
-                      (((1, hq, d), 0), ((1, hkv, d), hq * d), ((1, hkv, d), (hq + hkv) * d)))
-        return [be.d_attention_prologue(qq, kk, vv, norms, 1e-6, rope, kc0, vc0, 2)]
-
-    step = be.d_capture_step((hq + 2 * hkv) * d, hq * d, body, 2, [ptr(kc0), ptr(vc0)])
     kc, vc = be.d_zeros((48, hkv, d)), be.d_zeros((48, hkv, d))
-    (got,) = step.run(np.concatenate([q.reshape(-1), k.reshape(-1), v.reshape(-1)]), 40, [ptr(kc), ptr(vc)])
+    got = replay_prologue(be, q, k, v, norms, rope, (kc0, vc0), 2, (kc, vc), 40)
     np.testing.assert_array_equal(got.reshape(1, hq, d), want)
     np.testing.assert_array_equal(be.d_get(kc), be.d_get(ek))
     np.testing.assert_array_equal(be.d_get(vc), be.d_get(ev))
