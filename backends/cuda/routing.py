@@ -40,6 +40,14 @@ def fused_blocks(n_experts: int) -> int:
     return max(1, min(-(-n_experts // (FUSED_THREADS // 32 * FUSED_ROWS_PER_WARP)), ROUTE_MAX_BLOCKS))
 
 
+def _route_buffer(d, n: int):
+    """n floats for a routing's [ids | weights]: inside a captured step (graph.py) cut from the step's
+    route region, back to back with the other layers' (one copy down), else a pool array."""
+    cap = d.graph
+    buf = cap.take(n) if cap is not None and hasattr(cap, "take") else None
+    return buf or d._d_empty(n)
+
+
 class CudaRouting:
     """The ``_d_route`` and ``_d_route_fused`` hooks (:meth:`colibri_plan.backends.device_ops.DeviceOps.
     d_router_topk`).
@@ -62,10 +70,8 @@ class CudaRouting:
         e, k, softmax, _, g, tg, gmax, norm = ints  # a null bias pointer says "no bias"
         d._d_go()
         st = d._dstate
-        # [ids | weights], [T, K] each: one copy brings both down (a captured step's: all layers' in one)
-        cap = d.graph
-        buf = cap.take(2 * T * k) if cap is not None and hasattr(cap, "take") else None
-        buf = buf or d._d_empty(2 * T * k)
+        # [ids | weights], [T, K] each: one copy brings both down
+        buf = _route_buffer(d, 2 * T * k)
         if T:
             launch = st["launches"].get("route_topk") or d._d_kernel("route_topk")
             launch(min(T, ROUTE_MAX_BLOCKS), 1, 1, ROUTE_THREADS, 0, st["sptr"], d._ptr(logits),
@@ -94,11 +100,8 @@ class CudaRouting:
             count = d._d_zeros((1,))
             if d.graph is None:
                 self._count = count
-        # [ids | weights] as _d_route's (a captured step's cut from its route region: one copy down for all
-        # layers), the logits [E] apart
-        cap = d.graph
-        buf = cap.take(2 * k) if cap is not None and hasattr(cap, "take") else None
-        buf, logits = buf or d._d_empty(2 * k), d._d_empty(e)
+        # [ids | weights] as _d_route's, the logits [E] apart
+        buf, logits = _route_buffer(d, 2 * k), d._d_empty(e)
         bp = buf.data.ptr
         launch = st["launches"].get("route_fused") or d._d_kernel("route_fused")
         launch(fused_blocks(e), 1, 1, FUSED_THREADS, 4 * in_pad, st["sptr"], w.payload.data, d._ptr(x),
