@@ -25,7 +25,8 @@ _RES = {"cpu_matmul_gbps": ("pos", False), "ram_read_gbps": ("pos", False), "dis
         "page_cache_pool_bytes": ("int0", False), "cpu_call_s": ("num0", False)}
 _GPU = {"key": "str", "matmul_gbps": "pos", "h2d_gbps": "num0", "d2h_gbps": "num0", "budget_bytes": "int0",
         "unified": "bool", "link_latency_s": "num0", "holds_trunk": "bool", "expert_call_s": "num0",
-        "segmented": "bool", "handoff_s": "num0", "zero_copy": "bool", "mapped_gbps": "num0"}
+        "segmented": "bool", "handoff_s": "num0", "zero_copy": "bool", "mapped_gbps": "num0",
+        "step_expert_gbps": "num0", "step_mapped_gbps": "num0"}
 #: no byte figure of any plan comes near this (1,000,000 GB: the --ram bound of planner.budgets)
 MAX_BYTES = 10**15
 

@@ -39,7 +39,8 @@ def mapped_gpu(res) -> int | None:
 
 def mapped_expert_seconds(gpu, expert_bytes: int, coef: Coefficients) -> float:
     """Seconds one pinned expert computed zero-copy on discrete ``gpu`` adds to its path: c_gpu · b /
-    mapped GB/s + ``gpu.expert_call_s``. E.g. b = 1e9 B at 50 GB/s, c_gpu 1, no call cost: 0.02 s.
+    mapped GB/s (``step_mapped_gbps`` inside a replayed step, when > 0) + ``gpu.expert_call_s``.
+    E.g. b = 1e9 B at 50 GB/s, c_gpu 1, no call cost: 0.02 s.
 
     Raises:
         InputError: the GPU has no mapped-memory figure (``mapped_gbps`` 0).
@@ -48,7 +49,9 @@ def mapped_expert_seconds(gpu, expert_bytes: int, coef: Coefficients) -> float:
         raise InputError(f"compute.ram_pinned names {gpu.key}, which has no mapped-memory expert_ffn figure "
                          "(mapped_gbps 0): it cannot compute pinned experts zero-copy; re-profile it with a "
                          "backend that has upload_expert_mapped, or compute the pinned tier on the cpu")
-    return coef.gpu_expert * expert_bytes / (gpu.mapped_gbps * 1e9) + float(gpu.expert_call_s)
+    # inside a replayed step the link rate of a zero-copy read is the step's figure when it has one
+    gbps = gpu.step_mapped_gbps if getattr(gpu, "step_mapped_gbps", 0.0) > 0 else gpu.mapped_gbps
+    return coef.gpu_expert * expert_bytes / (gbps * 1e9) + float(gpu.expert_call_s)
 
 
 def host_seconds(res, expert_bytes: int, coef: Coefficients) -> tuple[float, float, float]:

@@ -111,6 +111,9 @@ class GpuResource:
         mapped_gbps: expert GB/s (1e9 B/s) of this discrete GPU on experts in mapped page-locked host
             memory (the profile's ``"memory": "mapped"`` expert_ffn row: top-k · b / seconds); 0 = it
             cannot compute pinned experts zero-copy.
+        step_expert_gbps: GB/s of a VRAM expert inside the trunk GPU's replayed step (the profile's
+            fastest GEMV, :mod:`.trunk_step`); 0: ``matmul_gbps``.
+        step_mapped_gbps: GB/s of a mapped host expert inside that replay; 0: ``mapped_gbps``.
     """
 
     key: str
@@ -126,6 +129,8 @@ class GpuResource:
     handoff_s: float = 0.0
     zero_copy: bool = False
     mapped_gbps: float = 0.0
+    step_expert_gbps: float = 0.0
+    step_mapped_gbps: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,11 @@ def gpu_expert_seconds(gpu, expert_bytes: int, coef: Coefficients) -> float:
     trunk hands those experts the device's own hidden state: the engine builds and uploads their launch
     table and launches them from the host each layer, Python included); 0 on other GPUs, whose layer
     call is the ``gpu_call_s`` + transfer term. It is outside c_gpu: a fixed cost, not a rate.
-    E.g. b = 1e9 B at 100 GB/s, c_gpu 1, call 1e-5 s: 0.01001 s.
+    E.g. b = 1e9 B at 100 GB/s, c_gpu 1, call 1e-5 s: 0.01001 s. Inside a replayed step
+    (``step_expert_gbps`` > 0) the expert reads at that rate instead of the matmul figure.
     """
-    return coef.gpu_expert * expert_bytes / (gpu.matmul_gbps * 1e9) + float(gpu.expert_call_s)
+    gbps = gpu.step_expert_gbps if getattr(gpu, "step_expert_gbps", 0.0) > 0 else gpu.matmul_gbps
+    return coef.gpu_expert * expert_bytes / (gbps * 1e9) + float(gpu.expert_call_s)
 
 
 def host_miss_seconds(cpu_s: tuple, call_s: float, disk_on_cpu: bool = True) -> tuple:

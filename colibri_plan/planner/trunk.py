@@ -60,6 +60,7 @@ from colibri_plan.formats.profile_trunk import (
 )
 from colibri_plan.planner.costmodel import transfer_seconds
 from colibri_plan.planner.trunk_layer import LayerFigures, TrunkWork, layer_trunk_seconds, lm_head_bytes
+from colibri_plan.planner.trunk_step import StepFigures, replays_step, step_figures, step_trunk_seconds
 
 #: seconds of one small device op in a chain (launch-bound) when the profile has no ``device_ops`` figure
 DEFAULT_GPU_OP_S = 8e-6
@@ -82,6 +83,8 @@ class TrunkFigures:
         discrete: a discrete GPU (its memory is VRAM, apart from RAM). sources: figure -> where it came from.
         layer: the measured decoder layer (None: priced by the formula). lm_gbps: trunk GEMV GB/s at
             the LM head's shape (None: ``dense_gbps``).
+        step: the replayed decode step measured at the model's shapes (:mod:`.trunk_step`; None: no
+            matching ``step_graph`` entry, the eager pricing).
     """
 
     key: str
@@ -93,6 +96,7 @@ class TrunkFigures:
     sources: dict = field(default_factory=dict)
     layer: LayerFigures | None = None
     lm_gbps: float | None = None
+    step: StepFigures | None = None
 
     def kv_gbps_at(self, context_tokens: int) -> float:
         """KV GB/s at the measured context nearest ``context_tokens`` (log distance)."""
@@ -204,8 +208,10 @@ def device_figures(profile, res, spec, dense_fmt: str, coef) -> dict[str, TrunkF
         kv = attention_kv_table(profile, backend, i)
         src["kv_gbps"] = "profile attention" if kv else "dense GB/s of the device"
         lay, lm = _layer_and_lm(profile, backend, i, "device", dense_fmt, spec, src)
+        step = step_figures(profile, backend, i, spec, dense_fmt)
+        src["step"] = "profile step_graph" if step else "none (eager trunk figures)"
         out[gpu.key] = TrunkFigures(gpu.key, g, op or DEFAULT_GPU_OP_S, rt, kv or ((0, g),),
-                                    not gpu.unified, src, lay, lm)
+                                    not gpu.unified, src, lay, lm, step)
     for f in out.values():
         bad = [n for n, v in (("dense_gbps", f.dense_gbps), *((f"kv_gbps@{c}", v) for c, v in f.kv_gbps))
                if not (math.isfinite(v) and v > 0)]
@@ -237,6 +243,10 @@ class TrunkOption:
         expert_devices: the only GPUs that may hold experts with this option (() = all): colibrì's one
             device list (COLI_GPU) holds trunk and experts alike (:mod:`.trunk_gpus`).
         handoff_s: seconds per token of the hidden state's hops between GPUs (a spread; in roundtrip_s).
+        step_expert_gbps: GB/s (1e9 B/s) of a VRAM expert inside the replayed step (priced from the
+            profile's ``step_graph``, :mod:`.trunk_step`); 0: eager pricing, the device's matmul figure.
+        step_mapped_gbps: GB/s of a mapped host expert inside the replayed step; 0: the GPU's
+            ``mapped_gbps``.
     """
 
     name: str
@@ -254,6 +264,8 @@ class TrunkOption:
     expert_call_s: float = 0.0
     expert_devices: tuple = ()
     handoff_s: float = 0.0
+    step_expert_gbps: float = 0.0
+    step_mapped_gbps: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -305,9 +317,18 @@ def trunk_options(figs: dict[str, TrunkFigures], spec, dense_fmt: str, context_t
         if key == CPU:
             continue
         kv_dev = kv_bytes(context_tokens, bpt_dev)  # GQA's K and V or MLA's latent rows, on the device
-        out.append(TrunkOption(key, key, (), *price(f, bpt_dev), dense, kv_dev,
+        step = f.step if replays_step(key, (), spec) else None
+        if step is None:
+            secs, rates = price(f, bpt_dev), (0.0, 0.0)
+        else:  # the replayed step as measured; its experts come back per placement (trunk_step)
+            per_layer = (dense - lm_head_bytes(spec, dense_fmt)) // max(1, spec.n_layers)
+            secs = step_trunk_seconds(step, spec.n_layers, per_layer, context_tokens, bpt_dev,
+                                      f.kv_gbps_at(context_tokens), n_moe * f.roundtrip_s, coef)
+            rates = (step.gemv_gbps, step.mapped_gbps)
+        out.append(TrunkOption(key, key, (), *secs, dense, kv_dev,
                                {key: dense + kv_dev} if f.discrete else {}, ram_charged if f.discrete else 0,
-                               {key: f.sources}, bpt_dev, f.op_s))
+                               {key: f.sources}, bpt_dev, f.op_s, step_expert_gbps=rates[0],
+                               step_mapped_gbps=rates[1]))
     if target == "colibri":
         from colibri_plan.planner.trunk_gpus import colibri_gpus, spread_option
 

@@ -27,6 +27,7 @@ from colibri_plan.formats.plan_trunk import (
 from colibri_plan.planner.budgets import fmt_gb, ram_kv_bytes_per_token
 from colibri_plan.planner.compute import choose_compute, mapped_candidates, pinned_alternative
 from colibri_plan.planner.trunk import device_figures, trunk_options
+from colibri_plan.planner.trunk_step import replays_step
 
 AUTO = "auto"
 
@@ -89,11 +90,6 @@ def option_fit(setup, opt) -> None:
                               "--context, or a smaller --dense-format")
 
 
-#: backends whose trunk replays its decode step as captured graph segments (engine/decode_graph.py)
-SEGMENTED_BACKENDS = ("cuda",)
-#: families whose attention the captured step does not take (MLA writes its cache rows in blocks)
-UNCAPTURED_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa",
-                       "glm4_moe_lite")
 
 
 def segmented_step(opt, spec) -> bool:
@@ -101,8 +97,7 @@ def segmented_step(opt, spec) -> bool:
     family the capture takes): the cost model then prices a hand-off per hybrid layer
     (:func:`~colibri_plan.planner.costmodel.segmented_layer_seconds`) instead of the trunk's round trip
     at every MoE layer and a host launch per expert."""
-    return (not opt.split and opt.name.split(":")[0] in SEGMENTED_BACKENDS
-            and getattr(spec, "family", "") not in UNCAPTURED_FAMILIES)
+    return replays_step(opt.name, opt.split, spec)
 
 
 def option_setup(setup, opt, spec, lru_slots_fn):
@@ -137,7 +132,11 @@ def option_setup(setup, opt, spec, lru_slots_fn):
                                                                       and g.key == opt.device),
                             expert_call_s=opt.expert_call_s if mine and not seg else 0.0,
                             segmented=mine and seg,
-                            handoff_s=opt.roundtrip_s / n_moe if mine and seg else 0.0)
+                            handoff_s=opt.roundtrip_s / n_moe if mine and seg else 0.0,
+                            # the replayed step's in-graph rates (0: the eager figures)
+                            step_expert_gbps=opt.step_expert_gbps if mine and seg else 0.0,
+                            step_mapped_gbps=(opt.step_mapped_gbps or g.mapped_gbps) if mine and seg
+                            and opt.step_expert_gbps else 0.0)
         for g in setup.res.gpus))
     if setup.knobs.get("target", "colibri-plan") == "colibri-plan" and mapped_candidates(res):
         res = choose_compute(res, spec.expert_bytes(), setup.problem.coef)[0]   # zero-copy pins, per expert
@@ -159,7 +158,7 @@ def _signature(setup, opt, figs):
     f = figs[opt.name]
     g = next(g for g in setup.res.gpus if g.key == opt.name)
     return (f.dense_gbps, f.op_s, f.roundtrip_s, f.kv_gbps, f.discrete, g.matmul_gbps, g.h2d_gbps,
-            g.d2h_gbps, g.unified, g.budget_bytes, g.link_latency_s, g.mapped_gbps)
+            g.d2h_gbps, g.unified, g.budget_bytes, g.link_latency_s, g.mapped_gbps, f.step)
 
 
 def _row(opt, setup, chosen=False) -> dict:
