@@ -11,7 +11,8 @@ host functions with the most own time over the recorded steps (cProfile). ``--pr
 one warm prefill of N random token ids on a fresh cache (its own table, ``prefill`` in the JSON);
 ``--att-min-keys K`` / ``--att-captured MODE`` set backends/cuda/device.py's _ATT_MIN_KEYS / _ATT_CAPTURED
 (attention slices) for an A/B of the decode attention split; ``--no-prologue`` runs each GQA layer's
-q/k norms, RoPE and cache append as the unfused ops (the A/B of ``d_attention_prologue``). First it
+q/k norms, RoPE and cache append as the unfused ops (the A/B of ``d_attention_prologue``).
+``--mm-args-shape R,U`` sets the int8 dense GEMVs' tile (launch.py _GEMV_TUNE's "mm_args"). First it
 times, unprofiled, the peer benchmark's decode (64 tokens after a 16-token prompt, recaptures included:
 ``decode64_tok_s``). Writes JSON with ``--out``.
 
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--att-min-keys", type=int, default=0)
     ap.add_argument("--att-captured", choices=("bucket", "fill", "exact"), default=None)
     ap.add_argument("--no-prologue", action="store_true")
+    ap.add_argument("--mm-args-shape", default=None, help="R,U of the int8 dense GEMVs (mm_args), an A/B")
     args = ap.parse_args()
 
     import numpy as np
@@ -60,6 +62,11 @@ def main() -> None:
         from colibri_plan.backends.cuda import device as cuda_device
 
         cuda_device._ATT_CAPTURED = args.att_captured
+    if args.mm_args_shape:
+        from colibri_plan.backends.cuda import launch as cuda_launch
+
+        r, u = (int(v) for v in args.mm_args_shape.split(","))
+        cuda_launch._GEMV_TUNE["int8"] = {**cuda_launch._GEMV_TUNE["int8"], "mm_args": (r, u)}
     pack = open_pack(args.pack)
     a = pack.arch
     gpu = get_backend("cuda").open(0)

@@ -81,8 +81,10 @@ def _family(fmt: str) -> str:
 def _gemv_shape(name: str, fmt: str) -> tuple[int, int, int, int, bool, bool]:
     """(R rows per warp tile, U words per lane per step, warps per block, max registers or 0, x by part,
     fit wave) of GEMV kernel ``name`` for ``fmt``: _GEMV_TUNE's family entry over _SHAPE and _WARPS."""
+    # mm_args (the dense trunk's GEMVs) takes mm's shape unless the family sets an "mm_args" of its own (a
+    # lane reads the same words in the same order whatever R and U: the sums keep their bits)
     t, key = _GEMV_TUNE.get(_family(fmt), {}), "mm" if name == "mm_args" else name
-    r, u = t.get(key, _SHAPE[key])
+    r, u = t.get(name, t.get(key, _SHAPE[key]))
     return (int(r), int(u), int(t.get("warps", _WARPS)), int(t.get("max_regs", 0)), bool(t.get("x_by_part")),
             bool(t.get("fit_wave")))
 
