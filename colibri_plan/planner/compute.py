@@ -50,7 +50,7 @@ def mapped_expert_seconds(gpu, expert_bytes: int, coef: Coefficients) -> float:
                          "(mapped_gbps 0): it cannot compute pinned experts zero-copy; re-profile it with a "
                          "backend that has upload_expert_mapped, or compute the pinned tier on the cpu")
     # inside a replayed step the link rate of a zero-copy read is the step's figure when it has one
-    gbps = gpu.step_mapped_gbps if getattr(gpu, "step_mapped_gbps", 0.0) > 0 else gpu.mapped_gbps
+    gbps = gpu.step_mapped_gbps if gpu.step_mapped_gbps > 0 else gpu.mapped_gbps
     return coef.gpu_expert * expert_bytes / (gbps * 1e9) + float(gpu.expert_call_s)
 
 

@@ -24,7 +24,7 @@ def gpu_expert_seconds(gpu, expert_bytes: int, coef: Coefficients) -> float:
     E.g. b = 1e9 B at 100 GB/s, c_gpu 1, call 1e-5 s: 0.01001 s. Inside a replayed step
     (``step_expert_gbps`` > 0) the expert reads at that rate instead of the matmul figure.
     """
-    gbps = gpu.step_expert_gbps if getattr(gpu, "step_expert_gbps", 0.0) > 0 else gpu.matmul_gbps
+    gbps = gpu.step_expert_gbps if gpu.step_expert_gbps > 0 else gpu.matmul_gbps
     return coef.gpu_expert * expert_bytes / (gbps * 1e9) + float(gpu.expert_call_s)
 
 

@@ -90,8 +90,6 @@ def option_fit(setup, opt) -> None:
                               "--context, or a smaller --dense-format")
 
 
-
-
 def segmented_step(opt, spec) -> bool:
     """Whether the engine replays ``opt``'s decode step as graph segments (its trunk on one CUDA GPU, a
     family the capture takes): the cost model then prices a hand-off per hybrid layer
@@ -135,8 +133,7 @@ def option_setup(setup, opt, spec, lru_slots_fn):
                             handoff_s=opt.roundtrip_s / n_moe if mine and seg else 0.0,
                             # the replayed step's in-graph rates (0: the eager figures)
                             step_expert_gbps=opt.step_expert_gbps if mine and seg else 0.0,
-                            step_mapped_gbps=(opt.step_mapped_gbps or g.mapped_gbps) if mine and seg
-                            and opt.step_expert_gbps else 0.0)
+                            step_mapped_gbps=opt.step_mapped_gbps if mine and seg else 0.0)
         for g in setup.res.gpus))
     if setup.knobs.get("target", "colibri-plan") == "colibri-plan" and mapped_candidates(res):
         res = choose_compute(res, spec.expert_bytes(), setup.problem.coef)[0]   # zero-copy pins, per expert
