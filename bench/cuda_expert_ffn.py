@@ -1,6 +1,6 @@
 """CUDA batched expert FFN at GLM-5.2 shapes: host wall time vs GPU time, against copy bandwidth.
 
-``bench/kernels.py`` measures every backend by host wall clock (what decode pays). This script splits
+``bench/quant_kernels.py`` measures every backend by host wall clock (what decode pays). This script splits
 the CUDA figure: the same ``expert_ffn`` calls timed on the host and by CUDA events
 (``CUDABackend.last_device_seconds`` with ``timing = True``: the op's copies and kernels; the events
 cost a few microseconds of host time, included in the wall figure here), the kernels' own GPU time (the

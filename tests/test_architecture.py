@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,47 @@ def test_an_import_against_the_direction_is_reported(tmp_path):
         "formats.plan -> engine.run (layer formats may not import layer engine)",
         "planner.solve -> backends.cuda (layer planner may not import layer backends)",
     ]
+
+
+
+def _probed_names() -> set[str]:
+    """Module names transformers looks for as optional packages (its import_utils' availability checks)."""
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("transformers.utils.import_utils")
+    except ImportError:
+        return set()
+    if spec is None or not spec.origin:
+        return set()
+    text = Path(spec.origin).read_text()
+    return set(re.findall(r'_is_package_available\(\s*"([A-Za-z0-9_]+)"', text))
+
+
+def test_bench_and_test_modules_shadow_no_installed_or_probed_module():
+    # tests put bench/ and tests/ on sys.path; a script named like a package transformers probes for
+    # (bench/kernels.py against the `kernels` package) broke every later transformers import in CI
+    import importlib.util
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    ours = {str(repo / "bench"), str(repo / "tests"), str(repo)}
+    probed = _probed_names()
+    saved = sys.path[:]
+    clashes = []
+    try:
+        sys.path[:] = [p for p in sys.path if p and str(Path(p).resolve()) not in ours]
+        for folder in ("bench", "tests"):
+            for f in sorted((repo / folder).glob("*.py")):
+                if f.stem in probed:
+                    clashes.append(f"{folder}/{f.name} (transformers probes for a package {f.stem!r})")
+                    continue
+                mod = sys.modules.get(f.stem)
+                origin = getattr(mod, "__file__", None) if mod is not None else None
+                if mod is None:
+                    spec = importlib.util.find_spec(f.stem)
+                    origin = spec.origin if spec is not None else None
+                if origin and not str(origin).startswith(str(repo)):
+                    clashes.append(f"{folder}/{f.name} (shadows {origin})")
+    finally:
+        sys.path[:] = saved
+    assert clashes == [], f"rename these: {clashes}"

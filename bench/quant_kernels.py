@@ -12,8 +12,8 @@ Weights are cycled through a pool larger than the last-level cache (``--pool-byt
 streams from memory, not from cache. Each figure is the median of ``--repeats`` passes over the pool.
 The machine may be shared: compare figures of one run only.
 
-    .venv/bin/python bench/kernels.py --backends numpy,cpu,opencl --out /tmp/kernels.json
-    .venv/bin/python bench/kernels.py --quick
+    .venv/bin/python bench/quant_kernels.py --backends numpy,cpu,opencl --out /tmp/kernels.json
+    .venv/bin/python bench/quant_kernels.py --quick
 """
 
 from __future__ import annotations
