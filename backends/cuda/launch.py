@@ -36,7 +36,10 @@ _SHAPE = {"mm": (4, 1), "gate_up": (2, 1)}  # mm_args takes mm's (the same kerne
 # f32 (routers: 32-256 rows): one row a warp tile and four words a step, so a 32-row router is 32 warps with
 # 4 steps each, not 8 warps streaming 16 latency-bound steps (11 us a call on an H200,
 # bench/cuda_step_profile.py); a lane reads the same words in the same order, so the sums are unchanged
-_GEMV_TUNE: dict[str, dict] = {"int8": {"gate_up": (2, 2), "mm": (4, 2), "x_by_part": True, "fit_wave": True},
+# int8 mm_args (the dense trunk's GEMVs, a decode token's q/k/v, o and LM head): a row a warp, as the H200
+# A/B ran fastest (bench/results/h200-step-profile-r4/mm-args-ab.txt: GPU busy 1571 against 1624 us a token)
+_GEMV_TUNE: dict[str, dict] = {"int8": {"gate_up": (2, 2), "mm": (4, 2), "mm_args": (1, 2), "x_by_part": True,
+                                        "fit_wave": True},
                                "f32": {"mm": (1, 4)}}
 # T > 1: shaders/cuda/prefill.cu's tensor-core kernels (same tables) replace these; 16-row subtiles per
 # warp tile, and the formats they take (codes exact in bf16, 4 columns per k-step in one 32-bit part; the

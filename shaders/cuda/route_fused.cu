@@ -19,8 +19,8 @@
 // a clock: slower than the three launches together.
 
 #define RF_MAXK 64  // backends/routing.py MAX_TOP_K (route_row's two choices a lane)
-#define RF_U 4      // words per lane per step: backends/cuda/launch.py _GEMV_TUNE["f32"] (the bits do not
-                    // depend on it)
+#define RF_U 8      // words per lane per step (the bits do not depend on it): a router row of 2048 floats
+                    // in two steps, both loads in flight at once (4 took four latency-bound steps)
 
 // experts [E, 6] u64 (ExpertTable.dev) and out not null: the launch table at out, as tr_expert_table's:
 // [K gate/up entries | K down entries] of 8 u64, then K gates (float32), the choices by ascending id.
