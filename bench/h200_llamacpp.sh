@@ -15,7 +15,8 @@
 # width 768, vocab 32000, bf16, seed 0), converts it with llama.cpp's converter (f16) and packs ours
 # (int8 experts + int8 dense) beside it; then, once the build is done, llama-quantize --pure Q8_0; then
 # our profile of this machine (cpu + cuda, after the build so nothing competes), routing heat of the
-# decode the bench times (random ids after a 16-token prompt: `peer_llamacpp_gpu.py heat`) and
+# decode the bench times (random ids after the bench's 16-token prompt, HEAT_CONTEXT: `peer_llamacpp_gpu.py
+# heat`) and
 # `solve --vram VRAM_GB --vram-reserve 0 --trunk cuda:0` (OUT/plan.json).
 # peer: bench/peer_llamacpp_gpu.py bench: PAIRS counterbalanced pairs, all in VRAM and at the budget
 # (llama.cpp through llama-fit-params --fit-target), tokens against our CPU engine -> OUT/peer-gpu.json.
@@ -34,6 +35,9 @@ WORK=${WORK:-/tmp/h200-llw}           # checkpoint (8.4 GB), GGUF (4.5 GB), pack
 LLAMA=${LLAMA:-/tmp/llama-cuda}
 LAYERS=${LAYERS:-24}
 VRAM_GB=${VRAM_GB:-2.5}
+# the heat's prompt: the bench's own (its decode ids are others), or another prompt (bench/routing_context.py:
+# on this random checkpoint the prompt decides the hot experts; r3-r5 used another prompt)
+HEAT_CONTEXT=${HEAT_CONTEXT:-bench}
 PAIRS=${PAIRS:-4}
 REPEATS=${REPEATS:-3}
 SRC_TAR=${SRC_TAR:-.carry/llama.cpp-src.tar.xz}
@@ -76,13 +80,14 @@ prep() {
     $CP profile --quick --backends cpu,cuda --formats int8 --dense-formats int8,f32 --model "$WORK/pack-int8" \
       --path "$WORK" --out "$OUT/profile.json" >> "$OUT/log.txt" 2>&1
   fi
-  if [ ! -f "$WORK/heat-decode.json" ]; then
-    # the traffic the bench times: a 16-token prompt, then random ids (llama-bench's tg), all in VRAM
-    say "routing heat (16-token prompt + 256 random-id decode steps, all in VRAM)"
+  if [ ! -f "$WORK/heat-decode-$HEAT_CONTEXT.json" ]; then
+    # the traffic the bench times: a 16-token prompt (HEAT_CONTEXT bench: the bench's own; other: another
+    # one), then random ids (llama-bench's tg, other ids than the bench's), all in VRAM
+    say "routing heat ($HEAT_CONTEXT 16-token prompt + 256 random-id decode steps, all in VRAM)"
     $PY bench/peer_llamacpp_gpu.py heat --pack "$WORK/pack-int8" --backend cuda --depth 16 --tokens 256 \
-      --out "$WORK/heat-decode.json" >> "$OUT/log.txt" 2>&1
+      --context "$HEAT_CONTEXT" --out "$WORK/heat-decode-$HEAT_CONTEXT.json" >> "$OUT/log.txt" 2>&1
   fi
-  cp "$WORK/heat-decode.json" "$WORK/heat.json"
+  cp "$WORK/heat-decode-$HEAT_CONTEXT.json" "$WORK/heat.json"
   cp "$WORK/heat.json" "$OUT/heat.json"
   say "solve at $VRAM_GB GB of VRAM"
   $CP solve --profile "$OUT/profile.json" --model "$WORK/pack-int8" --heat "$WORK/heat.json" --ram auto \

@@ -200,8 +200,10 @@ def worker(pack: str, backend: str, plan_path: str, context: int) -> None:
         tr = model.trunk
         g = getattr(tr, "_step_graph", None)
         # whether decode replayed captured graphs, and why not (a slow budget case is read from this)
+        pr = getattr(g, "promoter", None)
         res["graph"] = {"off": getattr(tr, "graph_off", None), "hybrid_layers": len(g.hybrid) if g else None,
-                        "waits": g.waits if g else None, "handoffs": g.handoffs if g else None}
+                        "waits": g.waits if g else None, "handoffs": g.handoffs if g else None,
+                        "promotions": pr.swaps if pr else 0, "promotion_s": pr.swap_s if pr else 0.0}
         print(json.dumps(res), flush=True)
     s.close()
 
@@ -321,6 +323,13 @@ def pairs(a, name: str, w: peer.Worker, gguf: Path, p: ll.Placement, req: dict) 
     }
 
 
+def bench_prompts(rnd, vocab: int, prefill: int, depth: int) -> dict:
+    """The bench's timed prompts from ``rnd`` (random.Random(1)): {"prefill": [[prefill ids]], "prompt":
+    [depth ids]}, each id in [2, vocab); the decode ids are drawn from ``rnd`` after them."""
+    return {"prefill": [[rnd.randrange(2, vocab) for _ in range(prefill)]],
+            "prompt": [rnd.randrange(2, vocab) for _ in range(depth)]}
+
+
 def bench(a) -> dict:
     p = paths(Path(a.work))
     gguf = p["gguf"]
@@ -328,10 +337,7 @@ def bench(a) -> dict:
     import random
 
     rnd = random.Random(1)
-    prompts = {
-        "prefill": [[rnd.randrange(2, vocab) for _ in range(a.prefill)]],
-        "prompt": [rnd.randrange(2, vocab) for _ in range(a.depth)],
-    }
+    prompts = bench_prompts(rnd, vocab, a.prefill, a.depth)
     # decode input: random ids as llama-bench's tg feeds (its own std::rand(); ours seeded, the same every
     # run), unless --greedy-decode (our greedy chain: a random checkpoint's repeats one token, whose
     # routing then stands for no traffic)
@@ -458,7 +464,11 @@ def report(doc: dict) -> None:
 def heat(a) -> None:
     """Routing heat of the decode the bench times: a --depth-token prompt, then --tokens decode steps fed
     random ids (seed 2: other ids than the bench's, the same kind), every expert on --backend; written as
-    a heat JSON (engine/runner.write_stats) for `solve --heat`, so the plan is priced on that traffic."""
+    a heat JSON (engine/runner.write_stats) for `solve --heat`, so the plan is priced on that traffic.
+    ``--context bench``: the prompt is the bench's own (``bench_prompts`` at --prefill), the decode ids
+    still seed 2's: on a random checkpoint the prompt decides which experts a decode selects (on the
+    24-layer checkpoint's CPU run, a heat of another prompt covered 46% of the bench decode's selections
+    with its hot half, one of the bench's prompt 95%: bench/results/routing-context-cpu.json)."""
     import random
 
     import numpy as np
@@ -470,12 +480,14 @@ def heat(a) -> None:
     weights = runner.open_weights(a.pack, None)
     rec = RoutingRecorder(weights.arch)
     vocab, rnd = weights.arch.vocab_size, random.Random(2)
+    prompt = ([rnd.randrange(2, vocab) for _ in range(a.depth)] if a.context == "other" else
+              bench_prompts(random.Random(1), vocab, a.prefill, a.depth)["prompt"])
     s = EngineSession(weights, runner.placement_for(weights, None, a.backend, 0), cpu_backend="cpu",
                       trunk=runner.trunk_placement(weights, None, None, a.backend, 0),
                       context_tokens=a.depth + a.tokens + 1, recorder=rec)
     with s:
         cache = s.model.new_cache(a.depth + a.tokens + 1)
-        s.model._last_logits([rnd.randrange(2, vocab) for _ in range(a.depth)], cache)
+        s.model._last_logits(prompt, cache)
         for _ in range(a.tokens):
             np.asarray(s.model._last_logits([rnd.randrange(2, vocab)], cache))
     written = runner.write_stats(rec, weights, a.out, None)
@@ -530,6 +542,9 @@ def main(argv=None) -> int:
     ht.add_argument("--backend", default="cuda")
     ht.add_argument("--depth", type=int, default=16)
     ht.add_argument("--tokens", type=int, default=256)
+    ht.add_argument("--context", choices=("other", "bench"), default="other",
+                    help="the prompt before the decode: another one (seed 2) or the bench's own")
+    ht.add_argument("--prefill", type=int, default=512, help="--context bench: the bench's --prefill")
     ht.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.mode == "heat":

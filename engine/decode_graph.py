@@ -30,6 +30,10 @@ captured again. One step in :data:`EAGER_EVERY` (and the first timed one) runs e
 report's attention and expert terms stay measured; so does the first decode step (kernels compile
 outside any capture). Off with ``COLIBRI_CUDA_GRAPH=0``; ``Trunk.graph_off`` says why a trunk does not
 capture.
+
+Between replays a :class:`~colibri_plan.engine.promote.MappedPromoter` may exchange a layer's hot mapped
+pinned experts with cold VRAM ones (bytes and table rows together: the graphs stay valid, the bits too);
+``COLIBRI_PROMOTE=0`` keeps the plan's tiers.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import numpy as np
 
 from colibri_plan.backends.handles import DArray
 from colibri_plan.engine.moe import group_routes, scatter_sum
+from colibri_plan.engine.promote import MappedPromoter
 from colibri_plan.errors import UnsupportedError
 
 #: environment switch: "0" decodes eagerly (the before/after of bench/h200_graph.sh)
@@ -94,6 +99,7 @@ class DecodeGraph:
         self.waits = 0  # host waits of replayed steps (one per hybrid layer per step)
         self.handoffs = 0  # of them, the ones where some chosen expert lived on the host
         self._cut = None  # while a segmented step is captured: d_capture_segments' cut
+        self.promoter = None  # engine/promote.py MappedPromoter, or None: the plan's tiers hold still
 
     @classmethod
     def make(cls, trunk) -> tuple[DecodeGraph | None, str | None]:
@@ -113,7 +119,10 @@ class DecodeGraph:
             return None, str(exc)
         if len(keys) > 1:
             return None, f"the trunk's GPU is known by {len(keys)} device keys"
-        return cls(trunk, keys.pop() if keys else None, tables), None
+        g = cls(trunk, keys.pop() if keys else None, tables)
+        if hasattr(mgr, "tiers_on"):  # hot mapped experts into VRAM between replayed steps (promote.py)
+            g.promoter = MappedPromoter.make(mgr, be, g.key, tables)
+        return g, None
 
     def takes(self, calls: int) -> bool:
         """Whether the trunk's forward call number ``calls`` (a decode step) replays. Eager: the first
@@ -158,6 +167,8 @@ class DecodeGraph:
         self._account(outs[1:])
         cache.advance(1)
         t._calls += 1
+        if self.promoter is not None:  # between replays: the next one reads the new places
+            self.promoter.step()
         return outs[0].reshape(1, -1)  # [1, V]
 
     def _capture(self, cache, pos: int, slots: list[int]):

@@ -84,6 +84,8 @@ class ResidencyManager(StreamedExperts, PrefillOffload):
         # the cpu backend's one-call decode sum, where the backend declares it
         self._fused = cpu_backend.expert_ffn_sum if cpu_backend.supports("expert_ffn_sum") else None
         self.repinner = Repinner(self, repin) if repin is not None and repin.enabled else None
+        # fn(layer, expert ids, selections each or None: one token) after each routing served (promote.py)
+        self.observers: list = []
         self.devices = dict(devices or {})
         self.verify = verify_checksums
         arch = pack.arch
@@ -187,6 +189,8 @@ class ResidencyManager(StreamedExperts, PrefillOffload):
             raise InputError("residency manager is closed")
         if self.repinner is not None:
             self.repinner.observe(layer, expert_ids, xs)
+        for fn in self.observers:
+            fn(layer, expert_ids, [len(x) for x in xs])
         local, rest = [], []
         for i, e in enumerate(expert_ids):
             tier, held = self._on(backend, layer, int(e))
@@ -227,6 +231,38 @@ class ResidencyManager(StreamedExperts, PrefillOffload):
         n_pinned = sum((layer, int(e)) in self._pinned_dev for e in expert_ids)
         self.stats.uses["ram_pinned"] += n_pinned
         self.stats.uses["vram"] += len(expert_ids) - n_pinned
+        for fn in self.observers:
+            fn(layer, expert_ids, None)
+
+    def tiers_on(self, backend, layer: int) -> tuple[list[int], list[int]]:
+        """(ids in VRAM, ids in mapped pinned memory) of MoE ``layer``'s experts held on ``backend``."""
+        def on(tier: dict) -> list[int]:
+            return sorted(e for (lay, e), (k, _) in tier.items()
+                          if lay == layer and self.devices[k] is backend)
+        return on(self._vram), on(self._pinned_dev)
+
+    def held_weights(self, layer: int, e: int):
+        """The ExpertWeights holding expert ``e`` of ``layer`` in VRAM or mapped pinned memory.
+
+        Raises:
+            InputError: the expert is in neither."""
+        held = self._vram.get((layer, e)) or self._pinned_dev.get((layer, e))
+        if held is None:
+            raise InputError(f"expert {e} of layer {layer} is not held in VRAM or mapped pinned memory")
+        return held[1]
+
+    def swap_tiers(self, layer: int, hot: int, cold: int) -> None:
+        """After the backend exchanged their bytes (``d_expert_exchange``): mapped pinned expert ``hot``
+        of ``layer`` now lives in VRAM expert ``cold``'s buffers and ``cold`` in ``hot``'s.
+
+        Raises:
+            InputError: ``hot`` is not mapped pinned or ``cold`` not in VRAM."""
+        if (layer, hot) not in self._pinned_dev or (layer, cold) not in self._vram:
+            raise InputError(f"swap_tiers: layer {layer}: expert {hot} is not mapped pinned or {cold} is "
+                             "not in VRAM")
+        with self._lock:
+            mapped, vram = self._pinned_dev.pop((layer, hot)), self._vram.pop((layer, cold))
+            self._vram[(layer, hot)], self._pinned_dev[(layer, cold)] = vram, mapped
 
     def add_local_seconds(self, key: str, seconds: float) -> None:
         """Charge ``seconds`` of local experts (:meth:`local_experts`) on device ``key`` to its expert

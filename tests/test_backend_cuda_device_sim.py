@@ -205,7 +205,7 @@ def device_cupy(sim: Sim):
             return fn if "<" in name else Kernel(name, fn)
 
     def memcpy(dst, src, n, kind, stream):
-        if kind == 3:
+        if kind in (3, 4):  # device to device, or cudaMemcpyDefault between unified addresses
             sim.run(lambda: sim.mem(dst, n).__setitem__(slice(None), sim.mem(src, n).copy()))
         else:
             base_memcpy(dst, src, n, kind, stream)

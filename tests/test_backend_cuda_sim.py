@@ -250,7 +250,7 @@ def fake_cupy(sim: Sim):
     rt = types.SimpleNamespace(
         memGetInfo=lambda: (HEAP, HEAP), getDeviceCount=lambda: 1, driverGetVersion=lambda: 12040,
         runtimeGetVersion=lambda: 12040, getDevice=lambda: 0, memcpyAsync=memcpy,
-        memcpyHostToDevice=1, memcpyDeviceToHost=2, errorMemoryAllocation=2,
+        memcpyHostToDevice=1, memcpyDeviceToHost=2, memcpyDefault=4, errorMemoryAllocation=2,
         CUDARuntimeError=CUDARuntimeError,
         getDeviceProperties=lambda i: {"name": b"Simulated GPU", "major": 9, "minor": 0, "integrated": 0})
     cuda.runtime = rt

@@ -56,7 +56,7 @@ def be(request, monkeypatch):
 
 
 def _decode(pack, be, monkeypatch, graph: bool, n_tokens: int, local=None, patch=None, requests=1,
-            mapped=False):
+            mapped=False, after=None):
     """(tokens, logits of every decode step [n, V] of the last of ``requests`` generations, manager uses,
     routing counts, (graph_off, captures, capacity), (hybrid layers, replayed steps, host waits, hand-offs)
     or None) with experts ``local`` (default: all; a dict: per layer) of each layer on ``be`` and the rest
@@ -86,6 +86,8 @@ def _decode(pack, be, monkeypatch, graph: bool, n_tokens: int, local=None, patch
             g = trunk._step_graph
             segs = (g.hybrid, g._steps - 1 - g._sampled, g.waits, g.handoffs) if g is not None else None
             held = rm.resident_bytes()
+            if after is not None:  # the model and manager as the decode left them
+                after(model, rm)
     finally:
         rm.close()
         cpu.close()
@@ -154,7 +156,9 @@ def test_mapped_pinned_experts_replay_as_one_graph_without_hand_offs(fx, be, mon
     """Half of each layer's experts in VRAM, the rest pinned in RAM that the GPU maps and computes
     (compute.ram_pinned = cuda:0): no layer is hybrid, a replayed step never waits for the host, and the
     tokens, routing and tier uses equal the run whose host computes those pinned experts (logits within
-    float32 rounding: the GPU sums all chosen experts itself). The pinned bytes are host memory, not VRAM."""
+    float32 rounding: the GPU sums all chosen experts itself). The pinned bytes are host memory, not VRAM.
+    The plan's tiers hold still (COLIBRI_PROMOTE=0: the next test moves them)."""
+    monkeypatch.setenv("COLIBRI_PROMOTE", "0")
     n = EAGER_EVERY + 6
     with open_pack(fx) as pack:
         host = _decode(pack, be, monkeypatch, True, n, local=range(8))
@@ -171,6 +175,46 @@ def test_mapped_pinned_experts_replay_as_one_graph_without_hand_offs(fx, be, mon
     n_pinned = 8 * len(pack.arch.moe_layers)
     assert mapped[6]["ram_pinned"] == n_pinned * expert_bytes
     assert mapped[6]["cuda:0"] == host[6]["cuda:0"] < host[6]["cuda:0"] + n_pinned * expert_bytes
+
+
+def test_hot_mapped_experts_move_into_vram_between_replays_with_the_same_bits(fx, be, monkeypatch):
+    """VRAM holding each layer's least chosen half (the other half mapped pinned, computed by the GPU): the
+    promoter exchanges hot mapped experts with cold VRAM ones between replayed steps. Tokens, logits,
+    routing and resident bytes equal the run that keeps the plan's tiers (COLIBRI_PROMOTE=0); more of the
+    selections are served from VRAM; every expert is held once, and each table row holds its own
+    weights' addresses."""
+    n = EAGER_EVERY + 24
+    with open_pack(fx) as pack:
+        a = pack.arch
+        monkeypatch.setenv("COLIBRI_PROMOTE", "0")
+        counts = _decode(pack, be, monkeypatch, True, n, mapped=True)[3]  # [layers, E] selections
+        cold = {l: np.argsort(counts[r], kind="stable")[: a.n_experts // 2].tolist()
+                for r, l in enumerate(a.moe_layers)}
+        kept = _decode(pack, be, monkeypatch, True, n, local=cold, mapped=True)
+        monkeypatch.setenv("COLIBRI_PROMOTE", "1")
+        seen = {}
+
+        def after(model, rm):
+            g = model.trunk._step_graph
+            seen["swaps"], seen["bytes"] = g.promoter.swaps, g.promoter.swap_bytes
+            for layer in a.moe_layers:
+                vram, mapped = rm.tiers_on(be, layer)
+                assert sorted(vram + mapped) == list(range(a.n_experts)) and len(vram) == a.n_experts // 2
+                rows = g.tables[layer].rows
+                for e in range(a.n_experts):
+                    ew = rm.held_weights(layer, e)
+                    assert int(rows[e, 0]) == ew.gate.payload.data and int(rows[e, 4]) == ew.down.payload.data
+                    assert ew.gate.host_mapped == (e in mapped)
+                seen[layer] = vram
+        moved = _decode(pack, be, monkeypatch, True, n, local=cold, mapped=True, after=after)
+        expert_bytes = sum(q.nbytes for q in pack.expert(a.moe_layers[0], 0))
+    assert moved[0] == kept[0]
+    np.testing.assert_array_equal(moved[1], kept[1])
+    np.testing.assert_array_equal(moved[3], kept[3])
+    assert moved[6] == kept[6]
+    assert seen["swaps"] > 0 and seen["bytes"] == 2 * expert_bytes * seen["swaps"]
+    assert moved[2]["vram"] > kept[2]["vram"] and sum(moved[2].values()) == sum(kept[2].values())
+    assert any(sorted(seen[l]) != sorted(cold[l]) for l in a.moe_layers)
 
 
 def test_a_discrete_gpu_computes_no_streamed_tier(fx, be):

@@ -44,12 +44,13 @@ class ExpertTable:
     """One MoE layer's experts on the device: ``dev`` a CuPy uint64 [E, 6] array (gate W, S, up W, S,
     down W, S addresses; bit 0 of gate W set on an absent expert's row); ``first`` an ExpertWeights
     (format and shapes of all); ``experts`` the ExpertWeights held, so that their memory outlives the
-    table; ``absent`` how many of the E live off this GPU."""
+    table; ``absent`` how many of the E live off this GPU; ``rows`` the host's copy of ``dev``."""
 
     dev: Any
     first: Any
     experts: list = field(repr=False)
     absent: int = 0  # experts that live off this GPU (gate 0 on the device)
+    rows: Any = field(default=None, repr=False)  # the host's copy of dev, numpy uint64 [E, 6]
 
 
 @dataclass
@@ -125,7 +126,7 @@ class CudaStepGraphs:
     """
 
     HOOKS = ("d_capture_step", "d_expert_table", "d_router_indexed", "d_expert_ffn_indexed",
-             "d_attention_splits")
+             "d_attention_splits", "d_expert_exchange")
 
     def __init__(self, backend, dops, experts):
         self.be, self.d, self.ex = backend, dops, experts
@@ -163,8 +164,46 @@ class CudaStepGraphs:
             raise UnsupportedError("cuda: an expert's gate weight at an odd address (the table's absent bit)")
         it = iter(rows)
         rows = [next(it) if e is not None else [rows[0][0] | 1, *rows[0][1:]] for e in experts]
-        dev = self.d._d_put(np.array(rows, np.uint64).view(np.float32).reshape(-1))  # [E, 6] u64
-        return ExpertTable(dev, held[0], list(held), len(experts) - len(held))
+        host = np.array(rows, np.uint64)  # [E, 6]
+        dev = self.d._d_put(host.view(np.float32).reshape(-1))  # [E, 6] u64
+        return ExpertTable(dev, held[0], list(held), len(experts) - len(held), host)
+
+    def d_expert_exchange(self, table: ExpertTable, a: int, b: int, ew_a, ew_b) -> None:
+        """Exchange experts ``a`` and ``b`` of ``table``'s layer between the buffers that hold them: ew_a
+        (a's ExpertWeights) gets b's bytes, ew_b a's, and rows a and b of the table swap, so every id still
+        reads its own weights (engine/promote.py moves a hot expert from mapped host memory into VRAM this
+        way, a cold one out). Stream-ordered: launches after it, a replayed step's too, read the new
+        places; the bytes cross the bus twice (2 x the expert's bytes). One of the two must live in mapped
+        host memory (``upload_expert_mapped``: its host array gives each matrix's padded bytes).
+
+        Raises:
+            InputError: an id out of range, a == b, or ew_a / ew_b not the table's rows a / b.
+            UnsupportedError: neither expert in mapped host memory, or their matrices' layouts differ.
+        """
+        rows = table.rows  # [E, 6] addresses, as dev holds them
+        E = rows.shape[0]
+        if not (0 <= a < E and 0 <= b < E) or a == b:
+            raise InputError(f"d_expert_exchange: experts {a} and {b} of a layer of {E}")
+        for i, ew in ((a, ew_a), (b, ew_b)):
+            if int(rows[i, 0]) != ew.gate.payload.data or int(rows[i, 4]) != ew.down.payload.data:
+                raise InputError(f"d_expert_exchange: the weights given for expert {i} are not its row")
+        rt, s = self.rt, self.be.stream.ptr
+        for wa, wb in zip(ew_a, ew_b):
+            pa, pb = wa.payload, wb.payload
+            if pa.scales - pa.data != pb.scales - pb.data or (wa.fmt, wa.out_features, wa.in_features) != (
+                    wb.fmt, wb.out_features, wb.in_features):
+                raise UnsupportedError("d_expert_exchange: the two experts' matrices differ in layout")
+            host = pa.mem if wa.host_mapped else pb.mem if wb.host_mapped else None
+            if host is None:
+                raise UnsupportedError("d_expert_exchange: neither expert lives in mapped host memory")
+            n = int(host.nbytes)  # data rows + scales, as upload_expert_mapped laid them out
+            tmp = self.d._d_work("exchange", n)
+            rt.memcpyAsync(tmp, pa.data, n, rt.memcpyDefault, s)  # a's bytes aside (unified addresses)
+            rt.memcpyAsync(pa.data, pb.data, n, rt.memcpyDefault, s)
+            rt.memcpyAsync(pb.data, tmp, n, rt.memcpyDefault, s)
+        rows[[a, b]] = rows[[b, a]]
+        rt.memcpyAsync(table.dev.data.ptr, rows.ctypes.data, rows.nbytes, rt.memcpyHostToDevice, s)
+        self.be.stream.synchronize()  # the copy from pageable rows is done before they change again
 
     def d_router_indexed(self, x: DArray, w_router, bias: DArray | None, rule, table: ExpertTable | None
                          ) -> tuple[DArray, DArray, IndexedRoute | None]:

@@ -1,0 +1,98 @@
+"""engine/promote.py's rule on toy numbers a person can check: decayed counts and which experts move."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import numpy as np
+
+from colibri_plan.engine.promote import ENV, MappedPromoter, PromotePolicy
+
+
+class FakeRM:
+    """One MoE layer (id 3) of 4 experts, top-2: 0 and 1 in VRAM, 2 and 3 mapped; records swap_tiers."""
+
+    def __init__(self):
+        self.pack = NS(arch=NS(moe_layers=[3], n_experts=4, top_k=2))
+        self.vram, self.mapped, self.observers, self.swapped = [0, 1], [2, 3], [], []
+
+    def tiers_on(self, be, layer):
+        return list(self.vram), list(self.mapped)
+
+    def held_weights(self, layer, e):
+        return (NS(nbytes=10), NS(nbytes=20), NS(nbytes=30))
+
+    def swap_tiers(self, layer, hot, cold):
+        self.swapped.append((layer, hot, cold))
+        self.vram[self.vram.index(cold)], self.mapped[self.mapped.index(hot)] = hot, cold
+
+
+class FakeBE:
+    def __init__(self):
+        self.exchanged = []
+
+    def d_expert_exchange(self, table, a, b, ew_a, ew_b):
+        self.exchanged.append((a, b))
+
+
+def _promoter(policy=None):
+    rm, be = FakeRM(), FakeBE()
+    policy = policy or PromotePolicy(window_tokens=32)
+    return MappedPromoter(rm, be, "cuda:0", {3: NS(absent=0)}, policy), rm, be
+
+
+def test_counts_decay_by_one_minus_one_over_the_window_per_token():
+    p, _, _ = _promoter()
+    p.observe(3, [2, 0])  # one token: 1 each
+    p.observe(3, [2, 1])  # the next token: the old counts * 31/32, then +1
+    np.testing.assert_allclose(p.q[0], [31 / 32, 1, 1 + 31 / 32, 0])
+    p.observe(3, [0, 2], [4, 2])  # a prefill of 3 tokens (6 selections / top-2): decayed (31/32)^3
+    d3 = (31 / 32) ** 3
+    np.testing.assert_allclose(p.q[0], [31 / 32 * d3 + 4, d3, (1 + 31 / 32) * d3 + 2, 0])
+    p.observe(7, [0, 1])  # not a layer it moves: ignored
+    assert p.q.shape == (1, 4)
+
+
+def test_the_rule_leads_by_two_plus_two_standard_deviations():
+    pol = PromotePolicy()
+    assert pol.pays(9, 0) and not pol.pays(7, 0)  # 9 > 2 + 2*3; 7 < 2 + 2*sqrt(7) = 7.29
+    assert not pol.pays(20, 10) and pol.pays(30, 4)  # 10 < 2 + 2*sqrt(30); 26 > 2 + 2*sqrt(34) = 13.7
+
+
+def test_a_mapped_expert_moves_in_once_it_leads_a_vram_one_clearly():
+    p, rm, be = _promoter()
+    p.q[0] = [0.0, 1.0, 9.0, 7.0]  # mapped 2 (9) for VRAM 0 (0): moves; mapped 3 (7) for VRAM 1 (1): kept
+    assert p.rebalance() == 1
+    assert be.exchanged == [(2, 0)] and rm.swapped == [(3, 2, 0)]
+    assert rm.vram == [2, 1] and rm.mapped == [0, 3]
+    assert p.swaps == 1 and p.swap_bytes == 2 * 60
+    assert p.rebalance() == 0  # 3 (7) against 1 (1): 6 < 2 + 2*sqrt(8)
+
+
+def test_the_round_cap_keeps_the_rest_for_the_next_round():
+    p, rm, _ = _promoter(PromotePolicy(window_tokens=32, max_swaps=1))
+    p.q[0] = [0.0, 0.5, 30.0, 28.0]  # both would move; the cap allows one: the hottest for the coldest
+    assert p.rebalance() == 1 and rm.swapped == [(3, 2, 0)]
+    assert p.rebalance() == 1 and rm.swapped[-1] == (3, 3, 1)
+
+
+def test_a_round_every_few_tokens_and_the_switch(monkeypatch):
+    p, _, be = _promoter(PromotePolicy(window_tokens=32, every_tokens=4))
+    p.q[0] = [0.0, 0.0, 12.0, 0.0]
+    assert [p.step() for _ in range(4)] == [0, 0, 0, 1]
+    rm = FakeRM()
+    monkeypatch.setenv(ENV, "0")
+    assert MappedPromoter.make(rm, FakeBE(), "cuda:0", {3: NS(absent=0)}) is None
+    monkeypatch.setenv(ENV, "1")
+    got = MappedPromoter.make(rm, FakeBE(), "cuda:0", {3: NS(absent=0)})
+    assert got is not None and rm.observers == [got.observe]
+    assert MappedPromoter.make(FakeRM(), object(), "cuda:0", {3: NS(absent=0)}) is None  # no exchange op
+    rm.mapped = []
+    assert MappedPromoter.make(rm, FakeBE(), "cuda:0", {3: NS(absent=0)}) is None  # nothing mapped
+
+
+def test_a_hybrid_layer_is_left_alone():
+    """A layer with experts on the host (absent from the GPU's table) is not one the promoter moves."""
+    p, _, _ = _promoter()
+    p2 = MappedPromoter(FakeRM(), FakeBE(), "cuda:0", {3: NS(absent=1)})
+    assert p.layers == [3] and p2.layers == []
