@@ -83,8 +83,12 @@ class MappedPromoter:
         self._k = max(1, int(a.top_k))
         self._tokens = 0
         self.swaps, self.swap_bytes, self.swap_s = 0, 0, 0.0
-        # per layer (VRAM ids, mapped ids) as int arrays, kept in step with the exchanges
+        # per layer (VRAM ids, mapped ids) as int arrays, kept in step with the exchanges, and as masks
         self._ids = {i: tuple(np.array(t, np.int64) for t in rm.tiers_on(be, i)) for i in self.layers}
+        self._in_vram = np.zeros(self.q.shape, bool)  # [L, E]
+        self._mapped = np.zeros(self.q.shape, bool)
+        for i, (v, m) in self._ids.items():
+            self._in_vram[self._row[i], v], self._mapped[self._row[i], m] = True, True
 
     @classmethod
     def make(cls, rm, be, key: str | None, tables: dict) -> MappedPromoter | None:
@@ -114,6 +118,18 @@ class MappedPromoter:
         self.q[r] *= self._decay ** tokens
         np.add.at(self.q[r], ids, c)
 
+    def observe_step(self, layers, ids: np.ndarray) -> None:
+        """Count one decode token's routing of several layers at once: ``ids`` int [len(layers), K] (a
+        replayed step's, engine/decode_graph.py: one numpy update for the step, not one per layer)."""
+        rows = [self._row.get(int(i), -1) for i in layers]
+        keep = [j for j, r in enumerate(rows) if r >= 0]
+        if not keep:
+            return
+        r = np.array([rows[j] for j in keep])
+        sel = np.asarray(ids, np.int64)[keep]  # [n, K]
+        self.q[r] *= self._decay
+        np.add.at(self.q, (np.repeat(r, sel.shape[1]), sel.ravel()), 1.0)
+
     def step(self) -> int:
         """After a decode token: a round every ``every_tokens`` tokens. Returns the exchanges made."""
         self._tokens += 1
@@ -122,11 +138,15 @@ class MappedPromoter:
     def rebalance(self) -> int:
         """One round over the layers (module docstring's rule). Returns the exchanges made."""
         made, t0 = 0, time.perf_counter()
-        for layer in self.layers:
-            q = self.q[self._row[layer]]
+        # every layer's hottest mapped and coldest VRAM count at once: the common case moves nothing
+        hot_q = np.where(self._mapped, self.q, -np.inf).max(1)  # [L]
+        cold_q = np.where(self._in_vram, self.q, np.inf).min(1)
+        with np.errstate(invalid="ignore"):
+            lead = hot_q - cold_q - self.policy.z * np.sqrt(np.maximum(0.0, hot_q + cold_q))
+        for r in np.flatnonzero(lead > self.policy.lead).tolist():
+            layer = self.layers[r]
+            q = self.q[r]
             vram, mapped = self._split(layer)
-            if not len(vram) or not len(mapped) or not self.policy.pays(q[mapped].max(), q[vram].min()):
-                continue  # the common case: nothing to move, no sort
             hot = mapped[np.lexsort((mapped, -q[mapped]))]  # hottest first, ties to the lower id
             cold = vram[np.lexsort((vram, q[vram]))]  # coldest first
             for h, c in zip(hot.tolist(), cold.tolist()):
@@ -144,5 +164,7 @@ class MappedPromoter:
         self.rm.swap_tiers(layer, hot, cold)  # hot now in cold's VRAM buffers, cold in hot's mapped ones
         vram, mapped = self._ids[layer]
         vram[vram == cold], mapped[mapped == hot] = hot, cold
+        r = self._row[layer]
+        self._in_vram[r, [hot, cold]], self._mapped[r, [hot, cold]] = (True, False), (False, True)
         self.swaps += 1
         self.swap_bytes += 2 * sum(w.nbytes for w in ew_hot)

@@ -224,15 +224,17 @@ class ResidencyManager(StreamedExperts, PrefillOffload):
                 out[e], key = ew, k
         return key, out
 
-    def count_local(self, layer: int, expert_ids: Sequence[int]) -> None:
+    def count_local(self, layer: int, expert_ids: Sequence[int], observe: bool = True) -> None:
         """Count the uses of MoE ``layer``'s experts ``expert_ids`` served on a trunk's device without
         :meth:`local_experts` (a captured decode step, whose experts all live there): "ram_pinned" for
-        the pinned ones it maps, "vram" for the rest."""
+        the pinned ones it maps, "vram" for the rest. ``observe`` False: the caller feeds the
+        ``observers`` itself (a replayed step, all its layers at once)."""
         n_pinned = sum((layer, int(e)) in self._pinned_dev for e in expert_ids)
         self.stats.uses["ram_pinned"] += n_pinned
         self.stats.uses["vram"] += len(expert_ids) - n_pinned
-        for fn in self.observers:
-            fn(layer, expert_ids, None)
+        if observe:
+            for fn in self.observers:
+                fn(layer, expert_ids, None)
 
     def tiers_on(self, backend, layer: int) -> tuple[list[int], list[int]]:
         """(ids in VRAM, ids in mapped pinned memory) of MoE ``layer``'s experts held on ``backend``."""

@@ -96,3 +96,19 @@ def test_a_hybrid_layer_is_left_alone():
     p, _, _ = _promoter()
     p2 = MappedPromoter(FakeRM(), FakeBE(), "cuda:0", {3: NS(absent=1)})
     assert p.layers == [3] and p2.layers == []
+
+
+def test_a_replayed_step_counted_at_once_equals_one_count_per_layer():
+    """observe_step (all layers of a replayed step in one update) gives the counts of observe per layer."""
+    rm = FakeRM()
+    rm.pack.arch.moe_layers = [3, 5]
+    tables = {3: NS(absent=0), 5: NS(absent=0)}
+    a, b = (MappedPromoter(rm, FakeBE(), "cuda:0", tables) for _ in range(2))
+    steps = [np.array([[0, 2], [1, 3]]), np.array([[2, 3], [2, 0]]), np.array([[1, 0], [3, 1]])]
+    for ids in steps:
+        a.observe_step([3, 5], ids)
+        for layer, row in zip((3, 5), ids):
+            b.observe(layer, row)
+    np.testing.assert_allclose(a.q, b.q)
+    a.observe_step([9], np.array([[0, 1]]))  # a layer it does not move: ignored
+    np.testing.assert_allclose(a.q, b.q)
