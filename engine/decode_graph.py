@@ -236,14 +236,18 @@ class DecodeGraph:
         t, a = self.trunk, self.trunk.arch
         m, K = t.model, a.top_k
         full = [i for i in a.moe_layers if i not in self.hybrid]
-        p, step_ids = self.promoter, []
-        for i, r in zip(full, routes):
-            ids = r[:K].view(np.int32).astype(np.int64)[None]  # [1, K], descending choice order
+        p = self.promoter
+        if full:  # every layer at once: a few numpy updates for the step, not a few per layer
+            r = np.stack(routes[:len(full)])  # [layers, 2K]
+            ids = r[:, :K].view(np.int32).astype(np.int64)  # [layers, K], descending choice order
             if m.routing is not None:
-                m.routing.record(i, ids, r[K:][None])
-            m.experts.count_local(i, ids[0].tolist(), observe=p is None)
-            step_ids.append(ids[0])
-        if p is not None and step_ids:  # the promoter's counts in one update for the step
-            p.observe_step(full, np.stack(step_ids))  # [layers, K]
+                m.routing.record_step(full, ids, r[:, K:])
+            if hasattr(m.experts, "count_local_step"):
+                m.experts.count_local_step(full, ids, observe=p is None)
+            else:
+                for i, row in zip(full, ids):
+                    m.experts.count_local(i, row.tolist())
+            if p is not None:
+                p.observe_step(full, ids)
         if full and t._local_n:
             m.experts.add_local_seconds(self.key, t._local_s / t._local_n * K * len(full))

@@ -105,6 +105,21 @@ class RoutingRecorder:
         for fn in self.hooks:
             fn(layer, ids, weights)
 
+    def record_step(self, layers: Sequence[int], ids: np.ndarray, weights: np.ndarray) -> None:
+        """One token's routing of several MoE layers at once (a replayed decode step): ids int [n, K],
+        weights float32 [n, K], row j that of ``layers[j]``; the counts, tokens and kept ids of
+        :meth:`record` per layer, in one update (hooks, when any, are called per layer)."""
+        rows = np.array([self._r(layer) for layer in layers], np.int64)
+        ids = np.asarray(ids, np.int64)
+        np.add.at(self.counts, (np.repeat(rows, ids.shape[1]), ids.ravel()), 1)
+        self.tokens[rows] += 1
+        if self.keep_ids:
+            for layer, row in zip(layers, ids):
+                self._ids[layer].append(row[None].copy())
+        for fn in self.hooks:
+            for layer, row, w in zip(layers, ids, weights):
+                fn(layer, row[None], w[None])
+
     def topk_ids(self, layer: int) -> np.ndarray:
         """All top-k ids recorded for ``layer``, int64 [tokens, K], in token order (empty if none).
 

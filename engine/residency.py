@@ -86,6 +86,7 @@ class ResidencyManager(StreamedExperts, PrefillOffload):
         self.repinner = Repinner(self, repin) if repin is not None and repin.enabled else None
         # fn(layer, expert ids, selections each or None: one token) after each routing served (promote.py)
         self.observers: list = []
+        self._mapped_mask = None  # count_local_step's [MoE layers, E] of the mapped pinned experts
         self.devices = dict(devices or {})
         self.verify = verify_checksums
         arch = pack.arch
@@ -236,6 +237,25 @@ class ResidencyManager(StreamedExperts, PrefillOffload):
             for fn in self.observers:
                 fn(layer, expert_ids, None)
 
+    def count_local_step(self, layers: Sequence[int], ids: np.ndarray, observe: bool = True) -> None:
+        """:meth:`count_local` of one token's choices in several MoE layers at once (a replayed step):
+        ids int [len(layers), K], row j the choices of ``layers[j]``."""
+        if self._mapped_mask is None:  # [MoE layers, E]: mapped pinned (the tiers change by swap_tiers)
+            arch = self.pack.arch
+            self._mask_row = {layer: r for r, layer in enumerate(arch.moe_layers)}
+            self._mapped_mask = np.zeros((len(self._mask_row), arch.n_experts), bool)
+            for lay, e in self._pinned_dev:
+                self._mapped_mask[self._mask_row[lay], e] = True
+        ids = np.asarray(ids, np.int64)
+        rows = np.array([self._mask_row[layer] for layer in layers], np.int64)
+        n_pinned = int(self._mapped_mask[rows[:, None], ids].sum())
+        self.stats.uses["ram_pinned"] += n_pinned
+        self.stats.uses["vram"] += ids.size - n_pinned
+        if observe:
+            for fn in self.observers:
+                for layer, row in zip(layers, ids):
+                    fn(layer, row, None)
+
     def tiers_on(self, backend, layer: int) -> tuple[list[int], list[int]]:
         """(ids in VRAM, ids in mapped pinned memory) of MoE ``layer``'s experts held on ``backend``."""
         def on(tier: dict) -> list[int]:
@@ -265,6 +285,8 @@ class ResidencyManager(StreamedExperts, PrefillOffload):
         with self._lock:
             mapped, vram = self._pinned_dev.pop((layer, hot)), self._vram.pop((layer, cold))
             self._vram[(layer, hot)], self._pinned_dev[(layer, cold)] = vram, mapped
+            if self._mapped_mask is not None:
+                self._mapped_mask[self._mask_row[layer], [hot, cold]] = (False, True)
 
     def add_local_seconds(self, key: str, seconds: float) -> None:
         """Charge ``seconds`` of local experts (:meth:`local_experts`) on device ``key`` to its expert

@@ -112,3 +112,27 @@ def test_a_replayed_step_counted_at_once_equals_one_count_per_layer():
     np.testing.assert_allclose(a.q, b.q)
     a.observe_step([9], np.array([[0, 1]]))  # a layer it does not move: ignored
     np.testing.assert_allclose(a.q, b.q)
+
+
+def test_a_step_recorded_at_once_equals_one_record_per_layer():
+    """RoutingRecorder.record_step (a replayed step's layers in one update) keeps what record keeps per
+    layer: counts, tokens, the ids in order and the hooks' calls."""
+    from colibri_plan.engine.moe import RoutingRecorder
+
+    arch = NS(moe_layers=[1, 2, 4], n_experts=6, top_k=2, n_layers=5)
+    a, b = RoutingRecorder(arch), RoutingRecorder(arch)
+    seen_a, seen_b = [], []
+    a.hooks.append(lambda layer, ids, w: seen_a.append((layer, ids.tolist(), w.tolist())))
+    b.hooks.append(lambda layer, ids, w: seen_b.append((layer, ids.tolist(), w.tolist())))
+    steps = [np.array([[0, 5], [1, 2], [5, 4]]), np.array([[3, 0], [2, 1], [4, 0]])]
+    w = np.array([[0.75, 0.25]] * 3, np.float32)
+    for ids in steps:
+        a.record_step([1, 2, 4], ids, w)
+        for layer, row, wr in zip([1, 2, 4], ids, w):
+            b.record(layer, row[None], wr[None])
+    np.testing.assert_array_equal(a.counts, b.counts)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert a.counts[0].tolist() == [2, 0, 0, 1, 0, 1] and a.tokens.tolist() == [2, 2, 2]  # 0,5 then 3,0
+    for layer in (1, 2, 4):
+        np.testing.assert_array_equal(a.topk_ids(layer), b.topk_ids(layer))
+    assert seen_a == seen_b and len(seen_a) == 6
