@@ -12,7 +12,8 @@ and logits keep their bits.
 
 **Estimate.** Per MoE layer and expert a decayed count ``q_e`` of selections, decayed by
 ``(1 - 1/window_tokens)`` per token, fed by every routing the residency manager serves (prefill, eager and
-replayed decode steps): ``q_e`` is about the selections of ``e`` over the last ``window_tokens`` tokens.
+replayed decode steps; the prompt's prefill before the first decode step made the promoter too, kept for
+it as ``early_routing``): ``q_e`` is about the selections of ``e`` over the last ``window_tokens`` tokens.
 
 **Rule.** Every ``every_tokens`` decode tokens, per layer, while the hottest mapped expert ``h`` and the
 coldest VRAM expert ``c`` have
@@ -99,6 +100,8 @@ class MappedPromoter:
         p = cls(rm, be, key, tables)
         if not any(len(p._split(i)[0]) and len(p._split(i)[1]) for i in p.layers):
             return None
+        for layer, ids, counts in getattr(rm, "early_routing", ()):  # the prompt's prefill, served before
+            p.observe(layer, ids, counts)
         rm.observers.append(p.observe)
         return p
 

@@ -34,7 +34,7 @@ import copy
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -87,6 +87,9 @@ class ResidencyManager(StreamedExperts, PrefillOffload):
         # fn(layer, expert ids, selections each or None: one token) after each routing served (promote.py)
         self.observers: list = []
         self._mapped_mask = None  # count_local_step's [MoE layers, E] of the mapped pinned experts
+        # the routings served before any observer came (a prompt's prefill before the first decode step
+        # makes the promoter): (layer, ids, counts), the latest few per layer, for it to count first
+        self.early_routing: deque = deque(maxlen=8 * max(1, len(pack.arch.moe_layers)))
         self.devices = dict(devices or {})
         self.verify = verify_checksums
         arch = pack.arch
@@ -192,6 +195,8 @@ class ResidencyManager(StreamedExperts, PrefillOffload):
             self.repinner.observe(layer, expert_ids, xs)
         for fn in self.observers:
             fn(layer, expert_ids, [len(x) for x in xs])
+        if not self.observers and self._pinned_dev:
+            self.early_routing.append((layer, list(expert_ids), [len(x) for x in xs]))
         local, rest = [], []
         for i, e in enumerate(expert_ids):
             tier, held = self._on(backend, layer, int(e))

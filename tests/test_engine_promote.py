@@ -136,3 +136,13 @@ def test_a_step_recorded_at_once_equals_one_record_per_layer():
     for layer in (1, 2, 4):
         np.testing.assert_array_equal(a.topk_ids(layer), b.topk_ids(layer))
     assert seen_a == seen_b and len(seen_a) == 6
+
+
+def test_the_prompt_served_before_the_promoter_is_counted_first(monkeypatch):
+    """The prefill runs before the first decode step makes the promoter: the residency manager keeps those
+    routings (early_routing) and make() counts them, 6 selections of 2 experts as 3 tokens."""
+    monkeypatch.setenv(ENV, "1")
+    rm = FakeRM()
+    rm.early_routing = [(3, [0, 2], [4, 2])]
+    p = MappedPromoter.make(rm, FakeBE(), "cuda:0", {3: NS(absent=0)})
+    np.testing.assert_allclose(p.q[0], [4.0, 0.0, 2.0, 0.0])
