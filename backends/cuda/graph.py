@@ -188,6 +188,7 @@ class CudaStepGraphs:
             if int(rows[i, 0]) != ew.gate.payload.data or int(rows[i, 4]) != ew.down.payload.data:
                 raise InputError(f"d_expert_exchange: the weights given for expert {i} are not its row")
         rt, s = self.rt, self.be.stream.ptr
+        self.d._d_go()  # this device and stream current: the work buffer is pool memory of the stream
         for wa, wb in zip(ew_a, ew_b):
             pa, pb = wa.payload, wb.payload
             if pa.scales - pa.data != pb.scales - pb.data or (wa.fmt, wa.out_features, wa.in_features) != (
