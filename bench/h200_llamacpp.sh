@@ -93,6 +93,13 @@ prep() {
   $CP solve --profile "$OUT/profile.json" --model "$WORK/pack-int8" --heat "$WORK/heat.json" --ram auto \
     --context 1024 --prompt-tokens 512 --vram "$VRAM_GB" --vram-reserve 0 --trunk cuda:0 \
     --gguf "$WORK/model-Q8_0.gguf" --out "$OUT/plan.json" 2>&1 | tee "$OUT/solve.txt" | tail -8
+  # the predictions to hold the timed decode against: priced at its context (16 prompt + 64 decode tokens,
+  # rounded up), not the 1024 the run's plan budgets its KV cache for; the budget case and all in VRAM
+  for v in "$VRAM_GB" 100; do
+    $CP solve --profile "$OUT/profile.json" --model "$WORK/pack-int8" --heat "$WORK/heat.json" --ram auto \
+      --context 96 --prompt-tokens 512 --vram "$v" --vram-reserve 0 --trunk cuda:0 \
+      --out "$OUT/predict-ctx96-vram$v.json" > "$OUT/predict-ctx96-vram$v.txt" 2>&1 || true
+  done
 }
 
 ready() { [ -f "$LLAMA/built" ] && [ -f "$WORK/model-Q8_0.gguf" ] && [ -f "$WORK/pack-int8/pack.json" ] \
