@@ -111,7 +111,8 @@ class MappedPromoter:
 
     def observe(self, layer: int, expert_ids, counts=None) -> None:
         """Count a routing of ``layer``: ``expert_ids`` chosen (with ``counts`` selections each, default 1:
-        one token), decaying the layer's counts by the tokens it covers."""
+        one token), decaying the layer's counts by the tokens it covers; a batch of more tokens than the
+        window counts as a window's worth (counts scaled by window / tokens)."""
         r = self._row.get(int(layer))
         if r is None:
             return
@@ -119,7 +120,10 @@ class MappedPromoter:
         c = np.ones(len(ids)) if counts is None else np.asarray(counts, np.float64)
         tokens = max(1.0, round(float(c.sum()) / self._k))
         self.q[r] *= self._decay ** tokens
-        np.add.at(self.q[r], ids, c)
+        # a prefill longer than the window: only a window's worth of its tokens counts (its selections
+        # spread evenly over its tokens), so that q stays "selections over the last window tokens"
+        w = float(self.policy.window_tokens)
+        np.add.at(self.q[r], ids, c * (w / tokens) if tokens > w else c)
 
     def observe_step(self, layers, ids: np.ndarray) -> None:
         """Count one decode token's routing of several layers at once: ``ids`` int [len(layers), K] (a

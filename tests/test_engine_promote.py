@@ -51,6 +51,9 @@ def test_counts_decay_by_one_minus_one_over_the_window_per_token():
     np.testing.assert_allclose(p.q[0], [31 / 32 * d3 + 4, d3, (1 + 31 / 32) * d3 + 2, 0])
     p.observe(7, [0, 1])  # not a layer it moves: ignored
     assert p.q.shape == (1, 4)
+    p.observe(3, [1, 3], [96, 32])  # a 64-token prefill, twice the window: the old counts ~0, half its own
+    np.testing.assert_allclose(p.q[0], np.array([31 / 32 * d3 + 4, d3, (1 + 31 / 32) * d3 + 2, 0])
+                               * (31 / 32) ** 64 + [0, 48, 0, 16])
 
 
 def test_the_rule_leads_by_two_plus_two_standard_deviations():
