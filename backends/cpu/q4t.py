@@ -66,12 +66,17 @@ from colibri_plan.backends.cpu.vnni import (
 
 #: sha256 (16 hex digits) of backends/cpu/vnni.py as these kernels were compiled against: updating it
 #: with vnni makes numba recompile them (tests/test_backend_cpu_kernels.py compares)
-VNNI_SOURCE = "ad6840e2d6129141"
+VNNI_SOURCE = "b8790bbed928ad22"
 #: rows per parallel step (qkernels' ROW_TILE is 32): longer runs of memory per step read RAM
 #: faster, measured from RAM on a shared 2-core host (best of 15-30, interleaved): 8 int4-g32 experts'
 #: decode 21 against 15 GB/s gate+up, 17-19 against 13 down; GEMV 2048x2048 17.6 against 13.4 GB/s,
 #: 8192x2048 22.9 against 18.0. A prefill step unpacks RB rows at a time within its tile as before
 TILE_ROWS = 128
+#: a GEMM of these kernels reading at most this many weight bytes × tokens runs ``i4t_matmul_1`` on the
+#: calling thread (qkernels.SERIAL_BYTES, 2 MiB, for the others): one int4-g32h token from RAM on a shared
+#: 2-core Xeon (workers spinning between calls), serial against parallel: 0.29 MB 33 vs 26 µs, 0.59 MB
+#: 57 vs 40, 1.18 MB 103 vs 65 (1024x2048) and 106 vs 66 (2048x1024); bench/results/cpu-gemv-h26q4.json
+SERIAL_BYTES_T = 256 << 10
 #: the batched expert kernels' step (experts sizes their parallel chunks by it)
 EXPERT_ROWS = TILE_ROWS
 #: parts per group (fold) of the transposed layouts cpu.py makes, by group bytes: int4-g32 folds 1, 2

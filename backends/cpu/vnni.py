@@ -60,17 +60,22 @@ def vpdpwssd(builder, acc, w, x):
 #: the one-token loop shapes prefetch the weight bytes this far ahead (4 rows of 2048 columns): 8
 #: int4-g32 experts' decode from RAM (the vpdpwssd pairs before the byte kernels) 24.7 against 21.3 GB/s
 #: gate+up, 20.5 against 19.0 down (best of
-#: 30, interleaved, shared 2-core host; 2048 and 8192 bytes measured alike)
+#: 30, interleaved, shared 2-core host; 2048 and 8192 bytes measured alike, again with the byte kernels)
 PREFETCH_BYTES = 4096
+#: llvm.prefetch locality of those prefetches: 2 (prefetcht1: into L2, not L1), where 3 (prefetcht0)
+#: held an L1 miss buffer per line until it came from RAM: a decode step's 8 int4-g32h experts a layer
+#: (8 layers, peer shapes, from RAM) 9.78 against 10.0 ms (medians of 4 interleaved fresh processes, shared
+#: 2-core Xeon; locality 1 slower; none 11.8 ms); bench/results/cpu-gemv-h26q4.json
+PREFETCH_LOCALITY = 2
 
 
 def prefetch(builder, ptr):
-    """Software prefetch of the cache line at ptr into all cache levels (a read; never faults)."""
+    """Software prefetch of the cache line at ptr into L2 (``PREFETCH_LOCALITY``; a read, never faults)."""
     i8p = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]),
                                         "llvm.prefetch.p0")
-    read, all_levels, data = ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)
-    builder.call(fn, [builder.bitcast(ptr, i8p), read, all_levels, data])
+    read, locality, data = ir.Constant(I32, 0), ir.Constant(I32, PREFETCH_LOCALITY), ir.Constant(I32, 1)
+    builder.call(fn, [builder.bitcast(ptr, i8p), read, locality, data])
 
 
 def plus(builder, value, n: int):
@@ -88,7 +93,8 @@ def _lane_scales(builder, ps, off, fold: int, half: bool):
     n = 16 // fold
     if half:
         v = _load(builder, builder.gep(ps, [off]), ir.VectorType(ir.IntType(16), n))
-        v = builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), n)), ir.VectorType(ir.FloatType(), n))
+        v = builder.bitcast(v, ir.VectorType(ir.HalfType(), n))
+        v = builder.fpext(v, ir.VectorType(ir.FloatType(), n))  # exact: vcvtph2ps
     else:
         v = _load(builder, builder.gep(ps, [off]), ir.VectorType(ir.FloatType(), n))
     if fold > 1:
