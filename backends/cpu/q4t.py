@@ -193,6 +193,12 @@ def _fast(wt):
     return VNNI and wt.shape[3] % 16 == 0
 
 
+def takes_one_row(wt) -> bool:
+    """Whether :func:`experts_gate_up_t` takes one token's activations for a decode batch on the layout
+    of ``wt`` (the byte kernels': :func:`_fast`), where other layouts need the token repeated per expert."""
+    return bool(VNNI) and wt.shape[3] % 16 == 0
+
+
 @njit(fastmath=True, cache=True, inline="always")
 def _xb_for(xe3, xo3, wt):
     if _fast(wt):
@@ -245,8 +251,9 @@ def _ssum4(fold, sf, so, af, ao, astep, n, f4):
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _pair_rows(C, J, L, wf, vf, sf, vl, fold, xb, sx, xs, y, z, r, q, t, af):
-    # one token t, row r of the flat weight wf (into y[t, r]) and row q of vf (into z[t, q]), scales sf /
+def _pair_rows(C, J, L, wf, vf, sf, vl, fold, xb, sx, xs, y, z, r, q, t, tx, af):
+    # one token tx of the activations (xb, xs, sx), row r of the flat weight wf (into y[t, r]) and row q of
+    # vf (into z[t, q]), scales sf /
     # vl flat (n / fold a row: _ssum), with the activation loads shared (vnni.byte_dots2); the integers
     # and the float sum of _rows, so the same bits (flat arguments: a reshape per row would cost more
     # than its row)
@@ -254,9 +261,9 @@ def _pair_rows(C, J, L, wf, vf, sf, vl, fold, xb, sx, xs, y, z, r, q, t, af):
     row = C * J * L
     for c in range(C):  # L / 16 quarters a chunk
         _bd2(J, af, c * L, n + c * L, wf, r * row + c * J * L, vf, q * row + c * J * L, xb,
-             t * 4 * row + c * 4 * J * L, xs, t * n + c * L, L // 16)
-    y[t, r] = _ssum(fold, sf, r * (n // fold), af, 0, n) * sx[t]
-    z[t, q] = _ssum(fold, vl, q * (n // fold), af, n, n) * sx[t]
+             tx * 4 * row + c * 4 * J * L, xs, tx * n + c * L, L // 16)
+    y[t, r] = _ssum(fold, sf, r * (n // fold), af, 0, n) * sx[tx]
+    z[t, q] = _ssum(fold, vl, q * (n // fold), af, n, n) * sx[tx]
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -283,7 +290,7 @@ def _rows(wt, sl, xe3, xo3, xb, sx, xsl, y, r0, r1, t0, t1, ai):
     f4 = np.empty(4, np.float32)
     if t1 - t0 == 1:  # one token (decode): two rows a call, sharing the activation loads
         for r in range(r0, r1 - 1, 2):
-            _pair_rows(C, J, L, wf, wf, sf, sf, fold, xb, sx, xs, y, y, r, r + 1, t0, af)
+            _pair_rows(C, J, L, wf, wf, sf, sf, fold, xb, sx, xs, y, y, r, r + 1, t0, t0, af)
         if (r1 - r0) % 2 == 0:
             return
         r0 = r1 - 1
@@ -369,13 +376,16 @@ def experts_gate_up_t(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
     gw, uw: tuples of EXPERTS weights uint8 [I, C, J, L]; gs, us: their scales (``i4t_matmul``'s scales2);
     xa3, xb3 int16 [ΣT, C, J, L] (even and odd columns), sx float32 [ΣT], xsum int32 [ΣT, C·L]; offs
     int64 [EXPERTS + 1] (expert e owns rows offs[e]:offs[e + 1]); h float32 [ΣT, I] written in place.
-    ``kind`` is unused (the blocked kernels' argument, kept for one calling convention).
+    ``kind`` is unused (the blocked kernels' argument, kept for one calling convention). A decode batch
+    (one token an expert) on the byte kernels' layout (:func:`takes_one_row`) may pass the activations
+    of one token, xa3, xb3 [1, C, J, L], sx [1], xsum [1, C·L], for every expert: h [n, I] as before.
     """
     inter = gw[0].shape[0]
     tiles = (inter + TILE_ROWS - 1) // TILE_ROWS
     xb = _xb_for(xa3, xb3, gw[0])
     g = np.empty_like(h)  # gate results of each tile
     C, J, L = gw[0].shape[1], gw[0].shape[2], gw[0].shape[3]
+    one = xa3.shape[0] == 1 and h.shape[0] > 1  # one token's activations for every expert
     for i in prange(EXPERTS * tiles):
         e, r0, r1 = _tile(i, tiles, inter)
         t0, t1 = offs[e], offs[e + 1]
@@ -384,8 +394,9 @@ def experts_gate_up_t(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
             gf, uf, gl, ul = gw[e].reshape(-1), uw[e].reshape(-1), gs[e].reshape(-1), us[e].reshape(-1)
             af, xs = ai.reshape(-1), xsum.reshape(-1)
             fold = C * L // gs[e].shape[1]  # lanes per scale (_rows)
+            tx = 0 if one else t0
             for r in range(r0, r1):
-                _pair_rows(C, J, L, gf, uf, gl, ul, fold, xb, sx, xs, g, h, r, r, t0, af)
+                _pair_rows(C, J, L, gf, uf, gl, ul, fold, xb, sx, xs, g, h, r, r, t0, tx, af)
         else:
             _rows(gw[e], gs[e], xa3, xb3, xb, sx, xsum, g, r0, r1, t0, t1, ai)
             _rows(uw[e], us[e], xa3, xb3, xb, sx, xsum, h, r0, r1, t0, t1, ai)
