@@ -38,7 +38,8 @@ SHAPES = {"trunk 4096x4096": (4096, 4096), "expert up 2048x6144": (2048, 6144),
           "expert down 6144x2048": (6144, 2048),  # GLM-5.2 expert shapes
           "peer up 1024x2048": (1024, 2048), "peer down 2048x1024": (2048, 1024),
           # bench/peer_llamacpp's checkpoint now (expert width 768: a down row of 24 int4-g32 groups)
-          "peer up 768x2048": (768, 2048), "peer down 2048x768": (2048, 768)}
+          "peer up 768x2048": (768, 2048), "peer down 2048x768": (2048, 768),
+          "peer kv 512x2048": (512, 2048)}  # a 0.6 MB int4-g32h GEMV, near the serial bounds
 FORMATS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g32h")
 
 
