@@ -66,7 +66,7 @@ from colibri_plan.backends.cpu.vnni import (
 
 #: sha256 (16 hex digits) of backends/cpu/vnni.py as these kernels were compiled against: updating it
 #: with vnni makes numba recompile them (tests/test_backend_cpu_kernels.py compares)
-VNNI_SOURCE = "b8790bbed928ad22"
+VNNI_SOURCE = "498b41ed8d35fbee"
 #: rows per parallel step (qkernels' ROW_TILE is 32): longer runs of memory per step read RAM
 #: faster, measured from RAM on a shared 2-core host (best of 15-30, interleaved): 8 int4-g32 experts'
 #: decode 21 against 15 GB/s gate+up, 17-19 against 13 down; GEMV 2048x2048 17.6 against 13.4 GB/s,
@@ -74,8 +74,9 @@ VNNI_SOURCE = "b8790bbed928ad22"
 TILE_ROWS = 128
 #: a GEMM of these kernels reading at most this many weight bytes × tokens runs ``i4t_matmul_1`` on the
 #: calling thread (qkernels.SERIAL_BYTES, 2 MiB, for the others): one int4-g32h token from RAM on a shared
-#: 2-core Xeon (workers spinning between calls), serial against parallel: 0.29 MB 33 vs 26 µs, 0.59 MB
-#: 57 vs 40, 1.18 MB 103 vs 65 (1024x2048) and 106 vs 66 (2048x1024); bench/results/cpu-gemv-h26q4.json
+#: 2-core Xeon (workers spinning between calls), serial against parallel, per-lane scales before:
+#: 0.59 MB 59-61 vs 40-44 µs, 1.18 MB 103-126 vs 63-74 (bench/results/cpu-gemv-h26q4.json, runs
+#: "before": gemv_s, gemv_s_parallel); 0.29 MB 33 vs 26 µs (a scratch run)
 SERIAL_BYTES_T = 256 << 10
 #: the batched expert kernels' step (experts sizes their parallel chunks by it)
 EXPERT_ROWS = TILE_ROWS

@@ -65,7 +65,7 @@ PREFETCH_BYTES = 4096
 #: llvm.prefetch locality of those prefetches: 2 (prefetcht1: into L2, not L1), where 3 (prefetcht0)
 #: held an L1 miss buffer per line until it came from RAM: a decode step's 8 int4-g32h experts a layer
 #: (8 layers, peer shapes, from RAM) 9.78 against 10.0 ms (medians of 4 interleaved fresh processes, shared
-#: 2-core Xeon; locality 1 slower; none 11.8 ms); bench/results/cpu-gemv-h26q4.json
+#: 2-core Xeon; locality 1 slower, none 11.8 ms; scratch runs of bench/cpu_expert_step.py, not kept)
 PREFETCH_LOCALITY = 2
 
 
