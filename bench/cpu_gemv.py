@@ -13,6 +13,11 @@ cores (default: every usable core). The machine may be shared: the load average 
 recorded; compare figures of one run.
 
     .venv/bin/python bench/cpu_gemv.py [--threads 2] [--repeats 7] [--compare-parallel] [--out FILE]
+
+``--roots NAME=DIR ...`` compares source trees: each (round, tree) runs this script in a fresh process
+importing ``colibri_plan`` from DIR (``cpu_decode_overhead._use_root``), the trees' order reversed every
+other round (``--rounds``), each run with its own RAM probes; the JSON holds every run and, per tree,
+shape and format, the medians over rounds of GB/s and of the fraction of the run's own RAM figure.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +38,8 @@ SHAPES = {"trunk 4096x4096": (4096, 4096), "expert up 2048x6144": (2048, 6144),
           "expert down 6144x2048": (6144, 2048),  # GLM-5.2 expert shapes
           "peer up 1024x2048": (1024, 2048), "peer down 2048x1024": (2048, 1024),
           # bench/peer_llamacpp's checkpoint now (expert width 768: a down row of 24 int4-g32 groups)
-          "peer up 768x2048": (768, 2048), "peer down 2048x768": (2048, 768)}
+          "peer up 768x2048": (768, 2048), "peer down 2048x768": (2048, 768),
+          "peer kv 512x2048": (512, 2048)}  # a 0.6 MB int4-g32h GEMV, near the serial bounds
 FORMATS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g32h")
 
 
@@ -109,8 +118,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="kernel threads (NUMBA_NUM_THREADS) and RAM probe threads; default: every core")
     ap.add_argument("--out", default=None, help="JSON output file")
+    ap.add_argument("--roots", nargs="*", default=None, help="NAME=DIR source trees, interleaved")
+    ap.add_argument("--rounds", type=int, default=2, help="with --roots: runs of each tree")
+    ap.add_argument("--root", default=None, help=argparse.SUPPRESS)  # one run of --roots: the tree
     a = ap.parse_args()
+    if a.root:  # before the first colibri_plan import
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from cpu_decode_overhead import _use_root
+
+        _use_root(a.root)
     check_args(ap, a)
+    if a.roots:
+        compare_roots(a)
+        return
     if a.threads is not None:  # before the cpu backend imports numba: its pool is sized once
         os.environ["NUMBA_NUM_THREADS"] = str(a.threads)
     from colibri_plan.backends import get_backend
@@ -179,6 +199,45 @@ def main() -> None:
                "args": vars(a), "rows": rows}
         atomic_write_text(Path(a.out), json.dumps(doc, indent=1) + "\n")
     be.close()
+
+
+def compare_roots(a: argparse.Namespace) -> None:
+    """``--roots``: this script once per (round, tree) in a fresh process (see the module docstring)."""
+    from colibri_plan.fileio import atomic_write_text
+
+    roots = dict(r.split("=", 1) for r in a.roots)
+    passed = ["--formats", a.formats, "--shapes", a.shapes, "--repeats", str(a.repeats), "--prefill",
+              str(a.prefill), "--pool-bytes", str(a.pool_bytes), "--ram-bytes", str(a.ram_bytes)]
+    passed += ["--threads", str(a.threads)] if a.threads is not None else []
+    passed += ["--compare-parallel"] if a.compare_parallel else []
+    runs: dict[str, list] = {n: [] for n in roots}
+    load0 = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(a.rounds):
+            for name in (list(roots) if rnd % 2 == 0 else list(roots)[::-1]):  # counterbalanced
+                out = Path(tmp) / f"{name}-{rnd}.json"
+                subprocess.run([sys.executable, __file__, *passed, "--root", roots[name], "--out", str(out)],
+                               check=True, stdout=subprocess.DEVNULL)
+                runs[name].append(json.loads(out.read_text()))
+                print(f"round {rnd} {name}: " + ", ".join(
+                    f"{r['shape'].split()[1]} {r['fmt']} {r['gemv_gbps']:.1f} GB/s "
+                    f"({r['fraction_of_ram']:.2f})" for r in runs[name][-1]["rows"]), flush=True)
+    summary = {}
+    print(f"\n{'tree':10} {'shape':22} {'format':9} {'GB/s':>6} {'of RAM':>7} {'RAM GB/s':>8}"
+          f"  (medians of {a.rounds})")
+    for name, docs in runs.items():
+        for i, r0 in enumerate(docs[0]["rows"]):
+            rows = [d["rows"][i] for d in docs]
+            s = {"gemv_gbps_median": statistics.median(r["gemv_gbps"] for r in rows),
+                 "fraction_of_ram_median": statistics.median(r["fraction_of_ram"] for r in rows),
+                 "ram_gbps_median": statistics.median(d["ram"]["median_gbps"] for d in docs)}
+            summary.setdefault(name, {})[f"{r0['shape']} {r0['fmt']}"] = s
+            print(f"{name:10} {r0['shape']:22} {r0['fmt']:9} {s['gemv_gbps_median']:6.1f} "
+                  f"{s['fraction_of_ram_median']:7.2f} {s['ram_gbps_median']:8.1f}")
+    if a.out:
+        doc = {"kind": "cpu-gemv-roots", "command": " ".join(sys.argv), "roots": roots, "rounds": a.rounds,
+               "load_average_before_after": [load0[0], os.getloadavg()[0]], "summary": summary, "runs": runs}
+        atomic_write_text(Path(a.out), json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def test_int4t_without_vnni_matches_bound(be, tmp_path):
     # hosts without AVX-512 VNNI compile cpu_q4t's numba loops instead of the vpdpwssd intrinsics
     # (cpu_q4t.VNNI is a compile-time constant): a copy of the module with it off, compiled here
     from colibri_plan.backends.cpu import q4t as cpu_q4t
-    from colibri_plan.backends.cpu.layout import unbytes_layout
+    from colibri_plan.backends.cpu.layout import lane_scales, unbytes_layout
 
     plain = without_vnni(cpu_q4t, "\n#: rows per parallel step", tmp_path)
     rng = np.random.default_rng(7)
@@ -169,9 +169,10 @@ def test_int4t_without_vnni_matches_bound(be, tmp_path):
     for tokens in (1, 6):
         x = rng.standard_normal((tokens, 2048), dtype=np.float32)
         y = np.empty((tokens, 70), np.float32)
-        # the upload stores vnni.byte_dots' byte layout on VNNI hosts; the numba loops read the lanes
+        # the upload stores vnni.byte_dots' byte layout and the group scales on VNNI hosts; the numba
+        # loops read the lanes and one scale per lane
         wt = unbytes_layout(hw.data3) if cpu_q4t.VNNI else hw.data3
-        plain.i4t_matmul_1(wt, hw.scales2, *be._xq(x, hw), y)
+        plain.i4t_matmul_1(wt, lane_scales(hw), *be._xq(x, hw), y)
         ref = x.astype(np.float64) @ quant.dequantize(qt).astype(np.float64).T
         assert (np.abs(y - ref) <= _bound(x, qt)).all()
         fast = be.matmul(x, w)  # the compiled module: the same integers, its own float32 sum order

@@ -119,6 +119,9 @@ class CpuBackend(Backend):
     #: weight bytes × tokens up to which an integer matmul runs serially (qkernels.SERIAL_BYTES;
     #: 0: always parallel, as bench/cpu_gemv.py --compare-parallel measures)
     serial_bytes: int = 2 << 20
+    #: the same bound for the int4-g32 / int4-g32h kernels (q4t, ``q4t.SERIAL_BYTES``: lower, their
+    #: parallel GEMV is faster from 0.3 MB on); the smaller of the two applies
+    serial_bytes_t: int = 256 << 10
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -149,6 +152,7 @@ class CpuBackend(Backend):
             self._setchunk = _chunk_setter(numba)
             self._layouts: dict[tuple, tuple] = {}
             self.serial_bytes = self._k.SERIAL_BYTES
+            self.serial_bytes_t = self._k.SERIAL_BYTES_T
         except Exception as exc:  # a broken numba/llvmlite install: say why, do not crash later
             raise BackendUnavailableError(f"cpu backend unavailable: numba failed to import: {exc}") from exc
         # parts: host arrays as device activations (this backend's matmul; attention and RMSNorm are its
@@ -212,7 +216,10 @@ class CpuBackend(Backend):
         for its layout (:meth:`_xq`)."""
         qt = hw.qt
         y = np.empty((tokens, qt.out_features), np.float32)  # [T, out]
-        if hw.serial is not None and qt.nbytes * tokens <= self.serial_bytes:
+        limit = self.serial_bytes
+        if hw.kernel is self._k.i4t_matmul:  # int4-g32 / g32h: their own, lower bound
+            limit = min(limit, self.serial_bytes_t)
+        if hw.serial is not None and qt.nbytes * tokens <= limit:
             hw.serial(hw.data3, hw.scales2, *xa, y)  # small: this thread, no pool wake-up, no lock
             return y
         self._par(-(-qt.out_features // self._step_rows(hw)), hw.kernel, hw.data3, hw.scales2, *xa, y,

@@ -107,8 +107,10 @@ class CpuExperts:
         gw, gs, uw, us, dw, ds = (c + c[:1] * pad for c in zip(*packs))  # tuples of EXPERTS arrays
         h = np.empty((rows, g0.qt.out_features), np.float32)  # [ΣT, I]
         gate_up = g0.experts[0]
+        # the byte kernels take the one token for every expert as it is (q4t.takes_one_row), others repeated
+        single = one and gate_up is k.experts_gate_up_t and k.takes_one_row(g0.data3)
         self._par(self._expert_steps(h.shape[1], g0), gate_up, _kind(g0), gw, gs, uw, us,
-                  *self._xq_any(x, g0, n if one else 1), offs, h, chunks=EXPERT_CHUNKS)
+                  *self._xq_any(x, g0, n if one and not single else 1), offs, h, chunks=EXPERT_CHUNKS)
         y = np.empty((rows, d0.qt.out_features), np.float32)  # [ΣT, H]
         down = d0.experts[1]
         self._par(self._expert_steps(y.shape[1], d0), down, _kind(d0), dw, ds, *self._xq_any(h, d0), offs, y,

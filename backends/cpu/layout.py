@@ -24,7 +24,8 @@ class HostWeight(NamedTuple):
 
     qt: QuantTensor
     data3: np.ndarray | None = None  # blocked int8 / int4 [out, blocks, bb]; transposed int4 [out, C, J, L]
-    # float32 [out, groups] (int8 / per-row int4: 1; int4-g32 transposed: per lane, groups·fold)
+    # float32 [out, groups] (int8 / per-row int4: 1; int4-g32 transposed: per lane, groups·fold, or on
+    # the byte layout per group as stored: :func:`group_scales`)
     scales2: np.ndarray | None = None
     cols: int = 0  # padded input columns the activations are quantized to
     group: int = 0  # int4: columns per zero-code group (per-row: ``cols``)
@@ -118,11 +119,29 @@ def int_layout(qt: QuantTensor, k) -> HostWeight:
     fold = _fold(groups, k.FOLDS[bg], 16 if vnni else 64)
     if g == 64:  # q4g sums a group's lanes in int32: its own scales, [out, groups]
         return HostWeight(qt, _lanes(data, groups, fold, bg // fold), scales, groups * g, g, fold)
-    lane_scales = np.repeat(scales, fold, axis=1) if fold > 1 else scales  # [out, groups·fold]
     wt = _lanes(data, groups, fold, bg // fold)
-    if vnni and wt.shape[3] % 16 == 0:  # q4t's vpdpbusd kernels read the byte layout
-        wt = bytes_layout(wt)
+    if vnni and wt.shape[3] % 16 == 0:  # q4t's vpdpbusd kernels read the byte layout and the scales as
+        # stored, one per group (int4-g32h: float16 bits, widened in the kernel; no copy): a decode GEMV
+        # then reads the pack's bytes, where per-lane float32 copies added 25% (fold 1) to 50% (fold 2)
+        return HostWeight(qt, bytes_layout(wt), group_scales(qt), groups * g, g, fold)
+    lane_scales = np.repeat(scales, fold, axis=1) if fold > 1 else scales  # [out, groups·fold]
     return HostWeight(qt, wt, lane_scales, groups * g, g, fold)
+
+
+def group_scales(qt: QuantTensor) -> np.ndarray:
+    """The group scales of an int4-g32 / int4-g32h weight as q4t's byte kernels read them: float32
+    [out, groups], or the float16 ones as their bits, uint16 [out, groups] (a view when contiguous)."""
+    if qt.scales.dtype == np.float16:
+        return np.ascontiguousarray(qt.scales).view(np.uint16)
+    return np.ascontiguousarray(qt.scales, dtype=np.float32)
+
+
+def lane_scales(hw: HostWeight) -> np.ndarray:
+    """float32 [out, C·L] scales of ``hw`` one per lane (the numba loops' scales; tests), from the group
+    scales of the byte layout (:func:`group_scales`) or as they are."""
+    s = hw.scales2.view(np.float16).astype(np.float32) if hw.scales2.dtype == np.uint16 else hw.scales2
+    lanes = hw.data3.shape[1] * hw.data3.shape[3]
+    return np.repeat(s, lanes // s.shape[1], axis=1) if s.shape[1] != lanes else s
 
 
 def bytes_layout(wt: np.ndarray) -> np.ndarray:

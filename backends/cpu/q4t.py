@@ -58,16 +58,26 @@ from colibri_plan.backends.cpu.vnni import (
     _b16x4,
     _vsum,
     _vsum4,
+    _vsum4_2,
+    _vsum4_4,
+    _vsum_2,
+    _vsum_4,
 )
 
 #: sha256 (16 hex digits) of backends/cpu/vnni.py as these kernels were compiled against: updating it
 #: with vnni makes numba recompile them (tests/test_backend_cpu_kernels.py compares)
-VNNI_SOURCE = "4a6dcb8b1be9474e"
+VNNI_SOURCE = "498b41ed8d35fbee"
 #: rows per parallel step (qkernels' ROW_TILE is 32): longer runs of memory per step read RAM
 #: faster, measured from RAM on a shared 2-core host (best of 15-30, interleaved): 8 int4-g32 experts'
 #: decode 21 against 15 GB/s gate+up, 17-19 against 13 down; GEMV 2048x2048 17.6 against 13.4 GB/s,
 #: 8192x2048 22.9 against 18.0. A prefill step unpacks RB rows at a time within its tile as before
 TILE_ROWS = 128
+#: a GEMM of these kernels reading at most this many weight bytes × tokens runs ``i4t_matmul_1`` on the
+#: calling thread (qkernels.SERIAL_BYTES, 2 MiB, for the others): one int4-g32h token from RAM on a shared
+#: 2-core Xeon (workers spinning between calls), serial against parallel, per-lane scales before:
+#: 0.59 MB 59-61 vs 40-44 µs, 1.18 MB 103-126 vs 63-74 (bench/results/cpu-gemv-h26q4.json, runs
+#: "before": gemv_s, gemv_s_parallel); 0.29 MB 33 vs 26 µs (a scratch run)
+SERIAL_BYTES_T = 256 << 10
 #: the batched expert kernels' step (experts sizes their parallel chunks by it)
 EXPERT_ROWS = TILE_ROWS
 #: parts per group (fold) of the transposed layouts cpu.py makes, by group bytes: int4-g32 folds 1, 2
@@ -184,6 +194,12 @@ def _fast(wt):
     return VNNI and wt.shape[3] % 16 == 0
 
 
+def takes_one_row(wt) -> bool:
+    """Whether :func:`experts_gate_up_t` takes one token's activations for a decode batch on the layout
+    of ``wt`` (the byte kernels': :func:`_fast`), where other layouts need the token repeated per expert."""
+    return bool(VNNI) and wt.shape[3] % 16 == 0
+
+
 @njit(fastmath=True, cache=True, inline="always")
 def _xb_for(xe3, xo3, wt):
     if _fast(wt):
@@ -214,24 +230,50 @@ def _bd2(J, ai, ao, bo, w, wo, v, vo, xb, xo, xs, so, nq):
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _pair_rows(C, J, L, wf, vf, sf, vl, xb, sx, xs, y, z, r, q, t, af):
-    # one token t, row r of the flat weight wf (into y[t, r]) and row q of vf (into z[t, q]), lane scales
-    # sf / vl flat, with the activation loads shared (vnni.byte_dots2); the integers and the float sum
-    # of _rows, so the same bits (flat arguments: a reshape per row would cost more than its row)
+def _ssum(fold, sf, so, af, ao, n):
+    # vnni.vsum(fold): Σ_k sf[so + k // fold]·float32(af[ao + k]) over n lanes (sf flat: lane scales at
+    # fold 1, else group scales, float32 or float16 bits as uint16); the same bits for equal lane scales
+    if fold == 1:
+        return _vsum(sf, so, af, ao, n, n)
+    if fold == 2:
+        return _vsum_2(sf, so, af, ao, n, n)
+    return _vsum_4(sf, so, af, ao, n, n)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _ssum4(fold, sf, so, af, ao, astep, n, f4):
+    # vnni.vsum4(fold) into f4 float32 [4]: :func:`_ssum` of 4 tokens (af at ao + u·astep)
+    if fold == 1:
+        _vsum4(sf, so, af, ao, astep, n, f4)
+    elif fold == 2:
+        _vsum4_2(sf, so, af, ao, astep, n, f4)
+    else:
+        _vsum4_4(sf, so, af, ao, astep, n, f4)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _pair_rows(C, J, L, wf, vf, sf, vl, fold, xb, sx, xs, y, z, r, q, t, tx, af):
+    # one token tx of the activations (xb, xs, sx), row r of the flat weight wf (into y[t, r]) and row q of
+    # vf (into z[t, q]), scales sf /
+    # vl flat (n / fold a row: _ssum), with the activation loads shared (vnni.byte_dots2); the integers
+    # and the float sum of _rows, so the same bits (flat arguments: a reshape per row would cost more
+    # than its row)
     n = C * L
     row = C * J * L
     for c in range(C):  # L / 16 quarters a chunk
         _bd2(J, af, c * L, n + c * L, wf, r * row + c * J * L, vf, q * row + c * J * L, xb,
-             t * 4 * row + c * 4 * J * L, xs, t * n + c * L, L // 16)
-    y[t, r] = _vsum(sf, r * n, af, 0, n, n) * sx[t]
-    z[t, q] = _vsum(vl, q * n, af, n, n, n) * sx[t]
+             tx * 4 * row + c * 4 * J * L, xs, tx * n + c * L, L // 16)
+    y[t, r] = _ssum(fold, sf, r * (n // fold), af, 0, n) * sx[tx]
+    z[t, q] = _ssum(fold, vl, q * (n // fold), af, n, n) * sx[tx]
 
 
 @njit(fastmath=True, cache=True, inline="always")
 def _rows(wt, sl, xe3, xo3, xb, sx, xsl, y, r0, r1, t0, t1, ai):
     # y[t, r] = sx[t]·Σ_k sl[r, k]·a_k for rows r0:r1 and tokens t0:t1; ai int32 [NT, C·L] scratch.
-    # Without VNNI: unpacking in registers (_dots1). With it: vnni.byte_dots on the byte layout, NT
-    # tokens per weight load, RB rows at a time (their bytes and a token group's activations in L1)
+    # Without VNNI: unpacking in registers (_dots1), sl float32 lane scales [out, C·L]. With it:
+    # vnni.byte_dots on the byte layout, NT tokens per weight load, RB rows at a time (their bytes and a
+    # token group's activations in L1), sl lane scales or the group scales as stored [out, C·L / fold]
+    # (float32, or float16 bits as uint16: layout.int_layout), lane k's the scale of group k // fold
     C, J, L = wt.shape[1], wt.shape[2], wt.shape[3]
     n = C * L
     if not _fast(wt):
@@ -242,12 +284,14 @@ def _rows(wt, sl, xe3, xo3, xb, sx, xsl, y, r0, r1, t0, t1, ai):
                 y[t, r] = _lane_sum(sl, r, af, 0, n) * sx[t]
         return
     wf, af, xs, sf = wt.reshape(-1), ai.reshape(-1), xsl.reshape(-1), sl.reshape(-1)
+    fold = n // sl.shape[1]  # lanes per scale
+    ns = n // fold  # scales a row
     row = C * J * L
     xrow = 4 * row  # activation bytes a token
     f4 = np.empty(4, np.float32)
     if t1 - t0 == 1:  # one token (decode): two rows a call, sharing the activation loads
         for r in range(r0, r1 - 1, 2):
-            _pair_rows(C, J, L, wf, wf, sf, sf, xb, sx, xs, y, y, r, r + 1, t0, af)
+            _pair_rows(C, J, L, wf, wf, sf, sf, fold, xb, sx, xs, y, y, r, r + 1, t0, t0, af)
         if (r1 - r0) % 2 == 0:
             return
         r0 = r1 - 1
@@ -261,19 +305,20 @@ def _rows(wt, sl, xe3, xo3, xb, sx, xsl, y, r0, r1, t0, t1, ai):
                     _bd(J, m, af, c * L, n, wf, r * row + c * J * L, xb, t * xrow + c * 4 * J * L, xrow,
                         xs, t * n + c * L, n, L // 16)
                 if m == 4:
-                    _vsum4(sf, r * n, af, 0, n, n, f4)
+                    _ssum4(fold, sf, r * ns, af, 0, n, n, f4)
                     for u in range(4):
                         y[t + u, r] = f4[u] * sx[t + u]
                 else:
                     for u in range(m):
-                        y[t + u, r] = _vsum(sf, r * n, af, u * n, n, n) * sx[t + u]
+                        y[t + u, r] = _ssum(fold, sf, r * ns, af, u * n, n) * sx[t + u]
             t += m
 
 
 @njit(parallel=True, fastmath=True, cache=True)
 def i4t_matmul(wt, scales2, xe3, xo3, sx, xsum, y):
     """int4-g32/g64 GEMM on the transposed layout: wt uint8 [out, C, J, L] (C·L = groups · fold lanes in
-    chunks of L); scales2 float32 [out, C·L] (one per lane); xe3, xo3 int16 [T, C, J, L] (the
+    chunks of L); scales2 float32 [out, C·L] (one per lane) or, for the byte kernels, the group scales
+    [out, C·L / fold] (float32, or float16 bits as uint16; see ``_rows``); xe3, xo3 int16 [T, C, J, L] (the
     activations in the same layout); sx float32 [T]; xsum int32 [T, C·L] (Σ xq per lane); y float32
     [T, out] written in place."""
     T = xe3.shape[0]
@@ -329,16 +374,19 @@ def _silu_rows(g, h, t0, t1, r0, r1):
 def experts_gate_up_t(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
     """h [ΣT, I] = SiLU(x·Gₑᵀ)·(x·Uₑᵀ) for the rows of each expert e (int4-g32/g64).
 
-    gw, uw: tuples of EXPERTS weights uint8 [I, C, J, L]; gs, us: their lane scales float32 [I, C·L];
+    gw, uw: tuples of EXPERTS weights uint8 [I, C, J, L]; gs, us: their scales (``i4t_matmul``'s scales2);
     xa3, xb3 int16 [ΣT, C, J, L] (even and odd columns), sx float32 [ΣT], xsum int32 [ΣT, C·L]; offs
     int64 [EXPERTS + 1] (expert e owns rows offs[e]:offs[e + 1]); h float32 [ΣT, I] written in place.
-    ``kind`` is unused (the blocked kernels' argument, kept for one calling convention).
+    ``kind`` is unused (the blocked kernels' argument, kept for one calling convention). A decode batch
+    (one token an expert) on the byte kernels' layout (:func:`takes_one_row`) may pass the activations
+    of one token, xa3, xb3 [1, C, J, L], sx [1], xsum [1, C·L], for every expert: h [n, I] as before.
     """
     inter = gw[0].shape[0]
     tiles = (inter + TILE_ROWS - 1) // TILE_ROWS
     xb = _xb_for(xa3, xb3, gw[0])
     g = np.empty_like(h)  # gate results of each tile
     C, J, L = gw[0].shape[1], gw[0].shape[2], gw[0].shape[3]
+    one = xa3.shape[0] == 1 and h.shape[0] > 1  # one token's activations for every expert
     for i in prange(EXPERTS * tiles):
         e, r0, r1 = _tile(i, tiles, inter)
         t0, t1 = offs[e], offs[e + 1]
@@ -346,8 +394,10 @@ def experts_gate_up_t(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
         if t1 - t0 == 1 and _fast(gw[0]):  # decode: a gate row and its up row share the activations
             gf, uf, gl, ul = gw[e].reshape(-1), uw[e].reshape(-1), gs[e].reshape(-1), us[e].reshape(-1)
             af, xs = ai.reshape(-1), xsum.reshape(-1)
+            fold = C * L // gs[e].shape[1]  # lanes per scale (_rows)
+            tx = 0 if one else t0
             for r in range(r0, r1):
-                _pair_rows(C, J, L, gf, uf, gl, ul, xb, sx, xs, g, h, r, r, t0, af)
+                _pair_rows(C, J, L, gf, uf, gl, ul, fold, xb, sx, xs, g, h, r, r, t0, tx, af)
         else:
             _rows(gw[e], gs[e], xa3, xb3, xb, sx, xsum, g, r0, r1, t0, t1, ai)
             _rows(uw[e], us[e], xa3, xb3, xb, sx, xsum, h, r0, r1, t0, t1, ai)

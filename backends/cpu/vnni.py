@@ -60,17 +60,22 @@ def vpdpwssd(builder, acc, w, x):
 #: the one-token loop shapes prefetch the weight bytes this far ahead (4 rows of 2048 columns): 8
 #: int4-g32 experts' decode from RAM (the vpdpwssd pairs before the byte kernels) 24.7 against 21.3 GB/s
 #: gate+up, 20.5 against 19.0 down (best of
-#: 30, interleaved, shared 2-core host; 2048 and 8192 bytes measured alike)
+#: 30, interleaved, shared 2-core host; 2048 and 8192 bytes measured alike, again with the byte kernels)
 PREFETCH_BYTES = 4096
+#: llvm.prefetch locality of those prefetches: 2 (prefetcht1: into L2, not L1), where 3 (prefetcht0)
+#: held an L1 miss buffer per line until it came from RAM: a decode step's 8 int4-g32h experts a layer
+#: (8 layers, peer shapes, from RAM) 9.78 against 10.0 ms (medians of 4 interleaved fresh processes, shared
+#: 2-core Xeon; locality 1 slower, none 11.8 ms; scratch runs of bench/cpu_expert_step.py, not kept)
+PREFETCH_LOCALITY = 2
 
 
 def prefetch(builder, ptr):
-    """Software prefetch of the cache line at ptr into all cache levels (a read; never faults)."""
+    """Software prefetch of the cache line at ptr into L2 (``PREFETCH_LOCALITY``; a read, never faults)."""
     i8p = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]),
                                         "llvm.prefetch.p0")
-    read, all_levels, data = ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)
-    builder.call(fn, [builder.bitcast(ptr, i8p), read, all_levels, data])
+    read, locality, data = ir.Constant(I32, 0), ir.Constant(I32, PREFETCH_LOCALITY), ir.Constant(I32, 1)
+    builder.call(fn, [builder.bitcast(ptr, i8p), read, locality, data])
 
 
 def plus(builder, value, n: int):
@@ -81,17 +86,35 @@ _I32, _V16 = I32, V16
 _at, _load, _store = at, load, store
 
 
-def _fsum_chunks(context, builder, sig, args, tokens):
-    # the fused multiply-add chains of _vsum (one per token u: ai at ao + u·astep): [<16 x float>]
+def _lane_scales(builder, ps, off, fold: int, half: bool):
+    """<16 x float> scales of 16 lanes from their 16 / fold group scales at ps + off (elements: float32,
+    or float16 bits as uint16 when ``half``, widened exactly), each repeated ``fold`` times (lane k's
+    scale is group k // fold's)."""
+    n = 16 // fold
+    if half:
+        v = _load(builder, builder.gep(ps, [off]), ir.VectorType(ir.IntType(16), n))
+        v = builder.bitcast(v, ir.VectorType(ir.HalfType(), n))
+        v = builder.fpext(v, ir.VectorType(ir.FloatType(), n))  # exact: vcvtph2ps
+    else:
+        v = _load(builder, builder.gep(ps, [off]), ir.VectorType(ir.FloatType(), n))
+    if fold > 1:
+        v = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), [k // fold for k in range(16)]))
+    return v
+
+
+def _fsum_chunks(context, builder, sig, args, tokens, fold=1):
+    # the fused multiply-add chains of _vsum (one per token u: ai at ao + u·astep): [<16 x float>]; the
+    # scales sl at so: one per lane (fold 1) or one per group of ``fold`` lanes, float32 or float16 bits
     sl_, so_, ai_, ao_, astep_, n_ = args[:6]
     vf = ir.VectorType(ir.FloatType(), 16)
+    half = sig.args[0].dtype == types.uint16
     ps, pa = _at(context, builder, sig.args[0], sl_, so_), _at(context, builder, sig.args[2], ai_, ao_)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), "llvm.fma.v16f32")
     accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [ir.Constant(ir.FloatType(), 0.0)] * 16))
             for _ in range(tokens)]
     with cgutils.for_range(builder, builder.udiv(n_, ir.Constant(n_.type, 16))) as loop:
         off = builder.mul(loop.index, ir.Constant(n_.type, 16))
-        w = _load(builder, builder.gep(ps, [off]), vf)
+        w = _lane_scales(builder, ps, builder.mul(loop.index, ir.Constant(n_.type, 16 // fold)), fold, half)
         for u, acc in enumerate(accs):
             uo = builder.add(off, builder.mul(astep_, ir.Constant(astep_.type, u)))
             a = builder.sitofp(_load(builder, builder.gep(pa, [uo]), _V16), vf)
@@ -105,45 +128,62 @@ def _halves(builder, a, b, first, second):
                         builder.shuffle_vector(a, b, ir.Constant(mask, second)))
 
 
-@intrinsic
-def _vsum(typingctx, sl, so, ai, ao, astep, n):
-    """float32 ``Σ_k sl[so + k]·float32(ai[ao + k])`` over n lanes, n a multiple of 16 (sl flat float32,
-    ai flat int32; ``astep`` unused, :func:`_vsum4`'s token step): one fused multiply-add per 16 lanes
-    in lane order, then halves added (16 → 8 → 4 → 2 → 1). Written out, not left to LLVM's
-    reassociation, so every loop shape gets the same bits."""
-    sig = types.float32(sl, so, ai, ao, astep, n)
+def vsum(fold: int):
+    """Intrinsic ``(sl, so, ai, ao, astep, n)``: float32 ``Σ_k sl[so + k // fold]·float32(ai[ao + k])``
+    over n lanes, n a multiple of 16 (sl flat float32, or float16 bits as uint16, widened exactly: one
+    scale per lane at fold 1, per group of ``fold`` lanes else; ai flat int32; ``astep`` unused,
+    :func:`vsum4`'s token step): one fused multiply-add per 16 lanes in lane order, then halves added
+    (16 → 8 → 4 → 2 → 1). Written out, not left to LLVM's reassociation, so every loop shape gets the
+    same bits, and every fold and scale type the same bits for the same lane scale values."""
 
-    def codegen(context, builder, sig, args):
-        (v,) = _fsum_chunks(context, builder, sig, args, 1)
-        width = 16
-        while width > 1:  # add the upper half onto the lower half
-            width //= 2
-            v = _halves(builder, v, v, list(range(width)), list(range(width, 2 * width)))
-        return builder.extract_element(v, ir.Constant(_I32, 0))
+    @intrinsic
+    def _vsum(typingctx, sl, so, ai, ao, astep, n):
+        sig = types.float32(sl, so, ai, ao, astep, n)
 
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            (v,) = _fsum_chunks(context, builder, sig, args, 1, fold)
+            width = 16
+            while width > 1:  # add the upper half onto the lower half
+                width //= 2
+                v = _halves(builder, v, v, list(range(width)), list(range(width, 2 * width)))
+            return builder.extract_element(v, ir.Constant(_I32, 0))
+
+        return sig, codegen
+
+    return _vsum
 
 
-@intrinsic
-def _vsum4(typingctx, sl, so, ai, ao, astep, n, out):
-    """:func:`_vsum` of 4 tokens (ai at ao + u·astep) into out[0:4] float32, sharing the scale loads and
-    the halving steps (two tokens' halves in one vector): the same additions, so the same bits."""
-    sig = types.void(sl, so, ai, ao, astep, n, out)
+def vsum4(fold: int):
+    """Intrinsic ``(sl, so, ai, ao, astep, n, out)``: :func:`vsum` of 4 tokens (ai at ao + u·astep) into
+    out[0:4] float32, sharing the scale loads and the halving steps (two tokens' halves in one vector):
+    the same additions, so the same bits."""
 
-    def codegen(context, builder, sig, args):
-        a, b, c, d = _fsum_chunks(context, builder, sig, args, 4)
-        r8, r4 = list(range(8)), list(range(4))
-        ab = _halves(builder, a, b, r8 + [16 + i for i in r8], [8 + i for i in r8] + [24 + i for i in r8])
-        cd = _halves(builder, c, d, r8 + [16 + i for i in r8], [8 + i for i in r8] + [24 + i for i in r8])
-        v = _halves(builder, ab, cd, [o + i for o in (0, 8, 16, 24) for i in r4],
-                    [o + 4 + i for o in (0, 8, 16, 24) for i in r4])  # 4 tokens x 4
-        v = _halves(builder, v, v, [o + i for o in (0, 4, 8, 12) for i in (0, 1)],
-                    [o + 2 + i for o in (0, 4, 8, 12) for i in (0, 1)])  # 4 x 2
-        v = _halves(builder, v, v, [0, 2, 4, 6], [1, 3, 5, 7])  # 4 x 1
-        _store(builder, v, _at(context, builder, sig.args[6], args[6], ir.Constant(ir.IntType(64), 0)))
-        return context.get_dummy_value()
+    @intrinsic
+    def _vsum4(typingctx, sl, so, ai, ao, astep, n, out):
+        sig = types.void(sl, so, ai, ao, astep, n, out)
 
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            a, b, c, d = _fsum_chunks(context, builder, sig, args, 4, fold)
+            r8, r4 = list(range(8)), list(range(4))
+            ab = _halves(builder, a, b, r8 + [16 + i for i in r8], [8 + i for i in r8] + [24 + i for i in r8])
+            cd = _halves(builder, c, d, r8 + [16 + i for i in r8], [8 + i for i in r8] + [24 + i for i in r8])
+            v = _halves(builder, ab, cd, [o + i for o in (0, 8, 16, 24) for i in r4],
+                        [o + 4 + i for o in (0, 8, 16, 24) for i in r4])  # 4 tokens x 4
+            v = _halves(builder, v, v, [o + i for o in (0, 4, 8, 12) for i in (0, 1)],
+                        [o + 2 + i for o in (0, 4, 8, 12) for i in (0, 1)])  # 4 x 2
+            v = _halves(builder, v, v, [0, 2, 4, 6], [1, 3, 5, 7])  # 4 x 1
+            _store(builder, v, _at(context, builder, sig.args[6], args[6], ir.Constant(ir.IntType(64), 0)))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return _vsum4
+
+
+#: the float sums by fold: one scale per lane (_vsum, _vsum4: q4g, and q4t's lane scales) or per group
+#: of 2 / 4 lanes (q4t's int4-g32 rows of 32 / 16 groups folded to 64 lanes, scales as stored)
+_vsum, _vsum_2, _vsum_4 = (vsum(f) for f in (1, 2, 4))
+_vsum4, _vsum4_2, _vsum4_4 = (vsum4(f) for f in (1, 2, 4))
 
 
 # ---- grouped int4 (q4g): adjacent lanes of one group summed in int32 ------------------------
