@@ -15,6 +15,7 @@ from colibri_plan.planner.ep_pack import copies_cap, solve_pool
 @pytest.mark.parametrize("args,words", [((256, 300, 1, 0), "300 GPUs but only 256 expert slots"),
                                         ((256, 64, 8, -1), "redundant slots must be >= 0"),
                                         ((256, 12, 8, 0), "do not split into 8 nodes"),
+                                        ((256, 0, 1, 0), "give at least one GPU and one node"),
                                         ((256, 8, 1, 64), "its expert memory holds 30")])
 def test_bad_topology_is_refused(args, words):
     with pytest.raises(InputError, match=words):

@@ -72,7 +72,9 @@ def test_a_machine_in_one_line_is_the_same_statement():
     ("gpu=24G", "RAM"), ("ram=64G disk=gen4", "'disk=gen4'"), ("ram=64Q", "--ram '64Q'"),
     ("ram=64G nvme=gen9", "--nvme 'gen9'"), ("ram=64G cpu=x", "--cpu 'x'"), ("ram=64G gpu=0", "--gpu '0'"),
     ("ram=64G pcie=gen7", "--pcie"), ("ram=64G nvme=0", "--nvme"),
-    ("gpu=lots", "--gpu 'lots'")])  # a bad figure is named before the missing RAM
+    ("gpu=lots", "--gpu 'lots'"), ("ram=64G gpu=0x24G", "states no GPU"),
+    ("gpu=24G gpu=16G ram=64G", "gpu= is given twice"), ("ram=64G ram=8G", "ram= is given twice")])
+# a bad figure is named before the missing RAM
 def test_bad_statements_say_what_and_how(line, words):
     with pytest.raises(InputError, match=words.replace("(", r"\(")):
         parse_machine(line)

@@ -155,7 +155,10 @@ def solve(opts, profile_path, machine, model_name, heat, quant, files, compare, 
     llama_coef_path = click.get_current_context().meta.get("llama_coef_path")   # --llama-coefficients
     if png_path and not what_if_kind:
         raise InputError("--png needs --what-if ram|vram|nvme")
-    if (profile_path is None) == (machine is None):
+    if profile_path is not None and machine is not None:
+        raise click.UsageError("--profile and --machine both describe the machine: give one of them "
+                               "(a measured or shipped profile, or a one-line statement)")
+    if profile_path is None and machine is None:
         from colibri_plan.formats.profile import shipped_profile_names
 
         raise click.UsageError("give the machine: --profile FILE|NAME (shipped: "

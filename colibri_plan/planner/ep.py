@@ -52,7 +52,9 @@ class EpTopology:
             InputError: G < 1, N does not divide G, R < 0, more GPUs than slots, or a GPU would need more
                 slots than ``max_slots_per_gpu`` (its expert memory).
         """
-        if n_gpus < 1 or n_nodes < 1 or n_gpus % n_nodes:
+        if n_gpus < 1 or n_nodes < 1:
+            raise InputError(f"{n_gpus} GPUs in {n_nodes} nodes: give at least one GPU and one node")
+        if n_gpus % n_nodes:
             raise InputError(f"{n_gpus} GPUs do not split into {n_nodes} nodes of equal size; give a node "
                              "count that divides the GPU count")
         if n_redundant < 0:

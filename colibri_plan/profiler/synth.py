@@ -127,6 +127,9 @@ class StatedMachine:
             m = re.fullmatch(r"(\d+)\s*[xX]\s*(.+)", item)
             if m:
                 count, item = int(m.group(1)), m.group(2)
+                if count < 1:
+                    raise InputError(f"--gpu {gpu!r}: {m.group(0)!r} states no GPU; give a count of 1 or "
+                                     "more (2x24G), or leave --gpu out for a machine without one")
             size, _, bw = item.partition(":")
             gpus += [(parse_size(size, "--gpu"), _rate(bw, "--gpu ...:GB/s") if bw else None)] * count
         kind: str | float | None = None
@@ -182,6 +185,9 @@ def parse_machine(text: str) -> StatedMachine:
         if not eq or key not in ("gpu", "ram", "nvme", "cpu", "pcie") or not value:
             raise InputError(f"--machine {text!r}: {word!r} is not key=value with a key among gpu, ram, "
                              "nvme, cpu, pcie; write e.g. 'gpu=24G ram=64G nvme=gen4 cpu=16'")
+        if key in given:  # the last would win silently: two cards written as two gpu= words, say
+            raise InputError(f"--machine {text!r}: {key}= is given twice ({given[key]!r} and {value!r}); "
+                             "give it once (several GPUs: gpu=24G,16G or gpu=2x24G)")
         given[key] = value
     return StatedMachine.from_flags(**given)
 
