@@ -59,7 +59,7 @@ def test_a_wrong_figure_fails(readme_copy):
 
 def test_a_wrong_key_or_file_and_an_untagged_figure_fail(readme_copy):
     text = readme_copy.read_text(encoding="utf-8")
-    peer = "peer-llamacpp-cpu-hot2.json: results.int8.metrics.decode"
+    peer = "peer-llamacpp-cpu-h26q4.json: results.int8.metrics.decode"
     bad = text.replace("verdict.tok_s_ratio", "verdict.tok_ratio", 1)
     bad = bad.replace(peer, peer.replace("cpu", "gpu"), 1)
     readme_copy.write_text(bad + "\nThe engine decodes 123.4 tok/s here.\n", encoding="utf-8")
