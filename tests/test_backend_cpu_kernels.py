@@ -190,6 +190,10 @@ def test_q4t_names_the_vnni_source_it_was_compiled_against():
 
     digest = hashlib.sha256(open(cpu_vnni.__file__, "rb").read()).hexdigest()[:16]
     assert cpu_q4t.VNNI_SOURCE == digest, f"set cpu_q4t.VNNI_SOURCE = {digest!r}"
+    # the same for cpu_qkernels, whose int8 block dot is vnni's intrinsic
+    from colibri_plan.backends.cpu import qkernels as cpu_qkernels
+
+    assert cpu_qkernels.VNNI_SOURCE == digest, f"set cpu_qkernels.VNNI_SOURCE = {digest!r}"
 
 
 @pytest.mark.parametrize("shape,tokens", [((70, 1024), 1), ((300, 2048), 4), ((33, 67), 3)])

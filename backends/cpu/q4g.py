@@ -46,7 +46,7 @@ from colibri_plan.backends.cpu.vnni import (
 
 #: sha256 (16 hex digits each) of backends/cpu/vnni.py and backends/cpu/q4t.py as these kernels were
 #: compiled against: updating it with them makes numba recompile this file's kernels
-KERNEL_SOURCES = ("498b41ed8d35fbee", "2f99af981ed04b3e")
+KERNEL_SOURCES = ("1726ee0eb375cde7", "965dc4de4e6e2bad")
 #: lanes per per-row entry (the int32 sums of a per-row weight before the float sum)
 ROW_ENTRY_LANES = 4
 

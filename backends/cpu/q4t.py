@@ -66,7 +66,7 @@ from colibri_plan.backends.cpu.vnni import (
 
 #: sha256 (16 hex digits) of backends/cpu/vnni.py as these kernels were compiled against: updating it
 #: with vnni makes numba recompile them (tests/test_backend_cpu_kernels.py compares)
-VNNI_SOURCE = "498b41ed8d35fbee"
+VNNI_SOURCE = "1726ee0eb375cde7"
 #: rows per parallel step (qkernels' ROW_TILE is 32): longer runs of memory per step read RAM
 #: faster, measured from RAM on a shared 2-core host (best of 15-30, interleaved): 8 int4-g32 experts'
 #: decode 21 against 15 GB/s gate+up, 17-19 against 13 down; GEMV 2048x2048 17.6 against 13.4 GB/s,

@@ -33,6 +33,11 @@ import numpy as np
 from numba import njit, prange
 
 from colibri_plan.backends.cpu import kernels as _kernels  # noqa: F401 (OpenMP's spin, first)
+from colibri_plan.backends.cpu.vnni import VNNI, _dot8_vnni
+
+#: sha256 (16 hex digits) of backends/cpu/vnni.py these kernels were compiled against (its int8 block dot
+#: is compiled into them): as q4t.VNNI_SOURCE, a change of vnni.py comes with this one (a test compares)
+VNNI_SOURCE = "1726ee0eb375cde7"
 
 #: a matmul reading at most this many weight bytes × tokens runs the ``_1`` kernels on the calling
 #: thread: waking the sleeping workers of a parallel region costs ~45 µs, and one core streams ~25 GB/s
@@ -98,6 +103,8 @@ def _d8(w3, r, b, x3, t):
     # fixed-size dot of block b of row r with token t; whole-array indexing, no slices: a slice is a
     # new array whose reference counting costs more than a 16-byte block's arithmetic
     n = w3.shape[2]
+    if VNNI and n % 32 == 0:  # vpmovsxbw + vpdpwssd (vnni.py): the same int32, 32 products a pair
+        return _dot8_vnni(w3, (r * w3.shape[1] + b) * n, x3, (t * x3.shape[1] + b) * n, n)
     if n == K8:
         return _d8_256(w3, r, b, x3, t)
     if n == 64:

@@ -414,3 +414,40 @@ def byte_dots2(J: int):
 
 #: two rows, one token, by J
 _b16r2, _b8r2, _b4r2 = (byte_dots2(J) for J in (16, 8, 4))
+
+
+# ---- int8 blocks (qkernels): int8 weights sign-extended to int16, paired with the int16 activations ----
+# LLVM vectorises qkernels' int8 block dot with both operands widened to int32 and one product a lane;
+# vpmovsxbw + vpdpwssd take 32 products an instruction pair. Integer sums: exact, the same int32 as the
+# loop's, so the kernels' float results keep their bits.
+
+
+def dot8():
+    """Intrinsic ``(w, wo, x, xo, n)``: int32 ``Σ_j int32(w[wo + j])·int32(x[xo + j])`` over j < n, n a
+    multiple of 32 (w int8, x int16, both C-contiguous, offsets flat in elements)."""
+
+    @intrinsic
+    def _dot8(typingctx, w, wo, x, xo, n):
+        if getattr(w, "layout", "") != "C" or getattr(x, "layout", "") != "C":
+            return None  # flat offsets need C order: the caller keeps its loop
+        sig = types.int32(w, wo, x, xo, n)
+
+        def codegen(context, builder, sig, args):
+            w_, wo_, x_, xo_, n_ = args
+            pw, px = at(context, builder, sig.args[0], w_, wo_), at(context, builder, sig.args[2], x_, xo_)
+            acc = cgutils.alloca_once_value(builder, splat(0))
+            with cgutils.for_range(builder, builder.udiv(n_, ir.Constant(n_.type, 32))) as loop:
+                off = builder.mul(loop.index, ir.Constant(n_.type, 32))
+                wv = builder.sext(load(builder, builder.gep(pw, [off]), B32), W16)  # vpmovsxbw
+                xv = load(builder, builder.gep(px, [off]), W16)
+                builder.store(vpdpwssd(builder, builder.load(acc), wv, xv), acc)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [V16]),
+                                                "llvm.vector.reduce.add.v16i32")
+            return builder.call(fn, [builder.load(acc)])
+
+        return sig, codegen
+
+    return _dot8
+
+
+_dot8_vnni = dot8()
