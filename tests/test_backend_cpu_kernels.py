@@ -206,3 +206,32 @@ def test_int4_g32h_runs_the_int4_g32_kernels_bit_for_bit(be, shape, tokens):
     h, g = be.upload(qt), be.upload(quant.widen_scales(qt))
     assert h.nbytes == qt.nbytes < g.nbytes  # accounted at the stored 4.5 bits a weight
     np.testing.assert_array_equal(be.matmul(x, h), be.matmul(x, g))
+
+
+def test_the_vnni_int8_block_dot_is_the_exact_integer_sum():
+    """vnni._dot8_vnni (vpmovsxbw + vpdpwssd): Σ int32(w)·int32(x) over blocks of 32·k int8 weights and
+    int16 activations, equal to numpy's int64 sum (|sum| < 2^31 at qkernels' 256-column blocks)."""
+    from colibri_plan.backends.cpu import vnni as cpu_vnni
+
+    if not cpu_vnni.VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI: the int8 kernels keep their loop")
+    from numba import njit
+
+    dot = cpu_vnni._dot8_vnni
+
+    @njit
+    def blocks(w3, x3, out):
+        for r in range(w3.shape[0]):
+            for b in range(w3.shape[1]):
+                out[r, b] = dot(w3, (r * w3.shape[1] + b) * w3.shape[2], x3, b * w3.shape[2], w3.shape[2])
+
+    rng = np.random.default_rng(7)
+    for bb in (32, 64, 256):
+        w3 = rng.integers(-127, 128, (5, 3, bb), dtype=np.int8)
+        w3[0, 0, :] = -127  # the extremes of both operands
+        x3 = rng.integers(-32767, 32768, (1, 3, bb), dtype=np.int16)
+        x3[0, 0, :] = 32767
+        out = np.zeros((5, 3), np.int32)
+        blocks(w3, x3, out)
+        ref = np.einsum("rbj,bj->rb", w3.astype(np.int64), x3[0].astype(np.int64))
+        assert np.array_equal(out.astype(np.int64), ref), bb
