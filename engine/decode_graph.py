@@ -120,8 +120,7 @@ class DecodeGraph:
         if len(keys) > 1:
             return None, f"the trunk's GPU is known by {len(keys)} device keys"
         g = cls(trunk, keys.pop() if keys else None, tables)
-        if hasattr(mgr, "tiers_on"):  # hot mapped experts into VRAM between replayed steps (promote.py)
-            g.promoter = MappedPromoter.make(mgr, be, g.key, tables)
+        g.promoter = MappedPromoter.make(mgr, be, g.key, tables)  # hot mapped experts into VRAM (promote.py)
         return g, None
 
     def takes(self, calls: int) -> bool:
@@ -242,11 +241,7 @@ class DecodeGraph:
             ids = r[:, :K].view(np.int32).astype(np.int64)  # [layers, K], descending choice order
             if m.routing is not None:
                 m.routing.record_step(full, ids, r[:, K:])
-            if hasattr(m.experts, "count_local_step"):
-                m.experts.count_local_step(full, ids, observe=p is None)
-            else:
-                for i, row in zip(full, ids):
-                    m.experts.count_local(i, row.tolist())
+            m.experts.count_local_step(full, ids)
             if p is not None:
                 p.observe_step(full, ids)
         if full and t._local_n:

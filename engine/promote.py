@@ -84,11 +84,11 @@ class MappedPromoter:
         self._k = max(1, int(a.top_k))
         self._tokens = 0
         self.swaps, self.swap_bytes, self.swap_s = 0, 0, 0.0
-        # per layer (VRAM ids, mapped ids) as int arrays, kept in step with the exchanges, and as masks
-        self._ids = {i: tuple(np.array(t, np.int64) for t in rm.tiers_on(be, i)) for i in self.layers}
-        self._in_vram = np.zeros(self.q.shape, bool)  # [L, E]
+        # [L, E]: in this GPU's VRAM / in mapped pinned memory it computes, kept in step with the exchanges
+        self._in_vram = np.zeros(self.q.shape, bool)
         self._mapped = np.zeros(self.q.shape, bool)
-        for i, (v, m) in self._ids.items():
+        for i in self.layers:
+            v, m = rm.tiers_on(be, i)
             self._in_vram[self._row[i], v], self._mapped[self._row[i], m] = True, True
 
     @classmethod
@@ -106,8 +106,9 @@ class MappedPromoter:
         return p
 
     def _split(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """(VRAM ids, mapped pinned ids) of ``layer`` on this GPU, int64 arrays."""
-        return self._ids[layer]
+        """(VRAM ids, mapped pinned ids) of ``layer`` on this GPU, ascending int64 arrays."""
+        r = self._row[layer]
+        return np.flatnonzero(self._in_vram[r]), np.flatnonzero(self._mapped[r])
 
     def observe(self, layer: int, expert_ids, counts=None) -> None:
         """Count a routing of ``layer``: ``expert_ids`` chosen (with ``counts`` selections each, default 1:
@@ -169,8 +170,6 @@ class MappedPromoter:
         ew_hot, ew_cold = self.rm.held_weights(layer, hot), self.rm.held_weights(layer, cold)
         self.be.d_expert_exchange(self.tables[layer], hot, cold, ew_hot, ew_cold)
         self.rm.swap_tiers(layer, hot, cold)  # hot now in cold's VRAM buffers, cold in hot's mapped ones
-        vram, mapped = self._ids[layer]
-        vram[vram == cold], mapped[mapped == hot] = hot, cold
         r = self._row[layer]
         self._in_vram[r, [hot, cold]], self._mapped[r, [hot, cold]] = (True, False), (False, True)
         self.swaps += 1

@@ -87,9 +87,8 @@ class ResidencyManager(StreamedExperts, PrefillOffload, DeviceTiers):
         self.repinner = Repinner(self, repin) if repin is not None and repin.enabled else None
         # fn(layer, expert ids, selections each or None: one token) after each routing served (promote.py)
         self.observers: list = []
-        self._mapped_mask = None  # count_local_step's [MoE layers, E] of the mapped pinned experts
-        # the routings served before any observer came (a prompt's prefill before the first decode step
-        # makes the promoter): (layer, ids, counts), the latest few per layer, for it to count first
+        # the prefills served before any observer came (a prompt's, before the first decode step makes the
+        # promoter): (layer, ids, counts), the latest few per layer, for it to count first
         self.early_routing: deque = deque(maxlen=8 * max(1, len(pack.arch.moe_layers)))
         self.devices = dict(devices or {})
         self.verify = verify_checksums
@@ -194,10 +193,12 @@ class ResidencyManager(StreamedExperts, PrefillOffload, DeviceTiers):
             raise InputError("residency manager is closed")
         if self.repinner is not None:
             self.repinner.observe(layer, expert_ids, xs)
-        for fn in self.observers:
-            fn(layer, expert_ids, [len(x) for x in xs])
-        if not self.observers and self._pinned_dev:
-            self.early_routing.append((layer, list(expert_ids), [len(x) for x in xs]))
+        if self.observers or self._pinned_dev:
+            counts = [len(x) for x in xs]
+            for fn in self.observers:
+                fn(layer, expert_ids, counts)
+            if not self.observers and self._pinned_dev and max(counts, default=0) > 1:  # a prefill's
+                self.early_routing.append((layer, list(expert_ids), counts))
         local, rest = [], []
         for i, e in enumerate(expert_ids):
             tier, held = self._on(backend, layer, int(e))

@@ -40,21 +40,12 @@ class DeviceTiers:
                 out[e], key = ew, k
         return key, out
 
-    def count_local(self, layer: int, expert_ids: Sequence[int], observe: bool = True) -> None:
-        """Count the uses of MoE ``layer``'s experts ``expert_ids`` served on a trunk's device without
-        :meth:`local_experts` (a captured decode step, whose experts all live there): "ram_pinned" for
-        the pinned ones it maps, "vram" for the rest. ``observe`` False: the caller feeds the
-        ``observers`` itself (a replayed step, all its layers at once)."""
-        n_pinned = sum((layer, int(e)) in self._pinned_dev for e in expert_ids)
-        self.stats.uses["ram_pinned"] += n_pinned
-        self.stats.uses["vram"] += len(expert_ids) - n_pinned
-        if observe:
-            for fn in self.observers:
-                fn(layer, expert_ids, None)
-
-    def count_local_step(self, layers: Sequence[int], ids: np.ndarray, observe: bool = True) -> None:
-        """:meth:`count_local` of one token's choices in several MoE layers at once (a replayed step):
-        ids int [len(layers), K], row j the choices of ``layers[j]``."""
+    def count_local_step(self, layers: Sequence[int], ids: np.ndarray) -> None:
+        """Count the uses of one token's chosen experts in several MoE layers, served on a trunk's device
+        without :meth:`local_experts` (a replayed decode step, whose experts all live there):
+        "ram_pinned" for the pinned ones it maps, "vram" for the rest. ids int [len(layers), K], row j the
+        choices of ``layers[j]``. The ``observers`` are not called: the step feeds its promoter itself
+        (engine/decode_graph.py)."""
         if self._mapped_mask is None:  # [MoE layers, E]: mapped pinned (the tiers change by swap_tiers)
             arch = self.pack.arch
             self._mask_row = {layer: r for r, layer in enumerate(arch.moe_layers)}
@@ -66,10 +57,6 @@ class DeviceTiers:
         n_pinned = int(self._mapped_mask[rows[:, None], ids].sum())
         self.stats.uses["ram_pinned"] += n_pinned
         self.stats.uses["vram"] += ids.size - n_pinned
-        if observe:
-            for fn in self.observers:
-                for layer, row in zip(layers, ids):
-                    fn(layer, row, None)
 
     def tiers_on(self, backend, layer: int) -> tuple[list[int], list[int]]:
         """(ids in VRAM, ids in mapped pinned memory) of MoE ``layer``'s experts held on ``backend``."""
