@@ -467,8 +467,8 @@ def heat(a) -> None:
     a heat JSON (engine/runner.write_stats) for `solve --heat`, so the plan is priced on that traffic.
     ``--context bench``: the prompt is the bench's own (``bench_prompts`` at --prefill), the decode ids
     still seed 2's: on a random checkpoint the prompt decides which experts a decode selects (on the
-    24-layer checkpoint's CPU run, a heat of another prompt covered 46% of the bench decode's selections
-    with its hot half, one of the bench's prompt 95%: bench/results/routing-context-cpu.json)."""
+    24-layer checkpoint's CPU run, a heat of another prompt covered 53.6% of the bench decode's selections
+    with its hot half, one of the bench's prompt 96.8%: bench/results/routing-context-cpu.json)."""
     import random
 
     import numpy as np
