@@ -4,7 +4,7 @@ into VRAM, cold ones out, between tokens.
 A plan pins each layer's experts by the heat it was solved on. A conversation whose routing differs reads
 its hot experts over the bus at every token while VRAM holds cold ones: on a random checkpoint the prompt
 decides which experts a decode selects (bench/results/routing-context-cpu.json: the hottest half of a heat
-made after another prompt served 46% of a decode's selections, one made after the decode's own prompt 95%).
+made after another prompt served 53.6% of a decode's selections, one made after its own prompt 96.8%).
 When the trunk's GPU also computes the mapped pinned tier (``compute.ram_pinned`` names it,
 engine/unified.py), every expert of a layer is one that GPU reads, from VRAM or over the bus; moving one
 changes where its bytes are read from, not what is computed (the same kernel on the same bytes), so tokens
