@@ -76,6 +76,12 @@ prep() {
   cp "$WORK/prepare-times.json" "$OUT/"
   "$BIN/llama-bench" --version > "$OUT/llama-version.txt" 2>&1 || true
   if [ ! -f "$OUT/profile.json" ]; then
+    # PROFILE_AFTER=FILE: wait for FILE first (work of another bench on this host, e.g. the CPU peer's
+    # packing, would share the cores and the RAM bandwidth the profile measures)
+    if [ -n "${PROFILE_AFTER:-}" ]; then
+      say "profile waits for $PROFILE_AFTER"
+      while [ ! -e "$PROFILE_AFTER" ]; do sleep 3; done
+    fi
     say "profile --quick (cpu, cuda)"
     $CP profile --quick --backends cpu,cuda --formats int8 --dense-formats int8,f32 --model "$WORK/pack-int8" \
       --path "$WORK" --out "$OUT/profile.json" >> "$OUT/log.txt" 2>&1

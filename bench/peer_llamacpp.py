@@ -7,7 +7,9 @@ Optional extra (not in CI): needs ``transformers``/``torch`` in our venv and a l
 Steps (files cached under ``--work``):
 1. a random-weight Qwen3-MoE checkpoint (transformers ``save_pretrained``, bf16; hidden 2048, 8 layers,
    16/4 heads of 128, 32 experts top-8 of width 1024, vocab 8192) with a small byte-level BPE tokenizer
-   (llama.cpp's GGUF needs one; prompts are token ids, so the tokenizer is never used);
+   (llama.cpp's GGUF needs one; prompts are token ids, so the tokenizer is never used); ``--ckpt DIR``
+   uses another checkpoint instead (the H200 host's run: bench/peer_llamacpp_gpu.py's 24-layer one, whose
+   int8 pack and Q8_0 GGUF may be linked into ``--work``: a finished pack or GGUF there is reused);
 2. GGUF f16 with llama.cpp's converter, then Q8_0 and Q4_0 with ``llama-quantize --pure`` (every matrix in
    the type, as ours); our packs: int8 experts + int8 dense, int4-g32h experts + int4-g32h dense (both
    Q4_0's bytes: 16 bytes of codes and a float16 scale per 32 weights). Stored bits per weight
@@ -74,6 +76,13 @@ def bits_per_weight(fmt: str, sizes: dict = SIZES) -> float:
 
     shapes = quantized_shapes(sizes)
     return 8 * sum(tensor_bytes(fmt, o, c) for o, c in shapes) / sum(o * c for o, c in shapes)
+
+
+def checkpoint_sizes(ckpt: Path) -> dict:
+    """The :data:`SIZES` keys as ``ckpt``'s config.json gives them (a ``--ckpt`` of other widths, e.g.
+    the 24-layer checkpoint of bench/peer_llamacpp_gpu.py)."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    return {k: cfg[k] for k in SIZES}
 
 
 def log(msg: str) -> None:
@@ -209,7 +218,9 @@ convert_hf_to_gguf.main()
 def prepare(a, work: Path) -> dict:
     """Checkpoint, GGUFs and packs (cached); returns paths and the build times in seconds."""
     times: dict[str, float] = {}
-    ckpt = work / "ckpt"
+    ckpt = Path(a.ckpt) if a.ckpt else work / "ckpt"
+    if a.ckpt and not (ckpt / "config.json").exists():
+        raise SystemExit(f"--ckpt {ckpt}: no config.json there (a transformers Qwen3-MoE checkpoint)")
     if not (ckpt / "config.json").exists():
         t0 = time.perf_counter()
         build_checkpoint(ckpt)
@@ -233,7 +244,7 @@ def prepare(a, work: Path) -> dict:
             os.replace(str(g) + ".tmp", g)
             times[f"quantize_{theirs}_s"] = time.perf_counter() - t0
         pack = work / f"pack-{ours}"
-        if not (pack / "index.json").exists():
+        if not (pack / "pack.json").exists():  # a finished pack (write_pack renames it in last)
             from colibri_plan.engine.pack import write_pack
             from colibri_plan.engine.weights import load_checkpoint
 
@@ -278,7 +289,7 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def run_pair(a, key: str, pack: Path, gguf: Path, prompts: dict) -> dict:
+def run_pair(a, key: str, pack: Path, gguf: Path, prompts: dict, sizes: dict = SIZES) -> dict:
     """``--pairs`` counterbalanced pairs of one format pair; per-pair ratios ours / llama.cpp."""
     here = str(Path(__file__).resolve())
     ours_env = dict(os.environ, NUMBA_NUM_THREADS=str(a.threads))  # ours only: llama.cpp runs as it is
@@ -307,7 +318,7 @@ def run_pair(a, key: str, pack: Path, gguf: Path, prompts: dict) -> dict:
         ours.close()
     fo, fl = PAIRS[key]
     res: dict = {"ours_format": fo, "llama_format": fl,
-                 "bits_per_weight": {"ours": bits_per_weight(fo), "llama": bits_per_weight(fl)},
+                 "bits_per_weight": {"ours": bits_per_weight(fo, sizes), "llama": bits_per_weight(fl, sizes)},
                  "ours_worker": {k: v for k, v in ours.info.items() if k != "ready"}, "llama_bench": info,
                  "ours_pack_bytes": _size(pack), "llama_gguf_bytes": _size(gguf),
                  "order": ["ours first" if i % 2 == 0 else "llama.cpp first" for i in range(a.pairs)],
@@ -337,6 +348,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="threads of both engines")
     ap.add_argument("--passive", action="store_true", help="extra row: llama.cpp under OMP_WAIT_POLICY="
                     "passive (not its default; off by default)")
+    ap.add_argument("--ckpt", default=None, help="an existing Qwen3-MoE checkpoint folder to use instead "
+                    "of building the 8-layer one (e.g. the GPU peer's 24-layer WORK/ckpt); a Q8_0 GGUF or "
+                    "pack already in --work is reused")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="make the GGUFs, packs and reference tokens, then stop")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", choices=("ours",), help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -348,16 +364,20 @@ def main() -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     prep = prepare(a, work)
+    sizes = checkpoint_sizes(prep["ckpt"])
     import random
 
     rnd = random.Random(1)
     prompts = {f"p{n}": [rnd.randrange(2, 500) for _ in range(n)] for n in (16, 64)}
     ref = reference(a, work, prep["ckpt"], prompts["p16"])
+    if a.prepare_only:
+        log(f"prepared in {work} (reference tokens too): {prep['times']}")
+        return
     load0 = os.getloadavg()
     results = {}
     for key in a.formats.split(","):
         pack, gguf = prep["paths"][key]
-        r = run_pair(a, key, pack, gguf, prompts)
+        r = run_pair(a, key, pack, gguf, prompts, sizes)
         r["agreement_with_transformers"] = {"ours": _agree(r["tokens"]["ours"][:a.check_tokens],
                                                            ref["tokens"][:a.check_tokens])}
         results[key] = r
@@ -365,7 +385,8 @@ def main() -> None:
     report(results, a, load0, load1)
     if a.out:
         doc = {"kind": "peer-llamacpp-cpu-defaults",
-               "model": "random Qwen3-MoE (transformers save_pretrained, bf16)", "sizes": SIZES,
+               "model": "random Qwen3-MoE (transformers save_pretrained, bf16)", "sizes": sizes,
+               "checkpoint": str(prep["ckpt"]),
                "threads": a.threads, "pairs": a.pairs, "decode_tokens": a.decode_tokens,
                "prompt_tokens": {"decode": PROMPT_DECODE, "prefill": [16, 64]}, "cpu": _cpu(),
                "llama_cpp_build": llama_version(a), "llama_cpp_environment": "as inherited, no overrides",

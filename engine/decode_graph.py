@@ -26,10 +26,10 @@ experts in ascending id gets +0 from the absent ones, then the host's sum is add
 A graph reads the cache's arrays through address slots filled at each replay, so it serves every cache of
 the model: it is kept per (RoPE table, attention key slices); a RoPE table that grows, or a context whose
 attention splits its keys into another number of slices (every 64 tokens up to a few thousand), is
-captured again. One step in :data:`EAGER_EVERY` (and the first timed one) runs eagerly, timed, so the
-report's attention and expert terms stay measured; so does the first decode step (kernels compile
-outside any capture). Off with ``COLIBRI_CUDA_GRAPH=0``; ``Trunk.graph_off`` says why a trunk does not
-capture.
+captured again. One step in :data:`EAGER_EVERY` (``COLIBRI_EAGER_EVERY``; and the first timed one) runs
+eagerly, timed, so the report's attention and expert terms stay measured; so does the first decode step
+(kernels compile outside any capture). Off with ``COLIBRI_CUDA_GRAPH=0``; ``Trunk.graph_off`` says why a
+trunk does not capture.
 
 Between replays a :class:`~colibri_plan.engine.promote.MappedPromoter` may exchange a layer's hot mapped
 pinned experts with cold VRAM ones (bytes and table rows together: the graphs stay valid, the bits too);
@@ -45,12 +45,31 @@ import numpy as np
 from colibri_plan.backends.handles import DArray
 from colibri_plan.engine.moe import group_routes, scatter_sum
 from colibri_plan.engine.promote import MappedPromoter
-from colibri_plan.errors import UnsupportedError
+from colibri_plan.errors import InputError, UnsupportedError
 
 #: environment switch: "0" decodes eagerly (the before/after of bench/h200_graph.sh)
 ENV = "COLIBRI_CUDA_GRAPH"
-#: one decode step in this many runs eagerly and timed (the report's measured terms)
-EAGER_EVERY = 64
+#: one decode step in this many runs eagerly and timed (the report's measured terms). An eager step costs
+#: several replays (its attention and experts bracketed by waits), so one in 64 slowed a 64-token decode
+#: by several percent (bench/cuda_decode_gaps.py); ``COLIBRI_EAGER_EVERY`` sets another (a multiple of 8)
+EAGER_EVERY = 256
+EAGER_ENV = "COLIBRI_EAGER_EVERY"
+
+
+def eager_every() -> int:
+    """Decode steps per eager timed one: ``COLIBRI_EAGER_EVERY`` or :data:`EAGER_EVERY`.
+
+    Raises:
+        InputError: the variable is not a positive multiple of 8 (the attention sample's period, so
+        that the eager step is a timed one).
+    """
+    raw = os.environ.get(EAGER_ENV, "").strip()
+    if not raw:
+        return EAGER_EVERY
+    if not raw.isdigit() or int(raw) < 8 or int(raw) % 8:
+        raise InputError(f"{EAGER_ENV}={raw!r}: give a multiple of 8 (decode steps per eager timed step), "
+                         f"or unset it for {EAGER_EVERY}")
+    return int(raw)
 _KEEP = 4  # graphs kept (RoPE tables, attention key slices), least recently used dropped
 
 
@@ -100,6 +119,7 @@ class DecodeGraph:
         self.handoffs = 0  # of them, the ones where some chosen expert lived on the host
         self._cut = None  # while a segmented step is captured: d_capture_segments' cut
         self.promoter = None  # engine/promote.py MappedPromoter, or None: the plan's tiers hold still
+        self.eager_every = eager_every()
 
     @classmethod
     def make(cls, trunk) -> tuple[DecodeGraph | None, str | None]:
@@ -126,11 +146,11 @@ class DecodeGraph:
     def takes(self, calls: int) -> bool:
         """Whether the trunk's forward call number ``calls`` (a decode step) replays. Eager: the first
         decode step (it compiles and loads every one-token kernel outside any capture), the first timed
-        one and then one in :data:`EAGER_EVERY` (timed: the report's measured terms)."""
+        one and then one in :attr:`eager_every` (timed: the report's measured terms)."""
         self._steps += 1
         if self._steps == 1:
             return False
-        if calls % self.trunk.attention_every == 0 and (self._sampled == 0 or calls % EAGER_EVERY == 0):
+        if calls % self.trunk.attention_every == 0 and (self._sampled == 0 or calls % self.eager_every == 0):
             self._sampled += 1
             return False
         return True

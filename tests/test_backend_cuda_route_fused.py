@@ -218,13 +218,12 @@ def test_the_count_of_finished_blocks_is_made_once_outside_captures(be):
 @pytest.mark.parametrize("local", [None, range(8)])
 def test_decode_steps_are_the_same_with_the_fused_routing_and_capture_two_launches_fewer(fx, be, monkeypatch,
                                                                                          local):
-    """The engine's decode (tests/test_engine_decode_graph.py's fixture and run, EAGER_EVERY + 6 steps, all
+    """The engine's decode (tests/test_engine_decode_graph.py's fixture and run, EVERY + 6 steps, all
     experts in VRAM or half of them on the host: segments) with the fused routing and with the separate
     launches: the same tokens, logits bit for bit, recorded routing and tier uses; each capture has two
     launches fewer per MoE layer."""
-    from test_engine_decode_graph import _decode
+    from test_engine_decode_graph import EVERY, _decode
 
-    from colibri_plan.engine.decode_graph import EAGER_EVERY
     from colibri_plan.engine.pack import open_pack
 
     captured: list[int] = []
@@ -236,11 +235,11 @@ def test_decode_steps_are_the_same_with_the_fused_routing_and_capture_two_launch
             return out
         setattr(be, op, wrap)
     with open_pack(fx) as pack:
-        on = _decode(pack, be, monkeypatch, True, EAGER_EVERY + 6, local=local)
+        on = _decode(pack, be, monkeypatch, True, EVERY + 6, local=local)
         fused_captures = captured[:]
         captured.clear()
         monkeypatch.setattr(cuda_routing, "FUSED", False)
-        off = _decode(pack, be, monkeypatch, True, EAGER_EVERY + 6, local=local)
+        off = _decode(pack, be, monkeypatch, True, EVERY + 6, local=local)
         n_moe = len(pack.arch.moe_layers)
     assert on[4][0] is None and on[0] == off[0]
     np.testing.assert_array_equal(on[1], off[1])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from colibri_plan.backends import get_backend
-from colibri_plan.engine.decode_graph import EAGER_EVERY, ENV
+from colibri_plan.engine.decode_graph import EAGER_ENV, EAGER_EVERY, ENV, DecodeGraph, eager_every
 from colibri_plan.engine.fixture import FixtureConfig, build_fixture
 from colibri_plan.engine.forward import Model
 from colibri_plan.engine.moe import RoutingRecorder
@@ -25,6 +25,7 @@ from colibri_plan.engine.residency import ResidencyManager
 from colibri_plan.errors import InputError, UnsupportedError
 
 PROMPT = [5, 80, 200, 7, 31]
+EVERY = 64  # eager timed steps in the runs below (COLIBRI_EAGER_EVERY): a few in a short run
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,7 @@ def _decode(pack, be, monkeypatch, graph: bool, n_tokens: int, local=None, patch
     or None) with experts ``local`` (default: all; a dict: per layer) of each layer on ``be`` and the rest
     pinned in RAM (``mapped``: in RAM mapped by ``be``, which computes them: compute.ram_pinned)."""
     monkeypatch.setenv(ENV, "1" if graph else "0")
+    monkeypatch.setenv(EAGER_ENV, str(EVERY))
     a = pack.arch
     local = range(a.n_experts) if local is None else local
     by_layer = local if isinstance(local, dict) else dict.fromkeys(a.moe_layers, local)
@@ -96,9 +98,9 @@ def _decode(pack, be, monkeypatch, graph: bool, n_tokens: int, local=None, patch
 
 def test_replayed_steps_equal_eager_ones_across_a_cache_growth(fx, be, monkeypatch):
     """70 steps from a 5-token prompt: the cache grows past its first 64-token page (a new capture), one
-    step in EAGER_EVERY and the first timed one run eagerly; tokens, logits bit for bit, the recorded
+    step in EVERY and the first timed one run eagerly; tokens, logits bit for bit, the recorded
     routing and the "vram" uses equal the eager run's."""
-    n = EAGER_EVERY + 6
+    n = EVERY + 6
     with open_pack(fx) as pack:
         eager = _decode(pack, be, monkeypatch, False, n)
         eager_launches = be.sim.launches if be.sim else 0
@@ -132,11 +134,11 @@ def test_a_second_cache_replays_the_first_ones_graph(fx, be, monkeypatch):
 @pytest.mark.parametrize("local", [range(8), "mixed"])
 def test_a_hybrid_placement_replays_segments_equal_to_eager_steps(fx, be, monkeypatch, local):
     """Experts split VRAM / RAM (every layer hybrid, or layer 0 all in VRAM and layer 1 with none): the
-    step replays as segments cut after each hybrid layer's router; over EAGER_EVERY + 6 steps (a cache
+    step replays as segments cut after each hybrid layer's router; over EVERY + 6 steps (a cache
     growth, eager timed steps between) tokens, logits bit for bit, the recorded routing and every tier's
     uses equal the eager run's; the host waits once per hybrid layer per replayed step, never at a layer
     whose experts all live in VRAM, and hands experts over only when the token chose some."""
-    n = EAGER_EVERY + 6
+    n = EVERY + 6
     local = {0: range(16), 1: ()} if local == "mixed" else local
     with open_pack(fx) as pack:
         eager = _decode(pack, be, monkeypatch, False, n, local=local)
@@ -159,7 +161,7 @@ def test_mapped_pinned_experts_replay_as_one_graph_without_hand_offs(fx, be, mon
     float32 rounding: the GPU sums all chosen experts itself). The pinned bytes are host memory, not VRAM.
     The plan's tiers hold still (COLIBRI_PROMOTE=0: the next test moves them)."""
     monkeypatch.setenv("COLIBRI_PROMOTE", "0")
-    n = EAGER_EVERY + 6
+    n = EVERY + 6
     with open_pack(fx) as pack:
         host = _decode(pack, be, monkeypatch, True, n, local=range(8))
         eager = _decode(pack, be, monkeypatch, False, n, local=range(8), mapped=True)
@@ -183,7 +185,7 @@ def test_hot_mapped_experts_move_into_vram_between_replays_with_the_same_bits(fx
     routing and resident bytes equal the run that keeps the plan's tiers (COLIBRI_PROMOTE=0); more of the
     selections are served from VRAM; every expert is held once, and each table row holds its own
     weights' addresses."""
-    n = EAGER_EVERY + 24
+    n = EVERY + 24
     with open_pack(fx) as pack:
         a = pack.arch
         monkeypatch.setenv("COLIBRI_PROMOTE", "0")
@@ -275,3 +277,20 @@ def test_indexed_experts_equal_the_listed_ones_and_refuse_bad_shapes(fx, be):
             be.d_expert_ffn_indexed(be.d_put(np.ones((2, a.hidden_size), np.float32)), d_ids, d_w, table)
         with pytest.raises(InputError, match="no experts"):
             be.d_expert_table([])
+
+
+def test_eager_every_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
+    """COLIBRI_EAGER_EVERY: unset -> the default; a multiple of 8 -> takes()'s period; else InputError."""
+    monkeypatch.delenv(EAGER_ENV, raising=False)
+    assert eager_every() == EAGER_EVERY == 256
+    monkeypatch.setenv(EAGER_ENV, "16")
+    assert eager_every() == 16
+    g = DecodeGraph.__new__(DecodeGraph)  # takes() reads only these
+    g._steps, g._sampled, g.eager_every = 0, 0, eager_every()
+    g.trunk = type("T", (), {"attention_every": 8})()
+    eager = [c for c in range(1, 65) if not g.takes(c)]
+    assert eager == [1, 8, 16, 32, 48, 64]  # the first step, the first timed one, then one in 16
+    for bad in ("12", "0", "-8", "x"):
+        monkeypatch.setenv(EAGER_ENV, bad)
+        with pytest.raises(InputError, match="multiple of 8"):
+            eager_every()

@@ -21,3 +21,22 @@ def test_bits_per_weight_of_each_side():
     assert peer.bits_per_weight("int4-g32") == 5.0                     # 4 + 32 bits per 32 weights
     assert peer.bits_per_weight("int4-g32h") == 4.5                    # 4 + 16 bits per 32: Q4_0's
     assert (peer.bits_per_weight("Q8_0"), peer.bits_per_weight("Q4_0")) == (8.5, 4.5)
+
+
+def test_sizes_of_a_given_checkpoint_come_from_its_config(tmp_path):
+    """--ckpt: the bits per weight are of that checkpoint's matrices (24 layers, expert width 768)."""
+    import json
+
+    peer = bench("peer_llamacpp")
+    cfg = {**peer.SIZES, "num_hidden_layers": 24, "moe_intermediate_size": 768, "vocab_size": 32000,
+           "num_attention_heads": 32, "architectures": ["Qwen3MoeForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    sizes = peer.checkpoint_sizes(tmp_path)
+    assert set(sizes) == set(peer.SIZES) and sizes["num_hidden_layers"] == 24
+    h, i, q, kv = 2048, 768, 32 * 128, 4 * 128
+    layer = [(q, h), (kv, h), (kv, h), (h, q)] + [(i, h), (i, h), (h, i)] * 32
+    assert peer.quantized_shapes(sizes) == layer * 24 + [(32000, h)]
+    weights = sum(o * c for o, c in peer.quantized_shapes(sizes))
+    rows = sum(o for o, _ in peer.quantized_shapes(sizes))
+    want = (8 * weights + 32 * rows) / weights
+    assert peer.bits_per_weight("int8", sizes) == pytest.approx(want, rel=1e-12)
