@@ -1,35 +1,32 @@
-"""bench/heat_holdout.py on a toy trace a person can check: which rows are decode steps, the in-sample and the
-two-fold held-out VRAM share of a plan's experts."""
+"""bench/heat_holdout.py: the two shares of a plan file over a heat file (planner/holdout.py's figures),
+and a heat without a trace refused with what to do."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 from test_bench_bad_args import bench
 
-
-def _heat(ids_rows, steps, k=2, e=4):
-    return {"n_experts": e, "trace": {"layers": [0], "top_k": k, "steps": steps,
-                                       "ids": [[i for row in ids_rows for i in row]]}}
+from colibri_plan.formats.heat import Heat, save_heat
+from colibri_plan.formats.heat_trace import RoutingTrace
 
 
-def test_only_one_token_steps_are_decode_rows():
+def test_shares_of_a_plan_file_over_a_heat_file(tmp_path, capsys):
+    rows = np.array([[0, 1]] * 8 + [[0, 2]] * 8, np.int32)[None]  # one layer, 16 decode steps
+    tr = RoutingTrace(layers=(3,), top_k=2, steps=(1,) * 16, ids=rows)
+    counts = np.array([[16.0, 8, 8, 0]])
+    save_heat(Heat(n_experts=4, layers=(3,), counts=counts, top_k=2, tokens=16, trace=tr),
+              tmp_path / "heat.json")
+    (tmp_path / "plan.json").write_text(json.dumps({"layers": [{"layer": 3, "vram": {"cuda:0": [0, 1]}}]}))
     h = bench("heat_holdout")
-    heat = _heat([[3, 2], [3, 1], [0, 1], [2, 3]], steps=[2, 1, 1])  # a 2-token prefill, then 2 decode steps
-    rows = h.decode_rows(heat["trace"])
-    assert rows[0].tolist() == [[0, 1], [2, 3]]
-
-
-def test_in_sample_and_held_out_shares():
-    h = bench("heat_holdout")
-    # 4 decode steps of top-2 over 4 experts: the first half routes to {0, 1}, the second to {0, 2}
-    heat = _heat([[0, 1], [0, 1], [0, 2], [0, 2]], steps=[1, 1, 1, 1])
-    plan = {"layers": [{"layer": 0, "vram": {"cuda:0": [0, 1]}}]}
-    got = h.holdout(plan, heat)
-    assert got["decode_steps"] == 4
-    assert got["in_sample"] == pytest.approx(6 / 8)  # expert 0 in all 4 steps, expert 1 in 2
-    # fold 1: top-2 of {0, 1, 0, 1} = {0, 1}, on {0, 2, 0, 2}: 2 of 4; fold 2: top-2 of the second half =
-    # {0, 2}, on the first: 2 of 4 -> 0.5 held out
-    assert got["held_out"] == pytest.approx(0.5)
-    assert got["per_layer"][0]["vram_experts"] == 2
-    other = {"layers": [{"layer": 0, "vram": {"cuda:1": [3]}}]}
-    assert h.holdout(other, heat, device="cuda:0")["in_sample"] == 0.0  # another GPU's experts do not count
+    doc = h.main(["--plan", str(tmp_path / "plan.json"), "--heat", str(tmp_path / "heat.json"),
+                  "--out", str(tmp_path / "out.json")])
+    assert doc["in_sample"] == pytest.approx(0.75) and doc["held_out"] == pytest.approx(0.5)
+    assert json.loads((tmp_path / "out.json").read_text())["decode_steps"] == 16
+    assert "in sample 75.0%, held out (2 folds) 50.0%" in capsys.readouterr().out
+    save_heat(Heat(n_experts=4, layers=(3,), counts=np.array([[16.0, 8, 8, 0]]), top_k=2, tokens=16),
+              tmp_path / "plain.json")
+    with pytest.raises(SystemExit, match="no routing trace"):
+        h.main(["--plan", str(tmp_path / "plan.json"), "--heat", str(tmp_path / "plain.json")])

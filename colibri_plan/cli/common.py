@@ -409,3 +409,14 @@ def knob_lines(knobs: dict | None, *, compute: dict | None = None, compute_expla
         lines.append(f"Page cache: could hold {pc['capacity_bytes'] / 1e9:.2f} GB beside this plan{pool}; "
                      + ("read through" if pc.get("used") else "not used: O_DIRECT"))
     return lines + compute_lines(compute, compute_explain) + [repin_line(repin)]
+
+
+def held_out_line(predicted: dict, warn_only: bool = False) -> str | None:
+    """The plan's VRAM share of its heat's decode selections in sample and held out (planner/holdout.py),
+    or None (no trace in the heat; with ``warn_only``, also when the two differ by 2 points or less)."""
+    ho = predicted.get("hit_rate_held_out")
+    if not ho or (warn_only and ho["in_sample"] - ho["held_out"] <= 0.02):
+        return None
+    return (f"VRAM holds {ho['in_sample'] * 100:.1f}% of the heat's {ho['decode_steps']} decode selections, "
+            f"{ho['held_out'] * 100:.1f}% held out (two folds): a run whose routing differs from the heat's "
+            "gets less than predicted")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from colibri_plan.cli.common import emit, json_option, knob_lines, table
+from colibri_plan.cli.common import emit, held_out_line, json_option, knob_lines, table
 
 
 @click.group("plan")
@@ -58,6 +58,9 @@ def show(path, show_layers):
                  + (f"{sv['seconds']} s" if "seconds" in sv else "time not recorded"),
                  "cost coefficients: " + (", ".join(f"{k} {v:g}" for k, v in d["coefficients"].items())
                                           if d.get("coefficients") else "defaults (not calibrated)")]
+        ho = held_out_line(pr)
+        if ho:
+            lines.insert(7, ho)   # after the served-from line
         lines.insert(5, trunk_line(d))
         from colibri_plan.planner.prefill import prefill_lines
 

@@ -6,7 +6,7 @@ behind ``-v`` (budgets, trunk, placement, predicted terms, solver, knobs), then 
 
 from __future__ import annotations
 
-from colibri_plan.cli.common import knob_lines, table
+from colibri_plan.cli.common import held_out_line, knob_lines, table
 
 GB = 1e9
 #: how the answer names each engine
@@ -40,6 +40,9 @@ def answer_lines(result: dict, verbose: bool = False) -> list[str]:
             continue
         tok = (f"{r['tok_s']:.3g} tok/s" if r["tok_s"] is not None else "-").ljust(12)
         out.append(f"  {name}  {tok} {_secs(r['ttft_s']).ljust(7)} {r['command']}")
+    warn = held_out_line(result["predicted"], warn_only=True)
+    if warn:
+        out.append(f"  # {warn}")
     for r in rows:   # what a paste needs to work: the placeholders
         for n in r["notes"] if verbose else [n for n in r["notes"] if "replace" in n or "first:" in n]:
             out.append(f"  # {ENGINE_NAMES.get(r['engine'], r['engine'])}: {n}")
@@ -82,6 +85,9 @@ def detail_lines(result: dict) -> list[str]:
                f"pinned RAM {h['ram_pinned'] * 100:.1f}%, "
                f"LRU {h['lru'] * 100:.1f}%, disk {h['disk'] * 100:.1f}%; disk "
                f"{p['disk_bytes_per_token'] / 1e6:.1f} MB/token")
+    ho = held_out_line(p)
+    if ho:
+        out.append(ho)
     s = result["solver"]
     gap = "n/a" if s["gap"] is None else f"{s['gap'] * 100:.3f}%"
     out.append(f"Solver: {s['method']}; {s['status']}; gap {gap}; {s['seconds']:.2f} s")

@@ -172,6 +172,11 @@ _FIELDS = (
     ("predicted.hit_rate", "object", None),
     *((f"predicted.hit_rate.{k}", "num", (0, 1)) for k in ("vram", "ram_pinned", "lru", "disk")),
     ("predicted.prefill?", "object", None),   # its figures: formats/plan_prefill.py
+    # the VRAM share of the heat's decode selections in sample and two-fold held out (planner/holdout.py)
+    ("predicted.hit_rate_held_out?", "object", None),
+    ("predicted.hit_rate_held_out.in_sample", "num", (0, 1)),
+    ("predicted.hit_rate_held_out.held_out", "num", (0, 1)),
+    ("predicted.hit_rate_held_out.decode_steps", "int", (1, None)),
     ("solver", "object", None), ("solver.method?", "str", None), ("solver.status?", "str", None),
     ("solver.seconds?", "num", (0, None)), ("solver.gap?", "num", (0, None)),   # baselines have neither
     # the engine reads with this many threads (run --read-threads accepts 1..64); re-pinning reads rates

@@ -353,6 +353,11 @@ def make_plan(profile, spec, heat=None, opts: SolveOptions = DEFAULTS,
 
         setup, reads = choose_reads(setup, sol.tiers, sol.lru_slots, cost_of, opts.reads)
     plan = plan_document(setup, profile, sol.tiers, sol.lru_slots, solver, profile_source)
+    from colibri_plan.planner.holdout import plan_held_out
+
+    held = plan_held_out(getattr(setup.heat, "trace", None), plan.doc["layers"], spec.n_experts)
+    if held is not None:
+        plan.doc["predicted"]["hit_rate_held_out"] = held
     from colibri_plan.planner.trunk_gpus import gpu_split_section
 
     plan.doc["trunk_gpus"] = _jsonable(gpu_split_section(setup, report))   # one GPU or spread, priced
