@@ -38,6 +38,10 @@ VRAM_GB=${VRAM_GB:-2.5}
 # the heat's prompt: the bench's own (its decode ids are others), or another prompt (bench/routing_context.py:
 # on this random checkpoint the prompt decides the hot experts; r3-r5 used another prompt)
 HEAT_CONTEXT=${HEAT_CONTEXT:-bench}
+# the heat's traffic: HEAT_CONVERSATIONS runs of the 16-token prompt + HEAT_TOKENS random-id steps (the
+# timed decode is 64 steps after a prompt; r6's one 256-step run over-weighted routing after it settles)
+HEAT_TOKENS=${HEAT_TOKENS:-64}
+HEAT_CONVERSATIONS=${HEAT_CONVERSATIONS:-4}
 PAIRS=${PAIRS:-4}
 REPEATS=${REPEATS:-3}
 SRC_TAR=${SRC_TAR:-.carry/llama.cpp-src.tar.xz}
@@ -86,14 +90,16 @@ prep() {
     $CP profile --quick --backends cpu,cuda --formats int8 --dense-formats int8,f32 --model "$WORK/pack-int8" \
       --path "$WORK" --out "$OUT/profile.json" >> "$OUT/log.txt" 2>&1
   fi
-  if [ ! -f "$WORK/heat-decode-$HEAT_CONTEXT.json" ]; then
+  HEAT_FILE="$WORK/heat-decode-$HEAT_CONTEXT-${HEAT_CONVERSATIONS}x$HEAT_TOKENS.json"
+  if [ ! -f "$HEAT_FILE" ]; then
     # the traffic the bench times: a 16-token prompt (HEAT_CONTEXT bench: the bench's own; other: another
     # one), then random ids (llama-bench's tg, other ids than the bench's), all in VRAM
-    say "routing heat ($HEAT_CONTEXT 16-token prompt + 256 random-id decode steps, all in VRAM)"
-    $PY bench/peer_llamacpp_gpu.py heat --pack "$WORK/pack-int8" --backend cuda --depth 16 --tokens 256 \
-      --context "$HEAT_CONTEXT" --out "$WORK/heat-decode-$HEAT_CONTEXT.json" >> "$OUT/log.txt" 2>&1
+    say "routing heat ($HEAT_CONVERSATIONS x $HEAT_CONTEXT 16-token prompt + $HEAT_TOKENS random-id steps, all in VRAM)"
+    $PY bench/peer_llamacpp_gpu.py heat --pack "$WORK/pack-int8" --backend cuda --depth 16 \
+      --tokens "$HEAT_TOKENS" --conversations "$HEAT_CONVERSATIONS" --context "$HEAT_CONTEXT" \
+      --out "$HEAT_FILE" >> "$OUT/log.txt" 2>&1
   fi
-  cp "$WORK/heat-decode-$HEAT_CONTEXT.json" "$WORK/heat.json"
+  cp "$HEAT_FILE" "$WORK/heat.json"
   cp "$WORK/heat.json" "$OUT/heat.json"
   say "solve at $VRAM_GB GB of VRAM"
   $CP solve --profile "$OUT/profile.json" --model "$WORK/pack-int8" --heat "$WORK/heat.json" --ram auto \

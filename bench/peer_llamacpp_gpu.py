@@ -468,7 +468,13 @@ def heat(a) -> None:
     ``--context bench``: the prompt is the bench's own (``bench_prompts`` at --prefill), the decode ids
     still seed 2's: on a random checkpoint the prompt decides which experts a decode selects (on the
     24-layer checkpoint's CPU run, a heat of another prompt covered 53.6% of the bench decode's selections
-    with its hot half, one of the bench's prompt 96.8%: bench/results/routing-context-cpu.json)."""
+    with its hot half, one of the bench's prompt 96.8%: bench/results/routing-context-cpu.json).
+    ``--conversations N``: N such runs on fresh caches (each its own decode ids; ``--context other``: its
+    own prompt too), all in one heat: the timed decode is the first ``--tokens`` steps after a prompt, and
+    on that checkpoint routing moves over those first steps and then settles (a 2.5 GB plan's VRAM experts
+    chosen on the other steps of one 256-step heat covered 94.8% of its first 64, 99.9% of the later ones:
+    the heat of bench/results/h200-llamacpp-r6/heat-holdout.json), so one long run over-weights the
+    settled part."""
     import random
 
     import numpy as np
@@ -480,18 +486,21 @@ def heat(a) -> None:
     weights = runner.open_weights(a.pack, None)
     rec = RoutingRecorder(weights.arch)
     vocab, rnd = weights.arch.vocab_size, random.Random(2)
-    prompt = ([rnd.randrange(2, vocab) for _ in range(a.depth)] if a.context == "other" else
-              bench_prompts(random.Random(1), vocab, a.prefill, a.depth)["prompt"])
+    bench_prompt = bench_prompts(random.Random(1), vocab, a.prefill, a.depth)["prompt"]
     s = EngineSession(weights, runner.placement_for(weights, None, a.backend, 0), cpu_backend="cpu",
                       trunk=runner.trunk_placement(weights, None, None, a.backend, 0),
                       context_tokens=a.depth + a.tokens + 1, recorder=rec)
     with s:
-        cache = s.model.new_cache(a.depth + a.tokens + 1)
-        s.model._last_logits(prompt, cache)
-        for _ in range(a.tokens):
-            np.asarray(s.model._last_logits([rnd.randrange(2, vocab)], cache))
+        for _ in range(a.conversations):
+            other = a.context == "other"
+            prompt = [rnd.randrange(2, vocab) for _ in range(a.depth)] if other else bench_prompt
+            cache = s.model.new_cache(a.depth + a.tokens + 1)
+            s.model._last_logits(prompt, cache)
+            for _ in range(a.tokens):
+                np.asarray(s.model._last_logits([rnd.randrange(2, vocab)], cache))
     written = runner.write_stats(rec, weights, a.out, None)
-    log(f"heat of {a.depth} prompt + {a.tokens} random-id decode tokens -> {written['stats_out']}")
+    log(f"heat of {a.conversations} x ({a.depth} prompt + {a.tokens} random-id decode tokens) -> "
+        f"{written['stats_out']}")
 
 
 def main(argv=None) -> int:
@@ -542,12 +551,15 @@ def main(argv=None) -> int:
     ht.add_argument("--backend", default="cuda")
     ht.add_argument("--depth", type=int, default=16)
     ht.add_argument("--tokens", type=int, default=256)
+    ht.add_argument("--conversations", type=int, default=1, help="runs of --depth + --tokens, fresh caches")
     ht.add_argument("--context", choices=("other", "bench"), default="other",
                     help="the prompt before the decode: another one (seed 2) or the bench's own")
     ht.add_argument("--prefill", type=int, default=512, help="--context bench: the bench's --prefill")
     ht.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.mode == "heat":
+        if a.conversations < 1 or a.tokens < 1 or a.depth < 1:
+            ap.error("heat: --conversations, --tokens and --depth must be >= 1")
         heat(a)
         return 0
     if a.mode == "worker":

@@ -50,3 +50,27 @@ def test_heat_of_the_random_id_decode_counts_every_selection(tiny_pack, tmp_path
     n_moe = arch["n_layers"] - arch["first_k_dense_replace"]
     assert len(counts) == n_moe
     assert counts.sum(axis=1).tolist() == [9.0 * arch["top_k"]] * n_moe and heat.tokens == 9
+
+
+def test_heat_of_several_conversations_holds_each_prompt_and_its_steps(tiny_pack, tmp_path):
+    """`heat --conversations 2`: two runs of a 3-token prompt + 4 random-id steps on fresh caches -> the
+    heat's trace has each prompt as one call then 4 one-token calls, and counts all 14 tokens; the decode
+    ids differ between the two runs (the random stream goes on), the bench prompt is the same."""
+    from colibri_plan.formats.heat import load_heat
+
+    arch = json.loads((tiny_pack / "pack.json").read_text())["arch"]
+    out = tmp_path / "heat2.json"
+    argv = [sys.executable, str(BENCH), "heat", "--pack", str(tiny_pack), "--backend", "cpu", "--depth", "3",
+            "--tokens", "4", "--conversations", "2", "--context", "bench", "--prefill", "8",
+            "--out", str(out)]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    heat = load_heat(out)
+    assert heat.tokens == 14 and heat.trace.steps == (3, 1, 1, 1, 1, 3, 1, 1, 1, 1)
+    n_moe = arch["n_layers"] - arch["first_k_dense_replace"]
+    assert heat.counts.sum(axis=1).tolist() == [14.0 * arch["top_k"]] * n_moe
+    rows = heat.trace.rows(heat.trace.layers[0])  # [14, K]
+    assert rows[:3].tolist() == rows[7:10].tolist()  # the same bench prompt routes the same way
+    bad = subprocess.run(argv[:-2] + ["--conversations", "0", "--out", str(out)], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and "--conversations, --tokens and --depth must be >= 1" in bad.stderr
