@@ -122,6 +122,8 @@ class CpuBackend(Backend):
     #: the same bound for the int4-g32 / int4-g32h kernels (q4t, ``q4t.SERIAL_BYTES``: lower, their
     #: parallel GEMV is faster from 0.3 MB on); the smaller of the two applies
     serial_bytes_t: int = 256 << 10
+    #: the same for int8 (``qkernels.SERIAL_BYTES_8``: its parallel GEMV from RAM is faster from 128 KiB on)
+    serial_bytes_8: int = 128 << 10
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -153,6 +155,7 @@ class CpuBackend(Backend):
             self._layouts: dict[tuple, tuple] = {}
             self.serial_bytes = self._k.SERIAL_BYTES
             self.serial_bytes_t = self._k.SERIAL_BYTES_T
+            self.serial_bytes_8 = self._k.SERIAL_BYTES_8
         except Exception as exc:  # a broken numba/llvmlite install: say why, do not crash later
             raise BackendUnavailableError(f"cpu backend unavailable: numba failed to import: {exc}") from exc
         # parts: host arrays as device activations (this backend's matmul; attention and RMSNorm are its
@@ -216,15 +219,21 @@ class CpuBackend(Backend):
         for its layout (:meth:`_xq`)."""
         qt = hw.qt
         y = np.empty((tokens, qt.out_features), np.float32)  # [T, out]
-        limit = self.serial_bytes
-        if hw.kernel is self._k.i4t_matmul:  # int4-g32 / g32h: their own, lower bound
-            limit = min(limit, self.serial_bytes_t)
-        if hw.serial is not None and qt.nbytes * tokens <= limit:
+        if hw.serial is not None and qt.nbytes * tokens <= self.serial_limit(hw):
             hw.serial(hw.data3, hw.scales2, *xa, y)  # small: this thread, no pool wake-up, no lock
             return y
         self._par(-(-qt.out_features // self._step_rows(hw)), hw.kernel, hw.data3, hw.scales2, *xa, y,
                   chunks=Q4T_CHUNKS if hw.fold else 64)
         return y
+
+    def serial_limit(self, hw: HostWeight) -> int:
+        """Weight bytes × tokens up to which a matmul of ``hw`` runs its serial kernel: ``serial_bytes``, or
+        the smaller ``serial_bytes_t`` (int4-g32 / g32h) / ``serial_bytes_8`` (int8) where it applies."""
+        if hw.kernel is self._k.i4t_matmul:  # int4-g32 / g32h: their own, lower bound
+            return min(self.serial_bytes, self.serial_bytes_t)
+        if hw.kernel is self._k.i8_matmul:
+            return min(self.serial_bytes, self.serial_bytes_8)
+        return self.serial_bytes
 
     def _d_matmul_many(self, x, ws) -> list:
         """x [T, in] (a host DArray) · W_iᵀ for each weight of ``ws``: weights whose activations are
