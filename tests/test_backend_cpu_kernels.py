@@ -244,24 +244,26 @@ def test_the_vnni_int8_block_dot_is_the_exact_integer_sum():
 
 
 def test_the_vnni8_row_dots_are_the_one_row_float_sums():
-    """vnni8's 4-row and 1-row int8 dots (prefetching, block sums reduced together): per row the float32
-    sum over blocks of each block's exact int32 dot, in block order, the bits of qkernels._row8; the
-    int32 block sums at the operands' extremes equal numpy's int64 ones."""
+    """vnni8's 4-row, 2-row and 1-row int8 dots (prefetching, block sums reduced together): per row the
+    float32 sum over blocks of each block's exact int32 dot, in block order, the bits of qkernels._row8;
+    the int32 block sums at the operands' extremes equal numpy's int64 ones."""
     from colibri_plan.backends.cpu import qkernels as cpu_qkernels
     from colibri_plan.backends.cpu import vnni as cpu_vnni
-    from colibri_plan.backends.cpu.vnni8 import _rows8x1, _rows8x4
+    from colibri_plan.backends.cpu.vnni8 import _rows8x1, _rows8x2, _rows8x4
 
     if not cpu_vnni.VNNI:
         pytest.skip("this CPU has no AVX-512 VNNI: the int8 kernels keep their loop")
     from numba import njit
 
     @njit
-    def dots(w3, x3, t, out4, out1, ref):
+    def dots(w3, x3, t, out4, out2, out1, ref):
         n = w3.shape[1] * w3.shape[2]
         for r in range(0, w3.shape[0] - 3, 4):
             a = _rows8x4(w3, r * n, n, x3, t * n, w3.shape[1], w3.shape[2])
             for i in range(4):
                 out4[r + i] = a[i]
+        for r in range(0, w3.shape[0] - 1, 2):
+            out2[r], out2[r + 1] = _rows8x2(w3, r * n, n, x3, t * n, w3.shape[1], w3.shape[2])
         for r in range(w3.shape[0]):
             out1[r] = _rows8x1(w3, r * n, n, x3, t * n, w3.shape[1], w3.shape[2])[0]
             ref[r] = cpu_qkernels._row8(w3, r, x3, t)
@@ -273,9 +275,10 @@ def test_the_vnni8_row_dots_are_the_one_row_float_sums():
         x3 = rng.integers(-32767, 32768, (2, blocks, bb), dtype=np.int16)
         x3[1] = 32767
         for t in (0, 1):
-            out4, out1, ref = (np.zeros(rows, np.float32) for _ in range(3))
-            dots(w3, x3, t, out4, out1, ref)
+            out4, out2, out1, ref = (np.zeros(rows, np.float32) for _ in range(4))
+            dots(w3, x3, t, out4, out2, out1, ref)
             np.testing.assert_array_equal(out4, ref)
+            np.testing.assert_array_equal(out2, ref)
             np.testing.assert_array_equal(out1, ref)
             exact = np.einsum("rbj,bj->rb", w3.astype(np.int64), x3[t].astype(np.int64))
             f32 = np.zeros(rows, np.float32)

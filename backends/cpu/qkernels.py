@@ -34,13 +34,13 @@ from numba import njit, prange
 
 from colibri_plan.backends.cpu import kernels as _kernels  # noqa: F401 (OpenMP's spin, first)
 from colibri_plan.backends.cpu.vnni import VNNI, _dot8_vnni
-from colibri_plan.backends.cpu.vnni8 import _rows8x1, _rows8x4
+from colibri_plan.backends.cpu.vnni8 import _rows8x1, _rows8x2
 
 #: sha256 (16 hex digits) of backends/cpu/vnni.py these kernels were compiled against (its int8 block dot
 #: is compiled into them): as q4t.VNNI_SOURCE, a change of vnni.py comes with this one (a test compares)
 VNNI_SOURCE = "1726ee0eb375cde7"
 #: the same for backends/cpu/vnni8.py (the multi-row int8 dots of the one-token tiles)
-VNNI8_SOURCE = "101b54011aeccf18"
+VNNI8_SOURCE = "d4467a432beb6247"
 
 #: a matmul reading at most this many weight bytes × tokens runs the ``_1`` kernels on the calling
 #: thread: waking the sleeping workers of a parallel region costs ~45 µs, and one core streams ~25 GB/s
@@ -212,22 +212,22 @@ def _row8(d3, r, x3, t):
 
 @njit(fastmath=True, cache=True, inline="always")
 def _rows8(d3, r, x3, t):
-    # rows r..r+3 of d3 int8 [out, blocks, bb] (bb a multiple of 64) times token t of x3 int16 [T, blocks,
-    # bb]: vnni8's 4-row dot, float32 each (_row8's sums, bit for bit)
+    # rows r, r+1 of d3 int8 [out, blocks, bb] (bb a multiple of 64) times token t of x3 int16 [T, blocks,
+    # bb]: vnni8's 2-row dot, float32 each (_row8's sums, bit for bit)
     n = d3.shape[1] * d3.shape[2]
-    return _rows8x4(d3, r * n, n, x3, t * n, d3.shape[1], d3.shape[2])
+    return _rows8x2(d3, r * n, n, x3, t * n, d3.shape[1], d3.shape[2])
 
 
 @njit(fastmath=True, cache=True, inline="always")
 def _row8v(d3, r, x3, t):
-    # _row8 by vnni8's one-row dot (prefetching) where the 4-row one runs (rows after the last 4 of a tile)
+    # _row8 by vnni8's one-row dot (prefetching) where the 2-row one runs (a tile's odd last row)
     n = d3.shape[1] * d3.shape[2]
     return _rows8x1(d3, r * n, n, x3, t * n, d3.shape[1], d3.shape[2])[0]
 
 
 @njit(fastmath=True, cache=True, inline="always")
 def _multi8(d3):
-    # the 4-row VNNI dots read this layout (blocks of 64 or 256 bytes)
+    # the multi-row VNNI dots read this layout (blocks of 64 or 256 bytes)
     return VNNI and d3.shape[2] % 64 == 0
 
 
@@ -237,14 +237,12 @@ def _tile8(data3, scales, xq3, sx, y, b):
     r0, r1 = b * ROW_TILE, min(b * ROW_TILE + ROW_TILE, data3.shape[0])
     for t in range(xq3.shape[0]):  # prefill: the tile stays in L2 across tokens
         if _multi8(data3):
-            r4 = r0 + (r1 - r0) // 4 * 4
-            for r in range(r0, r4, 4):
-                a0, a1, a2, a3 = _rows8(data3, r, xq3, t)
+            r2 = r0 + (r1 - r0) // 2 * 2
+            for r in range(r0, r2, 2):
+                a0, a1 = _rows8(data3, r, xq3, t)
                 y[t, r] = a0 * scales[r, 0] * sx[t]
                 y[t, r + 1] = a1 * scales[r + 1, 0] * sx[t]
-                y[t, r + 2] = a2 * scales[r + 2, 0] * sx[t]
-                y[t, r + 3] = a3 * scales[r + 3, 0] * sx[t]
-            for r in range(r4, r1):
+            for r in range(r2, r1):
                 y[t, r] = _row8v(data3, r, xq3, t) * scales[r, 0] * sx[t]
         else:
             for r in range(r0, r1):
@@ -368,17 +366,15 @@ def experts_gate_up(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
         e, r0, r1 = _expert_tile(i, tiles, inter)
         g3, u3, g2, u2 = gw[e], uw[e], gs[e], us[e]
         for t in range(offs[e], offs[e + 1]):  # this expert's tokens: its tile stays in L2
-            r4 = r0
-            if kind == 0 and _multi8(g3):  # int8: 4 gate rows, then the 4 up rows (vnni8)
-                r4 = r0 + (r1 - r0) // 4 * 4
-                for r in range(r0, r4, 4):
-                    ga, gb, gc, gd = _rows8(g3, r, xa3, t)
-                    ua, ub, uc, ud = _rows8(u3, r, xa3, t)
+            r2 = r0
+            if kind == 0 and _multi8(g3):  # int8: 2 gate rows, then the 2 up rows (vnni8)
+                r2 = r0 + (r1 - r0) // 2 * 2
+                for r in range(r0, r2, 2):
+                    ga, gb = _rows8(g3, r, xa3, t)
+                    ua, ub = _rows8(u3, r, xa3, t)
                     h[t, r] = _silu_mul(ga * g2[r, 0] * sx[t], ua * u2[r, 0] * sx[t])
                     h[t, r + 1] = _silu_mul(gb * g2[r + 1, 0] * sx[t], ub * u2[r + 1, 0] * sx[t])
-                    h[t, r + 2] = _silu_mul(gc * g2[r + 2, 0] * sx[t], uc * u2[r + 2, 0] * sx[t])
-                    h[t, r + 3] = _silu_mul(gd * g2[r + 3, 0] * sx[t], ud * u2[r + 3, 0] * sx[t])
-            for r in range(r4, r1):
+            for r in range(r2, r1):
                 g = _row_any(kind, g3, r, g2, xa3, xb3, t, xsum) * sx[t]
                 u = _row_any(kind, u3, r, u2, xa3, xb3, t, xsum) * sx[t]
                 h[t, r] = _silu_mul(g, u)
@@ -394,14 +390,12 @@ def experts_matmul(kind, ws, ss, xa3, xb3, sx, xsum, offs, y):
         e, r0, r1 = _expert_tile(i, tiles, out)
         w3, s2 = ws[e], ss[e]
         for t in range(offs[e], offs[e + 1]):
-            r4 = r0
-            if kind == 0 and _multi8(w3):  # int8: 4 rows at a time (vnni8)
-                r4 = r0 + (r1 - r0) // 4 * 4
-                for r in range(r0, r4, 4):
-                    a0, a1, a2, a3 = _rows8(w3, r, xa3, t)
+            r2 = r0
+            if kind == 0 and _multi8(w3):  # int8: 2 rows at a time (vnni8)
+                r2 = r0 + (r1 - r0) // 2 * 2
+                for r in range(r0, r2, 2):
+                    a0, a1 = _rows8(w3, r, xa3, t)
                     y[t, r] = a0 * s2[r, 0] * sx[t]
                     y[t, r + 1] = a1 * s2[r + 1, 0] * sx[t]
-                    y[t, r + 2] = a2 * s2[r + 2, 0] * sx[t]
-                    y[t, r + 3] = a3 * s2[r + 3, 0] * sx[t]
-            for r in range(r4, r1):
+            for r in range(r2, r1):
                 y[t, r] = _row_any(kind, w3, r, s2, xa3, xb3, t, xsum) * sx[t]

@@ -4,9 +4,9 @@ weight [out, blocks, bb] times one token of int16 activations, with software pre
 Why: the one-row block dot (``vnni._dot8_vnni``) ran a 2 MB GEMV at 38-48 GB/s in L2 but read RAM at
 only 9.3 GB/s on one core (16.8 on two), where the RAM probe reads 18 / 36 GB/s: one dependent
 ``vpdpwssd`` chain and a horizontal sum per 256-byte block, no loads in flight ahead of the row. Here
-R rows run at once (R·2 independent chains, each activation vector loaded once for R rows), each row
-prefetches ``PREFETCH8_BYTES`` ahead into L2, and the R block sums are reduced together (one shuffle tree
-for R rows instead of R).
+R rows run at once (2 in qkernels' tiles): R·2 independent chains, each activation vector loaded once for
+R rows, each row prefetching ``PREFETCH8_BYTES`` ahead into L2, and the R block sums reduced together
+(one shuffle tree for R rows instead of R).
 
 Bits: the int32 block sums are exact (the same integers as the one-row dot, in any order of addition),
 and each row's float32 sum runs over its blocks in order, ``acc = acc + float32(block)`` in a lane of an
@@ -28,8 +28,9 @@ from colibri_plan.backends.cpu.vnni import B32, I32, I64, V16, W32, at, load, pr
 #: each row's prefetch distance (bytes ahead of the bytes being multiplied, into L2 as vnni's; a row's end
 #: prefetches the next rows'). Scratch sweep, one thread, 128 int8 matrices of 1024x2048 (4 KiB pages)
 #: from RAM: none 8.2, 1024 9.5, 4096 9.5, 8192 12.9, 16384 12.9 GB/s at 4 rows (2 rows alike, 1 row
-#: 10.3 at best; the one-row dot 7.3; numpy's int64 sum of the same arrays 11.0); locality 3 (L1) 11.2
-PREFETCH8_BYTES = 8192
+#: 10.3 at best; the one-row dot 7.3; numpy's int64 sum of the same arrays 11.0); locality 3 (L1) 11.2.
+#: Views of one huge-page array: 4 rows 16.4, 2 rows 17.7 (12288 ahead 18.3; numpy ~17): the tiles run 2
+PREFETCH8_BYTES = 12288
 
 
 def _tree(builder, vs: list) -> ir.Value:
@@ -112,5 +113,5 @@ def rows8(R: int):
     return _rows8
 
 
-#: the multi-row int8 dots by rows: 4 (the tiles' body), 1 (a tile's last rows)
-_rows8x4, _rows8x1 = rows8(4), rows8(1)
+#: the multi-row int8 dots by rows: 2 (the tiles' body), 4 (tests), 1 (a tile's odd last row)
+_rows8x2, _rows8x4, _rows8x1 = rows8(2), rows8(4), rows8(1)
