@@ -80,6 +80,11 @@ def _load_kernels():
 #: kernels were measured with; 64 chunks of 128 rows read RAM slower (8 weights of 8192x2048 from RAM,
 #: one token: 25.5 vs 26.8 GB/s, best of 15, three interleaved rounds, shared 2-core host)
 Q4T_CHUNKS = 16
+#: dynamic chunks of an int8 matmul (32-row tiles): 8, fewer and longer runs of rows per thread than 64
+#: (its prefetches run on into the next rows of the same chunk): a 1024x2048 GEMV from RAM, 2 threads,
+#: shared 2-core Xeon, two passes: 64 chunks 92.6 / 81.1 µs, 16 87.6 / 79.6, 8 85.1 / 79.5, 2 (static
+#: halves) 80.0 / 75.2; 8 keeps a descheduled core's stall to 1/8 of the rows (scratch runs, not kept)
+I8_CHUNKS = 8
 
 
 def _chunk_setter(numba):
@@ -222,8 +227,9 @@ class CpuBackend(Backend):
         if hw.serial is not None and qt.nbytes * tokens <= self.serial_limit(hw):
             hw.serial(hw.data3, hw.scales2, *xa, y)  # small: this thread, no pool wake-up, no lock
             return y
+        chunks = Q4T_CHUNKS if hw.fold else (I8_CHUNKS if hw.kernel is self._k.i8_matmul else 64)
         self._par(-(-qt.out_features // self._step_rows(hw)), hw.kernel, hw.data3, hw.scales2, *xa, y,
-                  chunks=Q4T_CHUNKS if hw.fold else 64)
+                  chunks=chunks)
         return y
 
     def serial_limit(self, hw: HostWeight) -> int:

@@ -135,12 +135,33 @@ def _d4(w3, r, b, xe3, xo3, t):
 
 
 @njit(fastmath=True, cache=True, inline="always")
+def _absmax(x, t):
+    # max |x[t, j]| over j (float32, exact in any order): 8 independent running maxima, where one running
+    # ``max(m, abs(x))`` stayed a scalar loop: 2.0 against 0.34 µs for 2048 columns (quant_x8 of one token
+    # 2.4 -> 0.7 µs a call, beside an int8 1024x2048 GEMV's ~80 µs from RAM)
+    n = x.shape[1]
+    n8 = n // 8 * 8
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+    for j in range(0, n8, 8):
+        a0 = max(a0, abs(x[t, j]))
+        a1 = max(a1, abs(x[t, j + 1]))
+        a2 = max(a2, abs(x[t, j + 2]))
+        a3 = max(a3, abs(x[t, j + 3]))
+        a4 = max(a4, abs(x[t, j + 4]))
+        a5 = max(a5, abs(x[t, j + 5]))
+        a6 = max(a6, abs(x[t, j + 6]))
+        a7 = max(a7, abs(x[t, j + 7]))
+    m = max(max(max(a0, a1), max(a2, a3)), max(max(a4, a5), max(a6, a7)))
+    for j in range(n8, n):
+        m = max(m, abs(x[t, j]))
+    return m
+
+
+@njit(fastmath=True, cache=True, inline="always")
 def _quant_row(x, t, cols, xq):
     # xq[:] = round(x[t] / s) (zeros past the row), returns s = max|x[t]| / 32767 (1 for a zero row)
     n = x.shape[1]
-    m = np.float32(0.0)
-    for j in range(n):
-        m = max(m, abs(x[t, j]))
+    m = _absmax(x, t)
     s = m / _QMAX if m > 0 else np.float32(1.0)
     inv = np.float32(1.0) / s
     for j in range(n):
