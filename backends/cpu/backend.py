@@ -9,9 +9,10 @@ once per call (one scale per token), int8/int4 × int16 products summed in int32
 AVX-512 VNNI), the packed bytes unpacked in registers, never dequantized to memory. Tiles of rows run
 in parallel, every token of a batch per tile, so a GEMV streams each weight byte from RAM once and a
 prefill batch of T tokens reads it once too (from L2 for tokens 2..T).
-A matmul of at most ``serial_bytes`` (weight bytes × tokens, 2 MiB) runs a single-thread twin of its
-kernel, chosen at upload with it (``HostWeight.kernel``/``serial``, same bits): waking the pool costs
-more than such a matmul gains from a second core.
+A matmul of at most ``serial_bytes`` (weight bytes × tokens, 2 MiB; int8 128 KiB, int4-g32 256 KiB:
+:meth:`CpuBackend.serial_limit`) runs a single-thread twin of its kernel, chosen at upload with it
+(``HostWeight.kernel``/``serial``, same bits): waking the pool costs more than such a matmul gains from a
+second core. int8 tiles run two rows at a time with software prefetch (:mod:`~.vnni8`).
 int2 runs the float kernel of :mod:`~.kernels`; ``d_attention`` (GQA over a KV cache, MLA over its
 latent cache) runs :mod:`~.attention`. Float formats
 (f32/f16/bf16) use the numpy reference path (float32 BLAS, f16/bf16 converted a block of rows at a
@@ -61,16 +62,16 @@ _kernels = None
 
 def _load_kernels():
     """Import (and on first use, compile or load from cache) the numba kernels: a namespace holding the
-    functions of ``kernels`` (float), ``qkernels`` (integer, batched experts), ``q4t`` (int4-g32),
-    ``q4g`` (int4-g64/g128, per-row int4 transposed) and ``attention``."""
+    functions of ``kernels`` (float), ``qkernels`` (integer, batched experts), ``qact`` (activation
+    quantizers), ``q4t`` (int4-g32), ``q4g`` (int4-g64/g128, per-row int4 transposed) and ``attention``."""
     global _kernels
     if _kernels is None:
         import types
 
-        from colibri_plan.backends.cpu import attention, kernels, q4g, q4t, qkernels  # heavy: numba
+        from colibri_plan.backends.cpu import attention, kernels, q4g, q4t, qact, qkernels  # heavy: numba
 
         ns = types.SimpleNamespace()
-        for mod in (kernels, qkernels, q4g, q4t, attention):  # public names differ
+        for mod in (kernels, qkernels, qact, q4g, q4t, attention):  # public names differ
             ns.__dict__.update({k: v for k, v in vars(mod).items() if not k.startswith("__")})
         _kernels = ns
     return _kernels
