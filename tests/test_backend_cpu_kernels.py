@@ -140,8 +140,9 @@ def test_serial_kernels_equal_parallel(be, fmt):
     rng = np.random.default_rng(6)
     qt = quant.quantize(rng.standard_normal((70, 1024), dtype=np.float32), fmt)
     w = be.upload(qt)
-    x = rng.standard_normal((4, 1024), dtype=np.float32)
-    assert qt.nbytes * 4 <= be.serial_bytes  # the default takes the serial path here
+    tokens = min(4, be.serial_limit(w.payload) // qt.nbytes)  # the default takes the serial path here
+    assert tokens >= 1
+    x = rng.standard_normal((tokens, 1024), dtype=np.float32)
     assert (w.payload.serial is None) == (fmt == "int4-g128")  # g128: a parallel kernel only
     serial = be.matmul(x, w)
     old, be.serial_bytes = be.serial_bytes, 0
@@ -194,6 +195,11 @@ def test_q4t_names_the_vnni_source_it_was_compiled_against():
     from colibri_plan.backends.cpu import qkernels as cpu_qkernels
 
     assert cpu_qkernels.VNNI_SOURCE == digest, f"set cpu_qkernels.VNNI_SOURCE = {digest!r}"
+    # and the multi-row int8 dots of cpu_vnni8, compiled into cpu_qkernels' int8 tiles
+    from colibri_plan.backends.cpu import vnni8 as cpu_vnni8
+
+    digest8 = hashlib.sha256(open(cpu_vnni8.__file__, "rb").read()).hexdigest()[:16]
+    assert cpu_qkernels.VNNI8_SOURCE == digest8, f"set cpu_qkernels.VNNI8_SOURCE = {digest8!r}"
 
 
 @pytest.mark.parametrize("shape,tokens", [((70, 1024), 1), ((300, 2048), 4), ((33, 67), 3)])
@@ -235,3 +241,47 @@ def test_the_vnni_int8_block_dot_is_the_exact_integer_sum():
         blocks(w3, x3, out)
         ref = np.einsum("rbj,bj->rb", w3.astype(np.int64), x3[0].astype(np.int64))
         assert np.array_equal(out.astype(np.int64), ref), bb
+
+
+def test_the_vnni8_row_dots_are_the_one_row_float_sums():
+    """vnni8's 4-row, 2-row and 1-row int8 dots (prefetching, block sums reduced together): per row the
+    float32 sum over blocks of each block's exact int32 dot, in block order, the bits of qkernels._row8;
+    the int32 block sums at the operands' extremes equal numpy's int64 ones."""
+    from colibri_plan.backends.cpu import qkernels as cpu_qkernels
+    from colibri_plan.backends.cpu import vnni as cpu_vnni
+    from colibri_plan.backends.cpu.vnni8 import _rows8x1, _rows8x2, _rows8x4
+
+    if not cpu_vnni.VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI: the int8 kernels keep their loop")
+    from numba import njit
+
+    @njit
+    def dots(w3, x3, t, out4, out2, out1, ref):
+        n = w3.shape[1] * w3.shape[2]
+        for r in range(0, w3.shape[0] - 3, 4):
+            a = _rows8x4(w3, r * n, n, x3, t * n, w3.shape[1], w3.shape[2])
+            for i in range(4):
+                out4[r + i] = a[i]
+        for r in range(0, w3.shape[0] - 1, 2):
+            out2[r], out2[r + 1] = _rows8x2(w3, r * n, n, x3, t * n, w3.shape[1], w3.shape[2])
+        for r in range(w3.shape[0]):
+            out1[r] = _rows8x1(w3, r * n, n, x3, t * n, w3.shape[1], w3.shape[2])[0]
+            ref[r] = cpu_qkernels._row8(w3, r, x3, t)
+
+    rng = np.random.default_rng(8)
+    for rows, blocks, bb in ((8, 3, 64), (12, 8, 256), (4, 1, 256)):
+        w3 = rng.integers(-127, 128, (rows, blocks, bb), dtype=np.int8)
+        w3[0] = -127  # the extremes of both operands: |block sum| = 256·127·32767 < 2^31
+        x3 = rng.integers(-32767, 32768, (2, blocks, bb), dtype=np.int16)
+        x3[1] = 32767
+        for t in (0, 1):
+            out4, out2, out1, ref = (np.zeros(rows, np.float32) for _ in range(4))
+            dots(w3, x3, t, out4, out2, out1, ref)
+            np.testing.assert_array_equal(out4, ref)
+            np.testing.assert_array_equal(out2, ref)
+            np.testing.assert_array_equal(out1, ref)
+            exact = np.einsum("rbj,bj->rb", w3.astype(np.int64), x3[t].astype(np.int64))
+            f32 = np.zeros(rows, np.float32)
+            for b in range(blocks):  # the float32 sum of the exact block sums, in block order
+                f32 = f32 + exact[:, b].astype(np.float32)
+            np.testing.assert_array_equal(ref, f32)

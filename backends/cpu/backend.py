@@ -9,9 +9,10 @@ once per call (one scale per token), int8/int4 × int16 products summed in int32
 AVX-512 VNNI), the packed bytes unpacked in registers, never dequantized to memory. Tiles of rows run
 in parallel, every token of a batch per tile, so a GEMV streams each weight byte from RAM once and a
 prefill batch of T tokens reads it once too (from L2 for tokens 2..T).
-A matmul of at most ``serial_bytes`` (weight bytes × tokens, 2 MiB) runs a single-thread twin of its
-kernel, chosen at upload with it (``HostWeight.kernel``/``serial``, same bits): waking the pool costs
-more than such a matmul gains from a second core.
+A matmul of at most ``serial_bytes`` (weight bytes × tokens, 2 MiB; int8 128 KiB, int4-g32 256 KiB:
+:meth:`CpuBackend.serial_limit`) runs a single-thread twin of its kernel, chosen at upload with it
+(``HostWeight.kernel``/``serial``, same bits): waking the pool costs more than such a matmul gains from a
+second core. int8 tiles run two rows at a time with software prefetch (:mod:`~.vnni8`).
 int2 runs the float kernel of :mod:`~.kernels`; ``d_attention`` (GQA over a KV cache, MLA over its
 latent cache) runs :mod:`~.attention`. Float formats
 (f32/f16/bf16) use the numpy reference path (float32 BLAS, f16/bf16 converted a block of rows at a
@@ -61,16 +62,16 @@ _kernels = None
 
 def _load_kernels():
     """Import (and on first use, compile or load from cache) the numba kernels: a namespace holding the
-    functions of ``kernels`` (float), ``qkernels`` (integer, batched experts), ``q4t`` (int4-g32),
-    ``q4g`` (int4-g64/g128, per-row int4 transposed) and ``attention``."""
+    functions of ``kernels`` (float), ``qkernels`` (integer, batched experts), ``qact`` (activation
+    quantizers), ``q4t`` (int4-g32), ``q4g`` (int4-g64/g128, per-row int4 transposed) and ``attention``."""
     global _kernels
     if _kernels is None:
         import types
 
-        from colibri_plan.backends.cpu import attention, kernels, q4g, q4t, qkernels  # heavy: numba
+        from colibri_plan.backends.cpu import attention, kernels, q4g, q4t, qact, qkernels  # heavy: numba
 
         ns = types.SimpleNamespace()
-        for mod in (kernels, qkernels, q4g, q4t, attention):  # public names differ
+        for mod in (kernels, qkernels, qact, q4g, q4t, attention):  # public names differ
             ns.__dict__.update({k: v for k, v in vars(mod).items() if not k.startswith("__")})
         _kernels = ns
     return _kernels
@@ -80,6 +81,11 @@ def _load_kernels():
 #: kernels were measured with; 64 chunks of 128 rows read RAM slower (8 weights of 8192x2048 from RAM,
 #: one token: 25.5 vs 26.8 GB/s, best of 15, three interleaved rounds, shared 2-core host)
 Q4T_CHUNKS = 16
+#: dynamic chunks of an int8 matmul (32-row tiles): 8, fewer and longer runs of rows per thread than 64
+#: (its prefetches run on into the next rows of the same chunk): a 1024x2048 GEMV from RAM, 2 threads,
+#: shared 2-core Xeon, two passes: 64 chunks 92.6 / 81.1 µs, 16 87.6 / 79.6, 8 85.1 / 79.5, 2 (static
+#: halves) 80.0 / 75.2; 8 keeps a descheduled core's stall to 1/8 of the rows (scratch runs, not kept)
+I8_CHUNKS = 8
 
 
 def _chunk_setter(numba):
@@ -122,6 +128,8 @@ class CpuBackend(Backend):
     #: the same bound for the int4-g32 / int4-g32h kernels (q4t, ``q4t.SERIAL_BYTES``: lower, their
     #: parallel GEMV is faster from 0.3 MB on); the smaller of the two applies
     serial_bytes_t: int = 256 << 10
+    #: the same for int8 (``qkernels.SERIAL_BYTES_8``: its parallel GEMV from RAM is faster from 128 KiB on)
+    serial_bytes_8: int = 128 << 10
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -153,6 +161,7 @@ class CpuBackend(Backend):
             self._layouts: dict[tuple, tuple] = {}
             self.serial_bytes = self._k.SERIAL_BYTES
             self.serial_bytes_t = self._k.SERIAL_BYTES_T
+            self.serial_bytes_8 = self._k.SERIAL_BYTES_8
         except Exception as exc:  # a broken numba/llvmlite install: say why, do not crash later
             raise BackendUnavailableError(f"cpu backend unavailable: numba failed to import: {exc}") from exc
         # parts: host arrays as device activations (this backend's matmul; attention and RMSNorm are its
@@ -216,15 +225,22 @@ class CpuBackend(Backend):
         for its layout (:meth:`_xq`)."""
         qt = hw.qt
         y = np.empty((tokens, qt.out_features), np.float32)  # [T, out]
-        limit = self.serial_bytes
-        if hw.kernel is self._k.i4t_matmul:  # int4-g32 / g32h: their own, lower bound
-            limit = min(limit, self.serial_bytes_t)
-        if hw.serial is not None and qt.nbytes * tokens <= limit:
+        if hw.serial is not None and qt.nbytes * tokens <= self.serial_limit(hw):
             hw.serial(hw.data3, hw.scales2, *xa, y)  # small: this thread, no pool wake-up, no lock
             return y
+        chunks = Q4T_CHUNKS if hw.fold else (I8_CHUNKS if hw.kernel is self._k.i8_matmul else 64)
         self._par(-(-qt.out_features // self._step_rows(hw)), hw.kernel, hw.data3, hw.scales2, *xa, y,
-                  chunks=Q4T_CHUNKS if hw.fold else 64)
+                  chunks=chunks)
         return y
+
+    def serial_limit(self, hw: HostWeight) -> int:
+        """Weight bytes × tokens up to which a matmul of ``hw`` runs its serial kernel: ``serial_bytes``, or
+        the smaller ``serial_bytes_t`` (int4-g32 / g32h) / ``serial_bytes_8`` (int8) where it applies."""
+        if hw.kernel is self._k.i4t_matmul:  # int4-g32 / g32h: their own, lower bound
+            return min(self.serial_bytes, self.serial_bytes_t)
+        if hw.kernel is self._k.i8_matmul:
+            return min(self.serial_bytes, self.serial_bytes_8)
+        return self.serial_bytes
 
     def _d_matmul_many(self, x, ws) -> list:
         """x [T, in] (a host DArray) · W_iᵀ for each weight of ``ws``: weights whose activations are

@@ -1,7 +1,7 @@
 """Integer GEMM kernels of the ``cpu`` backend: int8, per-row int4 and int4-g128 weights times
 activations quantized to int16, accumulated in int32, and the batched routed-expert kernels of these
-layouts (imported only when that backend is opened). The activation quantizers here serve every integer
-format, ``quant_x4t`` the transposed int4-g32/g64 kernels of :mod:`~colibri_plan.backends.cpu.q4t`.
+layouts (imported only when that backend is opened). The activation quantizers of every integer format
+are in :mod:`~colibri_plan.backends.cpu.qact` (``quant_x4t``: the transposed int4-g32/g64 kernels').
 
 Why integers: written as ``acc = int32(acc + int32(w[j]) * int32(x[j]))`` over int8/uint8 weights and
 int16 activations, LLVM turns the reduction into ``vpmaddwd`` / ``vpdpwssd`` (AVX-512 VNNI): 32
@@ -10,7 +10,7 @@ what lets a GEMV keep up with RAM (``bench/results/cpu-gemv.json``: int8 at 0.97
 at trunk/expert shapes) and a prefill batch of 16 tokens cost 9.9-14.5 GEMVs at those shapes. (Without
 the explicit ``int32(...)`` truncation numba types the sum as int64 and the lanes fall to 64 bits.)
 
-Activations (``quant_x8`` / ``quant_x4``): each token row t is scaled once per call,
+Activations (``quant_x8`` / ``quant_x4``, in :mod:`~.qact`): each token row t is scaled once per call,
 ``xq[t] = round(x[t] / sx[t])`` with ``sx[t] = max|x[t]| / 32767``, so the only numeric change against
 float32 is that rounding:
 |Σ w·x − sx·Σ w·xq| ≤ 0.5 · sx · Σ|w| per output (float64 bound; the oracle's ``matmul`` bound covers it).
@@ -24,7 +24,9 @@ inner loop vectorises without a tail; a row whose length is not a whole number o
 zeros (int8) or the zero code (int4) at upload, by ``cpu.py``. The kernels here run tiles of
 ``ROW_TILE`` rows in parallel (``prange``; q4t steps 128) and, inside a tile, every token of the
 batch: the tile stays in L2 while it is reused, so a prefill batch reads each weight from RAM once. The
-``_1`` kernels are single-thread twins (same bits) for matmuls of at most ``SERIAL_BYTES``.
+``_1`` kernels are single-thread twins (same bits) for matmuls of at most ``SERIAL_BYTES``
+(int8: ``SERIAL_BYTES_8``). On AVX-512 VNNI the int8 tiles run ``vnni8``'s 2-row dots (prefetching; the
+float sums of ``_row8`` bit for bit), the one-row ``_d8`` elsewhere.
 """
 
 from __future__ import annotations
@@ -34,23 +36,30 @@ from numba import njit, prange
 
 from colibri_plan.backends.cpu import kernels as _kernels  # noqa: F401 (OpenMP's spin, first)
 from colibri_plan.backends.cpu.vnni import VNNI, _dot8_vnni
+from colibri_plan.backends.cpu.vnni8 import _rows8x1, _rows8x2
 
 #: sha256 (16 hex digits) of backends/cpu/vnni.py these kernels were compiled against (its int8 block dot
 #: is compiled into them): as q4t.VNNI_SOURCE, a change of vnni.py comes with this one (a test compares)
 VNNI_SOURCE = "1726ee0eb375cde7"
+#: the same for backends/cpu/vnni8.py (the multi-row int8 dots of the one-token tiles)
+VNNI8_SOURCE = "d4467a432beb6247"
 
 #: a matmul reading at most this many weight bytes × tokens runs the ``_1`` kernels on the calling
 #: thread: waking the sleeping workers of a parallel region costs ~45 µs, and one core streams ~25 GB/s
 #: from RAM, so below ~2 MB the serial kernel is faster (measured 1 MB int4 GEMV from RAM: 49 µs serial,
 #: 73 µs on 2 cores; 4 MB int8: 156 vs 178 µs on a shared 2-core host)
 SERIAL_BYTES = 2 << 20
+#: the same bound for int8 (lower: its parallel GEMV from RAM is faster from 128 KiB on, measured with the
+#: 4-row vnni8 dots on 2 threads, workers spinning between calls, shared 2-core Xeon: 64x1024 6.9 µs serial,
+#: 8.0 parallel; 128x1024 12.7 / 11.0; 256x1024 24.1 / 16.7; 1024x2048 188 / 98; in L2 serial is faster
+#: up to ~0.5 MB, but a decode step's weights come from RAM; scratch runs, not kept)
+SERIAL_BYTES_8 = 128 << 10
 #: rows per parallel work item (a tile of a 6144-column int8 weight is 192 KiB: it stays in L2)
 ROW_TILE = 32
 #: int8 columns per int32 block (256·127·32767 < 2³¹)
 K8 = 256
 #: bytes per int32 block of per-row int4 (1024 bytes = 2048 columns: 2048·15·32767 < 2³¹)
 K4 = 1024
-_QMAX = np.float32(32767.0)
 #: fast-math without reassociation for the int8 and per-row int4 matmul kernels: their serial and
 #: parallel kernels (compiled apart) then round alike, bit for bit (with ``reassoc`` LLVM regrouped the
 #: scale products differently in each; decode speed the same, the dot products are integer). The
@@ -127,72 +136,6 @@ def _d4(w3, r, b, xe3, xo3, t):
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _quant_row(x, t, cols, xq):
-    # xq[:] = round(x[t] / s) (zeros past the row), returns s = max|x[t]| / 32767 (1 for a zero row)
-    n = x.shape[1]
-    m = np.float32(0.0)
-    for j in range(n):
-        m = max(m, abs(x[t, j]))
-    s = m / _QMAX if m > 0 else np.float32(1.0)
-    inv = np.float32(1.0) / s
-    for j in range(n):
-        xq[j] = np.int16(np.rint(x[t, j] * inv))
-    for j in range(n, cols):
-        xq[j] = 0
-    return s
-
-
-@njit(fastmath=True, cache=True, inline="always")
-def quant_x8(x, xq, sx):
-    """Activations for the int8 kernels: x float32 [T, n] -> xq int16 [T, cols] (cols ≥ n, zeros past n)
-    and sx float32 [T], x ≈ xq · sx (module docstring)."""
-    for t in range(x.shape[0]):
-        sx[t] = _quant_row(x, t, xq.shape[1], xq[t])
-
-
-@njit(fastmath=True, cache=True, inline="always")
-def quant_x4(x, group, xe, xo, sx, xsum):
-    """Activations for the int4 kernels: x float32 [T, n] -> xe, xo int16 [T, cols/2] (the even and odd
-    columns, zeros past n), sx float32 [T], xsum int32 [T, cols/group] (Σ xq per group of ``group``
-    columns)."""
-    half = xe.shape[1]
-    row = np.empty(2 * half, np.int16)
-    for t in range(x.shape[0]):
-        sx[t] = _quant_row(x, t, 2 * half, row)
-        for j in range(half):
-            xe[t, j] = row[2 * j]
-            xo[t, j] = row[2 * j + 1]
-        for g in range(xsum.shape[1]):
-            acc = np.int32(0)
-            for j in range(g * group, (g + 1) * group):
-                acc += np.int32(row[j])
-            xsum[t, g] = acc
-
-
-@njit(fastmath=True, cache=True)
-def quant_x4t(x, groups, fold, xe4, xo4, sx, xsl):
-    """Activations for the transposed int4-g32/g64 kernels, in one pass: x float32 [T, n] -> xe4, xo4
-    int16 [T, C, J, L] (column pair b = g·fold·J + s·J + j of lane k = g·fold + s at [c, j, k − c·L]
-    with c = k // L), sx float32 [T], xsl int32 [T, C·L] (Σ xq per lane)."""
-    C, J, L = xe4.shape[1], xe4.shape[2], xe4.shape[3]
-    row = np.empty(2 * groups * fold * J, np.int16)
-    for t in range(x.shape[0]):
-        sx[t] = _quant_row(x, t, row.shape[0], row)
-        for k in range(C * L):
-            c = k // L
-            kk = k - c * L
-            b0 = k * J  # lanes are in the groups' byte order: lane g·fold + s starts at byte (g·fold + s)·J
-            acc = np.int32(0)
-            for j in range(J):
-                e = row[2 * (b0 + j)]
-                o = row[2 * (b0 + j) + 1]
-                xe4[t, c, j, kk] = e
-                xo4[t, c, j, kk] = o
-                acc += np.int32(e) + np.int32(o)
-            xsl[t, k] = acc
-
-
-@njit(fastmath=True, cache=True, inline="always")
 def _row8(d3, r, x3, t):
     # row r of an int8 weight cut in blocks (d3 int8 [out, blocks, bb]) times token t (x3 int16 [T, blocks,
     # bb]): int32 per block, float32 over blocks
@@ -203,12 +146,42 @@ def _row8(d3, r, x3, t):
 
 
 @njit(fastmath=True, cache=True, inline="always")
+def _rows8(d3, r, x3, t):
+    # rows r, r+1 of d3 int8 [out, blocks, bb] (bb a multiple of 64) times token t of x3 int16 [T, blocks,
+    # bb]: vnni8's 2-row dot, float32 each (_row8's sums, bit for bit)
+    n = d3.shape[1] * d3.shape[2]
+    return _rows8x2(d3, r * n, n, x3, t * n, d3.shape[1], d3.shape[2])
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _row8v(d3, r, x3, t):
+    # _row8 by vnni8's one-row dot (prefetching) where the 2-row one runs (a tile's odd last row)
+    n = d3.shape[1] * d3.shape[2]
+    return _rows8x1(d3, r * n, n, x3, t * n, d3.shape[1], d3.shape[2])[0]
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _multi8(d3):
+    # the multi-row VNNI dots read this layout (blocks of 64 or 256 bytes)
+    return VNNI and d3.shape[2] % 64 == 0
+
+
+@njit(fastmath=True, cache=True, inline="always")
 def _tile8(data3, scales, xq3, sx, y, b):
     # row tile b of i8_matmul, every token (the serial and parallel kernels share it: same numbers)
-    r1 = min(b * ROW_TILE + ROW_TILE, data3.shape[0])
+    r0, r1 = b * ROW_TILE, min(b * ROW_TILE + ROW_TILE, data3.shape[0])
     for t in range(xq3.shape[0]):  # prefill: the tile stays in L2 across tokens
-        for r in range(b * ROW_TILE, r1):
-            y[t, r] = _row8(data3, r, xq3, t) * scales[r, 0] * sx[t]
+        if _multi8(data3):
+            r2 = r0 + (r1 - r0) // 2 * 2
+            for r in range(r0, r2, 2):
+                a0, a1 = _rows8(data3, r, xq3, t)
+                y[t, r] = a0 * scales[r, 0] * sx[t]
+                y[t, r + 1] = a1 * scales[r + 1, 0] * sx[t]
+            for r in range(r2, r1):
+                y[t, r] = _row8v(data3, r, xq3, t) * scales[r, 0] * sx[t]
+        else:
+            for r in range(r0, r1):
+                y[t, r] = _row8(data3, r, xq3, t) * scales[r, 0] * sx[t]
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -328,7 +301,15 @@ def experts_gate_up(kind, gw, gs, uw, us, xa3, xb3, sx, xsum, offs, h):
         e, r0, r1 = _expert_tile(i, tiles, inter)
         g3, u3, g2, u2 = gw[e], uw[e], gs[e], us[e]
         for t in range(offs[e], offs[e + 1]):  # this expert's tokens: its tile stays in L2
-            for r in range(r0, r1):
+            r2 = r0
+            if kind == 0 and _multi8(g3):  # int8: 2 gate rows, then the 2 up rows (vnni8)
+                r2 = r0 + (r1 - r0) // 2 * 2
+                for r in range(r0, r2, 2):
+                    ga, gb = _rows8(g3, r, xa3, t)
+                    ua, ub = _rows8(u3, r, xa3, t)
+                    h[t, r] = _silu_mul(ga * g2[r, 0] * sx[t], ua * u2[r, 0] * sx[t])
+                    h[t, r + 1] = _silu_mul(gb * g2[r + 1, 0] * sx[t], ub * u2[r + 1, 0] * sx[t])
+            for r in range(r2, r1):
                 g = _row_any(kind, g3, r, g2, xa3, xb3, t, xsum) * sx[t]
                 u = _row_any(kind, u3, r, u2, xa3, xb3, t, xsum) * sx[t]
                 h[t, r] = _silu_mul(g, u)
@@ -344,5 +325,12 @@ def experts_matmul(kind, ws, ss, xa3, xb3, sx, xsum, offs, y):
         e, r0, r1 = _expert_tile(i, tiles, out)
         w3, s2 = ws[e], ss[e]
         for t in range(offs[e], offs[e + 1]):
-            for r in range(r0, r1):
+            r2 = r0
+            if kind == 0 and _multi8(w3):  # int8: 2 rows at a time (vnni8)
+                r2 = r0 + (r1 - r0) // 2 * 2
+                for r in range(r0, r2, 2):
+                    a0, a1 = _rows8(w3, r, xa3, t)
+                    y[t, r] = a0 * s2[r, 0] * sx[t]
+                    y[t, r + 1] = a1 * s2[r + 1, 0] * sx[t]
+            for r in range(r2, r1):
                 y[t, r] = _row_any(kind, w3, r, s2, xa3, xb3, t, xsum) * sx[t]
