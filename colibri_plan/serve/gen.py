@@ -39,7 +39,7 @@ class Generation:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.report = None
-        self._t0 = time.perf_counter()
+        self._t0 = job.created_s  # not now: the engine may already be prefilling this job
         self._t_first = self._t_last = None
 
     async def _next(self, request):

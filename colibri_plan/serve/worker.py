@@ -41,6 +41,7 @@ class Job:
             ``("token", id)`` per new token, then one of ``("done", RunReport)``, ``("cancelled", None)``,
             ``("error", exception)``.
         cancel: set it to end the job at its next token (or to skip it while it waits).
+        created_s: ``time.perf_counter()`` when the job was made (time to first token counts from it).
     """
 
     prompt_ids: list[int]
@@ -51,6 +52,9 @@ class Job:
     events: asyncio.Queue | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     tokens: int = 0
+    #: perf_counter seconds when the job was made, before it is submitted: the engine thread may start
+    #: its prefill before the request's reader exists, so time to first token counts from here
+    created_s: float = field(default_factory=time.perf_counter)
 
     def put(self, kind: str, value) -> None:
         """Hand an event to the job's reader (from the engine thread)."""
