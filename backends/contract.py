@@ -71,7 +71,7 @@ OPTIONAL_OPS = {
     "d_capture_step": ("a decode step captured once and replayed, its experts indexed on the device; with "
                        "experts on the host, captured as segments between hand-offs (CUDA)"),
     "d_attention_prologue": ("a GQA layer's per-head q/k RMSNorm, RoPE and KV cache append in one launch, "
-                             "the bits of those ops (CUDA)"),
+                             "the bits of those ops (CUDA, cpu)"),
 }
 
 

@@ -48,6 +48,7 @@ from colibri_plan.backends.cpu.layout import (
     layout_kernels,
     without_rows,
 )
+from colibri_plan.backends.cpu.prologue import CpuPrologue
 from colibri_plan.backends.numpy_ref import host_device, host_tensor, matmul_blocks, package_version
 from colibri_plan.backends.reference import HostArrays
 from colibri_plan.errors import BackendUnavailableError
@@ -121,7 +122,7 @@ class CpuBackend(Backend):
 
     name = "cpu"
     formats = FORMATS
-    optional_ops = frozenset({"d_router_topk", "expert_ffn_sum"})
+    optional_ops = frozenset({"d_router_topk", "expert_ffn_sum", "d_attention_prologue"})
     #: weight bytes × tokens up to which an integer matmul runs serially (qkernels.SERIAL_BYTES;
     #: 0: always parallel, as bench/cpu_gemv.py --compare-parallel measures)
     serial_bytes: int = 2 << 20
@@ -169,6 +170,7 @@ class CpuBackend(Backend):
         self.bind(HostArrays(self), [h for h in HostArrays.HOOKS
                                      if h not in ("_d_attention", "_d_rmsnorm", "_d_rope")])
         self.bind(CpuExperts(self), ("_expert_ffn", "expert_ffn_sum"))
+        self.bind(CpuPrologue(self))  # a GQA layer's q/k norms, RoPE and cache append: one numba call
 
     def capacity_bytes(self) -> int | None:
         return self._capacity_bytes

@@ -200,3 +200,27 @@ def rope(x, table, pos0, rd, interleave, out):
                 a, b = x[t, hd, ia], x[t, hd, ib]
                 out[t, hd, ia] = a * c - b * s
                 out[t, hd, ib] = b * c + a * s
+
+
+@njit(cache=True)
+def qkv_prologue(q, k, v, qw, kw, normed, eps, table, rd, interleave, pos0, kc, vc, qo, tmp_q, tmp_k):
+    """A GQA layer's per-head q/k :func:`rms_norm` (``normed``; weights qw, kw float32 [1, d]), :func:`rope`
+    (``rd`` > 0; table float32 [P, rd/2, 2]) at positions pos0.. and the cache append, in one call: q
+    [T, Hq, d] -> qo [T, Hq, d]; k roped into kc[pos0: pos0 + T], v copied into vc[pos0: pos0 + T] (caches
+    [C, Hkv, d]). The same functions in the order the unfused ops call them: the same bits. tmp_q, tmp_k:
+    scratch of q's and k's shapes."""
+    T, hq, d = q.shape
+    hkv = k.shape[1]
+    qn, kn = q, k
+    if normed:
+        rms_norm(q.reshape(T * hq, d), qw, eps, tmp_q.reshape(T * hq, d))
+        rms_norm(k.reshape(T * hkv, d), kw, eps, tmp_k.reshape(T * hkv, d))
+        qn, kn = tmp_q, tmp_k
+    kdst = kc[pos0: pos0 + T]
+    if rd > 0:
+        rope(qn, table, pos0, rd, interleave, qo)
+        rope(kn, table, pos0, rd, interleave, kdst)
+    else:
+        qo[:] = qn
+        kdst[:] = kn
+    vc[pos0: pos0 + T] = v

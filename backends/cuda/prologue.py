@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from colibri_plan.backends.handles import DArray
+from colibri_plan.backends.prologue_args import check_prologue_args
 from colibri_plan.errors import InputError, UnsupportedError
 
 PRO_WARPS = 4  # trunk.cu PRO_WARPS: head rows (one warp each) per block
@@ -72,33 +73,7 @@ class CudaPrologue:
 
     def _check(self, q, k, v, norms, rope, k_cache, v_cache, row0: int) -> tuple[int, int, int, int]:
         """(T, Hq, Hkv, d) of valid arguments (d_attention_prologue's Raises)."""
-        be = self.be
-        for a in (q, k, v, k_cache, v_cache):
-            be._d_check(a, ndim=3)
-        T, hq, d = q.shape
-        hkv = k.shape[1]
-        if k.shape != v.shape or k.shape[0] != T or k.shape[2] != d:
-            raise InputError(f"d_attention_prologue: q {q.shape}, k {k.shape}, v {v.shape}")
-        if k_cache.shape != v_cache.shape or k_cache.shape[1:] != (hkv, d):
-            raise InputError(f"d_attention_prologue: caches {k_cache.shape} / {v_cache.shape} for k "
-                             f"{k.shape}")
-        if row0 < 0 or row0 + T > k_cache.shape[0]:
-            raise InputError(f"d_attention_prologue: rows {row0}..{row0 + T - 1} do not fit the cache's "
-                             f"{k_cache.shape[0]}")
-        if norms is not None:
-            for w in norms:
-                be._d_check(w, ndim=1)
-                if w.shape[0] != d:
-                    raise InputError(f"d_attention_prologue: a norm weight {w.shape} for heads of {d}")
-        if rope is not None:
-            table, rd = rope[0], int(rope[1])
-            be._d_check(table, ndim=3)
-            if rd % 2 or not 0 <= rd <= d or table.shape[1:] != (rd // 2, 2):
-                raise InputError(f"d_attention_prologue: rotary_dim {rd} with heads of {d} and table "
-                                 f"{table.shape}")
-            if row0 + T > table.shape[0]:
-                raise InputError(f"d_attention_prologue: positions {row0}..{row0 + T - 1} outside the "
-                                 f"table's {table.shape[0]}")
+        T, hq, hkv, d = check_prologue_args(self.be, q, k, v, norms, rope, k_cache, v_cache, row0)
         if d > PRO_MAX_HEAD_DIM:
             raise UnsupportedError(f"cuda d_attention_prologue: head_dim {d} is over {PRO_MAX_HEAD_DIM} (one "
                                    "warp's row buffer); use the unfused ops")
