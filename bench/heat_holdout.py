@@ -18,22 +18,34 @@ import argparse
 import json
 import os
 
+from colibri_plan.errors import ColibriError
 from colibri_plan.formats.heat import load_heat
-from colibri_plan.planner.holdout import plan_held_out
+from colibri_plan.formats.plan import load_plan
+from colibri_plan.planner.holdout import MIN_DECODE_STEPS, plan_held_out
 
 
 def main(argv=None) -> dict:
-    """Parse ``argv``, print the two shares, write JSON with ``--out``; returns the document."""
+    """Parse ``argv``, print the two shares, write JSON with ``--out``; returns the document. Bad input
+    (a missing or malformed file, a plan of another model than the heat's) ends with a one-line error."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--plan", required=True)
     ap.add_argument("--heat", required=True, help="the heat the plan was solved on (with its trace)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    heat, plan = load_heat(a.heat), json.load(open(a.plan))
-    got = plan_held_out(heat.trace, plan["layers"], heat.n_experts)
+    if a.out and (os.path.isdir(a.out) or not os.path.isdir(os.path.dirname(os.path.abspath(a.out)))):
+        ap.error(f"--out {a.out}: give a file path in an existing folder")
+    try:
+        plan, heat = load_plan(a.plan), load_heat(a.heat)
+    except ColibriError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    want = plan.doc["model"].get("fingerprint")
+    if heat.model_fingerprint and want and heat.model_fingerprint != want:
+        raise SystemExit(f"error: {a.heat} was recorded on model {heat.model_fingerprint}, {a.plan} is a "
+                         f"plan of {want}: give the heat the plan was solved on")
+    got = plan_held_out(heat.trace, plan.doc["layers"], heat.n_experts)
     if got is None:
-        raise SystemExit(f"{a.heat}: no routing trace with 16 decode steps or more, or no VRAM expert in "
-                         f"{a.plan}: record the heat with a trace (run --stats-out)")
+        raise SystemExit(f"error: {a.heat}: no routing trace of {MIN_DECODE_STEPS} decode steps or more, or "
+                         f"no VRAM expert in {a.plan}: record the heat with a trace (run --stats-out)")
     doc = {"source": "bench/heat_holdout.py", "plan": a.plan, "heat": a.heat, **got}
     print(f"{doc['decode_steps']} decode steps; VRAM share of their selections: in sample "
           f"{doc['in_sample'] * 100:.1f}%, held out (2 folds) {doc['held_out'] * 100:.1f}%")

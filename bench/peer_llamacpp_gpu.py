@@ -558,9 +558,19 @@ def main(argv=None) -> int:
     ht.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.mode == "heat":
-        if a.conversations < 1 or a.tokens < 1 or a.depth < 1:
-            ap.error("heat: --conversations, --tokens and --depth must be >= 1")
-        heat(a)
+        if a.conversations < 1 or a.tokens < 1 or a.depth < 1 or a.prefill < 0:
+            ap.error("heat: --conversations, --tokens and --depth must be >= 1, --prefill >= 0")
+        out = Path(a.out)
+        if out.is_dir() or not out.resolve().parent.is_dir():
+            ap.error(f"heat: --out {a.out}: give a file path in an existing folder")
+        if not (Path(a.pack) / "pack.json").is_file():
+            ap.error(f"heat: --pack {a.pack}: no pack.json there (colibri-plan model pack makes one)")
+        from colibri_plan.errors import ColibriError
+
+        try:
+            heat(a)
+        except ColibriError as exc:  # a backend that cannot open here, a bad pack: one line
+            raise SystemExit(f"error: {type(exc).__name__}: {exc}") from None
         return 0
     if a.mode == "worker":
         worker(a.pack, a.backend, a.plan, a.context)

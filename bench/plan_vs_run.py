@@ -56,6 +56,26 @@ def run_plan(pack: str, plan_path: str, a, req: dict) -> dict:
             "graph": runs[-1].get("graph")}
 
 
+def _check_inputs(pack: str, plans: dict) -> int:
+    """The pack's vocabulary size, once the pack opens and every plan loads and was made for it (before
+    any worker starts); else a one-line error."""
+    from colibri_plan.engine.pack import open_pack
+    from colibri_plan.errors import ColibriError
+    from colibri_plan.formats.plan import load_plan
+
+    try:
+        with open_pack(pack, check_dense=False) as p:
+            fp, vocab = p.model_fingerprint, p.arch.vocab_size
+        for name, path in plans.items():
+            got = load_plan(path).doc["model"].get("fingerprint")
+            if fp and got and got != fp:
+                raise SystemExit(f"error: --plan {name}={path} is a plan of model {got}, {pack} is {fp}: "
+                                 "solve a plan for this pack")
+    except ColibriError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return vocab
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pack", required=True)
@@ -68,10 +88,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    plans = dict(p.split("=", 1) for p in a.plan if "=" in p)
-    if len(plans) != len(a.plan) or a.requests < 1 or a.decode_tokens < 1:
-        ap.error("--plan NAME=PLAN (each), --requests and --decode-tokens >= 1")
-    vocab = json.loads((Path(a.pack) / "pack.json").read_text())["arch"]["vocab_size"]
+    pairs = [p.split("=", 1) for p in a.plan]
+    if any(len(p) != 2 or not p[0] for p in pairs) or len({p[0] for p in pairs}) != len(pairs):
+        ap.error("--plan NAME=PLAN, each NAME given once")
+    if a.requests < 1 or a.decode_tokens < 1 or a.depth < 1 or a.prefill < 0:
+        ap.error("--requests, --decode-tokens and --depth must be >= 1, --prefill >= 0")
+    if a.out and (Path(a.out).is_dir() or not Path(a.out).resolve().parent.is_dir()):
+        ap.error(f"--out {a.out}: give a file path in an existing folder")
+    plans = dict(pairs)
+    vocab = _check_inputs(a.pack, plans)
     rnd = random.Random(1)  # the peer benchmark's draws: its prompts, then its decode ids
     prompts = bench_prompts(rnd, vocab, a.prefill, a.depth)
     feed = [rnd.randrange(2, vocab) for _ in range(a.decode_tokens)]

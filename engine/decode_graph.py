@@ -66,7 +66,7 @@ def eager_every() -> int:
     raw = os.environ.get(EAGER_ENV, "").strip()
     if not raw:
         return EAGER_EVERY
-    if not raw.isdigit() or int(raw) < 8 or int(raw) % 8:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 8 or int(raw) % 8:
         raise InputError(f"{EAGER_ENV}={raw!r}: give a multiple of 8 (decode steps per eager timed step), "
                          f"or unset it for {EAGER_EVERY}")
     return int(raw)

@@ -30,3 +30,25 @@ def test_bad_plan_arguments_are_refused(files):
     with pytest.raises(SystemExit) as e:
         m.main(["--pack", str(files / "fx"), "--plan", str(files / "plan.json")])  # no NAME=
     assert e.value.code == 2
+
+
+def test_bad_inputs_are_refused_before_any_worker_starts(files, tmp_path, tmp_path_factory):
+    from _cli_fixtures import toy_plan
+
+    m = bench("plan_vs_run")
+    good = f"g={files / 'plan.json'}"
+    (tmp_path / "nj.json").write_text("{not json")
+    other = toy_plan(tmp_path_factory) / "plan.json"   # a plan of another model
+    cases = [(["--plan", good, "--plan", f"g={files / 'plan.json'}"], 2, None),   # a name twice
+             (["--plan", f"={files / 'plan.json'}"], 2, None),                    # no name
+             (["--plan", good, "--out", str(tmp_path)], 2, None),                  # --out a folder
+             (["--plan", f"a={tmp_path / 'missing.json'}"], None, "missing.json"),
+             (["--plan", f"a={tmp_path / 'nj.json'}"], None, "nj.json"),
+             (["--plan", f"a={other}"], None, "solve a plan for this pack")]
+    for extra, code, match in cases:
+        with pytest.raises(SystemExit, match=match) as e:
+            m.main(["--pack", str(files / "fx"), "--backend", "cpu", *extra])
+        if code is not None:
+            assert e.value.code == code
+    with pytest.raises(SystemExit, match="nopack"):
+        m.main(["--pack", str(tmp_path / "nopack"), "--plan", good, "--backend", "cpu"])

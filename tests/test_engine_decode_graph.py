@@ -290,7 +290,7 @@ def test_eager_every_comes_from_the_environment_and_bad_values_are_refused(monke
     g.trunk = type("T", (), {"attention_every": 8})()
     eager = [c for c in range(1, 65) if not g.takes(c)]
     assert eager == [1, 8, 16, 32, 48, 64]  # the first step, the first timed one, then one in 16
-    for bad in ("12", "0", "-8", "x"):
+    for bad in ("12", "0", "-8", "x", "\u00b2"):  # "²" is a digit to str.isdigit, not to int()
         monkeypatch.setenv(EAGER_ENV, bad)
         with pytest.raises(InputError, match="multiple of 8"):
             eager_every()

@@ -82,7 +82,7 @@ def test_a_solved_plan_carries_the_held_out_share_and_says_it(tmp_path):
     assert r.exit_code != 0 and "hit_rate_held_out" in r.output
     r = invoke("plan", "show", tmp_path / "plan.json")
     assert r.exit_code == 0, r.output
-    line = (f"VRAM holds {ho['in_sample'] * 100:.1f}% of the heat's 64 decode selections, "
+    line = (f"VRAM holds {ho['in_sample'] * 100:.1f}% of the selections of the heat's 64 decode steps, "
             f"{ho['held_out'] * 100:.1f}% held out (two folds)")
     assert line in r.output
     # the solve answer warns when the two differ by more than 2 points

@@ -417,6 +417,6 @@ def held_out_line(predicted: dict, warn_only: bool = False) -> str | None:
     ho = predicted.get("hit_rate_held_out")
     if not ho or (warn_only and ho["in_sample"] - ho["held_out"] <= 0.02):
         return None
-    return (f"VRAM holds {ho['in_sample'] * 100:.1f}% of the heat's {ho['decode_steps']} decode selections, "
-            f"{ho['held_out'] * 100:.1f}% held out (two folds): a run whose routing differs from the heat's "
-            "gets less than predicted")
+    return (f"VRAM holds {ho['in_sample'] * 100:.1f}% of the selections of the heat's {ho['decode_steps']} "
+            f"decode steps, {ho['held_out'] * 100:.1f}% held out (two folds): a run whose routing differs "
+            "from the heat's gets less than predicted")
