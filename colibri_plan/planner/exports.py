@@ -197,9 +197,22 @@ def colibri_tiers(plan: Plan, data: dict) -> tuple[np.ndarray, np.ndarray]:
 def colibri_plan_command(plan_path: str, pack: str) -> str:
     """The line that runs the plan on the bundled engine: ``colibri-plan run --plan PLAN --model PACK``
     with a chat prompt as text (the pack's tokenizer files, which `model pack` copies from the checkpoint;
-    `colibri-plan serve` takes the same --model and --plan for the OpenAI API)."""
-    return (f"colibri-plan run --plan {shlex.quote(plan_path)} --model {shlex.quote(pack)} "
-            "--chat --prompt Hello --tokens 64")
+    `colibri-plan serve` takes the same --model and --plan for the OpenAI API), or with token ids when
+    ``pack`` is a pack without tokenizer files (a fixture: a text prompt would be refused)."""
+    prompt = "--prompt-ids 1,2,3,4" if _pack_without_text(pack) else "--chat --prompt Hello"
+    return (f"colibri-plan run --plan {shlex.quote(plan_path)} --model {shlex.quote(pack)} {prompt} "
+            "--tokens 64")
+
+
+def _pack_without_text(pack: str) -> bool:
+    """Whether ``pack`` is a readable pack whose index has no tokenizer section (engine/pack_text.py)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return "tokenizer" not in json.loads((Path(pack) / "pack.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def trunk_devices(trunk) -> list[str]:
