@@ -94,16 +94,3 @@ def test_a_solved_plan_carries_the_held_out_share_and_says_it(tmp_path):
     assert r.exit_code == 0, r.output
     assert "  # VRAM holds " in r.output and "held out (two folds)" in r.output
 
-
-def test_the_pasted_run_command_fits_the_pack(tmp_path):
-    """solve's colibri-plan line: a text chat prompt for a pack with tokenizer files (or a pack not made
-    yet), token ids for a pack without them (a fixture: `run --prompt` would refuse)."""
-    from colibri_plan.planner.exports import colibri_plan_command
-
-    (tmp_path / "ids").mkdir()
-    (tmp_path / "ids" / "pack.json").write_text(json.dumps({"kind": "pack"}))
-    (tmp_path / "text").mkdir()
-    (tmp_path / "text" / "pack.json").write_text(json.dumps({"kind": "pack", "tokenizer": {"files": []}}))
-    assert "--prompt-ids 1,2,3,4 --tokens 64" in colibri_plan_command("p.json", str(tmp_path / "ids"))
-    assert "--chat --prompt Hello --tokens 64" in colibri_plan_command("p.json", str(tmp_path / "text"))
-    assert "--chat --prompt Hello" in colibri_plan_command("p.json", "/path/to/model-pack")

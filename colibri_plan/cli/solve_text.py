@@ -43,8 +43,9 @@ def answer_lines(result: dict, verbose: bool = False) -> list[str]:
     warn = held_out_line(result["predicted"], warn_only=True)
     if warn:
         out.append(f"  # {warn}")
-    for r in rows:   # what a paste needs to work: the placeholders
-        for n in r["notes"] if verbose else [n for n in r["notes"] if "replace" in n or "first:" in n]:
+    for r in rows:   # what a paste needs to work (the placeholders), and a figure that leaves the budget
+        keep = ("replace", "first:", "beyond the plan's RAM budget")
+        for n in r["notes"] if verbose else [n for n in r["notes"] if any(k in n for k in keep)]:
             out.append(f"  # {ENGINE_NAMES.get(r['engine'], r['engine'])}: {n}")
     if result["plan_written"]:
         extra = f" (and colibrì's usage file {result['usage_file']})" if result.get("usage_file") else ""
