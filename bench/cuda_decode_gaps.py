@@ -22,7 +22,8 @@ import statistics
 import time
 
 
-def _ms(xs: list[float]) -> dict:
+def _us(xs: list[float]) -> dict:
+    """Median, min and max of seconds ``xs`` in microseconds, and their count."""
     xs = sorted(xs)
     return {"median_us": statistics.median(xs) * 1e6, "min_us": xs[0] * 1e6, "max_us": xs[-1] * 1e6,
             "n": len(xs)}
@@ -40,7 +41,7 @@ def main() -> None:
     import numpy as np
 
     from colibri_plan.backends import get_backend
-    from colibri_plan.engine.decode_graph import EAGER_EVERY, _cache_arrays
+    from colibri_plan.engine.decode_graph import _cache_arrays
     from colibri_plan.engine.forward import Model
     from colibri_plan.engine.pack import open_pack
     from colibri_plan.engine.placement import Placement
@@ -87,8 +88,9 @@ def main() -> None:
     cg.stream.synchronize()
     queued_us = (time.perf_counter() - t0) / a.reps * 1e6
     doc = {"source": "bench/cuda_decode_gaps.py", "pack": a.pack, "layers": arch.n_layers,
-           "eager_every": EAGER_EVERY, "steps": {k: _ms(v) for k, v in kinds.items() if v},
-           "argmax": _ms(argmax_s), "run": _ms(run_s), "queued_us_per_graph": queued_us,
+           "eager_every": g.eager_every,  # the one in force (COLIBRI_EAGER_EVERY or the default)
+           "steps": {k: _us(v) for k, v in kinds.items() if v},
+           "argmax": _us(argmax_s), "run": _us(run_s), "queued_us_per_graph": queued_us,
            "mean_step_us": sum(sum(v) for v in kinds.values()) / a.tokens * 1e6}
     rep, run = doc["steps"]["replay"]["median_us"], doc["run"]["median_us"]
     doc["split_us"] = {"engine_host_between_replays": rep - run, "launch_wait_copy": run - queued_us,
