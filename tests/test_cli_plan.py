@@ -100,3 +100,18 @@ def test_plan_show_prints_the_compute_choice_and_the_repin_policy(files, tmp_pat
     del doc["knobs"]                              # a plan without knobs still shows both sections
     out = _show(write(tmp_path / "noknobs.json", doc)).stdout
     assert "Compute: pinned on cpu" in out and "Re-pinning: every 16 tokens" in out and "Knobs:" not in out
+
+
+def test_plan_show_budgets_prints_how_the_budgets_were_reached(files, tmp_path):
+    doc = json.loads((files / "plan.json").read_text())
+    out = _show(files / "plan.json", "--budgets").stdout
+    steps = doc["budgets"]["explain"]
+    assert "Budgets:" in out and steps
+    for e in steps:   # each step with its bytes, in the plan's order
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(e["what"]))
+        assert line.rstrip().endswith(f"{e['bytes'] / 1e9:.2f} GB")
+    assert "Budgets:" not in _show(files / "plan.json").stdout   # only when asked
+    old = json.loads(json.dumps(doc))
+    del old["budgets"]["explain"]
+    out = _show(write(tmp_path / "old.json", old), "--budgets").stdout
+    assert "Budgets: the plan records no steps" in out

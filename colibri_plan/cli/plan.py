@@ -15,8 +15,10 @@ def plan():
 @plan.command("show")
 @click.argument("path")
 @click.option("--layers", "show_layers", is_flag=True, help="One line per MoE layer.")
+@click.option("--budgets", "show_budgets", is_flag=True,
+              help="How the RAM and VRAM budgets were reached, a line per step (as solve -v prints).")
 @json_option
-def show(path, show_layers):
+def show(path, show_layers, show_budgets):
     """Print a plan: model, machine, budgets, tier sizes, predicted tok/s and its terms, solver facts, the
     engine knobs it was solved for."""
     from colibri_plan.formats.plan import load_plan
@@ -69,6 +71,12 @@ def show(path, show_layers):
             lines.insert(5, f"MTP experts: {mtp / 1e6:.2f} MB each (colibrì's int8)")
         lines += knob_lines(d.get("knobs"), compute=d.get("compute"),
                             compute_explain=d.get("compute_explain"), repin=d.get("repin"))
+        explain = d["budgets"].get("explain")
+        if show_budgets and explain:
+            lines += ["Budgets:", table([[e["what"], f"{e['bytes'] / 1e9:.2f} GB"] for e in explain], None,
+                                        right=(1,), indent=2)]
+        elif show_budgets:
+            lines.append("Budgets: the plan records no steps (a plan from before they were kept)")
         if show_layers:
             keys = p.device_keys
             rows = [[e["layer"]] + [len(e["vram"].get(k, [])) for k in keys]
