@@ -57,15 +57,15 @@ def run_plan(pack: str, plan_path: str, a, req: dict) -> dict:
 
 
 def _check_inputs(pack: str, plans: dict) -> int:
-    """The pack's vocabulary size, once the pack opens and every plan loads and was made for it (before
-    any worker starts); else a one-line error."""
-    from colibri_plan.engine.pack import open_pack
+    """The pack's vocabulary size, once its index reads and every plan loads and was made for it (before
+    any worker starts; the index alone: the worker loads the dense tensors); else a one-line error."""
     from colibri_plan.errors import ColibriError
+    from colibri_plan.formats.pack_index import read_index
     from colibri_plan.formats.plan import load_plan
 
     try:
-        with open_pack(pack, check_dense=False) as p:
-            fp, vocab = p.model_fingerprint, p.arch.vocab_size
+        index = read_index(pack)
+        fp, vocab = index["model"].get("fingerprint"), int(index["arch"]["vocab_size"])
         for name, path in plans.items():
             got = load_plan(path).doc["model"].get("fingerprint")
             if fp and got and got != fp:
